@@ -1,0 +1,54 @@
+"""Collectives, called inside ``shard_map``: one per bucket.
+
+Sparse buckets: ``all_gather`` the packed buffer (K, W) and decode each unit
+by adding the K workers' (value, index) slots into a dense vector, worker by
+worker in rank order, then dividing by K::
+
+  ĝ = (1/K) · Σ_k scatter(idx_k, v_k)
+
+Within one worker the indices are distinct, so every scatter has a single
+writer per element and the sum order is fixed: the result is bitwise the same
+on every worker (replica consistency) without atomics deciding the order.
+Memory per unit is O(K·c + n); K dense copies are never built.
+
+Dense buckets: ``pmean`` of the per-dtype concatenations, one multi-operand
+all-reduce, equal to ``lax.pmean`` leaf by leaf.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from jaxfuse import _compat
+from jaxfuse import fusion
+
+UNROLL_WORKERS = 16
+
+
+def decode(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
+  """(K, c) slots -> dense mean over the K workers, shape (size,)."""
+  num_workers = values.shape[0]
+  add = lambda k, out: out.at[indices[k]].add(values[k], mode="drop")
+  out = jnp.zeros((size,), values.dtype)
+  if num_workers <= UNROLL_WORKERS:
+    for k in range(num_workers):
+      out = add(k, out)
+  else:
+    out = lax.fori_loop(0, num_workers, add, out)
+  return out / num_workers
+
+
+def allgather_sync(parts, bucket_units, axis_name: str) -> list[jax.Array]:
+  """[(values, indices)] of this worker -> dense worker-mean per unit."""
+  gathered = _compat.all_gather_invariant(fusion.pack_sparse(parts), axis_name)
+  return [decode(v, i, u.size)
+          for (v, i), u in zip(fusion.unpack_sparse(gathered, bucket_units),
+                               bucket_units)]
+
+
+def psum_sync(leaves, axis_name: str) -> list[jax.Array]:
+  """Dense leaves -> their worker-mean, one all-reduce for the bucket."""
+  buffers = fusion.pack_dense(leaves)
+  return fusion.unpack_dense(lax.pmean(buffers, axis_name), leaves)

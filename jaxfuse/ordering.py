@@ -1,0 +1,57 @@
+"""Backward-ready order: when the backward pass produces each gradient.
+
+We trace ``jax.grad(loss_fn)`` to a jaxpr. Equations in a jaxpr are in a
+valid execution order, and the transposed (backward) program emits the last
+layer's gradients first. The *ready key* of a gradient leaf is the position
+of the equation that defines it, taken hierarchically through call-like
+equations (``pjit``, ``remat``, ``custom_vjp``, …): the key is the tuple of
+equation indices from the outer program down to the defining equation.
+Leaves sorted by key are in backward-ready order. A gradient that is an input
+or a literal (an unused parameter: zero gradient) is ready at once (key ()).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _sub_jaxprs(eqn):
+  for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    sub = eqn.params.get(name)
+    if sub is not None:
+      return getattr(sub, "jaxpr", sub)
+  return None
+
+
+def _ready_keys(jaxpr) -> dict:
+  """var -> ready key for every variable an equation of ``jaxpr`` defines."""
+  keys = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    sub = _sub_jaxprs(eqn)
+    sub_keys = _ready_keys(sub) if sub is not None else {}
+    for j, v in enumerate(eqn.outvars):
+      inner = ()
+      if sub is not None and j < len(sub.outvars):
+        inner = sub_keys.get(sub.outvars[j], ())
+      keys[v] = (i,) + inner
+  return keys
+
+
+def ready_order(loss_fn: Callable, params, *args) -> list[int]:
+  """Leaf ids of ``params`` (pytree order) sorted by backward-ready time."""
+  unsharded = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+  params, args = jax.tree.map(unsharded, (params, args))
+  closed = jax.make_jaxpr(jax.grad(loss_fn))(params, *args)
+  keys = _ready_keys(closed.jaxpr)
+  out_keys = [() if hasattr(v, "val") else keys.get(v, ())  # Literal: ()
+              for v in closed.jaxpr.outvars]
+  return sorted(range(len(out_keys)), key=lambda i: (out_keys[i], -i))
+
+
+def reverse_order(num_leaves: int) -> list[int]:
+  """Fallback when no loss is given: reverse pytree order."""
+  return list(reversed(range(num_leaves)))

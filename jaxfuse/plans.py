@@ -1,0 +1,300 @@
+"""The plan: an immutable, JSON-serializable description of a sparse sync.
+
+Per leaf (pytree order): path, shape, dtype, mode (``"sparse"`` | ``"dense"``),
+density ρ, capacity c = ⌈ρ·n·headroom⌉ (static slots per step) and estimator.
+Per bucket (backward-ready order): the leaf ids it fuses, in ready order, the
+collective that moves its single buffer, and whether its sparse leaves are
+selected each on its own (``"ahead"``, SAFusion) or jointly over the fused
+buffer (``"behind"``, the baseline that starves small tensors).
+
+JSON only, never pickle: a plan file from elsewhere cannot run code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+FORMAT = "jaxfuse.plan"
+FORMAT_VERSION = 1
+MODES = ("sparse", "dense")
+ESTIMATORS = ("topk", "dgc", "gaussian", "redsync", "sidco")
+COLLECTIVES = ("allgather", "psum")
+SPARSIFY = ("ahead", "behind")
+MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
+
+
+class PlanError(ValueError):
+  """A plan that is malformed or does not match the parameters."""
+
+
+def leaf_paths(tree) -> list[str]:
+  """``jax.tree_util.keystr`` of every leaf, in pytree order."""
+  return [jax.tree_util.keystr(p)
+          for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def capacity_for(density: float, size: int, headroom: float) -> int:
+  """c = min(n, ⌈ρ·n·headroom⌉), at least 1."""
+  return max(1, min(size, math.ceil(density * size * headroom)))
+
+
+def target_count(density: float, size: int) -> int:
+  """k = ⌈ρ·n⌉: how many elements a step should select."""
+  return max(1, min(size, math.ceil(density * size)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  path: str
+  shape: tuple[int, ...]
+  dtype: str
+  mode: str
+  density: float
+  capacity: int
+  estimator: str | None
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+  leaves: tuple[int, ...]
+  collective: str
+  sparsify: str = "ahead"
+  capacity: int = 0             # "behind" only: slots of the fused selection
+  estimator: str | None = None  # "behind" only
+  density: float = 1.0          # "behind" only
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Knobs shared by every leaf.
+
+  headroom: capacity over target count (c = ⌈ρ·n·headroom⌉).
+  min_sparse_size: leaves with fewer elements are synchronized dense.
+  refresh: re-estimate τ every ``refresh`` steps; in between only feedback.
+  feedback: scale τ step to step so the selected count tracks ρ·n.
+  sample_fraction: share of elements the ``"dgc"`` estimator samples.
+  sidco_stages: exponential-fit stages of ``"sidco"``.
+  seed: for sampling and for the overflow rotation.
+  """
+  headroom: float = 1.5
+  min_sparse_size: int = 1024
+  refresh: int = 1
+  feedback: bool = True
+  sample_fraction: float = 0.01
+  sidco_stages: int = 2
+  seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  leaves: tuple[LeafPlan, ...]
+  buckets: tuple[BucketPlan, ...]
+  settings: Settings = Settings()
+  provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    check_plan(self)
+
+  # --- derived views -------------------------------------------------------
+  @property
+  def ready_order(self) -> tuple[int, ...]:
+    return tuple(i for b in self.buckets for i in b.leaves)
+
+  def bytes_per_worker(self) -> int:
+    """Bytes each worker puts on the wire per step (all buckets)."""
+    from jaxfuse import fusion  # pylint: disable=g-import-not-at-top
+    return sum(fusion.bucket_wire_bytes(self, b) for b in self.buckets)
+
+  def dense_bytes(self) -> int:
+    return sum(l.size * np.dtype(l.dtype).itemsize for l in self.leaves)
+
+  def summary(self) -> str:
+    lines = [f"jaxfuse plan: {len(self.leaves)} leaves, {len(self.buckets)} "
+             f"buckets, strategy={self.provenance.get('strategy', '?')}",
+             f"  dense bytes {self.dense_bytes():,}; wire bytes per worker "
+             f"{self.bytes_per_worker():,}"]
+    for i, b in enumerate(self.buckets):
+      names = ", ".join(self.leaves[j].path for j in b.leaves[:3])
+      more = f" … (+{len(b.leaves) - 3})" if len(b.leaves) > 3 else ""
+      kind = b.collective + (f"/{b.sparsify}" if b.collective == "allgather"
+                             else "")
+      lines.append(f"  bucket {i}: {kind}, "
+                   f"{len(b.leaves)} leaves: {names}{more}")
+    return "\n".join(lines)
+
+  # --- validation against parameters --------------------------------------
+  def validate(self, params) -> None:
+    """Raise ``PlanError`` naming the first leaf that does not match."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    planned = [l.path for l in self.leaves]
+    if paths != planned:
+      missing = [p for p in planned if p not in paths]
+      extra = [p for p in paths if p not in planned]
+      if missing or extra:
+        raise PlanError(
+            "plan and parameters have different leaves: "
+            f"in the plan only {missing[:5]}, in the parameters only "
+            f"{extra[:5]}. Make the plan from these parameters "
+            "(jaxfuse.plan(params, ...)).")
+      raise PlanError("plan and parameters list their leaves in a different "
+                      "order; make the plan from these parameters.")
+    for (_, x), leaf in zip(flat, self.leaves):
+      shape, dtype = tuple(np.shape(x)), str(jax.numpy.result_type(x))
+      if shape != leaf.shape or dtype != leaf.dtype:
+        raise PlanError(
+            f"leaf {leaf.path}: plan has {leaf.dtype}{list(leaf.shape)}, "
+            f"parameters have {dtype}{list(shape)}. Make a new plan for "
+            "this model.")
+
+  # --- JSON -------------------------------------------------------------------
+  def to_json(self) -> str:
+    body = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "settings": dataclasses.asdict(self.settings),
+        "provenance": dict(self.provenance),
+        "leaves": [dict(dataclasses.asdict(l), shape=list(l.shape))
+                   for l in self.leaves],
+        "buckets": [dict(dataclasses.asdict(b), leaves=list(b.leaves))
+                    for b in self.buckets],
+    }
+    return json.dumps(body, indent=1)
+
+  @classmethod
+  def from_json(cls, text: str) -> "Plan":
+    try:
+      body = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise PlanError(f"plan is not valid JSON ({e}); the file is corrupted "
+                      "or not a jaxfuse plan.") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+      raise PlanError("not a jaxfuse plan: the 'format' field must be "
+                      f"{FORMAT!r}.")
+    version = body.get("version")
+    if not isinstance(version, int) or version < 1:
+      raise PlanError(f"plan field 'version' is {version!r}; expected an "
+                      "integer >= 1.")
+    if version > FORMAT_VERSION:
+      raise PlanError(f"plan format version {version} is newer than this "
+                      f"jaxfuse reads ({FORMAT_VERSION}); upgrade jaxfuse.")
+    try:
+      settings = Settings(**body["settings"])
+      leaves = tuple(LeafPlan(**dict(l, shape=tuple(l["shape"])))
+                     for l in body["leaves"])
+      buckets = tuple(BucketPlan(**dict(b, leaves=tuple(b["leaves"])))
+                      for b in body["buckets"])
+      provenance = dict(body.get("provenance", {}))
+    except (KeyError, TypeError) as e:
+      raise PlanError(f"plan JSON is missing or has unknown fields ({e}); "
+                      "the file is corrupted.") from None
+    return cls(leaves, buckets, settings, provenance)
+
+  def save(self, path: str | os.PathLike) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(self.to_json())
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> "Plan":
+    with open(path, encoding="utf-8") as f:
+      return cls.from_json(f.read())
+
+
+def _check_density(where: str, density) -> None:
+  if not isinstance(density, (int, float)) or not 0 < density <= 1:
+    raise PlanError(f"{where}: density={density!r} must be in (0, 1].")
+
+
+def check_plan(plan: Plan) -> None:
+  """Internal consistency: every field known, every leaf in exactly one bucket."""
+  s = plan.settings
+  if not s.headroom >= 1:
+    raise PlanError(f"settings.headroom={s.headroom} must be >= 1.")
+  if not (isinstance(s.refresh, int) and s.refresh >= 1):
+    raise PlanError(f"settings.refresh={s.refresh!r} must be an integer >= 1.")
+  if not 0 < s.sample_fraction <= 1:
+    raise PlanError(f"settings.sample_fraction={s.sample_fraction} must be "
+                    "in (0, 1].")
+  if not (isinstance(s.sidco_stages, int) and 1 <= s.sidco_stages <= 8):
+    raise PlanError(f"settings.sidco_stages={s.sidco_stages!r} must be 1..8.")
+  for leaf in plan.leaves:
+    where = f"leaf {leaf.path}"
+    if leaf.mode not in MODES:
+      raise PlanError(f"{where}: mode={leaf.mode!r}; use one of {MODES}.")
+    if leaf.size == 0:
+      raise PlanError(f"{where}: has zero elements; remove it from the "
+                      "parameters or give it a non-empty shape.")
+    if leaf.size > MAX_LEAF_SIZE:
+      raise PlanError(f"{where}: {leaf.size} elements exceed int32 indices; "
+                      "split the parameter.")
+    _check_density(where, leaf.density)
+    if leaf.mode == "sparse":
+      if not _is_float(leaf.dtype):
+        raise PlanError(f"{where}: dtype {leaf.dtype} cannot be sparse; "
+                        "make it dense.")
+      if leaf.estimator not in ESTIMATORS:
+        raise PlanError(f"{where}: estimator={leaf.estimator!r}; use one of "
+                        f"{ESTIMATORS}.")
+      if not (isinstance(leaf.capacity, int) and
+              1 <= leaf.capacity <= leaf.size):
+        raise PlanError(f"{where}: capacity={leaf.capacity!r} must be an "
+                        f"integer in [1, {leaf.size}]; raise density or "
+                        "headroom.")
+  seen = []
+  for i, b in enumerate(plan.buckets):
+    where = f"bucket {i}"
+    if not b.leaves:
+      raise PlanError(f"{where}: has no leaves.")
+    if b.collective not in COLLECTIVES:
+      raise PlanError(f"{where}: collective={b.collective!r}; use one of "
+                      f"{COLLECTIVES}.")
+    if b.sparsify not in SPARSIFY:
+      raise PlanError(f"{where}: sparsify={b.sparsify!r}; use one of "
+                      f"{SPARSIFY}.")
+    if any(not isinstance(j, int) or not 0 <= j < len(plan.leaves)
+           for j in b.leaves):
+      raise PlanError(f"{where}: leaf ids {list(b.leaves)} out of range "
+                      f"[0, {len(plan.leaves)}).")
+    modes = {plan.leaves[j].mode for j in b.leaves}
+    if len(modes) != 1:
+      raise PlanError(f"{where}: mixes sparse and dense leaves; a bucket "
+                      "holds one mode.")
+    mode = modes.pop()
+    want = "allgather" if mode == "sparse" else "psum"
+    if b.collective != want:
+      raise PlanError(f"{where}: {mode} leaves need collective {want!r}, "
+                      f"not {b.collective!r}.")
+    if b.sparsify == "behind" and mode == "sparse":
+      size = sum(plan.leaves[j].size for j in b.leaves)
+      if size > MAX_LEAF_SIZE:
+        raise PlanError(f"{where}: fused size {size} exceeds int32 indices.")
+      _check_density(where, b.density)
+      if b.estimator not in ESTIMATORS:
+        raise PlanError(f"{where}: estimator={b.estimator!r}; use one of "
+                        f"{ESTIMATORS}.")
+      if not (isinstance(b.capacity, int) and 1 <= b.capacity <= size):
+        raise PlanError(f"{where}: capacity={b.capacity!r} must be in "
+                        f"[1, {size}].")
+    seen.extend(b.leaves)
+  if sorted(seen) != list(range(len(plan.leaves))):
+    raise PlanError("every leaf must be in exactly one bucket; got leaf ids "
+                    f"{sorted(seen)} for {len(plan.leaves)} leaves.")
+
+
+def _is_float(dtype: str) -> bool:
+  try:
+    return bool(jax.numpy.issubdtype(jax.numpy.dtype(dtype),
+                                     jax.numpy.floating))
+  except TypeError:
+    return False

@@ -1,0 +1,220 @@
+"""Sparsify one selection unit: threshold, fixed-capacity selection, residual.
+
+For a unit (one leaf, or one fused "behind" buffer) with flat gradient g and
+residual r, one step is::
+
+  acc = g + r
+  τ   = scale · estimate(|acc|)            (or the τ kept in state)
+  M   = { i : |acc_i| ≥ τ, acc_i ≠ 0 }      (true count m = |M|)
+  (v, idx) = first c members of M in a rotated order starting at a random
+             offset, so overflow never favours low indices
+  r'  = acc − scatter(idx, v)               (exactly: acc with sent slots zeroed)
+
+If M is empty but acc is not zero, the largest |acc_i| is sent alone, so no
+non-zero unit ever goes a step without sending (SAFusion's "no tensor
+missing" holds by construction, whatever the estimator did).
+
+Empty slots carry the sentinel index n, which decoding drops.
+A controller (SparDL Alg. 2, in log τ) moves ``scale`` so m tracks k = ⌈ρ·n⌉.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.scipy.special import ndtri
+
+MIN_LOG_STEP = 1e-3
+MAX_LOG_STEP = 1.0
+INITIAL_LOG_STEP = 0.1
+MAX_LOG_SCALE = 12.0
+
+
+class Control(NamedTuple):
+  """Per-unit threshold state (each field a float32/bool scalar per unit)."""
+  threshold: jax.Array  # τ used last step, after feedback
+  log_scale: jax.Array  # log of the multiplier applied to fresh estimates
+  log_step: jax.Array   # signed step of the controller
+  flag: jax.Array       # SparDL's "moved the right way once already"
+
+
+def initial_control(num_units: int) -> Control:
+  z = jnp.zeros((num_units,), jnp.float32)
+  return Control(z, z, jnp.full((num_units,), INITIAL_LOG_STEP, jnp.float32),
+                 jnp.zeros((num_units,), bool))
+
+
+# --- estimators: τ on magnitudes a = |acc| (float32) --------------------------
+
+def _kth_largest(a: jax.Array, k: int) -> jax.Array:
+  return lax.top_k(a, k)[0][k - 1]
+
+
+def topk_threshold(a, *, density, key, settings):
+  """Exact: τ = the k-th largest |acc|, k = ⌈ρ·n⌉."""
+  del key, settings
+  return _kth_largest(a, max(1, min(a.size, math.ceil(density * a.size))))
+
+
+def dgc_threshold(a, *, density, key, settings):
+  """DGC: k_s-th largest of a uniform sample of s = max(f·n, 256) elements."""
+  n = a.size
+  s = min(n, max(256, math.ceil(settings.sample_fraction * n)))
+  sample = a[jax.random.randint(key, (s,), 0, n)]
+  return _kth_largest(sample, max(1, round(density * s)))
+
+
+def gaussian_threshold(a, *, density, key, settings, signed=None):
+  """GaussianK: acc ~ N(μ, σ²) ⇒ P(|acc| ≥ τ) = ρ at τ = |μ| + σ·Φ⁻¹(1 − ρ/2)."""
+  del key, settings
+  x = a if signed is None else signed
+  mu, sigma = jnp.mean(x), jnp.std(x)
+  return jnp.abs(mu) + sigma * ndtri(1.0 - density / 2.0)
+
+
+def redsync_threshold(a, *, density, key, settings, iterations=12):
+  """RedSync: bisection on τ = mean + t·(max − mean), t ∈ [0, 1], towards k."""
+  del key, settings
+  k = max(1, math.ceil(density * a.size))
+  lo, hi = jnp.mean(a), jnp.max(a)
+
+  def body(_, bounds):
+    lo, hi = bounds
+    mid = 0.5 * (lo + hi)
+    too_many = jnp.sum(a >= mid) > k
+    return jnp.where(too_many, mid, lo), jnp.where(too_many, hi, mid)
+
+  lo, hi = lax.fori_loop(0, iterations, body, (lo, hi))
+  return hi
+
+
+def sidco_threshold(a, *, density, key, settings):
+  """SIDCo, multi-stage exponential fit.
+
+  Stage j fits the exceedances a − τ_{j−1} (over a > τ_{j−1}) with an
+  exponential of mean μ_j and sets τ_j = τ_{j−1} + μ_j·ln(1/δ), δ = ρ^(1/S),
+  so that the stages multiply to a tail probability ρ.
+  """
+  del key
+  stages = settings.sidco_stages
+  log_inv_delta = -math.log(density) / stages
+  tau = jnp.zeros((), a.dtype)
+  for _ in range(stages):
+    over = a > tau
+    mu = jnp.sum(jnp.where(over, a - tau, 0)) / jnp.maximum(jnp.sum(over), 1)
+    tau = tau + mu * log_inv_delta
+  return tau
+
+
+ESTIMATORS = {
+    "topk": topk_threshold,
+    "dgc": dgc_threshold,
+    "gaussian": gaussian_threshold,
+    "redsync": redsync_threshold,
+    "sidco": sidco_threshold,
+}
+
+
+def estimate_threshold(acc, *, estimator, density, key, settings):
+  a = jnp.abs(acc).astype(jnp.float32)
+  if estimator == "gaussian":
+    return gaussian_threshold(a, density=density, key=key, settings=settings,
+                              signed=acc.astype(jnp.float32))
+  return ESTIMATORS[estimator](a, density=density, key=key, settings=settings)
+
+
+# --- selection ---------------------------------------------------------------
+
+def select(acc: jax.Array, tau: jax.Array, capacity: int,
+           offset: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Fixed-capacity threshold selection of a flat ``acc``.
+
+  Candidates are ranked in the rotated order offset, offset+1, …, n−1, 0, …
+  and the first ``capacity`` are written; the rest of the slots get the
+  sentinel index n. Returns (values[c], indices[c] int32, true count m).
+  """
+  n = acc.size
+  mask = (jnp.abs(acc) >= tau) & (acc != 0)
+  inclusive = jnp.cumsum(mask, dtype=jnp.int32)
+  total = inclusive[-1]
+  before = jnp.where(offset > 0, inclusive[jnp.maximum(offset - 1, 0)], 0)
+  pos = jnp.arange(n, dtype=jnp.int32)
+  rank = jnp.where(pos >= offset, inclusive - before, inclusive + total - before) - 1
+  slot = jnp.where(mask & (rank < capacity), rank, capacity)
+  indices = jnp.full((capacity,), n, jnp.int32).at[slot].set(pos, mode="drop")
+  values = acc.at[indices].get(mode="fill", fill_value=0)
+  return values, indices, total
+
+
+def controller(ctrl_unit: Control, count, target: int, tau) -> Control:
+  """SparDL Alg. 2 on log τ: keep moving while right (doubling every second
+  step), reverse and halve when the count crosses the target."""
+  too_many = count > target
+  right_way = too_many == (ctrl_unit.log_step > 0)
+  step = jnp.where(right_way,
+                   jnp.where(ctrl_unit.flag, 2 * ctrl_unit.log_step,
+                             ctrl_unit.log_step),
+                   -0.5 * ctrl_unit.log_step)
+  flag = right_way & ~ctrl_unit.flag
+  step = jnp.sign(step) * jnp.clip(jnp.abs(step), MIN_LOG_STEP, MAX_LOG_STEP)
+  log_scale = jnp.clip(ctrl_unit.log_scale + step, -MAX_LOG_SCALE, MAX_LOG_SCALE)
+  return Control(tau * jnp.exp(log_scale - ctrl_unit.log_scale), log_scale,
+                 step, flag)
+
+
+class UnitResult(NamedTuple):
+  values: jax.Array
+  indices: jax.Array
+  count: jax.Array      # true number of candidates (may exceed capacity)
+  residual: jax.Array
+  control: Control
+  tau: jax.Array
+  nonfinite: jax.Array
+  acc: jax.Array        # g + r (the old residual where g is non-finite)
+
+
+def sparsify_unit(grad, residual, ctrl_unit: Control, step, key, *,
+                  capacity: int, density: float, estimator: str,
+                  settings) -> UnitResult:
+  """One unit, one step (all arrays flat; ``ctrl_unit`` fields scalars).
+
+  Non-finite gradients: nothing of ``grad`` enters the residual (it is kept as
+  it was), the control state is kept, and the values sent are NaN with slot 0
+  pointing at element 0, so the synchronized gradient is non-finite on every
+  worker (as a dense ``pmean`` would be) and ``optax.apply_if_finite`` works.
+  """
+  acc = grad + residual
+  finite = jnp.all(jnp.isfinite(acc))
+  safe_acc = jnp.where(finite, acc, residual)
+  fresh = lambda: (estimate_threshold(
+      safe_acc, estimator=estimator, density=density, key=key,
+      settings=settings) * jnp.exp(ctrl_unit.log_scale)).astype(jnp.float32)
+  if settings.refresh == 1:
+    tau = fresh()
+  else:
+    tau = lax.cond(step % settings.refresh == 0, fresh,
+                   lambda: ctrl_unit.threshold)
+  n = acc.size
+  offset = jax.random.randint(jax.random.fold_in(key, 1), (), 0, n)
+  values, indices, count = select(safe_acc, tau, capacity, offset)
+  # No tensor missing: if τ let nothing through, send the largest element.
+  top = jnp.argmax(jnp.abs(safe_acc)).astype(jnp.int32)
+  lone = (count == 0) & (safe_acc[top] != 0)
+  indices = indices.at[0].set(jnp.where(lone, top, indices[0]))
+  values = values.at[0].set(jnp.where(lone, safe_acc[top], values[0]))
+  new_residual = jnp.where(finite, acc.at[indices].set(0, mode="drop"),
+                           residual)
+  if settings.feedback and estimator != "topk":
+    new_ctrl = controller(ctrl_unit, count, max(1, math.ceil(density * n)), tau)
+  else:
+    new_ctrl = ctrl_unit._replace(threshold=tau)
+  new_ctrl = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                          new_ctrl, ctrl_unit)
+  values = jnp.where(finite, values, jnp.nan)
+  indices = jnp.where(finite | (jnp.arange(capacity) > 0), indices, 0)
+  return UnitResult(values, indices, count, new_residual, new_ctrl, tau,
+                    ~finite, safe_acc)
