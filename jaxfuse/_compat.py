@@ -65,4 +65,8 @@ def all_gather_invariant(x, axis_name: str):
 
 
 def is_float_dtype(dtype) -> bool:
-  return bool(jax.numpy.issubdtype(np.dtype(dtype), jax.numpy.floating))
+  try:
+    return bool(jax.numpy.issubdtype(jax.numpy.dtype(dtype),
+                                     jax.numpy.floating))
+  except TypeError:
+    return False

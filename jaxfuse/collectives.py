@@ -28,16 +28,21 @@ UNROLL_WORKERS = 16
 
 
 def decode(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
-  """(K, c) slots -> dense mean over the K workers, shape (size,)."""
+  """(K, c) slots -> dense mean over the K workers, shape (size,).
+
+  Sums in at least float32, so bfloat16 gradients lose nothing to the sum.
+  """
   num_workers = values.shape[0]
-  add = lambda k, out: out.at[indices[k]].add(values[k], mode="drop")
-  out = jnp.zeros((size,), values.dtype)
+  acc_dtype = jnp.promote_types(values.dtype, jnp.float32)
+  add = lambda k, out: out.at[indices[k]].add(values[k].astype(acc_dtype),
+                                               mode="drop")
+  out = jnp.zeros((size,), acc_dtype)
   if num_workers <= UNROLL_WORKERS:
     for k in range(num_workers):
       out = add(k, out)
   else:
     out = lax.fori_loop(0, num_workers, add, out)
-  return out / num_workers
+  return (out / num_workers).astype(values.dtype)
 
 
 def allgather_sync(parts, bucket_units, axis_name: str) -> list[jax.Array]:

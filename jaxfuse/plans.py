@@ -21,6 +21,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from jaxfuse import _compat
+
 FORMAT = "jaxfuse.plan"
 FORMAT_VERSION = 1
 MODES = ("sparse", "dense")
@@ -293,8 +295,4 @@ def check_plan(plan: Plan) -> None:
 
 
 def _is_float(dtype: str) -> bool:
-  try:
-    return bool(jax.numpy.issubdtype(jax.numpy.dtype(dtype),
-                                     jax.numpy.floating))
-  except TypeError:
-    return False
+  return _compat.is_float_dtype(dtype)

@@ -63,7 +63,7 @@ def _empty_stats(num_leaves: int) -> SyncStats:
   zi = jnp.zeros((1, num_leaves), jnp.int32)
   zb = jnp.zeros((1, num_leaves), bool)
   return SyncStats(zi, zi, zi, jnp.zeros((1, num_leaves), jnp.float32), zb,
-                   zb, jnp.zeros((1,), jnp.int32))
+                   zb, jnp.zeros((1,), jnp.float32))
 
 
 def sparse_sync(plan: plan_lib.Plan,
@@ -121,14 +121,19 @@ def sparse_sync(plan: plan_lib.Plan,
 
     for bucket, unit_ids in zip(plan.buckets, bucket_units):
       if bucket.collective == "psum":
-        leaves = [flat[j] for j in bucket.leaves]
-        for j, out in zip(bucket.leaves,
-                          collectives.psum_sync(leaves, axis_name)):
+        # Non-float leaves have no gradient to average (float0 or ints).
+        ids = [j for j in bucket.leaves if _compat.is_float_dtype(flat[j].dtype)]
+        for j in bucket.leaves:
+          synced[j] = flat[j]
+        for j, out in zip(ids, collectives.psum_sync([flat[j] for j in ids],
+                                                     axis_name)):
           synced[j] = out
+        for j in bucket.leaves:
           per_leaf["selected"][j] = jnp.int32(plan.leaves[j].size)
           per_leaf["candidates"][j] = jnp.int32(plan.leaves[j].size)
           per_leaf["threshold"][j] = jnp.float32(0)
-          per_leaf["nonfinite"][j] = ~jnp.all(jnp.isfinite(flat[j]))
+          per_leaf["nonfinite"][j] = (~jnp.all(jnp.isfinite(flat[j])) if j in ids
+                                      else jnp.bool_(False))
         continue
       parts = []
       for u in unit_ids:
@@ -186,7 +191,8 @@ def _finish_stats(plan, flat, per_leaf, wire_bytes) -> SyncStats:
       [jnp.asarray(x, dtype) for x in per_leaf[name]])[None]
   selected = stack("selected", jnp.int32)
   candidates = stack("candidates", jnp.int32)
-  nonzero = jnp.stack([jnp.any(g != 0) for g in flat])[None]
+  nonzero = jnp.stack([jnp.any(g != 0) if _compat.is_float_dtype(g.dtype)
+                       else jnp.bool_(False) for g in flat])[None]
   return SyncStats(
       selected=selected,
       candidates=candidates,
@@ -194,7 +200,7 @@ def _finish_stats(plan, flat, per_leaf, wire_bytes) -> SyncStats:
       threshold=stack("threshold", jnp.float32),
       missing=nonzero & (selected == 0),
       nonfinite=stack("nonfinite", bool),
-      wire_bytes=jnp.full((1,), wire_bytes, jnp.int32))
+      wire_bytes=jnp.full((1,), wire_bytes, jnp.float32))
 
 
 def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
@@ -211,11 +217,15 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
   vma_on = axis_name in _compat.varying_axes(lax.axis_index(axis_name))
   out = []
   for (_, g), leaf in zip(flat, plan.leaves):
-    if tuple(g.shape) != leaf.shape or str(g.dtype) != leaf.dtype:
+    float0_ok = (g.dtype == jax.dtypes.float0 and
+                 not _compat.is_float_dtype(leaf.dtype))
+    if tuple(g.shape) != leaf.shape or (str(g.dtype) != leaf.dtype and
+                                        not float0_ok):
       raise plan_lib.PlanError(
           f"gradient {leaf.path}: got {g.dtype}{list(g.shape)}, plan says "
           f"{leaf.dtype}{list(leaf.shape)}. Make a new plan for this model.")
-    if vma_on and axis_name not in _compat.varying_axes(g):
+    if (vma_on and _compat.is_float_dtype(g.dtype) and
+        axis_name not in _compat.varying_axes(g)):
       raise SyncError(
           f"gradient {leaf.path} is already the same on every worker: JAX "
           f"summed it over {axis_name!r} when differentiating replicated "

@@ -1,0 +1,351 @@
+"""Data-parallel byte-level language model, dense vs. jaxfuse gradient sync.
+
+A small decoder-only transformer (Flax linen: pre-LayerNorm, causal
+self-attention, GELU MLP, learned positions, tied output head) learns to
+predict the bytes of the Python standard library's own ``.py`` files, so it
+runs offline anywhere. Every mode trains the same model on the same data in
+the same order; only the gradient synchronization differs:
+
+  dense    jax.lax.pmean of the gradients, then AdamW
+  jaxfuse  optax.chain(jaxfuse.sparse_sync(plan), AdamW), plan = --strategy
+  behind   as jaxfuse, with jaxfuse.plan(strategy="behind")
+
+On a CPU-only machine 8 simulated devices are used (--cpu-devices):
+
+  python examples/train_lm.py                            # tiny, jaxfuse, ~1 min
+  python examples/train_lm.py --sync dense
+  python examples/train_lm.py --sync behind --density 0.001
+  python examples/train_lm.py --strategy layerwise --estimator topk
+  python examples/train_lm.py --preset gpt2-small --dtype bfloat16  # on GPUs
+  python examples/train_lm.py --steps 50 --json-out /tmp/run.json
+
+Run from the repository root with ``PYTHONPATH=.`` (or jaxfuse installed).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _cpu_devices_env(argv) -> None:
+  """Ask for simulated CPU devices; must happen before jax is imported."""
+  n = "8"
+  for i, a in enumerate(argv):
+    if a == "--cpu-devices" and i + 1 < len(argv):
+      n = argv[i + 1]
+    elif a.startswith("--cpu-devices="):
+      n = a.split("=", 1)[1]
+  if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+    return  # the user chose a count the old way; leave it
+  os.environ.setdefault("JAX_NUM_CPU_DEVICES", n)
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={n}")
+
+
+if __name__ == "__main__":
+  _cpu_devices_env(sys.argv[1:])
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import sysconfig
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxfuse
+
+AXIS = "data"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  layers: int
+  d_model: int
+  heads: int
+  seq_len: int
+  vocab: int = 256
+  dtype: str = "float32"  # compute dtype; parameters stay float32
+
+
+# Per preset: the model, and defaults for steps, global batch (or per-device
+# batch x devices), peak learning rate and warmup steps.
+PRESETS = {
+    "tiny": dict(model=ModelConfig(layers=2, d_model=128, heads=4, seq_len=128),
+                 steps=200, batch=32, lr=3e-3, warmup=20),
+    "gpt2-small": dict(model=ModelConfig(layers=12, d_model=768, heads=12,
+                                         seq_len=1024),
+                       steps=1000, batch_per_device=8, lr=6e-4, warmup=100),
+}
+
+
+class Block(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, mask):
+    cfg, init = self.cfg, nn.initializers.normal(0.02)
+    h = nn.LayerNorm(dtype=cfg.dtype)(x)
+    x = x + nn.MultiHeadDotProductAttention(
+        num_heads=cfg.heads, dtype=cfg.dtype, kernel_init=init,
+        deterministic=True)(h, h, mask=mask)
+    h = nn.LayerNorm(dtype=cfg.dtype)(x)
+    h = nn.Dense(4 * cfg.d_model, dtype=cfg.dtype, kernel_init=init)(h)
+    h = nn.Dense(cfg.d_model, dtype=cfg.dtype, kernel_init=init)(nn.gelu(h))
+    return x + h
+
+
+class Transformer(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens):  # (batch, time) int -> (batch, time, vocab)
+    cfg = self.cfg
+    embed = nn.Embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype,
+                     embedding_init=nn.initializers.normal(0.02))
+    pos = self.param("pos_embed", nn.initializers.normal(0.01),
+                     (cfg.seq_len, cfg.d_model))
+    x = embed(tokens) + pos[:tokens.shape[1]].astype(cfg.dtype)
+    mask = nn.make_causal_mask(tokens)
+    for i in range(cfg.layers):
+      x = Block(cfg, name=f"block_{i}")(x, mask)
+    x = nn.LayerNorm(dtype=cfg.dtype, name="ln_f")(x)
+    return embed.attend(x).astype(jnp.float32)  # tied output head
+
+
+def build_model(preset: str = "tiny", seq_len: int | None = None,
+                dtype: str = "float32") -> Transformer:
+  cfg = PRESETS[preset]["model"]
+  return Transformer(dataclasses.replace(cfg, seq_len=seq_len or cfg.seq_len,
+                                         dtype=dtype))
+
+
+def load_corpus(cap_bytes: int = 8 * 2**20,
+                val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+  """(train, val) uint8 arrays: stdlib .py files, sorted, up to ``cap_bytes``."""
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  files = sorted(p for p in root.rglob("*.py")
+                 if "site-packages" not in p.parts and p.is_file())
+  chunks, total = [], 0
+  for p in files:
+    if total >= cap_bytes:
+      break
+    try:
+      data = p.read_bytes()
+    except OSError:
+      continue
+    chunks.append(data)
+    total += len(data)
+  data = np.frombuffer(b"".join(chunks)[:cap_bytes], np.uint8)
+  if data.size < 100_000:
+    raise RuntimeError(f"only {data.size} bytes of stdlib source under {root}")
+  split = int(data.size * (1 - val_fraction))
+  return data[:split], data[split:]
+
+
+def sample_batch(rng: np.random.Generator, data: np.ndarray, batch: int,
+                 seq_len: int) -> np.ndarray:
+  """``batch`` random windows of ``seq_len + 1`` bytes, as int32."""
+  starts = rng.integers(0, data.size - seq_len - 1, size=batch)
+  return data[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
+
+
+def make_loss(model: Transformer):
+  def loss_fn(params, batch):
+    logits = model.apply({"params": params}, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch[:, 1:]).mean()
+  return loss_fn
+
+
+def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str):
+  """jit(shard_map(step)): (params, opt_state, batch) -> (params, state, loss)."""
+  def local(params, opt_state, batch):
+    # Each worker's own gradient of its own shard of the batch.
+    loss, grads = jax.value_and_grad(loss_fn)(
+        jaxfuse.local_params(params, AXIS), batch)
+    if sync == "dense":
+      grads = jax.lax.pmean(grads, AXIS)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state,
+            jax.lax.pmean(loss, AXIS))
+  step = jax.shard_map(local, mesh=mesh, in_specs=(P(), opt_specs, P(AXIS)),
+                       out_specs=(P(), opt_specs, P()))
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval_step(loss_fn, mesh):
+  def local(params, batch):
+    return jax.lax.pmean(loss_fn(params, batch), AXIS)
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)),
+                               out_specs=P()))
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--sync", choices=("dense", "jaxfuse", "behind"),
+                 default="jaxfuse")
+  p.add_argument("--density", type=float, default=0.01)
+  p.add_argument("--strategy", default="aligned",
+                 choices=[s for s in jaxfuse.STRATEGIES if s != "behind"],
+                 help="plan strategy for --sync jaxfuse")
+  p.add_argument("--estimator", default="dgc", choices=jaxfuse.plans.ESTIMATORS)
+  p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+  p.add_argument("--steps", type=int, help="default: the preset's")
+  p.add_argument("--batch-size", type=int,
+                 help="global batch; default: the preset's")
+  p.add_argument("--seq-len", type=int, help="default: the preset's")
+  p.add_argument("--lr", type=float, help="peak learning rate")
+  p.add_argument("--weight-decay", type=float, default=0.01)
+  p.add_argument("--clip", type=float, default=1.0,
+                 help="global-norm clip of the synced gradient (0: off)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="compute dtype (parameters stay float32)")
+  p.add_argument("--devices", type=int, help="default: all")
+  p.add_argument("--cpu-devices", type=int, default=8,
+                 help="simulated CPU devices (read before jax starts)")
+  p.add_argument("--log-every", type=int, default=25)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--eval-batches", type=int, default=8)
+  p.add_argument("--corpus-mb", type=float, default=8.0)
+  p.add_argument("--json-out")
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  t_start = time.perf_counter()
+  preset = PRESETS[args.preset]
+  mesh = jaxfuse.make_mesh(args.devices, AXIS)
+  k = mesh.devices.size
+  steps = args.steps or preset["steps"]
+  batch_size = (args.batch_size or preset.get("batch")
+                or preset["batch_per_device"] * k)
+  if batch_size % k:
+    raise SystemExit(f"--batch-size {batch_size} must divide over {k} devices")
+  model = build_model(args.preset, args.seq_len, args.dtype)
+  seq_len = model.cfg.seq_len
+  lr = args.lr or preset["lr"]
+  train, val = load_corpus(int(args.corpus_mb * 2**20))
+  print(f"{k} x {jax.devices()[0].platform} devices; corpus {train.size:,} "
+        f"train / {val.size:,} val bytes; preset {args.preset} "
+        f"{model.cfg}; batch {batch_size} x {seq_len}; {steps} steps")
+
+  data_sharding = NamedSharding(mesh, P(AXIS))
+  rng = np.random.default_rng(args.seed)
+  put = lambda b: jax.device_put(b, data_sharding)
+  first_batch = put(sample_batch(rng, train, batch_size, seq_len))
+  params = model.init(jax.random.PRNGKey(args.seed),
+                      jnp.zeros((1, seq_len), jnp.int32))
+  params = jax.device_put(params["params"], NamedSharding(mesh, P()))
+  loss_fn = make_loss(model)
+  num_params = sum(x.size for x in jax.tree.leaves(params))
+  dense_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, lr, min(preset["warmup"], max(1, steps // 10)), max(steps, 2),
+      end_value=lr / 10)
+  decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
+  tail = optax.chain(optax.clip_by_global_norm(args.clip) if args.clip > 0
+                     else optax.identity(),
+                     optax.adamw(schedule, weight_decay=args.weight_decay,
+                                 mask=decay_mask))
+  plan = None
+  if args.sync == "dense":
+    opt = tail
+    opt_state = jax.device_put(opt.init(params), NamedSharding(mesh, P()))
+    opt_specs, wire_bytes = P(), dense_bytes
+  else:
+    strategy = "behind" if args.sync == "behind" else args.strategy
+    plan = jaxfuse.plan(params, density=args.density, strategy=strategy,
+                        estimator=args.estimator, seed=args.seed,
+                        loss_fn=loss_fn, example_args=(first_batch,))
+    print(plan.summary())
+    opt = optax.chain(jaxfuse.sparse_sync(plan, axis_name=AXIS), tail)
+    opt_state = jaxfuse.init_state(opt, params, mesh, AXIS)
+    opt_specs, wire_bytes = jaxfuse.state_specs(opt_state, AXIS), \
+        plan.bytes_per_worker()
+  print(f"{num_params:,} params; wire bytes per worker per step "
+        f"{wire_bytes:,} = {wire_bytes / dense_bytes:.4f} x dense "
+        f"({dense_bytes:,})")
+
+  train_step = make_train_step(loss_fn, opt, mesh, opt_specs, args.sync)
+  tokens_per_step = batch_size * seq_len
+  losses, step_times, log, stats = [], [], [], {}
+  batch = first_batch
+  for step in range(steps):
+    t0 = time.perf_counter()
+    params, opt_state, loss = train_step(params, opt_state, batch)
+    loss = float(jax.block_until_ready(loss))
+    step_times.append(time.perf_counter() - t0)
+    losses.append(loss)
+    if step + 1 < steps:  # the next batch, prepared outside the timed region
+      batch = put(sample_batch(rng, train, batch_size, seq_len))
+    if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == steps:
+      recent = step_times[max(1, step + 1 - args.log_every):] or step_times
+      entry = {"step": step + 1, "loss": loss,
+               "step_time_s": float(np.mean(recent)),
+               "tokens_per_s": tokens_per_step / float(np.mean(recent))}
+      line = (f"step {step + 1:5d}  loss {loss:.4f}  "
+              f"{entry['tokens_per_s']:9,.0f} tok/s  "
+              f"{1e3 * entry['step_time_s']:7.1f} ms/step")
+      if plan is not None:
+        stats = jaxfuse.summarize(jaxfuse.sync_stats(opt_state), plan)
+        entry["stats"] = stats
+        line += (f"  density {stats.get('density', 1.0):.4f}  missing "
+                 f"{stats['missing_leaves']:g}  overflow {stats['overflow']:g}"
+                 f"  wire {stats['wire_bytes']:,} B")
+      log.append(entry)
+      print(line, flush=True)
+    if not math.isfinite(loss):
+      print(f"loss is {loss} at step {step + 1}; stopping")
+      break
+
+  eval_step = make_eval_step(loss_fn, mesh)
+  eval_rng = np.random.default_rng(args.seed + 10_000)
+  val_losses = [float(eval_step(params, put(sample_batch(
+      eval_rng, val, batch_size, seq_len)))) for _ in range(args.eval_batches)]
+  val_loss = float(np.mean(val_losses)) if val_losses else float("nan")
+
+  timed = step_times[1:] or step_times  # step 1 includes compilation
+  mean_step = float(np.mean(timed))
+  result = {
+      "config": {**vars(args), "steps": steps, "batch_size": batch_size,
+                 "seq_len": seq_len, "lr": lr, "num_devices": k,
+                 "platform": jax.devices()[0].platform,
+                 "model": dataclasses.asdict(model.cfg),
+                 "num_params": num_params},
+      "log": log, "losses": losses,
+      "first_step_s": step_times[0], "mean_step_time_s": mean_step,
+      "tokens_per_s": tokens_per_step / mean_step,
+      "final_train_loss": losses[-1], "final_val_loss": val_loss,
+      "wire_bytes": wire_bytes, "dense_bytes": dense_bytes,
+      "wire_ratio": wire_bytes / dense_bytes, "stats": stats,
+      "plan_summary": plan.summary() if plan is not None else None,
+      "wall_time_s": time.perf_counter() - t_start,
+  }
+  print(f"final validation loss {val_loss:.4f} ({args.eval_batches} batches)")
+  print(f"summary: sync={args.sync}"
+        + (f" strategy={plan.provenance['strategy']} density={args.density}"
+           f" estimator={args.estimator}" if plan is not None else "")
+        + f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}  val {val_loss:.3f}  "
+        f"{result['tokens_per_s']:,.0f} tok/s  {1e3 * mean_step:.1f} ms/step "
+        f"(first step {step_times[0]:.1f} s)  wire/dense "
+        f"{result['wire_ratio']:.4f}  wall {result['wall_time_s']:.0f} s")
+  if args.json_out:
+    pathlib.Path(args.json_out).write_text(json.dumps(result, indent=1))
+  return result
+
+
+if __name__ == "__main__":
+  main()

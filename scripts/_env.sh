@@ -1,0 +1,28 @@
+# Sourced by scripts/*.sh: make (or reuse) a virtual environment with
+# jaxfuse and its test/example dependencies installed.
+#   make_venv DIR PYTHON [EXTRA_PIP_ARGS...]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+make_venv() {
+  local dir="$1" python="$2"; shift 2
+  local stamp="$dir/.jaxfuse-stamp"
+  local want
+  want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16) $*"
+  if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+    echo "== setting up $dir with $("$python" --version 2>&1)" >&2
+    rm -rf "$dir"
+    "$python" -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --upgrade pip >&2
+    "$dir/bin/python" -m pip install -q -e "$ROOT[test,examples]" "$@" >&2
+    echo "$want" > "$stamp"
+  fi
+}
+
+find_python312() {
+  local p
+  for p in python3.12 "$HOME/.pyenv/versions/3.12"*/bin/python3.12; do
+    if command -v "$p" >/dev/null 2>&1; then command -v "$p"; return 0; fi
+  done
+  return 1
+}

@@ -1,0 +1,54 @@
+"""Shared test helpers: run sparse_sync on given per-worker gradients."""
+
+import functools
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+
+import jaxfuse
+
+
+def shard(mesh, tree):
+  """Place (K, ...) arrays with their leading axis over the workers."""
+  return jax.device_put(tree, NamedSharding(mesh, P("data")))
+
+
+@functools.lru_cache(maxsize=None)
+def _sync_fn(plan_json, mesh):
+  plan = jaxfuse.Plan.from_json(plan_json)
+  tx = jaxfuse.sparse_sync(plan)
+  params = jax.tree.unflatten(
+      jax.tree.structure([0] * len(plan.leaves)),
+      [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.leaves])
+  specs = jaxfuse.state_specs(jax.eval_shape(tx.init, params))
+
+  def local(grads, state):
+    return tx.update(jax.tree.map(lambda g: g[0], grads), state)
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), specs),
+                               out_specs=(P(), specs)))
+
+
+def init(plan, mesh):
+  """Sharded sparse_sync state for a plan whose leaves are a flat list."""
+  params = [jnp.zeros(l.shape, l.dtype) for l in plan.leaves]
+  return jaxfuse.init_state(jaxfuse.sparse_sync(plan), params, mesh)
+
+
+def sync(plan, mesh, grads, state):
+  """grads: list of (K, *shape) arrays, one per plan leaf -> (synced, state)."""
+  return _sync_fn(plan.to_json(), mesh)(shard(mesh, list(grads)), state)
+
+
+def list_plan(shapes, dtype="float32", **kwargs):
+  """A plan for params given as a flat list of shapes."""
+  params = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+  return jaxfuse.plan(params, **kwargs)
+
+
+def per_device(x):
+  """The distinct buffers of an array, one per device, as numpy."""
+  return [np.asarray(s.data) for s in x.addressable_shards]

@@ -1,0 +1,298 @@
+"""Plans: strategies, backward-ready order, JSON, and every bad input."""
+
+import dataclasses
+import json
+import math
+
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+import jax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxfuse
+from jaxfuse import fusion
+
+from _harness import init, list_plan, shard, sync
+
+K = 8
+
+
+# --- strategies ----------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=30),
+       strategy=st.sampled_from(jaxfuse.STRATEGIES),
+       num_buckets=st.integers(1, 8), bucket_bytes=st.integers(100, 40000),
+       density=st.sampled_from([0.001, 0.01, 0.2, 1.0]))
+def test_every_strategy_gives_a_valid_plan(sizes, strategy, num_buckets,
+                                           bucket_bytes, density):
+  rng = np.random.default_rng(len(sizes))
+  order = [int(i) for i in rng.permutation(len(sizes))]
+  plan = list_plan([(s,) for s in sizes], strategy=strategy, density=density,
+                   num_buckets=num_buckets, bucket_bytes=bucket_bytes,
+                   min_sparse_size=100, ready_order=order)
+  # every leaf exactly once, and the backward-ready order kept
+  assert list(plan.ready_order) != [] and sorted(plan.ready_order) == list(
+      range(len(sizes)))
+  pos = {leaf: i for i, leaf in enumerate(order)}
+  buckets = [[pos[j] for j in b.leaves] for b in plan.buckets]
+  assert all(b == sorted(b) for b in buckets)
+  for leaf in plan.leaves:
+    sparse = density < 1 and leaf.size >= 100
+    assert leaf.mode == ("sparse" if sparse else "dense")
+    if sparse:
+      assert leaf.capacity == max(1, min(leaf.size, math.ceil(
+          density * leaf.size * 1.5)))
+  for b in plan.buckets:
+    mode = {plan.leaves[j].mode for j in b.leaves}
+    assert len(mode) == 1
+    assert b.collective == ("allgather" if mode == {"sparse"} else "psum")
+    assert b.sparsify == ("behind" if strategy == "behind" and
+                          b.collective == "allgather" else "ahead")
+  # Oracle: the group id of each ready position under the strategy's rule.
+  if strategy == "layerwise":
+    group = list(range(len(order)))
+  elif strategy == "single":
+    group = [0] * len(order)
+  elif strategy == "aligned":
+    per = math.ceil(len(sizes) / num_buckets)
+    group = [p // per for p in range(len(order))]
+  else:
+    group, gid, filled = [], 0, 0
+    for i in order:
+      group.append(gid)
+      filled += 4 * sizes[i]
+      if filled >= bucket_bytes:
+        gid, filled = gid + 1, 0
+  # Each bucket lies in one group; each group is one sparse + one dense bucket.
+  seen = set()
+  for b in plan.buckets:
+    gids = {group[pos[j]] for j in b.leaves}
+    assert len(gids) == 1
+    key = (gids.pop(), b.collective)
+    assert key not in seen
+    seen.add(key)
+  bucket_groups = [group[pos[b.leaves[0]]] for b in plan.buckets]
+  assert bucket_groups == sorted(bucket_groups)  # issued in ready order
+  for p, i in enumerate(order):
+    assert (group[p], "allgather" if plan.leaves[i].mode == "sparse"
+            else "psum") in seen
+
+
+# --- backward-ready order --------------------------------------------------------
+
+def _three_layer_loss(params, x):
+  h = jnp.tanh(x @ params["b_in"])
+  h = jnp.tanh(h @ params["c_mid"])
+  return jnp.sum(h @ params["a_out"])
+
+
+def _three_layer_params():
+  return {"a_out": jnp.ones((16, 2)), "b_in": jnp.ones((4, 16)),
+          "c_mid": jnp.ones((16, 16))}
+
+
+@pytest.mark.parametrize("jit_loss", [False, True])
+def test_ready_order_follows_the_backward_pass(jit_loss):
+  loss = jax.jit(_three_layer_loss) if jit_loss else _three_layer_loss
+  params = _three_layer_params()
+  plan = jaxfuse.plan(params, strategy="layerwise", loss_fn=loss,
+                      example_args=(jnp.ones((3, 4)),), min_sparse_size=1)
+  names = [plan.leaves[i].path for i in plan.ready_order]
+  assert names == ["['a_out']", "['c_mid']", "['b_in']"]
+  assert plan.provenance["ready_order"] == "jaxpr"
+  # without a loss: reverse pytree order, and the plan says so
+  plan = jaxfuse.plan(params, strategy="layerwise", min_sparse_size=1)
+  assert [plan.leaves[i].path for i in plan.ready_order] == [
+      "['c_mid']", "['b_in']", "['a_out']"]
+  assert plan.provenance["ready_order"] == "reverse_pytree"
+
+
+# --- JSON ------------------------------------------------------------------------
+
+def test_json_round_trip(tmp_path):
+  params = {"w": jnp.ones((64, 64)), "b": jnp.ones(3, jnp.bfloat16),
+            "e": jnp.ones((100, 20), jnp.bfloat16)}
+  for strategy in jaxfuse.STRATEGIES:
+    plan = jaxfuse.plan(params, strategy=strategy, density=0.05,
+                        min_sparse_size=10, estimator="sidco", refresh=3)
+    path = tmp_path / f"{strategy}.json"
+    plan.save(path)
+    loaded = jaxfuse.Plan.load(path)
+    assert loaded == plan
+    assert json.loads(path.read_text())["format"] == "jaxfuse.plan"
+    loaded.validate(params)
+
+
+def _plan_json():
+  return json.loads(list_plan([(100, 10), (5,)], density=0.1,
+                              min_sparse_size=10).to_json())
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(version=99), "newer than this jaxfuse"),
+    (lambda d: d.update(version="one"), "'version'"),
+    (lambda d: d.update(format="other"), "not a jaxfuse plan"),
+    (lambda d: d["leaves"][0].update(mode="half"), "mode='half'"),
+    (lambda d: d["leaves"][0].update(estimator="magic"), "estimator='magic'"),
+    (lambda d: d["leaves"][0].update(capacity=0), "capacity=0"),
+    (lambda d: d["leaves"][0].update(density=0), "density=0"),
+    (lambda d: d["leaves"][0].update(density=1.5), "density=1.5"),
+    (lambda d: d["leaves"][0].update(shape=[0, 3]), "zero elements"),
+    (lambda d: d["buckets"][0].update(collective="bcast"), "collective='bcast'"),
+    (lambda d: d["buckets"][0].update(sparsify="sideways"), "sparsify="),
+    (lambda d: d["buckets"][0].update(leaves=[]), "has no leaves"),
+    (lambda d: d["buckets"].pop(), "exactly one bucket"),
+    (lambda d: d["leaves"][0].pop("shape"), "corrupted"),
+    (lambda d: d["settings"].update(headroom=0.5), "headroom"),
+])
+def test_bad_plan_json(mutate, message):
+  body = _plan_json()
+  mutate(body)
+  with pytest.raises(jaxfuse.PlanError, match=message):
+    jaxfuse.Plan.from_json(json.dumps(body))
+
+
+def test_corrupted_json_file(tmp_path):
+  path = tmp_path / "plan.json"
+  path.write_text(list_plan([(100,)]).to_json()[:-20])
+  with pytest.raises(jaxfuse.PlanError, match="not valid JSON"):
+    jaxfuse.Plan.load(path)
+
+
+# --- bad input to plan() and init() ------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(density=0.0), "density=0.0"),
+    (dict(density=1.2), "density=1.2"),
+    (dict(strategy="greedy"), "strategy='greedy'"),
+    (dict(estimator="oracle"), "estimator='oracle'"),
+    (dict(num_buckets=0), "num_buckets=0"),
+    (dict(headroom=0.9), "headroom"),
+])
+def test_bad_plan_arguments(kwargs, message):
+  with pytest.raises(jaxfuse.PlanError, match=message):
+    list_plan([(100,)], **kwargs)
+
+
+def test_zero_size_leaf_is_rejected():
+  with pytest.raises(jaxfuse.PlanError, match=r"leaf \['empty'\].*zero"):
+    jaxfuse.plan({"w": jnp.ones(3), "empty": jnp.ones((0, 4))})
+
+
+def test_init_names_the_mismatched_leaf():
+  params = {"w": jnp.ones((32, 32)), "b": jnp.ones(32)}
+  tx = jaxfuse.sparse_sync(jaxfuse.plan(params))
+  with pytest.raises(jaxfuse.PlanError, match=r"\['w'\].*float32\[32, 32\]"):
+    tx.init({"w": jnp.ones((32, 31)), "b": jnp.ones(32)})
+  with pytest.raises(jaxfuse.PlanError, match=r"\['b'\].*bfloat16"):
+    tx.init({"w": jnp.ones((32, 32)), "b": jnp.ones(32, jnp.bfloat16)})
+  with pytest.raises(jaxfuse.PlanError, match=r"\['extra'\]"):
+    tx.init({"w": jnp.ones((32, 32)), "b": jnp.ones(32), "extra": jnp.ones(2)})
+  with pytest.raises(TypeError, match="jaxfuse.Plan"):
+    jaxfuse.sparse_sync({"density": 0.1})
+
+
+# --- bad use of the update ---------------------------------------------------------
+
+def test_update_outside_shard_map_is_a_clear_error():
+  params = {"w": jnp.ones((64, 64))}
+  tx = jaxfuse.sparse_sync(jaxfuse.plan(params))
+  with pytest.raises(jaxfuse.SyncError, match="inside jax.shard_map"):
+    tx.update(params, tx.init(params))
+
+
+def test_unbound_axis_name_is_a_clear_error(mesh):
+  plan = list_plan([(64, 64)])
+  tx = jaxfuse.sparse_sync(plan, axis_name="batch")
+  state = init(plan, mesh)
+  specs = jaxfuse.state_specs(state)
+  f = jax.shard_map(lambda g, s: tx.update([g[0][0]], s), mesh=mesh,
+                    in_specs=(P("data"), specs), out_specs=(P(), specs))
+  with pytest.raises(jaxfuse.SyncError, match="'batch'"):
+    jax.jit(f)(shard(mesh, [jnp.ones((K, 64, 64))]), state)
+
+
+def test_replicated_gradients_are_a_clear_error(mesh):
+  """Differentiating replicated params sums over workers: say what to do."""
+  params = {"w": jnp.ones((64, 64))}
+  plan = jaxfuse.plan(params)
+  tx = jaxfuse.sparse_sync(plan)
+  state = jaxfuse.init_state(tx, params, mesh)
+  specs = jaxfuse.state_specs(state)
+
+  def local(params, state, x):
+    grads = jax.grad(lambda p: jnp.sum(x @ p["w"]))(params)
+    return tx.update(grads, state)
+
+  f = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")),
+                    out_specs=(P(), specs))
+  with pytest.raises(jaxfuse.SyncError, match="local_params"):
+    jax.jit(f)(params, state, shard(mesh, jnp.ones((K, 64))))
+
+
+def test_gradient_tree_mismatch_names_the_leaf(mesh):
+  plan = list_plan([(64, 64), (10,)])
+  state = init(plan, mesh)
+  tx = jaxfuse.sparse_sync(plan)
+  specs = jaxfuse.state_specs(state)
+  f = jax.shard_map(lambda g, s: tx.update([g[0][0], g[1][0, :5]], s),
+                    mesh=mesh, in_specs=(P("data"), specs),
+                    out_specs=(P(), specs))
+  with pytest.raises(jaxfuse.PlanError, match=r"gradient \[1\].*float32\[5\]"):
+    jax.jit(f)(shard(mesh, [jnp.ones((K, 64, 64)), jnp.ones((K, 10))]), state)
+
+
+def test_state_passed_replicated_is_a_clear_error(mesh):
+  plan = list_plan([(64, 64)])
+  state = jax.tree.map(lambda x: jnp.concatenate([x] * 2), init(plan, mesh))
+  tx = jaxfuse.sparse_sync(plan)
+  specs = jaxfuse.state_specs(state)
+  f = jax.shard_map(lambda g, s: tx.update([g[0][0]], s), mesh=mesh,
+                    in_specs=(P("data"), specs), out_specs=(P(), specs))
+  with pytest.raises(jaxfuse.SyncError, match="state_specs"):
+    jax.jit(f)(shard(mesh, [jnp.ones((K, 64, 64))]), state)
+
+
+def test_wire_bytes_match_the_buffers(mesh):
+  plan = list_plan([(1000,), (3000,), (10,)], density=0.01, strategy="single",
+                   min_sparse_size=100)
+  units, _ = fusion.units(plan)
+  expect = sum(8 * u.capacity for u in units) + 4 * 10
+  assert plan.bytes_per_worker() == expect
+  _, state = sync(plan, mesh, [jnp.ones((K, 1000)), jnp.ones((K, 3000)),
+                               jnp.ones((K, 10))], init(plan, mesh))
+  np.testing.assert_array_equal(np.asarray(state.stats.wire_bytes), expect)
+
+
+def test_integer_leaves_are_dense_and_pass_through(mesh):
+  """float0 gradients of integer leaves (jax.grad(..., allow_int=True))."""
+  params = {"w": jnp.ones((64, 64)), "n": jnp.arange(3)}
+  plan = jaxfuse.plan(params, min_sparse_size=1)
+  assert [l.mode for l in plan.leaves] == ["dense", "sparse"]
+  tx = jaxfuse.sparse_sync(plan)
+  state = jaxfuse.init_state(tx, params, mesh)
+  specs = jaxfuse.state_specs(state)
+
+  def local(params, state, x):
+    grads = jax.grad(lambda p: jnp.sum(x @ p["w"]) + 0.0 * p["n"].sum(),
+                     allow_int=True)(jaxfuse.local_params(params))
+    updates, state = tx.update(grads, state)
+    return updates["w"], state
+
+  f = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")),
+                    out_specs=(P(), specs))
+  x = jnp.arange(K * 64, dtype=jnp.float32).reshape(K, 1, 64)
+  w, state = jax.jit(f)(params, state, shard(mesh, x))
+  assert not np.asarray(state.stats.missing).any()
+  # w's gradient on worker k is x_k broadcast over columns: all workers' sent
+  # entries land in w, the mean of the selected slots.
+  selected = np.asarray(state.stats.selected)[:, 1]
+  assert 0 < np.count_nonzero(np.asarray(w)) <= selected.sum()
+  assert np.all(np.isfinite(np.asarray(w)))

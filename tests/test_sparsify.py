@@ -1,0 +1,160 @@
+"""Selection, estimators, feedback, fairness and non-finite gradients."""
+
+import functools
+
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse import fusion
+from jaxfuse import sparsify
+
+from _harness import init, list_plan, sync
+
+K = 8
+ESTIMATORS = ["topk", "dgc", "gaussian", "redsync", "sidco"]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _select(acc, tau, capacity, offset):
+  return sparsify.select(acc, tau, capacity, offset)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), n=st.integers(1, 300), capacity=st.integers(1, 64),
+       quantile=st.floats(0, 1))
+def test_select_writes_candidates_in_rotated_order(data, n, capacity, quantile):
+  capacity = min(capacity, n)
+  rng = np.random.default_rng(n * 7919 + capacity)
+  acc = rng.normal(size=n).astype(np.float32)
+  acc[rng.random(n) < 0.2] = 0  # zeros are never candidates
+  tau = np.float32(np.quantile(np.abs(acc), quantile))
+  offset = data.draw(st.integers(0, n - 1))
+  values, indices, count = map(np.asarray, _select(acc, tau, capacity, offset))
+  candidates = np.flatnonzero((np.abs(acc) >= tau) & (acc != 0))
+  assert count == len(candidates)
+  rotated = np.concatenate([candidates[candidates >= offset],
+                            candidates[candidates < offset]])
+  expect = rotated[:capacity]
+  np.testing.assert_array_equal(indices[:len(expect)], expect)
+  np.testing.assert_array_equal(indices[len(expect):], n)  # sentinel
+  np.testing.assert_array_equal(values[:len(expect)], acc[expect])
+  np.testing.assert_array_equal(values[len(expect):], 0)
+
+
+def _unit_loop(grad_fn, steps, *, capacity, density, estimator, settings_,
+               threshold=None, n):
+  step_fn = jax.jit(functools.partial(
+      sparsify.sparsify_unit, capacity=capacity, density=density,
+      estimator=estimator, settings=settings_))
+  ctrl = jax.tree.map(lambda x: x[0], sparsify.initial_control(1))
+  if threshold is not None:
+    ctrl = ctrl._replace(threshold=jnp.float32(threshold))
+  residual = jnp.zeros(n)
+  key = jax.random.PRNGKey(0)
+  out = []
+  for t in range(1, steps + 1):
+    res = step_fn(grad_fn(t), residual, ctrl, jnp.int32(t),
+                  jax.random.fold_in(key, t))
+    residual, ctrl = res.residual, res.control
+    out.append(res)
+  return out
+
+
+def test_overflow_does_not_starve_the_tail():
+  """τ below every element, capacity n/50: over time every region is sent.
+
+  Keeping "the first c by position" would send elements 0..c-1 forever.
+  """
+  n, capacity = 5000, 100
+  settings_ = jaxfuse.Settings(refresh=10**9, feedback=False)
+  results = _unit_loop(lambda t: jnp.ones(n), 200, capacity=capacity,
+                       density=0.02, estimator="dgc", settings_=settings_,
+                       threshold=1e-6, n=n)
+  sent = np.zeros(n, bool)
+  for res in results:
+    idx = np.asarray(res.indices)
+    assert np.all(idx < n) and int(res.count) > capacity  # always overflowing
+    sent[idx] = True
+  regions = sent.reshape(50, -1).mean(1)
+  assert regions.min() > 0.5, regions  # every 2% slice got most of its elements
+  late = np.concatenate([np.asarray(r.indices) for r in results[:20]])
+  assert np.mean(late > n // 2) > 0.3  # the second half is served early too
+
+
+def _density_run(mesh, grad_fn, estimator, n=20000, density=0.01, steps=40):
+  plan = list_plan([(n,)], density=density, estimator=estimator)
+  state = init(plan, mesh)
+  counts = []
+  for t in range(steps):
+    _, state = sync(plan, mesh, [grad_fn(t)], state)
+    counts.append(np.asarray(state.stats.candidates)[:, 0])
+  return np.array(counts), plan.leaves[0]
+
+
+def _gaussian(t, n=20000):
+  return jax.random.normal(jax.random.PRNGKey(t), (K, n))
+
+
+def _heavy(t, n=20000):
+  return jax.random.t(jax.random.PRNGKey(t), 2.0, (K, n))
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("grads", [_gaussian, _heavy],
+                         ids=["gaussian", "heavy-tailed"])
+def test_estimators_reach_target_density_with_feedback(mesh, estimator, grads):
+  counts, leaf = _density_run(mesh, grads, estimator)
+  k = jaxfuse.plans.target_count(leaf.density, leaf.size)
+  late = counts[-10:].mean()
+  assert 0.5 * k <= late <= 1.5 * k, (late, k, counts[:, 0])
+
+
+def test_topk_selects_exactly_k(mesh):
+  counts, leaf = _density_run(mesh, _gaussian, "topk", steps=5)
+  k = jaxfuse.plans.target_count(leaf.density, leaf.size)
+  assert leaf.capacity == k
+  np.testing.assert_array_equal(counts, k)
+
+
+def test_estimators_on_real_model_gradients(mesh, lm_gradients):
+  """Gradients of the example language model (a few steps of training)."""
+  for estimator in ESTIMATORS:
+    counts, leaf = _density_run(mesh, lambda t: lm_gradients[t % len(
+        lm_gradients)], estimator, n=lm_gradients[0].shape[1], steps=30)
+    k = jaxfuse.plans.target_count(leaf.density, leaf.size)
+    late = counts[-10:].mean()
+    assert 0.5 * k <= late <= 1.5 * k, (estimator, late, k)
+
+
+def test_nonfinite_gradient_propagates_and_keeps_residual(mesh):
+  shapes = [(4096,), (2048,), (10,)]
+  plan = list_plan(shapes, density=0.01, strategy="single")
+  state = init(plan, mesh)
+  key = jax.random.PRNGKey(0)
+  grads = [jax.random.normal(jax.random.fold_in(key, i), (K,) + s)
+           for i, s in enumerate(shapes)]
+  _, state = sync(plan, mesh, grads, state)  # residuals now non-zero
+  units, _ = fusion.units(plan)
+  unit_of = {u.leaves[0]: i for i, u in enumerate(units)}
+  old = [np.asarray(state.residuals[unit_of[j]]) for j in (0, 1)]
+  bad = [g for g in grads]
+  bad[0] = bad[0].at[3, 17].set(jnp.nan)
+  bad[2] = bad[2].at[5, 1].set(jnp.inf)
+  synced, state = sync(plan, mesh, bad, state)
+  assert not np.all(np.isfinite(np.asarray(synced[0])))
+  assert np.all(np.isfinite(np.asarray(synced[1])))
+  assert not np.all(np.isfinite(np.asarray(synced[2])))
+  new = [np.asarray(state.residuals[unit_of[j]]) for j in (0, 1)]
+  np.testing.assert_array_equal(new[0][3], old[0][3])  # kept, not corrupted
+  assert np.all(np.isfinite(new[0])) and np.all(np.isfinite(new[1]))
+  assert not np.array_equal(new[0][2], old[0][2])  # others moved on
+  flags = np.asarray(state.stats.nonfinite)
+  assert flags[3, 0] and flags[5, 2] and flags.sum() == 2
+  summary = jaxfuse.summarize(state.stats, plan)
+  assert summary["nonfinite_leaves"] == 2
