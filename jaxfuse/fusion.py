@@ -24,6 +24,7 @@ import numpy as np
 from jaxfuse import plans as plan_lib
 
 INDEX_DTYPE = np.dtype(np.int32)
+_UINT = {1: jnp.uint8, 2: jnp.uint16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +77,9 @@ def to_words(x: jax.Array) -> jax.Array:
   if itemsize >= 4:
     return lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
   per_word = 4 // itemsize
-  pad = -x.size % per_word
-  x = jnp.pad(x, (0, pad)).reshape(-1, per_word)
+  # Move bits as unsigned ints: float ops (pad) could canonicalize NaNs.
+  x = lax.bitcast_convert_type(x, _UINT[itemsize])
+  x = jnp.pad(x, (0, -x.size % per_word)).reshape(-1, per_word)
   return lax.bitcast_convert_type(x, jnp.uint32)
 
 
@@ -90,8 +92,9 @@ def from_words(words: jax.Array, dtype, count: int) -> jax.Array:
   if dtype.itemsize > 4:
     words = words.reshape(*lead, -1, dtype.itemsize // 4)
     return lax.bitcast_convert_type(words, dtype)[..., :count]
-  x = lax.bitcast_convert_type(words, dtype)  # (..., W, per_word)
-  return x.reshape(*lead, -1)[..., :count]
+  x = lax.bitcast_convert_type(words, _UINT[dtype.itemsize])  # (..., W, per)
+  x = x.reshape(*lead, -1)[..., :count]
+  return lax.bitcast_convert_type(x, dtype)
 
 
 def unit_words(unit: Unit) -> tuple[int, int]:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 NUM_WORKERS = 8
 ROWS_PER_WORKER = 8
@@ -77,7 +78,8 @@ def main():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"localhost:{args.port}",
                                num_processes=n, process_id=pid,
-                               initialization_timeout=120)
+                               initialization_timeout=120,
+                               shutdown_timeout_seconds=60)
 
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -227,4 +229,13 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except BaseException:  # pylint: disable=broad-except
+    # Exit at once: a normal exit would run jax.distributed's atexit
+    # shutdown, which waits for the other processes (up to its timeout) while
+    # they wait for this one in a collective or barrier.
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # pylint: disable=protected-access

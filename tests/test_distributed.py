@@ -101,9 +101,12 @@ def _try_launch(num_processes: int, workdir: pathlib.Path, tag: str):
   # collective or barrier, so give them a few seconds to report, then stop them.
   deadline = time.monotonic() + TIMEOUT_S
   timed_out = False
-  while any(p.poll() is None for p in procs):
+  while True:
+    codes = [p.poll() for p in procs]  # poll every one: sets returncode
+    if None not in codes:
+      break
     now = time.monotonic()
-    if any(p.returncode not in (None, 0) for p in procs):
+    if any(c not in (None, 0) for c in codes):
       deadline = min(deadline, now + FAILURE_GRACE_S)
     elif now > deadline:
       timed_out = True
