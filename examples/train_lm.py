@@ -10,14 +10,17 @@ the same order; only the gradient synchronization differs:
   jaxfuse  optax.chain(jaxfuse.sparse_sync(plan), AdamW), plan = --strategy
   behind   as jaxfuse, with jaxfuse.plan(strategy="behind")
 
-On a CPU-only machine 8 simulated devices are used (--cpu-devices):
+On a CPU-only machine it runs on 8 simulated devices (--cpu-devices); on
+GPUs it uses all of them (or --devices N):
 
   python examples/train_lm.py                            # tiny, jaxfuse, ~1 min
   python examples/train_lm.py --sync dense
   python examples/train_lm.py --sync behind --density 0.001
-  python examples/train_lm.py --strategy layerwise --estimator topk
+  python examples/train_lm.py --strategy layerwise --estimator gaussian
   python examples/train_lm.py --preset gpt2-small --dtype bfloat16  # on GPUs
   python examples/train_lm.py --steps 50 --json-out /tmp/run.json
+
+Tokens/s excludes step 1 (compilation); every step is timed to completion.
 
 Run from the repository root with ``PYTHONPATH=.`` (or jaxfuse installed).
 """
@@ -82,7 +85,7 @@ class ModelConfig:
 # batch x devices), peak learning rate and warmup steps.
 PRESETS = {
     "tiny": dict(model=ModelConfig(layers=2, d_model=128, heads=4, seq_len=128),
-                 steps=200, batch=32, lr=3e-3, warmup=20),
+                 steps=300, batch=32, lr=3e-3, warmup=20),
     "gpt2-small": dict(model=ModelConfig(layers=12, d_model=768, heads=12,
                                          seq_len=1024),
                        steps=1000, batch_per_device=8, lr=6e-4, warmup=100),
@@ -132,7 +135,7 @@ def build_model(preset: str = "tiny", seq_len: int | None = None,
 
 def load_corpus(cap_bytes: int = 8 * 2**20,
                 val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
-  """(train, val) uint8 arrays: stdlib .py files, sorted, up to ``cap_bytes``."""
+  """(train, val) uint8 arrays: the stdlib's .py files, sorted, capped."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
   files = sorted(p for p in root.rglob("*.py")
                  if "site-packages" not in p.parts and p.is_file())
@@ -169,7 +172,7 @@ def make_loss(model: Transformer):
 
 
 def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str):
-  """jit(shard_map(step)): (params, opt_state, batch) -> (params, state, loss)."""
+  """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss."""
   def local(params, opt_state, batch):
     # Each worker's own gradient of its own shard of the batch.
     loss, grads = jax.value_and_grad(loss_fn)(
@@ -213,7 +216,8 @@ def parse_args(argv):
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--devices", type=int, help="default: all")
   p.add_argument("--cpu-devices", type=int, default=8,
-                 help="simulated CPU devices (read before jax starts)")
+                 help="simulated CPU devices; read before jax is imported, "
+                 "so only when run as a script")
   p.add_argument("--log-every", type=int, default=25)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--eval-batches", type=int, default=8)
@@ -273,8 +277,8 @@ def main(argv=None) -> dict:
     print(plan.summary())
     opt = optax.chain(jaxfuse.sparse_sync(plan, axis_name=AXIS), tail)
     opt_state = jaxfuse.init_state(opt, params, mesh, AXIS)
-    opt_specs, wire_bytes = jaxfuse.state_specs(opt_state, AXIS), \
-        plan.bytes_per_worker()
+    opt_specs = jaxfuse.state_specs(opt_state, AXIS)
+    wire_bytes = plan.bytes_per_worker()
   print(f"{num_params:,} params; wire bytes per worker per step "
         f"{wire_bytes:,} = {wire_bytes / dense_bytes:.4f} x dense "
         f"({dense_bytes:,})")
@@ -292,13 +296,17 @@ def main(argv=None) -> dict:
     if step + 1 < steps:  # the next batch, prepared outside the timed region
       batch = put(sample_batch(rng, train, batch_size, seq_len))
     if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == steps:
-      recent = step_times[max(1, step + 1 - args.log_every):] or step_times
+      since = max(0, step + 1 - args.log_every)  # steps since the last log
+      recent = step_times[max(1, since):] or step_times  # [0] is compile
       entry = {"step": step + 1, "loss": loss,
+               "loss_avg": float(np.mean(losses[since:])),
                "step_time_s": float(np.mean(recent)),
                "tokens_per_s": tokens_per_step / float(np.mean(recent))}
-      line = (f"step {step + 1:5d}  loss {loss:.4f}  "
+      line = (f"step {step + 1:5d}  loss {loss:.4f} "
+              f"(avg {entry['loss_avg']:.4f})  "
               f"{entry['tokens_per_s']:9,.0f} tok/s  "
-              f"{1e3 * entry['step_time_s']:7.1f} ms/step")
+              f"{1e3 * entry['step_time_s']:7.1f} ms/step"
+              + (" (compile)" if step == 0 else ""))
       if plan is not None:
         stats = jaxfuse.summarize(jaxfuse.sync_stats(opt_state), plan)
         entry["stats"] = stats
@@ -328,7 +336,8 @@ def main(argv=None) -> dict:
       "log": log, "losses": losses,
       "first_step_s": step_times[0], "mean_step_time_s": mean_step,
       "tokens_per_s": tokens_per_step / mean_step,
-      "final_train_loss": losses[-1], "final_val_loss": val_loss,
+      "final_train_loss": losses[-1],
+      "final_val_loss": val_loss if val_losses else None,
       "wire_bytes": wire_bytes, "dense_bytes": dense_bytes,
       "wire_ratio": wire_bytes / dense_bytes, "stats": stats,
       "plan_summary": plan.summary() if plan is not None else None,
