@@ -325,6 +325,14 @@ def main(argv=None) -> dict:
       eval_rng, val, batch_size, seq_len)))) for _ in range(args.eval_batches)]
   val_loss = float(np.mean(val_losses)) if val_losses else float("nan")
 
+  # Replica consistency: every device holds its own copy of the params.
+  replicas_identical = all(
+      all(np.array_equal(np.asarray(s.data), np.asarray(x.addressable_shards[0]
+                                                          .data))
+          for s in x.addressable_shards) for x in jax.tree.leaves(params))
+  print(f"parameters bitwise identical on all {k} devices: "
+        f"{replicas_identical}")
+
   timed = step_times[1:] or step_times  # step 1 includes compilation
   mean_step = float(np.mean(timed))
   result = {
@@ -342,6 +350,7 @@ def main(argv=None) -> dict:
       "wire_ratio": wire_bytes / dense_bytes, "stats": stats,
       "plan_summary": plan.summary() if plan is not None else None,
       "wall_time_s": time.perf_counter() - t_start,
+      "replicas_identical": replicas_identical,
   }
   print(f"final validation loss {val_loss:.4f} ({args.eval_batches} batches)")
   print(f"summary: sync={args.sync}"

@@ -48,9 +48,21 @@ def decode(values: jax.Array, indices: jax.Array, size: int) -> jax.Array:
 def allgather_sync(parts, bucket_units, axis_name: str) -> list[jax.Array]:
   """[(values, indices)] of this worker -> dense worker-mean per unit."""
   gathered = _compat.all_gather_invariant(fusion.pack_sparse(parts), axis_name)
-  return [decode(v, i, u.size)
-          for (v, i), u in zip(fusion.unpack_sparse(gathered, bucket_units),
-                               bucket_units)]
+  slots = fusion.unpack_sparse(gathered, bucket_units)
+  groups = {}  # units of one shape decode as one vmap
+  for n, u in enumerate(bucket_units):
+    groups.setdefault((u.size, u.capacity, u.dtype), []).append(n)
+  out = [None] * len(bucket_units)
+  for (size, _, _), members in groups.items():
+    if len(members) == 1:
+      out[members[0]] = decode(*slots[members[0]], size)
+      continue
+    dense = jax.vmap(decode, in_axes=(0, 0, None))(
+        jnp.stack([slots[n][0] for n in members]),
+        jnp.stack([slots[n][1] for n in members]), size)
+    for i, n in enumerate(members):
+      out[n] = dense[i]
+  return out
 
 
 def psum_sync(leaves, axis_name: str) -> list[jax.Array]:

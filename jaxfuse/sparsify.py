@@ -48,37 +48,61 @@ def initial_control(num_units: int) -> Control:
                  jnp.zeros((num_units,), bool))
 
 
+# --- counter-based hashing (cheap randomness, no PRNG state) ------------------
+
+def hash32(x) -> jax.Array:
+  """A 32-bit integer mix ("lowbias32"); uniform enough for sampling."""
+  x = jnp.asarray(x, jnp.uint32)
+  x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+  x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def salt(seed: int, step, unit: int) -> jax.Array:
+  """A uint32 drawn per (seed, step, unit)."""
+  return hash32(hash32(jnp.uint32(seed) ^ (jnp.asarray(step, jnp.uint32) *
+                                          jnp.uint32(0x9E3779B9)))
+                ^ jnp.uint32((unit * 0x85EBCA6B) & 0xFFFFFFFF))
+
+
+def uniform_index(salt_, count: int, n: int) -> jax.Array:
+  """``count`` pseudo-random indices in [0, n) (or a scalar if count is 0)."""
+  i = jnp.arange(max(count, 1), dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+  idx = (hash32(salt_ ^ i) % jnp.uint32(n)).astype(jnp.int32)
+  return idx if count else idx[0]
+
+
 # --- estimators: τ on magnitudes a = |acc| (float32) --------------------------
 
 def _kth_largest(a: jax.Array, k: int) -> jax.Array:
   return lax.top_k(a, k)[0][k - 1]
 
 
-def topk_threshold(a, *, density, key, settings):
+def topk_threshold(a, *, density, salt_, settings):
   """Exact: τ = the k-th largest |acc|, k = ⌈ρ·n⌉."""
-  del key, settings
+  del salt_, settings
   return _kth_largest(a, max(1, min(a.size, math.ceil(density * a.size))))
 
 
-def dgc_threshold(a, *, density, key, settings):
+def dgc_threshold(a, *, density, salt_, settings):
   """DGC: k_s-th largest of a uniform sample of s = max(f·n, 256) elements."""
   n = a.size
   s = min(n, max(256, math.ceil(settings.sample_fraction * n)))
-  sample = a[jax.random.randint(key, (s,), 0, n)]
+  sample = a[uniform_index(salt_, s, n)]
   return _kth_largest(sample, max(1, round(density * s)))
 
 
-def gaussian_threshold(a, *, density, key, settings, signed=None):
+def gaussian_threshold(a, *, density, salt_, settings, signed=None):
   """GaussianK: acc ~ N(μ, σ²) ⇒ P(|acc| ≥ τ) = ρ at τ = |μ| + σ·Φ⁻¹(1 − ρ/2)."""
-  del key, settings
+  del salt_, settings
   x = a if signed is None else signed
   mu, sigma = jnp.mean(x), jnp.std(x)
   return jnp.abs(mu) + sigma * ndtri(1.0 - density / 2.0)
 
 
-def redsync_threshold(a, *, density, key, settings, iterations=12):
+def redsync_threshold(a, *, density, salt_, settings, iterations=12):
   """RedSync: bisection on τ = mean + t·(max − mean), t ∈ [0, 1], towards k."""
-  del key, settings
+  del salt_, settings
   k = max(1, math.ceil(density * a.size))
   lo, hi = jnp.mean(a), jnp.max(a)
 
@@ -92,14 +116,14 @@ def redsync_threshold(a, *, density, key, settings, iterations=12):
   return hi
 
 
-def sidco_threshold(a, *, density, key, settings):
+def sidco_threshold(a, *, density, salt_, settings):
   """SIDCo, multi-stage exponential fit.
 
   Stage j fits the exceedances a − τ_{j−1} (over a > τ_{j−1}) with an
   exponential of mean μ_j and sets τ_j = τ_{j−1} + μ_j·ln(1/δ), δ = ρ^(1/S),
   so that the stages multiply to a tail probability ρ.
   """
-  del key
+  del salt_
   stages = settings.sidco_stages
   log_inv_delta = -math.log(density) / stages
   tau = jnp.zeros((), a.dtype)
@@ -119,12 +143,13 @@ ESTIMATORS = {
 }
 
 
-def estimate_threshold(acc, *, estimator, density, key, settings):
+def estimate_threshold(acc, *, estimator, density, salt_, settings):
   a = jnp.abs(acc).astype(jnp.float32)
   if estimator == "gaussian":
-    return gaussian_threshold(a, density=density, key=key, settings=settings,
-                              signed=acc.astype(jnp.float32))
-  return ESTIMATORS[estimator](a, density=density, key=key, settings=settings)
+    return gaussian_threshold(a, density=density, salt_=salt_,
+                              settings=settings, signed=acc.astype(jnp.float32))
+  return ESTIMATORS[estimator](a, density=density, salt_=salt_,
+                               settings=settings)
 
 
 # --- selection ---------------------------------------------------------------
@@ -177,7 +202,7 @@ class UnitResult(NamedTuple):
   acc: jax.Array        # g + r (the old residual where g is non-finite)
 
 
-def sparsify_unit(grad, residual, ctrl_unit: Control, step, key, *,
+def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
                   capacity: int, density: float, estimator: str,
                   settings) -> UnitResult:
   """One unit, one step (all arrays flat; ``ctrl_unit`` fields scalars).
@@ -191,7 +216,7 @@ def sparsify_unit(grad, residual, ctrl_unit: Control, step, key, *,
   finite = jnp.all(jnp.isfinite(acc))
   safe_acc = jnp.where(finite, acc, residual)
   fresh = lambda: (estimate_threshold(
-      safe_acc, estimator=estimator, density=density, key=key,
+      safe_acc, estimator=estimator, density=density, salt_=salt_,
       settings=settings) * jnp.exp(ctrl_unit.log_scale)).astype(jnp.float32)
   if settings.refresh == 1:
     tau = fresh()
@@ -199,7 +224,7 @@ def sparsify_unit(grad, residual, ctrl_unit: Control, step, key, *,
     tau = lax.cond(step % settings.refresh == 0, fresh,
                    lambda: ctrl_unit.threshold)
   n = acc.size
-  offset = jax.random.randint(jax.random.fold_in(key, 1), (), 0, n)
+  offset = uniform_index(hash32(salt_), 0, n)
   values, indices, count = select(safe_acc, tau, capacity, offset)
   # No tensor missing: if τ let nothing through, send the largest element.
   top = jnp.argmax(jnp.abs(safe_acc)).astype(jnp.int32)

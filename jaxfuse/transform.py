@@ -11,6 +11,7 @@ axis. ``init_state`` builds it that way and ``state_specs`` gives the
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -87,7 +88,6 @@ def sparse_sync(plan: plan_lib.Plan,
   settings = plan.settings
   num_leaves = len(plan.leaves)
   wire_bytes = plan.bytes_per_worker()
-  base_key = jax.random.PRNGKey(settings.seed)
 
   def init_fn(params):
     plan.validate(params)
@@ -110,7 +110,6 @@ def sparse_sync(plan: plan_lib.Plan,
     flat = _check_grads(plan, updates, axis_name)
     _check_state(state, all_units, num_leaves)
     step = state.step[0]
-    step_key = jax.random.fold_in(base_key, step)
     ctrl = jax.tree.map(lambda x: x[0], state.control)
 
     synced = [None] * num_leaves
@@ -135,19 +134,18 @@ def sparse_sync(plan: plan_lib.Plan,
           per_leaf["nonfinite"][j] = (~jnp.all(jnp.isfinite(flat[j])) if j in ids
                                       else jnp.bool_(False))
         continue
+      grads = {u: jnp.concatenate([flat[j].reshape(-1).astype(
+          all_units[u].dtype) for j in all_units[u].leaves]) for u in unit_ids}
+      results = _sparsify_units(
+          [all_units[u] for u in unit_ids], unit_ids, grads, residuals, ctrl,
+          step, settings)
       parts = []
       for u in unit_ids:
-        unit = all_units[u]
-        grad = jnp.concatenate([flat[j].reshape(-1).astype(unit.dtype)
-                                for j in unit.leaves])
-        res = sparsify.sparsify_unit(
-            grad, residuals[u][0], jax.tree.map(lambda x: x[u], ctrl), step,
-            jax.random.fold_in(step_key, u), capacity=unit.capacity,
-            density=unit.density, estimator=unit.estimator, settings=settings)
+        res = results[u]
         parts.append((res.values, res.indices))
         residuals[u] = res.residual[None]
         new_ctrl[u] = res.control
-        _unit_stats(plan, unit, res, grad, per_leaf)
+        _unit_stats(plan, all_units[u], res, grads[u], per_leaf)
       for u, dense in zip(unit_ids, collectives.allgather_sync(
           parts, [all_units[i] for i in unit_ids], axis_name)):
         unit = all_units[u]
@@ -164,6 +162,40 @@ def sparse_sync(plan: plan_lib.Plan,
     return jax.tree.unflatten(jax.tree.structure(updates), synced), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _sparsify_units(units, unit_ids, grads, residuals, ctrl, step,
+                    settings) -> dict:
+  """``sparsify_unit`` for each unit; units of one shape run as one ``vmap``.
+
+  Transformer layers repeat the same shapes, so this keeps the program (and
+  its compile time and kernel count) about the size of one layer's.
+  """
+  groups = {}
+  for unit, u in zip(units, unit_ids):
+    sig = (unit.size, unit.capacity, unit.density, unit.estimator, unit.dtype)
+    groups.setdefault(sig, []).append((unit, u))
+  results = {}
+  for members in groups.values():
+    unit = members[0][0]
+    ids = [u for _, u in members]
+    fn = functools.partial(sparsify.sparsify_unit, capacity=unit.capacity,
+                           density=unit.density, estimator=unit.estimator,
+                           settings=settings)
+    keys = [sparsify.salt(settings.seed, step, u) for u in ids]
+    if len(ids) == 1:
+      results[ids[0]] = fn(grads[ids[0]], residuals[ids[0]][0],
+                           jax.tree.map(lambda x: x[ids[0]], ctrl), step,
+                           keys[0])
+      continue
+    out = jax.vmap(fn, in_axes=(0, 0, 0, None, 0))(
+        jnp.stack([grads[u] for u in ids]),
+        jnp.stack([residuals[u][0] for u in ids]),
+        jax.tree.map(lambda x: x[jnp.array(ids)], ctrl), step,
+        jnp.stack(keys))
+    for i, u in enumerate(ids):
+      results[u] = jax.tree.map(lambda x, i=i: x[i], out)
+  return results
 
 
 def _unit_stats(plan, unit, res, grad, per_leaf):

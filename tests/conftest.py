@@ -20,3 +20,34 @@ NUM_WORKERS = 8
 def mesh():
   assert len(jax.devices()) >= NUM_WORKERS, jax.devices()
   return jaxfuse.make_mesh(NUM_WORKERS)
+
+
+@pytest.fixture(scope="session")
+def lm_gradients():
+  """Real gradients: the example LM's largest leaf, 8 workers, 6 steps.
+
+  Each step is a different batch per worker, taken along a short SGD run so
+  the gradients are those of a model that is learning, not only at init.
+  """
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
+  import train_lm  # pylint: disable=g-import-not-at-top
+  model = train_lm.build_model("tiny", seq_len=64)
+  train, _ = train_lm.load_corpus(cap_bytes=2**20)
+  rng = np.random.default_rng(0)
+  params = model.init(jax.random.PRNGKey(0),
+                      train_lm.sample_batch(rng, train, 1, 64)[:, :-1])["params"]
+  grad_fn = jax.jit(jax.grad(train_lm.make_loss(model)))
+  leaves = jax.tree.leaves(params)
+  big = max(range(len(leaves)), key=lambda i: leaves[i].size)
+  out = []
+  for _ in range(6):
+    grads = [jax.tree.leaves(grad_fn(params, train_lm.sample_batch(
+        rng, train, 4, 64)))[big].reshape(-1) for _ in range(NUM_WORKERS)]
+    out.append(jax.numpy.stack(grads))
+    params = jax.tree.map(lambda p, g: p - 0.5 * g, params,
+                          grad_fn(params, train_lm.sample_batch(rng, train, 32,
+                                                                64)))
+  return out

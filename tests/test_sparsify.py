@@ -56,11 +56,10 @@ def _unit_loop(grad_fn, steps, *, capacity, density, estimator, settings_,
   if threshold is not None:
     ctrl = ctrl._replace(threshold=jnp.float32(threshold))
   residual = jnp.zeros(n)
-  key = jax.random.PRNGKey(0)
   out = []
   for t in range(1, steps + 1):
     res = step_fn(grad_fn(t), residual, ctrl, jnp.int32(t),
-                  jax.random.fold_in(key, t))
+                  sparsify.salt(0, t, 0))
     residual, ctrl = res.residual, res.control
     out.append(res)
   return out
