@@ -157,3 +157,21 @@ def test_nonfinite_gradient_propagates_and_keeps_residual(mesh):
   assert flags[3, 0] and flags[5, 2] and flags.sum() == 2
   summary = jaxfuse.summarize(state.stats, plan)
   assert summary["nonfinite_leaves"] == 2
+
+
+def test_threshold_is_refreshed_every_refresh_steps(mesh):
+  """Between refreshes τ is the one kept in state (feedback off: unchanged)."""
+  plan = list_plan([(5000,)], density=0.01, estimator="gaussian", refresh=4,
+                   feedback=False)
+  state = init(plan, mesh)
+  taus = []
+  for t in range(9):
+    scale = 1.0 + t  # the gradient grows, so fresh estimates grow too
+    _, state = sync(plan, mesh, [scale * _gaussian(t, 5000)], state)
+    taus.append(np.asarray(state.stats.threshold)[:, 0])
+  taus = np.array(taus)  # (steps, workers)
+  for t in range(1, 9):
+    if t % 4:
+      np.testing.assert_array_equal(taus[t], taus[t - 1])
+    else:
+      assert np.all(taus[t] > 1.5 * taus[t - 1])
