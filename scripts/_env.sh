@@ -21,8 +21,11 @@ make_venv() {
 
 find_python312() {
   local p
-  for p in python3.12 "$HOME/.pyenv/versions/3.12"*/bin/python3.12; do
-    if command -v "$p" >/dev/null 2>&1; then command -v "$p"; return 0; fi
+  for p in "$HOME"/.pyenv/versions/3.12*/bin/python3.12 python3.12; do
+    if "$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \
+        >/dev/null 2>&1; then
+      command -v "$p"; return 0
+    fi
   done
   return 1
 }
