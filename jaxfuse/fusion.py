@@ -68,7 +68,7 @@ def leaf_offsets(plan: plan_lib.Plan, unit: Unit) -> tuple[int, ...]:
 # --- words: any dtype <-> uint32 ---------------------------------------------
 
 def num_words(count: int, dtype) -> int:
-  return math.ceil(count * np.dtype(dtype).itemsize / 4)
+  return math.ceil(count * jnp.dtype(dtype).itemsize / 4)
 
 
 def to_words(x: jax.Array) -> jax.Array:
@@ -85,7 +85,7 @@ def to_words(x: jax.Array) -> jax.Array:
 
 def from_words(words: jax.Array, dtype, count: int) -> jax.Array:
   """Inverse of ``to_words`` on the last axis: (..., W) words -> (..., count)."""
-  dtype = np.dtype(dtype)
+  dtype = jnp.dtype(dtype)
   lead = words.shape[:-1]
   if dtype.itemsize == 4:
     return lax.bitcast_convert_type(words, dtype)[..., :count]
@@ -142,11 +142,15 @@ def unpack_dense(buffers: dict, like) -> list:
   return out
 
 
-def bucket_wire_bytes(plan: plan_lib.Plan, bucket: plan_lib.BucketPlan) -> int:
-  """Bytes one worker contributes to the bucket's collective per step."""
-  if bucket.collective == "psum":
-    return sum(plan.leaves[j].size * np.dtype(plan.leaves[j].dtype).itemsize
-               for j in bucket.leaves)
+def bucket_wire_bytes(plan: plan_lib.Plan) -> list[int]:
+  """Bytes one worker contributes to each bucket's collective per step."""
   all_units, per_bucket = units(plan)
-  b = plan.buckets.index(bucket)
-  return 4 * sum(sum(unit_words(all_units[u])) for u in per_bucket[b])
+  out = []
+  for b, unit_ids in zip(plan.buckets, per_bucket):
+    if b.collective == "psum":
+      out.append(sum(plan.leaves[j].size *
+                     jnp.dtype(plan.leaves[j].dtype).itemsize
+                     for j in b.leaves))
+    else:
+      out.append(4 * sum(sum(unit_words(all_units[u])) for u in unit_ids))
+  return out

@@ -122,7 +122,7 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
   else:
     order, source = ordering.reverse_order(len(leaves)), "reverse_pytree"
 
-  nbytes = [l.size * np.dtype(l.dtype).itemsize for l in leaves]
+  nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
   buckets = []
   for group in _groups(strategy, order, nbytes, num_buckets, bucket_bytes):
     sparse = [i for i in group if leaves[i].mode == "sparse"]

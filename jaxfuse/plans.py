@@ -116,10 +116,10 @@ class Plan:
   def bytes_per_worker(self) -> int:
     """Bytes each worker puts on the wire per step (all buckets)."""
     from jaxfuse import fusion  # pylint: disable=g-import-not-at-top
-    return sum(fusion.bucket_wire_bytes(self, b) for b in self.buckets)
+    return sum(fusion.bucket_wire_bytes(self))
 
   def dense_bytes(self) -> int:
-    return sum(l.size * np.dtype(l.dtype).itemsize for l in self.leaves)
+    return sum(l.size * jax.numpy.dtype(l.dtype).itemsize for l in self.leaves)
 
   def summary(self) -> str:
     lines = [f"jaxfuse plan: {len(self.leaves)} leaves, {len(self.buckets)} "
