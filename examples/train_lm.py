@@ -203,6 +203,8 @@ def parse_args(argv):
                  choices=[s for s in jaxfuse.STRATEGIES if s != "behind"],
                  help="plan strategy for --sync jaxfuse")
   p.add_argument("--estimator", default="dgc", choices=jaxfuse.plans.ESTIMATORS)
+  p.add_argument("--kernels", default="auto", choices=jaxfuse.kernels.BACKENDS,
+                 help="selection kernels: Pallas on GPU (auto), or force one")
   p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
   p.add_argument("--steps", type=int, help="default: the preset's")
   p.add_argument("--batch-size", type=int,
@@ -230,6 +232,7 @@ def main(argv=None) -> dict:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   t_start = time.perf_counter()
   preset = PRESETS[args.preset]
+  jaxfuse.kernels.set_backend(args.kernels)
   mesh = jaxfuse.make_mesh(args.devices, AXIS)
   k = mesh.devices.size
   steps = args.steps or preset["steps"]

@@ -4,6 +4,7 @@
   opt = optax.chain(jaxfuse.sparse_sync(plan), optax.adamw(3e-4))
 """
 
+from jaxfuse import kernels
 from jaxfuse._compat import make_mesh
 from jaxfuse.plans import BucketPlan
 from jaxfuse.plans import LeafPlan
@@ -24,7 +25,7 @@ from jaxfuse.transform import sync_stats
 from jaxfuse.version import __version__
 
 __all__ = [
-    "BucketPlan", "LeafPlan", "Plan", "PlanError", "Settings", "STRATEGIES",
+    "BucketPlan", "kernels", "LeafPlan", "Plan", "PlanError", "Settings", "STRATEGIES",
     "SparseSyncState", "SyncError", "SyncStats", "init_state", "local_params",
     "make_mesh", "plan", "sparse_sync", "state_specs", "summarize",
     "sync_stats", "__version__",

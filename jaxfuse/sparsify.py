@@ -28,6 +28,8 @@ from jax import lax
 import jax.numpy as jnp
 from jax.scipy.special import ndtri
 
+from jaxfuse import kernels
+
 MIN_LOG_STEP = 1e-3
 MAX_LOG_STEP = 1.0
 INITIAL_LOG_STEP = 0.1
@@ -225,7 +227,7 @@ def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
                    lambda: ctrl_unit.threshold)
   n = acc.size
   offset = uniform_index(hash32(salt_), 0, n)
-  values, indices, count = select(safe_acc, tau, capacity, offset)
+  values, indices, count = kernels.select(safe_acc, tau, capacity, offset)
   # No tensor missing: if τ let nothing through, send the largest element.
   top = jnp.argmax(jnp.abs(safe_acc)).astype(jnp.int32)
   lone = (count == 0) & (safe_acc[top] != 0)

@@ -1,0 +1,48 @@
+"""Pallas kernels, and the switch that picks them or their jnp references.
+
+Every kernel has a pure-jnp reference with the same semantics. Dispatch:
+
+  JAXFUSE_KERNELS=auto       (default) Pallas on GPU, the reference elsewhere
+  JAXFUSE_KERNELS=pallas     always Pallas (interpret mode off GPU: slow, for tests)
+  JAXFUSE_KERNELS=reference  never Pallas
+
+or ``jaxfuse.kernels.set_backend(...)`` at run time (before tracing: the
+choice is made when a function is traced, so jitted functions keep theirs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+BACKENDS = ("auto", "pallas", "reference")
+_backend = os.environ.get("JAXFUSE_KERNELS", "auto")
+
+
+def set_backend(name: str) -> None:
+  """Force ``"pallas"`` or ``"reference"`` kernels, or go back to ``"auto"``."""
+  global _backend
+  if name not in BACKENDS:
+    raise ValueError(f"kernel backend {name!r}; use one of {BACKENDS}.")
+  _backend = name
+
+
+def backend() -> str:
+  """The backend in force now: ``"pallas"`` or ``"reference"``."""
+  if _backend not in BACKENDS:
+    raise ValueError(f"JAXFUSE_KERNELS={_backend!r}; use one of {BACKENDS}.")
+  if _backend == "auto":
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+  return _backend
+
+
+def select(acc, tau, capacity: int, offset):
+  """Fixed-capacity threshold selection (see ``sparsify.select``)."""
+  if backend() == "pallas":
+    from jaxfuse.kernels import select as select_kernel  # pylint: disable=g-import-not-at-top
+    return select_kernel.select_pallas(
+        acc, tau, capacity, offset,
+        interpret=jax.default_backend() != "gpu")
+  from jaxfuse import sparsify  # pylint: disable=g-import-not-at-top
+  return sparsify.select(acc, tau, capacity, offset)
