@@ -3,7 +3,8 @@
 Every kernel has a pure-jnp reference with the same semantics. Dispatch:
 
   JAXFUSE_KERNELS=auto       (default) Pallas on GPU, the reference elsewhere
-  JAXFUSE_KERNELS=pallas     always Pallas (interpret mode off GPU: slow, for tests)
+  JAXFUSE_KERNELS=pallas     always Pallas (off GPU: Pallas interpret mode, slow,
+                             and not inside shard_map with check_vma=True)
   JAXFUSE_KERNELS=reference  never Pallas
 
 or ``jaxfuse.kernels.set_backend(...)`` at run time (before tracing: the
@@ -40,8 +41,8 @@ def backend() -> str:
 def select(acc, tau, capacity: int, offset):
   """Fixed-capacity threshold selection (see ``sparsify.select``)."""
   if backend() == "pallas":
-    from jaxfuse.kernels import select as select_kernel  # pylint: disable=g-import-not-at-top
-    return select_kernel.select_pallas(
+    from jaxfuse.kernels import selection  # pylint: disable=g-import-not-at-top
+    return selection.select_pallas(
         acc, tau, capacity, offset,
         interpret=jax.default_backend() != "gpu")
   from jaxfuse import sparsify  # pylint: disable=g-import-not-at-top

@@ -1,0 +1,199 @@
+"""Time the Pallas selection kernel against the XLA paths.
+
+For each n × density: acc ~ N(0, 1) (float32 unless --dtype), τ the
+(1 − density) quantile of |acc|, capacity = ⌈1.5 · density · n⌉, offset n/3.
+
+  pallas   jaxfuse.kernels.selection.select_pallas (both passes)
+  count    its pass 1 and glue only (the count output alone: XLA drops pass 2)
+  ref      jaxfuse.sparsify.select (cumsum + scatter in XLA)
+  top_k    jax.lax.top_k(|acc|, capacity)
+  read     jnp.sum(jnp.abs(acc)): one plain read of acc, the bandwidth floor
+
+Each is jitted, warmed up, then timed ``--repeats`` times with
+block_until_ready; the median is reported. ``pallas`` is also checked equal
+to ``ref`` (values, indices, count). ``--sweep`` adds block × tile × num_warps at
+the largest n and density 0.01. Times are reported both as the median single
+call (Python dispatch included) and as the mean of back-to-back calls (close
+to device time); the ratios use the latter.
+
+  python benchmarks/kernels.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+
+from jaxfuse import sparsify  # pylint: disable=wrong-import-position
+from jaxfuse.kernels.selection import select_pallas  # pylint: disable=wrong-import-position
+
+
+# (block, tile, num_warps); None: select_pallas's default. The GPU test
+# (tests/test_kernels_select.py, GPU_CONFIGS) checks each of these.
+SWEEP = ((None, None, None), (2048, 2048, None), (4096, 4096, None),
+         (8192, 1024, None), (16384, 1024, None), (16384, 4096, 8),
+         (32768, 2048, None), (65536, 4096, 8))
+
+
+def _time(fn, args, repeats):
+  """(median of single calls, mean over back-to-back batches) in seconds.
+
+  A single call includes Python dispatch; a batch of ``repeats`` calls with
+  one block_until_ready at the end overlaps dispatch with the GPU, so its
+  mean is close to device time.
+  """
+  out = jax.block_until_ready(fn(*args))        # compile + warm-up
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  batches = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+      res = fn(*args)
+    jax.block_until_ready(res)
+    batches.append((time.perf_counter() - t0) / repeats)
+  return statistics.median(times), min(batches), out
+
+
+def _same(a, b):
+  return all(np.array_equal(np.asarray(x).reshape(-1).view(np.uint8),
+                            np.asarray(y).reshape(-1).view(np.uint8)) for x, y in zip(a, b))
+
+
+def bench_one(acc, tau, capacity, offset, methods, repeats, interpret=False,
+              expect=None, **kw):
+  fns = {
+      "pallas": jax.jit(lambda a, t, o: select_pallas(
+          a, t, capacity, o, interpret=interpret, **kw)),
+      "count": jax.jit(lambda a, t, o: select_pallas(
+          a, t, capacity, o, interpret=interpret, **kw)[2]),
+      "ref": jax.jit(lambda a, t, o: sparsify.select(a, t, capacity, o)),
+      "top_k": jax.jit(lambda a, t, o: jax.lax.top_k(jnp.abs(a), capacity)),
+      "read": jax.jit(lambda a, t, o: jnp.sum(jnp.abs(a))),
+  }
+  row, outs = {}, {}
+  for name in methods:
+    try:
+      single, batched, outs[name] = _time(fns[name], (acc, tau, offset),
+                                          repeats)
+      row[name + "_ms"] = single * 1e3
+      row[name + "_batched_ms"] = batched * 1e3
+    except Exception as e:  # pylint: disable=broad-except
+      row[name + "_ms"] = None
+      row[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+  expect = outs.get("ref", expect)
+  if "pallas" in outs and expect is not None:
+    row["match"] = _same(outs["pallas"], expect)
+    row["count"] = int(expect[2])
+  return row
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--sizes", default="1000000,16000000,100000000")
+  p.add_argument("--densities", default="0.001,0.01,0.05")
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--methods", default="pallas,count,ref,top_k,read")
+  p.add_argument("--repeats", type=int, default=15)
+  p.add_argument("--block", type=int, default=None)
+  p.add_argument("--tile", type=int, default=None)
+  p.add_argument("--num-warps", type=int, default=None)
+  p.add_argument("--sweep", action="store_true",
+                 help="block x num_warps sweep at the largest n, density 0.01")
+  p.add_argument("--interpret", action="store_true",
+                 help="Pallas interpreter (to try the script on CPU)")
+  p.add_argument("--out", default=None, help="JSON file to write")
+  args = p.parse_args(argv)
+
+  sizes = [int(float(s)) for s in args.sizes.split(",")]
+  densities = [float(d) for d in args.densities.split(",")]
+  methods = args.methods.split(",")
+  dtype = jnp.dtype(args.dtype)
+  dev = jax.devices()[0]
+  meta = {"jax": jax.__version__, "backend": jax.default_backend(),
+          "device": getattr(dev, "device_kind", str(dev)), "dtype": args.dtype,
+          "repeats": args.repeats, "block": args.block, "tile": args.tile,
+          "num_warps": args.num_warps}
+  print(json.dumps(meta))
+  kw = {"block": args.block, "tile": args.tile, "num_warps": args.num_warps}
+  rows, sweep = [], []
+  cols = ("pallas", "count", "ref", "top_k", "read")
+  hdr = (f"{'n':>11} {'dens':>6} {'cap':>9} {'count':>9} | single-call median "
+         f"ms: " + " ".join(f"{c:>7}" for c in cols) + " | batched ms: " +
+         " ".join(f"{c:>7}" for c in cols) +
+         " | p/read ref/p topk/p (batched) | match")
+  print(hdr)
+  for n in sizes:
+    acc = jax.random.normal(jax.random.PRNGKey(n), (n,), jnp.float32)
+    acc = jax.block_until_ready(acc.astype(dtype))
+    mags = jnp.abs(acc.astype(jnp.float32))
+    qs = np.asarray(jnp.quantile(mags, jnp.asarray([1 - d for d in densities])))
+    del mags
+    offset = jnp.int32(n // 3)
+    for d, q in zip(densities, qs):
+      capacity = math.ceil(1.5 * d * n)
+      tau = jnp.float32(q)
+      row = {"n": n, "density": d, "capacity": capacity, "tau": float(q)}
+      row.update(bench_one(acc, tau, capacity, offset, methods, args.repeats,
+                           args.interpret, **kw))
+      get = lambda k: row.get(k + "_batched_ms")
+      ratio = lambda a, b: (get(a) / get(b)) if get(a) and get(b) else None
+      row["pallas_over_read"] = ratio("pallas", "read")
+      row["ref_over_pallas"] = ratio("ref", "pallas")
+      row["topk_over_pallas"] = ratio("top_k", "pallas")
+      row["read_gbps"] = (n * dtype.itemsize / get("read") / 1e6
+                          if get("read") else None)
+      rows.append(row)
+      f = lambda v, w=7, p=3: (f"{v:>{w}.{p}f}" if isinstance(v, float)
+                               else f"{'-':>{w}}")
+      print(f"{n:>11} {d:>6} {capacity:>9} {row.get('count', -1):>9} | "
+            + " " * 22 + " ".join(f(row.get(c + "_ms")) for c in cols)
+            + " | " + " " * 11
+            + " ".join(f(row.get(c + "_batched_ms")) for c in cols)
+            + f" | {f(row['pallas_over_read'], 6, 2)} "
+            f"{f(row['ref_over_pallas'], 5, 1)} "
+            f"{f(row['topk_over_pallas'], 6, 1)} "
+            f"{' ' * 10}| {row.get('match')}", flush=True)
+      for k in [k for k in row if k.endswith("_error")]:
+        print(f"    {k}: {row[k]}", flush=True)
+    if args.sweep and n == max(sizes):
+      d = 0.01
+      q = float(jnp.quantile(jnp.abs(acc.astype(jnp.float32)), 1 - d))
+      capacity = math.ceil(1.5 * d * n)
+      expect = jax.jit(lambda a, t, o: sparsify.select(a, t, capacity, o))(
+          acc, jnp.float32(q), offset)
+      for block, tile, nw in SWEEP:
+        r = bench_one(acc, jnp.float32(q), capacity, offset,
+                      ["pallas", "count"], args.repeats, args.interpret,
+                      expect=expect, block=block, tile=tile, num_warps=nw)
+        r.update(n=n, density=d, block=block, tile=tile, num_warps=nw)
+        sweep.append(r)
+        g = lambda k: f"{r[k]:.3f}" if r.get(k) is not None else "-"
+        print(f"  sweep block={block} tile={tile} warps={nw}: pallas "
+              f"{g('pallas_ms')} ms (batched {g('pallas_batched_ms')}), count "
+              f"{g('count_ms')} (batched {g('count_batched_ms')}) match "
+              f"{r.get('match')} {r.get('pallas_error', '')}", flush=True)
+    del acc
+  if args.out:
+    pathlib.Path(args.out).write_text(json.dumps(
+        {"meta": meta, "rows": rows, "sweep": sweep}, indent=1))
+
+
+if __name__ == "__main__":
+  main()
