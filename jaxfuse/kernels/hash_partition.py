@@ -51,11 +51,12 @@ Lossless claiming in the kernel.  Pallas' ``atomic_cas`` only takes a scalar
 ref (it cannot address one element of a table per lane), so a slot is claimed
 with the equivalent test-and-set: ``atomic_add(claim[slot], 1)`` returns the
 previous count and exactly one claimant ever sees 0 — no check-then-write
-race.  The winner then writes a token unique to its input position, reads it
-back (ZEN's read-after-write check, Technique #4) and only then writes the
-index; on a GPU the read-back always succeeds, while in interpret mode (where
-lanes of one vector that hit the same address are not serialized) it picks
-the one winner.  The serial region takes one ``atomic_add`` per partition and
+race; on a GPU the winner writes its index.  In interpret mode (where lanes
+of one vector that hit the same claim word are not serialized) each claimant
+writes a token unique to its input position and reads it back (ZEN's
+read-after-write check, Technique #4) to keep one winner.  (Doing the same
+on the GPU left tokens in the table on an H200, cause not established; the
+atomic claim alone is race-free there.)  The serial region takes one ``atomic_add`` per partition and
 block: the failed lanes of a block are ranked within their partition, the
 first of each group reserves the group, and each lane writes at
 ``r1 + base + rank`` (warp-aggregated atomics).  Claim words and counters are
@@ -350,9 +351,15 @@ def _hash_kernel(idx_ref, table_in, claim_in, counter_in,
     prev = atomic_add(claim_ref, claim_addr, jnp.ones_like(slot), pending)
     got = pending & (prev == 0.0)        # test-and-set: one claimant sees 0
     addr = jnp.where(got, part * width + slot, dump_table)
-    plt.store(table_ref.at[addr], token, mask=got)
-    back = plt.load(table_ref.at[addr], mask=got, other=0)
-    won = got & (back == token)          # read-after-write
+    if use_masks:
+      won = got  # GPU: the atomic claim has exactly one winner per slot
+    else:
+      # Interpret mode does not serialize lanes of one vector that hit the
+      # same claim word: all of them see 0. Write a token per lane and read
+      # it back (ZEN's read-after-write check) to keep one winner.
+      plt.store(table_ref.at[addr], token, mask=got)
+      back = plt.load(table_ref.at[addr], mask=got, other=0)
+      won = got & (back == token)
     plt.store(table_ref.at[jnp.where(won, addr, dump_table)], idx, mask=won)
     pending = pending & ~won
 
