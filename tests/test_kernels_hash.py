@@ -335,6 +335,11 @@ def test_gpu_kernel_matches_reference(num, n, r1, r2, k):
   ref = _run(idx, n, g=g, r1=r1, r2=r2, k=k)
   _check_lossless(idx, ref, n, g=g)
   for block_size, num_warps in [(128, 4), (256, 4), (1024, 8)]:
+    if block_size * max(hp._next_pow2(n), 2) > hp.MAX_ONEHOT:  # pylint: disable=protected-access
+      with pytest.raises(ValueError, match="lower block_size"):
+        hp.hash_partition_pallas(idx, n, g, r1=r1, r2=r2, k=k,
+                                 block_size=block_size, num_warps=num_warps)
+      continue
     out = hp.hash_partition_pallas(idx, n, g, r1=r1, r2=r2, k=k,
                                    block_size=block_size, num_warps=num_warps)
     out = jax.tree.map(np.asarray, out)
@@ -369,3 +374,10 @@ def test_lossless_property_pallas(data):
   ref = _run(idx, 4)
   _check_lossless(idx, pal, 4)
   np.testing.assert_array_equal(hp.extract(pal), hp.extract(ref))
+
+
+def test_block_too_large_for_many_partitions_is_a_clear_error():
+  """1024 × 64 one-hot words overflowed an H100's shared memory: refuse."""
+  with pytest.raises(ValueError, match="lower block_size"):
+    hp.hash_partition_pallas(np.arange(10, dtype=np.int32), 64, 100,
+                             block_size=1024, num_warps=8, interpret=True)

@@ -87,6 +87,7 @@ __all__ = [
 INT32_MAX = 2**31 - 1
 MAX_PARTITIONS = 64
 MAX_REHASH = 16
+MAX_ONEHOT = 2**15  # block × partitions of the serial step (int32: 128 KiB)
 MAX_PALLAS_INDICES = 2**24
 _GOLDEN = 0x9E3779B9
 _MASK32 = 0xFFFFFFFF
@@ -463,6 +464,11 @@ def hash_partition_pallas(indices, num_partitions: int, tensor_size: int, *,
         f"block_size={block_size} < 32 * num_warps = {32 * num_warps}: "
         "lanes would be replicated across threads; raise block_size or lower "
         "num_warps")
+  if block_size * max(_next_pow2(num_partitions), 2) > MAX_ONEHOT:
+    raise ValueError(
+        f"block_size={block_size} with {num_partitions} partitions: the serial "
+        f"step's (block, partitions) matrix exceeds {MAX_ONEHOT} elements, "
+        "more than a GPU's shared memory holds; lower block_size")
   if indices.shape[0] > MAX_PALLAS_INDICES:
     raise ValueError(
         f"{indices.shape[0]} indices: the kernel takes at most 2^24 per call "
