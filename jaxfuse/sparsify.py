@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.scipy.special import ndtri
 
 from jaxfuse import kernels
+from jaxfuse.plans import target_count
 
 MIN_LOG_STEP = 1e-3
 MAX_LOG_STEP = 1.0
@@ -83,7 +84,7 @@ def _kth_largest(a: jax.Array, k: int) -> jax.Array:
 def topk_threshold(a, *, density, salt_, settings):
   """Exact: τ = the k-th largest |acc|, k = ⌈ρ·n⌉."""
   del salt_, settings
-  return _kth_largest(a, max(1, min(a.size, math.ceil(density * a.size))))
+  return _kth_largest(a, target_count(density, a.size))
 
 
 def dgc_threshold(a, *, density, salt_, settings):
@@ -105,7 +106,7 @@ def gaussian_threshold(a, *, density, salt_, settings, signed=None):
 def redsync_threshold(a, *, density, salt_, settings, iterations=12):
   """RedSync: bisection on τ = mean + t·(max − mean), t ∈ [0, 1], towards k."""
   del salt_, settings
-  k = max(1, math.ceil(density * a.size))
+  k = target_count(density, a.size)
   lo, hi = jnp.mean(a), jnp.max(a)
 
   def body(_, bounds):
@@ -236,7 +237,7 @@ def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
   new_residual = jnp.where(finite, acc.at[indices].set(0, mode="drop"),
                            residual)
   if settings.feedback and estimator != "topk":
-    new_ctrl = controller(ctrl_unit, count, max(1, math.ceil(density * n)), tau)
+    new_ctrl = controller(ctrl_unit, count, target_count(density, n), tau)
   else:
     new_ctrl = ctrl_unit._replace(threshold=tau)
   new_ctrl = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
