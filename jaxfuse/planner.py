@@ -123,11 +123,32 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
     order, source = ordering.reverse_order(len(leaves)), "reverse_pytree"
 
   nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
+  groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes)
+  buckets = buckets_from_groups(leaves, groups, behind=strategy == "behind",
+                                headroom=headroom)
+
+  provenance = {
+      "strategy": strategy, "jaxfuse_version": __version__,
+      "ready_order": source,
+      "parameters": {"density": density, "estimator": estimator,
+                     "num_buckets": num_buckets, "bucket_bytes": bucket_bytes},
+  }
+  return plan_lib.Plan(tuple(leaves), buckets, settings, provenance)
+
+
+def buckets_from_groups(leaves, groups, *, behind: bool,
+                        headroom: float) -> tuple[plan_lib.BucketPlan, ...]:
+  """Each group (leaf ids in ready order) -> a sparse bucket, then a dense one.
+
+  With ``behind`` a sparse bucket is selected jointly: one τ over the fused
+  buffer, capacity ⌈ρ·Σn·headroom⌉ (``"topk"``: ⌈ρ·Σn⌉).
+  """
   buckets = []
-  for group in _groups(strategy, order, nbytes, num_buckets, bucket_bytes):
+  for group in groups:
     sparse = [i for i in group if leaves[i].mode == "sparse"]
     dense = [i for i in group if leaves[i].mode == "dense"]
-    if sparse and strategy == "behind":
+    if sparse and behind:
+      density, estimator = leaves[sparse[0]].density, leaves[sparse[0]].estimator
       size = sum(leaves[i].size for i in sparse)
       cap = (plan_lib.target_count(density, size) if estimator == "topk" else
              plan_lib.capacity_for(density, size, headroom))
@@ -137,11 +158,4 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
       buckets.append(plan_lib.BucketPlan(tuple(sparse), "allgather"))
     if dense:
       buckets.append(plan_lib.BucketPlan(tuple(dense), "psum"))
-
-  provenance = {
-      "strategy": strategy, "jaxfuse_version": __version__,
-      "ready_order": source,
-      "parameters": {"density": density, "estimator": estimator,
-                     "num_buckets": num_buckets, "bucket_bytes": bucket_bytes},
-  }
-  return plan_lib.Plan(tuple(leaves), tuple(buckets), settings, provenance)
+  return tuple(buckets)

@@ -1,0 +1,271 @@
+"""The cost model: plain, immutable data with a versioned JSON form.
+
+Times are in seconds. Following Cupcake §4.1 and ASC-WFBP Eq. 3, every
+operation whose time depends on a size is a straight line::
+
+  one collective moving x bytes per worker   g(x) = α_g + β_g·x
+  sparsifying one unit of x elements         h(x) = α_h + β_h·x
+
+(one line per collective kind), plus the measured per-leaf backward compute
+times (in the plan's leaf order, i.e. pytree order), the forward time, the
+contention factor γ of ASC-WFBP §III (each of two simultaneous collectives
+moves its bytes γ times slower) and the overlap η: the share of the
+communication that XLA really hides behind backward compute (1 is the ideal
+WFBP of the papers; measured ≈ 0.25 on 2×H200 over NCCL's socket
+transport). ``jaxfuse.simulate`` turns a plan and these costs into a
+timeline.
+
+JSON only, never pickle, like ``Plan``: ``{"format": "jaxfuse.costs",
+"version": 1, ...}``. A bad, corrupted or newer file raises ``CostsError``
+(a ``ValueError``) naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import types
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+FORMAT = "jaxfuse.costs"
+FORMAT_VERSION = 1
+COLLECTIVES = ("allgather", "psum")  # == plans.COLLECTIVES (no JAX import here)
+
+
+class CostsError(ValueError):
+  """A cost model that is malformed, or a costs file that cannot be read."""
+
+
+def _number(where: str, x, *, low: float = 0.0,
+            high: float = math.inf) -> float:
+  if isinstance(x, bool) or not isinstance(x, (int, float, np.floating,
+                                               np.integer)):
+    raise CostsError(f"{where}={x!r} must be a number.")
+  x = float(x)
+  if not (math.isfinite(x) and low <= x <= high):
+    bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+    raise CostsError(f"{where}={x!r} must be finite and {bounds}.")
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCost:
+  """time(x) = alpha + beta·x; both >= 0 (seconds, seconds per unit of x)."""
+  alpha: float
+  beta: float
+
+  def __post_init__(self):
+    object.__setattr__(self, "alpha", _number("alpha", self.alpha))
+    object.__setattr__(self, "beta", _number("beta", self.beta))
+
+  def time(self, x: float) -> float:
+    return self.alpha + self.beta * x
+
+  def to_dict(self) -> dict:
+    return {"alpha": self.alpha, "beta": self.beta}
+
+
+def fit_linear(sizes: Sequence[float], times: Sequence[float]) -> LinearCost:
+  """Least-squares line through (size, time) points, with alpha, beta >= 0.
+
+  Non-negative least squares in two unknowns: the minimum is either the
+  unconstrained fit (when both coefficients come out >= 0) or lies on a face
+  of the constraint set, so we take the best of the unconstrained fit, the
+  fit through the origin (alpha = 0), the constant fit (beta = 0) and zero.
+  Measured small sizes often give a slightly negative intercept; clipping it
+  to 0 this way keeps the line the best one a cost model can use.
+
+  Needs at least two distinct sizes (one size cannot separate alpha from
+  beta), all finite, sizes >= 0.
+  """
+  x = np.asarray(sizes, dtype=np.float64).reshape(-1)
+  y = np.asarray(times, dtype=np.float64).reshape(-1)
+  if x.shape != y.shape:
+    raise CostsError(f"fit_linear: {x.size} sizes but {y.size} times.")
+  if not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+    raise CostsError("fit_linear: sizes and times must be finite.")
+  if np.any(x < 0):
+    raise CostsError("fit_linear: sizes must be >= 0.")
+  if np.unique(x).size < 2:
+    raise CostsError("fit_linear: needs at least two distinct sizes to "
+                     "separate alpha (latency) from beta (per unit).")
+  candidates = [(0.0, 0.0), (max(0.0, float(y.mean())), 0.0)]
+  sxx = float(np.dot(x, x))
+  candidates.append((0.0, max(0.0, float(np.dot(x, y)) / sxx)))
+  beta, alpha = np.polyfit(x, y, 1)
+  if alpha >= 0 and beta >= 0:
+    candidates.append((float(alpha), float(beta)))
+  sse = lambda ab: float(np.sum((ab[0] + ab[1] * x - y) ** 2))
+  alpha, beta = min(candidates, key=sse)
+  return LinearCost(alpha, beta)
+
+
+def contention_penalty(cost: LinearCost, gamma: float, nbytes_first: float,
+                       offset: float) -> float:
+  """ASC-WFBP Eq. 12-13: extra time when a second collective joins a first.
+
+  The first collective moves ``nbytes_first`` bytes in ``cost.time(nbytes)``
+  seconds; the second starts ``offset`` seconds after it (0 <= offset <=
+  that time). The bytes of the first still in flight, m = m1·(1 - offset /
+  t1), move γ times slower: penalty = (γ - 1)·β·m. (``simulate`` runs one
+  collective at a time and does not use this; it is here for planners that
+  consider simultaneous collectives.)
+  """
+  t1 = cost.time(nbytes_first)
+  if not 0 <= offset <= t1:
+    raise CostsError(f"contention_penalty: offset={offset} must be in "
+                     f"[0, {t1}] (during the first collective).")
+  overlapped = nbytes_first * (1 - offset / t1) if t1 > 0 else 0.0
+  return (gamma - 1) * cost.beta * overlapped
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """Everything the simulator needs besides the plan.
+
+  collectives: {"allgather": LinearCost, "psum": LinearCost}: time of ONE
+    collective moving x bytes per worker.
+  compress: time to sparsify one selection unit of x elements.
+  backward: backward compute time of each leaf, in the plan's leaf order
+    (pytree order; the same length as ``plan.leaves``).
+  contention: γ >= 1, slow-down of each of two simultaneous collectives.
+  overlap: η in [0, 1], the share of communication XLA can hide behind
+    backward compute (``simulate`` says exactly how it is applied).
+  forward: forward compute time.
+  provenance: free-form notes (devices, date, how measured); JSON values.
+  """
+  collectives: Mapping[str, LinearCost]
+  compress: LinearCost
+  backward: tuple[float, ...]
+  contention: float = 1.0
+  overlap: float = 1.0
+  forward: float = 0.0
+  provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if not isinstance(self.collectives, Mapping):
+      raise CostsError("collectives must map each of "
+                       f"{COLLECTIVES} to a LinearCost.")
+    names = set(self.collectives)
+    if names != set(COLLECTIVES):
+      raise CostsError(f"collectives has {sorted(names)}; it needs exactly "
+                       f"{list(COLLECTIVES)}.")
+    for name in COLLECTIVES:
+      if not isinstance(self.collectives[name], LinearCost):
+        raise CostsError(f"collectives[{name!r}] must be a LinearCost, not "
+                         f"{type(self.collectives[name]).__name__}.")
+    if not isinstance(self.compress, LinearCost):
+      raise CostsError("compress must be a LinearCost.")
+    if isinstance(self.backward, (str, bytes)) or not isinstance(
+        self.backward, (Sequence, np.ndarray)):
+      raise CostsError("backward must be a sequence of per-leaf times.")
+    backward = tuple(_number(f"backward[{i}]", t)
+                     for i, t in enumerate(self.backward))
+    object.__setattr__(self, "collectives", types.MappingProxyType(
+        {name: self.collectives[name] for name in COLLECTIVES}))
+    object.__setattr__(self, "backward", backward)
+    object.__setattr__(self, "contention",
+                       _number("contention", self.contention, low=1.0))
+    object.__setattr__(self, "overlap",
+                       _number("overlap", self.overlap, high=1.0))
+    object.__setattr__(self, "forward", _number("forward", self.forward))
+    object.__setattr__(self, "provenance", dict(self.provenance))
+
+  def comm_time(self, collective: str, nbytes: float) -> float:
+    return self.collectives[collective].time(nbytes)
+
+  def replace(self, **changes) -> "Costs":
+    return dataclasses.replace(self, **changes)
+
+  def check(self, num_leaves: int) -> None:
+    """Raise ``CostsError`` unless there is one backward time per leaf."""
+    if len(self.backward) != num_leaves:
+      raise CostsError(f"costs.backward has {len(self.backward)} times but "
+                       f"the plan has {num_leaves} leaves; measure the costs "
+                       "for this model.")
+
+  # --- JSON -------------------------------------------------------------------
+  def to_json(self) -> str:
+    body = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "collectives": {n: c.to_dict() for n, c in self.collectives.items()},
+        "compress": self.compress.to_dict(),
+        "backward": list(self.backward),
+        "contention": self.contention,
+        "overlap": self.overlap,
+        "forward": self.forward,
+        "provenance": dict(self.provenance),
+    }
+    return json.dumps(body, indent=1)
+
+  @classmethod
+  def from_json(cls, text: str) -> "Costs":
+    try:
+      body = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise CostsError(f"costs are not valid JSON ({e}); the file is "
+                       "corrupted or not a jaxfuse costs file.") from None
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+      raise CostsError("not a jaxfuse costs file: the 'format' field must be "
+                       f"{FORMAT!r}.")
+    version = body.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+      raise CostsError(f"costs field 'version' is {version!r}; expected an "
+                       "integer >= 1.")
+    if version > FORMAT_VERSION:
+      raise CostsError(f"costs format version {version} is newer than this "
+                       f"jaxfuse reads ({FORMAT_VERSION}); upgrade jaxfuse.")
+    known = {"format", "version", "collectives", "compress", "backward",
+             "contention", "overlap", "forward", "provenance"}
+    unknown = sorted(set(body) - known)
+    if unknown:
+      raise CostsError(f"costs JSON has unknown field(s) {unknown}; the file "
+                       "is corrupted or from another program.")
+    for field in ("collectives", "compress", "backward"):
+      if field not in body:
+        raise CostsError(f"costs JSON is missing the field {field!r}.")
+
+    def line(where, d):
+      if not isinstance(d, dict) or set(d) != {"alpha", "beta"}:
+        raise CostsError(f"costs field {where!r} must be an object with "
+                         f"exactly 'alpha' and 'beta'; got {d!r}.")
+      try:
+        return LinearCost(d["alpha"], d["beta"])
+      except CostsError as e:
+        raise CostsError(f"costs field {where!r}: {e}") from None
+
+    coll = body["collectives"]
+    if not isinstance(coll, dict):
+      raise CostsError("costs field 'collectives' must be an object.")
+    if set(coll) != set(COLLECTIVES):
+      raise CostsError(f"costs field 'collectives' has {sorted(coll)}; it "
+                       f"needs exactly {list(COLLECTIVES)}.")
+    collectives = {n: line(f"collectives.{n}", coll[n]) for n in COLLECTIVES}
+    compress = line("compress", body["compress"])
+    if not isinstance(body["backward"], list):
+      raise CostsError("costs field 'backward' must be a list of per-leaf "
+                       "times.")
+    provenance = body.get("provenance", {})
+    if not isinstance(provenance, dict):
+      raise CostsError("costs field 'provenance' must be an object.")
+    try:
+      return cls(collectives, compress, tuple(body["backward"]),
+                 contention=body.get("contention", 1.0),
+                 overlap=body.get("overlap", 1.0),
+                 forward=body.get("forward", 0.0), provenance=provenance)
+    except CostsError as e:
+      raise CostsError(f"costs JSON: {e}") from None
+
+  def save(self, path: str | os.PathLike) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(self.to_json())
+
+  @classmethod
+  def load(cls, path: str | os.PathLike) -> "Costs":
+    with open(path, encoding="utf-8") as f:
+      return cls.from_json(f.read())
