@@ -31,6 +31,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from jaxfuse import _jsonfile
+
 FORMAT = "jaxfuse.costs"
 FORMAT_VERSION = 1
 COLLECTIVES = ("allgather", "psum")  # == plans.COLLECTIVES (no JAX import here)
@@ -205,21 +207,8 @@ class Costs:
 
   @classmethod
   def from_json(cls, text: str) -> "Costs":
-    try:
-      body = json.loads(text)
-    except json.JSONDecodeError as e:
-      raise CostsError(f"costs are not valid JSON ({e}); the file is "
-                       "corrupted or not a jaxfuse costs file.") from None
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
-      raise CostsError("not a jaxfuse costs file: the 'format' field must be "
-                       f"{FORMAT!r}.")
-    version = body.get("version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-      raise CostsError(f"costs field 'version' is {version!r}; expected an "
-                       "integer >= 1.")
-    if version > FORMAT_VERSION:
-      raise CostsError(f"costs format version {version} is newer than this "
-                       f"jaxfuse reads ({FORMAT_VERSION}); upgrade jaxfuse.")
+    body = _jsonfile.read(text, fmt=FORMAT, max_version=FORMAT_VERSION,
+                          error=CostsError, what="jaxfuse costs file")
     known = {"format", "version", "collectives", "compress", "backward",
              "contention", "overlap", "forward", "provenance"}
     unknown = sorted(set(body) - known)

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxfuse import _compat
+from jaxfuse import _jsonfile
 
 FORMAT = "jaxfuse.plan"
 FORMAT_VERSION = 1
@@ -176,21 +177,8 @@ class Plan:
 
   @classmethod
   def from_json(cls, text: str) -> "Plan":
-    try:
-      body = json.loads(text)
-    except json.JSONDecodeError as e:
-      raise PlanError(f"plan is not valid JSON ({e}); the file is corrupted "
-                      "or not a jaxfuse plan.") from None
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
-      raise PlanError("not a jaxfuse plan: the 'format' field must be "
-                      f"{FORMAT!r}.")
-    version = body.get("version")
-    if not isinstance(version, int) or version < 1:
-      raise PlanError(f"plan field 'version' is {version!r}; expected an "
-                      "integer >= 1.")
-    if version > FORMAT_VERSION:
-      raise PlanError(f"plan format version {version} is newer than this "
-                      f"jaxfuse reads ({FORMAT_VERSION}); upgrade jaxfuse.")
+    body = _jsonfile.read(text, fmt=FORMAT, max_version=FORMAT_VERSION,
+                          error=PlanError, what="jaxfuse plan")
     try:
       settings = Settings(**body["settings"])
       leaves = tuple(LeafPlan(**dict(l, shape=tuple(l["shape"])))
