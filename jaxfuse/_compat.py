@@ -10,7 +10,6 @@ import inspect
 
 import jax
 from jax import lax
-import numpy as np
 
 _ALL_GATHER_HAS_TO = "to" in inspect.signature(lax.all_gather).parameters
 

@@ -1,6 +1,5 @@
 """The five invariants of DESIGN.md, each a test."""
 
-import functools
 
 from hypothesis import given
 from hypothesis import settings

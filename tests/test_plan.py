@@ -1,6 +1,5 @@
 """Plans: strategies, backward-ready order, JSON, and every bad input."""
 
-import dataclasses
 import json
 import math
 
@@ -8,11 +7,9 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 import jax
-from jax import lax
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import jaxfuse
