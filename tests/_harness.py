@@ -24,12 +24,18 @@ def _sync_fn(plan_json, mesh):
       jax.tree.structure([0] * len(plan.leaves)),
       [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.leaves])
   specs = jaxfuse.state_specs(jax.eval_shape(tx.init, params))
+  return jax.jit(sharded_update(tx, mesh, specs))
 
-  def local(grads, state):
-    return tx.update(jax.tree.map(lambda g: g[0], grads), state)
 
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), specs),
-                               out_specs=(P(), specs)))
+def sharded_update(tx, mesh, specs, local_grads=None):
+  """``tx.update`` under ``shard_map``: (K, ...) grads in, (synced, state) out.
+
+  ``local_grads`` maps the worker's (1, ...) blocks to its gradients
+  (default: drop the leading axis of each).
+  """
+  local_grads = local_grads or (lambda g: jax.tree.map(lambda x: x[0], g))
+  return jax.shard_map(lambda g, s: tx.update(local_grads(g), s), mesh=mesh,
+                       in_specs=(P("data"), specs), out_specs=(P(), specs))
 
 
 def init(plan, mesh):

@@ -17,7 +17,7 @@ import pytest
 import jaxfuse
 from jaxfuse import fusion
 
-from _harness import init, list_plan, per_device, shard, sync
+from _harness import init, list_plan, per_device, shard, sharded_update, sync
 
 K = 8
 
@@ -227,8 +227,7 @@ def test_memory_per_leaf_is_o_kc_plus_n(mesh, strategy):
   tx = jaxfuse.sparse_sync(plan)
   state = init(plan, mesh)
   specs = jaxfuse.state_specs(state)
-  f = jax.shard_map(lambda g, s: tx.update([x[0] for x in g], s), mesh=mesh,
-                    in_specs=(P("data"), specs), out_specs=(P(), specs))
+  f = sharded_update(tx, mesh, specs)
   sharding = NamedSharding(mesh, P("data"))
   grads = [jax.ShapeDtypeStruct((K, n), jnp.float32, sharding=sharding),
            jax.ShapeDtypeStruct((K, 300), jnp.float32, sharding=sharding)]

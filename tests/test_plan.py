@@ -15,7 +15,7 @@ import pytest
 import jaxfuse
 from jaxfuse import fusion
 
-from _harness import init, list_plan, shard, sync
+from _harness import init, list_plan, shard, sharded_update, sync
 
 K = 8
 
@@ -210,8 +210,7 @@ def test_unbound_axis_name_is_a_clear_error(mesh):
   tx = jaxfuse.sparse_sync(plan, axis_name="batch")
   state = init(plan, mesh)
   specs = jaxfuse.state_specs(state)
-  f = jax.shard_map(lambda g, s: tx.update([g[0][0]], s), mesh=mesh,
-                    in_specs=(P("data"), specs), out_specs=(P(), specs))
+  f = sharded_update(tx, mesh, specs)
   with pytest.raises(jaxfuse.SyncError, match="'batch'"):
     jax.jit(f)(shard(mesh, [jnp.ones((K, 64, 64))]), state)
 
@@ -239,9 +238,7 @@ def test_gradient_tree_mismatch_names_the_leaf(mesh):
   state = init(plan, mesh)
   tx = jaxfuse.sparse_sync(plan)
   specs = jaxfuse.state_specs(state)
-  f = jax.shard_map(lambda g, s: tx.update([g[0][0], g[1][0, :5]], s),
-                    mesh=mesh, in_specs=(P("data"), specs),
-                    out_specs=(P(), specs))
+  f = sharded_update(tx, mesh, specs, lambda g: [g[0][0], g[1][0, :5]])
   with pytest.raises(jaxfuse.PlanError, match=r"gradient \[1\].*float32\[5\]"):
     jax.jit(f)(shard(mesh, [jnp.ones((K, 64, 64)), jnp.ones((K, 10))]), state)
 
@@ -251,8 +248,7 @@ def test_state_passed_replicated_is_a_clear_error(mesh):
   state = jax.tree.map(lambda x: jnp.concatenate([x] * 2), init(plan, mesh))
   tx = jaxfuse.sparse_sync(plan)
   specs = jaxfuse.state_specs(state)
-  f = jax.shard_map(lambda g, s: tx.update([g[0][0]], s), mesh=mesh,
-                    in_specs=(P("data"), specs), out_specs=(P(), specs))
+  f = sharded_update(tx, mesh, specs)
   with pytest.raises(jaxfuse.SyncError, match="state_specs"):
     jax.jit(f)(shard(mesh, [jnp.ones((K, 64, 64))]), state)
 
