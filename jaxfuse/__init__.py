@@ -11,6 +11,7 @@ from jaxfuse.plans import LeafPlan
 from jaxfuse.plans import Plan
 from jaxfuse.plans import PlanError
 from jaxfuse.plans import Settings
+from jaxfuse.planner import COST_STRATEGIES
 from jaxfuse.planner import STRATEGIES
 from jaxfuse.planner import plan
 from jaxfuse.transform import SparseSyncState
@@ -25,7 +26,7 @@ from jaxfuse.transform import sync_stats
 from jaxfuse.version import __version__
 
 __all__ = [
-    "BucketPlan", "kernels", "LeafPlan", "Plan", "PlanError", "Settings", "STRATEGIES",
+    "BucketPlan", "COST_STRATEGIES", "kernels", "LeafPlan", "Plan", "PlanError", "Settings", "STRATEGIES",
     "SparseSyncState", "SyncError", "SyncStats", "init_state", "local_params",
     "make_mesh", "plan", "sparse_sync", "state_specs", "summarize",
     "sync_stats", "__version__",

@@ -1,8 +1,10 @@
-"""``jaxfuse.plan``: simple-rule plans (the cost-model planners come later).
+"""``jaxfuse.plan``: the front door of the planners.
 
 Every strategy walks the leaves in backward-ready order and cuts that
 sequence into contiguous groups; each group becomes up to two buckets, one
 of its sparse leaves (``all_gather``) and one of its dense leaves (``psum``).
+
+Simple rules (``STRATEGIES``; no costs needed):
 
   layerwise  one leaf per group (WFBP)
   single     one group
@@ -10,25 +12,54 @@ of its sparse leaves (``all_gather``) and one of its dense leaves (``psum``).
   size       fill a group up to ``bucket_bytes`` dense bytes (Horovod / DDP)
   behind     as ``size``, but each sparse bucket is selected with ONE
              threshold over the fused buffer (sparsification-behind baseline)
+
+Cost-model strategies (``COST_STRATEGIES``; need ``costs``, see
+``jaxfuse.strategies`` and docs/planner.md):
+
+  safusion   SAFusion §3.3: adaptive buffer sizes (Eq. 1-2), long tail (Eq. 3)
+  cupcake    Cupcake Alg. 1: the optimal grouping under ``simulate``
+  asc        ASC-WFBP Theorem 1 (normal / merged / simultaneous leaves)
+  mgwfbp     MG-WFBP: merge while it gains (ASC-WFBP Eq. 5-6)
+  auto       the fastest of all of these, of the rules at several sizes and of
+             all-dense, under ``simulate``; then groups switched to dense
+             where sparse does not pay
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
+from jaxfuse import costs as costs_lib
 from jaxfuse import ordering
 from jaxfuse import plans as plan_lib
+from jaxfuse import simulate as simulate_lib
 from jaxfuse.version import __version__
 
 STRATEGIES = ("layerwise", "single", "aligned", "size", "behind")
+COST_STRATEGIES = ("safusion", "cupcake", "asc", "mgwfbp", "auto")
 DEFAULT_BUCKET_BYTES = 25 * 2**20
+# The rule sizes "auto" tries besides the ones passed to plan().
+AUTO_NUM_BUCKETS = (1, 2, 4, 8, 16, 32)
+AUTO_BUCKET_BYTES = tuple(2**k for k in (18, 20, 22, 24, 26))
 
 
-def _groups(strategy, order, nbytes, num_buckets, bucket_bytes):
+def _groups(strategy, order, nbytes, num_buckets, bucket_bytes, *,
+            leaves=None, costs=None):
+  """Leaf ids per group, in ready order; the cost strategies but "auto" need
+  ``leaves`` and ``costs``."""
+  if strategy in COST_STRATEGIES:
+    from jaxfuse import strategies  # pylint: disable=g-import-not-at-top
+    p = strategies.problem(leaves, order, costs)
+    if strategy == "safusion":
+      return strategies.safusion(p, num_buckets)
+    if strategy == "asc":
+      return strategies.asc(p, costs.contention)
+    return getattr(strategies, strategy)(p)
   if strategy == "layerwise":
     return [[i] for i in order]
   if strategy == "single":
@@ -52,16 +83,19 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
          min_sparse_size: int = 1024, refresh: int = 1, feedback: bool = True,
          sample_fraction: float = 0.01, sidco_stages: int = 2, seed: int = 0,
          loss_fn: Callable | None = None, example_args: Sequence = (),
-         ready_order: Sequence[int] | None = None) -> plan_lib.Plan:
+         ready_order: Sequence[int] | None = None,
+         costs: costs_lib.Costs | str | os.PathLike | None = None
+         ) -> plan_lib.Plan:
   """Make a plan for ``params`` (arrays or ``jax.ShapeDtypeStruct``s).
 
   Args:
     params: the parameter pytree the gradients will have.
     density: share ρ of each sparse leaf to send per step, in (0, 1]; 1 means
       every leaf dense.
-    strategy: one of ``STRATEGIES`` (module docstring).
+    strategy: one of ``STRATEGIES`` or ``COST_STRATEGIES`` (module
+      docstring).
     estimator: threshold estimator, one of ``plan.ESTIMATORS``.
-    num_buckets: M for ``"aligned"``.
+    num_buckets: M for ``"aligned"`` (and the start of ``"safusion"``).
     bucket_bytes: dense bytes per bucket for ``"size"`` and ``"behind"``.
     headroom: capacity c = ⌈ρ·n·headroom⌉ (``"topk"``: c = ⌈ρ·n⌉ exactly).
     min_sparse_size: leaves with fewer elements (and non-float leaves) go dense.
@@ -69,9 +103,14 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
     loss_fn, example_args: ``loss_fn(params, *example_args)``; its gradient's
       jaxpr gives the backward-ready order. Without it, reverse pytree order.
     ready_order: leaf ids in ready order, overriding ``loss_fn``.
+    costs: a ``jaxfuse.costs.Costs`` or the path of its JSON, measured for
+      this model (``costs.backward`` per leaf, pytree order). Needed by
+      ``COST_STRATEGIES``; with any strategy it adds the simulated step time
+      to ``plan.provenance["predicted_iteration"]``.
   """
-  if strategy not in STRATEGIES:
-    raise plan_lib.PlanError(f"strategy={strategy!r}; use one of {STRATEGIES}.")
+  if strategy not in STRATEGIES + COST_STRATEGIES:
+    raise plan_lib.PlanError(f"strategy={strategy!r}; use one of "
+                             f"{STRATEGIES + COST_STRATEGIES}.")
   if estimator not in plan_lib.ESTIMATORS:
     raise plan_lib.PlanError(
         f"estimator={estimator!r}; use one of {plan_lib.ESTIMATORS}.")
@@ -122,18 +161,122 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
   else:
     order, source = ordering.reverse_order(len(leaves)), "reverse_pytree"
 
-  nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
-  groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes)
-  buckets = buckets_from_groups(leaves, groups, behind=strategy == "behind",
-                                headroom=headroom)
-
+  costs = _load_costs(costs, strategy, len(leaves))
   provenance = {
       "strategy": strategy, "jaxfuse_version": __version__,
       "ready_order": source,
       "parameters": {"density": density, "estimator": estimator,
                      "num_buckets": num_buckets, "bucket_bytes": bucket_bytes},
   }
-  return plan_lib.Plan(tuple(leaves), buckets, settings, provenance)
+  nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
+  if strategy == "auto":
+    leaves, groups, provenance["auto"] = _auto(
+        tuple(leaves), order, nbytes, costs, num_buckets, bucket_bytes,
+        settings)
+  else:
+    groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
+                     leaves=leaves, costs=costs)
+  buckets = buckets_from_groups(leaves, groups, behind=strategy == "behind",
+                                headroom=headroom)
+  made = plan_lib.Plan(tuple(leaves), buckets, settings, provenance)
+  if costs is None:
+    return made
+  provenance["predicted_iteration"] = simulate_lib.simulate(
+      made, costs).iteration
+  provenance["costs"] = dict(costs.provenance)
+  return plan_lib.Plan(made.leaves, made.buckets, settings, provenance)
+
+
+def _load_costs(costs, strategy, num_leaves):
+  """``costs`` as a checked ``Costs``, or None where none is needed."""
+  if costs is None:
+    if strategy in COST_STRATEGIES:
+      raise plan_lib.PlanError(
+          f"strategy={strategy!r} needs costs=: a jaxfuse.costs.Costs or the "
+          "path of a costs JSON. Measure them on the training mesh with "
+          "`jaxfuse profile`, or load a file with "
+          "jaxfuse.costs.Costs.load(path).")
+    return None
+  if isinstance(costs, (str, os.PathLike)):
+    try:
+      costs = costs_lib.Costs.load(costs)
+    except (OSError, ValueError) as e:
+      raise plan_lib.PlanError(
+          f"costs={os.fspath(costs)!r} cannot be read ({e}). Give the JSON "
+          "written by `jaxfuse profile` or by Costs.save.") from e
+  if not isinstance(costs, costs_lib.Costs):
+    raise plan_lib.PlanError(
+        f"costs must be a jaxfuse.costs.Costs or a path, not "
+        f"{type(costs).__name__}.")
+  if len(costs.backward) != num_leaves:
+    raise plan_lib.PlanError(
+        f"costs.backward has {len(costs.backward)} times but params has "
+        f"{num_leaves} leaves; measure the costs for this model "
+        "(`jaxfuse profile`).")
+  return costs
+
+
+def _dense(leaf: plan_lib.LeafPlan) -> plan_lib.LeafPlan:
+  return plan_lib.LeafPlan(leaf.path, leaf.shape, leaf.dtype, "dense", 1.0,
+                           leaf.size, None)
+
+
+def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
+  """The fastest candidate under ``simulate``, then dense where it pays.
+
+  Candidates: every cost strategy, ``layerwise``, ``single``, ``aligned`` and
+  ``size`` at the given and at ``AUTO_NUM_BUCKETS`` / ``AUTO_BUCKET_BYTES``
+  sizes; each also with every leaf dense ("dense+…"). Then on the winner,
+  ``strategies.densify`` switches groups to dense one at a time while the
+  step gets faster, and the new modes are regrouped optimally; each kept
+  only if ``simulate`` says it is faster. (``behind`` is no candidate: it
+  may leave tensors out of a step.) Returns (leaves, groups, report).
+  """
+  from jaxfuse import strategies  # pylint: disable=g-import-not-at-top
+  dense = tuple(_dense(l) for l in leaves)
+  rules = [("layerwise", "layerwise", num_buckets, bucket_bytes),
+           ("single", "single", num_buckets, bucket_bytes)]
+  rules += [(f"aligned(num_buckets={m})", "aligned", m, bucket_bytes)
+            for m in sorted({num_buckets, *AUTO_NUM_BUCKETS})]
+  rules += [(f"size(bucket_bytes={b})", "size", num_buckets, b)
+            for b in sorted({bucket_bytes, *AUTO_BUCKET_BYTES})]
+  cands = []
+  for prefix, ls in (("", leaves), ("dense+", dense)):
+    if prefix and dense == leaves:
+      break
+    cands += [(prefix + name, ls, _groups(name, order, nbytes, num_buckets,
+                                          bucket_bytes, leaves=ls,
+                                          costs=costs))
+              for name in COST_STRATEGIES if name != "auto"]
+    cands += [(prefix + name, ls, _groups(rule, order, nbytes, m, b))
+              for name, rule, m, b in rules]
+
+  def time(ls, groups):
+    buckets = buckets_from_groups(ls, groups, behind=False,
+                                  headroom=settings.headroom)
+    return simulate_lib.simulate(plan_lib.Plan(ls, buckets, settings),
+                                 costs).iteration
+
+  times, best = {}, None
+  for name, ls, groups in cands:
+    times[name] = time(ls, groups)
+    if best is None or times[name] < best[0]:
+      best = (times[name], name, ls, groups)
+  _, name, ls, groups = best
+
+  p = strategies.problem(ls, order, costs)
+  switch = set(strategies.densify(p, groups, [nbytes[i] for i in order]))
+  if switch:
+    mixed = tuple(dense[i] if i in switch else l for i, l in enumerate(ls))
+    regrouped = strategies.cupcake(strategies.problem(mixed, order, costs))
+    dense_name = f"{name}+dense({len(switch)} leaves)"
+    for trial, gs in ((dense_name, groups), (dense_name + "+cupcake",
+                                              regrouped)):
+      times[trial] = time(mixed, gs)
+      if times[trial] < best[0]:
+        best = (times[trial], trial, mixed, gs)
+  _, winner, ls, groups = best
+  return ls, groups, {"winner": winner, "candidates": times}
 
 
 def buckets_from_groups(leaves, groups, *, behind: bool,
