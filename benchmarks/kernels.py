@@ -6,6 +6,8 @@ For each n × density: acc ~ N(0, 1) (float32 unless --dtype), τ the
   pallas   jaxfuse.kernels.selection.select_pallas (both passes)
   count    its pass 1 and glue only (the count output alone: XLA drops pass 2)
   ref      jaxfuse.sparsify.select (cumsum + scatter in XLA)
+  nonzero  |acc| ≥ τ then jnp.nonzero(size=capacity) and a gather (the
+           plain-XLA compaction the issue measured)
   top_k    jax.lax.top_k(|acc|, capacity)
   read     jnp.sum(jnp.abs(acc)): one plain read of acc, the bandwidth floor
 
@@ -41,9 +43,9 @@ from jaxfuse.kernels.selection import select_pallas  # pylint: disable=wrong-imp
 
 # (block, tile, num_warps); None: select_pallas's default. The GPU test
 # (tests/test_kernels_select.py, GPU_CONFIGS) checks each of these.
-SWEEP = ((None, None, None), (2048, 2048, None), (4096, 4096, None),
-         (8192, 1024, None), (16384, 1024, None), (16384, 4096, 8),
-         (32768, 2048, None), (65536, 4096, 8))
+SWEEP = ((None, None, None), (4096, 4096, None), (8192, 1024, None),
+         (8192, 8192, 8), (16384, 2048, 8), (16384, 4096, None),
+         (32768, 4096, 8), (65536, 8192, 8))
 
 
 def _time(fn, args, repeats):
@@ -70,6 +72,12 @@ def _time(fn, args, repeats):
   return statistics.median(times), min(batches), out
 
 
+def _nonzero_select(acc, tau, capacity):
+  n = acc.shape[0]
+  idx = jnp.nonzero(jnp.abs(acc) >= tau, size=capacity, fill_value=n)[0]
+  return acc.at[idx].get(mode="fill", fill_value=0), idx
+
+
 def _same(a, b):
   return all(np.array_equal(np.asarray(x).reshape(-1).view(np.uint8),
                             np.asarray(y).reshape(-1).view(np.uint8)) for x, y in zip(a, b))
@@ -83,6 +91,7 @@ def bench_one(acc, tau, capacity, offset, methods, repeats, interpret=False,
       "count": jax.jit(lambda a, t, o: select_pallas(
           a, t, capacity, o, interpret=interpret, **kw)[2]),
       "ref": jax.jit(lambda a, t, o: sparsify.select(a, t, capacity, o)),
+      "nonzero": jax.jit(lambda a, t, o: _nonzero_select(a, t, capacity)),
       "top_k": jax.jit(lambda a, t, o: jax.lax.top_k(jnp.abs(a), capacity)),
       "read": jax.jit(lambda a, t, o: jnp.sum(jnp.abs(a))),
   }
@@ -109,7 +118,7 @@ def main(argv=None):
   p.add_argument("--sizes", default="1000000,16000000,100000000")
   p.add_argument("--densities", default="0.001,0.01,0.05")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  p.add_argument("--methods", default="pallas,count,ref,top_k,read")
+  p.add_argument("--methods", default="pallas,count,ref,nonzero,top_k,read")
   p.add_argument("--repeats", type=int, default=15)
   p.add_argument("--block", type=int, default=None)
   p.add_argument("--tile", type=int, default=None)
@@ -133,11 +142,11 @@ def main(argv=None):
   print(json.dumps(meta))
   kw = {"block": args.block, "tile": args.tile, "num_warps": args.num_warps}
   rows, sweep = [], []
-  cols = ("pallas", "count", "ref", "top_k", "read")
+  cols = ("pallas", "count", "ref", "nonzero", "top_k", "read")
   hdr = (f"{'n':>11} {'dens':>6} {'cap':>9} {'count':>9} | single-call median "
          f"ms: " + " ".join(f"{c:>7}" for c in cols) + " | batched ms: " +
          " ".join(f"{c:>7}" for c in cols) +
-         " | p/read ref/p topk/p (batched) | match")
+         " | p/read ref/p nz/p topk/p (batched) | match")
   print(hdr)
   for n in sizes:
     acc = jax.random.normal(jax.random.PRNGKey(n), (n,), jnp.float32)
@@ -157,6 +166,7 @@ def main(argv=None):
       row["pallas_over_read"] = ratio("pallas", "read")
       row["ref_over_pallas"] = ratio("ref", "pallas")
       row["topk_over_pallas"] = ratio("top_k", "pallas")
+      row["nonzero_over_pallas"] = ratio("nonzero", "pallas")
       row["read_gbps"] = (n * dtype.itemsize / get("read") / 1e6
                           if get("read") else None)
       rows.append(row)
@@ -168,6 +178,7 @@ def main(argv=None):
             + " ".join(f(row.get(c + "_batched_ms")) for c in cols)
             + f" | {f(row['pallas_over_read'], 6, 2)} "
             f"{f(row['ref_over_pallas'], 5, 1)} "
+            f"{f(row['nonzero_over_pallas'], 5, 1)} "
             f"{f(row['topk_over_pallas'], 6, 1)} "
             f"{' ' * 10}| {row.get('match')}", flush=True)
       for k in [k for k in row if k.endswith("_error")]:

@@ -8,29 +8,32 @@ slots ``0, 1, …`` (value in ``acc``'s dtype, int32 index), the other slots
 holding the sentinel index ``n`` and the value 0, and the true count ``|M|``.
 
 The reference does a full-length cumsum and a scatter of n elements; this
-reads ``acc`` about once. ``acc`` is cut in blocks of B elements (one program
-each), a block in tiles of T (B, T powers of two; T < B makes the program loop
-over its tiles, loading tile t+1 before working on tile t):
+streams ``acc`` once and then touches only the candidates. ``acc`` is cut in
+blocks of B elements (one program each), a block in tiles of T (B, T powers
+of two ≥ 32; T < B makes the program loop over its tiles, loading tile t+1
+before working on tile t):
 
-* **Pass 1**: per tile, the candidate mask and its inclusive cumsum (plus the
-  running count of the block) give each candidate its rank ``lc`` in the
-  block; the first S candidates are *staged*, compacted in position order,
-  as (value, index) at ``stage[b·S + lc − 1]`` (S = B/8 by default). Output:
-  the block's count.
-* **Glue** (XLA, over ⌈n/B⌉ numbers): ``start`` = exclusive cumsum of the
-  counts, ``total`` = their sum, ``before`` = candidates in ``[0, offset)`` =
-  ``start`` of offset's block + the candidates of that block before offset
-  (one block of ``acc`` re-read by XLA).
-* **Pass 2**: the j-th candidate of block b has the global inclusive rank
-  ``r = start_b + j + 1`` and, as in the reference, the slot
+* **Pass 1 (mask)**: the candidate mask of a tile, viewed as T/32 rows of 32,
+  is packed into one 32-bit word per row, ``w = Σ_j m_j · 2^j`` (a row
+  reduction, no scan), and stored; the block's count is ``Σ popcount(w)``.
+  Memory traffic: read n elements, write n/8 bytes.
+* **Scan** (one program, over ⌈n/B⌉ numbers): ``start`` = exclusive cumsum
+  of the counts, ``total`` = their sum, ``before`` = candidates in ``[0,
+  offset)`` = ``start`` of offset's block + the popcounts of that block's
+  words below offset (B/32 words).
+* **Pass 2 (write)**: a block's candidate ranks follow from the exclusive scan
+  of its words' popcounts (B/32 numbers, not B): the j-th set bit (j = 0, 1,
+  …, lowest first) of word k has the global inclusive rank ``r = start_b +
+  Σ_{k'<k} popcount(w_k') + j + 1`` and, as in the reference, the slot
   ``r − before − 1`` if its position is ≥ offset, else ``r + total − before −
-  1``; it is written if the slot is < capacity. A block whose smallest slot
-  is ≥ capacity does nothing (with the rotation, only the blocks right after
-  ``offset`` win when the candidates overflow). A block with ≤ S candidates
-  scatters its staged pairs (``acc`` is not read again); a denser block
-  re-reads its ``acc`` tiles and redoes the cumsum. Each program also writes
-  the sentinel (0, n) into its share of the slots ``[min(total, capacity),
-  capacity)``, so every slot is written exactly once.
+  1``; it is written (its value gathered from ``acc``) if the slot is <
+  capacity. The program peels the lowest set bit of every word at once
+  (``w & −w``, position ``31 − clz``), max_k popcount(w_k) times. A block
+  whose smallest slot is ≥ capacity does nothing (with the rotation, only
+  the blocks right after ``offset`` win when the candidates overflow). Each
+  program also writes the sentinel (0, n) into its share of the slots
+  ``[min(total, capacity), capacity)``, so every slot is written exactly
+  once.
 
 Slot positions follow from the scans alone: the result is deterministic, no
 atomics.
@@ -54,9 +57,11 @@ from jax.experimental.pallas import triton as plgpu
 
 # Fastest of the configurations swept on an H100 (benchmarks/kernels.py).
 DEFAULT_BLOCK = 8192
-DEFAULT_TILE = 1024
+DEFAULT_TILE = 2048
 DEFAULT_NUM_WARPS = 4
 FILL_TILE = 1024
+MAX_WORDS_PER_STEP = 1024  # pass 2: mask words per step
+MAX_SCAN_CHUNK = 4096      # block counts per step of the scan
 
 
 def _round_to_bfloat16(t32: jax.Array) -> jax.Array:
@@ -100,9 +105,13 @@ def _comparison_threshold(acc_dtype, tau) -> jax.Array:
   return t32
 
 
+WORD = 32        # mask bits per word
+
+
 def _candidates(x, pos, n, tau):
   xf = x.astype(jnp.float32)
-  return (pos < n) & (jnp.abs(xf) >= tau) & (xf != 0)
+  m = (jnp.abs(xf) >= tau) & (xf != 0)
+  return m if pos is None else m & (pos < n)
 
 
 def _masked_index(ok, index, out_of_range, interpret):
@@ -111,13 +120,17 @@ def _masked_index(ok, index, out_of_range, interpret):
   return jnp.where(ok, index, out_of_range) if interpret else index
 
 
+def _popcount(w):
+  return lax.population_count(w)
+
+
 def _for_each_tile(acc_ref, b, n, block, tile, body, carry):
-  """carry = body(pos, x, carry) over the tiles of block b, in order.
+  """carry = body(t, x, bounded_pos, carry) over the tiles of block b.
 
   ``acc_ref`` is the whole array. Full blocks load without a mask (so the
-  loads vectorize whatever n is); only the last block, if partial, masks.
-  With several tiles, the load of tile t+1 is issued before the work on
-  tile t.
+  loads vectorize whatever n is) and pass ``bounded_pos=None``; only the last
+  block, if partial, masks and passes the positions. With several tiles, the
+  load of tile t+1 is issued before the work on tile t.
   """
   ntiles = block // tile
   lanes = lax.broadcasted_iota(jnp.int32, (tile,), 0)
@@ -126,15 +139,16 @@ def _for_each_tile(acc_ref, b, n, block, tile, body, carry):
     def load(t):
       pos = b * block + t * tile + lanes
       ref = acc_ref.at[pl.ds(b * block + t * tile, tile)]
-      return pos, (plgpu.load(ref, mask=pos < n) if masked else ref[...])
+      return (plgpu.load(ref, mask=pos < n), pos) if masked else (ref[...],
+                                                                    None)
 
     if ntiles == 1:
-      return body(*load(0), carry)
+      return body(0, *load(0), carry)
 
     def step(t, state):
-      pos, x, c = state
+      x, pos, c = state
       nxt = load(jnp.minimum(t + 1, ntiles - 1))
-      return (*nxt, body(pos, x, c))
+      return (*nxt, body(t, x, pos, c))
 
     return lax.fori_loop(0, ntiles, step, (*load(0), carry))[2]
 
@@ -146,26 +160,59 @@ def _for_each_tile(acc_ref, b, n, block, tile, body, carry):
                   lambda: run(masked=False))
 
 
-def _count_kernel(tau_ref, acc_ref, cnt_ref, sv_ref, si_ref, *, n, block, tile,
-                  stage, interpret):
+def _mask_kernel(tau_ref, acc_ref, bits_ref, cnt_ref, *, n, block, tile):
   b = pl.program_id(0)
   tau = tau_ref[0]
+  rows = tile // WORD
+  shift = lax.broadcasted_iota(jnp.int32, (rows, WORD), 1)
 
-  def body(pos, x, run):
-    m = _candidates(x, pos, n, tau)
-    mi = m.astype(jnp.int32)
-    lc = run + jnp.cumsum(mi)                        # inclusive rank in block
-    ok = m & (lc <= stage)
-    slot = _masked_index(ok, lc - 1, stage, interpret)
-    plgpu.store(sv_ref.at[slot], x, mask=ok)
-    plgpu.store(si_ref.at[slot], pos, mask=ok)
-    return run + jnp.sum(mi)
+  def body(t, x, pos, count):
+    m = _candidates(x, pos, n, tau).astype(jnp.int32)
+    words = jnp.sum(m.reshape(rows, WORD) << shift, axis=1)   # disjoint bits
+    bits_ref[pl.ds((b * block + t * tile) // WORD, rows)] = words
+    return count + jnp.sum(_popcount(words))
 
   cnt_ref[b] = _for_each_tile(acc_ref, b, n, block, tile, body, jnp.int32(0))
 
 
-def _write_kernel(scal_ref, tau_ref, cnt_ref, start_ref, acc_ref, sv_ref,
-                  si_ref, v_ref, i_ref, *, n, block, tile, stage, capacity,
+def _scan_kernel(offset_ref, cnt_ref, bits_ref, start_ref, scal_ref, *, n,
+                 block, num_blocks, chunk):
+  """One program: start = exclusive scan of the block counts, then
+  scal = (offset, before, total) with before = |M ∩ [0, offset)|."""
+  offset = offset_ref[0]
+  ob = jnp.clip(offset, 0, n - 1) // block          # offset's block
+  lanes = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+
+  def step(c, carry):
+    run, start_ob = carry
+    b = c * chunk + lanes
+    cnt = plgpu.load(cnt_ref.at[pl.ds(c * chunk, chunk)], mask=b < num_blocks,
+                     other=0)
+    plgpu.store(start_ref.at[pl.ds(c * chunk, chunk)],
+                run + jnp.cumsum(cnt) - cnt, mask=b < num_blocks)
+    return (run + jnp.sum(cnt),
+            start_ob + jnp.sum(jnp.where(b < ob, cnt, 0)))
+
+  total, start_ob = lax.fori_loop(0, pl.cdiv(num_blocks, chunk), step,
+                                  (jnp.int32(0), jnp.int32(0)))
+  # The words of offset's block below offset, and the low bits of the word
+  # holding it.
+  words_per_block = block // WORD
+  w = bits_ref[pl.ds(ob * words_per_block, words_per_block)]
+  rel = offset - ob * block
+  k = lax.broadcasted_iota(jnp.int32, (words_per_block,), 0)
+  low = (jnp.int32(1) << (rel % WORD)) - 1
+  kept = jnp.where(k < rel // WORD, w,
+                   jnp.where(k == rel // WORD, w & low, 0))
+  before = start_ob + jnp.sum(_popcount(kept))
+  scal_ref[0] = offset
+  scal_ref[1] = jnp.where(offset <= 0, 0, jnp.where(offset >= n, total,
+                                                    before))
+  scal_ref[2] = total
+
+
+def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, v_ref,
+                  i_ref, *, n, block, words_per_step, capacity,
                   fill_per_program, interpret):
   b = pl.program_id(0)
   offset = scal_ref[0]
@@ -178,33 +225,39 @@ def _write_kernel(scal_ref, tau_ref, cnt_ref, start_ref, acc_ref, sv_ref,
   first = jnp.where(first_pos >= offset, start - before,
                     jnp.where(first_pos + block <= offset,
                               start + total - before, 0))
-  need = (cnt > 0) & (first < capacity)
 
-  def emit(rank, pos, vals, valid):
-    slot = jnp.where(pos >= offset, rank - before, rank + total - before) - 1
-    ok = valid & (slot < capacity)
-    slot = _masked_index(ok, slot, capacity, interpret)
-    plgpu.store(v_ref.at[slot], vals, mask=ok)
-    plgpu.store(i_ref.at[slot], pos, mask=ok)
+  @pl.when((cnt > 0) & (first < capacity))
+  def _emit():
+    lanes = lax.broadcasted_iota(jnp.int32, (words_per_step,), 0)
 
-  @pl.when(need & (cnt <= stage))
-  def _staged():
-    j = lax.broadcasted_iota(jnp.int32, (stage,), 0)
-    valid = j < cnt
-    emit(start + j + 1, plgpu.load(si_ref, mask=valid),
-         plgpu.load(sv_ref, mask=valid), valid)
+    def words_step(s, run):
+      word0 = b * (block // WORD) + s * words_per_step
+      w = bits_ref[pl.ds(word0, words_per_step)]
+      counts = _popcount(w)
+      rank0 = start + run + jnp.cumsum(counts) - counts   # exclusive, global
+      base = (word0 + lanes) * WORD
 
-  @pl.when(need & (cnt > stage))
-  def _dense():
-    tau = tau_ref[0]
+      def peel(j, w):
+        valid = w != 0
+        pos = base + (WORD - 1) - lax.clz(w & -w)          # lowest set bit
+        rank = rank0 + j + 1
+        slot = jnp.where(pos >= offset, rank - before,
+                         rank + total - before) - 1
+        ok = valid & (slot < capacity)
+        vals = plgpu.load(acc_ref.at[jnp.where(ok, pos, 0)], mask=ok)
+        slot = _masked_index(ok, slot, capacity, interpret)
+        plgpu.store(v_ref.at[slot], vals, mask=ok)
+        plgpu.store(i_ref.at[slot], pos, mask=ok)
+        return w & (w - 1)
 
-    def body(pos, x, run):
-      m = _candidates(x, pos, n, tau)
-      mi = m.astype(jnp.int32)
-      emit(start + run + jnp.cumsum(mi), pos, x, m)
-      return run + jnp.sum(mi)
+      lax.fori_loop(0, jnp.max(counts), peel, w)
+      return run + jnp.sum(counts)
 
-    _for_each_tile(acc_ref, b, n, block, tile, body, jnp.int32(0))
+    steps = block // WORD // words_per_step
+    if steps == 1:
+      words_step(0, jnp.int32(0))
+    else:
+      lax.fori_loop(0, steps, words_step, jnp.int32(0))
 
   # Sentinels: program b fills its share of [min(total, capacity), capacity).
   fill_tile = min(FILL_TILE, fill_per_program)
@@ -242,12 +295,10 @@ def _is_pow2(v: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "block", "tile",
-                                             "stage", "num_warps",
-                                             "interpret"))
+                                             "num_warps", "interpret"))
 def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
                   block: int | None = None, tile: int | None = None,
-                  stage: int | None = None, num_warps: int | None = None,
-                  interpret: bool = False
+                  num_warps: int | None = None, interpret: bool = False
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Drop-in for :func:`jaxfuse.sparsify.select` as two Pallas kernels.
 
@@ -257,12 +308,10 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
     capacity: number of output slots (static).
     offset: int scalar, where the rotated order starts (in [0, n); values
       outside behave as in the reference).
-    block: elements per program, a power of two (default 8192, or n rounded
-      up to a power of two if smaller).
-    tile: elements per step inside a program, a power of two dividing
-      ``block`` (default min(1024, block)).
-    stage: staged candidates per block, a power of two ≤ block (default
-      block/8); blocks with more candidates re-read ``acc`` in pass 2.
+    block: elements per program, a power of two ≥ 32 (default 8192, or n
+      rounded up to a power of two if smaller).
+    tile: elements per pass-1 step inside a program, a power of two in
+      [32, block] (default min(2048, block)).
     num_warps: Triton warps per program (default 4).
     interpret: run the kernels in the Pallas interpreter (any backend).
 
@@ -279,20 +328,21 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
   if capacity < 1:
     raise ValueError(f"capacity must be >= 1, got {capacity}")
   if block is None:
-    block = min(DEFAULT_BLOCK, max(16, pl.next_power_of_2(n)))
-  if not _is_pow2(block) or block < 2:
-    raise ValueError(f"block must be a power of two >= 2, got {block}")
+    block = min(DEFAULT_BLOCK, max(WORD, pl.next_power_of_2(n)))
+  if not _is_pow2(block) or block < WORD:
+    raise ValueError(f"block must be a power of two >= {WORD}, got {block}")
   if tile is None:
     tile = min(DEFAULT_TILE, block)
-  if not _is_pow2(tile) or tile > block or tile < 2:
-    raise ValueError(f"tile must be a power of two in [2, block], got {tile}")
-  if stage is None:
-    stage = max(1, block // 8)
-  if not _is_pow2(stage) or stage > block:
-    raise ValueError(f"stage must be a power of two <= block, got {stage}")
+  if not _is_pow2(tile) or tile > block or tile < WORD:
+    raise ValueError(
+        f"tile must be a power of two in [{WORD}, block], got {tile}")
   num_blocks = pl.cdiv(n, block)
   if num_blocks * block + block >= 2**31 or capacity >= 2**30:
     raise ValueError(f"acc too large for int32 positions: n={n}")
+  words_per_block = block // WORD
+  words_per_step = min(words_per_block, MAX_WORDS_PER_STEP)
+  scan_chunk = min(MAX_SCAN_CHUNK, pl.next_power_of_2(num_blocks))
+  padded_blocks = pl.cdiv(num_blocks, scan_chunk) * scan_chunk
   # Sentinel slots per program: a power of two, so a multiple of the fill tile.
   fill_per_program = pl.next_power_of_2(pl.cdiv(capacity, num_blocks))
   params = plgpu.CompilerParams(num_warps=num_warps or DEFAULT_NUM_WARPS)
@@ -303,7 +353,6 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
   # padded (with zeros, which are never candidates) so no tile overhangs.
   acc_k = jnp.pad(acc, (0, block - n)) if n < block else acc
   whole = pl.BlockSpec()                   # the whole array in every program
-  stage_spec = pl.BlockSpec((stage,), lambda b: (b,))
   grid = (num_blocks,)
 
   # Inside shard_map (check_vma): every kernel operand and output varies over
@@ -319,48 +368,41 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
   out = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
                                                   manual_axis_type=mat)
 
-  counts, staged_v, staged_i = pl.pallas_call(
-      functools.partial(_count_kernel, n=n, block=block, tile=tile,
-                        stage=stage, interpret=interpret),
-      out_shape=(out((num_blocks,), jnp.int32),
-                 out((num_blocks * stage,), acc.dtype),
-                 out((num_blocks * stage,), jnp.int32)),
+  bits, counts = pl.pallas_call(
+      functools.partial(_mask_kernel, n=n, block=block, tile=tile),
+      out_shape=(out((num_blocks * words_per_block,), jnp.int32),
+                 out((padded_blocks,), jnp.int32)),
       grid=grid,
       in_specs=[whole, whole],
-      out_specs=(whole, stage_spec, stage_spec),
+      out_specs=(whole, whole),
       compiler_params=params,
       interpret=interpret,
-      name="jaxfuse_select_count",
+      name="jaxfuse_select_mask",
   )(jnp.reshape(tau32, (1,)), acc_k)
 
-  inclusive = jnp.cumsum(counts, dtype=jnp.int32)
-  start = inclusive - counts
-  total = inclusive[-1]
-  # before = candidates in [0, offset): whole blocks from the scan, the rest
-  # of offset's block re-read here (one block of acc).
-  ob = jnp.clip(offset, 0, n - 1) // block
-  span = min(block, n)
-  lo = jnp.clip(ob * block, 0, n - span)
-  seg = lax.dynamic_slice(acc, (lo,), (span,))
-  pos = lo + jnp.arange(span, dtype=jnp.int32)
-  in_block = _candidates(seg, pos, n, tau32) & (pos >= ob * block) & (
-      pos < offset)
-  before = start[ob] + jnp.sum(in_block, dtype=jnp.int32)
-  before = jnp.where(offset <= 0, 0, jnp.where(offset >= n, total, before))
-  scal = jnp.stack([offset, before, total])
+  start, scal = pl.pallas_call(
+      functools.partial(_scan_kernel, n=n, block=block,
+                        num_blocks=num_blocks, chunk=scan_chunk),
+      out_shape=(out((padded_blocks,), jnp.int32), out((3,), jnp.int32)),
+      grid=(1,),
+      in_specs=[whole] * 3,
+      out_specs=(whole, whole),
+      compiler_params=params,
+      interpret=interpret,
+      name="jaxfuse_select_scan",
+  )(jnp.reshape(offset, (1,)), counts, bits)
 
   values, indices = pl.pallas_call(
-      functools.partial(_write_kernel, n=n, block=block, tile=tile,
-                        stage=stage, capacity=capacity,
+      functools.partial(_write_kernel, n=n, block=block,
+                        words_per_step=words_per_step, capacity=capacity,
                         fill_per_program=fill_per_program,
                         interpret=interpret),
       out_shape=(out((capacity,), acc.dtype), out((capacity,), jnp.int32)),
       grid=grid,
-      in_specs=[whole, whole, whole, whole, whole, stage_spec, stage_spec],
+      in_specs=[whole] * 5,
       out_specs=(whole, whole),
       compiler_params=params,
       interpret=interpret,
       name="jaxfuse_select_write",
-  )(scal, jnp.reshape(tau32, (1,)), counts, start, acc_k, staged_v,
-    staged_i)
-  return values, indices, total
+  )(scal, counts, start, bits, acc_k)
+  return values, indices, scal[2]
