@@ -1,0 +1,7 @@
+"""``python -m jaxfuse``: the ``jaxfuse`` command (see ``jaxfuse.cli``)."""
+
+import sys
+
+from jaxfuse.cli import main
+
+sys.exit(main())

@@ -1,0 +1,114 @@
+"""A Gantt chart of one simulated step (``jaxfuse show plan.json -o x.png``).
+
+Two rows, time in ms from the start of the forward pass:
+
+  compute  forward, then each leaf's backward (coloured by its bucket) and,
+           after each sparse bucket's last leaf, its compression (hatched)
+  link     each bucket's collective (its bucket's colour; psum hatched),
+           and the pause the overlap budget η forces, if any
+
+matplotlib is imported only here and only when drawing (``pip install
+matplotlib``); no pyplot, so no GUI backend or global state is touched.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxfuse import plans as plan_lib
+from jaxfuse import simulate as simulate_lib
+
+MS = 1e3
+_FORWARD = "#9e9e9e"
+_COMPRESS = "#37474f"
+_PAUSE = "#eeeeee"
+
+
+def _matplotlib():
+  try:
+    from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+    from matplotlib.patches import Patch  # pylint: disable=g-import-not-at-top
+    from matplotlib import colormaps  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("drawing the timeline needs matplotlib; install it with "
+                      "`pip install matplotlib`.") from e
+  return Figure, Patch, colormaps
+
+
+def plot_timeline(plan: plan_lib.Plan, timeline: simulate_lib.Timeline,
+                  path: str | os.PathLike | None = None, *,
+                  title: str | None = None):
+  """Draw ``timeline`` (from ``jaxfuse.simulate.simulate(plan, costs)``).
+
+  Saves to ``path`` (format from its suffix, e.g. ``.png``, ``.svg``) when
+  given; returns the matplotlib ``Figure``.
+  """
+  Figure, Patch, colormaps = _matplotlib()
+  cmap = colormaps["tab10"]
+  palette = [cmap(i) for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)]  # no grey (7)
+  colour = lambda b: palette[b % len(palette)]
+  fig = Figure(figsize=(11, 3.2), layout="constrained")
+  ax = fig.subplots()
+  span = max(timeline.iteration, 1e-12) * MS
+  rows = {"link": 0, "compute": 1}
+  height = 0.6
+
+  def bar(row, start, end, **kw):
+    if end > start:
+      ax.broken_barh([(start * MS, (end - start) * MS)],
+                     (rows[row] - height / 2, height), **kw)
+
+  def label(row, start, end, text):
+    if (end - start) * MS > 0.04 * span:
+      ax.text((start + end) / 2 * MS, rows[row], text, ha="center",
+              va="center", fontsize=8)
+
+  bar("compute", 0.0, timeline.forward, facecolor=_FORWARD)
+  label("compute", 0.0, timeline.forward, "forward")
+  for b, (bucket, times) in enumerate(zip(plan.buckets, timeline.buckets)):
+    for j in bucket.leaves:
+      start, end = timeline.leaves[j]
+      bar("compute", start, end, facecolor=colour(b), edgecolor="white",
+          linewidth=0.3)
+    if bucket.collective == "allgather":
+      bar("compute", times.compress_start, times.compress_end,
+          facecolor=_COMPRESS, hatch="///", edgecolor="white", linewidth=0)
+    pieces = [(times.comm_start, times.comm_end)]
+    pause = timeline.pause
+    if pause and times.comm_start < pause[1] and times.comm_end > pause[0]:
+      pieces = [(times.comm_start, max(times.comm_start, pause[0])),
+                (pause[1], times.comm_end)]
+    for start, end in pieces:
+      bar("link", start, end, facecolor=colour(b), edgecolor="black",
+          linewidth=0.4, hatch="//" if bucket.collective == "psum" else None)
+    label("link", *max(pieces, key=lambda p: p[1] - p[0]), f"b{b}")
+  if timeline.pause:
+    bar("link", *timeline.pause, facecolor=_PAUSE, edgecolor="#9e9e9e",
+        hatch="xx", linewidth=0.4)
+
+  ax.set_yticks([rows["link"], rows["compute"]], ["link", "compute"])
+  ax.set_ylim(-0.6, 1.6)
+  ax.set_xlim(0, span * 1.01)
+  ax.set_xlabel("time (ms)")
+  ax.grid(axis="x", alpha=0.3)
+  handles = [Patch(facecolor=_FORWARD, label="forward"),
+             Patch(facecolor=colour(0), label="backward (bucket colour)"),
+             Patch(facecolor=_COMPRESS, hatch="///", edgecolor="white",
+                   label="compression"),
+             Patch(facecolor="white", edgecolor="black", label="allgather"),
+             Patch(facecolor="white", edgecolor="black", hatch="//",
+                   label="psum")]
+  if timeline.pause:
+    handles.append(Patch(facecolor=_PAUSE, edgecolor="#9e9e9e", hatch="xx",
+                         label="link paused (overlap η)"))
+  ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.32),
+            ncol=len(handles), fontsize=8, frameon=False)
+  strategy = plan.provenance.get("strategy", "?")
+  ax.set_title(title or (
+      f"jaxfuse plan ({strategy}, {len(plan.buckets)} buckets): step "
+      f"{timeline.iteration * MS:.3g} ms, communication "
+      f"{timeline.communication * MS:.3g} ms, "
+      f"{100 * timeline.overlap_ratio:.0f}% hidden"), fontsize=10)
+  if path is not None:
+    fig.savefig(path, dpi=120)
+  return fig

@@ -1,0 +1,243 @@
+"""The ``jaxfuse`` command: profile -> plan -> show end to end in subprocesses
+on 8 simulated CPU devices, and one-line errors (exit 2) for bad input."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import tomllib
+
+import jax
+import pytest
+
+import jaxfuse
+from jaxfuse import cli
+from jaxfuse.costs import Costs
+from jaxfuse.costs import LinearCost
+from jaxfuse.simulate import simulate
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+MODEL = textwrap.dedent('''
+    import jax.numpy as jnp
+    import numpy as np
+
+    def make():
+      """Two dense layers of very different sizes and a sample batch."""
+      rng = np.random.default_rng(0)
+      params = {
+          "dense1": {"kernel": rng.standard_normal((256, 512), np.float32)
+                               / 16,
+                     "bias": np.zeros(512, np.float32)},
+          "dense2": {"kernel": rng.standard_normal((512, 8), np.float32) / 22,
+                     "bias": np.zeros(8, np.float32)},
+      }
+      x = rng.standard_normal((256, 256), np.float32)
+
+      def loss_fn(p, x):
+        h = jnp.tanh(x @ p["dense1"]["kernel"] + p["dense1"]["bias"])
+        return jnp.mean((h @ p["dense2"]["kernel"] + p["dense2"]["bias"]) ** 2)
+      return loss_fn, params, x
+
+    def params_only():
+      return make()[1]
+
+    def broken():
+      raise RuntimeError("no weights here")
+
+    NOT_A_FUNCTION = 3
+''')
+NUM_LEAVES = 4
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  d = tmp_path_factory.mktemp("cli")
+  (d / "tinymodel.py").write_text(MODEL)
+  return d
+
+
+def run(workdir, *args):
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if "xla_force_host_platform_device_count" not in f]
+  env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
+             XLA_FLAGS=" ".join(flags +
+                                ["--xla_force_host_platform_device_count=8"]),
+             PYTHONPATH=os.pathsep.join(
+                 [str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p]))
+  return subprocess.run([sys.executable, "-m", "jaxfuse", *args], cwd=workdir,
+                        env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_profile_plan_show_end_to_end(workdir):
+  # profile: a tiny sweep, with the model
+  r = run(workdir, "profile", "--model", "tinymodel:make", "--sizes", "4K",
+          "256K", "--compress-sizes", "1K", "64K", "--repeats", "3",
+          "--chain", "2", "-o", "costs.json")
+  assert r.returncode == 0, r.stderr
+  assert "profiling on 8 x cpu" in r.stderr and "done" in r.stderr  # progress
+  costs = Costs.load(workdir / "costs.json")
+  assert costs.collectives["allgather"].beta > 0
+  assert costs.collectives["psum"].beta > 0
+  assert costs.compress.beta > 0
+  assert len(costs.backward) == NUM_LEAVES and min(costs.backward) >= 0
+  assert sum(costs.backward) > 0 and costs.forward > 0
+  assert costs.provenance["devices"]["mesh"] == {"data": 8}
+  assert [s[0] for s in costs.provenance["samples"]["psum"]] == [4096, 262144]
+
+  # plan: aligned buckets over the backward-ready order, with the costs
+  r = run(workdir, "plan", "tinymodel:make", "--density", "0.01",
+          "--strategy", "aligned", "--num-buckets", "2", "--costs",
+          "costs.json", "-o", "plan.json")
+  assert r.returncode == 0, r.stderr
+  assert "saved plan.json" in r.stdout and "predicted step" in r.stdout
+  plan = jaxfuse.Plan.load(workdir / "plan.json")
+  sys.path.insert(0, str(workdir))
+  try:
+    import tinymodel  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(workdir))
+  loss_fn, params, x = tinymodel.make()
+  plan.validate(params)
+  assert sorted(plan.ready_order) == list(range(NUM_LEAVES))
+  assert plan.provenance["ready_order"] == "jaxpr"
+  order = jaxfuse.ordering.ready_order(loss_fn, params, x)
+  # two groups of the ready order, each a sparse and a dense bucket
+  assert len(plan.buckets) == 4
+  assert {i for b in plan.buckets[:2] for i in b.leaves} == set(order[:2])
+  assert {b.collective for b in plan.buckets} == {"allgather", "psum"}
+
+  # show: every bucket in the table, the prediction, and the chart
+  r = run(workdir, "show", "plan.json", "--costs", "costs.json", "-o",
+          "timeline.png")
+  assert r.returncode == 0, r.stderr
+  rows = {line.split()[0] for line in r.stdout.splitlines() if line}
+  assert {f"b{i}" for i in range(len(plan.buckets))} <= rows
+  assert f"b{len(plan.buckets)}" not in rows
+  assert "predicted step" in r.stdout and "hidden" in r.stdout
+  png = (workdir / "timeline.png").read_bytes()
+  assert png[:8] == PNG_SIGNATURE and len(png) > 10_000
+
+
+def test_show_without_costs_lists_buckets(workdir, capsys, monkeypatch):
+  monkeypatch.chdir(workdir)
+  assert cli.main(["plan", "tinymodel:params_only", "--strategy",
+                   "layerwise", "-o", "params_plan.json"]) == 0
+  out = capsys.readouterr().out
+  assert "4 leaves (2 sparse)" in out and "reverse_pytree" in out
+  assert cli.main(["show", "params_plan.json"]) == 0
+  out = capsys.readouterr().out
+  for i in range(NUM_LEAVES):  # layerwise: one bucket per leaf
+    assert f"\nb{i} " in out
+  assert "allgather/ahead" in out and "predicted" not in out
+
+
+def hand_costs(num_leaves):
+  return Costs({"allgather": LinearCost(1e-4, 1e-9),
+                "psum": LinearCost(1e-4, 2e-9)}, LinearCost(1e-5, 1e-8),
+               (1e-3,) * num_leaves, overlap=0.5, forward=2e-3)
+
+
+def test_costs_without_backward_are_shown_as_communication_only(
+    workdir, capsys, monkeypatch, tmp_path):
+  monkeypatch.chdir(workdir)
+  assert cli.main(["plan", "tinymodel:params_only", "--strategy", "single",
+                   "-o", str(tmp_path / "p.json")]) == 0
+  hand_costs(0).save(tmp_path / "c.json")
+  capsys.readouterr()
+  assert cli.main(["show", str(tmp_path / "p.json"), "--costs",
+                   str(tmp_path / "c.json")]) == 0
+  out = capsys.readouterr().out
+  assert "no backward times" in out
+  # single: one allgather (2 sparse leaves) and one psum (2 dense leaves);
+  # no compute, so no overlap: step = Σ compression + Σ communication
+  plan = jaxfuse.Plan.load(tmp_path / "p.json")
+  t = simulate(plan, hand_costs(NUM_LEAVES).replace(
+      backward=(0.0,) * NUM_LEAVES))
+  assert f"predicted step {t.iteration * 1e3:.3f} ms" in out
+  assert t.iteration == pytest.approx(2e-3 + t.compression + t.communication)
+
+
+def error_of(capsys, *argv) -> str:
+  assert cli.main(list(argv)) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "Traceback" not in err, err
+  return err
+
+
+def test_bad_model_names(workdir, capsys, monkeypatch):
+  monkeypatch.chdir(workdir)
+  assert "MODULE:FUNCTION" in error_of(capsys, "plan", "tinymodel")
+  assert "'no_such_module'" in error_of(capsys, "plan", "no_such_module:make")
+  assert "no attribute 'nope'" in error_of(capsys, "plan", "tinymodel:nope")
+  assert "not a function" in error_of(capsys, "plan",
+                                      "tinymodel:NOT_A_FUNCTION")
+  err = error_of(capsys, "plan", "tinymodel:broken")
+  assert "RuntimeError: no weights here" in err
+  assert "no such file" in error_of(capsys, "plan", "missing/model.py:make")
+  assert "returned only params" in error_of(
+      capsys, "profile", "--model", "tinymodel:params_only")
+  with pytest.raises(cli.UsageError) as e:  # --debug: the traceback
+    cli.main(["--debug", "plan", "tinymodel:broken"])
+  assert isinstance(e.value.__cause__, RuntimeError)
+
+
+def test_bad_files(workdir, capsys, monkeypatch, tmp_path):
+  monkeypatch.chdir(workdir)
+  assert "cannot read plan" in error_of(capsys, "show",
+                                        str(tmp_path / "missing.json"))
+  bad = tmp_path / "bad.json"
+  bad.write_text("{not json")
+  assert "not valid JSON" in error_of(capsys, "show", str(bad))
+  other = tmp_path / "other.json"
+  other.write_text('{"format": "something", "version": 1}')
+  assert "'format' field must be 'jaxfuse.plan'" in error_of(
+      capsys, "show", str(other))
+  plan = jaxfuse.plan([jax.ShapeDtypeStruct((4096,), "float32")])
+  plan.save(tmp_path / "plan.json")
+  assert "not a jaxfuse costs file" in error_of(
+      capsys, "show", str(tmp_path / "plan.json"), "--costs",
+      str(tmp_path / "plan.json"))
+  assert "cannot read costs" in error_of(
+      capsys, "plan", "tinymodel:make", "--costs", str(tmp_path / "no.json"))
+  assert "needs --costs" in error_of(capsys, "show",
+                                     str(tmp_path / "plan.json"), "-o",
+                                     str(tmp_path / "t.png"))
+  hand_costs(NUM_LEAVES).save(tmp_path / "costs.json")  # another model's
+  assert "4 times but the plan has 1 leaves" in error_of(
+      capsys, "show", str(tmp_path / "plan.json"), "--costs",
+      str(tmp_path / "costs.json"))
+
+
+def test_bad_arguments(workdir, capsys, monkeypatch):
+  monkeypatch.chdir(workdir)
+  assert "(0, 1]" in error_of(capsys, "plan", "tinymodel:make", "--density",
+                              "2")
+  assert "strategy='fastest'" in error_of(capsys, "plan", "tinymodel:make",
+                                          "--strategy", "fastest")
+  assert "not a size" in error_of(capsys, "profile", "--sizes", "lots")
+  assert "invalid choice" in error_of(capsys, "frobnicate")
+  assert "required" in error_of(capsys)
+  assert "two distinct" in error_of(capsys, "profile", "-q", "--sizes", "4K",
+                                    "4K")
+
+
+def test_help_and_sizes(capsys):
+  for command in ("profile", "plan", "show"):
+    with pytest.raises(SystemExit) as e:
+      cli.main([command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: jaxfuse {command}" in out and "--output" in out
+  assert [cli.parse_size(s) for s in ("4096", "64K", "1M", "2MiB")] == [
+      4096, 65536, 2**20, 2**21]
+
+
+def test_console_script_and_test_extra_are_declared():
+  project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+  assert project["scripts"]["jaxfuse"] == "jaxfuse.cli:main"
+  assert any(d.startswith("matplotlib")
+             for d in project["optional-dependencies"]["test"])

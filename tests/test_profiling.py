@@ -1,0 +1,193 @@
+"""Profiling: measured costs grow with size, the derived per-leaf backward
+times add up to the measured backward, and the program's costs go to the
+leaves that cause them."""
+
+import io
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfuse import costs as costs_lib
+from jaxfuse import ordering
+from jaxfuse import profiling
+
+FAST = dict(repeats=3, warmup=1)
+
+
+def two_layers():
+  """A big layer (256 x 1024) then a small one (1024 x 4); pytree order puts
+  the small one first ("a_small" < "b_big"), ready order the same."""
+  rng = np.random.default_rng(0)
+  params = {"b_big": rng.standard_normal((256, 1024), np.float32) / 16,
+            "a_small": rng.standard_normal((1024, 4), np.float32) / 32}
+  x = rng.standard_normal((64, 256), np.float32)
+
+  def loss_fn(p, x):
+    h = jax.nn.relu(x @ p["b_big"])
+    return jnp.mean((h @ p["a_small"]) ** 2)
+  return loss_fn, params, (x,)
+
+
+# --- measured sweeps ------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["allgather", "psum"])
+def test_collective_time_grows_with_size(mesh, kind):
+  sizes = (2**12, 2**21)
+  points = profiling.measure_collective(kind, mesh, sizes, chain=2, **FAST)
+  assert [x for x, _ in points] == list(sizes)
+  (_, small), (_, big) = points
+  assert big > small > 0
+  fit = costs_lib.fit_linear(*zip(*points))
+  assert fit.beta > 0
+  assert fit.time(sizes[1]) > fit.time(sizes[0])
+
+
+def test_compress_time_grows_with_size():
+  points = profiling.measure_compress((2**10, 2**18), **FAST)
+  (_, small), (_, big) = points
+  assert big > small > 0
+  assert costs_lib.fit_linear(*zip(*points)).beta > 0
+
+
+def test_collective_chain_moves_the_data(mesh):
+  """The timed program is the real collective: all_gather returns the last
+  worker's block, psum the sum over the 8 workers."""
+  fn, (x,) = profiling.collective_chain("psum", mesh, 64, chain=1)
+  (y,) = fn(x)
+  np.testing.assert_array_equal(np.asarray(y), np.full(16, 8.0))
+  fn, (x,) = profiling.collective_chain("allgather", mesh, 64, chain=2)
+  (y,) = fn(x)
+  assert y.shape == (16,) and y.dtype == jnp.uint32
+
+
+def test_overlap_and_contention_formulas():
+  # η = (T_bwd + T_comm − T_both) / T_comm, clipped to [0, 1]
+  assert profiling.overlap_factor(10.0, 10.0, 15.0) == pytest.approx(0.5)
+  assert profiling.overlap_factor(10.0, 10.0, 10.0) == 1.0
+  assert profiling.overlap_factor(10.0, 10.0, 25.0) == 0.0
+  assert profiling.overlap_factor(10.0, 0.0, 10.0) == 1.0
+  # γ = (T₂ − α)/(T₁ − α), clipped to [1, 2]
+  assert profiling.contention_factor(3.0, 4.5, 1.0) == pytest.approx(1.75)
+  assert profiling.contention_factor(3.0, 9.0, 1.0) == 2.0
+  assert profiling.contention_factor(3.0, 2.0, 1.0) == 1.0
+  assert profiling.contention_factor(1.0, 5.0, 1.0) == 1.0
+
+
+# --- per-leaf backward --------------------------------------------------------------
+
+def test_attribution_follows_the_work():
+  loss_fn, params, args = two_layers()
+  a = profiling.analyze_backward(loss_fn, params, args, rates=(1e11, 1e10))
+  small, big = 0, 1  # pytree order: a_small, b_big
+  assert list(a.order) == ordering.ready_order(loss_fn, params, *args)
+  assert list(a.order) == [small, big]
+  assert a.ready[small] < a.ready[big] <= a.total
+  assert min(a.shares) >= 0
+  # dW_big = xᵀ·dh (2·64·256·1024 FLOPs) and dh = dy·W_smallᵀ come after
+  # dW_small (2·64·1024·4 FLOPs, but it reads h: 256 KiB): the big leaf gets
+  # by far the larger share.
+  assert a.shares[big] > 5 * a.shares[small]
+  assert sum(a.shares) == pytest.approx(a.ready[big] - a.forward)
+  assert 0 < a.forward < a.total
+  b = profiling.analyze_backward(loss_fn, params, args, rates=(1e11, 1e10),
+                                 attribution="position")
+  assert b.order == a.order  # ready[big]: + the work no gradient needs
+  assert a.ready[big] <= b.ready[big] == pytest.approx(a.ready[big], rel=1e-2)
+  assert b.shares[big] > 5 * b.shares[small] and min(b.shares) >= 0
+  with pytest.raises(profiling.ProfileError, match="attribution="):
+    profiling.analyze_backward(loss_fn, params, args, attribution="guess")
+
+
+def test_attribution_of_a_scan():
+  """Control flow is one opaque step: a scan costs length x its body."""
+  def loss_fn(p, x):
+    h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, p["stack"])
+    return jnp.mean((h @ p["head"]) ** 2)
+  params = {"stack": jnp.ones((6, 128, 128)) / 128, "head": jnp.ones((128, 2))}
+  a = profiling.analyze_backward(loss_fn, params, (jnp.ones((32, 128)),),
+                                 rates=(1e11, 1e10))
+  head, stack = 0, 1
+  assert list(a.order) == [head, stack]
+  assert a.shares[stack] > 10 * a.shares[head] > 0
+
+
+def test_scale_shares():
+  assert profiling.scale_shares([1.0, 3.0], 2.0) == pytest.approx((0.5, 1.5))
+  assert profiling.scale_shares([0.0, 0.0], 3.0, sizes=[1, 2]) == \
+      pytest.approx((1.0, 2.0))
+  assert profiling.scale_shares([0.0, 0.0], 1.0) == pytest.approx((0.5, 0.5))
+  assert profiling.scale_shares([1.0, 1.0], -1.0) == (0.0, 0.0)
+
+
+def test_derived_backward_sums_to_the_measured_backward():
+  loss_fn, params, args = two_layers()
+  forward, measured = profiling.measure_forward_backward(loss_fn, params, args,
+                                                         **FAST)
+  assert forward > 0 and measured > 0
+  rates = profiling.machine_rates(**FAST)
+  assert all(r > 0 and math.isfinite(r) for r in rates)
+  back = profiling.derive_backward(loss_fn, params, args, measured=measured,
+                                   rates=rates)
+  assert len(back) == 2 and min(back) >= 0
+  assert sum(back) == pytest.approx(measured, rel=1e-9)
+  assert back[1] > back[0]  # b_big
+
+
+def test_validate_backward_reports_prefixes():
+  loss_fn, params, args = two_layers()
+  back = (0.25, 0.75)
+  report = profiling.validate_backward(loss_fn, params, args, back,
+                                       num_prefixes=1, **FAST)
+  (row,) = report["prefixes"]
+  assert row["leaves"] == 1
+  assert row["derived"] == pytest.approx(0.25)  # the small leaf, ready first
+  assert report["backward"] > 0 and report["forward"] > 0
+  assert row["error"] == pytest.approx(
+      (row["derived"] - row["measured"]) / report["backward"])
+  assert report["mean_abs_error"] == pytest.approx(abs(row["error"]))
+  assert report["device"].startswith("cpu")
+  with pytest.raises(profiling.ProfileError, match="3 times but params has 2"):
+    profiling.validate_backward(loss_fn, params, args, (1.0, 1.0, 1.0))
+
+
+# --- the whole profile ------------------------------------------------------------
+
+def test_profile_arguments_are_checked(mesh):
+  with pytest.raises(profiling.ProfileError, match="two distinct"):
+    profiling.profile(mesh, sizes=(4096, 4096))
+  with pytest.raises(profiling.ProfileError, match="both loss_fn and params"):
+    profiling.profile(mesh, loss_fn=lambda p: 0.0)
+
+
+def test_profile_without_model_and_progress(mesh):
+  out = io.StringIO()
+  costs = profiling.profile(mesh, sizes=(2**12, 2**20), compress_sizes=(
+      2**10, 2**16), chain=2, progress=profiling.text_progress(out), **FAST)
+  assert costs.backward == () and costs.forward == 0.0
+  assert costs.collectives["psum"].beta > 0
+  assert 1 <= costs.contention <= 2 and 0 <= costs.overlap <= 1
+  assert costs.provenance["overlap"]["model"] == "synthetic MLP"
+  assert costs.provenance["devices"]["mesh"] == {"data": 8}
+  assert costs_lib.Costs.from_json(costs.to_json()) == costs
+  lines = out.getvalue().splitlines()
+  assert lines[0].startswith("[") and "0/" in lines[0]
+  assert lines[-1].endswith("done") and "#" * 24 in lines[-1]
+
+
+def test_equation_work_counts_flops():
+  def eqn_of(fn, *args):
+    (eqn,) = [e for e in jax.make_jaxpr(fn)(*args).jaxpr.eqns
+              if e.primitive.name not in profiling.FREE_PRIMITIVES]
+    return profiling.equation_work(eqn)
+  a, b = jnp.ones((8, 32, 16)), jnp.ones((8, 16, 4))
+  flops, nbytes = eqn_of(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), a, b)
+  assert flops == 2 * 8 * 32 * 4 * 16 and nbytes == 8 * 32 * 16 * 4
+  x, w = jnp.ones((2, 3, 10, 10)), jnp.ones((5, 3, 3, 3))  # NCHW, OIHW
+  flops, _ = eqn_of(lambda x, w: lax.conv(x, w, (1, 1), "VALID"), x, w)
+  assert flops == 2 * (2 * 5 * 8 * 8) * 3 * (3 * 3)
+  flops, nbytes = eqn_of(lambda x: jnp.sum(x), x)
+  assert flops == 0 and nbytes == 2 * 3 * 10 * 10 * 4
