@@ -41,11 +41,12 @@ from jaxfuse import sparsify  # pylint: disable=wrong-import-position
 from jaxfuse.kernels.selection import select_pallas  # pylint: disable=wrong-import-position
 
 
-# (block, tile, num_warps); None: select_pallas's default. The GPU test
-# (tests/test_kernels_select.py, GPU_CONFIGS) checks each of these.
-SWEEP = ((None, None, None), (4096, 4096, None), (8192, 1024, None),
-         (8192, 8192, 8), (16384, 2048, 8), (16384, 4096, None),
-         (32768, 4096, 8), (65536, 8192, 8))
+# (block, tile, stage, num_warps); None: select_pallas's default. The GPU
+# test (tests/test_kernels_select.py, GPU_CONFIGS) checks each of these.
+SWEEP = ((None, None, None, None), (4096, 4096, None, None),
+         (8192, 1024, None, None), (8192, 8192, None, 8),
+         (8192, 2048, 1024, None), (16384, 2048, None, 8),
+         (16384, 4096, None, None), (32768, 4096, None, 8))
 
 
 def _time(fn, args, repeats):
@@ -122,6 +123,7 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=15)
   p.add_argument("--block", type=int, default=None)
   p.add_argument("--tile", type=int, default=None)
+  p.add_argument("--stage", type=int, default=None)
   p.add_argument("--num-warps", type=int, default=None)
   p.add_argument("--sweep", action="store_true",
                  help="block x num_warps sweep at the largest n, density 0.01")
@@ -138,9 +140,11 @@ def main(argv=None):
   meta = {"jax": jax.__version__, "backend": jax.default_backend(),
           "device": getattr(dev, "device_kind", str(dev)), "dtype": args.dtype,
           "repeats": args.repeats, "block": args.block, "tile": args.tile,
+          "stage": args.stage,
           "num_warps": args.num_warps}
   print(json.dumps(meta))
-  kw = {"block": args.block, "tile": args.tile, "num_warps": args.num_warps}
+  kw = {"block": args.block, "tile": args.tile, "stage": args.stage,
+        "num_warps": args.num_warps}
   rows, sweep = [], []
   cols = ("pallas", "count", "ref", "nonzero", "top_k", "read")
   hdr = (f"{'n':>11} {'dens':>6} {'cap':>9} {'count':>9} | single-call median "
@@ -189,14 +193,17 @@ def main(argv=None):
       capacity = math.ceil(1.5 * d * n)
       expect = jax.jit(lambda a, t, o: sparsify.select(a, t, capacity, o))(
           acc, jnp.float32(q), offset)
-      for block, tile, nw in SWEEP:
+      for block, tile, stage, nw in SWEEP:
         r = bench_one(acc, jnp.float32(q), capacity, offset,
                       ["pallas", "count"], args.repeats, args.interpret,
-                      expect=expect, block=block, tile=tile, num_warps=nw)
-        r.update(n=n, density=d, block=block, tile=tile, num_warps=nw)
+                      expect=expect, block=block, tile=tile, stage=stage,
+                      num_warps=nw)
+        r.update(n=n, density=d, block=block, tile=tile, stage=stage,
+                 num_warps=nw)
         sweep.append(r)
         g = lambda k: f"{r[k]:.3f}" if r.get(k) is not None else "-"
-        print(f"  sweep block={block} tile={tile} warps={nw}: pallas "
+        print(f"  sweep block={block} tile={tile} stage={stage} warps={nw}: "
+              f"pallas "
               f"{g('pallas_ms')} ms (batched {g('pallas_batched_ms')}), count "
               f"{g('count_ms')} (batched {g('count_batched_ms')}) match "
               f"{r.get('match')} {r.get('pallas_error', '')}", flush=True)

@@ -1,6 +1,7 @@
 """Shared test helpers: run sparse_sync on given per-worker gradients."""
 
 import functools
+import os
 
 import jax
 from jax.sharding import NamedSharding
@@ -9,6 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxfuse
+
+# Workers of the test mesh: 8 simulated CPU devices, or every GPU on a GPU run.
+NUM_WORKERS = int(os.environ.get("JAXFUSE_TEST_WORKERS") or (
+    len(jax.devices()) if os.environ.get("JAXFUSE_TEST_GPU") == "1" else 8))
 
 
 def shard(mesh, tree):

@@ -1,4 +1,12 @@
-"""Eight simulated CPU devices, configured before JAX starts."""
+"""Eight simulated CPU devices, configured before JAX starts.
+
+GPU run (every test on the GPUs, kernels compiled):
+
+  JAX_PLATFORMS=cuda,cpu JAXFUSE_TEST_GPU=1 JAXFUSE_KERNELS=pallas pytest
+
+There the workers are the GPUs (``JAXFUSE_TEST_WORKERS`` overrides the count
+anywhere, e.g. 2 to try a GPU-sized mesh on CPU).
+"""
 
 import os
 
@@ -13,7 +21,7 @@ import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import jaxfuse  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-NUM_WORKERS = 8
+from _harness import NUM_WORKERS  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,7 @@ import jaxfuse
 from jaxfuse import fusion
 
 from _harness import init, list_plan, per_device, shard, sharded_update, sync
-
-K = 8
+from _harness import NUM_WORKERS as K
 
 
 def _worker_grads(key, shapes, scales=None):

@@ -1,7 +1,8 @@
 """The Pallas selection kernel equals ``sparsify.select`` bit for bit.
 
 On CPU the kernels run in the Pallas interpreter with small blocks (several
-blocks, a partial tail block, words with up to 32 candidates). With ``JAXFUSE_TEST_GPU=1`` on a GPU backend (set ``JAX_PLATFORMS=cuda,cpu``:
+blocks, a partial tail block, staged blocks and blocks whose mask pass 2
+peels, words with up to 32 candidates). With ``JAXFUSE_TEST_GPU=1`` on a GPU backend (set ``JAX_PLATFORMS=cuda,cpu``:
 conftest defaults to cpu) the same checks run the compiled Triton kernels, and
 the larger cases marked ``gpu_only`` run too.
 """
@@ -133,6 +134,19 @@ def test_counts_and_sentinels_explicitly():
   check(acc, 2.0, 6, 5, block=32)
 
 
+@pytest.mark.parametrize("stage", [1, 4, BLOCK])
+def test_stage_sizes(stage):
+  """stage=1: nearly every block peels its mask in pass 2; stage=block: every
+  block copies its staged candidates."""
+  rng = np.random.default_rng(stage)
+  for name, acc, tau in _adversarial(rng, np.float32)[:8]:
+    for offset in (0, 333, N - 1):
+      try:
+        check(acc, tau, 50, offset, stage=stage)
+      except AssertionError as e:
+        raise AssertionError(f"case {name}, offset {offset}") from e
+
+
 @pytest.mark.parametrize("block,tile", [(32, None), (None, None), (512, 128),
                                         (256, 32)])
 def test_block_and_tile_sizes(block, tile):
@@ -163,7 +177,7 @@ def test_pass_two_loops_over_mask_words():
     tau = np.float32(np.quantile(mags, q))
     for capacity, offset in ((int(1.5 * (1 - q) * n) + 1, 0), (300, 12345),
                              (n, n - 1)):
-      check(acc, tau, capacity, offset, block=16384, tile=4096)
+      check(acc, tau, capacity, offset, block=16384, tile=4096, stage=64)
 
 
 def test_sentinel_fill_loops_over_many_slots():
@@ -319,6 +333,8 @@ def test_rejects_bad_arguments():
     select_pallas(acc, 1.0, 5, 0, block=16, interpret=True)
   with pytest.raises(ValueError, match="tile"):
     select_pallas(acc, 1.0, 5, 0, block=128, tile=256, interpret=True)
+  with pytest.raises(ValueError, match="stage"):
+    select_pallas(acc, 1.0, 5, 0, block=128, stage=256, interpret=True)
   with pytest.raises(ValueError, match="float"):
     select_pallas(acc.astype(jnp.int32), 1.0, 5, 0, interpret=True)
 
@@ -346,10 +362,10 @@ GPU_CONFIGS = [
     dict(block=4096, tile=4096),
     dict(block=8192, tile=1024),
     dict(block=8192, tile=8192, num_warps=8),
+    dict(block=8192, tile=2048, stage=1024),
     dict(block=16384, tile=2048, num_warps=8),
     dict(block=16384, tile=4096),
     dict(block=32768, tile=4096, num_warps=8),
-    dict(block=65536, tile=8192, num_warps=8),
 ]
 
 

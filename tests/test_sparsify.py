@@ -16,7 +16,7 @@ from jaxfuse import sparsify
 
 from _harness import init, list_plan, sync
 
-K = 8
+from _harness import NUM_WORKERS as K
 ESTIMATORS = ["topk", "dgc", "gaussian", "redsync", "sidco"]
 
 
@@ -143,18 +143,21 @@ def test_nonfinite_gradient_propagates_and_keeps_residual(mesh):
   unit_of = {u.leaves[0]: i for i, u in enumerate(units)}
   old = [np.asarray(state.residuals[unit_of[j]]) for j in (0, 1)]
   bad = [g for g in grads]
-  bad[0] = bad[0].at[3, 17].set(jnp.nan)
-  bad[2] = bad[2].at[5, 1].set(jnp.inf)
+  nan_worker, inf_worker, clean_worker = K - 1, K // 2 - 1 if K > 2 else 0, 0
+  bad[0] = bad[0].at[nan_worker, 17].set(jnp.nan)
+  bad[2] = bad[2].at[inf_worker, 1].set(jnp.inf)
   synced, state = sync(plan, mesh, bad, state)
   assert not np.all(np.isfinite(np.asarray(synced[0])))
   assert np.all(np.isfinite(np.asarray(synced[1])))
   assert not np.all(np.isfinite(np.asarray(synced[2])))
   new = [np.asarray(state.residuals[unit_of[j]]) for j in (0, 1)]
-  np.testing.assert_array_equal(new[0][3], old[0][3])  # kept, not corrupted
+  # kept, not corrupted
+  np.testing.assert_array_equal(new[0][nan_worker], old[0][nan_worker])
   assert np.all(np.isfinite(new[0])) and np.all(np.isfinite(new[1]))
-  assert not np.array_equal(new[0][2], old[0][2])  # others moved on
+  # others moved on
+  assert not np.array_equal(new[0][clean_worker], old[0][clean_worker])
   flags = np.asarray(state.stats.nonfinite)
-  assert flags[3, 0] and flags[5, 2] and flags.sum() == 2
+  assert flags[nan_worker, 0] and flags[inf_worker, 2] and flags.sum() == 2
   summary = jaxfuse.summarize(state.stats, plan)
   assert summary["nonfinite_leaves"] == 2
 

@@ -16,24 +16,29 @@ before working on tile t):
 * **Pass 1 (mask)**: the candidate mask of a tile, viewed as T/32 rows of 32,
   is packed into one 32-bit word per row, ``w = Σ_j m_j · 2^j`` (a row
   reduction, no scan), and stored; the block's count is ``Σ popcount(w)``.
-  Memory traffic: read n elements, write n/8 bytes.
+  The first S candidates of the block (S = B/16 by default) are also
+  *staged*, in position order, as (value, index) at block-local rank: the
+  ranks come from the exclusive scan of the T/32 word popcounts, and the
+  program peels the lowest set bit of every word at once (``w & −w``,
+  position ``31 − clz``), max_k popcount(w_k) times, re-reading the values
+  from the tile it has just loaded (cache hits). Memory traffic: read n
+  elements, write n/8 bytes and the staged pairs.
 * **Scan** (one program, over ⌈n/B⌉ numbers): ``start`` = exclusive cumsum
   of the counts, ``total`` = their sum, ``before`` = candidates in ``[0,
   offset)`` = ``start`` of offset's block + the popcounts of that block's
   words below offset (B/32 words).
-* **Pass 2 (write)**: a block's candidate ranks follow from the exclusive scan
-  of its words' popcounts (B/32 numbers, not B): the j-th set bit (j = 0, 1,
-  …, lowest first) of word k has the global inclusive rank ``r = start_b +
-  Σ_{k'<k} popcount(w_k') + j + 1`` and, as in the reference, the slot
-  ``r − before − 1`` if its position is ≥ offset, else ``r + total − before −
-  1``; it is written (its value gathered from ``acc``) if the slot is <
-  capacity. The program peels the lowest set bit of every word at once
-  (``w & −w``, position ``31 − clz``), max_k popcount(w_k) times. A block
-  whose smallest slot is ≥ capacity does nothing (with the rotation, only
-  the blocks right after ``offset`` win when the candidates overflow). Each
-  program also writes the sentinel (0, n) into its share of the slots
-  ``[min(total, capacity), capacity)``, so every slot is written exactly
-  once.
+* **Pass 2 (write)**: the j-th candidate of block b has the global inclusive
+  rank ``r = start_b + j + 1`` and, as in the reference, the slot ``r −
+  before − 1`` if its position is ≥ offset, else ``r + total − before − 1``;
+  it is written if the slot is < capacity. A block with ≤ S candidates
+  copies its staged pairs (contiguous reads and writes); a denser block
+  peels its mask words as pass 1 does, gathering the values from ``acc``
+  (the rank of the j-th set bit of word k is ``start_b + Σ_{k'<k}
+  popcount(w_k') + j + 1``). A block whose smallest slot is ≥ capacity does
+  nothing (with the rotation, only the blocks right after ``offset`` win
+  when the candidates overflow). Each program also writes the sentinel
+  (0, n) into its share of the slots ``[min(total, capacity), capacity)``,
+  so every slot is written exactly once.
 
 Slot positions follow from the scans alone: the result is deterministic, no
 atomics.
@@ -160,17 +165,41 @@ def _for_each_tile(acc_ref, b, n, block, tile, body, carry):
                   lambda: run(masked=False))
 
 
-def _mask_kernel(tau_ref, acc_ref, bits_ref, cnt_ref, *, n, block, tile):
+def _lowest_bit_position(base, w):
+  """Position of the lowest set bit of each word w (bit j of the word at
+  ``base`` is position base + j)."""
+  return base + (WORD - 1) - lax.clz(w & -w)
+
+
+def _mask_kernel(tau_ref, acc_ref, bits_ref, cnt_ref, sv_ref, si_ref, *, n,
+                 block, tile, stage, interpret):
   b = pl.program_id(0)
   tau = tau_ref[0]
   rows = tile // WORD
   shift = lax.broadcasted_iota(jnp.int32, (rows, WORD), 1)
+  row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
 
   def body(t, x, pos, count):
     m = _candidates(x, pos, n, tau).astype(jnp.int32)
     words = jnp.sum(m.reshape(rows, WORD) << shift, axis=1)   # disjoint bits
     bits_ref[pl.ds((b * block + t * tile) // WORD, rows)] = words
-    return count + jnp.sum(_popcount(words))
+    counts = _popcount(words)
+    rank0 = count + jnp.cumsum(counts) - counts       # in the block, from 0
+    base = b * block + t * tile + row * WORD
+
+    def peel(j, w):                 # stage the j-th candidate of every word
+      rank = rank0 + j
+      ok = (w != 0) & (rank < stage)
+      p = _lowest_bit_position(base, w)
+      v = plgpu.load(acc_ref.at[jnp.where(ok, p, 0)], mask=ok)   # cached
+      slot = _masked_index(ok, rank, stage, interpret)
+      plgpu.store(sv_ref.at[slot], v, mask=ok)
+      plgpu.store(si_ref.at[slot], p, mask=ok)
+      return w & (w - 1)
+
+    lax.fori_loop(0, jnp.where(count < stage, jnp.max(counts), 0), peel,
+                  words)
+    return count + jnp.sum(counts)
 
   cnt_ref[b] = _for_each_tile(acc_ref, b, n, block, tile, body, jnp.int32(0))
 
@@ -211,9 +240,9 @@ def _scan_kernel(offset_ref, cnt_ref, bits_ref, start_ref, scal_ref, *, n,
   scal_ref[2] = total
 
 
-def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, v_ref,
-                  i_ref, *, n, block, words_per_step, capacity,
-                  fill_per_program, interpret):
+def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
+                  si_ref, v_ref, i_ref, *, n, block, words_per_step, stage,
+                  capacity, fill_per_program, interpret):
   b = pl.program_id(0)
   offset = scal_ref[0]
   before = scal_ref[1]
@@ -225,9 +254,27 @@ def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, v_ref,
   first = jnp.where(first_pos >= offset, start - before,
                     jnp.where(first_pos + block <= offset,
                               start + total - before, 0))
+  need = (cnt > 0) & (first < capacity)
 
-  @pl.when((cnt > 0) & (first < capacity))
-  def _emit():
+  def emit(rank, pos, valid, vals=None):
+    """Write the candidates of global inclusive ranks ``rank`` at ``pos``."""
+    slot = jnp.where(pos >= offset, rank - before, rank + total - before) - 1
+    ok = valid & (slot < capacity)
+    if vals is None:
+      vals = plgpu.load(acc_ref.at[jnp.where(ok, pos, 0)], mask=ok)
+    slot = _masked_index(ok, slot, capacity, interpret)
+    plgpu.store(v_ref.at[slot], vals, mask=ok)
+    plgpu.store(i_ref.at[slot], pos, mask=ok)
+
+  @pl.when(need & (cnt <= stage))
+  def _staged():
+    j = lax.broadcasted_iota(jnp.int32, (stage,), 0)
+    valid = j < cnt
+    emit(start + j + 1, plgpu.load(si_ref, mask=valid, other=0), valid,
+         plgpu.load(sv_ref, mask=valid))
+
+  @pl.when(need & (cnt > stage))
+  def _from_mask():
     lanes = lax.broadcasted_iota(jnp.int32, (words_per_step,), 0)
 
     def words_step(s, run):
@@ -238,16 +285,7 @@ def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, v_ref,
       base = (word0 + lanes) * WORD
 
       def peel(j, w):
-        valid = w != 0
-        pos = base + (WORD - 1) - lax.clz(w & -w)          # lowest set bit
-        rank = rank0 + j + 1
-        slot = jnp.where(pos >= offset, rank - before,
-                         rank + total - before) - 1
-        ok = valid & (slot < capacity)
-        vals = plgpu.load(acc_ref.at[jnp.where(ok, pos, 0)], mask=ok)
-        slot = _masked_index(ok, slot, capacity, interpret)
-        plgpu.store(v_ref.at[slot], vals, mask=ok)
-        plgpu.store(i_ref.at[slot], pos, mask=ok)
+        emit(rank0 + j + 1, _lowest_bit_position(base, w), w != 0)
         return w & (w - 1)
 
       lax.fori_loop(0, jnp.max(counts), peel, w)
@@ -295,10 +333,12 @@ def _is_pow2(v: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "block", "tile",
-                                             "num_warps", "interpret"))
+                                             "stage", "num_warps",
+                                             "interpret"))
 def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
                   block: int | None = None, tile: int | None = None,
-                  num_warps: int | None = None, interpret: bool = False
+                  stage: int | None = None, num_warps: int | None = None,
+                  interpret: bool = False
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Drop-in for :func:`jaxfuse.sparsify.select` as two Pallas kernels.
 
@@ -312,6 +352,8 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
       rounded up to a power of two if smaller).
     tile: elements per pass-1 step inside a program, a power of two in
       [32, block] (default min(2048, block)).
+    stage: candidates per block that pass 1 stages, a power of two ≤ block
+      (default block/16); pass 2 peels a denser block's mask instead.
     num_warps: Triton warps per program (default 4).
     interpret: run the kernels in the Pallas interpreter (any backend).
 
@@ -336,6 +378,10 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
   if not _is_pow2(tile) or tile > block or tile < WORD:
     raise ValueError(
         f"tile must be a power of two in [{WORD}, block], got {tile}")
+  if stage is None:
+    stage = max(1, block // 16)
+  if not _is_pow2(stage) or stage > block:
+    raise ValueError(f"stage must be a power of two <= block, got {stage}")
   num_blocks = pl.cdiv(n, block)
   if num_blocks * block + block >= 2**31 or capacity >= 2**30:
     raise ValueError(f"acc too large for int32 positions: n={n}")
@@ -353,6 +399,7 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
   # padded (with zeros, which are never candidates) so no tile overhangs.
   acc_k = jnp.pad(acc, (0, block - n)) if n < block else acc
   whole = pl.BlockSpec()                   # the whole array in every program
+  stage_spec = pl.BlockSpec((stage,), lambda b: (b,))
   grid = (num_blocks,)
 
   # Inside shard_map (check_vma): every kernel operand and output varies over
@@ -368,13 +415,16 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
   out = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
                                                   manual_axis_type=mat)
 
-  bits, counts = pl.pallas_call(
-      functools.partial(_mask_kernel, n=n, block=block, tile=tile),
+  bits, counts, staged_v, staged_i = pl.pallas_call(
+      functools.partial(_mask_kernel, n=n, block=block, tile=tile,
+                        stage=stage, interpret=interpret),
       out_shape=(out((num_blocks * words_per_block,), jnp.int32),
-                 out((padded_blocks,), jnp.int32)),
+                 out((padded_blocks,), jnp.int32),
+                 out((num_blocks * stage,), acc.dtype),
+                 out((num_blocks * stage,), jnp.int32)),
       grid=grid,
       in_specs=[whole, whole],
-      out_specs=(whole, whole),
+      out_specs=(whole, whole, stage_spec, stage_spec),
       compiler_params=params,
       interpret=interpret,
       name="jaxfuse_select_mask",
@@ -394,15 +444,16 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
 
   values, indices = pl.pallas_call(
       functools.partial(_write_kernel, n=n, block=block,
-                        words_per_step=words_per_step, capacity=capacity,
+                        words_per_step=words_per_step, stage=stage,
+                        capacity=capacity,
                         fill_per_program=fill_per_program,
                         interpret=interpret),
       out_shape=(out((capacity,), acc.dtype), out((capacity,), jnp.int32)),
       grid=grid,
-      in_specs=[whole] * 5,
+      in_specs=[whole] * 5 + [stage_spec] * 2,
       out_specs=(whole, whole),
       compiler_params=params,
       interpret=interpret,
       name="jaxfuse_select_write",
-  )(scal, counts, start, bits, acc_k)
+  )(scal, counts, start, bits, acc_k, staged_v, staged_i)
   return values, indices, scal[2]
