@@ -19,6 +19,8 @@ GPUs it uses all of them (or --devices N):
   python examples/train_lm.py --strategy layerwise --estimator gaussian
   python examples/train_lm.py --preset gpt2-small --dtype bfloat16  # on GPUs
   python examples/train_lm.py --steps 50 --json-out /tmp/run.json
+  python examples/train_lm.py --strategy auto --costs costs.json
+  python examples/train_lm.py --plan plan.json     # from `jaxfuse plan`
 
 Tokens/s excludes step 1 (compilation); every step is timed to completion.
 
@@ -200,8 +202,17 @@ def parse_args(argv):
                  default="jaxfuse")
   p.add_argument("--density", type=float, default=0.01)
   p.add_argument("--strategy", default="aligned",
-                 choices=[s for s in jaxfuse.STRATEGIES if s != "behind"],
-                 help="plan strategy for --sync jaxfuse")
+                 choices=[s for s in jaxfuse.STRATEGIES + jaxfuse.COST_STRATEGIES
+                          if s != "behind"],
+                 help="plan strategy for --sync jaxfuse (the cost-model ones "
+                 "need --costs)")
+  p.add_argument("--costs", help="costs JSON from `jaxfuse profile`")
+  p.add_argument("--num-buckets", type=int, default=4,
+                 help="buckets for --strategy aligned/safusion")
+  p.add_argument("--bucket-bytes", type=int,
+                 help="dense bytes per bucket for --strategy size")
+  p.add_argument("--plan", help="a plan JSON (`jaxfuse plan`) to use instead "
+                 "of making one; implies --sync jaxfuse")
   p.add_argument("--estimator", default="dgc", choices=jaxfuse.plans.ESTIMATORS)
   p.add_argument("--kernels", default="auto", choices=jaxfuse.kernels.BACKENDS,
                  help="selection kernels: Pallas on GPU (auto), or force one")
@@ -268,15 +279,21 @@ def main(argv=None) -> dict:
                      optax.adamw(schedule, weight_decay=args.weight_decay,
                                  mask=decay_mask))
   plan = None
+  if args.plan:
+    args.sync = "jaxfuse"
   if args.sync == "dense":
     opt = tail
     opt_state = jax.device_put(opt.init(params), NamedSharding(mesh, P()))
     opt_specs, wire_bytes = P(), dense_bytes
   else:
     strategy = "behind" if args.sync == "behind" else args.strategy
-    plan = jaxfuse.plan(params, density=args.density, strategy=strategy,
-                        estimator=args.estimator, seed=args.seed,
-                        loss_fn=loss_fn, example_args=(first_batch,))
+    options = dict(num_buckets=args.num_buckets, costs=args.costs)
+    if args.bucket_bytes:
+      options["bucket_bytes"] = args.bucket_bytes
+    plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
+        params, density=args.density, strategy=strategy,
+        estimator=args.estimator, seed=args.seed, loss_fn=loss_fn,
+        example_args=(first_batch[:batch_size // k],), **options))
     print(plan.summary())
     opt = optax.chain(jaxfuse.sparse_sync(plan, axis_name=AXIS), tail)
     opt_state = jaxfuse.init_state(opt, params, mesh, AXIS)
@@ -346,12 +363,14 @@ def main(argv=None) -> dict:
                  "num_params": num_params},
       "log": log, "losses": losses,
       "first_step_s": step_times[0], "mean_step_time_s": mean_step,
+      "median_step_time_s": float(np.median(timed)),
       "tokens_per_s": tokens_per_step / mean_step,
       "final_train_loss": losses[-1],
       "final_val_loss": val_loss if val_losses else None,
       "wire_bytes": wire_bytes, "dense_bytes": dense_bytes,
       "wire_ratio": wire_bytes / dense_bytes, "stats": stats,
       "plan_summary": plan.summary() if plan is not None else None,
+      "plan_provenance": dict(plan.provenance) if plan is not None else None,
       "wall_time_s": time.perf_counter() - t_start,
       "replicas_identical": replicas_identical,
   }

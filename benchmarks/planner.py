@@ -1,0 +1,247 @@
+"""The planner: its run time, and its predictions against measured steps.
+
+  timing   planner run time of every cost strategy for synthetic models of
+           50 / 161 / 314 / 1000 leaves (CPU is fine)
+  measure  on the GPUs: plans for the example LM (``size`` at several bucket
+           sizes, ``auto``, the other cost strategies), each predicted by the
+           simulator from a costs file and measured with
+           ``examples/train_lm.py --plan`` (one process per plan), plus dense
+  overlap  on the GPUs: XLA's overlap of the dense all-reduce with the
+           backward pass, η = (T_bwd + T_comm − T_both) / T_comm, under
+           several XLA flag sets (one process each)
+
+Prints a table and writes JSON::
+
+  python benchmarks/planner.py timing --out planner_timing.json
+  jaxfuse profile --model examples/lm_model.py:gpt2_small -o costs.json
+  python benchmarks/planner.py measure --costs costs.json --transport socket
+  python benchmarks/planner.py overlap --transport socket
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from lm_throughput import TRANSPORTS  # pylint: disable=wrong-import-position
+
+# XLA flag sets of the overlap study.
+FLAG_SETS = {
+    "default": "",
+    "lhs": "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "lhs+nocombine": ("--xla_gpu_enable_latency_hiding_scheduler=true "
+                      "--xla_gpu_all_reduce_combine_threshold_bytes=0 "
+                      "--xla_gpu_all_gather_combine_threshold_bytes=0"),
+}
+SIZES_MB = (1, 4, 16, 64)
+
+
+def _synthetic(num_leaves: int, seed: int = 0):
+  """A transformer-like model of ``num_leaves`` leaves and costs for it."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxfuse import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  shapes = [(768, 768 * int(rng.integers(1, 5))) if i % 3 == 0 else (768,)
+            for i in range(num_leaves)]
+  params = [jax.ShapeDtypeStruct(s, "float32") for s in shapes]
+  sizes = np.array([np.prod(s) for s in shapes], float)
+  costs = costs_lib.Costs(
+      collectives={"allgather": costs_lib.LinearCost(1e-4, 3e-10),
+                   "psum": costs_lib.LinearCost(1e-4, 5e-10)},
+      compress=costs_lib.LinearCost(3e-5, 2e-11),
+      backward=tuple(float(t) for t in 2e-11 * sizes * 1e3 + 1e-5),
+      contention=1.3, overlap=0.25, forward=0.02)
+  return params, costs
+
+
+def cmd_timing(args) -> list[dict]:
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  rows = []
+  print(f"{'leaves':>7} " + " ".join(f"{s:>9}" for s in
+                                     jaxfuse.COST_STRATEGIES) + "   (s)")
+  for n in args.leaves:
+    params, costs = _synthetic(n)
+    row = {"leaves": n}
+    for strategy in jaxfuse.COST_STRATEGIES:
+      jaxfuse.plan(params, strategy=strategy, costs=costs)   # warm caches
+      t0 = time.perf_counter()
+      plan = jaxfuse.plan(params, strategy=strategy, costs=costs)
+      row[strategy] = time.perf_counter() - t0
+      row[strategy + "_predicted_s"] = plan.provenance["predicted_iteration"]
+    rows.append(row)
+    print(f"{n:>7} " + " ".join(f"{row[s]:9.3f}" for s in
+                                jaxfuse.COST_STRATEGIES), flush=True)
+  return rows
+
+
+def _env(transport: str, xla_flags: str = "") -> dict:
+  env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
+             **TRANSPORTS[transport])
+  env["PYTHONPATH"] = os.pathsep.join(
+      [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                     if p])
+  if xla_flags:
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+  return env
+
+
+def _train(args, extra, env) -> dict:
+  with tempfile.TemporaryDirectory() as tmp:
+    out = pathlib.Path(tmp) / "run.json"
+    cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"),
+           "--preset", args.preset, "--steps", str(args.steps),
+           "--eval-batches", "0", "--log-every", "1000",
+           "--json-out", str(out), *extra]
+    print("==", " ".join(cmd[1:]), flush=True)
+    proc = subprocess.run(cmd, env=env, check=False, capture_output=True,
+                          text=True)
+    if proc.returncode or not out.exists():
+      print(proc.stdout[-2000:], proc.stderr[-3000:], flush=True)
+      return {"error": proc.returncode}
+    return json.loads(out.read_text())
+
+
+def cmd_measure(args) -> list[dict]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jaxfuse import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  from jaxfuse import simulate  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(ROOT / "examples"))
+  import lm_model  # pylint: disable=g-import-not-at-top
+  costs = costs_lib.Costs.load(args.costs)
+  loss_fn, params, tokens = getattr(lm_model, args.model)()
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        params)
+  base = dict(density=args.density, loss_fn=loss_fn, example_args=(tokens,),
+              costs=costs)
+  configs = [("dense", None, dict(density=1.0))]
+  configs += [(f"size {mb} MiB", "size", dict(bucket_bytes=mb * 2**20))
+              for mb in args.sizes_mb]
+  configs += [(s, s, {}) for s in args.strategies]
+  rows = []
+  env = _env(args.transport, FLAG_SETS[args.flags])
+  with tempfile.TemporaryDirectory() as tmp:
+    for name, strategy, options in configs:
+      plan = jaxfuse.plan(params, **{**base, **options,
+                                     "strategy": strategy or "single"})
+      predicted = simulate.simulate(plan, costs)
+      if strategy is None:
+        extra = ["--sync", "dense"]
+      else:
+        path = pathlib.Path(tmp) / "plan.json"
+        plan.save(path)
+        extra = ["--plan", str(path)]
+      run = _train(args, extra, env)
+      row = {"plan": name, "buckets": len(plan.buckets),
+             "wire_bytes": plan.bytes_per_worker(),
+             "predicted_s": predicted.iteration,
+             "predicted_overlap": predicted.overlap_ratio,
+             "measured_s": run.get("median_step_time_s"),
+             "measured_mean_s": run.get("mean_step_time_s"),
+             "error": run.get("error"),
+             "winner": plan.provenance.get("auto", {}).get("winner")}
+      if row["measured_s"]:
+        row["prediction_error"] = row["predicted_s"] / row["measured_s"] - 1
+      rows.append(row)
+      print(f"   {name:14} {row['buckets']:3d} buckets  "
+            f"{row['wire_bytes'] / 2**20:8.2f} MiB  predicted "
+            f"{1e3 * row['predicted_s']:7.1f} ms  measured "
+            + (f"{1e3 * row['measured_s']:7.1f} ms  error "
+               f"{100 * row['prediction_error']:+5.1f} %"
+               if row["measured_s"] else "failed"), flush=True)
+  sized = [r for r in rows if r["plan"].startswith("size") and r["measured_s"]]
+  auto = next((r for r in rows if r["plan"] == "auto" and r["measured_s"]),
+              None)
+  if sized and auto:
+    best = min(sized, key=lambda r: r["measured_s"])
+    print(f"auto {1e3 * auto['measured_s']:.1f} ms vs best fixed rule "
+          f"({best['plan']}) {1e3 * best['measured_s']:.1f} ms: "
+          f"{100 * (1 - auto['measured_s'] / best['measured_s']):+.1f} %")
+  return rows
+
+
+_OVERLAP_WORKER = """
+import json, sys
+sys.path.insert(0, {examples!r})
+import jaxfuse, lm_model
+from jaxfuse import profiling
+loss_fn, params, tokens = lm_model.{model}()
+eta, raw = profiling.measure_overlap(jaxfuse.make_mesh(), loss_fn, params,
+                                     (tokens,), repeats=10)
+print("RESULT", json.dumps({{"overlap": eta, **raw}}))
+"""
+
+
+def cmd_overlap(args) -> list[dict]:
+  rows = []
+  for name in args.flag_sets:
+    code = _OVERLAP_WORKER.format(examples=str(ROOT / "examples"),
+                                  model=args.model)
+    proc = subprocess.run([sys.executable, "-c", code], check=False,
+                          capture_output=True, text=True,
+                          env=_env(args.transport, FLAG_SETS[name]))
+    line = next((l for l in proc.stdout.splitlines()
+                 if l.startswith("RESULT ")), None)
+    if line is None:
+      print(f"{name}: failed\n{proc.stderr[-3000:]}", flush=True)
+      rows.append({"flags": name, "error": proc.returncode})
+      continue
+    row = {"flags": name, "xla_flags": FLAG_SETS[name],
+           **json.loads(line[len("RESULT "):])}
+    rows.append(row)
+    print(f"{name:14} backward {1e3 * row['backward']:7.1f} ms  all-reduce "
+          f"{1e3 * row['comm']:7.1f} ms  both {1e3 * row['both']:7.1f} ms  "
+          f"overlap η = {row['overlap']:.2f}", flush=True)
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = p.add_subparsers(dest="command", required=True)
+  t = sub.add_parser("timing", help="planner run time")
+  t.add_argument("--leaves", type=int, nargs="+", default=[50, 161, 314, 1000])
+  for name in ("measure", "overlap"):
+    m = sub.add_parser(name)
+    m.add_argument("--transport", default="socket", choices=sorted(TRANSPORTS))
+    m.add_argument("--model", default="gpt2_small",
+                   help="function of examples/lm_model.py")
+  m = sub.choices["measure"]
+  m.add_argument("--costs", required=True)
+  m.add_argument("--preset", default="gpt2-small")
+  m.add_argument("--steps", type=int, default=20)
+  m.add_argument("--density", type=float, default=0.01)
+  m.add_argument("--sizes-mb", type=int, nargs="+", default=list(SIZES_MB))
+  m.add_argument("--strategies", nargs="+", default=["auto"])
+  m.add_argument("--flags", default="default", choices=sorted(FLAG_SETS))
+  sub.choices["overlap"].add_argument("--flag-sets", nargs="+",
+                                      default=list(FLAG_SETS),
+                                      choices=sorted(FLAG_SETS))
+  p.add_argument("--out", default=None, help="JSON file to write")
+  args = p.parse_args(argv)
+  rows = {"timing": cmd_timing, "measure": cmd_measure,
+          "overlap": cmd_overlap}[args.command](args)
+  if args.out:
+    import jax  # pylint: disable=g-import-not-at-top
+    dev = jax.devices()[0]
+    meta = {"command": args.command, "jax": jax.__version__,
+            "device": getattr(dev, "device_kind", str(dev)),
+            "devices": jax.device_count(), "date": time.strftime("%Y-%m-%d"),
+            "args": {k: v for k, v in vars(args).items()}}
+    pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows},
+                                                 indent=1))
+
+
+if __name__ == "__main__":
+  main()
