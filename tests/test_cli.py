@@ -60,7 +60,9 @@ def workdir(tmp_path_factory):
 
 
 def run(workdir, *args):
-  env = dict(os.environ)
+  env = {k: v for k, v in os.environ.items()   # a CPU process: reference path
+         if k not in ("JAXFUSE_KERNELS", "JAXFUSE_TEST_GPU",
+                      "JAXFUSE_TEST_WORKERS")}
   flags = [f for f in env.get("XLA_FLAGS", "").split()
            if "xla_force_host_platform_device_count" not in f]
   env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",

@@ -55,8 +55,9 @@ def _env(local_devices: int) -> dict[str, str]:
   if flags:
     env["XLA_FLAGS"] = " ".join(flags)
   for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
-              "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "CUDA_VISIBLE_DEVICES"):
-    env.pop(var, None)
+              "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "CUDA_VISIBLE_DEVICES",
+              "JAXFUSE_KERNELS", "JAXFUSE_TEST_GPU", "JAXFUSE_TEST_WORKERS"):
+    env.pop(var, None)  # CPU processes: the reference path, 8 workers
   env["JAX_PLATFORMS"] = "cpu"
   env["JAX_NUM_CPU_DEVICES"] = str(local_devices)
   env["PYTHONPATH"] = os.pathsep.join(
