@@ -717,14 +717,14 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
     sizes_ = [max(1, int(np.size(x))) for x in jax.tree.leaves(params)]
     roofline = float(sum(analysis.shares))
     method = "jaxpr roofline shares scaled to time(grad) - time(loss)"
-    total = measured
+    backward_time = measured
     if measured <= 0 and analysis.forward > 0:
       # Below the timing noise (a tiny model): the roofline backward, in the
       # forward's measured / roofline ratio.
-      total = roofline * forward / analysis.forward
+      backward_time = roofline * forward / analysis.forward
       method = ("time(grad) - time(loss) <= 0 (below timing noise): roofline "
                 "backward x measured/roofline forward")
-    backward = scale_shares(analysis.shares, total, sizes_)
+    backward = scale_shares(analysis.shares, backward_time, sizes_)
     backward_raw = {"method": method, "measured": measured,
                     "roofline": roofline,
                     "roofline_forward": analysis.forward,

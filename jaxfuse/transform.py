@@ -52,7 +52,7 @@ class SyncStats(NamedTuple):
 class SparseSyncState(NamedTuple):
   step: jax.Array                   # (1,) int32
   residuals: tuple[jax.Array, ...]  # per unit, (1, size)
-  control: sparsify.Control         # per unit, (1, U)
+  control: sparsify.Control         # per unit, (1, max(U, 1))
   stats: SyncStats                  # per leaf, (1, L)
 
 
@@ -94,8 +94,10 @@ def sparse_sync(plan: plan_lib.Plan,
     return SparseSyncState(
         step=jnp.zeros((1,), jnp.int32),
         residuals=tuple(jnp.zeros((1, u.size), u.dtype) for u in all_units),
-        control=jax.tree.map(lambda x: x[None],
-                             sparsify.initial_control(len(all_units))),
+        # At least one entry: an all-dense plan would otherwise carry
+        # zero-size arrays, which XLA's GPU compiler (JAX 0.11.2) crashes on.
+        control=jax.tree.map(lambda x: x[None], sparsify.initial_control(
+            max(1, len(all_units)))),
         stats=_empty_stats(num_leaves))
 
   def update_fn(updates, state, params=None, **extra_args):

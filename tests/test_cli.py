@@ -80,7 +80,10 @@ def test_profile_plan_show_end_to_end(workdir):
           "256K", "--compress-sizes", "1K", "64K", "--repeats", "3",
           "--chain", "2", "-o", "costs.json")
   assert r.returncode == 0, r.stderr
-  assert "profiling on 8 x cpu" in r.stderr and "done" in r.stderr  # progress
+  assert "profiling on 8 x cpu" in r.stderr
+  bars = [l for l in r.stderr.splitlines() if l.startswith("[")]
+  # 2 + 2 collective sizes, 2 compress sizes, γ, η, forward, backward
+  assert bars[-1] == "[" + "#" * 24 + "] 10/10 done", bars[-1]
   costs = Costs.load(workdir / "costs.json")
   assert costs.collectives["allgather"].beta > 0
   assert costs.collectives["psum"].beta > 0
