@@ -246,3 +246,42 @@ def test_console_script_and_test_extra_are_declared():
   assert project["scripts"]["jaxfuse"] == "jaxfuse.cli:main"
   assert any(d.startswith("matplotlib")
              for d in project["optional-dependencies"]["test"])
+
+
+def test_example_lm_profile_auto_plan_show_and_train(tmp_path):
+  """The README's workflow on the example LM: profile it, plan with "auto"
+  from those costs, draw the plan, and train two steps with it."""
+  target = f"{REPO / 'examples' / 'lm_model.py'}:tiny"
+  r = run(tmp_path, "profile", "--model", target, "--sizes", "4K", "256K",
+          "--compress-sizes", "1K", "64K", "--repeats", "2", "--chain", "2",
+          "-q", "-o", "costs.json")
+  assert r.returncode == 0, r.stderr
+  r = run(tmp_path, "plan", target, "--strategy", "auto", "--costs",
+          "costs.json", "-o", "plan.json")
+  assert r.returncode == 0, r.stderr
+  plan = jaxfuse.Plan.load(tmp_path / "plan.json")
+  sys.path.insert(0, str(REPO / "examples"))
+  try:
+    import lm_model  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.remove(str(REPO / "examples"))
+  _, params, _ = lm_model.tiny()
+  plan.validate(params)
+  auto = plan.provenance["auto"]
+  assert auto["winner"] in auto["candidates"]
+  # the best candidate, or better after switching groups to dense
+  assert plan.provenance["predicted_iteration"] <= (
+      min(auto["candidates"].values()) * (1 + 1e-12))
+  r = run(tmp_path, "show", "plan.json", "--costs", "costs.json", "-o",
+          "timeline.png")
+  assert r.returncode == 0, r.stderr
+  assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG_SIGNATURE
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXFUSE_")}
+  env["PYTHONPATH"] = str(REPO)
+  out = subprocess.run(
+      [sys.executable, str(REPO / "examples" / "train_lm.py"), "--plan",
+       "plan.json", "--steps", "2", "--eval-batches", "0",
+       "--corpus-mb", "1"], cwd=tmp_path, env=env, capture_output=True,
+      text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "parameters bitwise identical on all 8 devices: True" in out.stdout
