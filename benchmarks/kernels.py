@@ -46,7 +46,8 @@ from jaxfuse.kernels.selection import select_pallas  # pylint: disable=wrong-imp
 SWEEP = ((None, None, None, None), (4096, 4096, None, None),
          (8192, 1024, None, None), (8192, 8192, None, 8),
          (8192, 2048, 1024, None), (16384, 2048, None, 8),
-         (16384, 4096, None, None), (32768, 4096, None, 8))
+         (16384, 4096, None, None), (32768, 4096, None, 8),
+         (8192, 512, None, None), (4096, 1024, None, 8))
 
 
 def _time(fn, args, repeats):
@@ -126,7 +127,8 @@ def main(argv=None):
   p.add_argument("--stage", type=int, default=None)
   p.add_argument("--num-warps", type=int, default=None)
   p.add_argument("--sweep", action="store_true",
-                 help="block x num_warps sweep at the largest n, density 0.01")
+                 help="configuration sweep (SWEEP) at the largest n")
+  p.add_argument("--sweep-density", type=float, default=0.01)
   p.add_argument("--interpret", action="store_true",
                  help="Pallas interpreter (to try the script on CPU)")
   p.add_argument("--out", default=None, help="JSON file to write")
@@ -188,7 +190,7 @@ def main(argv=None):
       for k in [k for k in row if k.endswith("_error")]:
         print(f"    {k}: {row[k]}", flush=True)
     if args.sweep and n == max(sizes):
-      d = 0.01
+      d = args.sweep_density
       q = float(jnp.quantile(jnp.abs(acc.astype(jnp.float32)), 1 - d))
       capacity = math.ceil(1.5 * d * n)
       expect = jax.jit(lambda a, t, o: sparsify.select(a, t, capacity, o))(
