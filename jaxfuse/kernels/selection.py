@@ -60,10 +60,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# Fastest of the configurations swept on an H100 (benchmarks/kernels.py).
+# Fastest of the configurations swept on an H100 at 100M elements, densities
+# 0.01 and 0.05 (benchmarks/kernels.py --sweep; docs/benchmarks.md).
 DEFAULT_BLOCK = 8192
-DEFAULT_TILE = 2048
-DEFAULT_NUM_WARPS = 4
+DEFAULT_TILE = 8192
+DEFAULT_NUM_WARPS = 8
 FILL_TILE = 1024
 MAX_WORDS_PER_STEP = 1024  # pass 2: mask words per step
 MAX_SCAN_CHUNK = 4096      # block counts per step of the scan
@@ -351,10 +352,10 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
     block: elements per program, a power of two ≥ 32 (default 8192, or n
       rounded up to a power of two if smaller).
     tile: elements per pass-1 step inside a program, a power of two in
-      [32, block] (default min(2048, block)).
+      [32, block] (default min(8192, block)).
     stage: candidates per block that pass 1 stages, a power of two ≤ block
       (default block/16); pass 2 peels a denser block's mask instead.
-    num_warps: Triton warps per program (default 4).
+    num_warps: Triton warps per program (default 8).
     interpret: run the kernels in the Pallas interpreter (any backend).
 
   Returns:
