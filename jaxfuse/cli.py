@@ -133,24 +133,25 @@ def load_model(spec: str) -> tuple[Any, Any, tuple]:
   return loss_fn, params, tuple(args)
 
 
+def _load(cls, path: str, what: str):
+  """``cls.load(path)`` with one-line errors (PlanError and CostsError are
+  ValueErrors)."""
+  try:
+    return cls.load(path)
+  except OSError as e:
+    raise UsageError(f"cannot read {what} {path!r}: {e.strerror or e}.") from e
+  except (ValueError, TypeError) as e:
+    raise UsageError(f"{path}: {e}") from e
+
+
 def _load_plan(path: str):
   from jaxfuse import plans  # pylint: disable=g-import-not-at-top
-  try:
-    return plans.Plan.load(path)
-  except OSError as e:
-    raise UsageError(f"cannot read plan {path!r}: {e.strerror or e}.") from e
-  except (ValueError, TypeError) as e:  # PlanError is a ValueError
-    raise UsageError(f"{path}: {e}") from e
+  return _load(plans.Plan, path, "plan")
 
 
 def _load_costs(path: str):
   from jaxfuse import costs  # pylint: disable=g-import-not-at-top
-  try:
-    return costs.Costs.load(path)
-  except OSError as e:
-    raise UsageError(f"cannot read costs {path!r}: {e.strerror or e}.") from e
-  except (ValueError, TypeError) as e:  # CostsError is a ValueError
-    raise UsageError(f"{path}: {e}") from e
+  return _load(costs.Costs, path, "costs")
 
 
 def _save(obj, path: str, what: str) -> None:
