@@ -10,6 +10,10 @@ For each n × density: acc ~ N(0, 1) (float32 unless --dtype), τ the
            plain-XLA compaction the issue measured)
   top_k    jax.lax.top_k(|acc|, capacity)
   read     jnp.sum(jnp.abs(acc)): one plain read of acc, the bandwidth floor
+  kth      jaxfuse.kernels.threshold.kth_largest_magnitude, k = ⌈ρ·n⌉ (exact
+           k-th largest |acc|: sample bracket + select kernel + top_k on ~2k)
+  kth_ref  its reference, lax.top_k(|acc|, k)[0][k − 1] (not in the default
+           --methods; add kth,kth_ref to time them)
 
 Each is jitted, warmed up, then timed ``--repeats`` times with
 block_until_ready; the median is reported. ``pallas`` is also checked equal
@@ -39,6 +43,8 @@ import numpy as np  # pylint: disable=wrong-import-position
 
 from jaxfuse import sparsify  # pylint: disable=wrong-import-position
 from jaxfuse.kernels.selection import select_pallas  # pylint: disable=wrong-import-position
+from jaxfuse.kernels.threshold import kth_largest_magnitude  # pylint: disable=wrong-import-position
+from jaxfuse.kernels.threshold import kth_largest_magnitude_reference  # pylint: disable=wrong-import-position
 
 
 # (block, tile, stage, num_warps); None: select_pallas's default. The GPU
@@ -87,7 +93,12 @@ def _same(a, b):
 
 def bench_one(acc, tau, capacity, offset, methods, repeats, interpret=False,
               expect=None, **kw):
+  k = max(1, round(capacity / 1.5))
   fns = {
+      "kth": jax.jit(lambda a, t, o: kth_largest_magnitude(
+          a, k, interpret=interpret)),
+      "kth_ref": jax.jit(lambda a, t, o: kth_largest_magnitude_reference(
+          a, k)),
       "pallas": jax.jit(lambda a, t, o: select_pallas(
           a, t, capacity, o, interpret=interpret, **kw)),
       "count": jax.jit(lambda a, t, o: select_pallas(
@@ -108,6 +119,8 @@ def bench_one(acc, tau, capacity, offset, methods, repeats, interpret=False,
       row[name + "_ms"] = None
       row[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
   expect = outs.get("ref", expect)
+  if "kth" in outs and "kth_ref" in outs:
+    row["kth_match"] = _same([outs["kth"]], [outs["kth_ref"]])
   if "pallas" in outs and expect is not None:
     row["match"] = _same(outs["pallas"], expect)
     row["count"] = int(expect[2])
@@ -187,6 +200,11 @@ def main(argv=None):
             f"{f(row['nonzero_over_pallas'], 5, 1)} "
             f"{f(row['topk_over_pallas'], 6, 1)} "
             f"{' ' * 10}| {row.get('match')}", flush=True)
+      if row.get("kth_batched_ms") and row.get("read_batched_ms"):
+        print(f"    exact k-th |acc|: kth {row['kth_batched_ms']:.3f} ms "
+              f"(= {row['kth_batched_ms'] / row['read_batched_ms']:.2f} x "
+              f"read), kth_ref {row.get('kth_ref_batched_ms') or 0:.3f} ms, "
+              f"match {row.get('kth_match')}", flush=True)
       for k in [k for k in row if k.endswith("_error")]:
         print(f"    {k}: {row[k]}", flush=True)
     if args.sweep and n == max(sizes):

@@ -47,3 +47,13 @@ def select(acc, tau, capacity: int, offset):
         interpret=jax.default_backend() != "gpu")
   from jaxfuse import sparsify  # pylint: disable=g-import-not-at-top
   return sparsify.select(acc, tau, capacity, offset)
+
+
+def kth_largest_magnitude(x, k: int):
+  """Exact k-th largest |x| (``threshold.kth_largest_magnitude``): the
+  selection kernel brackets it, ``lax.top_k`` runs on ~2k elements."""
+  from jaxfuse.kernels import threshold  # pylint: disable=g-import-not-at-top
+  if backend() == "pallas":
+    return threshold.kth_largest_magnitude(
+        x, k, interpret=jax.default_backend() != "gpu")
+  return threshold.kth_largest_magnitude_reference(x, k)
