@@ -21,6 +21,7 @@ GPUs it uses all of them (or --devices N):
   python examples/train_lm.py --steps 50 --json-out /tmp/run.json
   python examples/train_lm.py --strategy auto --costs costs.json
   python examples/train_lm.py --plan plan.json     # from `jaxfuse plan`
+  python examples/train_lm.py --xla-option xla_gpu_all_reduce_combine_threshold_bytes=0
 
 Tokens/s excludes step 1 (compilation); every step is timed to completion.
 
@@ -173,7 +174,8 @@ def make_loss(model: Transformer):
   return loss_fn
 
 
-def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str):
+def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
+                    compiler_options=None):
   """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss."""
   def local(params, opt_state, batch):
     # Each worker's own gradient of its own shard of the batch.
@@ -186,7 +188,37 @@ def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str):
             jax.lax.pmean(loss, AXIS))
   step = jax.shard_map(local, mesh=mesh, in_specs=(P(), opt_specs, P(AXIS)),
                        out_specs=(P(), opt_specs, P()))
-  return jax.jit(step, donate_argnums=(0, 1))
+  return jax.jit(step, donate_argnums=(0, 1),
+                 compiler_options=compiler_options or None)
+
+
+def parse_xla_options(items) -> dict:
+  """["name=value", ...] -> XLA compile options (ints, floats, true/false),
+  checked by compiling a trivial function with them."""
+  options = {}
+  for item in items or ():
+    name, sep, value = item.partition("=")
+    if not sep or not name:
+      raise SystemExit(f"--xla-option {item!r}: use NAME=VALUE, e.g. "
+                       "xla_gpu_all_reduce_combine_threshold_bytes=0")
+    low = value.lower()
+    if low in ("true", "false"):
+      options[name] = low == "true"
+    else:
+      try:
+        options[name] = int(value)
+      except ValueError:
+        try:
+          options[name] = float(value)
+        except ValueError:
+          options[name] = value
+  if options:
+    try:
+      jax.jit(lambda: 0, compiler_options=options).lower().compile()
+    except Exception as e:  # pylint: disable=broad-except
+      raise SystemExit(f"--xla-option: XLA rejects {options}: "
+                       f"{str(e).splitlines()[0]}") from None
+  return options
 
 
 def make_eval_step(loss_fn, mesh):
@@ -235,12 +267,17 @@ def parse_args(argv):
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--eval-batches", type=int, default=8)
   p.add_argument("--corpus-mb", type=float, default=8.0)
+  p.add_argument("--xla-option", action="append", metavar="NAME=VALUE",
+                 help="XLA compile option for the train step (repeatable), "
+                 "e.g. xla_gpu_all_reduce_combine_threshold_bytes=0 "
+                 "(docs/benchmarks.md: the overlap study)")
   p.add_argument("--json-out")
   return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  xla_options = parse_xla_options(args.xla_option)
   t_start = time.perf_counter()
   preset = PRESETS[args.preset]
   jaxfuse.kernels.set_backend(args.kernels)
@@ -303,7 +340,8 @@ def main(argv=None) -> dict:
         f"{wire_bytes:,} = {wire_bytes / dense_bytes:.4f} x dense "
         f"({dense_bytes:,})")
 
-  train_step = make_train_step(loss_fn, opt, mesh, opt_specs, args.sync)
+  train_step = make_train_step(loss_fn, opt, mesh, opt_specs, args.sync,
+                               xla_options)
   tokens_per_step = batch_size * seq_len
   losses, step_times, log, stats = [], [], [], {}
   batch = first_batch

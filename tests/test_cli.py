@@ -281,7 +281,15 @@ def test_example_lm_profile_auto_plan_show_and_train(tmp_path):
   out = subprocess.run(
       [sys.executable, str(REPO / "examples" / "train_lm.py"), "--plan",
        "plan.json", "--steps", "2", "--eval-batches", "0",
-       "--corpus-mb", "1"], cwd=tmp_path, env=env, capture_output=True,
-      text=True, timeout=300)
+       "--corpus-mb", "1", "--xla-option",
+       "xla_gpu_all_reduce_combine_threshold_bytes=0"], cwd=tmp_path, env=env,
+      capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "parameters bitwise identical on all 8 devices: True" in out.stdout
+  bad = subprocess.run(
+      [sys.executable, str(REPO / "examples" / "train_lm.py"),
+       "--xla-option", "no_such_xla_option=1"], cwd=tmp_path, env=env,
+      capture_output=True, text=True, timeout=300)
+  assert bad.returncode != 0
+  assert "--xla-option: XLA rejects" in bad.stderr
+  assert "no_such_xla_option" in bad.stderr and "Traceback" not in bad.stderr
