@@ -299,7 +299,8 @@ def main(argv=None) -> dict:
   data_sharding = NamedSharding(mesh, P(AXIS))
   rng = np.random.default_rng(args.seed)
   put = lambda b: jax.device_put(b, data_sharding)
-  first_batch = put(sample_batch(rng, train, batch_size, seq_len))
+  first_tokens = sample_batch(rng, train, batch_size, seq_len)
+  first_batch = put(first_tokens)
   params = model.init(jax.random.PRNGKey(args.seed),
                       jnp.zeros((1, seq_len), jnp.int32))
   params = jax.device_put(params["params"], NamedSharding(mesh, P()))
@@ -330,7 +331,7 @@ def main(argv=None) -> dict:
     plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
         params, density=args.density, strategy=strategy,
         estimator=args.estimator, seed=args.seed, loss_fn=loss_fn,
-        example_args=(first_batch[:batch_size // k],), **options))
+        example_args=(first_tokens[:batch_size // k],), **options))
     print(plan.summary())
     opt = optax.chain(jaxfuse.sparse_sync(plan, axis_name=AXIS), tail)
     opt_state = jaxfuse.init_state(opt, params, mesh, AXIS)

@@ -286,6 +286,14 @@ def test_example_lm_profile_auto_plan_show_and_train(tmp_path):
       capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "parameters bitwise identical on all 8 devices: True" in out.stdout
+  # and the README's demo path: a plan made inside train_lm (one step)
+  demo = subprocess.run(
+      [sys.executable, str(REPO / "examples" / "train_lm.py"), "--steps", "1",
+       "--eval-batches", "0", "--corpus-mb", "1", "--strategy", "auto",
+       "--costs", "costs.json"], cwd=tmp_path, env=env, capture_output=True,
+      text=True, timeout=300)
+  assert demo.returncode == 0, demo.stderr[-2000:]
+  assert "strategy=auto" in demo.stdout
   bad = subprocess.run(
       [sys.executable, str(REPO / "examples" / "train_lm.py"),
        "--xla-option", "no_such_xla_option=1"], cwd=tmp_path, env=env,
