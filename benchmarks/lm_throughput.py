@@ -30,11 +30,18 @@ TRANSPORTS = {
 }
 
 
-def run_one(transport: str, sync: str, args, extra) -> dict:
+def transport_env(transport: str) -> dict:
+  """This process's environment for a child on ``transport``, with the
+  repository first on PYTHONPATH and NVLink multicast off."""
   env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
              **TRANSPORTS[transport])
   env["PYTHONPATH"] = os.pathsep.join(
       [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+  return env
+
+
+def run_one(transport: str, sync: str, args, extra) -> dict:
+  env = transport_env(transport)
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "run.json"
     cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"),

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from lm_throughput import TRANSPORTS  # pylint: disable=wrong-import-position
+from lm_throughput import transport_env  # pylint: disable=wrong-import-position
 
 # XLA flag sets of the overlap study.
 FLAG_SETS = {
@@ -86,11 +86,7 @@ def cmd_timing(args) -> list[dict]:
 
 
 def _env(transport: str, xla_flags: str = "") -> dict:
-  env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONUNBUFFERED="1",
-             **TRANSPORTS[transport])
-  env["PYTHONPATH"] = os.pathsep.join(
-      [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                     if p])
+  env = transport_env(transport)
   if xla_flags:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
   return env
