@@ -12,8 +12,9 @@ For each n × density: acc ~ N(0, 1) (float32 unless --dtype), τ the
   read     jnp.sum(jnp.abs(acc)): one plain read of acc, the bandwidth floor
   kth      jaxfuse.kernels.threshold.kth_largest_magnitude, k = ⌈ρ·n⌉ (exact
            k-th largest |acc|: sample bracket + select kernel + top_k on ~2k)
+  kth_sort the same with a keys-only sort instead of top_k for the last step
   kth_ref  its reference, lax.top_k(|acc|, k)[0][k − 1] (not in the default
-           --methods; add kth,kth_ref to time them)
+           --methods; add kth,kth_sort,kth_ref to time them)
 
 Each is jitted, warmed up, then timed ``--repeats`` times with
 block_until_ready; the median is reported. ``pallas`` is also checked equal
@@ -53,7 +54,9 @@ SWEEP = ((None, None, None, None), (4096, 4096, None, None),
          (8192, 1024, None, None), (8192, 8192, None, 8),
          (8192, 2048, 1024, None), (16384, 2048, None, 8),
          (16384, 4096, None, None), (32768, 4096, None, 8),
-         (8192, 512, None, None), (4096, 1024, None, 8))
+         (8192, 512, None, None), (4096, 1024, None, 8),
+         (8192, 8192, None, 16), (16384, 16384, None, 16),
+         (8192, 8192, 256, 8), (8192, 8192, 1024, 8))
 
 
 def _time(fn, args, repeats):
@@ -97,6 +100,8 @@ def bench_one(acc, tau, capacity, offset, methods, repeats, interpret=False,
   fns = {
       "kth": jax.jit(lambda a, t, o: kth_largest_magnitude(
           a, k, interpret=interpret)),
+      "kth_sort": jax.jit(lambda a, t, o: kth_largest_magnitude(
+          a, k, interpret=interpret, final="sort")),
       "kth_ref": jax.jit(lambda a, t, o: kth_largest_magnitude_reference(
           a, k)),
       "pallas": jax.jit(lambda a, t, o: select_pallas(
@@ -119,8 +124,9 @@ def bench_one(acc, tau, capacity, offset, methods, repeats, interpret=False,
       row[name + "_ms"] = None
       row[name + "_error"] = f"{type(e).__name__}: {str(e)[:300]}"
   expect = outs.get("ref", expect)
-  if "kth" in outs and "kth_ref" in outs:
-    row["kth_match"] = _same([outs["kth"]], [outs["kth_ref"]])
+  for name in ("kth", "kth_sort"):
+    if name in outs and "kth_ref" in outs:
+      row[name + "_match"] = _same([outs[name]], [outs["kth_ref"]])
   if "pallas" in outs and expect is not None:
     row["match"] = _same(outs["pallas"], expect)
     row["count"] = int(expect[2])
@@ -203,8 +209,10 @@ def main(argv=None):
       if row.get("kth_batched_ms") and row.get("read_batched_ms"):
         print(f"    exact k-th |acc|: kth {row['kth_batched_ms']:.3f} ms "
               f"(= {row['kth_batched_ms'] / row['read_batched_ms']:.2f} x "
-              f"read), kth_ref {row.get('kth_ref_batched_ms') or 0:.3f} ms, "
-              f"match {row.get('kth_match')}", flush=True)
+              f"read), kth_sort {row.get('kth_sort_batched_ms') or 0:.3f} "
+              f"ms, kth_ref {row.get('kth_ref_batched_ms') or 0:.3f} ms, "
+              f"match {row.get('kth_match')} {row.get('kth_sort_match')}",
+              flush=True)
       for k in [k for k in row if k.endswith("_error")]:
         print(f"    {k}: {row[k]}", flush=True)
     if args.sweep and n == max(sizes):

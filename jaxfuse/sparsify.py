@@ -82,9 +82,10 @@ def _kth_largest(a: jax.Array, k: int) -> jax.Array:
 
 
 def topk_threshold(a, *, density, salt_, settings):
-  """Exact: τ = the k-th largest |acc|, k = ⌈ρ·n⌉."""
+  """Exact: τ = the k-th largest |acc|, k = ⌈ρ·n⌉ (``lax.top_k``, or on the
+  Pallas backend the kernel of ``kernels.kth_largest_magnitude``: equal)."""
   del salt_, settings
-  return _kth_largest(a, target_count(density, a.size))
+  return kernels.kth_largest_magnitude(a, target_count(density, a.size))
 
 
 def dgc_threshold(a, *, density, salt_, settings):

@@ -7,6 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _harness import NUM_WORKERS
+from _harness import shard
+
+import jaxfuse
 from jaxfuse.kernels import threshold
 from jaxfuse.kernels.threshold import kth_largest_magnitude
 
@@ -68,3 +72,103 @@ def test_rejects_bad_arguments():
     kth_largest_magnitude(x, 0)
   with pytest.raises(ValueError, match="flat"):
     kth_largest_magnitude(x.reshape(-1, 1), 1)
+
+
+def _has_primitive(jaxpr, name):
+  """Whether ``name`` runs in ``jaxpr`` or its sub-jaxprs, not counting
+  those inside the Pallas kernels."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name:
+      return True
+    if eqn.primitive.name == "pallas_call":
+      continue
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (tuple, list)) else [v]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns") and _has_primitive(sub, name):
+          return True
+  return False
+
+
+def _batched(k):
+  return jax.vmap(lambda v: kth_largest_magnitude(v, k, interpret=INTERPRET))
+
+
+def test_vmap_is_exact_and_keeps_the_fallback_out_of_the_batch():
+  """Batched, the answer equals a full sort per row, and the program still
+  branches (a ``cond`` on one predicate for the batch), instead of the
+  select of both branches that a per-row ``cond`` becomes under vmap."""
+  x = jax.random.normal(jax.random.PRNGKey(5), (3, N), jnp.float32)
+  got = _batched(300)(x)
+  want = jnp.sort(jnp.abs(x), axis=1)[:, N - 300]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  jaxpr = jax.make_jaxpr(_batched(300))(x).jaxpr
+  assert _has_primitive(jaxpr, "cond")
+
+
+def test_vmap_falls_back_for_the_batch_when_one_row_misses(monkeypatch):
+  x = np.array(jax.random.normal(jax.random.PRNGKey(6), (2, N)), np.float32)
+  x[1] = 1e-3
+  x[1, :100] = np.arange(100, 0, -1)     # row 1: the sample misses these
+  monkeypatch.setattr(threshold, "SAMPLE", 16)
+  kth_largest_magnitude.clear_cache()
+  threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
+  try:
+    got = _batched(50)(jnp.asarray(x))
+  finally:
+    kth_largest_magnitude.clear_cache()
+    threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
+  want = np.sort(np.abs(x), axis=1)[:, N - 50]
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_vmap_inside_shard_map(monkeypatch):
+  """The batching rule under ``shard_map`` (as the ``"topk"`` estimator runs
+  it). The interpreter cannot run inside shard_map, so off GPU the
+  selection step is the jnp reference, which has the same semantics."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jaxfuse import sparsify  # pylint: disable=g-import-not-at-top
+  if INTERPRET:
+    monkeypatch.setattr(
+        threshold, "_select",
+        lambda acc, tau, c, o, interpret: sparsify.select(acc, tau, c, o))
+  kth_largest_magnitude.clear_cache()
+  threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
+  workers = NUM_WORKERS
+  mesh = jaxfuse.make_mesh(workers)
+  x = jax.random.normal(jax.random.PRNGKey(7), (workers, 2, N), jnp.float32)
+  try:
+    fn = jax.jit(jax.shard_map(lambda b: _batched(300)(b[0])[None],
+                               mesh=mesh, in_specs=P("data"),
+                               out_specs=P("data")))
+    got = fn(shard(mesh, x))
+  finally:
+    kth_largest_magnitude.clear_cache()
+    threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
+  want = jnp.sort(jnp.abs(x), axis=2)[:, :, N - 300]
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("final", threshold.FINALS)
+def test_final_ranking_methods_agree(final):
+  x = jax.random.normal(jax.random.PRNGKey(8), (N,), jnp.float32)
+  got = kth_largest_magnitude(x, 777, interpret=INTERPRET, final=final)
+  np.testing.assert_array_equal(np.asarray(got),
+                                np.asarray(jnp.sort(jnp.abs(x))[N - 777]))
+  with pytest.raises(ValueError, match="final must be"):
+    kth_largest_magnitude(x, 7, final="radix")
+
+
+def test_dispatch_takes_the_kernel_path_from_pays_from(monkeypatch):
+  """On the Pallas backend the estimator's entry point runs the kernel path
+  from ``PAYS_FROM`` elements up and ``lax.top_k`` below; both are exact."""
+  from jaxfuse import kernels  # pylint: disable=g-import-not-at-top
+  x = jax.random.normal(jax.random.PRNGKey(9), (N,), jnp.float32)
+  want = np.asarray(jnp.sort(jnp.abs(x))[N - 99])
+  monkeypatch.setattr(kernels, "_backend", "pallas")
+  for pays_from, uses_kernel in ((N + 1, False), (N, True)):
+    monkeypatch.setattr(threshold, "PAYS_FROM", pays_from)
+    fn = lambda v: kernels.kth_largest_magnitude(v, 99)
+    jaxpr = jax.make_jaxpr(fn)(x).jaxpr
+    assert _has_primitive(jaxpr, "pallas_call") == uses_kernel
+    np.testing.assert_array_equal(np.asarray(fn(x)), want)

@@ -154,8 +154,8 @@ def test_nonfinite_gradient_propagates_and_keeps_residual(mesh):
   # kept, not corrupted
   np.testing.assert_array_equal(new[0][nan_worker], old[0][nan_worker])
   assert np.all(np.isfinite(new[0])) and np.all(np.isfinite(new[1]))
-  # others moved on
-  assert not np.array_equal(new[0][clean_worker], old[0][clean_worker])
+  if K > 1:  # others moved on (one worker: it is the NaN one)
+    assert not np.array_equal(new[0][clean_worker], old[0][clean_worker])
   flags = np.asarray(state.stats.nonfinite)
   assert flags[nan_worker, 0] and flags[inf_worker, 2] and flags.sum() == 2
   summary = jaxfuse.summarize(state.stats, plan)

@@ -50,10 +50,12 @@ def select(acc, tau, capacity: int, offset):
 
 
 def kth_largest_magnitude(x, k: int):
-  """Exact k-th largest |x| (``threshold.kth_largest_magnitude``): the
-  selection kernel brackets it, ``lax.top_k`` runs on ~2k elements."""
+  """Exact k-th largest |x| (``threshold.kth_largest_magnitude``: the
+  selection kernel brackets it, a sort runs on ~2k elements). Below
+  ``threshold.PAYS_FROM`` elements the reference (``lax.top_k``) is faster
+  and runs on every backend."""
   from jaxfuse.kernels import threshold  # pylint: disable=g-import-not-at-top
-  if backend() == "pallas":
+  if backend() == "pallas" and x.size >= threshold.PAYS_FROM:
     return threshold.kth_largest_magnitude(
         x, k, interpret=jax.default_backend() != "gpu")
   return threshold.kth_largest_magnitude_reference(x, k)
