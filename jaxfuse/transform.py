@@ -116,9 +116,8 @@ def sparse_sync(plan: plan_lib.Plan,
 
     synced = [None] * num_leaves
     residuals = list(state.residuals)
-    new_ctrl = [None] * len(all_units)
-    per_leaf = {name: [None] * num_leaves for name in
-                ("selected", "candidates", "threshold", "nonfinite")}
+    ctrl_chunks = []   # (unit ids, Control of (G,) arrays)
+    stat_chunks = []   # (leaf ids, {stat: (G,) array})
 
     for bucket, unit_ids in zip(plan.buckets, bucket_units):
       if bucket.collective == "psum":
@@ -129,36 +128,31 @@ def sparse_sync(plan: plan_lib.Plan,
         for j, out in zip(ids, collectives.psum_sync([flat[j] for j in ids],
                                                      axis_name)):
           synced[j] = out
-        for j in bucket.leaves:
-          per_leaf["selected"][j] = jnp.int32(plan.leaves[j].size)
-          per_leaf["candidates"][j] = jnp.int32(plan.leaves[j].size)
-          per_leaf["threshold"][j] = jnp.float32(0)
-          per_leaf["nonfinite"][j] = (~jnp.all(jnp.isfinite(flat[j])) if j in ids
-                                      else jnp.bool_(False))
+        stat_chunks.extend(_dense_stats(plan, bucket.leaves, flat))
         continue
       grads = {u: jnp.concatenate([flat[j].reshape(-1).astype(
           all_units[u].dtype) for j in all_units[u].leaves]) for u in unit_ids}
-      results = _sparsify_units(
-          [all_units[u] for u in unit_ids], unit_ids, grads, residuals, ctrl,
-          step, settings)
-      parts = []
-      for u in unit_ids:
-        res = results[u]
-        parts.append((res.values, res.indices))
-        residuals[u] = res.residual[None]
-        new_ctrl[u] = res.control
-        _unit_stats(plan, all_units[u], res, grads[u], per_leaf)
+      parts = {}
+      for ids, out, stacked in _sparsify_groups(
+          all_units, unit_ids, grads, residuals, ctrl, step, settings):
+        for i, u in enumerate(ids):
+          parts[u] = (out.values[i], out.indices[i])
+          residuals[u] = out.residual[i][None]
+        ctrl_chunks.append((ids, out.control))
+        stat_chunks.extend(_sparse_stats(plan, [all_units[u] for u in ids],
+                                         out, stacked))
       for u, dense in zip(unit_ids, collectives.allgather_sync(
-          parts, [all_units[i] for i in unit_ids], axis_name)):
+          [parts[u] for u in unit_ids], [all_units[i] for i in unit_ids],
+          axis_name)):
         unit = all_units[u]
         for j, start in zip(unit.leaves, fusion.leaf_offsets(plan, unit)):
           leaf = plan.leaves[j]
           synced[j] = dense[start:start + leaf.size].reshape(
               leaf.shape).astype(flat[j].dtype)
 
-    stats = _finish_stats(plan, flat, per_leaf, wire_bytes)
-    control = (jax.tree.map(lambda *xs: jnp.stack(xs)[None], *new_ctrl)
-               if new_ctrl else state.control)
+    stats = _finish_stats(_in_order(stat_chunks), wire_bytes)
+    control = (jax.tree.map(lambda x: x[None], _in_order(ctrl_chunks))
+               if ctrl_chunks else state.control)
     new_state = SparseSyncState(state.step + 1, tuple(residuals), control,
                                 stats)
     return jax.tree.unflatten(jax.tree.structure(updates), synced), new_state
@@ -166,74 +160,123 @@ def sparse_sync(plan: plan_lib.Plan,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _sparsify_units(units, unit_ids, grads, residuals, ctrl, step,
-                    settings) -> dict:
-  """``sparsify_unit`` for each unit; units of one shape run as one ``vmap``.
+def _take(x, ids):
+  """x[ids] along axis 0 for static ids (a slice when they are contiguous)."""
+  if list(ids) == list(range(ids[0], ids[0] + len(ids))):
+    return x[ids[0]:ids[0] + len(ids)]
+  return x[np.asarray(ids)]
 
+
+def _sparsify_groups(all_units, unit_ids, grads, residuals, ctrl, step,
+                     settings):
+  """``sparsify_unit`` over a bucket's units, units of one shape as one vmap.
+
+  Yields (unit ids, batched ``UnitResult``, stacked gradients) per group.
   Transformer layers repeat the same shapes, so this keeps the program (and
   its compile time and kernel count) about the size of one layer's.
   """
   groups = {}
-  for unit, u in zip(units, unit_ids):
+  for u in unit_ids:
+    unit = all_units[u]
     sig = (unit.size, unit.capacity, unit.density, unit.estimator, unit.dtype)
-    groups.setdefault(sig, []).append((unit, u))
-  results = {}
-  for members in groups.values():
-    unit = members[0][0]
-    ids = [u for _, u in members]
+    groups.setdefault(sig, []).append(u)
+  for ids in groups.values():
+    unit = all_units[ids[0]]
     fn = functools.partial(sparsify.sparsify_unit, capacity=unit.capacity,
                            density=unit.density, estimator=unit.estimator,
                            settings=settings)
-    keys = [sparsify.salt(settings.seed, step, u) for u in ids]
-    if len(ids) == 1:
-      results[ids[0]] = fn(grads[ids[0]], residuals[ids[0]][0],
-                           jax.tree.map(lambda x: x[ids[0]], ctrl), step,
-                           keys[0])
-      continue
+    stacked = jnp.stack([grads[u] for u in ids])
     out = jax.vmap(fn, in_axes=(0, 0, 0, None, 0))(
-        jnp.stack([grads[u] for u in ids]),
-        jnp.stack([residuals[u][0] for u in ids]),
-        jax.tree.map(lambda x: x[jnp.array(ids)], ctrl), step,
-        jnp.stack(keys))
-    for i, u in enumerate(ids):
-      results[u] = jax.tree.map(lambda x, i=i: x[i], out)
-  return results
+        stacked, jnp.stack([residuals[u][0] for u in ids]),
+        jax.tree.map(lambda x, ids=ids: _take(x, ids), ctrl), step,
+        jnp.stack([sparsify.salt(settings.seed, step, u) for u in ids]))
+    yield ids, out, stacked
 
 
-def _unit_stats(plan, unit, res, grad, per_leaf):
-  """Per-leaf selected / candidate counts of one unit."""
-  if len(unit.leaves) == 1:
-    j = unit.leaves[0]
-    per_leaf["selected"][j] = jnp.sum(res.indices < unit.size, dtype=jnp.int32)
-    per_leaf["candidates"][j] = res.count
-    per_leaf["threshold"][j] = res.tau
-    per_leaf["nonfinite"][j] = res.nonfinite
-    return
-  valid = res.indices < unit.size
-  candidate = (jnp.abs(res.acc) >= res.tau) & (res.acc != 0)
-  for j, start in zip(unit.leaves, fusion.leaf_offsets(plan, unit)):
-    end = start + plan.leaves[j].size
-    inside = valid & (res.indices >= start) & (res.indices < end)
-    per_leaf["selected"][j] = jnp.sum(inside, dtype=jnp.int32)
-    per_leaf["candidates"][j] = jnp.sum(candidate[start:end], dtype=jnp.int32)
-    per_leaf["threshold"][j] = res.tau
-    per_leaf["nonfinite"][j] = ~jnp.all(jnp.isfinite(grad[start:end]))
+def _segment_counts(flags: jax.Array, sizes) -> jax.Array:
+  """Number of True flags in each consecutive segment (static ``sizes``) of
+  a flat bool array, from one cumsum: c[end] − c[start]."""
+  sizes = np.asarray(sizes)
+  ends = np.cumsum(sizes)
+  c = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                       jnp.cumsum(flags, dtype=jnp.int32)])
+  return c[ends] - c[ends - sizes]
 
 
-def _finish_stats(plan, flat, per_leaf, wire_bytes) -> SyncStats:
-  stack = lambda name, dtype: jnp.stack(
-      [jnp.asarray(x, dtype) for x in per_leaf[name]])[None]
-  selected = stack("selected", jnp.int32)
-  candidates = stack("candidates", jnp.int32)
-  nonzero = jnp.stack([jnp.any(g != 0) if _compat.is_float_dtype(g.dtype)
-                       else jnp.bool_(False) for g in flat])[None]
+def _sparse_stats(plan, units, out, stacked):
+  """Stats chunks of one vmapped group: (leaf ids, {stat: per-leaf array})."""
+  if all(len(u.leaves) == 1 for u in units):
+    return [([u.leaves[0] for u in units], dict(
+        selected=jnp.sum(out.indices < units[0].size, axis=1,
+                         dtype=jnp.int32),
+        candidates=out.count,
+        threshold=out.tau,
+        nonfinite=out.nonfinite,
+        nonzero=jnp.any(stacked != 0, axis=1)))]
+  chunks = []
+  for i, unit in enumerate(units):   # a "behind" unit: several leaves
+    sizes = [plan.leaves[j].size for j in unit.leaves]
+    acc, grad = out.acc[i], stacked[i]
+    sent = jnp.zeros((unit.size,), bool).at[out.indices[i]].set(
+        True, mode="drop")
+    candidate = (jnp.abs(acc) >= out.tau[i]) & (acc != 0)
+    chunks.append((list(unit.leaves), dict(
+        selected=_segment_counts(sent, sizes),
+        candidates=_segment_counts(candidate, sizes),
+        threshold=jnp.full((len(sizes),), out.tau[i], jnp.float32),
+        nonfinite=_segment_counts(~jnp.isfinite(grad), sizes) > 0,
+        nonzero=_segment_counts(grad != 0, sizes) > 0)))
+  return chunks
+
+
+def _dense_stats(plan, leaf_ids, flat):
+  """Stats chunks of a dense (psum) bucket: everything is sent. The flags
+  come from one concatenation per dtype; non-float leaves (no gradient) are
+  neither non-finite nor non-zero."""
+  by_dtype = {}
+  for j in leaf_ids:
+    key = str(flat[j].dtype) if _compat.is_float_dtype(flat[j].dtype) else None
+    by_dtype.setdefault(key, []).append(j)
+  chunks = []
+  for key, ids in by_dtype.items():
+    sizes = [plan.leaves[j].size for j in ids]
+    sent = jnp.asarray(sizes, jnp.int32)
+    if key is None:
+      nonfinite = nonzero = jnp.zeros((len(ids),), bool)
+    else:
+      g = jnp.concatenate([flat[j].reshape(-1) for j in ids])
+      nonfinite = _segment_counts(~jnp.isfinite(g), sizes) > 0
+      nonzero = _segment_counts(g != 0, sizes) > 0
+    chunks.append((ids, dict(selected=sent, candidates=sent,
+                             threshold=jnp.zeros((len(ids),), jnp.float32),
+                             nonfinite=nonfinite, nonzero=nonzero)))
+  return chunks
+
+
+def _in_order(chunks):
+  """[(ids, tree of (len(ids),) arrays)] -> one tree of arrays indexed by id
+  (the ids of all chunks together are 0, 1, …, n−1 in some order)."""
+  ids = np.concatenate([np.asarray(i, np.int64) for i, _ in chunks])
+  order = np.argsort(ids, kind="stable")
+  assert (ids[order] == np.arange(len(ids))).all(), ids
+  cat = jax.tree.map(lambda *xs: jnp.concatenate(xs),
+                     *[tree for _, tree in chunks])
+  if (order == np.arange(len(ids))).all():
+    return cat
+  return jax.tree.map(lambda x: x[order], cat)
+
+
+def _finish_stats(per_leaf, wire_bytes) -> SyncStats:
+  row = lambda x, dtype: jnp.asarray(x, dtype)[None]
+  selected = row(per_leaf["selected"], jnp.int32)
+  candidates = row(per_leaf["candidates"], jnp.int32)
   return SyncStats(
       selected=selected,
       candidates=candidates,
       overflow=jnp.maximum(candidates - selected, 0),
-      threshold=stack("threshold", jnp.float32),
-      missing=nonzero & (selected == 0),
-      nonfinite=stack("nonfinite", bool),
+      threshold=row(per_leaf["threshold"], jnp.float32),
+      missing=row(per_leaf["nonzero"], bool) & (selected == 0),
+      nonfinite=row(per_leaf["nonfinite"], bool),
       wire_bytes=jnp.full((1,), wire_bytes, jnp.float32))
 
 

@@ -178,3 +178,50 @@ def test_threshold_is_refreshed_every_refresh_steps(mesh):
       np.testing.assert_array_equal(taus[t], taus[t - 1])
     else:
       assert np.all(taus[t] > 1.5 * taus[t - 1])
+
+
+@pytest.mark.parametrize("strategy,shapes", [
+    ("aligned", [(10,), (512,), (512,), (700,), (3, 5)]),
+    ("behind", [(300,), (200,), (64,)]),
+])
+def test_per_leaf_stats_match_what_was_sent(mesh, strategy, shapes):
+  """From a fresh state (acc = g), per worker and leaf: ``selected`` = the
+  elements that left the residual, ``candidates`` = |g| ≥ τ and g ≠ 0,
+  ``nonfinite`` and ``missing`` as defined, for same-shape units (one vmap),
+  dense leaves and the several leaves of a "behind" unit."""
+  plan = list_plan(shapes, density=0.05, strategy=strategy,
+                   min_sparse_size=64, num_buckets=1)
+  rng = np.random.default_rng(0)
+  grads = [rng.standard_normal((K,) + s).astype(np.float32) for s in shapes]
+  grads[1][:, :7] = 0.0                       # zeros are never candidates
+  grads[-1][0] = 0.0                          # worker 0: nothing to send
+  grads[0][K - 1, 3] = np.nan                 # worker K-1: non-finite leaf 0
+  _, state = sync(plan, mesh, [jnp.asarray(g) for g in grads],
+                  init(plan, mesh))
+  stats = jax.tree.map(np.asarray, state.stats)
+  units, _ = fusion.units(plan)
+  residual_of, unit_finite = {}, {}
+  for u, unit in enumerate(units):
+    res = np.asarray(state.residuals[u])
+    ok = np.all([np.isfinite(grads[j].reshape(K, -1)).all(1)
+                 for j in unit.leaves], axis=0)
+    for j, start in zip(unit.leaves, fusion.leaf_offsets(plan, unit)):
+      residual_of[j] = res[:, start:start + plan.leaves[j].size]
+      unit_finite[j] = ok      # a non-finite unit keeps its residual
+  for j, (leaf, g) in enumerate(zip(plan.leaves, grads)):
+    g = g.reshape(K, -1)
+    finite = np.isfinite(g).all(1)
+    np.testing.assert_array_equal(stats.nonfinite[:, j], ~finite)
+    np.testing.assert_array_equal(stats.missing[:, j],
+                                  (g != 0).any(1) & (stats.selected[:, j] == 0))
+    if leaf.mode == "dense":
+      np.testing.assert_array_equal(stats.selected[:, j], leaf.size)
+      continue
+    for k in np.flatnonzero(unit_finite[j]):
+      sent = (g[k] != 0) & (residual_of[j][k] == 0)
+      assert stats.selected[k, j] == sent.sum(), (j, k)
+      tau = stats.threshold[k, j]
+      assert stats.candidates[k, j] == ((np.abs(g[k]) >= tau) &
+                                        (g[k] != 0)).sum(), (j, k)
+  if plan.leaves[-1].mode == "sparse":       # an all-zero gradient sends nothing
+    assert stats.selected[0, -1] == 0 and not stats.missing[0, -1]
