@@ -1,4 +1,4 @@
-"""Versioned JSON files ({"format": ..., "version": ...}): the shared header check."""
+"""Versioned JSON files ({"format": ..., "version": ...}): the shared header."""
 
 from __future__ import annotations
 
@@ -23,3 +23,8 @@ def read(text: str, *, fmt: str, max_version: int, error: type[Exception],
     raise error(f"{what} format version {version} is newer than this jaxfuse "
                 f"reads ({max_version}); upgrade jaxfuse.")
   return body
+
+
+def write(fields: dict, *, fmt: str, version: int) -> str:
+  """``fields`` as the JSON text of a ``fmt`` file, header first."""
+  return json.dumps({"format": fmt, "version": version, **fields}, indent=1)

@@ -23,7 +23,6 @@ JSON only, never pickle, like ``Plan``: ``{"format": "jaxfuse.costs",
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import types
@@ -192,9 +191,7 @@ class Costs:
 
   # --- JSON -------------------------------------------------------------------
   def to_json(self) -> str:
-    body = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
+    return _jsonfile.write({
         "collectives": {n: c.to_dict() for n, c in self.collectives.items()},
         "compress": self.compress.to_dict(),
         "backward": list(self.backward),
@@ -202,8 +199,7 @@ class Costs:
         "overlap": self.overlap,
         "forward": self.forward,
         "provenance": dict(self.provenance),
-    }
-    return json.dumps(body, indent=1)
+    }, fmt=FORMAT, version=FORMAT_VERSION)
 
   @classmethod
   def from_json(cls, text: str) -> "Costs":

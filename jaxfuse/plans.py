@@ -13,7 +13,6 @@ JSON only, never pickle: a plan file from elsewhere cannot run code.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Mapping
@@ -163,17 +162,14 @@ class Plan:
 
   # --- JSON -------------------------------------------------------------------
   def to_json(self) -> str:
-    body = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
+    return _jsonfile.write({
         "settings": dataclasses.asdict(self.settings),
         "provenance": dict(self.provenance),
         "leaves": [dict(dataclasses.asdict(l), shape=list(l.shape))
                    for l in self.leaves],
         "buckets": [dict(dataclasses.asdict(b), leaves=list(b.leaves))
                     for b in self.buckets],
-    }
-    return json.dumps(body, indent=1)
+    }, fmt=FORMAT, version=FORMAT_VERSION)
 
   @classmethod
   def from_json(cls, text: str) -> "Plan":
