@@ -130,7 +130,12 @@ def cmd_measure(args) -> list[dict]:
               for mb in args.sizes_mb]
   configs += [(s, s, {}) for s in args.strategies]
   rows = []
-  env = _env(args.transport, FLAG_SETS[args.flags])
+  if args.flags_via == "env":     # process-wide, every program of the run
+    env, flag_args = _env(args.transport, FLAG_SETS[args.flags]), []
+  else:                           # the train step's jit only
+    env = _env(args.transport)
+    flag_args = [a for f in FLAG_SETS[args.flags].split()
+                 for a in ("--xla-option", f.removeprefix("--"))]
   with tempfile.TemporaryDirectory() as tmp:
     for name, strategy, options in configs:
       plan = jaxfuse.plan(params, **{**base, **options,
@@ -142,7 +147,7 @@ def cmd_measure(args) -> list[dict]:
         path = pathlib.Path(tmp) / "plan.json"
         plan.save(path)
         extra = ["--plan", str(path)]
-      run = _train(args, extra, env)
+      run = _train(args, extra + flag_args, env)
       row = {"plan": name, "buckets": len(plan.buckets),
              "wire_bytes": plan.bytes_per_worker(),
              "predicted_s": predicted.iteration,
@@ -232,6 +237,9 @@ def main(argv=None):
   m.add_argument("--sizes-mb", type=int, nargs="+", default=list(SIZES_MB))
   m.add_argument("--strategies", nargs="+", default=["auto"])
   m.add_argument("--flags", default="default", choices=sorted(FLAG_SETS))
+  m.add_argument("--flags-via", default="env", choices=("env", "jit"),
+                 help="apply --flags through XLA_FLAGS (every program) or "
+                 "train_lm.py --xla-option (the train step's jit only)")
   m.add_argument("--run-timeout", type=float, default=420,
                  help="seconds per training run before it counts as failed")
   sub.choices["overlap"].add_argument("--flag-sets", nargs="+",
