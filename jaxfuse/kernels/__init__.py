@@ -51,7 +51,7 @@ def select(acc, tau, capacity: int, offset):
 
 def kth_largest_magnitude(x, k: int):
   """Exact k-th largest |x| (``threshold.kth_largest_magnitude``: the
-  selection kernel brackets it, a sort runs on ~2k elements). Below
+  selection kernel brackets it, ``lax.top_k`` runs on ~2k elements). Below
   ``threshold.PAYS_FROM`` elements the reference (``lax.top_k``) is faster
   and runs on every backend."""
   from jaxfuse.kernels import threshold  # pylint: disable=g-import-not-at-top

@@ -10,9 +10,8 @@ finite x (the reference, which sorts all n elements):
    of x): the m elements with |x| ≥ τ_lo, x ≠ 0, into C = 2k + 1024 slots.
 3. If k ≤ m ≤ C the k-th largest of x is the k-th largest of those m (every
    other element is smaller than all of them): ``lax.top_k`` on C slots,
-   not n.
-   Otherwise (an unlucky sample, or fewer than k non-zeros) the reference
-   runs instead (``lax.cond``), so the result is always exact.
+   not n. Otherwise (an unlucky sample, or fewer than k non-zeros) the
+   reference runs instead (``lax.cond``), so the result is always exact.
 
 Under ``jax.vmap`` (``sparse_sync`` vmaps same-shape units) a batching rule
 keeps the ``cond`` outside the batch: the reference runs for the whole batch
