@@ -182,12 +182,13 @@ class Costs:
   def replace(self, **changes) -> "Costs":
     return dataclasses.replace(self, **changes)
 
-  def check(self, num_leaves: int) -> None:
-    """Raise ``CostsError`` unless there is one backward time per leaf."""
+  def check(self, num_leaves: int, holder: str = "the plan") -> None:
+    """Raise ``CostsError`` unless there is one backward time per leaf of
+    ``holder`` (named in the message)."""
     if len(self.backward) != num_leaves:
       raise CostsError(f"costs.backward has {len(self.backward)} times but "
-                       f"the plan has {num_leaves} leaves; measure the costs "
-                       "for this model.")
+                       f"{holder} has {num_leaves} leaves; measure the costs "
+                       "for this model (`jaxfuse profile`).")
 
   # --- JSON -------------------------------------------------------------------
   def to_json(self) -> str:

@@ -208,11 +208,10 @@ def _load_costs(costs, strategy, num_leaves):
     raise plan_lib.PlanError(
         f"costs must be a jaxfuse.costs.Costs or a path, not "
         f"{type(costs).__name__}.")
-  if len(costs.backward) != num_leaves:
-    raise plan_lib.PlanError(
-        f"costs.backward has {len(costs.backward)} times but params has "
-        f"{num_leaves} leaves; measure the costs for this model "
-        "(`jaxfuse profile`).")
+  try:
+    costs.check(num_leaves, holder="params")
+  except costs_lib.CostsError as e:
+    raise plan_lib.PlanError(str(e)) from None
   return costs
 
 

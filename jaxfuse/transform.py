@@ -231,25 +231,24 @@ def _sparse_stats(plan, units, out, stacked):
 
 def _dense_stats(plan, leaf_ids, flat):
   """Stats chunks of a dense (psum) bucket: everything is sent. The flags
-  come from one concatenation per dtype; non-float leaves (no gradient) are
-  neither non-finite nor non-zero."""
-  by_dtype = {}
-  for j in leaf_ids:
-    key = str(flat[j].dtype) if _compat.is_float_dtype(flat[j].dtype) else None
-    by_dtype.setdefault(key, []).append(j)
+  come from the psum's own per-dtype buffers (``fusion.pack_dense``);
+  non-float leaves (no gradient) are neither non-finite nor non-zero."""
+  floats = [j for j in leaf_ids if _compat.is_float_dtype(flat[j].dtype)]
+  others = [j for j in leaf_ids if j not in floats]
+  sizes = lambda ids: [plan.leaves[j].size for j in ids]
+  chunk = lambda ids, nonfinite, nonzero: (ids, dict(
+      selected=jnp.asarray(sizes(ids), jnp.int32),
+      candidates=jnp.asarray(sizes(ids), jnp.int32),
+      threshold=jnp.zeros((len(ids),), jnp.float32),
+      nonfinite=nonfinite, nonzero=nonzero))
   chunks = []
-  for key, ids in by_dtype.items():
-    sizes = [plan.leaves[j].size for j in ids]
-    sent = jnp.asarray(sizes, jnp.int32)
-    if key is None:
-      nonfinite = nonzero = jnp.zeros((len(ids),), bool)
-    else:
-      g = jnp.concatenate([flat[j].reshape(-1) for j in ids])
-      nonfinite = _segment_counts(~jnp.isfinite(g), sizes) > 0
-      nonzero = _segment_counts(g != 0, sizes) > 0
-    chunks.append((ids, dict(selected=sent, candidates=sent,
-                             threshold=jnp.zeros((len(ids),), jnp.float32),
-                             nonfinite=nonfinite, nonzero=nonzero)))
+  for dtype, g in fusion.pack_dense([flat[j] for j in floats]).items():
+    ids = [j for j in floats if str(flat[j].dtype) == dtype]
+    chunks.append(chunk(ids, _segment_counts(~jnp.isfinite(g), sizes(ids)) > 0,
+                        _segment_counts(g != 0, sizes(ids)) > 0))
+  if others:
+    none = jnp.zeros((len(others),), bool)
+    chunks.append(chunk(others, none, none))
   return chunks
 
 

@@ -80,13 +80,10 @@ def _has_primitive(jaxpr, name):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == name:
       return True
-    if eqn.primitive.name == "pallas_call":
-      continue
-    for v in eqn.params.values():
-      for sub in v if isinstance(v, (tuple, list)) else [v]:
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns") and _has_primitive(sub, name):
-          return True
+    if eqn.primitive.name != "pallas_call" and any(
+        _has_primitive(sub, name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params)):
+      return True
   return False
 
 
