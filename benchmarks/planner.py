@@ -114,6 +114,9 @@ def _train(args, extra, env) -> dict:
 
 def cmd_measure(args) -> list[dict]:
   import jax  # pylint: disable=g-import-not-at-top
+  # This process only plans (shapes, a simulation): on the CPU, so that it
+  # holds no GPU memory that the training runs it starts need.
+  jax.config.update("jax_platforms", "cpu")
   import jaxfuse  # pylint: disable=g-import-not-at-top
   from jaxfuse import costs as costs_lib  # pylint: disable=g-import-not-at-top
   from jaxfuse import simulate  # pylint: disable=g-import-not-at-top

@@ -18,6 +18,7 @@ import pytest
 
 from jaxfuse import sparsify
 from jaxfuse.kernels.selection import _round_to_bfloat16
+from jaxfuse.kernels.selection import select_band_pallas
 from jaxfuse.kernels.selection import select_pallas
 
 try:
@@ -145,6 +146,43 @@ def test_stage_sizes(stage):
         check(acc, tau, 50, offset, stage=stage)
       except AssertionError as e:
         raise AssertionError(f"case {name}, offset {offset}") from e
+
+
+def _band_reference(acc, lo, hi, capacity):
+  """The band by the reference: zero the elements not below hi (zeros are
+  never candidates), select from lo at offset 0; count those at or above."""
+  acc = np.asarray(acc)
+  mags = np.abs(acc.astype(np.float32))
+  with np.errstate(invalid="ignore"):
+    below, above = mags < np.float32(hi), (mags >= np.float32(hi)) & (acc != 0)
+  values, indices, count = _reference(jnp.asarray(np.where(below, acc, 0)),
+                                      np.float32(lo), capacity, 0)
+  return values, indices, count, int(above.sum())
+
+
+def test_band_equals_the_reference():
+  """Two bounds, in one block and several (one partial), both dtypes."""
+  rng = np.random.default_rng(12)
+  for dtype in (np.float32, BF16):
+    for name, acc, tau in _adversarial(rng, dtype):
+      mags = np.abs(np.asarray(acc, np.float32))
+      finite = mags[np.isfinite(mags)]
+      hi_q = np.float32(np.quantile(finite, 0.95)) if finite.size else 1.0
+      cases = ((acc, tau, hi_q, 50), (acc, tau, np.inf, N),
+               (acc, 0.0, tau, 7), (acc, tau, tau, 5),
+               (acc[:700], tau, hi_q, 50))    # 6 blocks: counts padded to 8
+      for a, lo, hi, capacity in cases:
+        got = select_band_pallas(a, np.float32(lo), np.float32(hi),
+                                 capacity, block=BLOCK, interpret=INTERPRET)
+        want = _band_reference(a, lo, hi, capacity)
+        try:
+          for g, w in zip(got, want):
+            np.testing.assert_array_equal(_bits(np.asarray(g)) if g.ndim
+                                          else np.asarray(g),
+                                          _bits(np.asarray(w)) if np.ndim(w)
+                                          else w)
+        except AssertionError as e:
+          raise AssertionError(f"case {name} {dtype}, band [{lo}, {hi})") from e
 
 
 @pytest.mark.parametrize("block,tile", [(32, None), (None, None), (512, 128),

@@ -1,8 +1,10 @@
 """The exact k-th largest magnitude equals ``lax.top_k``'s, on the fast path
-(bracketed by a sample and compacted by the selection kernel) and on the
-fallback (the bracket missed). CPU: the kernel in interpret mode."""
+(a band bracketed by a sample, compacted by the selection kernel) and on the
+fallback (the bracket missed or the band overflowed). CPU: the kernel in
+interpret mode."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from _harness import NUM_WORKERS
 from _harness import shard
 
 import jaxfuse
+from jaxfuse.kernels import selection
 from jaxfuse.kernels import threshold
 from jaxfuse.kernels.threshold import kth_largest_magnitude
 
@@ -25,7 +28,7 @@ def _check(x, k):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("k", [1, 7, 300, N // 100])
+@pytest.mark.parametrize("k", [1, 7, 300, N // 100, N // 20])
 def test_normal_values(k):
   x = jax.random.normal(jax.random.PRNGKey(k), (N,), jnp.float32)
   _check(x, k)
@@ -57,6 +60,31 @@ def test_missed_bracket_falls_back(monkeypatch):
     _check(jnp.asarray(x), 50)
   finally:
     kth_largest_magnitude.clear_cache()
+
+
+def test_band_overflow_falls_back(monkeypatch):
+  """A band that holds the k-th largest but overflows its slots (m > C)."""
+  x = np.array(jax.random.normal(jax.random.PRNGKey(2), (N,)), np.float32)
+  x[:30000] = 1.0                        # rank 300 sits in a wide tie
+  monkeypatch.setattr(threshold, "band_plan", lambda k, n: (n, 200, 400, 1100))
+  kth_largest_magnitude.clear_cache()
+  threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
+  try:
+    _check(jnp.asarray(x), 300)
+  finally:
+    kth_largest_magnitude.clear_cache()
+    threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
+
+
+def test_band_brackets_rank_k_with_a_margin():
+  """r_hi < k·s/n < r_lo by MARGIN sample deviations, C twice the band."""
+  for k, n in ((1, 10**5), (1000, 10**8), (5 * 10**6, 10**8), (3, 70000)):
+    s, r_hi, r_lo, slots = threshold.band_plan(k, n)
+    r = k * s / n
+    assert s == min(n, threshold.SAMPLE)
+    assert r_lo - r >= threshold.MARGIN * r**0.5 and r_lo <= s
+    assert r_hi == 0 or r - r_hi >= threshold.MARGIN * r**0.5
+    assert slots >= 2 * (r_lo - r_hi) * n / s
 
 
 def test_bfloat16_and_small_sizes():
@@ -124,11 +152,9 @@ def test_vmap_inside_shard_map(monkeypatch):
   it). The interpreter cannot run inside shard_map, so off GPU the
   selection step is the jnp reference, which has the same semantics."""
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from jaxfuse import sparsify  # pylint: disable=g-import-not-at-top
   if INTERPRET:
-    monkeypatch.setattr(
-        threshold, "_select",
-        lambda acc, tau, c, o, interpret: sparsify.select(acc, tau, c, o))
+    monkeypatch.setattr(threshold, "_select_band",
+                        threshold.select_band_reference)
   kth_largest_magnitude.clear_cache()
   threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
   workers = NUM_WORKERS
@@ -146,26 +172,40 @@ def test_vmap_inside_shard_map(monkeypatch):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("final", threshold.FINALS)
-def test_final_ranking_methods_agree(final):
+def test_band_selection_reference_matches_the_kernel():
+  """The jnp stand-in of the band kernel (used where the interpreter cannot
+  run) returns what the kernel returns."""
   x = jax.random.normal(jax.random.PRNGKey(8), (N,), jnp.float32)
-  got = kth_largest_magnitude(x, 777, interpret=INTERPRET, final=final)
-  np.testing.assert_array_equal(np.asarray(got),
-                                np.asarray(jnp.sort(jnp.abs(x))[N - 777]))
-  with pytest.raises(ValueError, match="final must be"):
-    kth_largest_magnitude(x, 7, final="radix")
+  x = x.at[::7].set(0)
+  lo, hi = jnp.float32(0.5), jnp.float32(2.0)
+  got = selection.select_band_pallas(x, lo, hi, 30000, interpret=INTERPRET)
+  want = threshold.select_band_reference(x, lo, hi, 30000)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
 
 
 def test_dispatch_takes_the_kernel_path_from_pays_from(monkeypatch):
   """On the Pallas backend the estimator's entry point runs the kernel path
-  from ``PAYS_FROM`` elements up and ``lax.top_k`` below; both are exact."""
+  from ``PAYS_FROM`` elements for one array (or a batch of one) and from
+  ``BATCHED_PAYS_FROM`` per row under vmap, ``lax.top_k`` below; all exact."""
   from jaxfuse import kernels  # pylint: disable=g-import-not-at-top
-  x = jax.random.normal(jax.random.PRNGKey(9), (N,), jnp.float32)
-  want = np.asarray(jnp.sort(jnp.abs(x))[N - 99])
+  x = jax.random.normal(jax.random.PRNGKey(9), (2, N), jnp.float32)
+  want = np.asarray(jnp.sort(jnp.abs(x), axis=1)[:, N - 99])
   monkeypatch.setattr(kernels, "_backend", "pallas")
-  for pays_from, uses_kernel in ((N + 1, False), (N, True)):
-    monkeypatch.setattr(threshold, "PAYS_FROM", pays_from)
+  cases = (  # (PAYS_FROM, BATCHED_PAYS_FROM, batched?, rows, kernel path?)
+      (N + 1, N + 1, False, 1, False), (N, N, False, 1, True),
+      (N + 1, N, False, 1, False), (N + 1, N, True, 2, True),
+      (N + 1, N, True, 1, False), (N, N + 1, True, 2, False),
+      (N, N + 1, True, 1, True))
+  for single, per_row, batched, rows, uses_kernel in cases:
+    monkeypatch.setattr(threshold, "PAYS_FROM", single)
+    monkeypatch.setattr(threshold, "BATCHED_PAYS_FROM", per_row)
+    # A new function each time: traces are cached by function.
     fn = lambda v: kernels.kth_largest_magnitude(v, 99)
-    jaxpr = jax.make_jaxpr(fn)(x).jaxpr
-    assert _has_primitive(jaxpr, "pallas_call") == uses_kernel
-    np.testing.assert_array_equal(np.asarray(fn(x)), want)
+    fn, v, w = ((jax.vmap(fn), x[:rows], want[:rows]) if batched
+                else (fn, x[0], want[0]))
+    jaxpr = jax.make_jaxpr(fn)(v).jaxpr
+    assert _has_primitive(jaxpr, "pallas_call") == uses_kernel, (
+        single, per_row, batched, rows)
+    np.testing.assert_array_equal(np.asarray(fn(v)), w)

@@ -50,12 +50,14 @@ def select(acc, tau, capacity: int, offset):
 
 
 def kth_largest_magnitude(x, k: int):
-  """Exact k-th largest |x| (``threshold.kth_largest_magnitude``: the
-  selection kernel brackets it, ``lax.top_k`` runs on ~2k elements). Below
-  ``threshold.PAYS_FROM`` elements the reference (``lax.top_k``) is faster
-  and runs on every backend."""
+  """Exact k-th largest |x| (``threshold.kth_largest_magnitude``: a sampled
+  bracket, the band kernel, a sort of the band). On the Pallas backend from
+  ``threshold.PAYS_FROM`` elements (``BATCHED_PAYS_FROM`` per row under
+  vmap); below, and on other backends, ``lax.top_k``, which is then faster.
+  """
   from jaxfuse.kernels import threshold  # pylint: disable=g-import-not-at-top
-  if backend() == "pallas" and x.size >= threshold.PAYS_FROM:
+  pays_from = (threshold.PAYS_FROM, threshold.BATCHED_PAYS_FROM)
+  if backend() == "pallas" and x.size >= min(pays_from):
     return threshold.kth_largest_magnitude(
-        x, k, interpret=jax.default_backend() != "gpu")
+        x, k, interpret=jax.default_backend() != "gpu", pays_from=pays_from)
   return threshold.kth_largest_magnitude_reference(x, k)

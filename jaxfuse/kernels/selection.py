@@ -43,6 +43,10 @@ before working on tile t):
 Slot positions follow from the scans alone: the result is deterministic, no
 atomics.
 
+``select_band_pallas(acc, lo, hi, capacity)`` runs the same kernels on the
+band lo ≤ |acc| < hi (offset 0) and also counts, in pass 1, the elements at
+or above hi: the exact threshold (``threshold.py``) uses it.
+
 Comparison semantics: ``|acc| ≥ τ`` is evaluated as the reference evaluates
 it (τ is promoted with ``acc``'s dtype by JAX's rules, so a Python float τ is
 rounded to bfloat16 for a bfloat16 ``acc``), then compared in float32, which
@@ -114,9 +118,12 @@ def _comparison_threshold(acc_dtype, tau) -> jax.Array:
 WORD = 32        # mask bits per word
 
 
-def _candidates(x, pos, n, tau):
+def _candidates(x, pos, n, tau, upper=None):
+  """|x| ≥ τ, x ≠ 0, in range; and |x| < upper if given (the band)."""
   xf = x.astype(jnp.float32)
   m = (jnp.abs(xf) >= tau) & (xf != 0)
+  if upper is not None:
+    m &= jnp.abs(xf) < upper
   return m if pos is None else m & (pos < n)
 
 
@@ -172,16 +179,20 @@ def _lowest_bit_position(base, w):
   return base + (WORD - 1) - lax.clz(w & -w)
 
 
-def _mask_kernel(tau_ref, acc_ref, bits_ref, cnt_ref, sv_ref, si_ref, *, n,
-                 block, tile, stage, interpret):
+def _mask_kernel(tau_ref, acc_ref, bits_ref, cnt_ref, sv_ref, si_ref,
+                 *above_ref, n, block, tile, stage, interpret):
+  """Pass 1. With ``above_ref`` (the band): candidates are τ ≤ |x| < τ_hi
+  (τ_hi = tau_ref[1]) and above_ref[b] counts the block's |x| ≥ τ_hi."""
   b = pl.program_id(0)
   tau = tau_ref[0]
+  upper = tau_ref[1] if above_ref else None
   rows = tile // WORD
   shift = lax.broadcasted_iota(jnp.int32, (rows, WORD), 1)
   row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
 
-  def body(t, x, pos, count):
-    m = _candidates(x, pos, n, tau).astype(jnp.int32)
+  def body(t, x, pos, carry):
+    count, above = carry
+    m = _candidates(x, pos, n, tau, upper).astype(jnp.int32)
     words = jnp.sum(m.reshape(rows, WORD) << shift, axis=1)   # disjoint bits
     bits_ref[pl.ds((b * block + t * tile) // WORD, rows)] = words
     counts = _popcount(words)
@@ -200,9 +211,15 @@ def _mask_kernel(tau_ref, acc_ref, bits_ref, cnt_ref, sv_ref, si_ref, *, n,
 
     lax.fori_loop(0, jnp.where(count < stage, jnp.max(counts), 0), peel,
                   words)
-    return count + jnp.sum(counts)
+    if upper is not None:
+      above += jnp.sum(_candidates(x, pos, n, upper).astype(jnp.int32))
+    return count + jnp.sum(counts), above
 
-  cnt_ref[b] = _for_each_tile(acc_ref, b, n, block, tile, body, jnp.int32(0))
+  count, above = _for_each_tile(acc_ref, b, n, block, tile, body,
+                                (jnp.int32(0), jnp.int32(0)))
+  cnt_ref[b] = count
+  if above_ref:
+    above_ref[0][b] = above
 
 
 def _scan_kernel(offset_ref, cnt_ref, bits_ref, start_ref, scal_ref, *, n,
@@ -333,41 +350,8 @@ def _is_pow2(v: int) -> bool:
   return v >= 1 and (v & (v - 1)) == 0
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "block", "tile",
-                                             "stage", "num_warps",
-                                             "interpret"))
-def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
-                  block: int | None = None, tile: int | None = None,
-                  stage: int | None = None, num_warps: int | None = None,
-                  interpret: bool = False
-                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Drop-in for :func:`jaxfuse.sparsify.select` as two Pallas kernels.
-
-  Args:
-    acc: flat float array (float32, bfloat16 or float16) of n elements.
-    tau: scalar threshold (any float; promoted with ``acc`` as the reference).
-    capacity: number of output slots (static).
-    offset: int scalar, where the rotated order starts (in [0, n); values
-      outside behave as in the reference).
-    block: elements per program, a power of two ≥ 32 (default 8192, or n
-      rounded up to a power of two if smaller).
-    tile: elements per pass-1 step inside a program, a power of two in
-      [32, block] (default min(8192, block)).
-    stage: candidates per block that pass 1 stages, a power of two ≤ block
-      (default block/16); pass 2 peels a denser block's mask instead.
-    num_warps: Triton warps per program (default 8).
-    interpret: run the kernels in the Pallas interpreter (any backend).
-
-  Returns:
-    (values[capacity] in acc's dtype, indices[capacity] int32, count int32).
-  """
-  if acc.ndim != 1:
-    raise ValueError(f"acc must be flat (1-D), got shape {acc.shape}")
-  n = acc.shape[0]
-  if n < 1:
-    raise ValueError("acc must not be empty")
-  if not jnp.issubdtype(acc.dtype, jnp.floating) or acc.dtype.itemsize > 4:
-    raise ValueError(f"acc must be float32/bfloat16/float16, got {acc.dtype}")
+def _config(n, capacity, block, tile, stage):
+  """Checked (block, tile, stage), the defaults filled in."""
   if capacity < 1:
     raise ValueError(f"capacity must be >= 1, got {capacity}")
   if block is None:
@@ -383,9 +367,26 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
     stage = max(1, block // 16)
   if not _is_pow2(stage) or stage > block:
     raise ValueError(f"stage must be a power of two <= block, got {stage}")
-  num_blocks = pl.cdiv(n, block)
-  if num_blocks * block + block >= 2**31 or capacity >= 2**30:
+  if pl.cdiv(n, block) * block + block >= 2**31 or capacity >= 2**30:
     raise ValueError(f"acc too large for int32 positions: n={n}")
+  return block, tile, stage
+
+
+def _check_acc(acc):
+  if acc.ndim != 1:
+    raise ValueError(f"acc must be flat (1-D), got shape {acc.shape}")
+  if acc.shape[0] < 1:
+    raise ValueError("acc must not be empty")
+  if not jnp.issubdtype(acc.dtype, jnp.floating) or acc.dtype.itemsize > 4:
+    raise ValueError(f"acc must be float32/bfloat16/float16, got {acc.dtype}")
+
+
+def _run(acc, taus, capacity, offset, *, band, block, tile, stage, num_warps,
+         interpret):
+  """The three kernels. ``taus`` = [τ] or, for the band, [τ, τ_hi] (float32
+  comparison thresholds). Returns (values, indices, count, above or None)."""
+  n = acc.shape[0]
+  num_blocks = pl.cdiv(n, block)
   words_per_block = block // WORD
   words_per_step = min(words_per_block, MAX_WORDS_PER_STEP)
   scan_chunk = min(MAX_SCAN_CHUNK, pl.next_power_of_2(num_blocks))
@@ -394,7 +395,6 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
   fill_per_program = pl.next_power_of_2(pl.cdiv(capacity, num_blocks))
   params = plgpu.CompilerParams(num_warps=num_warps or DEFAULT_NUM_WARPS)
 
-  tau32 = _comparison_threshold(acc.dtype, tau)
   offset = jnp.asarray(offset, jnp.int32)
   # The kernels read acc whole (tiles by pl.ds); a single short block is
   # padded (with zeros, which are never candidates) so no tile overhangs.
@@ -405,7 +405,7 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
 
   # Inside shard_map (check_vma): every kernel operand and output varies over
   # the union of the mesh axes that acc, tau and offset vary over.
-  acc_k, tau32, offset = _vary_alike(acc_k, tau32, offset)
+  acc_k, taus, offset = _vary_alike(acc_k, taus, offset)
   mat = getattr(jax.typeof(acc_k), "mat", None)
   if interpret and mat is not None and mat.varying:
     raise NotImplementedError(
@@ -416,20 +416,22 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
   out = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
                                                   manual_axis_type=mat)
 
-  bits, counts, staged_v, staged_i = pl.pallas_call(
+  counts_shape = out((padded_blocks,), jnp.int32)
+  bits, counts, staged_v, staged_i, *above = pl.pallas_call(
       functools.partial(_mask_kernel, n=n, block=block, tile=tile,
                         stage=stage, interpret=interpret),
       out_shape=(out((num_blocks * words_per_block,), jnp.int32),
-                 out((padded_blocks,), jnp.int32),
+                 counts_shape,
                  out((num_blocks * stage,), acc.dtype),
-                 out((num_blocks * stage,), jnp.int32)),
+                 out((num_blocks * stage,), jnp.int32),
+                 *[counts_shape] * band),
       grid=grid,
       in_specs=[whole, whole],
-      out_specs=(whole, whole, stage_spec, stage_spec),
+      out_specs=(whole, whole, stage_spec, stage_spec, *[whole] * band),
       compiler_params=params,
       interpret=interpret,
       name="jaxfuse_select_mask",
-  )(jnp.reshape(tau32, (1,)), acc_k)
+  )(taus, acc_k)
 
   start, scal = pl.pallas_call(
       functools.partial(_scan_kernel, n=n, block=block,
@@ -457,4 +459,66 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
       interpret=interpret,
       name="jaxfuse_select_write",
   )(scal, counts, start, bits, acc_k, staged_v, staged_i)
-  return values, indices, scal[2]
+  return values, indices, scal[2], (jnp.sum(above[0][:num_blocks]) if band
+                                    else None)
+
+
+_STATIC = ("capacity", "block", "tile", "stage", "num_warps", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
+                  block: int | None = None, tile: int | None = None,
+                  stage: int | None = None, num_warps: int | None = None,
+                  interpret: bool = False
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Drop-in for :func:`jaxfuse.sparsify.select` as three Pallas kernels.
+
+  Args:
+    acc: flat float array (float32, bfloat16 or float16) of n elements.
+    tau: scalar threshold (any float; promoted with ``acc`` as the reference).
+    capacity: number of output slots (static).
+    offset: int scalar, where the rotated order starts (in [0, n); values
+      outside behave as in the reference).
+    block: elements per program, a power of two ≥ 32 (default 8192, or n
+      rounded up to a power of two if smaller).
+    tile: elements per pass-1 step inside a program, a power of two in
+      [32, block] (default min(8192, block)).
+    stage: candidates per block that pass 1 stages, a power of two ≤ block
+      (default block/16); pass 2 peels a denser block's mask instead.
+    num_warps: Triton warps per program (default 8).
+    interpret: run the kernels in the Pallas interpreter (any backend).
+
+  Returns:
+    (values[capacity] in acc's dtype, indices[capacity] int32, count int32).
+  """
+  _check_acc(acc)
+  block, tile, stage = _config(acc.shape[0], capacity, block, tile, stage)
+  taus = jnp.reshape(_comparison_threshold(acc.dtype, tau), (1,))
+  values, indices, count, _ = _run(
+      acc, taus, capacity, offset, band=False, block=block, tile=tile,
+      stage=stage, num_warps=num_warps, interpret=interpret)
+  return values, indices, count
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def select_band_pallas(acc: jax.Array, lo, hi, capacity: int, *,
+                       block: int | None = None, tile: int | None = None,
+                       stage: int | None = None, num_warps: int | None = None,
+                       interpret: bool = False
+                       ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The elements with lo ≤ |acc| < hi, acc ≠ 0, and how many are above.
+
+  As :func:`select_pallas` with offset 0 and the band for the candidates
+  (same comparison semantics for each bound), in the same one read of
+  ``acc``; also returns ``above`` = |{i : |acc_i| ≥ hi, acc_i ≠ 0}|.
+
+  Returns:
+    (values[capacity], indices[capacity], count, above), counts int32.
+  """
+  _check_acc(acc)
+  block, tile, stage = _config(acc.shape[0], capacity, block, tile, stage)
+  taus = jnp.stack([_comparison_threshold(acc.dtype, lo),
+                    _comparison_threshold(acc.dtype, hi)])
+  return _run(acc, taus, capacity, 0, band=True, block=block, tile=tile,
+              stage=stage, num_warps=num_warps, interpret=interpret)

@@ -3,20 +3,23 @@
 ``kth_largest_magnitude(x, k)`` equals ``lax.top_k(|x|, k)[0][k − 1]`` for
 finite x (the reference, which sorts all n elements):
 
-1. **Bracket**: a uniform sample of s elements gives τ_lo, its r-th largest
-   magnitude, r = ⌈1.5·k·s/n⌉, so that about 1.5·k elements pass |x| ≥ τ_lo
-   (the sample's relative error at that rank is ≈ 1/√(1.5·k·s/n)).
-2. **Compact** with the selection kernel (``select_pallas``: about one read
-   of x): the m elements with |x| ≥ τ_lo, x ≠ 0, into C = 2k + 1024 slots.
-3. If k ≤ m ≤ C the k-th largest of x is the k-th largest of those m (every
-   other element is smaller than all of them): ``lax.top_k`` on C slots,
-   not n. Otherwise (an unlucky sample, or fewer than k non-zeros) the
-   reference runs instead (``lax.cond``), so the result is always exact.
+1. **Bracket**: a uniform sample of s elements, sorted, gives two bounds
+   τ_hi ≥ τ_lo around the rank k·s/n it should hold the k-th largest at,
+   MARGIN sample deviations on each side (``band_plan``).
+2. **Band** with the selection kernel (``select_band_pallas``: one read of
+   x): the m elements with τ_lo ≤ |x| < τ_hi, x ≠ 0, into C slots, and the
+   count a of |x| ≥ τ_hi.
+3. If a < k ≤ a + m ≤ a + C the k-th largest of x is the (k − a)-th largest
+   of the band: a sort of C slots (C ≪ n). Otherwise (an unlucky sample, or
+   fewer than k non-zeros) the reference runs instead (``lax.cond``), so the
+   result is always exact.
 
 Under ``jax.vmap`` (``sparse_sync`` vmaps same-shape units) a batching rule
 keeps the ``cond`` outside the batch: the reference runs for the whole batch
 only if some bracket missed. The ``"topk"`` estimator uses this on the Pallas
-backend (``jaxfuse.kernels.kth_largest_magnitude``).
+backend (``jaxfuse.kernels.kth_largest_magnitude``), where it pays from
+``PAYS_FROM`` elements for one array and ``BATCHED_PAYS_FROM`` per row under
+vmap (the rows share the kernels' launches; ``lax.top_k`` sorts each row).
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ import jax.numpy as jnp
 from jaxfuse import sparsify
 from jaxfuse.kernels import selection
 
-SAMPLE = 65536        # sample size s
-OVERSHOOT = 1.5       # aim the bracket at this many times k
+SAMPLE = 1 << 18      # sample size s
+MARGIN = 4.0          # sample standard deviations on each side of rank k
 MIN_SIZE = 1 << 16    # below this, the reference always runs
-# Where the kernel path starts to pay (dispatch, kernels.kth_largest_magnitude):
-# on an H100, lax.top_k takes 0.12-0.16 ms at 1M elements (the kernel path
-# 0.13-0.22) and 0.71 ms at 16M (the kernel path 0.23-0.31).
+# Where the kernel path starts to pay (dispatch, kernels.kth_largest_magnitude),
+# on an H100 at density 0.01: one array, lax.top_k 0.17 ms at 2M elements
+# (the kernel path 0.16), 0.27 ms at 4M (0.17); under vmap, 12 rows of 262K
+# 0.67 ms (0.78), of 590K 2.2 ms (0.80); 2 rows of 1M 0.62 ms (0.23).
 PAYS_FROM = 1 << 22
+BATCHED_PAYS_FROM = 1 << 19
 
 
 def kth_largest_magnitude_reference(x: jax.Array, k: int) -> jax.Array:
@@ -45,93 +50,111 @@ def kth_largest_magnitude_reference(x: jax.Array, k: int) -> jax.Array:
   return sparsify._kth_largest(jnp.abs(x), k)  # pylint: disable=protected-access
 
 
-def capacity_for(k: int) -> int:
-  """Slots of the compaction: C = 2k + 1024."""
-  return 2 * k + 1024
+def select_band_reference(x, lo, hi, capacity: int, interpret=False):
+  """jnp reference of ``selection.select_band_pallas``: the elements with
+  lo ≤ |x| < hi, x ≠ 0, from offset 0, and the count of |x| ≥ hi, x ≠ 0."""
+  del interpret
+  mags = jnp.abs(x)
+  values, indices, count = sparsify.select(jnp.where(mags < hi, x, 0), lo,
+                                           capacity, 0)
+  return values, indices, count, jnp.sum((mags >= hi) & (x != 0),
+                                         dtype=jnp.int32)
 
 
-def _bracket(x, k: int):
-  """τ_lo: the r-th largest magnitude of a uniform sample (same one on every
-  call, so the result is deterministic), r = ⌈1.5·k·s/n⌉."""
-  n = x.shape[0]
+def band_plan(k: int, n: int) -> tuple[int, int, int, int]:
+  """(s, r_hi, r_lo, C): τ_hi is the sample's r_hi-th largest magnitude (no
+  upper bound if r_hi = 0), τ_lo its r_lo-th, C the band's slots.
+
+  In a sample of s, rank k of n sits at r = k·s/n with standard deviation
+  ≈ √r, so r_hi = ⌊r − d⌋ and r_lo = ⌈r + d⌉ with d = MARGIN·√r + 1 hold
+  rank k between them but for a ≈ 3·10⁻⁵ chance each; the band then holds
+  about (r_lo − r_hi)·n/s elements, and C is twice that plus 1024.
+  """
   s = min(n, SAMPLE)
-  rank = min(s, math.ceil(OVERSHOOT * k * s / n))
-  sample = jnp.abs(x[sparsify.uniform_index(jnp.uint32(0x5EED), s, n)])
-  return lax.top_k(sample, rank)[0][rank - 1]
+  r = k * s / n
+  d = MARGIN * math.sqrt(r) + 1
+  r_hi = max(0, math.floor(r - d))
+  r_lo = min(s, math.ceil(r + d))
+  return s, r_hi, r_lo, 2 * math.ceil((r_lo - r_hi) * n / s) + 1024
 
 
-def _compact(x, k: int, interpret: bool):
-  """(|candidates| in C slots, zeros after them; whether they hold the k-th
-  largest: k ≤ m ≤ C)."""
-  capacity = capacity_for(k)
-  values, _, count = _select(x, _bracket(x, k), capacity, 0,
-                             interpret=interpret)
-  return jnp.abs(values), (count >= k) & (count <= capacity)
+def _band(x, k: int, interpret: bool):
+  """((|band| in C slots, rank of the k-th largest inside the band), ok).
+
+  The sample is the same on every call, so the result is deterministic."""
+  n = x.shape[0]
+  s, r_hi, r_lo, capacity = band_plan(k, n)
+  sample = jnp.sort(jnp.abs(x[sparsify.uniform_index(jnp.uint32(0x5EED), s,
+                                                     n)]))
+  lo = sample[s - r_lo]
+  hi = sample[s - r_hi] if r_hi else jnp.asarray(jnp.inf, x.dtype)
+  values, _, count, above = _select_band(x, lo, hi, capacity,
+                                         interpret=interpret)
+  rank = k - above
+  ok = (rank >= 1) & (rank <= count) & (count <= capacity)
+  return (jnp.abs(values), rank), ok
 
 
-def _kth_of_compacted(mags, k: int, final: str):
-  """k-th largest of the C compacted magnitudes (the empty slots are 0)."""
-  if final == "sort":
-    return jnp.sort(mags)[mags.shape[0] - k]
-  return lax.top_k(mags, k)[0][k - 1]
+def _kth_of_band(state):
+  mags, rank = state
+  return jnp.sort(mags)[mags.shape[0] - rank]     # empty slots (0) sort first
 
 
-_select = selection.select_pallas      # a seam for tests (shard_map on CPU)
-FINALS = ("sort", "top_k")
+_select_band = selection.select_band_pallas   # a seam for tests (shard_map)
 
 
 @functools.lru_cache(maxsize=None)
-def _kth_fn(k: int, interpret: bool, final: str):
-  """The fast path for one (k, interpret, final), with a batching rule.
+def _kth_fn(k: int, interpret: bool, single_from: int, batched_from: int):
+  """The fast path for one k, with a batching rule.
 
-  Unbatched, a ``lax.cond`` picks the compacted answer or the reference.
-  Under ``jax.vmap`` a per-example ``cond`` would become a select that runs
-  both branches (the full sort included); the rule instead compacts every
-  example and takes the reference for the whole batch only if any bracket
-  missed.
+  Unbatched, a ``lax.cond`` picks the fast answer or the reference. Under
+  ``jax.vmap`` a per-example ``cond`` would become a select that runs both
+  branches (the full sort included); the rule instead runs the fast path on
+  every example and takes the reference for the whole batch only if any
+  bracket missed. Rows shorter than ``single_from`` (one array or a batch of
+  one) or ``batched_from`` (a batch) take the reference.
   """
+  fast = lambda x: _band(x, k, interpret)
+  reference = lambda x: kth_largest_magnitude_reference(x, k)
 
   @jax.custom_batching.custom_vmap
   def kth(x):
-    mags, ok = _compact(x, k, interpret)
-    return lax.cond(ok, lambda: _kth_of_compacted(mags, k, final),
-                    lambda: kth_largest_magnitude_reference(x, k))
+    if x.shape[0] < single_from:
+      return reference(x)
+    state, ok = fast(x)
+    return lax.cond(ok, lambda: _kth_of_band(state), lambda: reference(x))
 
   @kth.def_vmap
   def _rule(axis_size, in_batched, x):
-    del axis_size
     if not in_batched[0]:
       return kth(x), False
-    mags, ok = jax.vmap(lambda v: _compact(v, k, interpret))(x)
-    out = lax.cond(
-        jnp.all(ok),
-        lambda: jax.vmap(lambda m: _kth_of_compacted(m, k, final))(mags),
-        lambda: jax.vmap(lambda v: kth_largest_magnitude_reference(v, k))(x))
-    return out, True
+    if x.shape[1] < (single_from if axis_size == 1 else batched_from):
+      return jax.vmap(reference)(x), True
+    state, ok = jax.vmap(fast)(x)
+    return lax.cond(jnp.all(ok), lambda: jax.vmap(_kth_of_band)(state),
+                    lambda: jax.vmap(reference)(x)), True
 
   return kth
 
 
-@functools.partial(jax.jit, static_argnames=("k", "interpret", "final"))
+@functools.partial(jax.jit, static_argnames=("k", "interpret", "pays_from"))
 def kth_largest_magnitude(x: jax.Array, k: int, *, interpret: bool = False,
-                          final: str = "top_k") -> jax.Array:
+                          pays_from: tuple[int, int] = (0, 0)) -> jax.Array:
   """The exact k-th largest |x| of a flat finite x (module docstring).
 
   Args:
     x: flat float array (float32, bfloat16 or float16), finite.
     k: rank, 1 ≤ k ≤ n (static).
     interpret: run the selection kernel in the Pallas interpreter.
-    final: how step 3 ranks the C compacted magnitudes: ``"top_k"``
-      (default; as fast or faster on an H100 from 16M elements up) or
-      ``"sort"`` (a keys-only sort).
+    pays_from: (one array, per row under vmap): sizes below which the
+      reference runs instead of the fast path (which never runs below
+      ``MIN_SIZE``). Default: the fast path from ``MIN_SIZE``.
   """
   if x.ndim != 1:
     raise ValueError(f"x must be flat (1-D), got shape {x.shape}")
   n = x.shape[0]
   if not 1 <= k <= n:
     raise ValueError(f"k must be in [1, {n}], got {k}")
-  if final not in FINALS:
-    raise ValueError(f"final must be one of {FINALS}, got {final!r}")
-  if n < MIN_SIZE or capacity_for(k) >= n:
+  if n < max(MIN_SIZE, min(pays_from)) or band_plan(k, n)[3] >= n:
     return kth_largest_magnitude_reference(x, k)
-  return _kth_fn(k, interpret, final)(x)
+  return _kth_fn(k, interpret, *pays_from)(x)
