@@ -270,14 +270,19 @@ def parse_args(argv):
   p.add_argument("--xla-option", action="append", metavar="NAME=VALUE",
                  help="XLA compile option for the train step (repeatable), "
                  "e.g. xla_gpu_all_reduce_combine_threshold_bytes=0 "
-                 "(docs/benchmarks.md: the overlap study)")
+                 "(docs/benchmarks.md: the overlap study); added to "
+                 "jaxfuse.xla_options()")
+  p.add_argument("--xla-defaults", action="store_true",
+                 help="compile the train step without jaxfuse.xla_options() "
+                 "(on GPU: keep XLA's command buffers)")
   p.add_argument("--json-out")
   return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  xla_options = parse_xla_options(args.xla_option)
+  xla_options = {**({} if args.xla_defaults else jaxfuse.xla_options()),
+                 **parse_xla_options(args.xla_option)}
   t_start = time.perf_counter()
   preset = PRESETS[args.preset]
   jaxfuse.kernels.set_backend(args.kernels)
@@ -399,7 +404,7 @@ def main(argv=None) -> dict:
                  "seq_len": seq_len, "lr": lr, "num_devices": k,
                  "platform": jax.devices()[0].platform,
                  "model": dataclasses.asdict(model.cfg),
-                 "num_params": num_params},
+                 "num_params": num_params, "compiler_options": xla_options},
       "log": log, "losses": losses,
       "first_step_s": step_times[0], "mean_step_time_s": mean_step,
       "median_step_time_s": float(np.median(timed)),

@@ -2,10 +2,12 @@
 
   plan = jaxfuse.plan(params, density=0.01)
   opt = optax.chain(jaxfuse.sparse_sync(plan), optax.adamw(3e-4))
+  step = jax.jit(train_step, compiler_options=jaxfuse.xla_options())
 """
 
 from jaxfuse import kernels
 from jaxfuse._compat import make_mesh
+from jaxfuse.compile_options import xla_options
 from jaxfuse.plans import BucketPlan
 from jaxfuse.plans import LeafPlan
 from jaxfuse.plans import Plan
@@ -29,5 +31,5 @@ __all__ = [
     "BucketPlan", "COST_STRATEGIES", "kernels", "LeafPlan", "Plan", "PlanError", "Settings", "STRATEGIES",
     "SparseSyncState", "SyncError", "SyncStats", "init_state", "local_params",
     "make_mesh", "plan", "sparse_sync", "state_specs", "summarize",
-    "sync_stats", "__version__",
+    "sync_stats", "xla_options", "__version__",
 ]
