@@ -21,9 +21,10 @@ block_until_ready; the median is reported. ``pallas`` is also checked equal
 to ``ref`` (values, indices, count). ``--sweep`` adds block × tile × num_warps
 at the largest n and ``--sweep-density``.
 ``--batch B`` times the k-th magnitude under ``vmap`` over B rows of each
-size instead (the ``"topk"`` estimator's same-shape units). Times are reported both as the median single
-call (Python dispatch included) and as the mean of back-to-back calls (close
-to device time); the ratios use the latter.
+size instead (the ``"topk"`` estimator's same-shape units). Times are
+reported both as the median single call (Python dispatch included) and as
+the mean of back-to-back calls (close to device time); the ratios use the
+latter.
 
   python benchmarks/kernels.py --out results.json
 """

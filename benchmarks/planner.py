@@ -42,6 +42,13 @@ FLAG_SETS = {
     "lhs+nocombine": ("--xla_gpu_enable_latency_hiding_scheduler=true "
                       "--xla_gpu_all_reduce_combine_threshold_bytes=0 "
                       "--xla_gpu_all_gather_combine_threshold_bytes=0"),
+    # Command buffers off (jaxfuse.xla_options() on GPU); `measure` runs
+    # train_lm.py, which already applies it unless --xla-defaults.
+    "nocmdbuf": "--xla_gpu_enable_command_buffer=",
+    "lhs+nocombine+nocmdbuf": ("--xla_gpu_enable_latency_hiding_scheduler=true "
+                               "--xla_gpu_all_reduce_combine_threshold_bytes=0 "
+                               "--xla_gpu_all_gather_combine_threshold_bytes=0 "
+                               "--xla_gpu_enable_command_buffer="),
 }
 SIZES_MB = (1, 4, 16, 64)
 
