@@ -28,6 +28,9 @@ Every time below is the median of ``repeats`` runs after ``warmup`` runs
 
 ``validate_backward`` measures the true ready times of a few prefixes of the
 ready order and reports the error of the derived times (docs/cli.md).
+
+Every program is compiled with ``jaxfuse.xla_options()``, as a train step
+should be, so the costs describe the step that will run.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxfuse import _compat
+from jaxfuse import compile_options
 from jaxfuse import costs as costs_lib
 from jaxfuse import ordering
 from jaxfuse import plans as plan_lib
@@ -72,6 +76,11 @@ FREE_PRIMITIVES = frozenset({
     "reshape", "squeeze", "expand_dims", "broadcast_in_dim", "pvary", "pcast",
     "stop_gradient", "iota", "copy", "copy_p", "device_put",
     "optimization_barrier"})
+
+
+def _jit(fn):
+  """``jax.jit`` with the train step's options (``jaxfuse.xla_options``)."""
+  return jax.jit(fn, compiler_options=compile_options.xla_options() or None)
 
 
 class ProfileError(ValueError):
@@ -177,7 +186,7 @@ def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
       xs = [_compat.to_varying(y, axis_name) for y in ys]
     return tuple(ys)
 
-  fn = jax.jit(jax.shard_map(body, mesh=mesh,
+  fn = _jit(jax.shard_map(body, mesh=mesh,
                              in_specs=(P(axis_name),) * parallel,
                              out_specs=(P(),) * parallel))
   sharding = NamedSharding(mesh, P(axis_name))
@@ -269,7 +278,7 @@ def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
     grads = [jax.device_put(rng.standard_normal(n, np.float32), device)
              for _ in range(chain)]
     residual = jax.device_put(np.zeros(n, np.float32), device)
-    t = time_call(jax.jit(units), grads, residual,
+    t = time_call(_jit(units), grads, residual,
                   jax.device_put(ctrl, device), warmup=warmup,
                   repeats=repeats)
     out.append((n, t / chain))
@@ -286,8 +295,8 @@ def machine_rates(device=None, *, repeats: int = 5,
   m, n = (384, 2**21) if cpu else (4096, 2**26)
   a = jax.device_put(np.ones((m, m), np.float32), device)
   x = jax.device_put(np.ones((n,), np.float32), device)
-  t_mm = time_call(jax.jit(lambda a: a @ a), a, warmup=warmup, repeats=repeats)
-  t_ew = time_call(jax.jit(lambda x: x * 2 + 1), x, warmup=warmup,
+  t_mm = time_call(_jit(lambda a: a @ a), a, warmup=warmup, repeats=repeats)
+  t_ew = time_call(_jit(lambda x: x * 2 + 1), x, warmup=warmup,
                    repeats=repeats)
   return 2 * m**3 / t_mm, 2 * 4 * n / t_ew
 
@@ -514,8 +523,8 @@ def measure_forward_backward(loss_fn: Callable, params,
   device = device or jax.local_devices()[0]
   params, args = _on_device((params, tuple(example_args)), device)
   t_fwd, t_grad = time_calls(
-      [(jax.jit(loss_fn), params, *args),
-       (jax.jit(jax.grad(loss_fn)), params, *args)],
+      [(_jit(loss_fn), params, *args),
+       (_jit(jax.grad(loss_fn)), params, *args)],
       warmup=warmup, repeats=repeats)
   return t_fwd, max(0.0, t_grad - t_fwd)
 
@@ -570,12 +579,12 @@ def validate_backward(loss_fn: Callable, params, example_args: Sequence = (),
       for i, x in zip(rest, others):
         full[i] = x
       return loss_fn(jax.tree.unflatten(treedef, full), *args)
-    return (jax.jit(jax.grad(partial_loss)), [on_dev[i] for i in chosen],
+    return (_jit(jax.grad(partial_loss)), [on_dev[i] for i in chosen],
             [on_dev[i] for i in rest], *args)
 
   tree = jax.tree.unflatten(treedef, on_dev)
-  calls = [(jax.jit(loss_fn), tree, *args),
-           (jax.jit(jax.grad(loss_fn)), tree, *args)]
+  calls = [(_jit(loss_fn), tree, *args),
+           (_jit(jax.grad(loss_fn)), tree, *args)]
   calls += [prefix_call(k) for k in counts]
   forward, t_grad, *t_prefix = time_calls(calls, warmup=warmup,
                                           repeats=repeats)
@@ -628,12 +637,12 @@ def measure_overlap(mesh, loss_fn: Callable, params,
   def local_grad(p, *a):
     return jax.grad(loss_fn)(_compat.to_varying(p, axis_name), *a)
 
-  shard = lambda f, out: jax.jit(jax.shard_map(
+  shard = lambda f, out: _jit(jax.shard_map(
       f, mesh=mesh, in_specs=(P(),) * (1 + nargs), out_specs=out))
   backward = shard(lambda p, *a: jax.tree.map(lambda g: g[None],
                                               local_grad(p, *a)), P(axis_name))
   both = shard(lambda p, *a: lax.pmean(local_grad(p, *a), axis_name), P())
-  comm = jax.jit(jax.shard_map(
+  comm = _jit(jax.shard_map(
       lambda g: lax.pmean(jax.tree.map(lambda x: x[0], g), axis_name),
       mesh=mesh, in_specs=(P(axis_name),), out_specs=P()))
   grads = jax.device_put(
@@ -742,6 +751,7 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
                   "mesh": {str(a): int(s) for a, s in mesh.shape.items()},
                   "processes": jax.process_count()},
       "timing": {"repeats": repeats, "warmup": warmup, "chain": chain},
+      "compiler_options": compile_options.xla_options(),
       "compress": {"estimator": estimator, "density": density,
                    "headroom": headroom},
       "samples": {k: [[int(x), float(t)] for x, t in v]
