@@ -63,10 +63,13 @@ def test_missed_bracket_falls_back(monkeypatch):
 
 
 def test_band_overflow_falls_back(monkeypatch):
-  """A band that holds the k-th largest but overflows its slots (m > C)."""
-  x = np.array(jax.random.normal(jax.random.PRNGKey(2), (N,)), np.float32)
-  x[:30000] = 1.0                        # rank 300 sits in a wide tie
-  monkeypatch.setattr(threshold, "band_plan", lambda k, n: (n, 200, 400, 1100))
+  """A band that holds the k-th largest but overflows its slots (m > C).
+  Magnitudes grow with the position, so the C slots (filled in position
+  order) hold the band's smallest: ranking them would give a wrong answer."""
+  signs = np.random.default_rng(2).choice([-1.0, 1.0], N)
+  x = (signs * np.linspace(1e-3, 1.0, N)).astype(np.float32)
+  # no upper bound, τ_lo at the sample's 2000th largest: m ≈ 2000 > C
+  monkeypatch.setattr(threshold, "band_plan", lambda k, n: (n, 0, 2000, 1100))
   kth_largest_magnitude.clear_cache()
   threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
   try:
@@ -182,7 +185,6 @@ def test_band_selection_reference_matches_the_kernel():
   want = threshold.select_band_reference(x, lo, hi, 30000)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-
 
 
 def test_dispatch_takes_the_kernel_path_from_pays_from(monkeypatch):
