@@ -167,6 +167,9 @@ def cmd_measure(args) -> list[dict]:
              "measured_mean_s": run.get("mean_step_time_s"),
              "error": run.get("error"),
              "winner": plan.provenance.get("auto", {}).get("winner")}
+      if "config" in run:          # where the run trained (this process plans)
+        row["devices"] = (f"{run['config']['num_devices']} x "
+                          f"{run['config'].get('device_kind', '?')}")
       if row["measured_s"]:
         row["prediction_error"] = row["predicted_s"] / row["measured_s"] - 1
       rows.append(row)
@@ -266,6 +269,10 @@ def main(argv=None):
             "device": getattr(dev, "device_kind", str(dev)),
             "devices": jax.device_count(), "date": time.strftime("%Y-%m-%d"),
             "args": {k: v for k, v in vars(args).items()}}
+    if args.command == "measure":  # planned on the CPU, trained elsewhere
+      meta["device"] = next((r["devices"] for r in rows if "devices" in r),
+                            None)
+      meta.pop("devices")
     pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows},
                                                  indent=1))
 

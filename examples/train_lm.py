@@ -403,6 +403,7 @@ def main(argv=None) -> dict:
       "config": {**vars(args), "steps": steps, "batch_size": batch_size,
                  "seq_len": seq_len, "lr": lr, "num_devices": k,
                  "platform": jax.devices()[0].platform,
+                 "device_kind": jax.devices()[0].device_kind,
                  "model": dataclasses.asdict(model.cfg),
                  "num_params": num_params, "compiler_options": xla_options},
       "log": log, "losses": losses,
