@@ -19,6 +19,7 @@ import pytest
 from jaxfuse import sparsify
 from jaxfuse.kernels.selection import _round_to_bfloat16
 from jaxfuse.kernels.selection import select_band_pallas
+from jaxfuse.kernels.selection import select_band_reference
 from jaxfuse.kernels.selection import select_pallas
 
 try:
@@ -148,18 +149,6 @@ def test_stage_sizes(stage):
         raise AssertionError(f"case {name}, offset {offset}") from e
 
 
-def _band_reference(acc, lo, hi, capacity):
-  """The band by the reference: zero the elements not below hi (zeros are
-  never candidates), select from lo at offset 0; count those at or above."""
-  acc = np.asarray(acc)
-  mags = np.abs(acc.astype(np.float32))
-  with np.errstate(invalid="ignore"):
-    below, above = mags < np.float32(hi), (mags >= np.float32(hi)) & (acc != 0)
-  values, indices, count = _reference(jnp.asarray(np.where(below, acc, 0)),
-                                      np.float32(lo), capacity, 0)
-  return values, indices, count, int(above.sum())
-
-
 def test_band_equals_the_reference():
   """Two bounds, in one block and several (one partial), both dtypes."""
   rng = np.random.default_rng(12)
@@ -174,15 +163,21 @@ def test_band_equals_the_reference():
       for a, lo, hi, capacity in cases:
         got = select_band_pallas(a, np.float32(lo), np.float32(hi),
                                  capacity, block=BLOCK, interpret=INTERPRET)
-        want = _band_reference(a, lo, hi, capacity)
+        want = select_band_reference(a, np.float32(lo), np.float32(hi),
+                                     capacity)
         try:
           for g, w in zip(got, want):
-            np.testing.assert_array_equal(_bits(np.asarray(g)) if g.ndim
-                                          else np.asarray(g),
-                                          _bits(np.asarray(w)) if np.ndim(w)
-                                          else w)
+            np.testing.assert_array_equal(_bits(g) if g.ndim else g,
+                                          _bits(w) if w.ndim else w)
         except AssertionError as e:
           raise AssertionError(f"case {name} {dtype}, band [{lo}, {hi})") from e
+  # The default block, several of them, on a larger input.
+  x = jax.random.normal(jax.random.PRNGKey(8), (69635,), jnp.float32)
+  x = x.at[::7].set(0)
+  lo, hi = jnp.float32(0.5), jnp.float32(2.0)
+  got = select_band_pallas(x, lo, hi, 30000, interpret=INTERPRET)
+  for g, w in zip(got, select_band_reference(x, lo, hi, 30000)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @pytest.mark.parametrize("block,tile", [(32, None), (None, None), (512, 128),

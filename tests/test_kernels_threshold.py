@@ -157,7 +157,7 @@ def test_vmap_inside_shard_map(monkeypatch):
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   if INTERPRET:
     monkeypatch.setattr(threshold, "_select_band",
-                        threshold.select_band_reference)
+                        selection.select_band_reference)
   kth_largest_magnitude.clear_cache()
   threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
   workers = NUM_WORKERS
@@ -173,18 +173,6 @@ def test_vmap_inside_shard_map(monkeypatch):
     threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
   want = jnp.sort(jnp.abs(x), axis=2)[:, :, N - 300]
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_band_selection_reference_matches_the_kernel():
-  """The jnp stand-in of the band kernel (used where the interpreter cannot
-  run) returns what the kernel returns."""
-  x = jax.random.normal(jax.random.PRNGKey(8), (N,), jnp.float32)
-  x = x.at[::7].set(0)
-  lo, hi = jnp.float32(0.5), jnp.float32(2.0)
-  got = selection.select_band_pallas(x, lo, hi, 30000, interpret=INTERPRET)
-  want = threshold.select_band_reference(x, lo, hi, 30000)
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_dispatch_takes_the_kernel_path_from_pays_from(monkeypatch):

@@ -56,8 +56,8 @@ def kth_largest_magnitude(x, k: int):
   vmap); below, and on other backends, ``lax.top_k``, which is then faster.
   """
   from jaxfuse.kernels import threshold  # pylint: disable=g-import-not-at-top
-  pays_from = (threshold.PAYS_FROM, threshold.BATCHED_PAYS_FROM)
-  if backend() == "pallas" and x.size >= min(pays_from):
+  if backend() == "pallas":              # it takes the reference below those
     return threshold.kth_largest_magnitude(
-        x, k, interpret=jax.default_backend() != "gpu", pays_from=pays_from)
+        x, k, interpret=jax.default_backend() != "gpu",
+        pays_from=(threshold.PAYS_FROM, threshold.BATCHED_PAYS_FROM))
   return threshold.kth_largest_magnitude_reference(x, k)

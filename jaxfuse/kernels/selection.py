@@ -45,7 +45,8 @@ atomics.
 
 ``select_band_pallas(acc, lo, hi, capacity)`` runs the same kernels on the
 band lo ≤ |acc| < hi (offset 0) and also counts, in pass 1, the elements at
-or above hi: the exact threshold (``threshold.py``) uses it.
+or above hi: the exact threshold (``threshold.py``) uses it. Its reference
+is ``select_band_reference``.
 
 Comparison semantics: ``|acc| ≥ τ`` is evaluated as the reference evaluates
 it (τ is promoted with ``acc``'s dtype by JAX's rules, so a Python float τ is
@@ -63,6 +64,8 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxfuse import sparsify
 
 # Fastest of the configurations swept on an H100 at 100M elements, densities
 # 0.01 and 0.05 (benchmarks/kernels.py --sweep; docs/benchmarks.md).
@@ -522,3 +525,15 @@ def select_band_pallas(acc: jax.Array, lo, hi, capacity: int, *,
                     _comparison_threshold(acc.dtype, hi)])
   return _run(acc, taus, capacity, 0, band=True, block=block, tile=tile,
               stage=stage, num_warps=num_warps, interpret=interpret)
+
+
+def select_band_reference(acc, lo, hi, capacity: int, interpret=False):
+  """jnp reference of :func:`select_band_pallas`: ``sparsify.select`` from lo
+  at offset 0 over acc with the elements not below hi zeroed (zeros are never
+  candidates), and the count of |acc| ≥ hi, acc ≠ 0."""
+  del interpret
+  mags = jnp.abs(acc)
+  values, indices, count = sparsify.select(jnp.where(mags < hi, acc, 0), lo,
+                                           capacity, 0)
+  return values, indices, count, jnp.sum((mags >= hi) & (acc != 0),
+                                         dtype=jnp.int32)

@@ -50,17 +50,6 @@ def kth_largest_magnitude_reference(x: jax.Array, k: int) -> jax.Array:
   return sparsify._kth_largest(jnp.abs(x), k)  # pylint: disable=protected-access
 
 
-def select_band_reference(x, lo, hi, capacity: int, interpret=False):
-  """jnp reference of ``selection.select_band_pallas``: the elements with
-  lo ≤ |x| < hi, x ≠ 0, from offset 0, and the count of |x| ≥ hi, x ≠ 0."""
-  del interpret
-  mags = jnp.abs(x)
-  values, indices, count = sparsify.select(jnp.where(mags < hi, x, 0), lo,
-                                           capacity, 0)
-  return values, indices, count, jnp.sum((mags >= hi) & (x != 0),
-                                         dtype=jnp.int32)
-
-
 def band_plan(k: int, n: int) -> tuple[int, int, int, int]:
   """(s, r_hi, r_lo, C): τ_hi is the sample's r_hi-th largest magnitude (no
   upper bound if r_hi = 0), τ_lo its r_lo-th, C the band's slots.
