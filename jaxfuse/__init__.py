@@ -1,8 +1,10 @@
 """jaxfuse: sparsify-ahead, fused gradient synchronization for JAX (Optax).
 
-  plan = jaxfuse.plan(params, density=0.01)
-  opt = optax.chain(jaxfuse.sparse_sync(plan), optax.adamw(3e-4))
-  step = jax.jit(train_step, compiler_options=jaxfuse.xla_options())
+  plan = jaxfuse.plan(params, density=0.05)
+  for phase in jaxfuse.density_warmup(plan, dense_steps=250, steps=50):
+    opt = jaxfuse.onebit_adamw(phase.plan, 3e-4)   # or jaxfuse.sgd(plan, 0.1)
+    step = jax.jit(train_step(opt), compiler_options=jaxfuse.xla_options())
+    ...                                  # steps phase.start .. phase.stop
 """
 
 from jaxfuse import kernels
@@ -15,12 +17,26 @@ from jaxfuse.plans import PlanError
 from jaxfuse.plans import Settings
 from jaxfuse.planner import COST_STRATEGIES
 from jaxfuse.planner import STRATEGIES
+from jaxfuse.phases import Phase
+from jaxfuse.phases import check_phases
+from jaxfuse.phases import density_warmup
+from jaxfuse.phases import phase_index
+from jaxfuse.phases import with_density
 from jaxfuse.planner import plan
+from jaxfuse.recipes import RECIPES
+from jaxfuse.recipes import demo
+from jaxfuse.recipes import local_adamw
+from jaxfuse.recipes import local_clip_by_global_norm
+from jaxfuse.recipes import onebit_adamw
+from jaxfuse.recipes import sgd
+from jaxfuse.recipes import sync_adamw
 from jaxfuse.transform import SparseSyncState
 from jaxfuse.transform import SyncError
 from jaxfuse.transform import SyncStats
 from jaxfuse.transform import init_state
 from jaxfuse.transform import local_params
+from jaxfuse.transform import per_worker
+from jaxfuse.transform import PerWorkerState
 from jaxfuse.transform import sparse_sync
 from jaxfuse.transform import state_specs
 from jaxfuse.transform import summarize
@@ -28,8 +44,11 @@ from jaxfuse.transform import sync_stats
 from jaxfuse.version import __version__
 
 __all__ = [
-    "BucketPlan", "COST_STRATEGIES", "kernels", "LeafPlan", "Plan", "PlanError", "Settings", "STRATEGIES",
-    "SparseSyncState", "SyncError", "SyncStats", "init_state", "local_params",
-    "make_mesh", "plan", "sparse_sync", "state_specs", "summarize",
-    "sync_stats", "xla_options", "__version__",
+    "BucketPlan", "COST_STRATEGIES", "kernels", "LeafPlan", "Phase",
+    "PerWorkerState", "Plan", "PlanError", "RECIPES", "Settings", "STRATEGIES",
+    "SparseSyncState", "SyncError", "SyncStats", "check_phases", "demo",
+    "density_warmup", "init_state", "local_adamw", "local_clip_by_global_norm",
+    "local_params", "make_mesh", "onebit_adamw", "per_worker", "phase_index",
+    "plan", "sgd", "sparse_sync", "state_specs", "summarize", "sync_adamw",
+    "sync_stats", "with_density", "xla_options", "__version__",
 ]

@@ -59,6 +59,11 @@ def units(plan: plan_lib.Plan) -> tuple[tuple[Unit, ...], tuple[tuple[int, ...],
   return tuple(out), tuple(per_bucket)
 
 
+def is_full(unit: Unit) -> bool:
+  """Density 1: every element is sent (a dense warm-up phase)."""
+  return unit.density >= 1.0
+
+
 def leaf_offsets(plan: plan_lib.Plan, unit: Unit) -> tuple[int, ...]:
   """Start of each of the unit's leaves inside its flat concatenation."""
   sizes = [plan.leaves[j].size for j in unit.leaves]
@@ -147,7 +152,8 @@ def bucket_wire_bytes(plan: plan_lib.Plan) -> list[int]:
   all_units, per_bucket = units(plan)
   out = []
   for b, unit_ids in zip(plan.buckets, per_bucket):
-    if b.collective == "psum":
+    if b.collective == "psum" or all(is_full(all_units[u])
+                                     for u in unit_ids):
       out.append(sum(plan.leaves[j].size *
                      jnp.dtype(plan.leaves[j].dtype).itemsize
                      for j in b.leaves))

@@ -54,6 +54,7 @@ class SparseSyncState(NamedTuple):
   residuals: tuple[jax.Array, ...]  # per unit, (1, size)
   control: sparsify.Control         # per unit, (1, max(U, 1))
   stats: SyncStats                  # per leaf, (1, L)
+  velocity: tuple[jax.Array, ...] = ()  # per unit, (1, size); momentum > 0
 
 
 class SyncError(ValueError):
@@ -67,13 +68,42 @@ def _empty_stats(num_leaves: int) -> SyncStats:
                    zb, jnp.zeros((1,), jnp.float32))
 
 
-def sparse_sync(plan: plan_lib.Plan,
-                axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
-  """Sparsify-ahead, fused gradient synchronization (chain it first).
+def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
+                momentum: float = 0.0, nesterov: bool = False,
+                mask_momentum: bool = True,
+                residual_decay: float = 1.0
+                ) -> optax.GradientTransformationExtraArgs:
+  """Sparsify-ahead, fused gradient synchronization with error feedback.
+
+  Per worker k and selection unit, with x_k the stream it is fed (the local
+  gradient, or a local update such as Adam's)::
+
+    acc_k = x_k + d·r_k          (d = residual_decay; 1: error feedback)
+    sent_k = top(acc_k)          (capacity slots, threshold τ)
+    r_k' = acc_k − sent_k
+    out = (1/K)·Σ_k sent_k       (identical on every worker)
+
+  With ``momentum`` m > 0 (DGC's momentum correction, Lin et al. 2018 §3.2)
+  each worker keeps a velocity u and the residual r accumulates it::
+
+    u' = m·u + x                 (Nesterov: u' = m·(u + x), and x + u' is added)
+    acc = r + u' ;  r' = acc − sent ;  u'' = u' with the sent slots zeroed
+
+  (``mask_momentum``: momentum factor masking). What the workers owe is
+  conserved: Σ_k (sent_k + r_k') = Σ_k (r_k + u_k') for every unit and step.
+  ``residual_decay`` d < 1 makes r a decaying momentum buffer (DeMo).
+
+  A bucket whose units all have density 1 (``jaxfuse.with_density(plan,
+  1.0)``, a dense warm-up phase) sends every element with one ``pmean``:
+  ``out = (1/K)·Σ_k acc_k`` exactly, residual zero.
 
   Args:
     plan: from ``jaxfuse.plan(params, ...)`` or ``Plan.load(path)``.
     axis_name: the ``shard_map`` mesh axis the workers are laid along.
+    momentum: m in [0, 1); 0 is plain error feedback.
+    nesterov: Nesterov momentum (DGC's appendix form).
+    mask_momentum: zero the velocity where it was sent (DGC's masking).
+    residual_decay: d in (0, 1].
 
   Returns:
     A transform whose ``update`` must run inside ``jax.shard_map`` over
@@ -84,6 +114,13 @@ def sparse_sync(plan: plan_lib.Plan,
   if not isinstance(plan, plan_lib.Plan):
     raise TypeError(f"sparse_sync expects a jaxfuse.Plan, got "
                     f"{type(plan).__name__}; make one with jaxfuse.plan(params).")
+  _check_unit_interval("momentum", momentum, closed_low=True)
+  _check_unit_interval("residual_decay", residual_decay, closed_high=True)
+  if not isinstance(nesterov, bool) or not isinstance(mask_momentum, bool):
+    raise SyncError(f"sparse_sync: nesterov={nesterov!r} and mask_momentum="
+                    f"{mask_momentum!r} must be True or False.")
+  if nesterov and momentum == 0:
+    raise SyncError("sparse_sync: nesterov=True needs momentum > 0.")
   all_units, bucket_units = fusion.units(plan)
   settings = plan.settings
   num_leaves = len(plan.leaves)
@@ -98,7 +135,9 @@ def sparse_sync(plan: plan_lib.Plan,
         # zero-size arrays, which XLA's GPU compiler (JAX 0.11.2) crashes on.
         control=jax.tree.map(lambda x: x[None], sparsify.initial_control(
             max(1, len(all_units)))),
-        stats=_empty_stats(num_leaves))
+        stats=_empty_stats(num_leaves),
+        velocity=tuple(jnp.zeros((1, u.size), u.dtype) for u in all_units)
+        if momentum else ())
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -110,12 +149,13 @@ def sparse_sync(plan: plan_lib.Plan,
           f"{axis_name!r} (see README, quickstart), or pass "
           "sparse_sync(plan, axis_name=...) with your axis name.")
     flat = _check_grads(plan, updates, axis_name)
-    _check_state(state, all_units, num_leaves)
+    _check_state(state, all_units, momentum)
     step = state.step[0]
     ctrl = jax.tree.map(lambda x: x[0], state.control)
 
     synced = [None] * num_leaves
     residuals = list(state.residuals)
+    velocity = list(state.velocity)
     ctrl_chunks = []   # (unit ids, Control of (G,) arrays)
     stat_chunks = []   # (leaf ids, {stat: (G,) array})
 
@@ -130,31 +170,58 @@ def sparse_sync(plan: plan_lib.Plan,
           synced[j] = out
         stat_chunks.extend(_dense_stats(plan, bucket.leaves, flat))
         continue
-      grads = {u: jnp.concatenate([flat[j].reshape(-1).astype(
-          all_units[u].dtype) for j in all_units[u].leaves]) for u in unit_ids}
-      parts = {}
-      for ids, out, stacked in _sparsify_groups(
-          all_units, unit_ids, grads, residuals, ctrl, step, settings):
-        for i, u in enumerate(ids):
-          parts[u] = (out.values[i], out.indices[i])
-          residuals[u] = out.residual[i][None]
-        ctrl_chunks.append((ids, out.control))
-        stat_chunks.extend(_sparse_stats(plan, [all_units[u] for u in ids],
-                                         out, stacked))
-      for u, dense in zip(unit_ids, collectives.allgather_sync(
-          [parts[u] for u in unit_ids], [all_units[i] for i in unit_ids],
-          axis_name)):
+      grads, moved = {}, {}
+      for u in unit_ids:
+        g = jnp.concatenate([flat[j].reshape(-1).astype(all_units[u].dtype)
+                             for j in all_units[u].leaves])
+        grads[u], moved[u] = _accumulate(g, velocity[u][0] if momentum else
+                                         None, momentum, nesterov)
+      decayed = {u: residuals[u][0] * residual_decay if residual_decay != 1
+                 else residuals[u][0] for u in unit_ids}
+      if all(fusion.is_full(all_units[u]) for u in unit_ids):
+        dense, finite = _full_sync(plan, [all_units[u] for u in unit_ids],
+                                   [grads[u] + decayed[u] for u in unit_ids],
+                                   stat_chunks, axis_name)
+        # Their thresholds are not used; kept as they were.
+        ctrl_chunks.append((list(unit_ids), jax.tree.map(
+            lambda x: _take(x, unit_ids), ctrl)))
+        for u, ok in zip(unit_ids, finite):
+          residuals[u] = jnp.where(ok, jnp.zeros_like(residuals[u]),
+                                   residuals[u])
+          if momentum:
+            kept = jnp.zeros_like(moved[u]) if mask_momentum else moved[u]
+            velocity[u] = jnp.where(ok, kept, velocity[u][0])[None]
+      else:
+        parts = {}
+        for ids, out, stacked in _sparsify_groups(
+            all_units, unit_ids, grads, decayed, ctrl, step, settings):
+          for i, u in enumerate(ids):
+            parts[u] = (out.values[i], out.indices[i])
+            residuals[u] = jnp.where(out.nonfinite[i], residuals[u][0],
+                                     out.residual[i])[None]
+            if momentum:
+              kept = (moved[u].at[out.indices[i]].set(0, mode="drop")
+                      if mask_momentum else moved[u])
+              velocity[u] = jnp.where(out.nonfinite[i], velocity[u][0],
+                                      kept)[None]
+          ctrl_chunks.append((ids, out.control))
+          stat_chunks.extend(_sparse_stats(plan, [all_units[u] for u in ids],
+                                           out, stacked))
+        dense = collectives.allgather_sync(
+            [parts[u] for u in unit_ids], [all_units[i] for i in unit_ids],
+            axis_name)
+      for u, unit_dense in zip(unit_ids, dense):
         unit = all_units[u]
         for j, start in zip(unit.leaves, fusion.leaf_offsets(plan, unit)):
           leaf = plan.leaves[j]
-          synced[j] = dense[start:start + leaf.size].reshape(
+          synced[j] = unit_dense[start:start + leaf.size].reshape(
               leaf.shape).astype(flat[j].dtype)
 
     stats = _finish_stats(_in_order(stat_chunks), wire_bytes)
     control = (jax.tree.map(lambda x: x[None], _in_order(ctrl_chunks))
                if ctrl_chunks else state.control)
     new_state = SparseSyncState(state.step + 1, tuple(residuals), control,
-                                stats)
+                                stats, tuple(velocity))
     return jax.tree.unflatten(jax.tree.structure(updates), synced), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -165,6 +232,43 @@ def _take(x, ids):
   if list(ids) == list(range(ids[0], ids[0] + len(ids))):
     return x[ids[0]:ids[0] + len(ids)]
   return x[np.asarray(ids)]
+
+
+def _check_unit_interval(name, x, closed_low=False, closed_high=False):
+  ok = isinstance(x, (int, float)) and not isinstance(x, bool) and (
+      (0 <= x if closed_low else 0 < x) and (x <= 1 if closed_high else x < 1))
+  if not ok:
+    interval = (("[" if closed_low else "(") + "0, 1" +
+                ("]" if closed_high else ")"))
+    raise SyncError(f"sparse_sync: {name}={x!r} must be a number in "
+                    f"{interval}.")
+
+
+def _accumulate(x, u, momentum, nesterov):
+  """(what the residual accumulates, new velocity) of DGC's momentum
+  correction: u' = m·u + x, adds u' (Nesterov: u' = m·(u + x), adds x + u').
+  Without momentum, x itself and no velocity."""
+  if not momentum:
+    return x, None
+  if nesterov:
+    u = momentum * (u + x)
+    return x + u, u
+  u = momentum * u + x
+  return u, u
+
+
+def _full_sync(plan, units, accs, stat_chunks, axis_name):
+  """Density-1 units: every element sent, one ``pmean`` for the bucket.
+
+  Returns the dense means per unit and per unit whether acc was finite;
+  appends the units' per-leaf stats chunks (everything selected)."""
+  means = collectives.psum_sync(accs, axis_name)
+  per_leaf = {}
+  for unit, acc in zip(units, accs):
+    for j, start in zip(unit.leaves, fusion.leaf_offsets(plan, unit)):
+      per_leaf[j] = acc[start:start + plan.leaves[j].size]
+  stat_chunks.extend(_dense_stats(plan, list(per_leaf), per_leaf))
+  return means, [jnp.all(jnp.isfinite(acc)) for acc in accs]
 
 
 def _sparsify_groups(all_units, unit_ids, grads, residuals, ctrl, step,
@@ -187,7 +291,7 @@ def _sparsify_groups(all_units, unit_ids, grads, residuals, ctrl, step,
                            settings=settings)
     stacked = jnp.stack([grads[u] for u in ids])
     out = jax.vmap(fn, in_axes=(0, 0, 0, None, 0))(
-        stacked, jnp.stack([residuals[u][0] for u in ids]),
+        stacked, jnp.stack([residuals[u] for u in ids]),
         jax.tree.map(lambda x, ids=ids: _take(x, ids), ctrl), step,
         jnp.stack([sparsify.salt(settings.seed, step, u) for u in ids]))
     yield ids, out, stacked
@@ -312,7 +416,7 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
   return out
 
 
-def _check_state(state, all_units, num_leaves) -> None:
+def _check_state(state, all_units, momentum) -> None:
   if not isinstance(state, SparseSyncState):
     raise SyncError(f"expected a SparseSyncState, got {type(state).__name__}; "
                     "create the state with jaxfuse.init_state(...).")
@@ -321,6 +425,12 @@ def _check_state(state, all_units, num_leaves) -> None:
         f"sparse_sync state has step shape {tuple(state.step.shape)} inside "
         "shard_map; expected (1,). Pass the state with "
         "jaxfuse.state_specs(state) as its in_specs/out_specs.")
+  if len(state.velocity) != (len(all_units) if momentum else 0):
+    raise SyncError(
+        f"sparse_sync state has {len(state.velocity)} velocity buffers; this "
+        f"transform (momentum={momentum}) needs "
+        f"{len(all_units) if momentum else 0}. Create the state with the "
+        "same transform (jaxfuse.init_state(optimizer, ...)).")
 
 
 # --- helpers for users --------------------------------------------------------
@@ -335,22 +445,59 @@ def local_params(params, axis_name: str = "data"):
   return _compat.to_varying(params, axis_name)
 
 
+class PerWorkerState(NamedTuple):
+  """State of a transform wrapped by ``per_worker``: each leaf has a leading
+  worker axis (size 1 inside ``shard_map``, K outside, sharded)."""
+  inner: Any
+
+
+def per_worker(inner: optax.GradientTransformation
+               ) -> optax.GradientTransformationExtraArgs:
+  """Run ``inner`` on each worker's own values, with per-worker state.
+
+  Chained before ``sparse_sync``, ``inner`` sees the local gradient and its
+  state (e.g. Adam's moments of the local gradients) differs per worker;
+  ``init_state`` and ``state_specs`` shard it over the data axis like the
+  residuals. Stateless transforms need no wrapper.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return PerWorkerState(jax.tree.map(lambda x: x[None], inner.init(params)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if not isinstance(state, PerWorkerState):
+      raise SyncError(f"per_worker expects its PerWorkerState, got "
+                      f"{type(state).__name__}; create the state with "
+                      "jaxfuse.init_state(optimizer, ...).")
+    local = jax.tree.map(lambda x: x[0], state.inner)
+    updates, local = inner.update(updates, local, params, **extra_args)
+    return updates, PerWorkerState(jax.tree.map(lambda x: x[None], local))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def _is_sync_state(x) -> bool:
   return isinstance(x, SparseSyncState)
+
+
+def _is_worker_state(x) -> bool:
+  return isinstance(x, (SparseSyncState, PerWorkerState))
 
 
 def state_specs(opt_state, axis_name: str = "data"):
   """``PartitionSpec`` tree for an optimizer state holding ``sparse_sync``.
 
-  ``sparse_sync``'s per-worker leaves get ``P(axis_name)``; everything else
-  (Adam moments, counts, …) is replicated, ``P()``. Works on real or
-  abstract (``jax.eval_shape``) states.
+  The leaves of ``sparse_sync``'s and ``per_worker``'s states get
+  ``P(axis_name)``; everything else (Adam moments after the sync, counts,
+  …) is replicated, ``P()``. Works on real or abstract (``jax.eval_shape``)
+  states.
   """
   def spec(x):
-    if _is_sync_state(x):
+    if _is_worker_state(x):
       return jax.tree.map(lambda _: P(axis_name), x)
     return P()
-  return jax.tree.map(spec, opt_state, is_leaf=_is_sync_state)
+  return jax.tree.map(spec, opt_state, is_leaf=_is_worker_state)
 
 
 def init_state(optimizer: optax.GradientTransformation, params,

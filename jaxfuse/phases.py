@@ -1,0 +1,157 @@
+"""Density warm-up: a schedule of plans over the same selection units.
+
+Error feedback delays each coordinate by about 1/ρ steps, which hurts most
+early in training, when the gradient changes fastest. DGC therefore ramps
+the density down (25 % → 6.25 % → 1.56 % → 0.4 % → ρ) and 1-bit Adam runs
+dense first. Plans are static (XLA shapes), so a warm-up is a tuple of
+``Phase``s: the same leaves, buckets and modes, only densities and
+capacities differ. ``sparse_sync``'s state (residuals, velocity, threshold
+control per unit) does not depend on capacity, so one state carries through
+every phase bitwise; each phase compiles its own step, once.
+
+A density-1 phase (``with_density(plan, 1.0)``) sends everything with one
+``pmean`` per bucket: exactly dense training, residual zero.
+
+  phases = jaxfuse.density_warmup(plan, steps=50, dense_steps=100)
+  for phase in phases:                    # one jitted step per phase
+    step = make_step(make_optimizer(phase.plan))
+    for t in range(phase.start, phase.stop or total_steps): ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from jaxfuse import fusion
+from jaxfuse import plans as plan_lib
+
+DGC_RAMP = (0.25, 0.0625, 0.015625, 0.004)
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """Steps [start, stop) train with ``plan`` (stop None: to the end)."""
+  start: int
+  stop: int | None
+  plan: plan_lib.Plan
+
+
+def _capacity(density: float, size: int, estimator: str, headroom: float):
+  if density >= 1:
+    return size
+  if estimator == "topk":
+    return plan_lib.target_count(density, size)
+  return plan_lib.capacity_for(density, size, headroom)
+
+
+def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
+  """The same plan with every sparse unit at ``density`` (capacities
+  recomputed as the planner does; 1 sends everything with a ``pmean``)."""
+  if (not isinstance(density, (int, float)) or isinstance(density, bool)
+      or not 0 < density <= 1):
+    raise plan_lib.PlanError(f"with_density: density={density!r} must be in "
+                             "(0, 1].")
+  headroom = plan.settings.headroom
+  leaves = tuple(
+      dataclasses.replace(l, density=float(density), capacity=_capacity(
+          density, l.size, l.estimator, headroom))
+      if l.mode == "sparse" else l for l in plan.leaves)
+  buckets = []
+  for b in plan.buckets:
+    if b.collective == "allgather" and b.sparsify == "behind":
+      size = sum(plan.leaves[j].size for j in b.leaves)
+      b = dataclasses.replace(b, density=float(density), capacity=_capacity(
+          density, size, b.estimator, headroom))
+    buckets.append(b)
+  provenance = dict(plan.provenance, phase_density=float(density))
+  return plan_lib.Plan(leaves, tuple(buckets), plan.settings, provenance)
+
+
+def _layout(plan: plan_lib.Plan):
+  """What must not change between phases: units (without capacity or
+  density), buckets, modes, dtypes, settings."""
+  units, per_bucket = fusion.units(plan)
+  return ([(u.leaves, u.size, u.dtype, u.estimator) for u in units],
+          per_bucket, [(l.path, l.shape, l.dtype, l.mode) for l in plan.leaves],
+          [(b.leaves, b.collective, b.sparsify) for b in plan.buckets],
+          plan.settings)
+
+
+def check_phases(phases: Sequence[Phase]) -> None:
+  """Raise ``PlanError`` naming the phase and field that break the schedule:
+  phases must tile [0, ∞) in order and share one layout."""
+  if not phases:
+    raise plan_lib.PlanError("phases: empty; give at least one Phase.")
+  first = _layout(phases[0].plan)
+  names = ("selection units", "buckets' units", "leaves", "buckets", "settings")
+  expected_start = 0
+  for i, phase in enumerate(phases):
+    if not isinstance(phase, Phase) or not isinstance(phase.plan,
+                                                      plan_lib.Plan):
+      raise plan_lib.PlanError(f"phases[{i}]: expected a jaxfuse.Phase with "
+                               "a jaxfuse.Plan.")
+    if phase.start != expected_start:
+      raise plan_lib.PlanError(
+          f"phases[{i}].start={phase.start}: must be {expected_start} (the "
+          "phases tile the steps in order, from 0).")
+    last = i == len(phases) - 1
+    if last != (phase.stop is None):
+      raise plan_lib.PlanError(
+          f"phases[{i}].stop={phase.stop!r}: only the last phase has stop="
+          "None (it runs to the end).")
+    if not last and not phase.stop > phase.start:
+      raise plan_lib.PlanError(f"phases[{i}]: stop={phase.stop} must be > "
+                               f"start={phase.start}.")
+    for name, a, b in zip(names, first, _layout(phase.plan)):
+      if a != b:
+        raise plan_lib.PlanError(
+            f"phases[{i}].plan: its {name} differ from phases[0].plan's; a "
+            "warm-up schedule keeps one layout and changes only densities "
+            "(make each phase with jaxfuse.with_density(plan, d)).")
+    expected_start = phase.stop
+
+
+def density_warmup(plan: plan_lib.Plan, *, steps: int,
+                   densities: Sequence[float] | None = None,
+                   dense_steps: int = 0) -> tuple[Phase, ...]:
+  """Phases: ``dense_steps`` dense, then ``steps`` at each warm-up density,
+  then ``plan`` to the end.
+
+  Args:
+    plan: the plan to end with (its densities are the final ones).
+    steps: steps per warm-up density (0: none).
+    densities: the ramp; default DGC's (25 %, 6.25 %, 1.56 %, 0.4 %), only
+      the values above the plan's largest sparse density.
+    dense_steps: dense steps first (1-bit Adam's warm-up).
+  """
+  for name, value in (("steps", steps), ("dense_steps", dense_steps)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+      raise plan_lib.PlanError(f"density_warmup: {name}={value!r} must be an "
+                               "integer >= 0.")
+  final = max([l.density for l in plan.leaves if l.mode == "sparse"] +
+              [b.density for b in plan.buckets if b.sparsify == "behind"
+               and b.collective == "allgather"] or [1.0])
+  if densities is None:
+    densities = [d for d in DGC_RAMP if d > final] if steps else []
+  densities = list(densities)
+  if densities and not steps:
+    raise plan_lib.PlanError("density_warmup: densities given with steps=0; "
+                             "give steps per warm-up density.")
+  schedule = ([(1.0, dense_steps)] if dense_steps else []) + [
+      (d, steps) for d in densities]
+  phases, start = [], 0
+  for density, length in schedule:
+    phases.append(Phase(start, start + length, with_density(plan, density)))
+    start += length
+  phases.append(Phase(start, None, plan))
+  check_phases(phases)
+  return tuple(phases)
+
+
+def phase_index(phases: Sequence[Phase], step: int) -> int:
+  """Index of the phase that trains ``step``."""
+  for i, phase in enumerate(phases):
+    if phase.stop is None or step < phase.stop:
+      return i
+  raise AssertionError("the last phase has stop=None")

@@ -1,0 +1,236 @@
+"""Optimizer recipes around ``sparse_sync``: where the momentum, the
+preconditioner and the error feedback sit decides whether sparse training
+converges. Each alias is a whole optimizer, like ``optax.adamw``; chain
+nothing before it. docs/convergence.md has the figures behind each.
+
+K workers, worker k's gradient g_k, sent_k the top slots of what it
+accumulates, ⟨·⟩ = (1/K)·Σ_k (what the collective computes), η the
+learning rate, λ the weight decay:
+
+``sgd`` (DGC: momentum correction and factor masking, Lin et al. 2018)::
+
+  u_k ← m·u_k + g_k ;  v_k ← v_k + u_k ;  send top(v_k), zero u_k, v_k there
+  x ← x − η·⟨sent⟩
+
+``local_adamw`` (error feedback in update units, Karimireddy et al. 2019)::
+
+  m_k, v_k ← Adam moments of g_k (per worker) ;  a_k = m̂_k / (√v̂_k + ε)
+  e_k ← e_k + a_k ;  send top(e_k) ;  x ← x − η·(⟨sent⟩ + λ·x)
+
+``sync_adamw`` (the baseline: sync the gradient, then AdamW)::
+
+  e_k ← e_k + g_k ;  send top(e_k) ;  x ← AdamW(⟨sent⟩)
+
+``onebit_adamw`` (1-bit Adam's two stages, Tang et al. 2021, sparse)::
+
+  dense phase:  ĝ = ⟨g⟩ ; m ← β₁m + (1−β₁)ĝ ; v ← β₂v + (1−β₂)ĝ²
+  sparse phase: e_k ← e_k + β₁m + (1−β₁)g_k ; send top(e_k) ; m ← ⟨sent⟩ ;
+                v frozen
+  x ← x − η·(m̂ / (√v̂ + ε) + λ·x)
+
+``demo`` (decoupled momentum, Peng, Kingma et al. 2024; top-k extraction)::
+
+  m_k ← β·m_k + g_k ;  send top(m_k), m_k ← m_k − sent_k
+  x ← x − η·(sign(⟨sent⟩) + λ·x)
+
+The dense phase of a warm-up (``jaxfuse.density_warmup``) runs any of them
+on a density-1 plan: every element is sent, and each recipe becomes its
+dense optimizer (``sgd``: plain SGD, DGC's masking clears the velocity).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxfuse import _compat
+from jaxfuse import fusion
+from jaxfuse import plans as plan_lib
+from jaxfuse import transform
+
+ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
+
+
+def _check_clip(max_norm):
+  if max_norm is not None and not (
+      isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+      and max_norm > 0):
+    raise transform.SyncError(f"clip_norm={max_norm!r} must be a number > 0 "
+                              "(or None: no clipping).")
+
+
+def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
+                              ) -> optax.GradientTransformation:
+  """DGC's local gradient clipping, for a worker *mean*: each worker clips
+  its own gradient's global norm to max_norm·√K. The mean of K independent
+  gradients of norm n has norm ≈ n/√K, so this clips about when a dense
+  clip of the mean at ``max_norm`` would (DGC's N^(−1/2) is for a sum).
+  None: identity."""
+  _check_clip(max_norm)
+  if max_norm is None:
+    return optax.identity()
+
+  def update_fn(updates, state, params=None):
+    del params
+    num_workers = _compat.axis_size(axis_name) or 1
+    limit = max_norm * num_workers ** 0.5
+    norm = optax.global_norm(updates)
+    scale = jnp.where(norm > limit, limit / jnp.maximum(norm, 1e-30), 1.0)
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
+def _tail(learning_rate, weight_decay, mask):
+  return optax.chain(optax.add_decayed_weights(weight_decay, mask),
+                     optax.scale_by_learning_rate(learning_rate))
+
+
+def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+        momentum: float = 0.9, *, nesterov: bool = False,
+        mask_momentum: bool = False, clip_norm: float | None = None,
+        weight_decay: float = 0.0, mask: Any = None,
+        axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
+  """SGD with DGC's momentum correction and factor masking (module doc).
+
+  Momentum lives on each worker, before the sparsification: momentum applied
+  after the sync (``chain(sparse_sync, optax.sgd(η, m))``) multiplies the
+  bursts error feedback releases a second time and diverges. Leaves the plan
+  syncs dense get ordinary momentum after their exact mean (the same as
+  momentum on each worker, the mean being linear).
+  """
+  dense = [l.mode == "dense" for l in plan.leaves]
+  dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
+                                               dense)
+  return optax.chain(
+      local_clip_by_global_norm(clip_norm, axis_name),
+      transform.sparse_sync(plan, axis_name, momentum=momentum,
+                            nesterov=nesterov, mask_momentum=mask_momentum),
+      optax.masked(optax.trace(momentum, nesterov), dense_mask)
+      if momentum and any(dense) else optax.identity(),
+      _tail(learning_rate, weight_decay, mask))
+
+
+def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                weight_decay: float = 1e-4, mask: Any = None, *,
+                clip_norm: float | None = None, axis_name: str = "data"
+                ) -> optax.GradientTransformationExtraArgs:
+  """AdamW preconditioned on each worker, error feedback on the update."""
+  return optax.chain(
+      local_clip_by_global_norm(clip_norm, axis_name),
+      transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
+      transform.sparse_sync(plan, axis_name),
+      _tail(learning_rate, weight_decay, mask))
+
+
+def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+               b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+               weight_decay: float = 1e-4, mask: Any = None, *,
+               clip_norm: float | None = None, axis_name: str = "data"
+               ) -> optax.GradientTransformationExtraArgs:
+  """The baseline: sparse-sync the gradient, then AdamW (clip after sync)."""
+  _check_clip(clip_norm)
+  return optax.chain(
+      transform.sparse_sync(plan, axis_name),
+      optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(),
+      optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay,
+                  mask=mask))
+
+
+class OnebitState(NamedTuple):
+  count: jax.Array     # steps taken, int32 (replicated)
+  nu_count: jax.Array  # steps that updated nu (the dense phase)
+  mu: Any              # replicated first moment
+  nu: Any              # replicated second moment (frozen in sparse phases)
+  sync: transform.SparseSyncState
+
+
+def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+                 b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                 weight_decay: float = 1e-4, mask: Any = None, *,
+                 clip_norm: float | None = None, axis_name: str = "data"
+                 ) -> optax.GradientTransformationExtraArgs:
+  """1-bit Adam's scheme with top-k in place of 1-bit (module doc).
+
+  Its plan decides the stage: a density-1 plan (``with_density(plan, 1)``,
+  the dense phase of ``density_warmup(plan, dense_steps=...)``) is exact
+  Adam and updates v; any other plan sparsifies the momentum with error
+  feedback and keeps v frozen. Train at least one dense step first (v = 0
+  would make the first sparse steps huge); the update is zero until then.
+  """
+  _check_betas(b1=b1, b2=b2)
+  all_units, _ = fusion.units(plan)
+  dense_phase = all(fusion.is_full(u) for u in all_units)
+  sync = transform.sparse_sync(plan, axis_name)
+  clip = local_clip_by_global_norm(clip_norm, axis_name)
+
+  def init_fn(params):
+    zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
+                         params)
+    return OnebitState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
+                       zeros, zeros, sync.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    updates, _ = clip.update(updates, optax.EmptyState())
+    cast = lambda tree, like: jax.tree.map(lambda x, y: x.astype(y.dtype),
+                                           tree, like)
+    if dense_phase:
+      g, sync_state = sync.update(updates, state.sync, params)
+      g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
+      mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, g)
+      nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
+      nu_count = state.nu_count + 1
+    else:
+      local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu,
+                           updates)
+      mu, sync_state = sync.update(cast(local, updates), state.sync, params)
+      mu = jax.tree.map(lambda x: x.astype(jnp.float32), mu)
+      nu, nu_count = state.nu, state.nu_count
+    count = state.count + 1
+    c1 = 1 - b1 ** count.astype(jnp.float32)
+    c2 = 1 - b2 ** jnp.maximum(nu_count, 1).astype(jnp.float32)
+    step = jax.tree.map(
+        lambda m, v: jnp.where(nu_count > 0,
+                               (m / c1) / (jnp.sqrt(v / c2) + eps), 0.0),
+        mu, nu)
+    new_state = OnebitState(count, nu_count, mu, nu, sync_state)
+    return cast(step, updates), new_state
+
+  return optax.chain(optax.GradientTransformationExtraArgs(init_fn, update_fn),
+                     _tail(learning_rate, weight_decay, mask))
+
+
+def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+         momentum: float = 0.999, weight_decay: float = 1e-4,
+         mask: Any = None, *, sign: bool = True,
+         clip_norm: float | None = None, axis_name: str = "data"
+         ) -> optax.GradientTransformationExtraArgs:
+  """DeMo: the decaying local momentum is the error-feedback buffer."""
+  return optax.chain(
+      local_clip_by_global_norm(clip_norm, axis_name),
+      transform.sparse_sync(plan, axis_name, residual_decay=momentum),
+      optax.GradientTransformation(
+          lambda _: optax.EmptyState(),
+          lambda u, s, p=None: (jax.tree.map(jnp.sign, u), s))
+      if sign else optax.identity(),
+      _tail(learning_rate, weight_decay, mask))
+
+
+def _check_betas(**betas):
+  for name, value in betas.items():
+    if not (isinstance(value, (int, float)) and 0 <= value < 1):
+      raise transform.SyncError(f"{name}={value!r} must be in [0, 1).")
+
+
+RECIPES = {
+    "sgd": sgd,
+    "local_adamw": local_adamw,
+    "sync_adamw": sync_adamw,
+    "onebit_adamw": onebit_adamw,
+    "demo": demo,
+}
