@@ -1,4 +1,4 @@
-"""The few JAX APIs that moved between versions, guarded in one place.
+"""The few JAX and optax APIs that moved between versions, guarded in one place.
 
 Supported: JAX >= 0.10 (``jax.shard_map``, ``jax.make_mesh(..., axis_types=...)``
 and varying-manual-axes typing all exist there).
@@ -10,6 +10,7 @@ import inspect
 
 import jax
 from jax import lax
+import optax
 
 _ALL_GATHER_HAS_TO = "to" in inspect.signature(lax.all_gather).parameters
 
@@ -69,3 +70,12 @@ def is_float_dtype(dtype) -> bool:
                                      jax.numpy.floating))
   except TypeError:
     return False
+
+
+def global_norm(tree):
+  """√Σ x² over a pytree: ``optax.tree.norm`` (optax ≥ 0.2.5), else the
+  deprecated ``optax.global_norm``."""
+  tree_lib = getattr(optax, "tree", None)
+  if tree_lib is not None and hasattr(tree_lib, "norm"):
+    return tree_lib.norm(tree)
+  return optax.global_norm(tree)

@@ -77,7 +77,7 @@ def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
     del params
     num_workers = _compat.axis_size(axis_name) or 1
     limit = max_norm * num_workers ** 0.5
-    norm = optax.global_norm(updates)
+    norm = _compat.global_norm(updates)
     scale = jnp.where(norm > limit, limit / jnp.maximum(norm, 1e-30), 1.0)
     return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
 

@@ -1,0 +1,512 @@
+"""Convergence against dense: loss against steps and against wall time.
+
+Every run of one study trains on the same data, in the same order, from the
+same seed, for the same number of steps; dense runs in the same call. Each
+recipe and dense get the same learning-rate grid; the best value of each
+(lowest final loss) is what the tables and plots compare.
+
+  # the example LM (examples/train_lm.py), one run per process
+  python benchmarks/convergence.py lm --preset tiny --steps 1000 \\
+      --recipes dense,sync_adamw,local_adamw --lrs 1e-3,3e-3,1e-2 \\
+      --out results/conv_tiny.json
+  # SGD with momentum on a small MLP classifier (scikit-learn's digits)
+  python benchmarks/convergence.py classifier --densities 0.1,0.01,0.001
+  # the stiff least-squares problem: which learning rates diverge
+  python benchmarks/convergence.py lsq
+  # tables and a PNG from a results file (also written by each study)
+  python benchmarks/convergence.py report results/conv_tiny.json
+
+Recipes for ``lm`` (``name[+warm][+flushN]``): ``dense`` (AdamW after a
+pmean), every name of ``jaxfuse.RECIPES``; ``+warm`` adds DGC's density
+ramp (``--warm-steps`` per density), ``+flushN`` a density-1 step every N
+steps (``train_lm --flush-every``); ``onebit_adamw`` always gets a dense warm-up
+of ``--dense-fraction`` of the steps. Wall time: each run's measured step
+times, compilation and evaluation excluded (each phase's first step counts
+as that phase's median step); time to dense's quality: the wall time at the
+first evaluation whose validation loss is at or below dense's final one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HORIZONS = (250, 500, 1000)
+
+
+def _csv(kind):
+  return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+
+
+def _lrs_for(text):
+  out = {}
+  for item in filter(None, text.split(";")):
+    name, _, values = item.partition("=")
+    out[name.strip()] = _csv(float)(values)
+  return out
+
+
+# --- the example LM ------------------------------------------------------------
+
+def lm_command(recipe: str, lr: float, args) -> list[str]:
+  name, _, extra = recipe.partition("+")
+  cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"),
+         "--preset", args.preset, "--steps", str(args.steps), "--lr", str(lr),
+         "--seed", str(args.seed), "--eval-every", str(args.eval_every),
+         "--eval-batches", str(args.eval_batches), "--log-every", "50",
+         "--density", str(args.density), "--estimator", args.estimator]
+  if args.devices:
+    cmd += ["--devices", str(args.devices)]
+  if args.cpu_devices:
+    cmd += ["--cpu-devices", str(args.cpu_devices)]
+  cmd += ["--optimizer", "local_adamw" if name == "dense" else name]
+  if name == "dense":
+    cmd += ["--sync", "dense"]
+  warm = 0  # explicit: train_lm's defaults differ per optimizer
+  for part in filter(None, extra.split("+")):
+    if part == "warm":
+      warm = args.warm_steps
+    elif part.startswith("flush"):
+      cmd += ["--flush-every", part[len("flush"):] or "50"]
+    else:
+      raise SystemExit(f"recipe {recipe!r}: suffixes are +warm, +flushN")
+  cmd += ["--warmup-steps", str(warm), "--dense-warmup",
+          str(max(1, int(args.dense_fraction * args.steps))
+              if name == "onebit_adamw" else 0)]
+  return cmd + list(args.extra)
+
+
+def run_lm(args) -> dict:
+  jobs = [(r, lr) for r in args.recipes
+          for lr in args.lrs_for.get(r.partition("+")[0], args.lrs)]
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  out_dir = pathlib.Path(tempfile.mkdtemp(prefix="jaxfuse_conv_"))
+
+  def one(job):
+    recipe, lr = job
+    out = out_dir / f"{recipe}_{lr:g}.json"
+    cmd = lm_command(recipe, lr, args) + ["--json-out", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=args.timeout, check=False)
+    took = time.perf_counter() - t0
+    if proc.returncode or not out.exists():
+      print(f"FAILED {recipe} lr={lr:g} ({took:.0f} s):\n{proc.stdout[-2000:]}"
+            f"\n{proc.stderr[-3000:]}", flush=True)
+      return {"recipe": recipe, "lr": lr, "failed": True,
+              "stderr": proc.stderr[-3000:]}
+    result = json.loads(out.read_text())
+    print(f"{recipe:>22s} lr={lr:<8g} val {result['final_val_loss']:.4f}  "
+          f"{1e3 * result['median_step_time_s']:.1f} ms/step  "
+          f"({took:.0f} s)", flush=True)
+    return {"recipe": recipe, "lr": lr, "command": " ".join(cmd[1:]),
+            **{k: result[k] for k in (
+                "losses", "step_times_s", "phase_of_step", "compile_steps",
+                "phases", "val_curve", "final_val_loss", "final_train_loss",
+                "median_step_time_s", "wire_bytes", "dense_bytes",
+                "replicas_identical", "config", "stats")}}
+
+  data = {"study": "lm", "preset": args.preset, "steps": args.steps,
+          "density": args.density, "runs": []}
+  with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+    for run in pool.map(one, jobs):
+      data["runs"].append(run)
+      if args.out:  # partial results survive a time limit
+        pathlib.Path(args.out).write_text(json.dumps(data))
+  return data
+
+
+# --- small problems in one process: SGD with momentum ---------------------------
+
+def _small_setup(num_workers: int):
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count="
+                             f"{num_workers}")
+  os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(num_workers))
+
+
+def digits_problem(seed: int = 0, hidden: int = 256):
+  """An MLP 64 → hidden → 10 on scikit-learn's digits (1,797 images,
+  shipped with the package): (params, loss_fn, train (x, y), test (x, y))."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from sklearn.datasets import load_digits  # pylint: disable=g-import-not-at-top
+  x, y = load_digits(return_X_y=True)
+  x = (x / 16.0).astype(np.float32)
+  order = np.random.default_rng(seed).permutation(len(x))
+  x, y = x[order], y[order].astype(np.int32)
+  split = 1536
+  k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+  params = {"w1": jax.random.normal(k1, (64, hidden)) * (2 / 64) ** 0.5,
+            "b1": jnp.zeros(hidden),
+            "w2": jax.random.normal(k2, (hidden, 10)) * (1 / hidden) ** 0.5,
+            "b2": jnp.zeros(10)}
+
+  def loss_fn(p, batch):
+    xb, yb = batch
+    h = jax.nn.relu(xb @ p["w1"] + p["b1"])
+    logits = h @ p["w2"] + p["b2"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits),
+                                         yb[:, None], 1))
+  return params, loss_fn, (x[:split], y[:split]), (x[split:], y[split:])
+
+
+def lsq_problem(d: int = 2048, rows: int = 4096, cond: float = 1e3,
+                seed: int = 0):
+  """min ½·mean((A·x − b)²) with singular values of A spread over
+  [1, √cond] (Hessian condition number ``cond``): stiff and convex."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  q1, _ = np.linalg.qr(rng.standard_normal((rows, d)))
+  q2, _ = np.linalg.qr(rng.standard_normal((d, d)))
+  s = np.sqrt(np.geomspace(1.0, cond, d))
+  a = (q1 * s) @ q2.T * np.sqrt(rows)
+  x_star = rng.standard_normal(d)
+  b = a @ x_star
+  params = {"x": jnp.zeros((d // 64, 64), jnp.float32)}
+
+  def loss_fn(p, batch):
+    ab, bb = batch
+    r = ab @ p["x"].reshape(-1) - bb
+    return 0.5 * jnp.mean(r * r)
+  return params, loss_fn, (a.astype(np.float32), b.astype(np.float32)), None
+
+
+def train_small(problem, recipe: str, density: float, lr: float, steps: int,
+                num_workers: int, batch: int | None, warm_steps: int = 0,
+                momentum: float = 0.9, seed: int = 0, log_every: int = 10):
+  """Train a small problem with SGD(momentum): dense (pmean first, then
+  optax.sgd), ``naive`` (sparse_sync, then optax.sgd), ``sgd`` (jaxfuse.sgd,
+  with DGC's density ramp of ``warm_steps`` per density) or ``sgd_masked``
+  (the same with DGC's momentum factor masking).
+  Returns losses every ``log_every`` steps and the final test loss."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  params, loss_fn, (x, y), test = problem
+  mesh = jaxfuse.make_mesh(num_workers)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  plan = jaxfuse.plan(params, density=density, min_sparse_size=1024,
+                      strategy="aligned", estimator="topk", seed=seed)
+
+  def optimizer(p):
+    if recipe == "dense":
+      return optax.sgd(lr, momentum=momentum)
+    if recipe == "naive":
+      return optax.chain(jaxfuse.sparse_sync(p), optax.sgd(lr, momentum))
+    return jaxfuse.sgd(p, lr, momentum, mask_momentum=recipe == "sgd_masked")
+
+  phases = (jaxfuse.density_warmup(plan, steps=warm_steps)
+            if recipe.startswith("sgd") else (jaxfuse.Phase(0, None, plan),))
+  opt_state = jaxfuse.init_state(optimizer(phases[0].plan), params, mesh)
+  specs = jaxfuse.state_specs(opt_state)
+
+  def make_step(opt):
+    def local(p, s, b):
+      loss, g = jax.value_and_grad(loss_fn)(jaxfuse.local_params(p), b)
+      if recipe == "dense":
+        g = jax.lax.pmean(g, "data")
+      u, s = opt.update(g, s, p)
+      return optax.apply_updates(p, u), s, jax.lax.pmean(loss, "data")
+    return jax.jit(jax.shard_map(local, mesh=mesh,
+                                 in_specs=(P(), specs, P("data")),
+                                 out_specs=(P(), specs, P())))
+
+  rng = np.random.default_rng(seed)
+  put = lambda b: jax.device_put(b, NamedSharding(mesh, P("data")))
+  full = put((x, y))
+  losses, phase_id, step_fn = [], -1, None
+  for t in range(steps):
+    if jaxfuse.phase_index(phases, t) != phase_id:
+      phase_id = jaxfuse.phase_index(phases, t)
+      step_fn = make_step(optimizer(phases[phase_id].plan))
+    if batch:
+      idx = rng.choice(len(x), batch, replace=False)
+      data = put((x[idx], y[idx]))
+    else:
+      data = full
+    params, opt_state, loss = step_fn(params, opt_state, data)
+    loss = float(loss)  # blocks: CPU collectives deadlock when piled up
+    if t % log_every == 0 or t == steps - 1:
+      losses.append((t + 1, loss))
+    if not np.isfinite(loss) or loss > 1e12:
+      losses.append((t + 1, float("inf")))
+      break
+  full_loss = jax.jit(loss_fn)(jax.device_get(params), (x, y))
+  test_loss = (float(jax.jit(loss_fn)(jax.device_get(params), test))
+               if test is not None else None)
+  return {"recipe": recipe, "density": density, "lr": lr, "steps": steps,
+          "warm_steps": warm_steps, "losses": losses,
+          "final_train_loss": float(full_loss), "test_loss": test_loss}
+
+
+def run_classifier(args) -> dict:
+  _small_setup(args.workers)
+  problem = digits_problem(args.seed)
+  runs = [train_small(problem, "dense", 1.0, lr, args.steps, args.workers,
+                      args.batch, seed=args.seed) for lr in args.lrs]
+  for density in args.densities:
+    for lr in args.lrs:
+      for recipe, warm in (("naive", 0), ("sgd", 0), ("sgd", args.warm_steps),
+                           ("sgd_masked", 0),
+                           ("sgd_masked", args.warm_steps)):
+        runs.append(train_small(problem, recipe, density, lr, args.steps,
+                                args.workers, args.batch, warm_steps=warm,
+                                seed=args.seed))
+        print(f"density {density:<6g} lr {lr:<6g} {recipe:>10s} warm {warm}: "
+              f"final train "
+              f"loss {runs[-1]['final_train_loss']:.4f}", flush=True)
+  return {"study": "classifier", "workers": args.workers, "batch": args.batch,
+          "steps": args.steps, "runs": runs}
+
+
+def run_lsq(args) -> dict:
+  """Learning-rate sweep on the stiff problem: per density and recipe, the
+  largest rate of the grid whose run did not diverge (final loss above the
+  first step's, or non-finite) and the final loss of every run."""
+  _small_setup(args.workers)
+  problem = lsq_problem(cond=args.cond, seed=args.seed)
+  runs = []
+  for lr in args.lrs:
+    runs.append(train_small(problem, "dense", 1.0, lr, args.steps,
+                            args.workers, None, seed=args.seed))
+    for density in args.densities:
+      for recipe, warm in (("naive", 0), ("sgd", 0), ("sgd_masked", 0),
+                           ("sgd_masked", args.warm_steps)):
+        runs.append(train_small(problem, recipe, density, lr, args.steps,
+                                args.workers, None, warm_steps=warm,
+                                seed=args.seed))
+        print(f"lr {lr:<8g} density {density:<6g} {recipe:>10s} warm {warm}:"
+              f" loss {runs[-1]['final_train_loss']:.3e}", flush=True)
+  return {"study": "lsq", "workers": args.workers, "steps": args.steps,
+          "cond": args.cond, "runs": runs}
+
+
+def _diverged(run):
+  last = run["losses"][-1][1]
+  return not last == last or last > run["losses"][0][1]
+
+
+def report_lsq(data):
+  """Largest stable learning rate per (recipe, density, warm-up)."""
+  keys = sorted({(r["recipe"], r["density"], r["warm_steps"])
+                 for r in data["runs"]}, key=lambda k: (k[0] != "dense", k))
+  lines = [f"{'recipe':>10s} {'density':>8s} {'warm':>5s} {'max stable lr':>14s}"
+           f" {'loss there':>11s}   (cond {data['cond']:g}, "
+           f"{data['steps']} steps, {data['workers']} workers)"]
+  for key in keys:
+    runs = sorted((r for r in data["runs"]
+                   if (r["recipe"], r["density"], r["warm_steps"]) == key),
+                  key=lambda r: r["lr"])
+    stable = [r for r in runs if not _diverged(r)]
+    top = stable[-1] if stable else None
+    lines.append(f"{key[0]:>10s} {key[1]:8g} {key[2]:5d} " + (
+        f"{top['lr']:14g} {top['final_train_loss']:11.3e}" if top
+        else f"{'none':>14s}"))
+  return "\n".join(lines)
+
+
+# --- report ---------------------------------------------------------------------
+
+def _best(runs, recipe, key):
+  ok = [r for r in runs if r["recipe"] == recipe and not r.get("failed")
+        and r[key] is not None and r[key] == r[key]]
+  return min(ok, key=lambda r: r[key]) if ok else None
+
+
+def _val_at(run, step):
+  for point in run["val_curve"]:
+    if point["step"] == step:
+      return point["val_loss"]
+  return None
+
+
+def _reach(run, loss):
+  """First evaluated step whose validation loss is <= ``loss`` (or None)."""
+  for point in run["val_curve"]:
+    if point["val_loss"] <= loss:
+      return point["step"]
+  return None
+
+
+def _wall(run):
+  """Cumulative seconds after each step: measured step times with each
+  phase's compile step replaced by that phase's median (compilation is
+  excluded)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  times = np.asarray(run["step_times_s"], float)
+  phases = np.asarray(run["phase_of_step"])
+  for p in set(phases.tolist()):
+    sel = phases == p
+    steady = [t for i, t in enumerate(times) if sel[i]
+              and i not in run["compile_steps"]] or list(times[sel])
+    for i in run["compile_steps"]:
+      if phases[i] == p:
+        times[i] = float(np.median(steady))
+  return np.cumsum(times)
+
+
+def report_lm(data, plot_path=None):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  runs = data["runs"]
+  recipes = list(dict.fromkeys(r["recipe"] for r in runs))
+  best = {r: _best(runs, r, "final_val_loss") for r in recipes}
+  dense = best.get("dense")
+  horizons = [h for h in HORIZONS if h <= data["steps"]]
+  head = (f"{'recipe':>22s} {'best lr':>8s} " +
+          " ".join(f"{'val@' + str(h):>9s}" for h in horizons) +
+          f" {'vs dense':>9s} {'ms/step':>8s} {'steps to dense':>15s}"
+          f" {'time to dense':>14s}")
+  lines = [head]
+  for recipe, run in best.items():
+    if run is None:
+      lines.append(f"{recipe:>22s}   (every run failed)")
+      continue
+    vals = [_val_at(run, h) for h in horizons]
+    gap = (run["final_val_loss"] / dense["final_val_loss"] - 1
+           if dense else float("nan"))
+    reach = _reach(run, dense["final_val_loss"]) if dense else None
+    when = "never" if reach is None else (
+        f"{_wall(run)[reach - 1]:.0f} s "
+        f"{_wall(run)[reach - 1] / _wall(dense)[-1]:.2f}x")
+    lines.append(
+        f"{recipe:>22s} {run['lr']:8g} " +
+        " ".join(f"{v:9.4f}" if v is not None else f"{'-':>9s}" for v in vals)
+        + f" {100 * gap:+8.1f}% {1e3 * run['median_step_time_s']:8.1f} "
+        f"{reach if reach is not None else 'never':>15} {when:>14s}")
+  grid = ["", "every run (final validation loss):"]
+  for r in runs:
+    grid.append(f"  {r['recipe']:>22s} lr={r['lr']:<8g} " + (
+        "FAILED" if r.get("failed") else f"{r['final_val_loss']:.4f}"))
+  text = "\n".join(lines + grid)
+  if plot_path:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for recipe, run in best.items():
+      if run is None:
+        continue
+      losses = np.asarray(run["losses"])
+      smooth = np.convolve(losses, np.ones(20) / 20, mode="valid")
+      steps = np.arange(len(smooth)) + 20
+      label = f"{recipe} (lr {run['lr']:g})"
+      axes[0].plot(steps, smooth, label=label)
+      axes[1].plot(_wall(run)[19:], smooth, label=label)
+    axes[0].set_xlabel("step")
+    axes[1].set_xlabel("wall time, s (measured step times)")
+    for ax in axes:
+      ax.set_ylabel("training loss (20-step mean)")
+      ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{data['preset']}, {data['runs'][0]['config']['num_devices']}"
+                 f" x {data['runs'][0]['config']['device_kind']}, density "
+                 f"{data['density']} (a label's @ρ: density ρ), "
+                 f"{data['steps']} steps")
+    fig.tight_layout()
+    fig.savefig(plot_path, dpi=110)
+  return text
+
+
+def report_small(data):
+  """Classifier: per density and recipe, the run at dense's tuned rate."""
+  runs = data["runs"]
+  dense = min((r for r in runs if r["recipe"] == "dense"),
+              key=lambda r: r["final_train_loss"])
+  lines = [f"dense tuned lr {dense['lr']:g}: final train loss "
+           f"{dense['final_train_loss']:.4f}, test {dense['test_loss']:.4f} "
+           f"({data['steps']} steps, {data['workers']} workers, batch "
+           f"{data['batch']})",
+           f"{'recipe':>10s} {'density':>8s} {'warm':>5s} {'train':>8s} "
+           f"{'vs dense':>9s} {'test':>8s}   (at lr {dense['lr']:g}; best "
+           "lr of the grid in brackets)"]
+  keys = sorted({(r["recipe"], r["density"], r["warm_steps"]) for r in runs
+                 if r["recipe"] != "dense"}, key=lambda k: (-k[1], k))
+  for key in keys:
+    mine = [r for r in runs
+            if (r["recipe"], r["density"], r["warm_steps"]) == key]
+    at = [r for r in mine if r["lr"] == dense["lr"]][0]
+    best = min(mine, key=lambda r: r["final_train_loss"])
+    lines.append(
+        f"{key[0]:>10s} {key[1]:8g} {key[2]:5d} {at['final_train_loss']:8.4f} "
+        f"{100 * (at['final_train_loss'] / dense['final_train_loss'] - 1):+8.1f}%"
+        f" {at['test_loss']:8.4f}   [{best['lr']:g}: "
+        f"{best['final_train_loss']:.4f}]")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  sub = p.add_subparsers(dest="study", required=True)
+  lm = sub.add_parser("lm")
+  lm.add_argument("--preset", default="tiny")
+  lm.add_argument("--steps", type=int, default=1000)
+  lm.add_argument("--recipes", type=_csv(str),
+                  default=["dense", "sync_adamw", "local_adamw"])
+  lm.add_argument("--lrs", type=_csv(float), default=[1e-3, 3e-3, 1e-2])
+  lm.add_argument("--lrs-for", type=_lrs_for, default={},
+                  help="per-recipe grids, e.g. demo=1e-4,3e-4,1e-3;sgd=0.1,0.3,1")
+  lm.add_argument("--density", type=float, default=0.01)
+  lm.add_argument("--estimator", default="dgc")
+  lm.add_argument("--warm-steps", type=int, default=50)
+  lm.add_argument("--dense-fraction", type=float, default=0.25)
+  lm.add_argument("--eval-every", type=int, default=250)
+  lm.add_argument("--eval-batches", type=int, default=8)
+  lm.add_argument("--devices", type=int)
+  lm.add_argument("--cpu-devices", type=int)
+  lm.add_argument("--parallel", type=int, default=1)
+  lm.add_argument("--timeout", type=int, default=3600)
+  lm.add_argument("--seed", type=int, default=0)
+  lm.add_argument("--extra", type=lambda t: t.split(), default=[],
+                  help="more train_lm arguments, space-separated")
+  for name, steps, lrs in (("classifier", 600, [0.03, 0.1, 0.3]),
+                           ("lsq", 300, [2e-3 / 2**i for i in range(12)])):
+    q = sub.add_parser(name)
+    q.add_argument("--workers", type=int, default=8)
+    q.add_argument("--steps", type=int, default=steps)
+    q.add_argument("--lrs", type=_csv(float), default=lrs)
+    q.add_argument("--densities", type=_csv(float),
+                   default=[0.1, 0.01, 0.001] if name == "classifier"
+                   else [0.3, 0.1, 0.03, 0.01])
+    q.add_argument("--warm-steps", type=int, default=20)
+    q.add_argument("--seed", type=int, default=0)
+    if name == "classifier":
+      q.add_argument("--batch", type=int, default=256)
+    else:
+      q.add_argument("--cond", type=float, default=1e3)
+  rep = sub.add_parser("report")
+  rep.add_argument("json")
+  for q in sub.choices.values():
+    q.add_argument("--out", help="results JSON")
+    q.add_argument("--plot", help="PNG (lm)")
+  args = p.parse_args(argv)
+  if args.study == "report":
+    data = json.loads(pathlib.Path(args.json).read_text())
+  else:
+    data = {"lm": run_lm, "classifier": run_classifier,
+            "lsq": run_lsq}[args.study](args)
+    data["date"] = time.strftime("%Y-%m-%d")
+    data["command"] = " ".join(sys.argv)
+    if args.out:
+      pathlib.Path(args.out).write_text(json.dumps(data))
+  report = {"lm": lambda d: report_lm(d, args.plot), "lsq": report_lsq,
+            "classifier": report_small}[data["study"]]
+  print(report(data))
+
+
+if __name__ == "__main__":
+  main()
