@@ -161,12 +161,16 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   Adam and updates v; any other plan sparsifies the momentum with error
   feedback and keeps v frozen. Train at least one dense step first (v = 0
   would make the first sparse steps huge); the update is zero until then.
+  ``clip_norm`` clips the mean gradient in the dense phase (exactly dense
+  AdamW's clip) and each worker's gradient at clip_norm·√K in the others.
   """
   _check_betas(b1=b1, b2=b2)
+  _check_clip(clip_norm)
   all_units, _ = fusion.units(plan)
   dense_phase = all(fusion.is_full(u) for u in all_units)
   sync = transform.sparse_sync(plan, axis_name)
-  clip = local_clip_by_global_norm(clip_norm, axis_name)
+  clip = (optax.clip_by_global_norm(clip_norm) if dense_phase and clip_norm
+          else local_clip_by_global_norm(clip_norm, axis_name))
 
   def init_fn(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
@@ -176,16 +180,17 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
-    updates, _ = clip.update(updates, optax.EmptyState())
     cast = lambda tree, like: jax.tree.map(lambda x, y: x.astype(y.dtype),
                                            tree, like)
     if dense_phase:
       g, sync_state = sync.update(updates, state.sync, params)
+      g, _ = clip.update(g, optax.EmptyState())
       g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
       mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, g)
       nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
       nu_count = state.nu_count + 1
     else:
+      updates, _ = clip.update(updates, optax.EmptyState())
       local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu,
                            updates)
       mu, sync_state = sync.update(cast(local, updates), state.sync, params)

@@ -342,6 +342,29 @@ def test_onebit_adamw_dense_then_sparse_matches_reference(mesh):
   assert int(onebit.count) == 4 and int(onebit.nu_count) == 2
 
 
+def test_onebit_adamw_dense_phase_is_dense_adamw_with_its_clip(mesh):
+  """The dense phase clips the mean gradient, as dense AdamW does (not each
+  worker's: on 8 workers that changes the run)."""
+  plan, params, grads = _problem(11, 3)
+  means = [{n: g.mean(0) for n, g in step.items()} for step in grads]
+  # Half the first mean gradient's norm: every step is clipped.
+  clip = 0.5 * float(np.sqrt(sum((g ** 2).sum() for g in means[0].values())))
+  opt = jaxfuse.onebit_adamw(jaxfuse.with_density(plan, 1.0), LR, eps=1e-3,
+                             weight_decay=WD, mask=DECAY_MASK, clip_norm=clip)
+  got, _ = _run(mesh, [(opt, 3)], params, grads)
+  dense = optax.chain(optax.clip_by_global_norm(clip),
+                      optax.adamw(LR, eps=1e-3, weight_decay=WD,
+                                  mask=DECAY_MASK))
+  x = {n: jnp.asarray(p) for n, p in params.items()}
+  state = dense.init(x)
+  for t, mean in enumerate(means):
+    want, state = dense.update(mean, state, x)
+    x = optax.apply_updates(x, want)
+    for n in SHAPES:
+      np.testing.assert_allclose(got[t][n], np.ravel(want[n]), rtol=2e-4,
+                                 atol=1e-6, err_msg=f"step {t}, leaf {n}")
+
+
 def test_demo_matches_reference(mesh):
   plan, params, grads = _problem(3, 4)
   opt = jaxfuse.demo(plan, LR, momentum=0.9, weight_decay=WD,
