@@ -1,0 +1,343 @@
+"""Momentum correction's conservation, density warm-up phases, per-worker
+state, and the errors that name the field (the recipes' equations:
+test_recipes.py)."""
+
+import dataclasses
+import functools
+
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+import jax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxfuse
+from jaxfuse import fusion
+
+from _harness import init, list_plan, per_device, shard, sync
+from _harness import NUM_WORKERS as K
+
+
+# 2. Conservation with momentum correction -------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _momentum_sync_fn(plan_json, mesh, momentum, nesterov, mask_momentum):
+  plan = jaxfuse.Plan.from_json(plan_json)
+  tx = jaxfuse.sparse_sync(plan, momentum=momentum, nesterov=nesterov,
+                           mask_momentum=mask_momentum)
+  params = [jnp.zeros(l.shape, l.dtype) for l in plan.leaves]
+  state = jaxfuse.init_state(tx, params, mesh)
+  specs = jaxfuse.state_specs(state)
+  fn = jax.jit(jax.shard_map(
+      lambda g, s: tx.update([x[0] for x in g], s), mesh=mesh,
+      in_specs=(P("data"), specs), out_specs=(P(), specs)))
+  return fn, state
+
+
+@settings(max_examples=4, deadline=None)
+@given(shapes=st.lists(st.one_of(
+    st.sampled_from([(32, 40), (1300,)]),
+    st.tuples(st.integers(1, 40), st.integers(1, 70))), min_size=1, max_size=3),
+       density=st.sampled_from([0.01, 0.05, 0.3]),
+       momentum=st.sampled_from([0.5, 0.9]),
+       nesterov=st.booleans(), mask_momentum=st.booleans(),
+       strategy=st.sampled_from(["layerwise", "single", "aligned"]),
+       estimator=st.sampled_from(["topk", "dgc", "gaussian"]),
+       seed=st.integers(0, 2**16))
+def test_momentum_conserves_what_workers_owe(mesh, shapes, density, momentum,
+                                             nesterov, mask_momentum,
+                                             strategy, estimator, seed):
+  """Per unit: Σ_k (sent_k + v_k') = Σ_k (v_k + u_k'), u_k' = m·u_k + g_k
+  before masking (Nesterov: u_k' = m·(u_k + g_k), and g_k is added too);
+  u_k'' is u_k' with the sent slots zeroed (or kept: mask_momentum=False)."""
+  plan = list_plan(shapes, density=density, strategy=strategy,
+                   min_sparse_size=64, num_buckets=2, estimator=estimator)
+  fn, state = _momentum_sync_fn(plan.to_json(), mesh, momentum, nesterov,
+                                mask_momentum)
+  units, _ = fusion.units(plan)
+  rng = np.random.default_rng(seed)
+  for _ in range(2):
+    grads = [rng.normal(size=(K,) + tuple(s)).astype(np.float32)
+             for s in shapes]
+    u = [np.asarray(x, np.float64) for x in state.velocity]
+    r = [np.asarray(x, np.float64) for x in state.residuals]
+    synced, state = jax.block_until_ready(fn(shard(mesh, grads), state))
+    for j, leaf in enumerate(plan.leaves):
+      if leaf.mode == "dense":
+        np.testing.assert_allclose(np.asarray(synced[j], np.float64) * K,
+                                   grads[j].sum(0), rtol=1e-5, atol=1e-5)
+    for i, unit in enumerate(units):
+      (j,) = unit.leaves
+      g = grads[j].reshape(K, -1).astype(np.float64)
+      if nesterov:
+        u_new = momentum * (u[i] + g)
+        owed = r[i] + g + u_new
+      else:
+        u_new = momentum * u[i] + g
+        owed = r[i] + u_new
+      sent = K * np.asarray(synced[j], np.float64).ravel()
+      r_new = np.asarray(state.residuals[i], np.float64)
+      np.testing.assert_allclose(sent + r_new.sum(0), owed.sum(0), rtol=1e-5,
+                                 atol=1e-5 * (1 + np.abs(owed).max()))
+      # Sent slots are those the residual zeroed (acc is never 0 here).
+      was_sent = r_new == 0
+      assert was_sent.any(axis=1).all()
+      want_u = np.where(was_sent, 0.0, u_new) if mask_momentum else u_new
+      np.testing.assert_allclose(np.asarray(state.velocity[i]), want_u,
+                                 rtol=1e-5, atol=1e-6)
+
+
+# 4. Density warm-up: one state through every phase ----------------------------
+
+def _bits(tree):
+  return [(np.asarray(x).dtype, np.asarray(x).shape, np.asarray(x).tobytes())
+          for x in jax.tree.leaves(tree)]
+
+
+def test_warmup_phases_share_one_state_bitwise(mesh):
+  shapes = [(40, 30), (7,), (300,)]
+  plan = list_plan(shapes, density=0.05, min_sparse_size=64)
+  phases = jaxfuse.density_warmup(plan, steps=2, densities=[0.3],
+                                  dense_steps=2)
+  jaxfuse.check_phases(phases)
+  assert [(p.start, p.stop) for p in phases] == [(0, 2), (2, 4), (4, None)]
+  sparse = [j for j, l in enumerate(plan.leaves) if l.mode == "sparse"]
+  assert sparse == [0, 2]
+  for phase, density in zip(phases, [1.0, 0.3, 0.05]):
+    assert [phase.plan.leaves[j].density for j in sparse] == [density] * 2
+  assert [jaxfuse.phase_index(phases, t) for t in range(7)] == [
+      0, 0, 1, 1, 2, 2, 2]
+  capacities = {tuple(p.plan.leaves[j].capacity for j in sparse)
+                for p in phases}
+  assert len(capacities) == 3  # every phase has its own static shapes
+
+  params = [jnp.zeros(s, jnp.float32) for s in shapes]
+  state = jaxfuse.init_state(jaxfuse.sparse_sync(phases[0].plan, momentum=0.9),
+                             params, mesh)
+  specs = jaxfuse.state_specs(state)
+  types = jax.tree.map(jax.typeof, state)
+  pmean = jax.jit(jax.shard_map(lambda g: [lax.pmean(x[0], "data") for x in g],
+                                mesh=mesh, in_specs=P("data"), out_specs=P()))
+  rng = np.random.default_rng(0)
+  traces = [[] for _ in phases]
+  step, current = None, None
+  for t in range(7):
+    i = jaxfuse.phase_index(phases, t)
+    if i != current:
+      current = i
+      tx = jaxfuse.sparse_sync(phases[i].plan, momentum=0.9)
+
+      def local(g, s, tx=tx, i=i):
+        traces[i].append(1)
+        synced, new = tx.update([x[0] for x in g], s)
+        return synced, new, s   # s: what this step received
+
+      step = jax.jit(jax.shard_map(local, mesh=mesh,
+                                   in_specs=(P("data"), specs),
+                                   out_specs=(P(), specs, specs)))
+    grads = shard(mesh, [rng.normal(size=(K,) + s).astype(np.float32)
+                         for s in shapes])
+    synced, new, received = jax.block_until_ready(step(grads, state))
+    assert _bits(received) == _bits(state), f"step {t}: state changed"
+    assert jax.tree.map(jax.typeof, new) == types
+    assert int(np.asarray(new.step)[0]) == t + 1
+    if i == 0:  # density 1: exactly dense training
+      assert _bits(synced) == _bits(pmean(grads))
+      for x in new.residuals + new.velocity:
+        np.testing.assert_array_equal(np.asarray(x), 0)
+    else:
+      assert all(np.asarray(x).any() for x in new.residuals)
+      selected = np.asarray(new.stats.selected)
+      for j in sparse:
+        assert (selected[:, j] <= phases[i].plan.leaves[j].capacity).all()
+        assert (selected[:, j] > 0).all()
+    state = new
+  assert [len(x) for x in traces] == [1, 1, 1]
+
+
+# 5. Errors that name the field ------------------------------------------------
+
+def _small_plan(**kwargs):
+  return list_plan([(40, 30), (100,), (7,)], **dict(
+      dict(density=0.05, min_sparse_size=64), **kwargs))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(momentum=1.0), "momentum"),
+    (dict(momentum=-0.1), "momentum"),
+    (dict(momentum=True), "momentum"),
+    (dict(residual_decay=0), "residual_decay"),
+    (dict(residual_decay=1.5), "residual_decay"),
+    (dict(nesterov=True), "nesterov"),
+    (dict(nesterov=1, momentum=0.9), "nesterov"),
+])
+def test_sparse_sync_rejects_bad_options(kwargs, field):
+  with pytest.raises(jaxfuse.SyncError, match=field):
+    jaxfuse.sparse_sync(_small_plan(), **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(jaxfuse.RECIPES))
+def test_recipes_reject_unknown_options(name):
+  plan = _small_plan()
+  jaxfuse.RECIPES[name](plan, 0.1, clip_norm=1.0)  # the known ones work
+  with pytest.raises(TypeError, match="momentun"):
+    jaxfuse.RECIPES[name](plan, 0.1, momentun=0.9)
+
+
+@pytest.mark.parametrize("name", sorted(jaxfuse.RECIPES))
+@pytest.mark.parametrize("clip_norm", [0.0, -1.0])
+def test_recipes_reject_bad_clip_norm(name, clip_norm):
+  with pytest.raises(jaxfuse.SyncError, match="clip_norm"):
+    jaxfuse.RECIPES[name](_small_plan(), 0.1, clip_norm=clip_norm)
+
+
+def test_recipes_reject_bad_momenta():
+  plan = _small_plan()
+  with pytest.raises(jaxfuse.SyncError, match="momentum"):
+    jaxfuse.sgd(plan, 0.1, momentum=1.0)
+  with pytest.raises(jaxfuse.SyncError, match="residual_decay"):
+    jaxfuse.demo(plan, 0.1, momentum=0.0)
+  with pytest.raises(jaxfuse.SyncError, match="b1"):
+    jaxfuse.onebit_adamw(plan, 0.1, b1=1.0)
+
+
+def test_check_phases_names_the_phase_and_field():
+  plan = _small_plan()
+  half = jaxfuse.with_density(plan, 0.5)
+  jaxfuse.check_phases([jaxfuse.Phase(0, 5, half),
+                        jaxfuse.Phase(5, None, plan)])
+  other_model = list_plan([(40, 31), (100,), (7,)], density=0.05,
+                          min_sparse_size=64)
+  all_dense = _small_plan(min_sparse_size=2000)
+  others = [other_model, all_dense] + [_small_plan(strategy=s) for s in
+                                       ("single", "behind")]
+  for other in others:
+    with pytest.raises(jaxfuse.PlanError, match=r"phases\[1\]\.plan"):
+      jaxfuse.check_phases([jaxfuse.Phase(0, 5, half),
+                            jaxfuse.Phase(5, None, other)])
+  with pytest.raises(jaxfuse.PlanError, match=r"phases\[1\]\.start=6"):
+    jaxfuse.check_phases([jaxfuse.Phase(0, 5, half),
+                          jaxfuse.Phase(6, None, plan)])
+  with pytest.raises(jaxfuse.PlanError, match=r"phases\[0\]\.start=1"):
+    jaxfuse.check_phases([jaxfuse.Phase(1, None, plan)])
+  with pytest.raises(jaxfuse.PlanError, match=r"phases\[0\]\.stop=None"):
+    jaxfuse.check_phases([jaxfuse.Phase(0, None, half),
+                          jaxfuse.Phase(5, None, plan)])
+  with pytest.raises(jaxfuse.PlanError, match="empty"):
+    jaxfuse.check_phases([])
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(steps=-1), "steps=-1"),
+    (dict(steps=1.5), "steps=1.5"),
+    (dict(steps=10, dense_steps=-2), "dense_steps=-2"),
+    (dict(steps=0, densities=[0.5]), "steps=0"),
+])
+def test_density_warmup_rejects_bad_steps(kwargs, field):
+  with pytest.raises(jaxfuse.PlanError, match=field):
+    jaxfuse.density_warmup(_small_plan(), **kwargs)
+
+
+@pytest.mark.parametrize("density", [0, -0.5, 1.5, True])
+def test_with_density_rejects_out_of_range(density):
+  with pytest.raises(jaxfuse.PlanError, match="density"):
+    jaxfuse.with_density(_small_plan(), density)
+
+
+# 6. per_worker ----------------------------------------------------------------
+
+def test_per_worker_state_is_sharded_and_params_stay_identical(mesh):
+  shapes = {"b": (7,), "w": (40, 30)}
+  plan = jaxfuse.plan({n: jax.ShapeDtypeStruct(s, jnp.float32)
+                       for n, s in shapes.items()}, density=0.05,
+                      min_sparse_size=64)
+  b1, b2 = 0.8, 0.9
+  opt = optax.chain(jaxfuse.per_worker(optax.scale_by_adam(b1, b2)),
+                    jaxfuse.sparse_sync(plan), optax.adam(1e-2))
+  rng = np.random.default_rng(0)
+  params0 = {n: rng.normal(size=s).astype(np.float32)
+             for n, s in shapes.items()}
+  params = jax.device_put(params0, NamedSharding(mesh, P()))
+  state = jaxfuse.init_state(opt, params, mesh)
+  specs = jaxfuse.state_specs(state)
+  worker, sync, replicated = specs
+  assert isinstance(worker, jaxfuse.PerWorkerState)
+  assert jax.tree.leaves(worker) and all(
+      s == P("data") for s in jax.tree.leaves(worker))
+  assert all(s == P("data") for s in jax.tree.leaves(sync))
+  assert jax.tree.leaves(replicated) and all(
+      s == P() for s in jax.tree.leaves(replicated))
+  inner = state[0].inner  # ScaleByAdamState, a leading worker axis
+  assert inner.count.shape == (K,)
+  assert inner.mu["w"].shape == (K, 40, 30)
+  assert state[2][0].mu["w"].shape == (40, 30)
+
+  def local(params, state, grads):
+    updates, state = opt.update(jax.tree.map(lambda g: g[0], grads), state,
+                                params)
+    return optax.apply_updates(params, updates), state
+  step = jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs)))
+  mu = {n: np.zeros((K,) + s) for n, s in shapes.items()}
+  nu = {n: np.zeros((K,) + s) for n, s in shapes.items()}
+  for _ in range(3):
+    grads = {n: rng.normal(size=(K,) + s).astype(np.float32)
+             for n, s in shapes.items()}
+    for n in shapes:
+      mu[n] = b1 * mu[n] + (1 - b1) * grads[n]
+      nu[n] = b2 * nu[n] + (1 - b2) * grads[n].astype(np.float64) ** 2
+    params, state = jax.block_until_ready(step(params, state,
+                                               shard(mesh, grads)))
+  inner = state[0].inner
+  for n in shapes:
+    shards = [np.asarray(s.data) for s in sorted(
+        inner.mu[n].addressable_shards, key=lambda s: s.index[0].start)]
+    assert len(shards) == K and shards[0].shape == (1,) + shapes[n]
+    for k, s in enumerate(shards):  # worker k's moments of its own gradients
+      np.testing.assert_allclose(s[0], mu[n][k], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(shards[0], shards[1])
+    np.testing.assert_allclose(np.asarray(inner.nu[n]), nu[n], rtol=1e-5,
+                               atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(inner.count), 3)
+  for n, leaf in params.items():
+    copies = per_device(leaf)
+    assert len(copies) == K
+    assert not np.allclose(copies[0], params0[n])  # it trained
+    for c in copies[1:]:
+      np.testing.assert_array_equal(c, copies[0])
+
+
+def test_plan_mixing_density_one_and_sparse_buckets_keeps_its_state(mesh):
+  """A hand-edited plan with one density-1 bucket among sparse ones: the
+  threshold state keeps one entry per unit, and the density-1 leaf is the
+  exact worker mean."""
+  base = list_plan([(40, 30), (300,)], density=0.05, min_sparse_size=64,
+                   strategy="layerwise")
+  for full in (0, 1):
+    leaves = list(base.leaves)
+    leaves[full] = dataclasses.replace(leaves[full], density=1.0,
+                                       capacity=leaves[full].size)
+    plan = jaxfuse.Plan(tuple(leaves), base.buckets, base.settings,
+                        base.provenance)
+    unit = [u for u, x in enumerate(fusion.units(plan)[0])
+            if x.leaves == (full,)][0]
+    state = init(plan, mesh)
+    rng = np.random.default_rng(full)
+    for _ in range(2):
+      grads = [rng.standard_normal((K, 40, 30)).astype(np.float32),
+               rng.standard_normal((K, 300)).astype(np.float32)]
+      synced, new = sync(plan, mesh, grads, state)
+      assert jax.tree.map(np.shape, new.control) == jax.tree.map(
+          np.shape, state.control)
+      np.testing.assert_allclose(np.asarray(synced[full]),
+                                 grads[full].mean(0), rtol=1e-5, atol=1e-6)
+      assert np.all(np.asarray(new.residuals[unit]) == 0)
+      assert np.any(np.asarray(new.residuals[1 - unit]) != 0)
+      state = new
