@@ -37,14 +37,6 @@ class Phase:
   plan: plan_lib.Plan
 
 
-def _capacity(density: float, size: int, estimator: str, headroom: float):
-  if density >= 1:
-    return size
-  if estimator == "topk":
-    return plan_lib.target_count(density, size)
-  return plan_lib.capacity_for(density, size, headroom)
-
-
 def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
   """The same plan with every sparse unit at ``density`` (capacities
   recomputed as the planner does; 1 sends everything with a ``pmean``)."""
@@ -54,15 +46,17 @@ def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
                              "(0, 1].")
   headroom = plan.settings.headroom
   leaves = tuple(
-      dataclasses.replace(l, density=float(density), capacity=_capacity(
-          density, l.size, l.estimator, headroom))
+      dataclasses.replace(l, density=float(density),
+                          capacity=plan_lib.capacity(density, l.size,
+                                                     l.estimator, headroom))
       if l.mode == "sparse" else l for l in plan.leaves)
   buckets = []
   for b in plan.buckets:
     if b.collective == "allgather" and b.sparsify == "behind":
       size = sum(plan.leaves[j].size for j in b.leaves)
-      b = dataclasses.replace(b, density=float(density), capacity=_capacity(
-          density, size, b.estimator, headroom))
+      b = dataclasses.replace(b, density=float(density),
+                              capacity=plan_lib.capacity(
+                                  density, size, b.estimator, headroom))
     buckets.append(b)
   provenance = dict(plan.provenance, phase_density=float(density))
   return plan_lib.Plan(leaves, tuple(buckets), plan.settings, provenance)

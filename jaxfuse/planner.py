@@ -143,8 +143,7 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
     sparse = (density < 1 and size >= min_sparse_size and
               plan_lib._is_float(dtype))  # pylint: disable=protected-access
     if sparse:
-      cap = (plan_lib.target_count(density, size) if estimator == "topk" else
-             plan_lib.capacity_for(density, size, headroom))
+      cap = plan_lib.capacity(density, size, estimator, headroom)
       leaves.append(plan_lib.LeafPlan(name, shape, dtype, "sparse",
                                       float(density), cap, estimator))
     else:
@@ -292,8 +291,7 @@ def buckets_from_groups(leaves, groups, *, behind: bool,
     if sparse and behind:
       density, estimator = leaves[sparse[0]].density, leaves[sparse[0]].estimator
       size = sum(leaves[i].size for i in sparse)
-      cap = (plan_lib.target_count(density, size) if estimator == "topk" else
-             plan_lib.capacity_for(density, size, headroom))
+      cap = plan_lib.capacity(density, size, estimator, headroom)
       buckets.append(plan_lib.BucketPlan(tuple(sparse), "allgather", "behind",
                                          cap, estimator, float(density)))
     elif sparse:

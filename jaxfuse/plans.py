@@ -52,6 +52,15 @@ def target_count(density: float, size: int) -> int:
   return max(1, min(size, math.ceil(density * size)))
 
 
+def capacity(density: float, size: int, estimator: str,
+             headroom: float) -> int:
+  """A unit's static slot count: k for the exact ``topk`` estimator, k with
+  headroom for the sampled ones (n at density 1)."""
+  if estimator == "topk":
+    return target_count(density, size)
+  return capacity_for(density, size, headroom)
+
+
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
   path: str
