@@ -197,8 +197,11 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
             all_units, unit_ids, grads, decayed, ctrl, step, settings):
           for i, u in enumerate(ids):
             parts[u] = (out.values[i], out.indices[i])
-            residuals[u] = jnp.where(out.nonfinite[i], residuals[u][0],
-                                     out.residual[i])[None]
+            # A non-finite step keeps the residual sparsify was given: the
+            # decayed one, so restore the old where it was decayed.
+            residuals[u] = (out.residual[i] if residual_decay == 1 else
+                            jnp.where(out.nonfinite[i], residuals[u][0],
+                                      out.residual[i]))[None]
             if momentum:
               kept = (moved[u].at[out.indices[i]].set(0, mode="drop")
                       if mask_momentum else moved[u])
