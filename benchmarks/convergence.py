@@ -388,9 +388,9 @@ def report_lm(data, plot_path=None):
     gap = (run["final_val_loss"] / dense["final_val_loss"] - 1
            if dense else float("nan"))
     reach = _reach(run, dense["final_val_loss"]) if dense else None
+    seconds = None if reach is None else _wall(run)[reach - 1]
     when = "never" if reach is None else (
-        f"{_wall(run)[reach - 1]:.0f} s "
-        f"{_wall(run)[reach - 1] / _wall(dense)[-1]:.2f}x")
+        f"{seconds:.0f} s {seconds / _wall(dense)[-1]:.2f}x")
     lines.append(
         f"{recipe:>22s} {run['lr']:8g} " +
         " ".join(f"{v:9.4f}" if v is not None else f"{'-':>9s}" for v in vals)

@@ -440,9 +440,8 @@ def main(argv=None) -> dict:
   for step in range(steps):
     if jaxfuse.phase_index(phases, step) != phase_id:
       phase_id = jaxfuse.phase_index(phases, step)
-      phase_plan = phases[phase_id].plan
-      train_step = make_train_step(loss_fn, make_opt(phase_plan), mesh,
-                                   opt_specs, args.sync, xla_options)
+      train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
+                                   mesh, opt_specs, args.sync, xla_options)
       compile_steps.append(step)
     step_fn = train_step
     if plan is not None and args.flush_every and (
