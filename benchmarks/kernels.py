@@ -5,7 +5,7 @@ For each n × density: acc ~ N(0, 1) (float32 unless --dtype), τ the
 
   pallas   jaxfuse.kernels.selection.select_pallas (both passes)
   count    its pass 1 and glue only (the count output alone: XLA drops pass 2)
-  ref      jaxfuse.sparsify.select (cumsum + scatter in XLA)
+  ref      jaxfuse.reference.select (cumsum + scatter in XLA)
   nonzero  |acc| ≥ τ then jnp.nonzero(size=capacity) and a gather (the
            plain-XLA compaction the issue measured)
   top_k    jax.lax.top_k(|acc|, capacity)
@@ -45,7 +45,7 @@ import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
-from jaxfuse import sparsify  # pylint: disable=wrong-import-position
+from jaxfuse.kernels import reference  # pylint: disable=wrong-import-position
 from jaxfuse.kernels.selection import select_pallas  # pylint: disable=wrong-import-position
 from jaxfuse.kernels.threshold import kth_largest_magnitude  # pylint: disable=wrong-import-position
 from jaxfuse.kernels.threshold import kth_largest_magnitude_reference  # pylint: disable=wrong-import-position
@@ -109,7 +109,7 @@ def bench_one(acc, tau, capacity, offset, methods, repeats, interpret=False,
           a, t, capacity, o, interpret=interpret, **kw)),
       "count": jax.jit(lambda a, t, o: select_pallas(
           a, t, capacity, o, interpret=interpret, **kw)[2]),
-      "ref": jax.jit(lambda a, t, o: sparsify.select(a, t, capacity, o)),
+      "ref": jax.jit(lambda a, t, o: reference.select(a, t, capacity, o)),
       "nonzero": jax.jit(lambda a, t, o: _nonzero_select(a, t, capacity)),
       "top_k": jax.jit(lambda a, t, o: jax.lax.top_k(jnp.abs(a), capacity)),
       "read": jax.jit(lambda a, t, o: jnp.sum(jnp.abs(a))),
@@ -254,7 +254,7 @@ def main(argv=None):
       d = args.sweep_density
       q = float(jnp.quantile(jnp.abs(acc.astype(jnp.float32)), 1 - d))
       capacity = math.ceil(1.5 * d * n)
-      expect = jax.jit(lambda a, t, o: sparsify.select(a, t, capacity, o))(
+      expect = jax.jit(lambda a, t, o: reference.select(a, t, capacity, o))(
           acc, jnp.float32(q), offset)
       configs = SWEEP if args.sweep_configs is None else [
           SWEEP[int(i)] for i in args.sweep_configs.split(",")]

@@ -57,7 +57,7 @@ def _synthetic(num_leaves: int, seed: int = 0):
   """A transformer-like model of ``num_leaves`` leaves and costs for it."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jaxfuse import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import costs as costs_lib  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)
   shapes = [(768, 768 * int(rng.integers(1, 5))) if i % 3 == 0 else (768,)
             for i in range(num_leaves)]
@@ -125,8 +125,8 @@ def cmd_measure(args) -> list[dict]:
   # holds no GPU memory that the training runs it starts need.
   jax.config.update("jax_platforms", "cpu")
   import jaxfuse  # pylint: disable=g-import-not-at-top
-  from jaxfuse import costs as costs_lib  # pylint: disable=g-import-not-at-top
-  from jaxfuse import simulate  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, str(ROOT / "examples"))
   import lm_model  # pylint: disable=g-import-not-at-top
   costs = costs_lib.Costs.load(args.costs)
@@ -200,7 +200,7 @@ _OVERLAP_WORKER = """
 import json, sys
 sys.path.insert(0, {examples!r})
 import jaxfuse, lm_model
-from jaxfuse import profiling
+from jaxfuse.planning import profiling
 loss_fn, params, tokens = lm_model.{model}()
 eta, raw = profiling.measure_overlap(jaxfuse.make_mesh(), loss_fn, params,
                                      (tokens,), repeats=10)

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding  # pylint: disable=wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
 
 import jaxfuse  # pylint: disable=wrong-import-position
-from jaxfuse import fusion  # pylint: disable=wrong-import-position
+from jaxfuse import plans as plan_lib  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
 
 
@@ -86,7 +86,7 @@ def measure(model: str, workers: int, density: float, strategy: str,
     out = jax.block_until_ready(compiled(grads, out[1]))
     times.append(time.perf_counter() - t0)
   return {"model": model, "leaves": len(leaves),
-          "sparse_units": len(fusion.units(plan)[0]),
+          "sparse_units": len(plan_lib.units(plan)[0]),
           "buckets": len(plan.buckets), "fusions": fusions,
           "other_ops": other, "compile_s": compile_s,
           "step_ms": 1e3 * statistics.median(times),

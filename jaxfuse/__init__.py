@@ -15,14 +15,14 @@ from jaxfuse.plans import LeafPlan
 from jaxfuse.plans import Plan
 from jaxfuse.plans import PlanError
 from jaxfuse.plans import Settings
-from jaxfuse.planner import COST_STRATEGIES
-from jaxfuse.planner import STRATEGIES
+from jaxfuse.planning.planner import COST_STRATEGIES
+from jaxfuse.planning.planner import STRATEGIES
 from jaxfuse.phases import Phase
 from jaxfuse.phases import check_phases
 from jaxfuse.phases import density_warmup
 from jaxfuse.phases import phase_index
 from jaxfuse.phases import with_density
-from jaxfuse.planner import plan
+from jaxfuse.planning.planner import plan
 from jaxfuse.recipes import RECIPES
 from jaxfuse.recipes import demo
 from jaxfuse.recipes import local_adamw
@@ -32,14 +32,14 @@ from jaxfuse.recipes import sgd
 from jaxfuse.recipes import sync_adamw
 from jaxfuse.transform import SparseSyncState
 from jaxfuse.transform import SyncError
-from jaxfuse.transform import SyncStats
+from jaxfuse.stats import SyncStats
 from jaxfuse.transform import init_state
 from jaxfuse.transform import local_params
 from jaxfuse.transform import per_worker
 from jaxfuse.transform import PerWorkerState
 from jaxfuse.transform import sparse_sync
 from jaxfuse.transform import state_specs
-from jaxfuse.transform import summarize
+from jaxfuse.stats import summarize
 from jaxfuse.transform import sync_stats
 from jaxfuse.version import __version__
 

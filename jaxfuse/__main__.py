@@ -1,7 +1,7 @@
-"""``python -m jaxfuse``: the ``jaxfuse`` command (see ``jaxfuse.cli``)."""
+"""``python -m jaxfuse``: the ``jaxfuse`` command (see ``jaxfuse.planning.cli``)."""
 
 import sys
 
-from jaxfuse.cli import main
+from jaxfuse.planning.cli import main
 
 sys.exit(main())

@@ -1,8 +1,7 @@
-"""Fusion: from a plan to selection units and statically shaped wire buffers.
+"""Fusion: a bucket's selection units into one statically shaped wire buffer.
 
-A *unit* is what one threshold selects from: a single sparse leaf in an
-``"ahead"`` bucket, or the concatenation of all leaves of a ``"behind"``
-bucket. A sparse bucket becomes ONE uint32 buffer per worker::
+A sparse bucket (its units: ``plans.units``) becomes ONE uint32 buffer per
+worker::
 
   words = [ bits(v_1) ‖ bits(idx_1) ‖ bits(v_2) ‖ bits(idx_2) ‖ … ]
 
@@ -13,7 +12,6 @@ reduced by a single multi-operand ``psum``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -21,60 +19,14 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse import plans as plan_lib
+from jaxfuse.plans import Unit
+from jaxfuse.plans import num_words
 
 INDEX_DTYPE = np.dtype(np.int32)
 _UINT = {1: jnp.uint8, 2: jnp.uint16}
 
 
-@dataclasses.dataclass(frozen=True)
-class Unit:
-  leaves: tuple[int, ...]   # leaf ids, concatenated in this order
-  size: int
-  capacity: int
-  density: float
-  estimator: str
-  dtype: str
-
-
-def units(plan: plan_lib.Plan) -> tuple[tuple[Unit, ...], tuple[tuple[int, ...], ...]]:
-  """Selection units in ready order, and per bucket the ids of its units."""
-  out, per_bucket = [], []
-  for b in plan.buckets:
-    ids = []
-    if b.collective == "allgather":
-      if b.sparsify == "behind":
-        leaves = [plan.leaves[j] for j in b.leaves]
-        dtype = str(jnp.result_type(*[l.dtype for l in leaves]))
-        ids.append(len(out))
-        out.append(Unit(b.leaves, sum(l.size for l in leaves), b.capacity,
-                        b.density, b.estimator, dtype))
-      else:
-        for j in b.leaves:
-          l = plan.leaves[j]
-          ids.append(len(out))
-          out.append(Unit((j,), l.size, l.capacity, l.density, l.estimator,
-                          l.dtype))
-    per_bucket.append(tuple(ids))
-  return tuple(out), tuple(per_bucket)
-
-
-def is_full(unit: Unit) -> bool:
-  """Density 1: every element is sent (a dense warm-up phase)."""
-  return unit.density >= 1.0
-
-
-def leaf_offsets(plan: plan_lib.Plan, unit: Unit) -> tuple[int, ...]:
-  """Start of each of the unit's leaves inside its flat concatenation."""
-  sizes = [plan.leaves[j].size for j in unit.leaves]
-  return tuple(int(x) for x in np.cumsum([0] + sizes[:-1]))
-
-
 # --- words: any dtype <-> uint32 ---------------------------------------------
-
-def num_words(count: int, dtype) -> int:
-  return math.ceil(count * jnp.dtype(dtype).itemsize / 4)
-
 
 def to_words(x: jax.Array) -> jax.Array:
   """Bits of a flat array as uint32 words (zero padded to whole words)."""
@@ -144,19 +96,4 @@ def unpack_dense(buffers: dict, like) -> list:
     n = math.prod(x.shape)
     out.append(buffers[d][starts[d]:starts[d] + n].reshape(x.shape))
     starts[d] += n
-  return out
-
-
-def bucket_wire_bytes(plan: plan_lib.Plan) -> list[int]:
-  """Bytes one worker contributes to each bucket's collective per step."""
-  all_units, per_bucket = units(plan)
-  out = []
-  for b, unit_ids in zip(plan.buckets, per_bucket):
-    if b.collective == "psum" or all(is_full(all_units[u])
-                                     for u in unit_ids):
-      out.append(sum(plan.leaves[j].size *
-                     jnp.dtype(plan.leaves[j].dtype).itemsize
-                     for j in b.leaves))
-    else:
-      out.append(4 * sum(sum(unit_words(all_units[u])) for u in unit_ids))
   return out

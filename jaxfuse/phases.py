@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from jaxfuse import fusion
 from jaxfuse import plans as plan_lib
 
 DGC_RAMP = (0.25, 0.0625, 0.015625, 0.004)
@@ -52,7 +51,7 @@ def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
       if l.mode == "sparse" else l for l in plan.leaves)
   buckets = []
   for b in plan.buckets:
-    if b.collective == "allgather" and b.sparsify == "behind":
+    if b.collective != "psum" and b.sparsify == "behind":
       size = sum(plan.leaves[j].size for j in b.leaves)
       b = dataclasses.replace(b, density=float(density),
                               capacity=plan_lib.capacity(
@@ -65,7 +64,7 @@ def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
 def _layout(plan: plan_lib.Plan):
   """What must not change between phases: units (without capacity or
   density), buckets, modes, dtypes, settings."""
-  units, per_bucket = fusion.units(plan)
+  units, per_bucket = plan_lib.units(plan)
   return ([(u.leaves, u.size, u.dtype, u.estimator) for u in units],
           per_bucket, [(l.path, l.shape, l.dtype, l.mode) for l in plan.leaves],
           [(b.leaves, b.collective, b.sparsify) for b in plan.buckets],

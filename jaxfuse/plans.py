@@ -27,7 +27,8 @@ FORMAT = "jaxfuse.plan"
 FORMAT_VERSION = 1
 MODES = ("sparse", "dense")
 ESTIMATORS = ("topk", "dgc", "gaussian", "redsync", "sidco")
-COLLECTIVES = ("allgather", "psum")
+SPARSE_COLLECTIVES = ("allgather", "zen", "spardl", "hier")  # jaxfuse.collectives
+COLLECTIVES = SPARSE_COLLECTIVES + ("psum",)
 SPARSIFY = ("ahead", "behind")
 MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
 
@@ -97,6 +98,17 @@ class Settings:
   sample_fraction: share of elements the ``"dgc"`` estimator samples.
   sidco_stages: exponential-fit stages of ``"sidco"``.
   seed: for sampling and for the overflow rotation.
+  zen_table: ``"zen"`` push: parallel slots per partition over the
+    balanced share, r1 = ⌈zen_table·C/K⌉ (C: the bucket's slots), plus
+    r2 = ⌈r1/4⌉ serial slots; what finds no slot stays in the residual.
+  zen_union: ``"zen"`` pull: slots per reduced partition as a share of the
+    bucket's C (1: lossless even with no overlap; the union of K workers'
+    partitions is between C/K and C); what does not fit stays in the
+    reducing worker's residual.
+  spardl_teams: ``"spardl"``: Spar-All-Gather teams (1: plain SAG; T > 1:
+    the K workers form T teams of K/T, R-SAG inside a team, then B-SAG).
+  hier_inner: ``"hier"``: the sparse collective run over the slow (host)
+    axis, one of ``"allgather"``, ``"zen"``, ``"spardl"``.
   """
   headroom: float = 1.5
   min_sparse_size: int = 1024
@@ -105,6 +117,10 @@ class Settings:
   sample_fraction: float = 0.01
   sidco_stages: int = 2
   seed: int = 0
+  zen_table: float = 2.0
+  zen_union: float = 1.0
+  spardl_teams: int = 1
+  hier_inner: str = "allgather"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +139,9 @@ class Plan:
     return tuple(i for b in self.buckets for i in b.leaves)
 
   def bytes_per_worker(self) -> int:
-    """Bytes each worker puts on the wire per step (all buckets)."""
-    from jaxfuse import fusion  # pylint: disable=g-import-not-at-top
-    return sum(fusion.bucket_wire_bytes(self))
+    """Bytes each worker contributes per step, all buckets (its packed
+    slots; what the wire carries for K workers: ``jaxfuse.collectives``)."""
+    return sum(bucket_payload_bytes(self))
 
   def dense_bytes(self) -> int:
     return sum(l.size * jax.numpy.dtype(l.dtype).itemsize for l in self.leaves)
@@ -138,7 +154,7 @@ class Plan:
     for i, b in enumerate(self.buckets):
       names = ", ".join(self.leaves[j].path for j in b.leaves[:3])
       more = f" … (+{len(b.leaves) - 3})" if len(b.leaves) > 3 else ""
-      kind = b.collective + (f"/{b.sparsify}" if b.collective == "allgather"
+      kind = b.collective + (f"/{b.sparsify}" if b.collective != "psum"
                              else "")
       lines.append(f"  bucket {i}: {kind}, "
                    f"{len(b.leaves)} leaves: {names}{more}")
@@ -223,6 +239,16 @@ def check_plan(plan: Plan) -> None:
                     "in (0, 1].")
   if not (isinstance(s.sidco_stages, int) and 1 <= s.sidco_stages <= 8):
     raise PlanError(f"settings.sidco_stages={s.sidco_stages!r} must be 1..8.")
+  if not (isinstance(s.zen_table, (int, float)) and s.zen_table >= 1):
+    raise PlanError(f"settings.zen_table={s.zen_table!r} must be >= 1.")
+  if not (isinstance(s.zen_union, (int, float)) and 0 < s.zen_union <= 1):
+    raise PlanError(f"settings.zen_union={s.zen_union!r} must be in (0, 1].")
+  if not (isinstance(s.spardl_teams, int) and s.spardl_teams >= 1):
+    raise PlanError(f"settings.spardl_teams={s.spardl_teams!r} must be an "
+                    "integer >= 1 (1: no teams).")
+  if s.hier_inner not in ("allgather", "zen", "spardl"):
+    raise PlanError(f"settings.hier_inner={s.hier_inner!r}; use one of "
+                    "('allgather', 'zen', 'spardl').")
   for leaf in plan.leaves:
     where = f"leaf {leaf.path}"
     if leaf.mode not in MODES:
@@ -266,10 +292,10 @@ def check_plan(plan: Plan) -> None:
       raise PlanError(f"{where}: mixes sparse and dense leaves; a bucket "
                       "holds one mode.")
     mode = modes.pop()
-    want = "allgather" if mode == "sparse" else "psum"
-    if b.collective != want:
-      raise PlanError(f"{where}: {mode} leaves need collective {want!r}, "
-                      f"not {b.collective!r}.")
+    want = SPARSE_COLLECTIVES if mode == "sparse" else ("psum",)
+    if b.collective not in want:
+      raise PlanError(f"{where}: {mode} leaves need collective "
+                      f"{' or '.join(map(repr, want))}, not {b.collective!r}.")
     if b.sparsify == "behind" and mode == "sparse":
       size = sum(plan.leaves[j].size for j in b.leaves)
       if size > MAX_LEAF_SIZE:
@@ -289,3 +315,81 @@ def check_plan(plan: Plan) -> None:
 
 def _is_float(dtype: str) -> bool:
   return _compat.is_float_dtype(dtype)
+
+
+# --- derived views: selection units and their payload ----------------------
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """What one threshold selects from: a sparse leaf of an ``"ahead"``
+  bucket, or the concatenation of a ``"behind"`` bucket's leaves."""
+  leaves: tuple[int, ...]   # leaf ids, concatenated in this order
+  size: int
+  capacity: int
+  density: float
+  estimator: str
+  dtype: str
+
+
+def units(plan: Plan
+          ) -> tuple[tuple[Unit, ...], tuple[tuple[int, ...], ...]]:
+  """Selection units in ready order, and per bucket the ids of its units."""
+  out, per_bucket = [], []
+  for b in plan.buckets:
+    ids = []
+    if b.collective != "psum":
+      if b.sparsify == "behind":
+        leaves = [plan.leaves[j] for j in b.leaves]
+        dtype = str(jax.numpy.result_type(*[l.dtype for l in leaves]))
+        ids.append(len(out))
+        out.append(Unit(b.leaves, sum(l.size for l in leaves), b.capacity,
+                        b.density, b.estimator, dtype))
+      else:
+        for j in b.leaves:
+          l = plan.leaves[j]
+          ids.append(len(out))
+          out.append(Unit((j,), l.size, l.capacity, l.density, l.estimator,
+                          l.dtype))
+    per_bucket.append(tuple(ids))
+  return tuple(out), tuple(per_bucket)
+
+
+def is_full(unit: Unit) -> bool:
+  """Density 1: every element is sent (a dense warm-up phase)."""
+  return unit.density >= 1.0
+
+
+def leaf_offsets(plan: Plan, unit: Unit) -> tuple[int, ...]:
+  """Start of each of the unit's leaves inside its flat concatenation."""
+  sizes = [plan.leaves[j].size for j in unit.leaves]
+  return tuple(int(x) for x in np.cumsum([0] + sizes[:-1]))
+
+
+def num_words(count: int, dtype) -> int:
+  """uint32 words that hold ``count`` elements of ``dtype``."""
+  return math.ceil(count * np.dtype(dtype).itemsize / 4)
+
+
+def payload_bytes(unit: Unit) -> int:
+  """Bytes of one worker's slots of a unit: c values and c int32 indices,
+  each padded to whole uint32 words (``fusion.pack_sparse``)."""
+  return 4 * (num_words(unit.capacity, unit.dtype) +
+              num_words(unit.capacity, np.int32))
+
+
+def bucket_payload_bytes(plan: Plan) -> list[int]:
+  """Bytes one worker contributes to each bucket per step: its packed
+  (values ‖ indices) slots, or the leaves themselves where all is sent.
+  What reaches the wire for K workers depends on the collective
+  (``jaxfuse.collectives``)."""
+  all_units, per_bucket = units(plan)
+  out = []
+  for b, unit_ids in zip(plan.buckets, per_bucket):
+    if b.collective == "psum" or all(is_full(all_units[u])
+                                     for u in unit_ids):
+      out.append(sum(plan.leaves[j].size *
+                     np.dtype(plan.leaves[j].dtype).itemsize
+                     for j in b.leaves))
+    else:
+      out.append(sum(payload_bytes(all_units[u]) for u in unit_ids))
+  return out

@@ -47,7 +47,6 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse import _compat
-from jaxfuse import fusion
 from jaxfuse import plans as plan_lib
 from jaxfuse import transform
 
@@ -166,8 +165,8 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   """
   _check_betas(b1=b1, b2=b2)
   _check_clip(clip_norm)
-  all_units, _ = fusion.units(plan)
-  dense_phase = all(fusion.is_full(u) for u in all_units)
+  all_units, _ = plan_lib.units(plan)
+  dense_phase = all(plan_lib.is_full(u) for u in all_units)
   sync = transform.sparse_sync(plan, axis_name)
   clip = (optax.clip_by_global_norm(clip_norm) if dense_phase and clip_norm
           else local_clip_by_global_norm(clip_norm, axis_name))

@@ -29,6 +29,9 @@ import jax.numpy as jnp
 from jax.scipy.special import ndtri
 
 from jaxfuse import kernels
+from jaxfuse.kernels.reference import hash32
+from jaxfuse.kernels.reference import kth_largest
+from jaxfuse.kernels.reference import uniform_index
 from jaxfuse.plans import target_count
 
 MIN_LOG_STEP = 1e-3
@@ -53,14 +56,6 @@ def initial_control(num_units: int) -> Control:
 
 # --- counter-based hashing (cheap randomness, no PRNG state) ------------------
 
-def hash32(x) -> jax.Array:
-  """A 32-bit integer mix ("lowbias32"); uniform enough for sampling."""
-  x = jnp.asarray(x, jnp.uint32)
-  x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
-  x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
 def salt(seed: int, step, unit: int) -> jax.Array:
   """A uint32 drawn per (seed, step, unit)."""
   return hash32(hash32(jnp.uint32(seed) ^ (jnp.asarray(step, jnp.uint32) *
@@ -68,18 +63,7 @@ def salt(seed: int, step, unit: int) -> jax.Array:
                 ^ jnp.uint32((unit * 0x85EBCA6B) & 0xFFFFFFFF))
 
 
-def uniform_index(salt_, count: int, n: int) -> jax.Array:
-  """``count`` pseudo-random indices in [0, n) (or a scalar if count is 0)."""
-  i = jnp.arange(max(count, 1), dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
-  idx = (hash32(salt_ ^ i) % jnp.uint32(n)).astype(jnp.int32)
-  return idx if count else idx[0]
-
-
 # --- estimators: τ on magnitudes a = |acc| (float32) --------------------------
-
-def _kth_largest(a: jax.Array, k: int) -> jax.Array:
-  return lax.top_k(a, k)[0][k - 1]
-
 
 def topk_threshold(a, *, density, salt_, settings):
   """Exact: τ = the k-th largest |acc|, k = ⌈ρ·n⌉ (``lax.top_k``, or on the
@@ -93,7 +77,7 @@ def dgc_threshold(a, *, density, salt_, settings):
   n = a.size
   s = min(n, max(256, math.ceil(settings.sample_fraction * n)))
   sample = a[uniform_index(salt_, s, n)]
-  return _kth_largest(sample, max(1, round(density * s)))
+  return kth_largest(sample, max(1, round(density * s)))
 
 
 def gaussian_threshold(a, *, density, salt_, settings, signed=None):
@@ -154,29 +138,6 @@ def estimate_threshold(acc, *, estimator, density, salt_, settings):
                               settings=settings, signed=acc.astype(jnp.float32))
   return ESTIMATORS[estimator](a, density=density, salt_=salt_,
                                settings=settings)
-
-
-# --- selection ---------------------------------------------------------------
-
-def select(acc: jax.Array, tau: jax.Array, capacity: int,
-           offset: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Fixed-capacity threshold selection of a flat ``acc``.
-
-  Candidates are ranked in the rotated order offset, offset+1, …, n−1, 0, …
-  and the first ``capacity`` are written; the rest of the slots get the
-  sentinel index n. Returns (values[c], indices[c] int32, true count m).
-  """
-  n = acc.size
-  mask = (jnp.abs(acc) >= tau) & (acc != 0)
-  inclusive = jnp.cumsum(mask, dtype=jnp.int32)
-  total = inclusive[-1]
-  before = jnp.where(offset > 0, inclusive[jnp.maximum(offset - 1, 0)], 0)
-  pos = jnp.arange(n, dtype=jnp.int32)
-  rank = jnp.where(pos >= offset, inclusive - before, inclusive + total - before) - 1
-  slot = jnp.where(mask & (rank < capacity), rank, capacity)
-  indices = jnp.full((capacity,), n, jnp.int32).at[slot].set(pos, mode="drop")
-  values = acc.at[indices].get(mode="fill", fill_value=0)
-  return values, indices, total
 
 
 def controller(ctrl_unit: Control, count, target: int, tau) -> Control:

@@ -23,30 +23,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxfuse import _compat
 from jaxfuse import collectives
-from jaxfuse import fusion
 from jaxfuse import plans as plan_lib
 from jaxfuse import sparsify
-
-
-class SyncStats(NamedTuple):
-  """What the last step did, per worker (leading axis) and per leaf.
-
-  selected: elements sent (dense leaves: all of them).
-  candidates: elements with |acc| ≥ τ (above capacity they stay in the residual).
-  overflow: candidates − selected, what capacity held back.
-  threshold: τ used (a "behind" bucket's one τ for each of its leaves).
-  missing: the leaf had a non-zero gradient and sent nothing (SAFusion's
-    tensor missing).
-  nonfinite: the leaf's gradient had a NaN or Inf (its residual was kept).
-  wire_bytes: bytes this worker put into collectives.
-  """
-  selected: jax.Array
-  candidates: jax.Array
-  overflow: jax.Array
-  threshold: jax.Array
-  missing: jax.Array
-  nonfinite: jax.Array
-  wire_bytes: jax.Array
+from jaxfuse import stats as stats_lib
+from jaxfuse.stats import SyncStats
 
 
 class SparseSyncState(NamedTuple):
@@ -59,13 +39,6 @@ class SparseSyncState(NamedTuple):
 
 class SyncError(ValueError):
   """``sparse_sync`` used in a way that cannot work."""
-
-
-def _empty_stats(num_leaves: int) -> SyncStats:
-  zi = jnp.zeros((1, num_leaves), jnp.int32)
-  zb = jnp.zeros((1, num_leaves), bool)
-  return SyncStats(zi, zi, zi, jnp.zeros((1, num_leaves), jnp.float32), zb,
-                   zb, jnp.zeros((1,), jnp.float32))
 
 
 def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
@@ -121,10 +94,9 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
                     f"{mask_momentum!r} must be True or False.")
   if nesterov and momentum == 0:
     raise SyncError("sparse_sync: nesterov=True needs momentum > 0.")
-  all_units, bucket_units = fusion.units(plan)
+  all_units, bucket_units = plan_lib.units(plan)
   settings = plan.settings
   num_leaves = len(plan.leaves)
-  wire_bytes = plan.bytes_per_worker()
 
   def init_fn(params):
     plan.validate(params)
@@ -135,7 +107,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
         # zero-size arrays, which XLA's GPU compiler (JAX 0.11.2) crashes on.
         control=jax.tree.map(lambda x: x[None], sparsify.initial_control(
             max(1, len(all_units)))),
-        stats=_empty_stats(num_leaves),
+        stats=stats_lib.empty_stats(num_leaves),
         velocity=tuple(jnp.zeros((1, u.size), u.dtype) for u in all_units)
         if momentum else ())
 
@@ -150,6 +122,10 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
           "sparse_sync(plan, axis_name=...) with your axis name.")
     flat = _check_grads(plan, updates, axis_name)
     _check_state(state, all_units, momentum)
+    for i, b in enumerate(plan.buckets):
+      collectives.get(b.collective).check(f"bucket {i}", num_workers)
+    wire_bytes = sum(w.sent for w in collectives.bucket_wire(plan,
+                                                              num_workers))
     step = state.step[0]
     ctrl = jax.tree.map(lambda x: x[0], state.control)
 
@@ -165,10 +141,10 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
         ids = [j for j in bucket.leaves if _compat.is_float_dtype(flat[j].dtype)]
         for j in bucket.leaves:
           synced[j] = flat[j]
-        for j, out in zip(ids, collectives.psum_sync([flat[j] for j in ids],
+        for j, out in zip(ids, collectives.psum.mean([flat[j] for j in ids],
                                                      axis_name)):
           synced[j] = out
-        stat_chunks.extend(_dense_stats(plan, bucket.leaves, flat))
+        stat_chunks.extend(stats_lib.dense_stats(plan, bucket.leaves, flat))
         continue
       grads, moved = {}, {}
       for u in unit_ids:
@@ -178,7 +154,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
                                          None, momentum, nesterov)
       decayed = {u: residuals[u][0] * residual_decay if residual_decay != 1
                  else residuals[u][0] for u in unit_ids}
-      if all(fusion.is_full(all_units[u]) for u in unit_ids):
+      if all(plan_lib.is_full(all_units[u]) for u in unit_ids):
         dense, finite = _full_sync(plan, [all_units[u] for u in unit_ids],
                                    [grads[u] + decayed[u] for u in unit_ids],
                                    stat_chunks, axis_name)
@@ -208,20 +184,23 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
               velocity[u] = jnp.where(out.nonfinite[i], velocity[u][0],
                                       kept)[None]
           ctrl_chunks.append((ids, out.control))
-          stat_chunks.extend(_sparse_stats(plan, [all_units[u] for u in ids],
+          stat_chunks.extend(stats_lib.sparse_stats(plan, [all_units[u] for u in ids],
                                            out, stacked))
-        dense = collectives.allgather_sync(
-            [parts[u] for u in unit_ids], [all_units[i] for i in unit_ids],
-            axis_name)
+        dense, kept = collectives.get(bucket.collective).sync(
+            [parts[u] for u in unit_ids], [all_units[u] for u in unit_ids],
+            axis_name, settings)
+        for u, back in zip(unit_ids, kept):  # dropped on the way: owed still
+          if back is not None:
+            residuals[u] = residuals[u] + back.astype(residuals[u].dtype)
       for u, unit_dense in zip(unit_ids, dense):
         unit = all_units[u]
-        for j, start in zip(unit.leaves, fusion.leaf_offsets(plan, unit)):
+        for j, start in zip(unit.leaves, plan_lib.leaf_offsets(plan, unit)):
           leaf = plan.leaves[j]
           synced[j] = unit_dense[start:start + leaf.size].reshape(
               leaf.shape).astype(flat[j].dtype)
 
-    stats = _finish_stats(_in_order(stat_chunks), wire_bytes)
-    control = (jax.tree.map(lambda x: x[None], _in_order(ctrl_chunks))
+    stats = stats_lib.finish_stats(stats_lib.in_order(stat_chunks), wire_bytes)
+    control = (jax.tree.map(lambda x: x[None], stats_lib.in_order(ctrl_chunks))
                if ctrl_chunks else state.control)
     new_state = SparseSyncState(state.step + 1, tuple(residuals), control,
                                 stats, tuple(velocity))
@@ -265,12 +244,12 @@ def _full_sync(plan, units, accs, stat_chunks, axis_name):
 
   Returns the dense means per unit and per unit whether acc was finite;
   appends the units' per-leaf stats chunks (everything selected)."""
-  means = collectives.psum_sync(accs, axis_name)
+  means = collectives.psum.mean(accs, axis_name)
   per_leaf = {}
   for unit, acc in zip(units, accs):
-    for j, start in zip(unit.leaves, fusion.leaf_offsets(plan, unit)):
+    for j, start in zip(unit.leaves, plan_lib.leaf_offsets(plan, unit)):
       per_leaf[j] = acc[start:start + plan.leaves[j].size]
-  stat_chunks.extend(_dense_stats(plan, list(per_leaf), per_leaf))
+  stat_chunks.extend(stats_lib.dense_stats(plan, list(per_leaf), per_leaf))
   return means, [jnp.all(jnp.isfinite(acc)) for acc in accs]
 
 
@@ -298,92 +277,6 @@ def _sparsify_groups(all_units, unit_ids, grads, residuals, ctrl, step,
         jax.tree.map(lambda x, ids=ids: _take(x, ids), ctrl), step,
         jnp.stack([sparsify.salt(settings.seed, step, u) for u in ids]))
     yield ids, out, stacked
-
-
-def _segment_counts(flags: jax.Array, sizes) -> jax.Array:
-  """Number of True flags in each consecutive segment (static ``sizes``) of
-  a flat bool array, from one cumsum: c[end] − c[start]."""
-  sizes = np.asarray(sizes)
-  ends = np.cumsum(sizes)
-  c = jnp.concatenate([jnp.zeros((1,), jnp.int32),
-                       jnp.cumsum(flags, dtype=jnp.int32)])
-  return c[ends] - c[ends - sizes]
-
-
-def _sparse_stats(plan, units, out, stacked):
-  """Stats chunks of one vmapped group: (leaf ids, {stat: per-leaf array})."""
-  if all(len(u.leaves) == 1 for u in units):
-    return [([u.leaves[0] for u in units], dict(
-        selected=jnp.sum(out.indices < units[0].size, axis=1,
-                         dtype=jnp.int32),
-        candidates=out.count,
-        threshold=out.tau,
-        nonfinite=out.nonfinite,
-        nonzero=jnp.any(stacked != 0, axis=1)))]
-  chunks = []
-  for i, unit in enumerate(units):   # a "behind" unit: several leaves
-    sizes = [plan.leaves[j].size for j in unit.leaves]
-    acc, grad = out.acc[i], stacked[i]
-    sent = jnp.zeros((unit.size,), bool).at[out.indices[i]].set(
-        True, mode="drop")
-    candidate = (jnp.abs(acc) >= out.tau[i]) & (acc != 0)
-    chunks.append((list(unit.leaves), dict(
-        selected=_segment_counts(sent, sizes),
-        candidates=_segment_counts(candidate, sizes),
-        threshold=jnp.full((len(sizes),), out.tau[i], jnp.float32),
-        nonfinite=_segment_counts(~jnp.isfinite(grad), sizes) > 0,
-        nonzero=_segment_counts(grad != 0, sizes) > 0)))
-  return chunks
-
-
-def _dense_stats(plan, leaf_ids, flat):
-  """Stats chunks of a dense (psum) bucket: everything is sent. The flags
-  come from the psum's own per-dtype buffers (``fusion.pack_dense``);
-  non-float leaves (no gradient) are neither non-finite nor non-zero."""
-  floats = [j for j in leaf_ids if _compat.is_float_dtype(flat[j].dtype)]
-  others = [j for j in leaf_ids if j not in floats]
-  sizes = lambda ids: [plan.leaves[j].size for j in ids]
-  chunk = lambda ids, nonfinite, nonzero: (ids, dict(
-      selected=jnp.asarray(sizes(ids), jnp.int32),
-      candidates=jnp.asarray(sizes(ids), jnp.int32),
-      threshold=jnp.zeros((len(ids),), jnp.float32),
-      nonfinite=nonfinite, nonzero=nonzero))
-  chunks = []
-  for dtype, g in fusion.pack_dense([flat[j] for j in floats]).items():
-    ids = [j for j in floats if str(flat[j].dtype) == dtype]
-    chunks.append(chunk(ids, _segment_counts(~jnp.isfinite(g), sizes(ids)) > 0,
-                        _segment_counts(g != 0, sizes(ids)) > 0))
-  if others:
-    none = jnp.zeros((len(others),), bool)
-    chunks.append(chunk(others, none, none))
-  return chunks
-
-
-def _in_order(chunks):
-  """[(ids, tree of (len(ids),) arrays)] -> one tree of arrays indexed by id
-  (the ids of all chunks together are 0, 1, …, n−1 in some order)."""
-  ids = np.concatenate([np.asarray(i, np.int64) for i, _ in chunks])
-  order = np.argsort(ids, kind="stable")
-  assert (ids[order] == np.arange(len(ids))).all(), ids
-  cat = jax.tree.map(lambda *xs: jnp.concatenate(xs),
-                     *[tree for _, tree in chunks])
-  if (order == np.arange(len(ids))).all():
-    return cat
-  return jax.tree.map(lambda x: x[order], cat)
-
-
-def _finish_stats(per_leaf, wire_bytes) -> SyncStats:
-  row = lambda x, dtype: jnp.asarray(x, dtype)[None]
-  selected = row(per_leaf["selected"], jnp.int32)
-  candidates = row(per_leaf["candidates"], jnp.int32)
-  return SyncStats(
-      selected=selected,
-      candidates=candidates,
-      overflow=jnp.maximum(candidates - selected, 0),
-      threshold=row(per_leaf["threshold"], jnp.float32),
-      missing=row(per_leaf["nonzero"], bool) & (selected == 0),
-      nonfinite=row(per_leaf["nonfinite"], bool),
-      wire_bytes=jnp.full((1,), wire_bytes, jnp.float32))
 
 
 def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
@@ -521,20 +414,3 @@ def sync_stats(opt_state) -> SyncStats:
     if _is_sync_state(x):
       return x.stats
   raise SyncError("no sparse_sync state in this optimizer state.")
-
-
-def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
-  """Plain Python numbers for logging: means over workers."""
-  sparse = np.array([l.mode == "sparse" for l in plan.leaves])
-  sizes = np.array([l.size for l in plan.leaves], np.float64)
-  selected = np.asarray(stats.selected, np.float64)
-  out = {
-      "wire_bytes": int(np.asarray(stats.wire_bytes).max()),
-      "missing_leaves": float(np.asarray(stats.missing).sum(-1).mean()),
-      "overflow": float(np.asarray(stats.overflow).sum(-1).mean()),
-      "nonfinite_leaves": int(np.asarray(stats.nonfinite).any(0).sum()),
-  }
-  if sparse.any():
-    out["density"] = float(selected[:, sparse].sum(-1).mean() /
-                           sizes[sparse].sum())
-  return out

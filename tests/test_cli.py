@@ -12,10 +12,10 @@ import jax
 import pytest
 
 import jaxfuse
-from jaxfuse import cli
-from jaxfuse.costs import Costs
-from jaxfuse.costs import LinearCost
-from jaxfuse.simulate import simulate
+from jaxfuse.planning import cli
+from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import LinearCost
+from jaxfuse.planning.simulate import simulate
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -110,7 +110,7 @@ def test_profile_plan_show_end_to_end(workdir):
   plan.validate(params)
   assert sorted(plan.ready_order) == list(range(NUM_LEAVES))
   assert plan.provenance["ready_order"] == "jaxpr"
-  order = jaxfuse.ordering.ready_order(loss_fn, params, x)
+  order = jaxfuse.planning.ordering.ready_order(loss_fn, params, x)
   # two groups of the ready order, each a sparse and a dense bucket
   assert len(plan.buckets) == 4
   assert {i for b in plan.buckets[:2] for i in b.leaves} == set(order[:2])
@@ -244,7 +244,7 @@ def test_help_and_sizes(capsys):
 
 def test_console_script_and_test_extra_are_declared():
   project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-  assert project["scripts"]["jaxfuse"] == "jaxfuse.cli:main"
+  assert project["scripts"]["jaxfuse"] == "jaxfuse.planning.cli:main"
   assert any(d.startswith("matplotlib")
              for d in project["optional-dependencies"]["test"])
 

@@ -9,12 +9,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 import pytest
 
-from jaxfuse import costs as costs_lib
+from jaxfuse.planning import costs as costs_lib
 from jaxfuse import plans as plan_lib
-from jaxfuse.costs import Costs
-from jaxfuse.costs import CostsError
-from jaxfuse.costs import LinearCost
-from jaxfuse.simulate import simulate
+from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import CostsError
+from jaxfuse.planning.costs import LinearCost
+from jaxfuse.planning.simulate import simulate
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-12)
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse import fusion
+from jaxfuse import plans as plan_lib
 
 DTYPES = ["float32", "bfloat16", "float16", "int32", "int8"]
 
@@ -21,14 +22,14 @@ def test_words_round_trip_bitwise(dtype, count, seed):
   x = jnp.asarray(bits.view(jnp.dtype(dtype)))
   words = fusion.to_words(x)
   assert words.dtype == jnp.uint32
-  assert words.shape == (fusion.num_words(count, dtype),)
+  assert words.shape == (plan_lib.num_words(count, dtype),)
   back = fusion.from_words(words, dtype, count)
   np.testing.assert_array_equal(np.asarray(back).view(np.uint8), bits)
 
 
 def test_sparse_buffer_round_trip_with_leading_worker_axis():
-  units = [fusion.Unit((0,), 100, 5, 0.05, "dgc", "float32"),
-           fusion.Unit((1,), 50, 3, 0.05, "dgc", "bfloat16")]
+  units = [plan_lib.Unit((0,), 100, 5, 0.05, "dgc", "float32"),
+           plan_lib.Unit((1,), 50, 3, 0.05, "dgc", "bfloat16")]
   parts = [(jnp.arange(5, dtype=jnp.float32) - 2.5,
             jnp.array([1, 7, 99, 100, 100], jnp.int32)),
            (jnp.array([1.5, -2, 3], jnp.bfloat16),

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import fusion
+from jaxfuse import plans as plan_lib
 
 from _harness import init, list_plan, per_device, shard, sharded_update, sync
 from _harness import NUM_WORKERS as K
@@ -84,7 +84,7 @@ def test_conservation(mesh, shapes, density, estimator, strategy, seed):
   plan = list_plan(shapes, density=density, estimator=estimator,
                    strategy=strategy, min_sparse_size=64, num_buckets=2,
                    bucket_bytes=4000)
-  units, _ = fusion.units(plan)
+  units, _ = plan_lib.units(plan)
   state = init(plan, mesh)
   key = jax.random.PRNGKey(seed)
   for _ in range(2):
@@ -99,7 +99,7 @@ def test_conservation(mesh, shapes, density, estimator, strategy, seed):
                                  np.asarray(grads[i]).sum(0), rtol=1e-5,
                                  atol=1e-5)
     for u, unit in enumerate(units):
-      offs = fusion.leaf_offsets(plan, unit)
+      offs = plan_lib.leaf_offsets(plan, unit)
       g_sum = np.concatenate([np.asarray(grads[j], np.float64).sum(0).ravel()
                               for j in unit.leaves])
       sent = np.concatenate([K * np.asarray(synced[j], np.float64).ravel()

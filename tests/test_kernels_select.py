@@ -1,4 +1,4 @@
-"""The Pallas selection kernel equals ``sparsify.select`` bit for bit.
+"""The Pallas selection kernel equals ``reference.select`` bit for bit.
 
 On CPU the kernels run in the Pallas interpreter with small blocks (several
 blocks, a partial tail block, staged blocks and blocks whose mask pass 2
@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxfuse import sparsify
+from jaxfuse.kernels import reference
 from jaxfuse.kernels.selection import _round_to_bfloat16
 from jaxfuse.kernels.selection import select_band_pallas
 from jaxfuse.kernels.selection import select_band_reference
@@ -42,7 +42,7 @@ BF16 = jnp.bfloat16
 
 @functools.partial(jax.jit, static_argnums=2)
 def _reference(acc, tau, capacity, offset):
-  return sparsify.select(acc, tau, capacity, offset)
+  return reference.select(acc, tau, capacity, offset)
 
 
 def _bits(v):
@@ -324,7 +324,7 @@ def test_inside_shard_map(any_mesh):
   kernel = lambda a, t, o: select_pallas(a, t, 60, o, block=BLOCK,
                                          interpret=INTERPRET)
   got = _shard_mapped(kernel, mesh, check_vma=not INTERPRET)(acc, tau, offset)
-  want = _shard_mapped(lambda a, t, o: sparsify.select(a, t, 60, o), mesh,
+  want = _shard_mapped(lambda a, t, o: reference.select(a, t, 60, o), mesh,
                        check_vma=True)(acc, tau, offset)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import fusion
+from jaxfuse import plans as plan_lib
 
 from _harness import init, list_plan, per_device, shard, sync
 from _harness import NUM_WORKERS as K
@@ -60,7 +60,7 @@ def test_momentum_conserves_what_workers_owe(mesh, shapes, density, momentum,
                    min_sparse_size=64, num_buckets=2, estimator=estimator)
   fn, state = _momentum_sync_fn(plan.to_json(), mesh, momentum, nesterov,
                                 mask_momentum)
-  units, _ = fusion.units(plan)
+  units, _ = plan_lib.units(plan)
   rng = np.random.default_rng(seed)
   for _ in range(2):
     grads = [rng.normal(size=(K,) + tuple(s)).astype(np.float32)
@@ -326,7 +326,7 @@ def test_plan_mixing_density_one_and_sparse_buckets_keeps_its_state(mesh):
                                        capacity=leaves[full].size)
     plan = jaxfuse.Plan(tuple(leaves), base.buckets, base.settings,
                         base.provenance)
-    unit = [u for u, x in enumerate(fusion.units(plan)[0])
+    unit = [u for u, x in enumerate(plan_lib.units(plan)[0])
             if x.leaves == (full,)][0]
     state = init(plan, mesh)
     rng = np.random.default_rng(full)

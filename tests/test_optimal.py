@@ -12,12 +12,12 @@ import jax
 import pytest
 
 import jaxfuse
-from jaxfuse import optimal
+from jaxfuse.planning import optimal
 from jaxfuse import plans as plan_lib
-from jaxfuse import planner
-from jaxfuse.costs import Costs
-from jaxfuse.costs import LinearCost
-from jaxfuse.simulate import simulate
+from jaxfuse.planning import planner
+from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import LinearCost
+from jaxfuse.planning.simulate import simulate
 
 FLAGS = [dict(prune_bound=b, prune_dominance=d, prune_states=s)
          for b in (True, False) for d in (True, False) for s in (True, False)]

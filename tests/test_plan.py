@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxfuse
-from jaxfuse import fusion
+from jaxfuse import plans as plan_lib
 
 from _harness import init, list_plan, shard, sharded_update, sync
 
@@ -256,7 +256,7 @@ def test_state_passed_replicated_is_a_clear_error(mesh):
 def test_wire_bytes_match_the_buffers(mesh):
   plan = list_plan([(1000,), (3000,), (10,)], density=0.01, strategy="single",
                    min_sparse_size=100)
-  units, _ = fusion.units(plan)
+  units, _ = plan_lib.units(plan)
   expect = sum(8 * u.capacity for u in units) + 4 * 10
   assert plan.bytes_per_worker() == expect
   _, state = sync(plan, mesh, [jnp.ones((K, 1000)), jnp.ones((K, 3000)),

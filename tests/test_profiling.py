@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfuse import costs as costs_lib
-from jaxfuse import ordering
-from jaxfuse import profiling
+from jaxfuse.planning import costs as costs_lib
+from jaxfuse.planning import ordering
+from jaxfuse.planning import profiling
 
 FAST = dict(repeats=3, warmup=1)
 ON_GPU = jax.default_backend() == "gpu"

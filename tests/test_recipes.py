@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import fusion
+from jaxfuse import plans as plan_lib
 
 from _harness import shard
 from _harness import NUM_WORKERS as K
@@ -275,7 +275,7 @@ def _sync_state(state):
 
 def _per_leaf(plan, buffers):
   """Per-unit (K, size) state buffers -> {leaf name: (K, n)}."""
-  units, _ = fusion.units(plan)
+  units, _ = plan_lib.units(plan)
   out = {}
   for unit, buf in zip(units, buffers):
     (j,) = unit.leaves

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import jaxfuse
-from jaxfuse import fusion
+from jaxfuse import plans as plan_lib
 from jaxfuse import sparsify
+from jaxfuse.kernels import reference
 
 from _harness import init, list_plan, sync
 
@@ -22,7 +23,7 @@ ESTIMATORS = ["topk", "dgc", "gaussian", "redsync", "sidco"]
 
 @functools.partial(jax.jit, static_argnums=2)
 def _select(acc, tau, capacity, offset):
-  return sparsify.select(acc, tau, capacity, offset)
+  return reference.select(acc, tau, capacity, offset)
 
 
 @settings(max_examples=40, deadline=None)
@@ -139,7 +140,7 @@ def test_nonfinite_gradient_propagates_and_keeps_residual(mesh):
   grads = [jax.random.normal(jax.random.fold_in(key, i), (K,) + s)
            for i, s in enumerate(shapes)]
   _, state = sync(plan, mesh, grads, state)  # residuals now non-zero
-  units, _ = fusion.units(plan)
+  units, _ = plan_lib.units(plan)
   unit_of = {u.leaves[0]: i for i, u in enumerate(units)}
   old = [np.asarray(state.residuals[unit_of[j]]) for j in (0, 1)]
   bad = [g for g in grads]
@@ -199,13 +200,13 @@ def test_per_leaf_stats_match_what_was_sent(mesh, strategy, shapes):
   _, state = sync(plan, mesh, [jnp.asarray(g) for g in grads],
                   init(plan, mesh))
   stats = jax.tree.map(np.asarray, state.stats)
-  units, _ = fusion.units(plan)
+  units, _ = plan_lib.units(plan)
   residual_of, unit_finite = {}, {}
   for u, unit in enumerate(units):
     res = np.asarray(state.residuals[u])
     ok = np.all([np.isfinite(grads[j].reshape(K, -1)).all(1)
                  for j in unit.leaves], axis=0)
-    for j, start in zip(unit.leaves, fusion.leaf_offsets(plan, unit)):
+    for j, start in zip(unit.leaves, plan_lib.leaf_offsets(plan, unit)):
       residual_of[j] = res[:, start:start + plan.leaves[j].size]
       unit_finite[j] = ok      # a non-finite unit keeps its residual
   for j, (leaf, g) in enumerate(zip(plan.leaves, grads)):

@@ -10,11 +10,11 @@ import jax
 import pytest
 
 import jaxfuse
-from jaxfuse import optimal
-from jaxfuse import strategies
-from jaxfuse.costs import Costs
-from jaxfuse.costs import LinearCost
-from jaxfuse.simulate import simulate
+from jaxfuse.planning import optimal
+from jaxfuse.planning import strategies
+from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import LinearCost
+from jaxfuse.planning.simulate import simulate
 
 ALL = jaxfuse.STRATEGIES + jaxfuse.COST_STRATEGIES
 OTHERS = [s for s in ALL if s not in ("auto", "behind")]  # behind may starve

@@ -17,6 +17,8 @@ import os
 
 import jax
 
+from jaxfuse.kernels import reference
+
 BACKENDS = ("auto", "pallas", "reference")
 _backend = os.environ.get("JAXFUSE_KERNELS", "auto")
 
@@ -39,14 +41,13 @@ def backend() -> str:
 
 
 def select(acc, tau, capacity: int, offset):
-  """Fixed-capacity threshold selection (see ``sparsify.select``)."""
+  """Fixed-capacity threshold selection (see ``reference.select``)."""
   if backend() == "pallas":
     from jaxfuse.kernels import selection  # pylint: disable=g-import-not-at-top
     return selection.select_pallas(
         acc, tau, capacity, offset,
         interpret=jax.default_backend() != "gpu")
-  from jaxfuse import sparsify  # pylint: disable=g-import-not-at-top
-  return sparsify.select(acc, tau, capacity, offset)
+  return reference.select(acc, tau, capacity, offset)
 
 
 def kth_largest_magnitude(x, k: int):

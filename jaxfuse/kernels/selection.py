@@ -1,7 +1,7 @@
 """Pallas (Triton backend) kernel for fixed-capacity threshold selection.
 
 ``select_pallas(acc, tau, capacity, offset)`` returns exactly what
-:func:`jaxfuse.sparsify.select` returns, bit for bit: the candidates
+:func:`jaxfuse.kernels.reference.select` returns, bit for bit: the candidates
 ``M = {i : |acc_i| ≥ τ, acc_i ≠ 0}`` ranked in the rotated order
 ``offset, offset+1, …, n−1, 0, …, offset−1``, the first ``capacity`` written to
 slots ``0, 1, …`` (value in ``acc``'s dtype, int32 index), the other slots
@@ -65,7 +65,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxfuse import sparsify
+from jaxfuse.kernels import reference
 
 # Fastest of the configurations swept on an H100 at 100M elements, densities
 # 0.01 and 0.05 (benchmarks/kernels.py --sweep; docs/benchmarks.md).
@@ -415,7 +415,7 @@ def _run(acc, taus, capacity, offset, *, band, block, tile, stage, num_warps,
         "select_pallas(interpret=True) inside shard_map needs "
         "check_vma=False: the Pallas interpreter of JAX 0.10-0.12 fails on "
         "operands that vary over manual axes. Off GPU, use "
-        "jaxfuse.sparsify.select (the reference) instead.")
+        "jaxfuse.kernels.reference.select (the reference) instead.")
   out = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
                                                   manual_axis_type=mat)
 
@@ -475,7 +475,7 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
                   stage: int | None = None, num_warps: int | None = None,
                   interpret: bool = False
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Drop-in for :func:`jaxfuse.sparsify.select` as three Pallas kernels.
+  """Drop-in for :func:`jaxfuse.kernels.reference.select` as three Pallas kernels.
 
   Args:
     acc: flat float array (float32, bfloat16 or float16) of n elements.
@@ -528,12 +528,12 @@ def select_band_pallas(acc: jax.Array, lo, hi, capacity: int, *,
 
 
 def select_band_reference(acc, lo, hi, capacity: int, interpret=False):
-  """jnp reference of :func:`select_band_pallas`: ``sparsify.select`` from lo
+  """jnp reference of :func:`select_band_pallas`: ``reference.select`` from lo
   at offset 0 over acc with the elements not below hi zeroed (zeros are never
   candidates), and the count of |acc| ≥ hi, acc ≠ 0."""
   del interpret
   mags = jnp.abs(acc)
-  values, indices, count = sparsify.select(jnp.where(mags < hi, acc, 0), lo,
+  values, indices, count = reference.select(jnp.where(mags < hi, acc, 0), lo,
                                            capacity, 0)
   return values, indices, count, jnp.sum((mags >= hi) & (acc != 0),
                                          dtype=jnp.int32)

@@ -31,7 +31,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from jaxfuse import sparsify
+from jaxfuse.kernels import reference
 from jaxfuse.kernels import selection
 
 SAMPLE = 1 << 18      # sample size s
@@ -47,7 +47,7 @@ BATCHED_PAYS_FROM = 1 << 19
 
 def kth_largest_magnitude_reference(x: jax.Array, k: int) -> jax.Array:
   """The k-th largest |x| by ``lax.top_k`` (a sort of all n elements)."""
-  return sparsify._kth_largest(jnp.abs(x), k)  # pylint: disable=protected-access
+  return reference.kth_largest(jnp.abs(x), k)
 
 
 def band_plan(k: int, n: int) -> tuple[int, int, int, int]:
@@ -73,7 +73,7 @@ def _band(x, k: int, interpret: bool):
   The sample is the same on every call, so the result is deterministic."""
   n = x.shape[0]
   s, r_hi, r_lo, capacity = band_plan(k, n)
-  sample = jnp.sort(jnp.abs(x[sparsify.uniform_index(jnp.uint32(0x5EED), s,
+  sample = jnp.sort(jnp.abs(x[reference.uniform_index(jnp.uint32(0x5EED), s,
                                                      n)]))
   lo = sample[s - r_lo]
   hi = sample[s - r_hi] if r_hi else jnp.asarray(jnp.inf, x.dtype)

@@ -150,7 +150,7 @@ def _load_plan(path: str):
 
 
 def _load_costs(path: str):
-  from jaxfuse import costs  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import costs  # pylint: disable=g-import-not-at-top
   return _load(costs.Costs, path, "costs")
 
 
@@ -198,7 +198,7 @@ def cmd_profile(args) -> int:
       raise UsageError(f"--cpu-devices: {e}; set JAX_NUM_CPU_DEVICES="
                        f"{args.cpu_devices} in the environment instead.") from e
   from jaxfuse import _compat  # pylint: disable=g-import-not-at-top
-  from jaxfuse import profiling  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import profiling  # pylint: disable=g-import-not-at-top
   for flag, sweep in (("--sizes", args.sizes),
                       ("--compress-sizes", args.compress_sizes)):
     if sweep is not None and len(set(sweep)) < 2:
@@ -240,14 +240,14 @@ PLAN_OPTIONS = ("density", "strategy", "estimator", "num_buckets",
 
 
 def _strategies() -> tuple[str, ...]:
-  from jaxfuse import planner  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
   return tuple(planner.STRATEGIES) + tuple(getattr(planner, "COST_STRATEGIES",
                                                    ()))
 
 
 def cmd_plan(args) -> int:
   import jaxfuse  # pylint: disable=g-import-not-at-top
-  from jaxfuse import simulate  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
   kwargs = {k: getattr(args, k) for k in PLAN_OPTIONS
             if getattr(args, k) is not None}
   costs = None
@@ -301,8 +301,8 @@ def _short(path: str, width: int = 28) -> str:
 
 def plan_table(plan, timeline=None) -> str:
   """One row per bucket (and totals); with a timeline, its times in ms."""
-  from jaxfuse import fusion  # pylint: disable=g-import-not-at-top
-  wire = fusion.bucket_wire_bytes(plan)
+  from jaxfuse import plans as plan_lib  # pylint: disable=g-import-not-at-top
+  wire = plan_lib.bucket_payload_bytes(plan)
   header = ["bucket", "collective", "leaves", "elements", "capacity",
             "wire bytes"]
   if timeline is not None:
@@ -340,7 +340,7 @@ def plan_table(plan, timeline=None) -> str:
 
 
 def cmd_show(args) -> int:
-  from jaxfuse import simulate  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
   plan = _load_plan(args.plan)
   costs = _load_costs(args.costs) if args.costs else None
   if args.output and costs is None:
@@ -379,7 +379,7 @@ def cmd_show(args) -> int:
     if note:
       print(note)
   if args.output:
-    from jaxfuse import timeline_plot  # pylint: disable=g-import-not-at-top
+    from jaxfuse.planning import timeline_plot  # pylint: disable=g-import-not-at-top
     try:
       timeline_plot.plot_timeline(plan, timeline, args.output)
     except ImportError as e:

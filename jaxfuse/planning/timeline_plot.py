@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from jaxfuse import plans as plan_lib
-from jaxfuse import simulate as simulate_lib
+from jaxfuse.planning import simulate as simulate_lib
 
 MS = 1e3
 _FORWARD = "#9e9e9e"
@@ -38,7 +38,7 @@ def _matplotlib():
 def plot_timeline(plan: plan_lib.Plan, timeline: simulate_lib.Timeline,
                   path: str | os.PathLike | None = None, *,
                   title: str | None = None):
-  """Draw ``timeline`` (from ``jaxfuse.simulate.simulate(plan, costs)``).
+  """Draw ``timeline`` (from ``jaxfuse.planning.simulate.simulate(plan, costs)``).
 
   Saves to ``path`` (format from its suffix, e.g. ``.png``, ``.svg``) when
   given; returns the matplotlib ``Figure``.

@@ -1,6 +1,6 @@
 """Cost-model groupings: SAFusion §3.3, Cupcake Alg. 1, ASC-WFBP, MG-WFBP.
 
-Pure functions over a ``GroupingProblem`` (``jaxfuse.optimal``): the leaves
+Pure functions over a ``GroupingProblem`` (``jaxfuse.planning.optimal``): the leaves
 in backward-ready order, positions p = 0 … N-1, with backward b_p,
 compression h_p (sparse leaves, one unit each), wire bytes w_p, the two
 collective lines and η. Each returns groups of leaf ids in ready order;
@@ -14,8 +14,8 @@ are those of the papers' ideal timeline (one link, wait-free backprop):
                                                   the collectives they share)
 
 ``densify`` switches groups to dense where the simulator says sparse does not
-pay. Which of all the plans wins is decided in ``jaxfuse.planner`` by
-``jaxfuse.simulate``; docs/planner.md has the maths and the XLA mapping.
+pay. Which of all the plans wins is decided in ``jaxfuse.planning.planner`` by
+``jaxfuse.planning.simulate``; docs/planner.md has the maths and the XLA mapping.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import itertools
 import math
 from typing import Sequence
 
-from jaxfuse import costs as costs_lib
-from jaxfuse import optimal
-from jaxfuse import planner
+from jaxfuse.planning import costs as costs_lib
+from jaxfuse.planning import optimal
+from jaxfuse.planning import grouping
 from jaxfuse import plans as plan_lib
 
 Groups = tuple[tuple[int, ...], ...]
@@ -37,7 +37,7 @@ NORMAL, MERGED, SIMULTANEOUS = "normal", "merged", "simultaneous"
 def problem(leaves: Sequence[plan_lib.LeafPlan], order: Sequence[int],
             costs: costs_lib.Costs) -> optimal.GroupingProblem:
   """The leaves (pytree order) in ready ``order``, with their costs."""
-  layerwise = planner.buckets_from_groups(leaves, [[i] for i in order],
+  layerwise = grouping.buckets_from_groups(leaves, [[i] for i in order],
                                           behind=False, headroom=1.0)
   return optimal.GroupingProblem.from_plan(
       plan_lib.Plan(tuple(leaves), layerwise), costs, order)

@@ -52,8 +52,8 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import compile_options
-from jaxfuse import costs as costs_lib
-from jaxfuse import ordering
+from jaxfuse.planning import costs as costs_lib
+from jaxfuse.planning import ordering
 from jaxfuse import plans as plan_lib
 from jaxfuse import sparsify
 from jaxfuse.version import __version__

@@ -12,7 +12,7 @@ contention factor γ of ASC-WFBP §III (each of two simultaneous collectives
 moves its bytes γ times slower) and the overlap η: the share of the
 communication that XLA really hides behind backward compute (1 is the ideal
 WFBP of the papers; measured ≈ 0.25 on 2×H200 over NCCL's socket
-transport). ``jaxfuse.simulate`` turns a plan and these costs into a
+transport). ``jaxfuse.planning.simulate`` turns a plan and these costs into a
 timeline.
 
 JSON only, never pickle, like ``Plan``: ``{"format": "jaxfuse.costs",

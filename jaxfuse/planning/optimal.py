@@ -21,7 +21,7 @@ group [a..j] starting on the compute stream at P_a = Σ_{p<a} (b_p + h_p):
                        E ← max(r_d, E) + g_ps(Σ dense w)
   iteration            forward + max(E_final, P_N + (1 − η)·G)
 
-(G: total communication, η: ``costs.overlap``; see ``jaxfuse.simulate``).
+(G: total communication, η: ``costs.overlap``; see ``jaxfuse.planning.simulate``).
 P_a at a group boundary does not depend on the grouping: the compute time
 of a group is its backward plus one compression per sparse leaf.
 
@@ -89,11 +89,11 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse import costs as costs_lib
+from jaxfuse.planning import costs as costs_lib
 from jaxfuse import fusion
-from jaxfuse import planner
+from jaxfuse.planning import grouping
 from jaxfuse import plans as plan_lib
-from jaxfuse import simulate as simulate_lib
+from jaxfuse.planning import simulate as simulate_lib
 
 
 # --- plans from groups -------------------------------------------------------
@@ -119,7 +119,7 @@ def plan_from_groups(base: plan_lib.Plan, groups: Sequence[Sequence[int]], *,
     if any(not 0 <= i < len(leaves) for i in group):
       raise plan_lib.PlanError(f"group {group} has leaf ids out of range "
                                f"[0, {len(leaves)}).")
-  buckets = planner.buckets_from_groups(leaves, groups,
+  buckets = grouping.buckets_from_groups(leaves, groups,
                                         behind=sparsify == "behind",
                                         headroom=base.settings.headroom)
   prov = dict(base.provenance)
@@ -133,7 +133,7 @@ def plan_from_groups(base: plan_lib.Plan, groups: Sequence[Sequence[int]], *,
 def _leaf_wire_bytes(leaf: plan_lib.LeafPlan) -> int:
   if leaf.mode == "dense":
     return leaf.size * jnp.dtype(leaf.dtype).itemsize
-  unit = fusion.Unit((0,), leaf.size, leaf.capacity, leaf.density,
+  unit = plan_lib.Unit((0,), leaf.size, leaf.capacity, leaf.density,
                      leaf.estimator, leaf.dtype)
   return 4 * sum(fusion.unit_words(unit))
 

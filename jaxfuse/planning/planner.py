@@ -14,7 +14,7 @@ Simple rules (``STRATEGIES``; no costs needed):
              threshold over the fused buffer (sparsification-behind baseline)
 
 Cost-model strategies (``COST_STRATEGIES``; need ``costs``, see
-``jaxfuse.strategies`` and docs/planner.md):
+``jaxfuse.planning.strategies`` and docs/planner.md):
 
   safusion   SAFusion §3.3: adaptive buffer sizes (Eq. 1-2), long tail (Eq. 3)
   cupcake    Cupcake Alg. 1: the optimal grouping under ``simulate``
@@ -34,10 +34,12 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from jaxfuse import costs as costs_lib
-from jaxfuse import ordering
+from jaxfuse.planning import costs as costs_lib
+from jaxfuse.planning import grouping
+from jaxfuse.planning import ordering
 from jaxfuse import plans as plan_lib
-from jaxfuse import simulate as simulate_lib
+from jaxfuse.planning import simulate as simulate_lib
+from jaxfuse.planning import strategies
 from jaxfuse.version import __version__
 
 STRATEGIES = ("layerwise", "single", "aligned", "size", "behind")
@@ -53,7 +55,6 @@ def _groups(strategy, order, nbytes, num_buckets, bucket_bytes, *,
   """Leaf ids per group, in ready order; the cost strategies but "auto" need
   ``leaves`` and ``costs``."""
   if strategy in COST_STRATEGIES:
-    from jaxfuse import strategies  # pylint: disable=g-import-not-at-top
     p = strategies.problem(leaves, order, costs)
     if strategy == "safusion":
       return strategies.safusion(p, num_buckets)
@@ -82,6 +83,9 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, headroom: float = 1.5,
          min_sparse_size: int = 1024, refresh: int = 1, feedback: bool = True,
          sample_fraction: float = 0.01, sidco_stages: int = 2, seed: int = 0,
+         collective: str = "allgather", zen_table: float = 2.0,
+         zen_union: float = 1.0, spardl_teams: int = 1,
+         hier_inner: str = "allgather",
          loss_fn: Callable | None = None, example_args: Sequence = (),
          ready_order: Sequence[int] | None = None,
          costs: costs_lib.Costs | str | os.PathLike | None = None
@@ -100,10 +104,15 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
     headroom: capacity c = ⌈ρ·n·headroom⌉ (``"topk"``: c = ⌈ρ·n⌉ exactly).
     min_sparse_size: leaves with fewer elements (and non-float leaves) go dense.
     refresh, feedback, sample_fraction, sidco_stages, seed: ``plan.Settings``.
+    collective: the scheme of every sparse bucket, one of
+      ``plans.SPARSE_COLLECTIVES`` (``jaxfuse.collectives``; dense buckets
+      always ``"psum"``).
+    zen_table, zen_union, spardl_teams, hier_inner: the schemes'
+      ``plan.Settings``.
     loss_fn, example_args: ``loss_fn(params, *example_args)``; its gradient's
       jaxpr gives the backward-ready order. Without it, reverse pytree order.
     ready_order: leaf ids in ready order, overriding ``loss_fn``.
-    costs: a ``jaxfuse.costs.Costs`` or the path of its JSON, measured for
+    costs: a ``jaxfuse.planning.costs.Costs`` or the path of its JSON, measured for
       this model (``costs.backward`` per leaf, pytree order). Needed by
       ``COST_STRATEGIES``; with any strategy it adds the simulated step time
       to ``plan.provenance["predicted_iteration"]``.
@@ -120,13 +129,19 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
     raise plan_lib.PlanError(f"num_buckets={num_buckets!r} must be an int >= 1.")
   if not bucket_bytes > 0:
     raise plan_lib.PlanError(f"bucket_bytes={bucket_bytes!r} must be > 0.")
+  if collective not in plan_lib.SPARSE_COLLECTIVES:
+    raise plan_lib.PlanError(f"collective={collective!r}; use one of "
+                             f"{plan_lib.SPARSE_COLLECTIVES}.")
   if not (isinstance(min_sparse_size, int) and min_sparse_size >= 1):
     raise plan_lib.PlanError(
         f"min_sparse_size={min_sparse_size!r} must be an int >= 1.")
   settings = plan_lib.Settings(headroom=headroom, min_sparse_size=min_sparse_size,
                                refresh=refresh, feedback=feedback,
                                sample_fraction=sample_fraction,
-                               sidco_stages=sidco_stages, seed=seed)
+                               sidco_stages=sidco_stages, seed=seed,
+                               zen_table=zen_table, zen_union=zen_union,
+                               spardl_teams=spardl_teams,
+                               hier_inner=hier_inner)
 
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   if not flat:
@@ -165,6 +180,7 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
       "strategy": strategy, "jaxfuse_version": __version__,
       "ready_order": source,
       "parameters": {"density": density, "estimator": estimator,
+                     "collective": collective,
                      "num_buckets": num_buckets, "bucket_bytes": bucket_bytes},
   }
   nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
@@ -175,8 +191,9 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
   else:
     groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
                      leaves=leaves, costs=costs)
-  buckets = buckets_from_groups(leaves, groups, behind=strategy == "behind",
-                                headroom=headroom)
+  buckets = grouping.buckets_from_groups(
+      leaves, groups, behind=strategy == "behind", headroom=headroom,
+      collective=collective)
   made = plan_lib.Plan(tuple(leaves), buckets, settings, provenance)
   if costs is None:
     return made
@@ -191,10 +208,10 @@ def _load_costs(costs, strategy, num_leaves):
   if costs is None:
     if strategy in COST_STRATEGIES:
       raise plan_lib.PlanError(
-          f"strategy={strategy!r} needs costs=: a jaxfuse.costs.Costs or the "
+          f"strategy={strategy!r} needs costs=: a jaxfuse.planning.costs.Costs or the "
           "path of a costs JSON. Measure them on the training mesh with "
           "`jaxfuse profile`, or load a file with "
-          "jaxfuse.costs.Costs.load(path).")
+          "jaxfuse.planning.costs.Costs.load(path).")
     return None
   if isinstance(costs, (str, os.PathLike)):
     try:
@@ -205,7 +222,7 @@ def _load_costs(costs, strategy, num_leaves):
           "written by `jaxfuse profile` or by Costs.save.") from e
   if not isinstance(costs, costs_lib.Costs):
     raise plan_lib.PlanError(
-        f"costs must be a jaxfuse.costs.Costs or a path, not "
+        f"costs must be a jaxfuse.planning.costs.Costs or a path, not "
         f"{type(costs).__name__}.")
   try:
     costs.check(num_leaves, holder="params")
@@ -230,7 +247,7 @@ def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
   only if ``simulate`` says it is faster. (``behind`` is no candidate: it
   may leave tensors out of a step.) Returns (leaves, groups, report).
   """
-  from jaxfuse import strategies  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import strategies  # pylint: disable=g-import-not-at-top
   dense = tuple(_dense(l) for l in leaves)
   rules = [("layerwise", "layerwise", num_buckets, bucket_bytes),
            ("single", "single", num_buckets, bucket_bytes)]
@@ -250,7 +267,7 @@ def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
               for name, rule, m, b in rules]
 
   def time(ls, groups):
-    buckets = buckets_from_groups(ls, groups, behind=False,
+    buckets = grouping.buckets_from_groups(ls, groups, behind=False,
                                   headroom=settings.headroom)
     return simulate_lib.simulate(plan_lib.Plan(ls, buckets, settings),
                                  costs).iteration
@@ -275,27 +292,3 @@ def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
         best = (times[trial], trial, mixed, gs)
   _, winner, ls, groups = best
   return ls, groups, {"winner": winner, "candidates": times}
-
-
-def buckets_from_groups(leaves, groups, *, behind: bool,
-                        headroom: float) -> tuple[plan_lib.BucketPlan, ...]:
-  """Each group (leaf ids in ready order) -> a sparse bucket, then a dense one.
-
-  With ``behind`` a sparse bucket is selected jointly: one τ over the fused
-  buffer, capacity ⌈ρ·Σn·headroom⌉ (``"topk"``: ⌈ρ·Σn⌉).
-  """
-  buckets = []
-  for group in groups:
-    sparse = [i for i in group if leaves[i].mode == "sparse"]
-    dense = [i for i in group if leaves[i].mode == "dense"]
-    if sparse and behind:
-      density, estimator = leaves[sparse[0]].density, leaves[sparse[0]].estimator
-      size = sum(leaves[i].size for i in sparse)
-      cap = plan_lib.capacity(density, size, estimator, headroom)
-      buckets.append(plan_lib.BucketPlan(tuple(sparse), "allgather", "behind",
-                                         cap, estimator, float(density)))
-    elif sparse:
-      buckets.append(plan_lib.BucketPlan(tuple(sparse), "allgather"))
-    if dense:
-      buckets.append(plan_lib.BucketPlan(tuple(dense), "psum"))
-  return tuple(buckets)

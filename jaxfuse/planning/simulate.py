@@ -9,7 +9,7 @@ order (``plan.ready_order``: bucket after bucket), each taking
 ``costs.backward[leaf]``. Right after a sparse (``"allgather"``) bucket's
 last leaf is produced, the bucket is sparsified on the same stream (it
 shares the GPU, so it delays the later backward work): the sum over its
-selection units (``fusion.units``) of ``costs.compress.time(unit.size)``.
+selection units (``plan_lib.units``) of ``costs.compress.time(unit.size)``.
 A dense (``"psum"``) bucket has no compression. The compute stream ends at
 ``compute_end = forward + Σ backward + Σ compression``.
 
@@ -42,8 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxfuse import costs as costs_lib
-from jaxfuse import fusion
+from jaxfuse.planning import costs as costs_lib
 from jaxfuse import plans as plan_lib
 
 
@@ -111,7 +110,7 @@ class Timeline:
 def compression_times(plan: plan_lib.Plan,
                       costs: costs_lib.Costs) -> list[float]:
   """Per bucket: Σ over its selection units of compress.time(unit.size)."""
-  units, per_bucket = fusion.units(plan)
+  units, per_bucket = plan_lib.units(plan)
   return [sum(costs.compress.time(units[u].size) for u in ids)
           for ids in per_bucket]
 
@@ -123,7 +122,7 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs) -> Timeline:
   costs do not have one backward time per leaf of the plan.
   """
   costs.check(len(plan.leaves))
-  wire = fusion.bucket_wire_bytes(plan)
+  wire = plan_lib.bucket_payload_bytes(plan)
   compress = compression_times(plan, costs)
 
   # Compute stream: forward, then each bucket's leaves and its compression.

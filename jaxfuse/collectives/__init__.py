@@ -1,0 +1,66 @@
+"""Collective schemes: one per module, one interface (``base.Scheme``).
+
+  allgather   AGsparse: all_gather of the packed slots (lossless)
+  zen         ZEN Balanced Parallelism: hash partition, all_to_all, reduce,
+              all_gather of the reduced partitions (hash bitmap)
+  spardl      SparDL: Spar-Reduce-Scatter (Bruck rounds of ppermute, global
+              residual) then Spar-All-Gather (teams: R-SAG / B-SAG)
+  hier        hosts × local devices: dense reduce-scatter over the fast
+              local axis, a sparse scheme over the host axis, all_gather back
+  psum        dense buckets: one all-reduce
+
+``transform`` looks a bucket's scheme up with ``get(bucket.collective)``;
+``planning`` asks the same object for its wire steps and their cost.
+"""
+
+from __future__ import annotations
+
+from jaxfuse import plans as plan_lib
+from jaxfuse.collectives import base
+from jaxfuse.collectives.allgather import AllGather
+from jaxfuse.collectives.base import Scheme
+from jaxfuse.collectives.base import SchemeError
+from jaxfuse.collectives.base import Step
+from jaxfuse.collectives.base import Synced
+from jaxfuse.collectives.base import Wire
+from jaxfuse.collectives.hier import Hier
+from jaxfuse.collectives.psum import Psum
+from jaxfuse.collectives.spardl import SparDL
+from jaxfuse.collectives.zen import Zen
+
+SCHEMES: dict[str, Scheme] = {
+    s.name: s for s in (AllGather(), Zen(), SparDL(), Hier(), Psum())}
+
+
+def get(name: str) -> Scheme:
+  """The scheme called ``name`` (``plans.COLLECTIVES``)."""
+  if name not in SCHEMES:
+    raise plan_lib.PlanError(f"collective {name!r} is not available; use one "
+                             f"of {tuple(SCHEMES)}.")
+  return SCHEMES[name]
+
+
+def bucket_steps(plan: plan_lib.Plan, num_workers: int
+                 ) -> list[tuple[Step, ...]]:
+  """Per bucket, the primitives its scheme puts on the wire for K workers
+  (a density-1 sparse bucket goes through one all-reduce, like dense)."""
+  all_units, per_bucket = plan_lib.units(plan)
+  out = []
+  for b, unit_ids in zip(plan.buckets, per_bucket):
+    units = [all_units[u] for u in unit_ids]
+    if b.collective == "psum" or all(plan_lib.is_full(u) for u in units):
+      leaves = [(plan.leaves[j].size, plan.leaves[j].dtype) for j in b.leaves]
+      out.append(SCHEMES["psum"].steps(leaves, num_workers, plan.settings))
+    else:
+      out.append(get(b.collective).steps(units, num_workers, plan.settings))
+  return out
+
+
+def bucket_wire(plan: plan_lib.Plan, num_workers: int) -> list[Wire]:
+  """Per bucket, bytes one worker sends and receives per step."""
+  return [base.wire(s, num_workers) for s in bucket_steps(plan, num_workers)]
+
+
+__all__ = ["AllGather", "Hier", "Psum", "SCHEMES", "Scheme", "SchemeError", "SparDL",
+           "Step", "Synced", "Wire", "Zen", "base", "bucket_steps",
+           "bucket_wire", "get"]

@@ -1,0 +1,53 @@
+"""The jnp references of the kernels, and the hashing they share.
+
+Each Pallas kernel in this package is checked bit for bit against its
+reference here; ``jaxfuse.kernels`` picks one of the two per backend, and
+``sparsify`` builds on these (it imports kernels, never the other way).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+
+def hash32(x) -> jax.Array:
+  """A 32-bit integer mix ("lowbias32"); uniform enough for sampling."""
+  x = jnp.asarray(x, jnp.uint32)
+  x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+  x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def uniform_index(salt_, count: int, n: int) -> jax.Array:
+  """``count`` pseudo-random indices in [0, n) (or a scalar if count is 0)."""
+  i = jnp.arange(max(count, 1), dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
+  idx = (hash32(salt_ ^ i) % jnp.uint32(n)).astype(jnp.int32)
+  return idx if count else idx[0]
+
+
+def kth_largest(a: jax.Array, k: int) -> jax.Array:
+  """The k-th largest of a flat ``a`` (``lax.top_k``, a sort of all n)."""
+  return lax.top_k(a, k)[0][k - 1]
+
+
+def select(acc: jax.Array, tau: jax.Array, capacity: int,
+           offset: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Fixed-capacity threshold selection of a flat ``acc``.
+
+  Candidates are ranked in the rotated order offset, offset+1, …, n−1, 0, …
+  and the first ``capacity`` are written; the rest of the slots get the
+  sentinel index n. Returns (values[c], indices[c] int32, true count m).
+  """
+  n = acc.size
+  mask = (jnp.abs(acc) >= tau) & (acc != 0)
+  inclusive = jnp.cumsum(mask, dtype=jnp.int32)
+  total = inclusive[-1]
+  before = jnp.where(offset > 0, inclusive[jnp.maximum(offset - 1, 0)], 0)
+  pos = jnp.arange(n, dtype=jnp.int32)
+  rank = jnp.where(pos >= offset, inclusive - before, inclusive + total - before) - 1
+  slot = jnp.where(mask & (rank < capacity), rank, capacity)
+  indices = jnp.full((capacity,), n, jnp.int32).at[slot].set(pos, mode="drop")
+  values = acc.at[indices].get(mode="fill", fill_value=0)
+  return values, indices, total

@@ -1,0 +1,9 @@
+"""The offline wing: everything that makes or judges a plan before training.
+
+costs (the cost model) ← profiling (measures it), simulate (the timeline
+objective) ← optimal (exact grouping) ← strategies (the papers' groupings)
+← planner (the ``jaxfuse.plan`` front door) ← cli, timeline_plot. ordering
+reads the backward-ready order from the gradient's jaxpr. Nothing here runs
+inside the train step; the step wing (transform, sparsify, fusion,
+collectives, kernels) never imports this package.
+"""

@@ -1,0 +1,149 @@
+"""Per-step statistics of ``sparse_sync``: what each worker sent, per leaf.
+
+Assembled from chunks, one per vmapped group of units or per dense bucket
+(``(leaf ids, {stat: per-leaf array})``), put back in leaf order and into a
+``SyncStats`` with a leading worker axis of size 1 (K outside shard_map).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse import _compat
+from jaxfuse import fusion
+from jaxfuse import plans as plan_lib
+
+
+class SyncStats(NamedTuple):
+  """What the last step did, per worker (leading axis) and per leaf.
+
+  selected: elements sent (dense leaves: all of them).
+  candidates: elements with |acc| ≥ τ (above capacity they stay in the residual).
+  overflow: candidates − selected, what capacity held back.
+  threshold: τ used (a "behind" bucket's one τ for each of its leaves).
+  missing: the leaf had a non-zero gradient and sent nothing (SAFusion's
+    tensor missing).
+  nonfinite: the leaf's gradient had a NaN or Inf (its residual was kept).
+  wire_bytes: bytes this worker put into collectives.
+  """
+  selected: jax.Array
+  candidates: jax.Array
+  overflow: jax.Array
+  threshold: jax.Array
+  missing: jax.Array
+  nonfinite: jax.Array
+  wire_bytes: jax.Array
+
+
+def empty_stats(num_leaves: int) -> SyncStats:
+  zi = jnp.zeros((1, num_leaves), jnp.int32)
+  zb = jnp.zeros((1, num_leaves), bool)
+  return SyncStats(zi, zi, zi, jnp.zeros((1, num_leaves), jnp.float32), zb,
+                   zb, jnp.zeros((1,), jnp.float32))
+
+
+def segment_counts(flags: jax.Array, sizes) -> jax.Array:
+  """Number of True flags in each consecutive segment (static ``sizes``) of
+  a flat bool array, from one cumsum: c[end] − c[start]."""
+  sizes = np.asarray(sizes)
+  ends = np.cumsum(sizes)
+  c = jnp.concatenate([jnp.zeros((1,), jnp.int32),
+                       jnp.cumsum(flags, dtype=jnp.int32)])
+  return c[ends] - c[ends - sizes]
+
+
+def sparse_stats(plan, units, out, stacked):
+  """Stats chunks of one vmapped group: (leaf ids, {stat: per-leaf array})."""
+  if all(len(u.leaves) == 1 for u in units):
+    return [([u.leaves[0] for u in units], dict(
+        selected=jnp.sum(out.indices < units[0].size, axis=1,
+                         dtype=jnp.int32),
+        candidates=out.count,
+        threshold=out.tau,
+        nonfinite=out.nonfinite,
+        nonzero=jnp.any(stacked != 0, axis=1)))]
+  chunks = []
+  for i, unit in enumerate(units):   # a "behind" unit: several leaves
+    sizes = [plan.leaves[j].size for j in unit.leaves]
+    acc, grad = out.acc[i], stacked[i]
+    sent = jnp.zeros((unit.size,), bool).at[out.indices[i]].set(
+        True, mode="drop")
+    candidate = (jnp.abs(acc) >= out.tau[i]) & (acc != 0)
+    chunks.append((list(unit.leaves), dict(
+        selected=segment_counts(sent, sizes),
+        candidates=segment_counts(candidate, sizes),
+        threshold=jnp.full((len(sizes),), out.tau[i], jnp.float32),
+        nonfinite=segment_counts(~jnp.isfinite(grad), sizes) > 0,
+        nonzero=segment_counts(grad != 0, sizes) > 0)))
+  return chunks
+
+
+def dense_stats(plan, leaf_ids, flat):
+  """Stats chunks of a dense (psum) bucket: everything is sent. The flags
+  come from the psum's own per-dtype buffers (``fusion.pack_dense``);
+  non-float leaves (no gradient) are neither non-finite nor non-zero."""
+  floats = [j for j in leaf_ids if _compat.is_float_dtype(flat[j].dtype)]
+  others = [j for j in leaf_ids if j not in floats]
+  sizes = lambda ids: [plan.leaves[j].size for j in ids]
+  chunk = lambda ids, nonfinite, nonzero: (ids, dict(
+      selected=jnp.asarray(sizes(ids), jnp.int32),
+      candidates=jnp.asarray(sizes(ids), jnp.int32),
+      threshold=jnp.zeros((len(ids),), jnp.float32),
+      nonfinite=nonfinite, nonzero=nonzero))
+  chunks = []
+  for dtype, g in fusion.pack_dense([flat[j] for j in floats]).items():
+    ids = [j for j in floats if str(flat[j].dtype) == dtype]
+    chunks.append(chunk(ids, segment_counts(~jnp.isfinite(g), sizes(ids)) > 0,
+                        segment_counts(g != 0, sizes(ids)) > 0))
+  if others:
+    none = jnp.zeros((len(others),), bool)
+    chunks.append(chunk(others, none, none))
+  return chunks
+
+
+def in_order(chunks):
+  """[(ids, tree of (len(ids),) arrays)] -> one tree of arrays indexed by id
+  (the ids of all chunks together are 0, 1, …, n−1 in some order)."""
+  ids = np.concatenate([np.asarray(i, np.int64) for i, _ in chunks])
+  order = np.argsort(ids, kind="stable")
+  assert (ids[order] == np.arange(len(ids))).all(), ids
+  cat = jax.tree.map(lambda *xs: jnp.concatenate(xs),
+                     *[tree for _, tree in chunks])
+  if (order == np.arange(len(ids))).all():
+    return cat
+  return jax.tree.map(lambda x: x[order], cat)
+
+
+def finish_stats(per_leaf, wire_bytes) -> SyncStats:
+  row = lambda x, dtype: jnp.asarray(x, dtype)[None]
+  selected = row(per_leaf["selected"], jnp.int32)
+  candidates = row(per_leaf["candidates"], jnp.int32)
+  return SyncStats(
+      selected=selected,
+      candidates=candidates,
+      overflow=jnp.maximum(candidates - selected, 0),
+      threshold=row(per_leaf["threshold"], jnp.float32),
+      missing=row(per_leaf["nonzero"], bool) & (selected == 0),
+      nonfinite=row(per_leaf["nonfinite"], bool),
+      wire_bytes=jnp.full((1,), wire_bytes, jnp.float32))
+
+
+def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
+  """Plain Python numbers for logging: means over workers."""
+  sparse = np.array([l.mode == "sparse" for l in plan.leaves])
+  sizes = np.array([l.size for l in plan.leaves], np.float64)
+  selected = np.asarray(stats.selected, np.float64)
+  out = {
+      "wire_bytes": int(np.asarray(stats.wire_bytes).max()),
+      "missing_leaves": float(np.asarray(stats.missing).sum(-1).mean()),
+      "overflow": float(np.asarray(stats.overflow).sum(-1).mean()),
+      "nonfinite_leaves": int(np.asarray(stats.nonfinite).any(0).sum()),
+  }
+  if sparse.any():
+    out["density"] = float(selected[:, sparse].sum(-1).mean() /
+                           sizes[sparse].sum())
+  return out
