@@ -28,7 +28,8 @@ class SyncStats(NamedTuple):
   missing: the leaf had a non-zero gradient and sent nothing (SAFusion's
     tensor missing).
   nonfinite: the leaf's gradient had a NaN or Inf (its residual was kept).
-  wire_bytes: bytes this worker put into collectives.
+  wire_bytes: bytes this worker sent on the wire this step (its buckets'
+    schemes on K workers: ``collectives.bucket_wire``).
   """
   selected: jax.Array
   candidates: jax.Array

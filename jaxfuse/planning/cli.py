@@ -236,7 +236,8 @@ def cmd_profile(args) -> int:
 # --- plan -----------------------------------------------------------------------------
 
 PLAN_OPTIONS = ("density", "strategy", "estimator", "num_buckets",
-                "bucket_bytes", "headroom", "min_sparse_size")
+                "bucket_bytes", "headroom", "min_sparse_size", "collective",
+                "num_workers")
 
 
 def _strategies() -> tuple[str, ...]:
@@ -487,6 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
                   help="capacity over target count, >= 1")
   pl.add_argument("--min-sparse-size", type=_positive_int,
                   help="leaves with fewer elements go dense")
+  pl.add_argument("--collective",
+                  help="sparse buckets' scheme: allgather, zen, spardl, hier "
+                  "(with --costs, auto picks one per bucket)")
+  pl.add_argument("--workers", dest="num_workers", type=_positive_int,
+                  help="K to plan for (default: the costs' device count)")
   pl.set_defaults(run=cmd_plan)
 
   sh = sub.add_parser(

@@ -6,7 +6,8 @@ operation whose time depends on a size is a straight line::
   one collective moving x bytes per worker   g(x) = α_g + β_g·x
   sparsifying one unit of x elements         h(x) = α_h + β_h·x
 
-(one line per collective kind), plus the measured per-leaf backward compute
+(one line per collective kind, measured on ``workers`` = K₀ devices), plus
+the measured per-leaf backward compute
 times (in the plan's leaf order, i.e. pytree order), the forward time, the
 contention factor γ of ASC-WFBP §III (each of two simultaneous collectives
 moves its bytes γ times slower) and the overlap η: the share of the
@@ -14,6 +15,21 @@ communication that XLA really hides behind backward compute (1 is the ideal
 WFBP of the papers; measured ≈ 0.25 on 2×H200 over NCCL's socket
 transport). ``jaxfuse.planning.simulate`` turns a plan and these costs into a
 timeline.
+
+Other worker counts K (``primitive_time``). Each measured line is read as
+its ring algorithm on K₀ workers, which gives a per-message link cost
+(a, b), and the same algorithm is evaluated on K workers::
+
+  all_gather  (K−1) messages of x        (K−1)/(K₀−1)·(α + β·x)
+  all_reduce  2(K−1) messages of x/K     (K−1)/(K₀−1)·α + (K−1)K₀/(K(K₀−1))·β·x
+  all_to_all  K−1 messages of x/K        as all_reduce from its own line,
+                                         else (K−1)·(a + b·x/K) with the
+                                         all_gather's a = α/(K₀−1), b = β/(K₀−1)
+  ppermute    one message of x           α + β·x of its own line, else a + b·x
+
+``"alltoall"`` and ``"ppermute"`` lines are optional (``jaxfuse profile``
+measures them); a scheme's time is the sum over its steps
+(``jaxfuse.collectives``: ``Step(primitive, bytes)``).
 
 JSON only, never pickle, like ``Plan``: ``{"format": "jaxfuse.costs",
 "version": 1, ...}``. A bad, corrupted or newer file raises ``CostsError``
@@ -34,7 +50,12 @@ from jaxfuse import _jsonfile
 
 FORMAT = "jaxfuse.costs"
 FORMAT_VERSION = 1
-COLLECTIVES = ("allgather", "psum")  # == plans.COLLECTIVES (no JAX import here)
+COLLECTIVES = ("allgather", "psum")       # required lines
+OPTIONAL_COLLECTIVES = ("alltoall", "ppermute")
+MEASURABLE = COLLECTIVES + OPTIONAL_COLLECTIVES
+# A scheme's wire primitives (collectives.base.PRIMITIVES) -> the line used.
+PRIMITIVE_LINE = {"allgather": "allgather", "allreduce": "psum",
+                  "alltoall": "alltoall", "ppermute": "ppermute"}
 
 
 class CostsError(ValueError):
@@ -128,8 +149,9 @@ def contention_penalty(cost: LinearCost, gamma: float, nbytes_first: float,
 class Costs:
   """Everything the simulator needs besides the plan.
 
-  collectives: {"allgather": LinearCost, "psum": LinearCost}: time of ONE
-    collective moving x bytes per worker.
+  collectives: {"allgather": LinearCost, "psum": LinearCost} and optionally
+    "alltoall", "ppermute": time of ONE collective moving x bytes per worker
+    on ``workers`` devices.
   compress: time to sparsify one selection unit of x elements.
   backward: backward compute time of each leaf, in the plan's leaf order
     (pytree order; the same length as ``plan.leaves``).
@@ -137,6 +159,7 @@ class Costs:
   overlap: η in [0, 1], the share of communication XLA can hide behind
     backward compute (``simulate`` says exactly how it is applied).
   forward: forward compute time.
+  workers: K₀, the devices the collective lines were measured on (≥ 2).
   provenance: free-form notes (devices, date, how measured); JSON values.
   """
   collectives: Mapping[str, LinearCost]
@@ -146,16 +169,21 @@ class Costs:
   overlap: float = 1.0
   forward: float = 0.0
   provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  workers: int = 2
 
   def __post_init__(self):
     if not isinstance(self.collectives, Mapping):
       raise CostsError("collectives must map each of "
                        f"{COLLECTIVES} to a LinearCost.")
     names = set(self.collectives)
-    if names != set(COLLECTIVES):
-      raise CostsError(f"collectives has {sorted(names)}; it needs exactly "
-                       f"{list(COLLECTIVES)}.")
-    for name in COLLECTIVES:
+    if not set(COLLECTIVES) <= names <= set(MEASURABLE):
+      raise CostsError(f"collectives has {sorted(names)}; it needs "
+                       f"{list(COLLECTIVES)} and may have "
+                       f"{list(OPTIONAL_COLLECTIVES)}.")
+    if not (isinstance(self.workers, int) and self.workers >= 2):
+      raise CostsError(f"workers={self.workers!r} must be an integer >= 2 "
+                       "(the devices the collectives were measured on).")
+    for name in names:
       if not isinstance(self.collectives[name], LinearCost):
         raise CostsError(f"collectives[{name!r}] must be a LinearCost, not "
                          f"{type(self.collectives[name]).__name__}.")
@@ -167,7 +195,8 @@ class Costs:
     backward = tuple(_number(f"backward[{i}]", t)
                      for i, t in enumerate(self.backward))
     object.__setattr__(self, "collectives", types.MappingProxyType(
-        {name: self.collectives[name] for name in COLLECTIVES}))
+        {name: self.collectives[name] for name in MEASURABLE
+         if name in names}))
     object.__setattr__(self, "backward", backward)
     object.__setattr__(self, "contention",
                        _number("contention", self.contention, low=1.0))
@@ -177,7 +206,39 @@ class Costs:
     object.__setattr__(self, "provenance", dict(self.provenance))
 
   def comm_time(self, collective: str, nbytes: float) -> float:
+    """One measured collective on ``workers`` devices."""
     return self.collectives[collective].time(nbytes)
+
+  def primitive_time(self, primitive: str, nbytes: float,
+                     num_workers: int | None = None) -> float:
+    """One wire primitive of x = ``nbytes`` per worker on K workers (module
+    docstring: the ring algorithm of the line measured on K₀)."""
+    k0, k = self.workers, self.workers if num_workers is None else num_workers
+    if not (isinstance(k, int) and k >= 1):
+      raise CostsError(f"num_workers={num_workers!r} must be an int >= 1.")
+    if primitive not in PRIMITIVE_LINE:
+      raise CostsError(f"primitive {primitive!r}; use one of "
+                       f"{tuple(PRIMITIVE_LINE)}.")
+    if k == 1:
+      return 0.0
+    name = PRIMITIVE_LINE[primitive]
+    ag = self.collectives["allgather"]
+    per_a, per_b = ag.alpha / (k0 - 1), ag.beta / (k0 - 1)  # one message
+    if primitive == "allgather":
+      return (k - 1) * (per_a + per_b * nbytes)
+    if primitive == "ppermute":
+      line = self.collectives.get(name)
+      return line.time(nbytes) if line else per_a + per_b * nbytes
+    line = self.collectives.get(name)
+    if line is None:  # all_to_all from the all_gather's link
+      return (k - 1) * (per_a + per_b * nbytes / k)
+    return ((k - 1) / (k0 - 1) * line.alpha +
+            (k - 1) * k0 / (k * (k0 - 1)) * line.beta * nbytes)
+
+  def steps_time(self, steps, num_workers: int | None = None) -> float:
+    """Σ over a scheme's ``Step(primitive, nbytes)`` of ``primitive_time``."""
+    return math.fsum(self.primitive_time(s.primitive, s.nbytes, num_workers)
+                     for s in steps)
 
   def replace(self, **changes) -> "Costs":
     return dataclasses.replace(self, **changes)
@@ -199,6 +260,7 @@ class Costs:
         "contention": self.contention,
         "overlap": self.overlap,
         "forward": self.forward,
+        "workers": self.workers,
         "provenance": dict(self.provenance),
     }, fmt=FORMAT, version=FORMAT_VERSION)
 
@@ -207,7 +269,7 @@ class Costs:
     body = _jsonfile.read(text, fmt=FORMAT, max_version=FORMAT_VERSION,
                           error=CostsError, what="jaxfuse costs file")
     known = {"format", "version", "collectives", "compress", "backward",
-             "contention", "overlap", "forward", "provenance"}
+             "contention", "overlap", "forward", "provenance", "workers"}
     unknown = sorted(set(body) - known)
     if unknown:
       raise CostsError(f"costs JSON has unknown field(s) {unknown}; the file "
@@ -228,10 +290,11 @@ class Costs:
     coll = body["collectives"]
     if not isinstance(coll, dict):
       raise CostsError("costs field 'collectives' must be an object.")
-    if set(coll) != set(COLLECTIVES):
+    if not set(COLLECTIVES) <= set(coll) <= set(MEASURABLE):
       raise CostsError(f"costs field 'collectives' has {sorted(coll)}; it "
-                       f"needs exactly {list(COLLECTIVES)}.")
-    collectives = {n: line(f"collectives.{n}", coll[n]) for n in COLLECTIVES}
+                       f"needs {list(COLLECTIVES)} and may have "
+                       f"{list(OPTIONAL_COLLECTIVES)}.")
+    collectives = {n: line(f"collectives.{n}", coll[n]) for n in coll}
     compress = line("compress", body["compress"])
     if not isinstance(body["backward"], list):
       raise CostsError("costs field 'backward' must be a list of per-leaf "
@@ -243,7 +306,8 @@ class Costs:
       return cls(collectives, compress, tuple(body["backward"]),
                  contention=body.get("contention", 1.0),
                  overlap=body.get("overlap", 1.0),
-                 forward=body.get("forward", 0.0), provenance=provenance)
+                 forward=body.get("forward", 0.0), provenance=provenance,
+                 workers=body.get("workers", _measured_workers(provenance)))
     except CostsError as e:
       raise CostsError(f"costs JSON: {e}") from None
 
@@ -255,3 +319,12 @@ class Costs:
   def load(cls, path: str | os.PathLike) -> "Costs":
     with open(path, encoding="utf-8") as f:
       return cls.from_json(f.read())
+
+
+def _measured_workers(provenance: Mapping[str, Any]) -> int:
+  """K₀ of a file written before ``workers`` existed: its profiled mesh's
+  device count (``jaxfuse profile`` records it), else 2."""
+  mesh = provenance.get("devices", {}).get("mesh", {}) if isinstance(
+      provenance.get("devices"), dict) else {}
+  k = math.prod(int(v) for v in mesh.values()) if mesh else 2
+  return max(2, k)

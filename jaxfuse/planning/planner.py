@@ -22,11 +22,13 @@ Cost-model strategies (``COST_STRATEGIES``; need ``costs``, see
   mgwfbp     MG-WFBP: merge while it gains (ASC-WFBP Eq. 5-6)
   auto       the fastest of all of these, of the rules at several sizes and of
              all-dense, under ``simulate``; then groups switched to dense
-             where sparse does not pay
+             where sparse does not pay, and each sparse bucket's collective
+             (allgather / zen / spardl) picked for K workers
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Callable, Sequence
@@ -34,6 +36,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
+from jaxfuse import collectives
 from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning import grouping
 from jaxfuse.planning import ordering
@@ -48,6 +51,8 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 # The rule sizes "auto" tries besides the ones passed to plan().
 AUTO_NUM_BUCKETS = (1, 2, 4, 8, 16, 32)
 AUTO_BUCKET_BYTES = tuple(2**k for k in (18, 20, 22, 24, 26))
+# The sparse schemes "auto" weighs per bucket ("hier" needs a 2-level mesh).
+AUTO_COLLECTIVES = ("allgather", "zen", "spardl")
 
 
 def _groups(strategy, order, nbytes, num_buckets, bucket_bytes, *,
@@ -85,7 +90,7 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
          sample_fraction: float = 0.01, sidco_stages: int = 2, seed: int = 0,
          collective: str = "allgather", zen_table: float = 2.0,
          zen_union: float = 1.0, spardl_teams: int = 1,
-         hier_inner: str = "allgather",
+         hier_inner: str = "allgather", num_workers: int | None = None,
          loss_fn: Callable | None = None, example_args: Sequence = (),
          ready_order: Sequence[int] | None = None,
          costs: costs_lib.Costs | str | os.PathLike | None = None
@@ -109,6 +114,9 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
       always ``"psum"``).
     zen_table, zen_union, spardl_teams, hier_inner: the schemes'
       ``plan.Settings``.
+    num_workers: K the plan is made for (default: the costs' ``workers``);
+      ``"auto"`` picks each sparse bucket's collective for it, and the
+      predicted step time is for it.
     loss_fn, example_args: ``loss_fn(params, *example_args)``; its gradient's
       jaxpr gives the backward-ready order. Without it, reverse pytree order.
     ready_order: leaf ids in ready order, overriding ``loss_fn``.
@@ -197,10 +205,43 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
   made = plan_lib.Plan(tuple(leaves), buckets, settings, provenance)
   if costs is None:
     return made
+  k = costs.workers if num_workers is None else num_workers
+  if strategy == "auto":
+    made, provenance["auto"]["collectives"] = pick_collectives(made, costs, k)
   provenance["predicted_iteration"] = simulate_lib.simulate(
-      made, costs).iteration
+      made, costs, k).iteration
+  provenance["num_workers"] = k
   provenance["costs"] = dict(costs.provenance)
   return plan_lib.Plan(made.leaves, made.buckets, settings, provenance)
+
+
+def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
+                     num_workers: int) -> tuple[plan_lib.Plan, list]:
+  """Each sparse bucket moved by the scheme of ``AUTO_COLLECTIVES`` whose
+  wire steps take least time on K workers (``costs.steps_time``). The
+  simulated step is non-decreasing in every bucket's time, so with the
+  grouping fixed this choice is optimal. Returns the plan and, per bucket,
+  {scheme: seconds} (empty for dense buckets)."""
+  all_units, per_bucket = plan_lib.units(plan)
+  buckets, report = [], []
+  for b, ids in zip(plan.buckets, per_bucket):
+    times = {}
+    if b.collective != "psum" and not all(plan_lib.is_full(all_units[u])
+                                          for u in ids):
+      units = [all_units[u] for u in ids]
+      for name in AUTO_COLLECTIVES:
+        scheme = collectives.get(name)
+        try:
+          scheme.check("auto", num_workers)
+        except collectives.SchemeError:
+          continue  # cannot run on K workers (e.g. SparDL's teams)
+        times[name] = costs.steps_time(
+            scheme.steps(units, num_workers, plan.settings), num_workers)
+      b = dataclasses.replace(b, collective=min(times, key=times.get))
+    buckets.append(b)
+    report.append(times)
+  return plan_lib.Plan(plan.leaves, tuple(buckets), plan.settings,
+                       plan.provenance), report
 
 
 def _load_costs(costs, strategy, num_leaves):

@@ -163,21 +163,30 @@ def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
   """(fn, inputs): ``chain`` dependent rounds of ``parallel`` collectives.
 
   ``kind`` is ``"allgather"`` (uint32 words, the sparse wire buffer, gathered
-  to (K, n) typed invariant as jaxfuse does) or ``"psum"`` (float32). Each
+  to (K, n) typed invariant as jaxfuse does), ``"psum"`` (float32),
+  ``"alltoall"`` (K tiles of n/K words) or ``"ppermute"`` (n words to the
+  next worker on a ring: ZEN's and SparDL's primitives). Each
   round feeds the next, so the rounds never overlap; the ``parallel``
   collectives of one round are independent (for contention).
   """
-  if kind not in costs_lib.COLLECTIVES:
-    raise ProfileError(f"kind={kind!r}; use one of {costs_lib.COLLECTIVES}.")
+  if kind not in costs_lib.MEASURABLE:
+    raise ProfileError(f"kind={kind!r}; use one of {costs_lib.MEASURABLE}.")
   if axis_name not in mesh.axis_names:
     raise ProfileError(f"mesh has axes {mesh.axis_names}, not {axis_name!r}.")
   k = mesh.shape[axis_name]
   n = max(1, int(nbytes) // 4)
-  dtype = np.uint32 if kind == "allgather" else np.float32
+  if kind == "alltoall":
+    n = k * max(1, n // k)
+  dtype = np.float32 if kind == "psum" else np.uint32
 
   def one(x):
     if kind == "allgather":
       return _compat.all_gather_invariant(x, axis_name)[k - 1]
+    if kind == "alltoall":
+      return lax.all_to_all(x.reshape(k, -1), axis_name, 0, 0,
+                            tiled=True).reshape(-1)
+    if kind == "ppermute":
+      return lax.ppermute(x, axis_name, [(i, (i + 1) % k) for i in range(k)])
     return lax.psum(x, axis_name)
 
   def body(*xs):
@@ -186,9 +195,11 @@ def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
       xs = [_compat.to_varying(y, axis_name) for y in ys]
     return tuple(ys)
 
+  same = kind in ("allgather", "psum")  # results identical on every worker
   fn = _jit(jax.shard_map(body, mesh=mesh,
                              in_specs=(P(axis_name),) * parallel,
-                             out_specs=(P(),) * parallel))
+                             out_specs=(P() if same else P(axis_name),) *
+                             parallel))
   sharding = NamedSharding(mesh, P(axis_name))
   inputs = [jax.device_put(np.full((k * n,), i + 1, dtype), sharding)
             for i in range(parallel)]
@@ -208,7 +219,7 @@ def measure_collective(kind: str, mesh, sizes: Sequence[int], *,
     fn, inputs = collective_chain(kind, mesh, nbytes, chain=chain,
                                   axis_name=axis_name)
     t = time_call(fn, *inputs, warmup=warmup, repeats=repeats)
-    out.append((4 * max(1, int(nbytes) // 4), t / chain))
+    out.append((inputs[0].size // mesh.shape[axis_name] * 4, t / chain))
   return out
 
 
@@ -684,7 +695,8 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
       raise ProfileError(f"{name}={list(sweep)} needs at least two distinct "
                          "sizes >= 1 (one size cannot separate α from β).")
   timing = dict(repeats=repeats, warmup=warmup)
-  total = 2 * len(sizes) + len(compress_sizes) + 2 + (2 if loss_fn else 0)
+  total = (len(costs_lib.MEASURABLE) * len(sizes) + len(compress_sizes) + 2 +
+           (2 if loss_fn else 0))
   done = [0]
 
   def step(what):
@@ -695,7 +707,7 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
   samples = {kind: measure_collective(kind, mesh, sizes, chain=chain,
                                       axis_name=axis_name, progress=step,
                                       **timing)
-             for kind in costs_lib.COLLECTIVES}
+             for kind in costs_lib.MEASURABLE}
   collectives = {kind: costs_lib.fit_linear(*zip(*pts))
                  for kind, pts in samples.items()}
   samples["compress"] = measure_compress(
@@ -761,4 +773,5 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
   if backward_raw:
     provenance["backward"] = backward_raw
   return costs_lib.Costs(collectives, compress, backward, contention=gamma,
-                         overlap=eta, forward=forward, provenance=provenance)
+                         overlap=eta, forward=forward, provenance=provenance,
+                         workers=max(2, mesh.shape[axis_name]))

@@ -6,7 +6,7 @@ draws. All times are in seconds from the start of the forward pass.
 Compute stream (one, in order). The forward pass takes ``costs.forward``.
 Then the backward pass computes the leaves in the plan's backward-ready
 order (``plan.ready_order``: bucket after bucket), each taking
-``costs.backward[leaf]``. Right after a sparse (``"allgather"``) bucket's
+``costs.backward[leaf]``. Right after a sparse bucket's
 last leaf is produced, the bucket is sparsified on the same stream (it
 shares the GPU, so it delays the later backward work): the sum over its
 selection units (``plan_lib.units``) of ``costs.compress.time(unit.size)``.
@@ -17,7 +17,10 @@ Link (one; collectives never run at the same time, so the contention γ of
 the costs does not enter). Buckets are communicated in plan order; in the
 ideal wait-free backpropagation of the papers (Cupcake Fig. 3, ASC-WFBP
 Fig. 1b) bucket i starts at max(its compression end, end of bucket i-1) and
-lasts ``costs.comm_time(collective, bucket_wire_bytes[i])``.
+lasts the time of its scheme's wire steps on K workers,
+``costs.steps_time(collectives.bucket_steps(plan, K)[i], K)`` (K defaults
+to the costs' ``workers``; at K₀ an all_gather or psum bucket takes exactly
+its measured line).
 
 Overlap calibration (η = ``costs.overlap``). XLA does not hide as much as the
 ideal schedule: measured, only about a quarter of the communication. The rule
@@ -42,8 +45,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxfuse.planning import costs as costs_lib
+from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
+from jaxfuse.planning import costs as costs_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +119,16 @@ def compression_times(plan: plan_lib.Plan,
           for ids in per_bucket]
 
 
-def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs) -> Timeline:
-  """The timeline of one training step of ``plan`` under ``costs``.
+def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
+             num_workers: int | None = None) -> Timeline:
+  """The timeline of one training step of ``plan`` under ``costs`` on K =
+  ``num_workers`` workers (default ``costs.workers``).
 
   See the module docstring for the model. Raises ``CostsError`` when the
   costs do not have one backward time per leaf of the plan.
   """
   costs.check(len(plan.leaves))
+  k = costs.workers if num_workers is None else num_workers
   wire = plan_lib.bucket_payload_bytes(plan)
   compress = compression_times(plan, costs)
 
@@ -134,17 +141,17 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs) -> Timeline:
       leaf_times[j] = (t, t + costs.backward[j])
       t += costs.backward[j]
     ready = t
-    if b.collective == "allgather":
+    if b.collective != "psum":
       t += h
     marks.append((ready, t))
   compute_end = t
   backward = math.fsum(costs.backward)
   compression = math.fsum(h for b, h in zip(plan.buckets, compress)
-                          if b.collective == "allgather")
+                          if b.collective != "psum")
 
   # Link: ideal WFBP order until the η budget of busy-during-compute is used.
-  durations = [costs.comm_time(b.collective, n)
-               for b, n in zip(plan.buckets, wire)]
+  durations = [costs.steps_time(steps, k)
+               for steps in collectives.bucket_steps(plan, k)]
   total = math.fsum(durations)
   budget = costs.overlap * total
   slack = 1e-12 * total  # rounding of the sums must not start a pause at η = 1

@@ -1,0 +1,89 @@
+"""The cost model on K workers: each measured line read as its ring
+algorithm on K₀ devices (jaxfuse.planning.costs), and auto's per-bucket
+choice of collective."""
+
+import json
+
+import jax
+import pytest
+
+import jaxfuse
+from jaxfuse import collectives
+from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import CostsError
+from jaxfuse.planning.costs import LinearCost
+from jaxfuse.planning.simulate import simulate
+
+
+def _costs(workers=2, **extra):
+  lines = {"allgather": LinearCost(1e-4, 1e-9), "psum": LinearCost(2e-4, 3e-9)}
+  lines.update(extra)
+  return Costs(lines, LinearCost(0.0, 0.0), (), workers=workers)
+
+
+def test_at_the_measured_count_the_lines_are_the_measurements():
+  c = _costs(workers=4)
+  assert c.primitive_time("allgather", 1000) == pytest.approx(1e-4 + 1e-6)
+  assert c.primitive_time("allreduce", 1000) == pytest.approx(2e-4 + 3e-6)
+
+
+def test_other_worker_counts_follow_the_ring_algorithms():
+  c = _costs(workers=2)  # K0 = 2: the all_gather line is one message
+  # all_gather on K = 5: 4 messages of x.
+  assert c.primitive_time("allgather", 1000, 5) == pytest.approx(
+      4 * (1e-4 + 1e-6))
+  # all_reduce on 5: (K-1)/(K0-1)·α + (K-1)K0/(K(K0-1))·β·x = 4α + 1.6βx.
+  assert c.primitive_time("allreduce", 1000, 5) == pytest.approx(
+      4 * 2e-4 + 1.6 * 3e-6)
+  # ppermute without its own line: one all_gather message.
+  assert c.primitive_time("ppermute", 1000, 5) == pytest.approx(1e-4 + 1e-6)
+  # all_to_all without its own line: K-1 messages of x/K.
+  assert c.primitive_time("alltoall", 1000, 5) == pytest.approx(
+      4 * (1e-4 + 1e-9 * 200))
+  # Measured lines win: ppermute does not depend on K.
+  m = _costs(workers=2, ppermute=LinearCost(5e-5, 2e-9))
+  assert m.primitive_time("ppermute", 1000, 7) == pytest.approx(5e-5 + 2e-6)
+  assert c.primitive_time("allgather", 1000, 1) == 0.0
+
+
+def test_costs_json_keeps_workers_and_optional_lines(tmp_path):
+  c = _costs(workers=6, alltoall=LinearCost(1e-5, 1e-9))
+  c.save(tmp_path / "c.json")
+  back = Costs.load(tmp_path / "c.json")
+  assert back.workers == 6 and set(back.collectives) == {
+      "allgather", "psum", "alltoall"}
+  body = json.loads(c.to_json())
+  del body["workers"]                 # a file from before: K0 from its mesh
+  body["provenance"] = {"devices": {"mesh": {"data": 3}}}
+  assert Costs.from_json(json.dumps(body)).workers == 3
+  body["collectives"]["bogus"] = {"alpha": 0, "beta": 0}
+  with pytest.raises(CostsError, match="may have"):
+    Costs.from_json(json.dumps(body))
+  with pytest.raises(CostsError, match="workers"):
+    _costs(workers=1)
+
+
+def test_simulated_allgather_bucket_grows_with_workers_and_dense_does_not_much():
+  params = [jax.ShapeDtypeStruct((512, 512), "float32")]
+  plan = jaxfuse.plan(params, density=0.01, strategy="single")
+  dense = jaxfuse.plan(params, density=1.0, strategy="single")
+  c = Costs({"allgather": LinearCost(0.0, 1e-9),
+             "psum": LinearCost(0.0, 1e-9)}, LinearCost(0.0, 0.0), (0.0,),
+            overlap=0.0, workers=2)
+  payload = plan.bytes_per_worker()
+  for k in (2, 4, 8):
+    assert simulate(plan, c, k).communication == pytest.approx(
+        (k - 1) * 1e-9 * payload)
+    assert simulate(dense, c, k).communication == pytest.approx(
+        (k - 1) * 2 / k * 1e-9 * 512 * 512 * 4)
+
+
+def test_bucket_wire_of_the_allgather_scheme():
+  params = [jax.ShapeDtypeStruct((100, 100), "float32"),
+            jax.ShapeDtypeStruct((10,), "float32")]
+  plan = jaxfuse.plan(params, density=0.01, strategy="single",
+                      min_sparse_size=100)
+  sparse, dense = collectives.bucket_wire(plan, 8)
+  c = plan.leaves[0].capacity
+  assert sparse == collectives.Wire(7 * 8 * c, 7 * 8 * c)
+  assert dense == collectives.Wire(70, 70)  # ceil(2·7/8·40)
