@@ -82,8 +82,11 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
       warm = args.warm_steps
     elif part.startswith("flush"):
       cmd += ["--flush-every", part[len("flush"):] or "50"]
+    elif part in ("zen", "spardl"):
+      cmd += ["--collective", part]
     else:
-      raise SystemExit(f"recipe {recipe!r}: suffixes are +warm, +flushN")
+      raise SystemExit(f"recipe {recipe!r}: suffixes are +warm, +flushN, "
+                       "+zen, +spardl")
   cmd += ["--warmup-steps", str(warm), "--dense-warmup",
           str(max(1, int(args.dense_fraction * args.steps))
               if name == "onebit_adamw" else 0)]

@@ -298,6 +298,9 @@ def parse_args(argv):
                  help="plan strategy for --sync jaxfuse (the cost-model ones "
                  "need --costs)")
   p.add_argument("--costs", help="costs JSON from `jaxfuse profile`")
+  p.add_argument("--collective", default="allgather",
+                 choices=["allgather", "zen", "spardl"],
+                 help="the sparse buckets' scheme (jaxfuse.collectives)")
   p.add_argument("--num-buckets", type=int, default=4,
                  help="buckets for --strategy aligned/safusion")
   p.add_argument("--bucket-bytes", type=int,
@@ -406,6 +409,7 @@ def main(argv=None) -> dict:
     plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
         params, density=args.density, strategy=strategy,
         estimator=args.estimator, seed=args.seed, loss_fn=loss_fn,
+        collective=args.collective,
         example_args=(first_tokens[:batch_size // k],), **options))
     print(plan.summary())
     phases = jaxfuse.density_warmup(
