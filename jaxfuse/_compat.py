@@ -10,23 +10,57 @@ import inspect
 
 import jax
 from jax import lax
+import numpy as np
 import optax
 
 _ALL_GATHER_HAS_TO = "to" in inspect.signature(lax.all_gather).parameters
 
 
-def make_mesh(num_devices: int | None = None, axis_name: str = "data",
-              devices=None) -> jax.sharding.Mesh:
-  """A 1-D data-parallel mesh with an explicit ``axis_types``."""
+def make_mesh(num_devices: int | None = None, axis_name="data",
+              devices=None, *, local: int | None = None
+              ) -> jax.sharding.Mesh:
+  """A data-parallel mesh with an explicit ``axis_types``.
+
+  Without ``local``: 1-D, the first ``num_devices`` devices along
+  ``axis_name``. With ``local=L``: 2-D, axes ``("host", "local")`` (or the
+  pair passed as ``axis_name``) of shape (num_devices/L, L) for the
+  hierarchical ``"hier"`` collective, host-major. One process: rows of L
+  consecutive ``devices`` (2 × 4 emulates 2 hosts on 8 CPU devices). Under
+  ``jax.distributed``: one row per process, in ``process_index`` order, so
+  L must be each process's device count.
+  """
   devices = list(jax.devices() if devices is None else devices)
   num_devices = len(devices) if num_devices is None else num_devices
   if num_devices < 1 or num_devices > len(devices):
     raise ValueError(
         f"num_devices={num_devices}: this process sees {len(devices)} devices; "
         "pick a number between 1 and that.")
-  return jax.make_mesh((num_devices,), (axis_name,),
-                       axis_types=(jax.sharding.AxisType.Explicit,),
-                       devices=devices[:num_devices])
+  if local is None:
+    return jax.make_mesh((num_devices,), (axis_name,),
+                         axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=devices[:num_devices])
+  names = ("host", "local") if axis_name == "data" else axis_name
+  if not (isinstance(names, tuple) and len(names) == 2 and
+          all(isinstance(a, str) for a in names)):
+    raise ValueError(f"axis_name={axis_name!r}: a 2-level mesh (local=...) "
+                     "takes a pair of axis names, e.g. ('host', 'local').")
+  if not (isinstance(local, int) and 1 <= local and num_devices % local == 0):
+    raise ValueError(f"local={local!r} must be a positive integer dividing "
+                     f"num_devices={num_devices}.")
+  grid = np.array(devices[:num_devices], dtype=object).reshape(-1, local)
+  if jax.process_count() > 1:
+    devices = sorted(devices, key=lambda d: d.process_index)  # stable
+    grid = np.array(devices[:num_devices], dtype=object).reshape(-1, local)
+    for row in grid:
+      procs = {d.process_index for d in row}
+      count = sum(d.process_index == row[0].process_index for d in devices)
+      if len(procs) != 1 or count != local:
+        raise ValueError(
+            f"local={local}: under jax.distributed a host row is one "
+            f"process's devices; process {row[0].process_index} has {count}. "
+            "Pass local=jax.local_device_count().")
+  return jax.sharding.Mesh(
+      grid, names, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
 
 
 def varying_axes(x) -> frozenset:
@@ -39,21 +73,29 @@ def varying_axes(x) -> frozenset:
   return frozenset(vma)
 
 
-def axis_size(axis_name: str) -> int | None:
-  """Size of a bound mesh axis, or ``None`` when ``axis_name`` is not bound."""
+def axis_size(axis_name) -> int | None:
+  """Size of a bound mesh axis (a tuple: the product), or ``None`` when
+  ``axis_name`` is not bound."""
   try:
     return int(lax.axis_size(axis_name))
   except NameError:
     return None
 
 
-def to_varying(tree, axis_name: str):
-  """Mark every array leaf as varying over ``axis_name`` (no data moves)."""
-  def cast(x):
+def to_varying(tree, axis_name):
+  """Mark every array leaf as varying over ``axis_name`` (a name or a tuple
+  of names; no data moves)."""
+  if isinstance(axis_name, tuple):
+    def cast(x):
+      missing = tuple(a for a in axis_name if a not in varying_axes(x))
+      return lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(cast, tree)
+
+  def cast_one(x):
     if axis_name in varying_axes(x):
       return x
     return lax.pcast(x, axis_name, to="varying")
-  return jax.tree.map(cast, tree)
+  return jax.tree.map(cast_one, tree)
 
 
 def all_gather_invariant(x, axis_name: str):

@@ -41,7 +41,7 @@ class SyncError(ValueError):
   """``sparse_sync`` used in a way that cannot work."""
 
 
-def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
+def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
                 momentum: float = 0.0, nesterov: bool = False,
                 mask_momentum: bool = True,
                 residual_decay: float = 1.0
@@ -72,7 +72,10 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
 
   Args:
     plan: from ``jaxfuse.plan(params, ...)`` or ``Plan.load(path)``.
-    axis_name: the ``shard_map`` mesh axis the workers are laid along.
+    axis_name: the ``shard_map`` mesh axis the workers are laid along, or
+      a tuple of axes (the workers are all their devices, K = the product;
+      ``"hier"`` buckets need the pair ``("host", "local")`` of
+      ``jaxfuse.make_mesh(local=L)``).
     momentum: m in [0, 1); 0 is plain error feedback.
     nesterov: Nesterov momentum (DGC's appendix form).
     mask_momentum: zero the velocity where it was sent (DGC's masking).
@@ -94,6 +97,8 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
                     f"{mask_momentum!r} must be True or False.")
   if nesterov and momentum == 0:
     raise SyncError("sparse_sync: nesterov=True needs momentum > 0.")
+  if isinstance(axis_name, list):
+    axis_name = tuple(axis_name)
   all_units, bucket_units = plan_lib.units(plan)
   settings = plan.settings
   num_leaves = len(plan.leaves)
@@ -123,9 +128,13 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str = "data", *,
     flat = _check_grads(plan, updates, axis_name)
     _check_state(state, all_units, momentum)
     for i, b in enumerate(plan.buckets):
-      collectives.get(b.collective).check(f"bucket {i}", num_workers)
-    wire_bytes = sum(w.sent for w in collectives.bucket_wire(plan,
-                                                              num_workers))
+      scheme = collectives.get(b.collective)
+      scheme.check(f"bucket {i}", num_workers, settings)
+      scheme.check_axes(f"bucket {i}", axis_name, settings)
+    sizes = (tuple(_compat.axis_size(a) for a in axis_name)
+             if isinstance(axis_name, tuple) else None)
+    wire_bytes = sum(w.sent for w in collectives.bucket_wire(
+        plan, num_workers, sizes))
     step = state.step[0]
     ctrl = jax.tree.map(lambda x: x[0], state.control)
 
@@ -290,7 +299,8 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
         f"{[p for p in paths if p not in planned][:5]}, in the plan only "
         f"{[l.path for l in plan.leaves if l.path not in set(paths)][:5]}. "
         "Make the plan from the parameters you differentiate.")
-  vma_on = axis_name in _compat.varying_axes(lax.axis_index(axis_name))
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  vma_on = set(names) <= _compat.varying_axes(lax.axis_index(axis_name))
   out = []
   for (_, g), leaf in zip(flat, plan.leaves):
     float0_ok = (g.dtype == jax.dtypes.float0 and
@@ -301,7 +311,7 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
           f"gradient {leaf.path}: got {g.dtype}{list(g.shape)}, plan says "
           f"{leaf.dtype}{list(leaf.shape)}. Make a new plan for this model.")
     if (vma_on and _compat.is_float_dtype(g.dtype) and
-        axis_name not in _compat.varying_axes(g)):
+        not set(names) <= _compat.varying_axes(g)):
       raise SyncError(
           f"gradient {leaf.path} is already the same on every worker: JAX "
           f"summed it over {axis_name!r} when differentiating replicated "
@@ -331,8 +341,10 @@ def _check_state(state, all_units, momentum) -> None:
 
 # --- helpers for users --------------------------------------------------------
 
-def local_params(params, axis_name: str = "data"):
+def local_params(params, axis_name: str | tuple = "data"):
   """Mark replicated params as per-worker so ``jax.grad`` gives local grads.
+
+  ``axis_name``: the workers' mesh axis, or a tuple of axes (all of them).
 
   Inside ``shard_map`` the gradient of a replicated input is summed over the
   axis by JAX itself; differentiating this view instead keeps each worker's
@@ -381,11 +393,12 @@ def _is_worker_state(x) -> bool:
   return isinstance(x, (SparseSyncState, PerWorkerState))
 
 
-def state_specs(opt_state, axis_name: str = "data"):
+def state_specs(opt_state, axis_name: str | tuple = "data"):
   """``PartitionSpec`` tree for an optimizer state holding ``sparse_sync``.
 
   The leaves of ``sparse_sync``'s and ``per_worker``'s states get
-  ``P(axis_name)``; everything else (Adam moments after the sync, counts,
+  ``P(axis_name)`` (a tuple of axes: the leading axis over all of them,
+  host-major); everything else (Adam moments after the sync, counts,
   …) is replicated, ``P()``. Works on real or abstract (``jax.eval_shape``)
   states.
   """
@@ -397,9 +410,13 @@ def state_specs(opt_state, axis_name: str = "data"):
 
 
 def init_state(optimizer: optax.GradientTransformation, params,
-               mesh: jax.sharding.Mesh, axis_name: str = "data"):
-  """``optimizer.init(params)`` with per-worker leaves sharded over the axis."""
-  if axis_name not in mesh.axis_names:
+               mesh: jax.sharding.Mesh, axis_name: str | tuple = "data"):
+  """``optimizer.init(params)`` with per-worker leaves sharded over the axis
+  (or the tuple of axes)."""
+  if isinstance(axis_name, list):
+    axis_name = tuple(axis_name)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if not set(names) <= set(mesh.axis_names):
     raise SyncError(f"mesh has axes {mesh.axis_names}, not {axis_name!r}; "
                     "make the mesh with jaxfuse.make_mesh() or pass axis_name.")
   specs = state_specs(jax.eval_shape(optimizer.init, params), axis_name)

@@ -29,6 +29,14 @@ downstream differs by a few ulps). The sparse all_gather path has no such
 freedom (decode adds workers in rank order), so with order-independent dense
 sums the two runs must agree bit for bit.
 
+Hierarchical path (``HIER_STEPS`` steps of ``sparse_sync`` alone, no SGD):
+the same model with *every* gradient quantized, planned at density 0.5
+(c_s = S: a host's shards go whole, nothing dropped), run as ``"hier"`` on the
+2 × 4 mesh ``make_mesh(local=4)`` (N = 2: one host row per process) and as
+``"allgather"`` on the flat mesh; all sums are exact, so both must agree bit
+for bit, and with the 1-process run. Written as hier/... and hierflat/...:
+  synced/S/LEAF, residual/U.
+
 Every process writes FILE (.npz) with the full global values, per variant V:
   V/synced/S/LEAF   output of sparse_sync alone at step S (before SGD)
   V/dense/S/LEAF    pmean of the local gradients (the dense reference)
@@ -41,6 +49,7 @@ Every process writes FILE (.npz) with the full global values, per variant V:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -52,6 +61,8 @@ STEPS = 3
 LR = 0.1
 QUANT_BITS = 12
 VARIANTS = ("float", "exact")
+HIER_STEPS = 2
+LOCAL = 4  # devices per host row of the hierarchical mesh
 BARRIER_MS = 240_000
 
 
@@ -135,12 +146,13 @@ def main():
 
   quantize_grad.defvjp(_qfwd, _qbwd)
 
-  def make_loss(quantized):
+  def make_loss(quantized, weights=False):
     q = quantize_grad if quantized else (lambda b: b)
+    qw = q if weights else (lambda w: w)
 
     def loss_fn(p, x, y):
-      h = jnp.tanh(x @ p["w1"] + q(p["b1"]))
-      return jnp.mean((h @ p["w2"] + q(p["b2"]) - y) ** 2)
+      h = jnp.tanh(x @ qw(p["w1"]) + q(p["b1"]))
+      return jnp.mean((h @ qw(p["w2"]) + q(p["b2"]) - y) ** 2)
     return loss_fn
 
   plan = jaxfuse.plan(params_np, density=0.05, strategy="aligned",
@@ -213,6 +225,46 @@ def main():
     for field, v in sync_state.stats._asdict().items():
       out[f"{variant}/stats/{field}"] = fetch(v)
     out[f"{variant}/step"] = fetch(sync_state.step)
+
+  # --- hierarchical (host = process) against flat, sparse_sync alone -------
+  hmesh = jaxfuse.make_mesh(local=LOCAL)
+  assert hmesh.axis_names == ("host", "local")
+  if n > 1:  # one host row per process
+    assert [{d.process_index for d in row} for row in hmesh.devices] == [
+        {i} for i in range(n)]
+  loss_fn = make_loss(True, weights=True)
+  flat_plan = jaxfuse.plan(params_np, density=0.5, strategy="aligned",
+                           num_buckets=2, estimator="topk")
+  for variant, m, axis, collective in (
+      ("hier", hmesh, ("host", "local"), "hier"),
+      ("hierflat", mesh, "data", "allgather")):
+    p_plan = dataclasses.replace(flat_plan, buckets=tuple(
+        dataclasses.replace(b, collective=collective)
+        if b.collective != "psum" else b for b in flat_plan.buckets))
+    sync = jaxfuse.sparse_sync(p_plan, axis_name=axis)
+    put = lambda v, spec, m=m: jax.make_array_from_callback(
+        v.shape, NamedSharding(m, spec), lambda idx, v=v: v[idx])
+    params = jax.tree.map(lambda v, put=put: put(v, P()), params_np)
+    state = jaxfuse.init_state(sync, params, m, axis)
+    specs = jaxfuse.state_specs(state, axis)
+
+    def local(p, s, x, y, sync=sync, axis=axis):
+      g = jax.grad(loss_fn)(jaxfuse.local_params(p, axis), x, y)
+      return sync.update(g, s, p)
+    step = jax.jit(jax.shard_map(
+        local, mesh=m, in_specs=(P(), specs, P(axis), P(axis)),
+        out_specs=(P(), specs)))
+    data = (put(x_np, P(axis)), put(y_np, P(axis)))
+    step = step.lower(params, state, *data).compile()
+    barrier(f"{variant}/compiled")
+    for i in range(HIER_STEPS):
+      synced, state = step(params, state, *data)
+      for name in params_np:
+        out[f"{variant}/synced/{i}/{name}"] = fetch(synced[name])
+    for u, r in enumerate(state.residuals):
+      out[f"{variant}/residual/{u}"] = fetch(r)
+    out[f"{variant}/collectives"] = np.array([b.collective
+                                               for b in p_plan.buckets])
 
   out["leaf_paths"] = np.array([l.path for l in plan.leaves])
   out["leaf_sparse"] = np.array([l.mode == "sparse" for l in plan.leaves])

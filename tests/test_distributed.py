@@ -5,7 +5,8 @@ Launches tests/_distributed_worker.py twice:
   * distributed: 2 processes x 4 CPU devices on localhost, jax.distributed
     with gloo collectives, the same global 8-worker mesh and global batch;
 and compares the synchronized gradients, params and per-worker sync state
-after each of the worker's training steps.
+after each of the worker's training steps; and the hierarchical "hier"
+collective on 2 hosts × 4 devices (host = process) against flat "allgather".
 
 Exactness: the worker trains two variants of the model (see its docstring).
 In "exact" the dense-leaf gradients are quantized so that their all-reduce is
@@ -39,6 +40,7 @@ FAILURE_GRACE_S = 10
 # what the coordinator prints (then it crashes) when its port is taken
 PORT_TAKEN = "Failed to add port to server"
 STEPS = 3
+HIER_STEPS = 2
 LEAVES = ("w1", "b1", "w2", "b2")
 
 
@@ -263,3 +265,33 @@ def test_sparsification_really_happened(runs, variant):
         assert (sel[:, j] > 0).all() and (sel[:, j] <= capacity[leaf]).all()
       else:
         assert (sel[:, j] == capacity[leaf]).all()
+
+
+def test_hier_equals_flat_bitwise(runs):
+  """2 × 4 ``("host", "local")`` mesh, one host row per process: the
+  ``"hier"`` buckets (dense reduce-scatter in a process, sparse all_gather
+  across the two over gloo) give the flat ``"allgather"`` result bit for bit
+  (every gradient quantized, nothing dropped), in both runs; and the
+  2-process run gives the 1-process one."""
+  ref, (dist, *_) = runs
+  sparse = _sparse_leaves(ref)
+  for data in (ref, dist):
+    assert "hier" in set(data["hier/collectives"])
+    assert "allgather" in set(data["hierflat/collectives"])
+    for i in range(HIER_STEPS):
+      for leaf in LEAVES:
+        k = f"hier/synced/{i}/{leaf}"
+        np.testing.assert_array_equal(data[k], data["hierflat" + k[4:]],
+                                      err_msg=k)
+    res = [k for k in data if k.startswith("hier/residual/")]
+    assert res
+    for k in res:
+      np.testing.assert_array_equal(data[k], data["hierflat" + k[4:]],
+                                    err_msg=k)
+    # Sparse for real: the sparse leaves held something back.
+    assert sum(np.count_nonzero(data[k]) for k in res) > 0
+    assert all(np.count_nonzero(data[f"hier/synced/0/{l}"]) for l in sparse)
+  hier = [k for k in ref if k.startswith("hier")]
+  assert len(hier) >= 2 * HIER_STEPS * len(LEAVES)
+  for k in hier:
+    np.testing.assert_array_equal(dist[k], ref[k], err_msg=k)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from jaxfuse import plans as plan_lib
 from jaxfuse.collectives import base
+from jaxfuse.collectives import hier
 from jaxfuse.collectives.allgather import AllGather
 from jaxfuse.collectives.base import Scheme
 from jaxfuse.collectives.base import SchemeError
@@ -56,9 +57,22 @@ def bucket_steps(plan: plan_lib.Plan, num_workers: int
   return out
 
 
-def bucket_wire(plan: plan_lib.Plan, num_workers: int) -> list[Wire]:
-  """Per bucket, bytes one worker sends and receives per step."""
-  return [base.wire(s, num_workers) for s in bucket_steps(plan, num_workers)]
+def bucket_wire(plan: plan_lib.Plan, num_workers: int,
+                mesh_sizes: tuple[int, ...] | None = None) -> list[Wire]:
+  """Per bucket, bytes one worker sends and receives per step on K workers;
+  with ``mesh_sizes`` (H, L) of a (host, local) mesh a ``"hier"`` bucket
+  counts its host steps on H and its local steps on L."""
+  all_units, per_bucket = plan_lib.units(plan)
+  out = []
+  for b, ids, steps in zip(plan.buckets, per_bucket,
+                           bucket_steps(plan, num_workers)):
+    units = [all_units[u] for u in ids]
+    if (b.collective == "hier" and mesh_sizes and len(mesh_sizes) == 2 and
+        not all(plan_lib.is_full(u) for u in units)):
+      out.append(hier.mesh_wire(units, *mesh_sizes, plan.settings))
+    else:
+      out.append(base.wire(steps, num_workers))
+  return out
 
 
 __all__ = ["AllGather", "Hier", "Psum", "SCHEMES", "Scheme", "SchemeError", "SparDL",

@@ -3,8 +3,10 @@
 A scheme moves one bucket per step inside ``shard_map`` over the data axis.
 It states four things:
 
-* ``check(where, num_workers)``: whether it can run for K workers (raises
-  ``SchemeError`` naming ``where``, the bucket, and the fix);
+* ``check(where, num_workers, settings)``: whether it can run for K workers
+  (raises ``SchemeError`` naming ``where``, the bucket, and the fix), and
+  ``check_axes(where, axis_name, settings)``: whether it can run on these
+  mesh axes (``"hier"`` needs a (host, local) pair);
 * ``sync(parts, units, axis_name, settings)``: run inside ``shard_map``. For a
   sparse scheme, ``parts`` are this worker's (values (c,), indices (c,))
   slots per unit (sentinel index = unit size); it returns a ``Synced``: per
@@ -69,7 +71,11 @@ class Scheme(Protocol):
   name: str
   sparse: bool
 
-  def check(self, where: str, num_workers: int) -> None: ...
+  def check(self, where: str, num_workers: int,
+            settings: plan_lib.Settings) -> None: ...
+
+  def check_axes(self, where: str, axis_name,
+                 settings: plan_lib.Settings) -> None: ...
 
   def sync(self, parts, units: Sequence[plan_lib.Unit], axis_name: str,
            settings: plan_lib.Settings) -> Synced: ...

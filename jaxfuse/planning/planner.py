@@ -232,11 +232,11 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
       for name in AUTO_COLLECTIVES:
         scheme = collectives.get(name)
         try:
-          scheme.check("auto", num_workers)
+          scheme.check("auto", num_workers, plan.settings)
+          steps = scheme.steps(units, num_workers, plan.settings)
         except collectives.SchemeError:
           continue  # cannot run on K workers (e.g. SparDL's teams)
-        times[name] = costs.steps_time(
-            scheme.steps(units, num_workers, plan.settings), num_workers)
+        times[name] = costs.steps_time(steps, num_workers)
       b = dataclasses.replace(b, collective=min(times, key=times.get))
     buckets.append(b)
     report.append(times)
