@@ -301,6 +301,8 @@ def parse_args(argv):
   p.add_argument("--collective", default="allgather",
                  choices=["allgather", "zen", "spardl"],
                  help="the sparse buckets' scheme (jaxfuse.collectives)")
+  p.add_argument("--spardl-block", type=float, default=2.0,
+                 help="spardl: slots per block over the balanced share C/K")
   p.add_argument("--num-buckets", type=int, default=4,
                  help="buckets for --strategy aligned/safusion")
   p.add_argument("--bucket-bytes", type=int,
@@ -409,7 +411,7 @@ def main(argv=None) -> dict:
     plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
         params, density=args.density, strategy=strategy,
         estimator=args.estimator, seed=args.seed, loss_fn=loss_fn,
-        collective=args.collective,
+        collective=args.collective, spardl_block=args.spardl_block,
         example_args=(first_tokens[:batch_size // k],), **options))
     print(plan.summary())
     phases = jaxfuse.density_warmup(

@@ -107,6 +107,8 @@ class Settings:
     reducing worker's residual.
   spardl_teams: ``"spardl"``: Spar-All-Gather teams (1: plain SAG; T > 1:
     the K workers form T teams of K/T, R-SAG inside a team, then B-SAG).
+  spardl_block: ``"spardl"``: slots per block b·C/G (G workers in a team);
+    2 keeps Table I's 4·C bound; more drops less in merges.
   hier_inner: ``"hier"``: the sparse collective run over the slow (host)
     axis, one of ``"allgather"``, ``"zen"``, ``"spardl"``.
   """
@@ -121,6 +123,7 @@ class Settings:
   zen_union: float = 1.0
   spardl_teams: int = 1
   hier_inner: str = "allgather"
+  spardl_block: float = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +249,8 @@ def check_plan(plan: Plan) -> None:
   if not (isinstance(s.spardl_teams, int) and s.spardl_teams >= 1):
     raise PlanError(f"settings.spardl_teams={s.spardl_teams!r} must be an "
                     "integer >= 1 (1: no teams).")
+  if not (isinstance(s.spardl_block, (int, float)) and s.spardl_block > 0):
+    raise PlanError(f"settings.spardl_block={s.spardl_block!r} must be > 0.")
   if s.hier_inner not in ("allgather", "zen", "spardl"):
     raise PlanError(f"settings.hier_inner={s.hier_inner!r}; use one of "
                     "('allgather', 'zen', 'spardl').")

@@ -35,8 +35,9 @@ unit and step, up to the float rounding of the sums themselves::
 
 Non-finite sums are sent first (NaN ranks above every |v|) and never kept.
 
-Capacity rule: m = min(⌈N/G⌉, max(1, ⌊2C/G⌋)), rounded up to a multiple of
-T. With T = 1 a worker receives (K−1)·m slots in the reduce-scatter and
+Capacity rule: m = min(⌈N/G⌉, max(1, ⌊b·C/G⌋)), rounded up to a multiple of
+T; b = ``settings.spardl_block`` = 2 by default (the bound below; a larger b
+drops less in merges for b/2 times the bytes). With T = 1 a worker receives (K−1)·m slots in the reduce-scatter and
 (K−1)·m in the all-gather: 2(K−1)·m ≤ 4(K−1)/K·C pairs (Table I's
 4(P−1)/P·k with k = C; holds whenever 2C ≥ K), where ``"allgather"``
 receives (K−1)·C. A block of ⌈N/G⌉ ≤ m elements never drops anything.
@@ -83,10 +84,11 @@ def bruck_counts(teams: int) -> list[int]:
           for j in range((teams - 1).bit_length())]
 
 
-def block_capacity(size: int, slots: int, team_size: int, teams: int = 1
-                   ) -> int:
-  """m = min(⌈N/G⌉, max(1, ⌊2C/G⌋)) rounded up to a multiple of T."""
-  m = min(-(-size // team_size), max(1, 2 * slots // team_size))
+def block_capacity(size: int, slots: int, team_size: int, teams: int = 1,
+                   share: float = 2.0) -> int:
+  """m = min(⌈N/G⌉, max(1, ⌊b·C/G⌋)) rounded up to a multiple of T
+  (b = ``settings.spardl_block``, 2 by default)."""
+  m = min(-(-size // team_size), max(1, int(share * slots) // team_size))
   return teams * -(-m // teams)
 
 
@@ -128,7 +130,8 @@ def layout(units, num_workers: int, settings) -> Layout:
   size = sum(u.size for u in units)
   slots = sum(u.capacity for u in units)
   team = num_workers // teams
-  return Layout(size, teams, team, block_capacity(size, slots, team, teams),
+  return Layout(size, teams, team, block_capacity(size, slots, team, teams,
+                                                 settings.spardl_block),
                 np.dtype(jnp.result_type(*[u.dtype for u in units])))
 
 

@@ -90,7 +90,8 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
          sample_fraction: float = 0.01, sidco_stages: int = 2, seed: int = 0,
          collective: str = "allgather", zen_table: float = 2.0,
          zen_union: float = 1.0, spardl_teams: int = 1,
-         hier_inner: str = "allgather", num_workers: int | None = None,
+         hier_inner: str = "allgather", spardl_block: float = 2.0,
+         num_workers: int | None = None,
          loss_fn: Callable | None = None, example_args: Sequence = (),
          ready_order: Sequence[int] | None = None,
          costs: costs_lib.Costs | str | os.PathLike | None = None
@@ -112,7 +113,7 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
     collective: the scheme of every sparse bucket, one of
       ``plans.SPARSE_COLLECTIVES`` (``jaxfuse.collectives``; dense buckets
       always ``"psum"``).
-    zen_table, zen_union, spardl_teams, hier_inner: the schemes'
+    zen_table, zen_union, spardl_teams, hier_inner, spardl_block: the schemes'
       ``plan.Settings``.
     num_workers: K the plan is made for (default: the costs' ``workers``);
       ``"auto"`` picks each sparse bucket's collective for it, and the
@@ -149,7 +150,8 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
                                sidco_stages=sidco_stages, seed=seed,
                                zen_table=zen_table, zen_union=zen_union,
                                spardl_teams=spardl_teams,
-                               hier_inner=hier_inner)
+                               hier_inner=hier_inner,
+                               spardl_block=spardl_block)
 
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   if not flat:
