@@ -75,7 +75,9 @@ def hlo_wire(hlo_text: str, num_workers: int) -> dict:
 
   Compiled HLO names its operands (``all-gather(%x)``), so each operand's
   shape is looked up where it is defined; an async ``-start`` op's result is
-  the tuple (operands, outputs), so the outputs are its last element."""
+  the tuple (operands, outputs), so the outputs are its last element. Long
+  tuples carry ``/*index=5*/`` comments, dropped first."""
+  hlo_text = re.sub(r"/\*index=\d+\*/", "", hlo_text)
   types = {}
   for line in hlo_text.splitlines():
     m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) ", line)

@@ -87,3 +87,22 @@ def test_bucket_wire_of_the_allgather_scheme():
   c = plan.leaves[0].capacity
   assert sparse == collectives.Wire(7 * 8 * c, 7 * 8 * c)
   assert dense == collectives.Wire(70, 70)  # ceil(2·7/8·40)
+
+
+def test_auto_picks_each_sparse_buckets_collective_for_k():
+  """Many workers over a slow link: SparDL's O(C) beats allgather's (K−1)·C;
+  on two workers allgather's one message wins. The choice is the argmin of
+  the schemes' own step times."""
+  params = [jax.ShapeDtypeStruct((256, 256), "float32") for _ in range(3)]
+  costs = Costs({"allgather": LinearCost(1e-5, 1e-9),
+                 "psum": LinearCost(1e-5, 1e-9)}, LinearCost(0.0, 0.0),
+                (1e-4,) * 3, overlap=0.0, workers=2)
+  for k, want in ((64, "spardl"), (2, "allgather")):
+    plan = jaxfuse.plan(params, density=0.01, strategy="auto", costs=costs,
+                        num_workers=k)
+    chosen = plan.provenance["auto"]["collectives"]
+    sparse = [b for b in plan.buckets if b.collective != "psum"]
+    assert sparse and plan.provenance["num_workers"] == k
+    for b, times in zip(plan.buckets, chosen):
+      if times:
+        assert b.collective == min(times, key=times.get) == want, times

@@ -24,15 +24,9 @@ from jaxfuse.collectives import base
 
 
 @dataclasses.dataclass(frozen=True)
-class AllGather:
+class AllGather(base.AnyMesh):
   name: str = "allgather"
   sparse: bool = True
-
-  def check(self, where: str, num_workers: int, settings) -> None:
-    del where, num_workers, settings  # runs on any K
-
-  def check_axes(self, where: str, axis_name, settings) -> None:
-    del where, axis_name, settings    # one mesh axis or several, flat
 
   def sync(self, parts, units, axis_name, settings) -> base.Synced:
     del settings

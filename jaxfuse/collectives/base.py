@@ -84,6 +84,17 @@ class Scheme(Protocol):
             settings: plan_lib.Settings) -> tuple[Step, ...]: ...
 
 
+class AnyMesh:
+  """``check`` and ``check_axes`` of a scheme that runs on any K, over one
+  mesh axis or several (taken as one flat axis)."""
+
+  def check(self, where: str, num_workers: int, settings) -> None:
+    del where, num_workers, settings
+
+  def check_axes(self, where: str, axis_name, settings) -> None:
+    del where, axis_name, settings
+
+
 def step_wire(step: Step, num_workers: int) -> Wire:
   """Bytes one worker sends and receives for one primitive (ring
   all-gather and all-reduce, pairwise all-to-all)."""

@@ -18,15 +18,9 @@ from jaxfuse.collectives import base
 
 
 @dataclasses.dataclass(frozen=True)
-class Psum:
+class Psum(base.AnyMesh):
   name: str = "psum"
   sparse: bool = False
-
-  def check(self, where: str, num_workers: int, settings) -> None:
-    del where, num_workers, settings  # runs on any K
-
-  def check_axes(self, where: str, axis_name, settings) -> None:
-    del where, axis_name, settings    # one mesh axis or several, flat
 
   def sync(self, leaves, units, axis_name, settings) -> base.Synced:
     """``leaves``: dense arrays; returns their worker means (``units``

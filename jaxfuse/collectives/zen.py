@@ -34,7 +34,8 @@ Pull encoding (Alg. 2, hash bitmap): partition j as ⌈B/32⌉ words of bits
 over I_j in increasing order, plus its values in that order, instead of U
 int32 indices; chosen statically iff ⌈B/32⌉ < U (the union slots are denser
 than 1/32 of I_j). Decoding needs rank(i) = |{i' < i : h0(i') = h0(i)}|
-(one stable sort of h0 over [0, N), the same on every worker); then
+(``_ranks``: per-partition bit masks of 32 indices and their popcounts, no
+sort; the same on every worker); then
 bit(i) = word_{h0(i)}[rank >> 5] >> (rank & 31) and its value sits at
 popcount(words before) + popcount(lower bits of its word).
 
@@ -285,7 +286,7 @@ def _hash(indices, lay: Layout, num_workers: int, seed: int):
 # --- the scheme -------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class Zen:
+class Zen(base.AnyMesh):
   name: str = "zen"
   sparse: bool = True
 
@@ -297,9 +298,6 @@ class Zen:
           f"and takes at most {hp.MAX_PARTITIONS} workers, got {num_workers}; "
           "use 'allgather' for this bucket, or 'hier' with hier_inner='zen' "
           f"over at most {hp.MAX_PARTITIONS} hosts.")
-
-  def check_axes(self, where: str, axis_name, settings) -> None:
-    del where, axis_name, settings    # one mesh axis or several, flat
 
   def sync(self, parts, units, axis_name, settings) -> base.Synced:
     k = _compat.axis_size(axis_name)
