@@ -341,6 +341,13 @@ def parse_args(argv):
   p.add_argument("--xla-defaults", action="store_true",
                  help="compile the train step without jaxfuse.xla_options() "
                  "(on GPU: keep XLA's command buffers)")
+  p.add_argument("--checkpoint-dir",
+                 help="save the train state here (jaxfuse.checkpoint, orbax)")
+  p.add_argument("--checkpoint-every", type=int, default=0,
+                 help="save every N steps (0: at the end only)")
+  p.add_argument("--resume", action="store_true",
+                 help="continue from the latest checkpoint in "
+                 "--checkpoint-dir (same flags as the run that saved it)")
   p.add_argument("--json-out")
   args = p.parse_args(argv)
   if args.optimizer == "onebit_adamw" and args.sync != "dense" and (
@@ -426,6 +433,18 @@ def main(argv=None) -> dict:
                                    AXIS)
     opt_specs = jaxfuse.state_specs(opt_state, AXIS)
     wire_bytes = plan.bytes_per_worker()
+  start, mngr = 0, None
+  if args.checkpoint_dir:
+    mngr = jaxfuse.checkpoint.manager(args.checkpoint_dir)
+  elif args.resume:
+    raise SystemExit("--resume needs --checkpoint-dir")
+  if args.resume and mngr.all_steps():
+    start, state = jaxfuse.checkpoint.restore(
+        mngr, {"params": params, "opt": opt_state}, plan)
+    params, opt_state = state["params"], state["opt"]
+    rng.bit_generator.state = jaxfuse.checkpoint.saved_extra(mngr)["rng"]
+    first_batch = put(sample_batch(rng, train, batch_size, seq_len))
+    print(f"resumed from step {start} of {args.checkpoint_dir}")
   print(f"{num_params:,} params; wire bytes per worker per step "
         f"{wire_bytes:,} = {wire_bytes / dense_bytes:.4f} x dense "
         f"({dense_bytes:,}); optimizer {args.optimizer}")
@@ -443,7 +462,7 @@ def main(argv=None) -> dict:
   batch = first_batch
   phase_id, train_step = -1, None
   flush_step = None  # a density-1 step: pays every residual back
-  for step in range(steps):
+  for step in range(start, steps):
     if jaxfuse.phase_index(phases, step) != phase_id:
       phase_id = jaxfuse.phase_index(phases, step)
       train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
@@ -464,21 +483,28 @@ def main(argv=None) -> dict:
     step_times.append(time.perf_counter() - t0)
     losses.append(loss)
     phase_of_step.append(-1 if step_fn is flush_step else phase_id)
+    rng_state = rng.bit_generator.state  # before the next batch: resume point
     if step + 1 < steps:  # the next batch, prepared outside the timed region
       batch = put(sample_batch(rng, train, batch_size, seq_len))
-    if (step + 1) % args.log_every == 0 or step == 0 or step + 1 == steps:
-      since = max(0, step + 1 - args.log_every)  # steps since the last log
-      recent = [t for i, t in enumerate(step_times[since:], since)
-                if i not in compile_steps] or step_times[since:]
+    if mngr is not None and (step + 1 == steps or (
+        args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+      jaxfuse.checkpoint.save(mngr, step + 1, {"params": params,
+                                               "opt": opt_state}, plan,
+                              {"rng": rng_state})
+      print(f"checkpoint saved at step {step + 1}", flush=True)
+    if (step + 1) % args.log_every == 0 or step == start or step + 1 == steps:
+      since = max(start, step + 1 - args.log_every)  # since the last log
+      recent = [t for i, t in enumerate(step_times[since - start:], since)
+                if i not in compile_steps] or step_times[since - start:]
       entry = {"step": step + 1, "loss": loss,
-               "loss_avg": float(np.mean(losses[since:])),
+               "loss_avg": float(np.mean(losses[since - start:])),
                "step_time_s": float(np.mean(recent)),
                "tokens_per_s": tokens_per_step / float(np.mean(recent))}
       line = (f"step {step + 1:5d}  loss {loss:.4f} "
               f"(avg {entry['loss_avg']:.4f})  "
               f"{entry['tokens_per_s']:9,.0f} tok/s  "
               f"{1e3 * entry['step_time_s']:7.1f} ms/step"
-              + (" (compile)" if step == 0 else ""))
+              + (" (compile)" if step == start else ""))
       if plan is not None:
         stats = jaxfuse.summarize(jaxfuse.sync_stats(opt_state), plan)
         entry["stats"] = stats
@@ -496,7 +522,7 @@ def main(argv=None) -> dict:
       break
 
   val_loss = evaluate(params) if eval_batches else float("nan")
-  val_curve.append({"step": len(losses), "val_loss": val_loss})
+  val_curve.append({"step": start + len(losses), "val_loss": val_loss})
 
   # Replica consistency: every device holds its own copy of the params.
   replicas_identical = all(
@@ -507,7 +533,8 @@ def main(argv=None) -> dict:
         f"{replicas_identical}")
 
   # The first step of each phase includes its compilation.
-  timed = [t for i, t in enumerate(step_times) if i not in compile_steps]
+  timed = [t for i, t in enumerate(step_times, start)
+           if i not in compile_steps]
   timed = timed or step_times
   mean_step = float(np.mean(timed))
   result = {
@@ -517,6 +544,7 @@ def main(argv=None) -> dict:
                  "device_kind": jax.devices()[0].device_kind,
                  "model": dataclasses.asdict(model.cfg),
                  "num_params": num_params, "compiler_options": xla_options},
+      "start_step": start,  # > 0 when resumed: losses are of steps start..
       "log": log, "losses": losses, "step_times_s": step_times,
       "phase_of_step": phase_of_step, "compile_steps": compile_steps,
       "phases": [{"start": p.start, "stop": p.stop, "density": (

@@ -7,6 +7,8 @@
     ...                                  # steps phase.start .. phase.stop
 """
 
+from jaxfuse import checkpoint
+from jaxfuse import collectives
 from jaxfuse import kernels
 from jaxfuse._compat import make_mesh
 from jaxfuse.compile_options import xla_options
@@ -44,7 +46,8 @@ from jaxfuse.transform import sync_stats
 from jaxfuse.version import __version__
 
 __all__ = [
-    "BucketPlan", "COST_STRATEGIES", "kernels", "LeafPlan", "Phase",
+    "BucketPlan", "COST_STRATEGIES", "checkpoint", "collectives", "kernels",
+    "LeafPlan", "Phase",
     "PerWorkerState", "Plan", "PlanError", "RECIPES", "Settings", "STRATEGIES",
     "SparseSyncState", "SyncError", "SyncStats", "check_phases", "demo",
     "density_warmup", "init_state", "local_adamw", "local_clip_by_global_norm",

@@ -71,13 +71,24 @@ def _layout(plan: plan_lib.Plan):
           plan.settings)
 
 
+_LAYOUT_PARTS = ("selection units", "buckets' units", "leaves", "buckets",
+                 "settings")
+
+
+def layout_difference(a: plan_lib.Plan, b: plan_lib.Plan) -> str | None:
+  """The first part of the layout (``_LAYOUT_PARTS``) in which two plans
+  differ, or None: plans with one layout have state of the same shapes."""
+  for name, x, y in zip(_LAYOUT_PARTS, _layout(a), _layout(b)):
+    if x != y:
+      return name
+  return None
+
+
 def check_phases(phases: Sequence[Phase]) -> None:
   """Raise ``PlanError`` naming the phase and field that break the schedule:
   phases must tile [0, ∞) in order and share one layout."""
   if not phases:
     raise plan_lib.PlanError("phases: empty; give at least one Phase.")
-  first = _layout(phases[0].plan)
-  names = ("selection units", "buckets' units", "leaves", "buckets", "settings")
   expected_start = 0
   for i, phase in enumerate(phases):
     if not isinstance(phase, Phase) or not isinstance(phase.plan,
@@ -96,12 +107,12 @@ def check_phases(phases: Sequence[Phase]) -> None:
     if not last and not phase.stop > phase.start:
       raise plan_lib.PlanError(f"phases[{i}]: stop={phase.stop} must be > "
                                f"start={phase.start}.")
-    for name, a, b in zip(names, first, _layout(phase.plan)):
-      if a != b:
-        raise plan_lib.PlanError(
-            f"phases[{i}].plan: its {name} differ from phases[0].plan's; a "
-            "warm-up schedule keeps one layout and changes only densities "
-            "(make each phase with jaxfuse.with_density(plan, d)).")
+    name = layout_difference(phases[0].plan, phase.plan)
+    if name:
+      raise plan_lib.PlanError(
+          f"phases[{i}].plan: its {name} differ from phases[0].plan's; a "
+          "warm-up schedule keeps one layout and changes only densities "
+          "(make each phase with jaxfuse.with_density(plan, d)).")
     expected_start = phase.stop
 
 
@@ -124,7 +135,7 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int,
                                "integer >= 0.")
   final = max([l.density for l in plan.leaves if l.mode == "sparse"] +
               [b.density for b in plan.buckets if b.sparsify == "behind"
-               and b.collective == "allgather"] or [1.0])
+               and b.collective != "psum"] or [1.0])
   if densities is None:
     densities = [d for d in DGC_RAMP if d > final] if steps else []
   densities = list(densities)
