@@ -98,13 +98,14 @@ class Settings:
   sample_fraction: share of elements the ``"dgc"`` estimator samples.
   sidco_stages: exponential-fit stages of ``"sidco"``.
   seed: for sampling and for the overflow rotation.
-  zen_table: ``"zen"`` push: parallel slots per partition over the
+  zen_table: ``"zen"`` push: hash-table slots per partition over the
     balanced share, r1 = ⌈zen_table·C/K⌉ (C: the bucket's slots), plus
-    r2 = ⌈r1/4⌉ serial slots; what finds no slot stays in the residual.
+    r2 = ⌈r1/4⌉ serial slots; each row goes on the wire in C/K + 4·√(C/K)
+    slots; what finds no slot stays in the sender's residual.
   zen_union: ``"zen"`` pull: slots per reduced partition as a share of the
     bucket's C (1: lossless even with no overlap; the union of K workers'
-    partitions is between C/K and C); what does not fit stays in the
-    reducing worker's residual.
+    partitions is between C/K and C); past it the largest sums go and the
+    rest stay in the reducing worker's residual.
   spardl_teams: ``"spardl"``: Spar-All-Gather teams (1: plain SAG; T > 1:
     the K workers form T teams of K/T, R-SAG inside a team, then B-SAG).
   spardl_block: ``"spardl"``: slots per block b·C/G (G workers in a team);

@@ -53,8 +53,13 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
 
     acc_k = x_k + d·r_k          (d = residual_decay; 1: error feedback)
     sent_k = top(acc_k)          (capacity slots, threshold τ)
-    r_k' = acc_k − sent_k
-    out = (1/K)·Σ_k sent_k       (identical on every worker)
+    r_k' = acc_k − sent_k + kept_k
+    out = (1/K)·Σ_k sent_k − (1/K)·Σ_k kept_k   (identical on every worker)
+
+  kept_k: what the bucket's collective could not move this step and handed
+  back to worker k (0 for ``"allgather"``; ZEN's overflow, SparDL's merge
+  drops, the host shard of ``"hier"``: ``jaxfuse.collectives``), so what
+  the workers owe is exact: K·out + Σ_k r_k' = Σ_k acc_k.
 
   With ``momentum`` m > 0 (DGC's momentum correction, Lin et al. 2018 §3.2)
   each worker keeps a velocity u and the residual r accumulates it::
@@ -193,8 +198,8 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
               velocity[u] = jnp.where(out.nonfinite[i], velocity[u][0],
                                       kept)[None]
           ctrl_chunks.append((ids, out.control))
-          stat_chunks.extend(stats_lib.sparse_stats(plan, [all_units[u] for u in ids],
-                                           out, stacked))
+          stat_chunks.extend(stats_lib.sparse_stats(
+              plan, [all_units[u] for u in ids], out, stacked))
         dense, kept = collectives.get(bucket.collective).sync(
             [parts[u] for u in unit_ids], [all_units[u] for u in unit_ids],
             axis_name, settings)
