@@ -78,7 +78,7 @@ def test_profile_plan_show_end_to_end(workdir):
   # profile: a tiny sweep, with the model
   # sizes far apart, so that β > 0 stands out of a loaded machine's noise
   r = run(workdir, "profile", "--model", "tinymodel:make", "--sizes", "4K",
-          "1M", "--compress-sizes", "1K", "64K", "--repeats", "3",
+          "4M", "--compress-sizes", "1K", "64K", "--repeats", "3",
           "--chain", "2", "-o", "costs.json")
   assert r.returncode == 0, r.stderr
   assert "profiling on 8 x cpu" in r.stderr
@@ -95,7 +95,7 @@ def test_profile_plan_show_end_to_end(workdir):
   assert len(costs.backward) == NUM_LEAVES and min(costs.backward) >= 0
   assert sum(costs.backward) > 0 and costs.forward > 0
   assert costs.provenance["devices"]["mesh"] == {"data": 8}
-  assert [s[0] for s in costs.provenance["samples"]["psum"]] == [4096, 1 << 20]
+  assert [s[0] for s in costs.provenance["samples"]["psum"]] == [4096, 4 << 20]
 
   # plan: aligned buckets over the backward-ready order, with the costs
   r = run(workdir, "plan", "tinymodel:make", "--density", "0.01",

@@ -169,7 +169,7 @@ def test_profile_arguments_are_checked(mesh):
 
 def test_profile_without_model_and_progress(mesh):
   out = io.StringIO()
-  costs = profiling.profile(mesh, sizes=(2**12, 2**20), compress_sizes=(
+  costs = profiling.profile(mesh, sizes=(2**12, 2**22), compress_sizes=(
       2**10, 2**16), chain=2, progress=profiling.text_progress(out), **FAST)
   assert costs.backward == () and costs.forward == 0.0
   assert costs.collectives["psum"].beta > 0
