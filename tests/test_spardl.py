@@ -88,6 +88,22 @@ def _residual_sums(state):
   return [np.asarray(r, np.float64).sum(0) for r in state.residuals]
 
 
+def _random_steps(plan, mesh, k, shapes, seed, steps=2):
+  """Yields each step's synced output for random gradients, after checking
+  conservation and replica identity."""
+  state = init(plan, mesh)
+  key = jax.random.PRNGKey(seed)
+  for _ in range(steps):
+    key, sub = jax.random.split(key)
+    grads = [jax.random.normal(kk, (k,) + s)
+             for kk, s in zip(jax.random.split(sub, len(shapes)), shapes)]
+    old = _residual_sums(state)
+    synced, state = sync(plan, mesh, grads, state)
+    _conserved(plan, k, grads, old, synced, state)
+    _identical(synced)
+    yield synced
+
+
 def _shard(mesh, x):
   return jax.device_put(x, NamedSharding(mesh, P("data")))
 
@@ -106,16 +122,8 @@ def test_sync_conserves_is_identical_and_lossless_when_it_fits(
   assert len(plan.buckets) == 1
   n = sum(math.prod(s) for s in shapes)
   c = sum(l.capacity for l in plan.leaves)
-  state = init(plan, mesh)
-  key = jax.random.PRNGKey(k + 10 * teams)
-  for _ in range(2):  # random gradients: merges drop, residuals collect
-    key, sub = jax.random.split(key)
-    grads = [jax.random.normal(kk, (k,) + s)
-             for kk, s in zip(jax.random.split(sub, len(shapes)), shapes)]
-    old = _residual_sums(state)
-    synced, state = sync(plan, mesh, grads, state)
-    _conserved(plan, k, grads, old, synced, state)
-    _identical(synced)
+  # Random gradients: merges drop, residuals collect.
+  for synced in _random_steps(plan, mesh, k, shapes, k + 10 * teams):
     nnz = sum(int(np.count_nonzero(np.asarray(x))) for x in synced)
     assert nnz <= k // teams * _capacity(n, c, k, teams), nnz
 
@@ -160,16 +168,8 @@ def test_conservation_any_shape_density_k(k, shapes, density, seed):
   mesh = jaxfuse.make_mesh(k)
   plan = list_plan(shapes, density=density, collective="spardl",
                    estimator="topk", min_sparse_size=100, strategy="single")
-  state = init(plan, mesh)
-  key = jax.random.PRNGKey(seed)
-  for _ in range(2):
-    key, sub = jax.random.split(key)
-    grads = [jax.random.normal(kk, (k,) + s)
-             for kk, s in zip(jax.random.split(sub, len(shapes)), shapes)]
-    old = _residual_sums(state)
-    synced, state = sync(plan, mesh, grads, state)
-    _conserved(plan, k, grads, old, synced, state)
-    _identical(synced)
+  for _ in _random_steps(plan, mesh, k, shapes, seed):
+    pass
 
 
 # --- wire bytes -------------------------------------------------------------
