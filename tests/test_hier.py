@@ -316,7 +316,8 @@ def test_decode_past_the_unroll_limit():
                   for _ in range(K)]).astype(np.int32)
   mesh = jaxfuse.make_mesh(K, local=4)
   f = jax.jit(jax.shard_map(
-      lambda v, i: hier._decode(v[0], i[0], 32, 8)[None], mesh=mesh,
+      lambda v, i: collectives.base.decode(v[0], i[0], 32, 8)[None],
+      mesh=mesh,
       in_specs=P(HIER), out_specs=P(HIER)))
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P(HIER)))
   got = np.asarray(f(put(vals), put(idx)))

@@ -35,6 +35,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxfuse import _compat
 from jaxfuse import plans as plan_lib
 
 PRIMITIVES = ("allgather", "allreduce", "alltoall", "ppermute")
@@ -126,6 +127,9 @@ def decode(values: jax.Array, indices: jax.Array, size: int,
   distinct (sentinel ``size`` and beyond are dropped), so each scatter has
   one writer per element and the sum order is fixed: bitwise the same on
   every worker. Sums in at least float32. K defaults to the row count.
+  Past ``UNROLL_WORKERS`` rows the sum is a loop whose carry varies over
+  the mesh axes the rows vary over (e.g. ``"hier"``'s host rows, which
+  differ across its local axis).
   """
   rows = values.shape[0]
   k = rows if num_workers is None else num_workers
@@ -137,6 +141,9 @@ def decode(values: jax.Array, indices: jax.Array, size: int,
     for r in range(rows):
       out = add(r, out)
   else:
+    axes = _compat.varying_axes(values) | _compat.varying_axes(indices)
+    if axes:
+      out = _compat.to_varying(out, tuple(sorted(axes)))
     out = lax.fori_loop(0, rows, add, out)
   return (out / k).astype(values.dtype)
 

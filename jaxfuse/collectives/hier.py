@@ -48,6 +48,7 @@ import numpy as np
 from jaxfuse import _compat
 from jaxfuse import fusion
 from jaxfuse import plans as plan_lib
+from jaxfuse.collectives import allgather
 from jaxfuse.collectives import base
 from jaxfuse.collectives import spardl
 from jaxfuse.collectives import zen
@@ -81,7 +82,7 @@ class Hier:
     where = f"the 'hier' bucket of leaves {[j for u in units for j in u.leaves]}"
     host, local = _axes(where, axis_name)
     hosts, size = lax.axis_size(host), lax.axis_size(local)
-    inner = _inner(where, settings, host, hosts)
+    inner = _inner(where, settings, host, hosts)  # checked on the H hosts
     n, s, cs, dtype = _layout(units, size)
     acc = jnp.promote_types(dtype, jnp.float32)
 
@@ -98,11 +99,13 @@ class Hier:
     sent = shard[pick].astype(dtype)
     pick = jnp.where(sent != 0, pick, s)  # zeros: empty slots
     unit = _shard_unit(s, cs, dtype)
-    if inner is None:                                               # 4
+    if settings.hier_inner == "allgather":                          # 4
+      # Built in rather than inner.sync: one division by K = H·L, the
+      # rounding of a flat "allgather".
       rows = _compat.all_gather_invariant(fusion.pack_sparse([(sent, pick)]),
                                           host)
       ((rv, ri),) = fusion.unpack_sparse(rows, [unit])
-      mean, back = _decode(rv, ri, s, hosts * size), None
+      mean, back = base.decode(rv, ri, s, hosts * size), None
     else:
       out = inner.sync([(sent, pick)], [unit], host, settings)
       mean = (out.means[0].astype(acc) / size).astype(dtype)
@@ -162,29 +165,13 @@ def _axes(where, axis_name) -> tuple[str, str]:
 
 
 def _inner(where, settings, host, hosts):
-  """The scheme of ``settings.hier_inner`` over the host axis, or None for
-  the built-in ``"allgather"``; raises ``SchemeError`` if it cannot run."""
+  """The scheme of ``settings.hier_inner`` over the host axis; raises
+  ``SchemeError`` if it cannot run on the H hosts."""
   name = settings.hier_inner
-  if name == "allgather":
-    return None
   scheme = INNER[name]
   scheme.check(f"{where} (hier_inner={name!r} over the {hosts} hosts of "
                f"axis {host!r})", hosts, settings)
   return scheme
-
-
-def _decode(values, indices, size: int, k: int):
-  """``base.decode`` of the (H, c_s) gathered rows, which vary over the
-  local axis: past ``base.UNROLL_WORKERS`` rows its ``fori_loop`` carry must
-  vary like them (same adds, same order)."""
-  if values.shape[0] <= base.UNROLL_WORKERS:
-    return base.decode(values, indices, size, k)
-  acc = jnp.promote_types(values.dtype, jnp.float32)
-  add = lambda r, out: out.at[indices[r]].add(values[r].astype(acc),
-                                              mode="drop")
-  out = _compat.to_varying(jnp.zeros((size,), acc),
-                           tuple(sorted(_compat.varying_axes(values))))
-  return (lax.fori_loop(0, values.shape[0], add, out) / k).astype(values.dtype)
 
 
 def _layout(units, local: int):
@@ -202,13 +189,13 @@ def _shard_unit(s, cs, dtype) -> plan_lib.Unit:
 
 def _host_steps(unit, hosts, settings):
   name = settings.hier_inner
-  if name == "allgather":
-    return (base.Step("allgather", plan_lib.payload_bytes(unit)),)
   scheme = INNER[name]
   scheme.check(f"hier_inner={name!r}", hosts, settings)
   return scheme.steps([unit], hosts, settings)
 
 
 # The sparse schemes that run over the host axis (``settings.hier_inner``;
-# "allgather" is built in).
-INNER = {"zen": zen.Zen(), "spardl": spardl.SparDL()}
+# "allgather"'s sync is built into ``Hier.sync``, its steps and check are
+# its own).
+INNER = {"allgather": allgather.AllGather(), "zen": zen.Zen(),
+         "spardl": spardl.SparDL()}
