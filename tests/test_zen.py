@@ -396,7 +396,7 @@ def test_host_h0_and_union_sizes():
   idx = np.arange(5000)
   for k in (3, 8):
     part = np.asarray(hp.partition_of(idx.astype(np.int32), k, seed=7))
-    np.testing.assert_array_equal(zen_lib.h0(idx, k, seed=7), part)
+    np.testing.assert_array_equal(hp.partition_of_host(idx, k, seed=7), part)
     assert zen_lib.partition_sizes(5000, k, 7) == tuple(
         np.bincount(part, minlength=k))
   a = np.array([0, 5, 9, 5000, 77])                 # 5000: out of range

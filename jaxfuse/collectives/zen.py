@@ -70,15 +70,7 @@ MAX_BUCKET = 2**31 - 2    # one int32 index space with a sentinel left over
 PUSH_SPREAD = 4.0         # push slots: C/K plus this many sqrt(C/K)
 
 
-# --- h0 on the host: sizes of the classes I_j and of the pulled unions ------
-
-def h0(indices, num_partitions: int, seed: int = 0) -> np.ndarray:
-  """h0 of ``kernels.hash_partition`` in numpy (any number of partitions)."""
-  key = np.uint32(hp._keys(hp._seed32(seed), 0, 0)[0])  # pylint: disable=protected-access
-  u = np.asarray(indices).astype(np.uint32)
-  mixed = hp._mix32(u ^ key)  # pylint: disable=protected-access
-  return (mixed % np.uint32(num_partitions)).astype(np.int64)
-
+# --- on the host: sizes of the classes I_j and of the pulled unions ---------
 
 @functools.lru_cache(maxsize=256)
 def partition_sizes(size: int, num_partitions: int,
@@ -87,8 +79,9 @@ def partition_sizes(size: int, num_partitions: int,
   counts = np.zeros(num_partitions, np.int64)
   for start in range(0, size, _CHUNK):
     idx = np.arange(start, min(size, start + _CHUNK), dtype=np.int64)
-    counts += np.bincount(h0(idx, num_partitions, seed),
-                          minlength=num_partitions)
+    counts += np.bincount(
+        hp.partition_of_host(idx, num_partitions, seed=seed),
+        minlength=num_partitions)
   return tuple(int(c) for c in counts)
 
 
@@ -103,7 +96,7 @@ def union_sizes(index_sets: Sequence, num_partitions: int, size: int, *,
   sets = [np.asarray(s, np.int64).reshape(-1) for s in index_sets]
   union = np.unique(np.concatenate(sets)) if sets else np.zeros(0, np.int64)
   union = union[(union >= 0) & (union < size)]
-  return np.bincount(h0(union, num_partitions, seed),
+  return np.bincount(hp.partition_of_host(union, num_partitions, seed=seed),
                      minlength=num_partitions).astype(np.int64)
 
 

@@ -81,7 +81,7 @@ import numpy as np
 __all__ = [
     "HashPartition", "default_sizes", "extract", "hash_partition",
     "hash_partition_pallas", "hash_partition_reference", "imbalance_ratio",
-    "partition_of",
+    "partition_of", "partition_of_host",
 ]
 
 INT32_MAX = 2**31 - 1
@@ -153,11 +153,25 @@ def _hash_mod(u, key, modulus: int):
   return lax.rem(h, np.uint32(modulus)).astype(jnp.int32)
 
 
+def _partition_key(seed) -> int:
+  """The key of h0 (the same on every worker)."""
+  return _keys(_seed32(seed), 0, 0)[0]
+
+
 def partition_of(indices, num_partitions: int, *, seed: int = 0) -> jax.Array:
   """h0: the partition in [0, n) of each index (same on every worker)."""
   _check_int("num_partitions", num_partitions, 1, MAX_PARTITIONS)
   u = jnp.asarray(indices).astype(jnp.uint32)
-  return _hash_mod(u, _keys(_seed32(seed), 0, 0)[0], num_partitions)
+  return _hash_mod(u, _partition_key(seed), num_partitions)
+
+
+def partition_of_host(indices, num_partitions: int, *,
+                      seed: int = 0) -> np.ndarray:
+  """``partition_of`` in numpy on the host, for any number of partitions
+  (sizes of ZEN's classes I_j and pulled unions, planned offline)."""
+  u = np.asarray(indices).astype(np.uint32)
+  mixed = _mix32(u ^ np.uint32(_partition_key(seed)))
+  return (mixed % np.uint32(num_partitions)).astype(np.int64)
 
 
 def imbalance_ratio(counts) -> jax.Array:
