@@ -97,22 +97,8 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   initialized state, or ``abstract(...)`` of one), after checking that the
   saved plan has ``plan``'s layout."""
   ocp = _ocp()
-  steps = mngr.all_steps()
-  if not steps:
-    raise CheckpointError(f"no checkpoint in {mngr.directory}; start "
-                          "without resuming, or point to the run's "
-                          "checkpoint directory.")
-  step = max(steps) if step is None else step
-  if step not in steps:
-    raise CheckpointError(f"no step {step} in {mngr.directory}; saved steps "
-                          f"are {sorted(steps)}.")
-  try:
-    saved = mngr.restore(step, args=ocp.args.Composite(
-        **{PLAN: ocp.args.JsonRestore()}))[PLAN]
-  except Exception as e:  # corrupt or foreign directory
-    raise CheckpointError(f"checkpoint {step} in {mngr.directory} cannot be "
-                          f"read ({type(e).__name__}: {e}); it is corrupt or "
-                          "not a jaxfuse checkpoint.") from None
+  step = _resolve(mngr, step)
+  saved = _json_item(mngr, step, PLAN)
   _check_plan(saved, plan, step)
   try:
     out = mngr.restore(step, args=ocp.args.Composite(
@@ -149,16 +135,37 @@ def _check_plan(saved: dict, plan: plan_lib.Plan | None, step: int) -> None:
 
 def saved_extra(mngr, step: int | None = None) -> dict:
   """The ``extra`` JSON saved with checkpoint ``step`` (default latest)."""
-  ocp = _ocp()
-  step = max(mngr.all_steps()) if step is None else step
-  return dict(mngr.restore(step, args=ocp.args.Composite(
-      **{EXTRA: ocp.args.JsonRestore()}))[EXTRA] or {})
+  return dict(_json_item(mngr, _resolve(mngr, step), EXTRA) or {})
 
 
 def saved_plan(mngr, step: int | None = None) -> plan_lib.Plan | None:
   """The plan saved with checkpoint ``step`` (default the latest)."""
-  ocp = _ocp()
-  step = max(mngr.all_steps()) if step is None else step
-  saved = mngr.restore(step, args=ocp.args.Composite(
-      **{PLAN: ocp.args.JsonRestore()}))[PLAN]
+  saved = _json_item(mngr, _resolve(mngr, step), PLAN)
   return plan_lib.Plan.from_json(json.dumps(saved)) if saved else None
+
+
+def _resolve(mngr, step: int | None) -> int:
+  """``step``, or the latest saved one; ``CheckpointError`` if not saved."""
+  steps = mngr.all_steps()
+  if not steps:
+    raise CheckpointError(f"no checkpoint in {mngr.directory}; start "
+                          "without resuming, or point to the run's "
+                          "checkpoint directory.")
+  step = max(steps) if step is None else step
+  if step not in steps:
+    raise CheckpointError(f"no step {step} in {mngr.directory}; saved steps "
+                          f"are {sorted(steps)}.")
+  return step
+
+
+def _json_item(mngr, step: int, name: str):
+  """One JSON item of checkpoint ``step``; ``CheckpointError`` if the step
+  cannot be read (corrupt, or not a jaxfuse checkpoint)."""
+  ocp = _ocp()
+  try:
+    return mngr.restore(step, args=ocp.args.Composite(
+        **{name: ocp.args.JsonRestore()}))[name]
+  except Exception as e:  # corrupt or foreign directory
+    raise CheckpointError(f"checkpoint {step} in {mngr.directory} cannot be "
+                          f"read ({type(e).__name__}: {e}); it is corrupt or "
+                          "not a jaxfuse checkpoint.") from None
