@@ -63,3 +63,14 @@ def list_plan(shapes, dtype="float32", **kwargs):
 def per_device(x):
   """The distinct buffers of an array, one per device, as numpy."""
   return [np.asarray(s.data) for s in x.addressable_shards]
+
+
+def assert_replicas_identical(arrays, num_devices: int | None = None):
+  """Each array's buffer is bitwise the same on every device (and, given
+  ``num_devices``, there are that many copies)."""
+  for x in arrays:
+    copies = per_device(x)
+    if num_devices is not None:
+      assert len(copies) == num_devices
+    for c in copies[1:]:
+      np.testing.assert_array_equal(c, copies[0])

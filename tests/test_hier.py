@@ -22,7 +22,7 @@ from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
 from jaxfuse.collectives import hier
 
-from _harness import per_device
+from _harness import assert_replicas_identical
 
 K, C0 = 8, 64
 HIER = ("host", "local")
@@ -230,11 +230,7 @@ def test_replicas_bitwise_identical(runs):
   for name in ("2x4", "4x2"):
     for feed in out[name]:
       for synced, _, _ in feed:
-        for x in synced:
-          copies = per_device(x)
-          assert len(copies) == K
-          for c in copies[1:]:
-            np.testing.assert_array_equal(c, copies[0])
+        assert_replicas_identical(synced, K)
 
 
 def test_wire_bytes(runs):

@@ -17,7 +17,8 @@ import pytest
 import jaxfuse
 from jaxfuse import plans as plan_lib
 
-from _harness import init, list_plan, per_device, shard, sharded_update, sync
+from _harness import assert_replicas_identical
+from _harness import init, list_plan, shard, sharded_update, sync
 from _harness import NUM_WORKERS as K
 
 
@@ -188,11 +189,7 @@ def test_replicas_stay_bitwise_identical_and_loss_drops(mesh):
                       example_args=((jnp.zeros((8, 32)), jnp.zeros((8, 16))),))
   assert {l.mode for l in plan.leaves} == {"sparse", "dense"}
   params, _, losses, _, _ = _train(mesh, plan, 50)
-  for leaf in jax.tree.leaves(params):
-    copies = per_device(leaf)
-    assert len(copies) == K
-    for c in copies[1:]:
-      np.testing.assert_array_equal(c, copies[0])
+  assert_replicas_identical(jax.tree.leaves(params), K)
   assert np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
 
 

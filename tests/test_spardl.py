@@ -19,6 +19,7 @@ from jaxfuse.collectives import allgather
 from jaxfuse.collectives import base
 from jaxfuse.collectives import spardl
 
+from _harness import assert_replicas_identical
 from _harness import init, list_plan, per_device, sync
 
 
@@ -77,13 +78,6 @@ def _conserved(plan, k, grads, old, synced, state):
                                atol=1e-5 * (1 + np.abs(g).max()))
 
 
-def _identical(synced):
-  for x in synced:
-    copies = per_device(x)
-    for c in copies[1:]:
-      np.testing.assert_array_equal(c, copies[0])
-
-
 def _residual_sums(state):
   return [np.asarray(r, np.float64).sum(0) for r in state.residuals]
 
@@ -100,7 +94,7 @@ def _random_steps(plan, mesh, k, shapes, seed, steps=2):
     old = _residual_sums(state)
     synced, state = sync(plan, mesh, grads, state)
     _conserved(plan, k, grads, old, synced, state)
-    _identical(synced)
+    assert_replicas_identical(synced)
     yield synced
 
 

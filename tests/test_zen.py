@@ -21,7 +21,8 @@ from jaxfuse import plans as plan_lib
 from jaxfuse.collectives import zen as zen_lib
 from jaxfuse.kernels import hash_partition as hp
 
-from _harness import NUM_WORKERS, init, list_plan, per_device, shard, sync
+from _harness import assert_replicas_identical
+from _harness import NUM_WORKERS, init, list_plan, shard, sync
 
 SHAPES = [(64, 64)]               # the mesh tests: one unit, N = 4096
 TWO_UNITS = [(64, 48), (1000,)]   # one bucket of two units, N = 4072
@@ -66,11 +67,7 @@ def _run(plan, mesh, k, steps, seed, shared=0.0, shapes=SHAPES):
     old = [np.asarray(r) for r in state.residuals]
     synced, state = sync(plan, mesh, grads, state)
     _check_conservation(plan, grads, old, synced, state, k)
-    for x in synced:
-      copies = per_device(x)
-      assert len(copies) == k
-      for c in copies[1:]:
-        np.testing.assert_array_equal(c, copies[0])
+    assert_replicas_identical(synced, k)
     out.append((synced, state))
   return out
 
@@ -153,11 +150,7 @@ def _run_direct(k, table, union, parts):
                     union)
   args = [shard(mesh, x) for _, v, i in parts for x in (v, i)]
   means, kept = f(*args)
-  for x in means:
-    copies = per_device(x)
-    assert len(copies) == k
-    for c in copies[1:]:
-      np.testing.assert_array_equal(c, copies[0])
+  assert_replicas_identical(means, k)
   return [(np.asarray(m, np.float64), np.asarray(r, np.float64),
            _sent(n, v, i)) for m, r, (n, v, i) in zip(means, kept, parts)]
 
