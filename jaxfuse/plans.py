@@ -28,6 +28,7 @@ FORMAT_VERSION = 1
 MODES = ("sparse", "dense")
 ESTIMATORS = ("topk", "dgc", "gaussian", "redsync", "sidco")
 SPARSE_COLLECTIVES = ("allgather", "zen", "spardl", "hier")  # jaxfuse.collectives
+RESIDUAL_DTYPES = ("float32", "gradient")  # Settings.residual_dtype
 COLLECTIVES = SPARSE_COLLECTIVES + ("psum",)
 SPARSIFY = ("ahead", "behind")
 MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
@@ -112,6 +113,12 @@ class Settings:
     2 keeps Table I's 4·C bound; more drops less in merges.
   hier_inner: ``"hier"``: the sparse collective run over the slow (host)
     axis, one of ``"allgather"``, ``"zen"``, ``"spardl"``.
+  residual_dtype: dtype of the per-worker residual and velocity of a unit.
+    ``"float32"`` (default): at least float32 (``promote_types(dtype,
+    float32)``), so a bfloat16 gradient's small contributions accumulate
+    instead of rounding away; what goes on the wire stays in the gradient
+    dtype, and its rounding error stays in the residual. ``"gradient"``:
+    the gradient's own dtype (half the state memory for bfloat16, lossy).
   """
   headroom: float = 1.5
   min_sparse_size: int = 1024
@@ -125,6 +132,7 @@ class Settings:
   spardl_teams: int = 1
   hier_inner: str = "allgather"
   spardl_block: float = 2.0
+  residual_dtype: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +263,9 @@ def check_plan(plan: Plan) -> None:
   if s.hier_inner not in ("allgather", "zen", "spardl"):
     raise PlanError(f"settings.hier_inner={s.hier_inner!r}; use one of "
                     "('allgather', 'zen', 'spardl').")
+  if s.residual_dtype not in RESIDUAL_DTYPES:
+    raise PlanError(f"settings.residual_dtype={s.residual_dtype!r}; use one "
+                    f"of {RESIDUAL_DTYPES}.")
   for leaf in plan.leaves:
     where = f"leaf {leaf.path}"
     if leaf.mode not in MODES:
@@ -358,6 +369,14 @@ def units(plan: Plan
                           l.dtype))
     per_bucket.append(tuple(ids))
   return tuple(out), tuple(per_bucket)
+
+
+def state_dtype(unit: Unit, settings: Settings) -> str:
+  """dtype of the unit's residual and velocity (``Settings.residual_dtype``):
+  the gradient's, or at least float32."""
+  if settings.residual_dtype == "gradient":
+    return unit.dtype
+  return str(np.dtype(jax.numpy.promote_types(unit.dtype, np.float32)))
 
 
 def is_full(unit: Unit) -> bool:

@@ -107,19 +107,21 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
   all_units, bucket_units = plan_lib.units(plan)
   settings = plan.settings
   num_leaves = len(plan.leaves)
+  state_dtypes = [plan_lib.state_dtype(u, settings) for u in all_units]
 
   def init_fn(params):
     plan.validate(params)
     return SparseSyncState(
         step=jnp.zeros((1,), jnp.int32),
-        residuals=tuple(jnp.zeros((1, u.size), u.dtype) for u in all_units),
+        residuals=tuple(jnp.zeros((1, u.size), state_dtypes[i])
+                        for i, u in enumerate(all_units)),
         # At least one entry: an all-dense plan would otherwise carry
         # zero-size arrays, which XLA's GPU compiler (JAX 0.11.2) crashes on.
         control=jax.tree.map(lambda x: x[None], sparsify.initial_control(
             max(1, len(all_units)))),
         stats=stats_lib.empty_stats(num_leaves),
-        velocity=tuple(jnp.zeros((1, u.size), u.dtype) for u in all_units)
-        if momentum else ())
+        velocity=tuple(jnp.zeros((1, u.size), state_dtypes[i])
+                       for i, u in enumerate(all_units)) if momentum else ())
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -162,22 +164,21 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
         continue
       grads, moved = {}, {}
       for u in unit_ids:
-        g = jnp.concatenate([flat[j].reshape(-1).astype(all_units[u].dtype)
+        g = jnp.concatenate([flat[j].reshape(-1).astype(state_dtypes[u])
                              for j in all_units[u].leaves])
         grads[u], moved[u] = _accumulate(g, velocity[u][0] if momentum else
                                          None, momentum, nesterov)
       decayed = {u: residuals[u][0] * residual_decay if residual_decay != 1
                  else residuals[u][0] for u in unit_ids}
       if all(plan_lib.is_full(all_units[u]) for u in unit_ids):
-        dense, finite = _full_sync(plan, [all_units[u] for u in unit_ids],
-                                   [grads[u] + decayed[u] for u in unit_ids],
-                                   stat_chunks, axis_name)
+        dense, finite, roundings = _full_sync(
+            plan, [all_units[u] for u in unit_ids],
+            [grads[u] + decayed[u] for u in unit_ids], stat_chunks, axis_name)
         # Their thresholds are not used; kept as they were.
         ctrl_chunks.append((list(unit_ids), jax.tree.map(
             lambda x: _take(x, unit_ids), ctrl)))
-        for u, ok in zip(unit_ids, finite):
-          residuals[u] = jnp.where(ok, jnp.zeros_like(residuals[u]),
-                                   residuals[u])
+        for u, ok, rounding in zip(unit_ids, finite, roundings):
+          residuals[u] = jnp.where(ok, rounding[None], residuals[u])
           if momentum:
             kept = jnp.zeros_like(moved[u]) if mask_momentum else moved[u]
             velocity[u] = jnp.where(ok, kept, velocity[u][0])[None]
@@ -186,12 +187,15 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
         for ids, out, stacked in _sparsify_groups(
             all_units, unit_ids, grads, decayed, ctrl, step, settings):
           for i, u in enumerate(ids):
-            parts[u] = (out.values[i], out.indices[i])
+            values, residual = _to_wire(out.values[i], out.indices[i],
+                                        out.residual[i], out.nonfinite[i],
+                                        all_units[u].dtype)
+            parts[u] = (values, out.indices[i])
             # A non-finite step keeps the residual sparsify was given: the
             # decayed one, so restore the old where it was decayed.
-            residuals[u] = (out.residual[i] if residual_decay == 1 else
+            residuals[u] = (residual if residual_decay == 1 else
                             jnp.where(out.nonfinite[i], residuals[u][0],
-                                      out.residual[i]))[None]
+                                      residual))[None]
             if momentum:
               kept = (moved[u].at[out.indices[i]].set(0, mode="drop")
                       if mask_momentum else moved[u])
@@ -253,18 +257,33 @@ def _accumulate(x, u, momentum, nesterov):
   return u, u
 
 
+def _to_wire(values, indices, residual, nonfinite, wire_dtype):
+  """Selected values in the wire dtype, and the residual that keeps their
+  rounding: r' = acc − wire(v) at the sent slots (exact in float32 for a
+  bfloat16 wire), so nothing sent is lost to the cast."""
+  if values.dtype == jnp.dtype(wire_dtype):
+    return values, residual
+  wire = values.astype(wire_dtype)
+  rounding = jnp.where(nonfinite, 0, values - wire.astype(values.dtype))
+  return wire, residual.at[indices].add(rounding, mode="drop")
+
+
 def _full_sync(plan, units, accs, stat_chunks, axis_name):
   """Density-1 units: every element sent, one ``pmean`` for the bucket.
 
-  Returns the dense means per unit and per unit whether acc was finite;
-  appends the units' per-leaf stats chunks (everything selected)."""
-  means = collectives.psum.mean(accs, axis_name)
+  Returns the dense means per unit, per unit whether acc was finite, and
+  the new residual: zero, or acc's rounding to the wire dtype (the unit's
+  dtype) where the residual is kept wider; appends the units' per-leaf
+  stats chunks (everything selected)."""
+  wires = [acc.astype(unit.dtype) for unit, acc in zip(units, accs)]
+  roundings = [acc - wire.astype(acc.dtype) for acc, wire in zip(accs, wires)]
+  means = collectives.psum.mean(wires, axis_name)
   per_leaf = {}
   for unit, acc in zip(units, accs):
     for j, start in zip(unit.leaves, plan_lib.leaf_offsets(plan, unit)):
       per_leaf[j] = acc[start:start + plan.leaves[j].size]
   stat_chunks.extend(stats_lib.dense_stats(plan, list(per_leaf), per_leaf))
-  return means, [jnp.all(jnp.isfinite(acc)) for acc in accs]
+  return means, [jnp.all(jnp.isfinite(acc)) for acc in accs], roundings
 
 
 def _sparsify_groups(all_units, unit_ids, grads, residuals, ctrl, step,

@@ -91,7 +91,7 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
          collective: str = "allgather", zen_table: float = 2.0,
          zen_union: float = 1.0, spardl_teams: int = 1,
          hier_inner: str = "allgather", spardl_block: float = 2.0,
-         num_workers: int | None = None,
+         residual_dtype: str = "float32", num_workers: int | None = None,
          loss_fn: Callable | None = None, example_args: Sequence = (),
          ready_order: Sequence[int] | None = None,
          costs: costs_lib.Costs | str | os.PathLike | None = None
@@ -115,6 +115,9 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
       always ``"psum"``).
     zen_table, zen_union, spardl_teams, hier_inner, spardl_block: the schemes'
       ``plan.Settings``.
+    residual_dtype: ``"float32"`` (residuals of low-precision leaves kept in
+      float32, the wire in the gradient dtype) or ``"gradient"``
+      (``plan.Settings``).
     num_workers: K the plan is made for (default: the costs' ``workers``);
       ``"auto"`` picks each sparse bucket's collective for it, and the
       predicted step time is for it.
@@ -151,7 +154,8 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
                                zen_table=zen_table, zen_union=zen_union,
                                spardl_teams=spardl_teams,
                                hier_inner=hier_inner,
-                               spardl_block=spardl_block)
+                               spardl_block=spardl_block,
+                               residual_dtype=residual_dtype)
 
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   if not flat:
