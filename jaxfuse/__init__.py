@@ -9,6 +9,7 @@
 
 from jaxfuse import checkpoint
 from jaxfuse import collectives
+from jaxfuse import elastic
 from jaxfuse import kernels
 from jaxfuse._compat import make_mesh
 from jaxfuse.compile_options import xla_options
@@ -38,6 +39,7 @@ from jaxfuse.stats import SyncStats
 from jaxfuse.transform import init_state
 from jaxfuse.transform import local_params
 from jaxfuse.transform import per_worker
+from jaxfuse.transform import per_worker_mask
 from jaxfuse.transform import PerWorkerState
 from jaxfuse.transform import sparse_sync
 from jaxfuse.transform import state_specs
@@ -46,12 +48,14 @@ from jaxfuse.transform import sync_stats
 from jaxfuse.version import __version__
 
 __all__ = [
-    "BucketPlan", "COST_STRATEGIES", "checkpoint", "collectives", "kernels",
+    "BucketPlan", "COST_STRATEGIES", "checkpoint", "collectives", "elastic",
+    "kernels",
     "LeafPlan", "Phase",
     "PerWorkerState", "Plan", "PlanError", "RECIPES", "Settings", "STRATEGIES",
     "SparseSyncState", "SyncError", "SyncStats", "check_phases", "demo",
     "density_warmup", "init_state", "local_adamw", "local_clip_by_global_norm",
-    "local_params", "make_mesh", "onebit_adamw", "per_worker", "phase_index",
+    "local_params", "make_mesh", "onebit_adamw", "per_worker", "per_worker_mask",
+    "phase_index",
     "plan", "sgd", "sparse_sync", "state_specs", "summarize", "sync_adamw",
     "sync_stats", "with_density", "xla_options", "__version__",
 ]

@@ -14,6 +14,11 @@ more equal N + M steps straight through (tests/test_checkpoint.py).
   like = {"params": p0, "opt": jaxfuse.init_state(opt, p0, mesh)}
   step, state = jaxfuse.checkpoint.restore(manager, like, plan)
 
+Restoring onto a different number of workers K' (``like`` made on the new
+mesh) redistributes every per-worker leaf so that the owed update
+(1/K)·Σ_k r_k is kept (``jaxfuse.elastic``); the saved arrays pass through
+host memory once, then are placed with ``like``'s shardings.
+
 Orbax writes each step into a temporary directory and renames it when
 complete, so a save that dies half-way leaves the previous checkpoint
 intact and loadable. Resuming with a plan of another layout (other units,
@@ -30,10 +35,15 @@ from typing import Any
 
 import jax
 
+import numpy as np
+
+from jaxfuse import elastic
 from jaxfuse import phases
 from jaxfuse import plans as plan_lib
+from jaxfuse import transform
 
 STATE, PLAN, EXTRA = "state", "plan", "extra"
+WORKERS = "__jaxfuse_workers__"  # in the extra item: K of the saved state
 
 
 class CheckpointError(ValueError):
@@ -75,10 +85,28 @@ def save(mngr, step: int, state: Any, plan: plan_lib.Plan | None,
                           f"{mngr.directory}; resume from it or pick a new "
                           "step.")
   plan_json = json.loads(plan.to_json()) if plan is not None else {}
+  extra = dict(extra or {})
+  if WORKERS in extra:
+    raise CheckpointError(f"extra: the key {WORKERS!r} is jaxfuse's own; "
+                          "use another name.")
+  workers = _num_workers(state)
+  if workers is not None:
+    extra[WORKERS] = workers
   mngr.save(step, args=ocp.args.Composite(
       **{STATE: ocp.args.StandardSave(state),
          PLAN: ocp.args.JsonSave(plan_json),
-         EXTRA: ocp.args.JsonSave(dict(extra or {}))}), force=True)
+         EXTRA: ocp.args.JsonSave(extra)}), force=True)
+
+
+def _num_workers(tree) -> int | None:
+  """K: the leading axis of the per-worker leaves (None if there are none)."""
+  sizes = {x.shape[0] for x, m in zip(
+      jax.tree.leaves(tree), jax.tree.leaves(transform.per_worker_mask(tree)))
+           if m}
+  if len(sizes) > 1:
+    raise CheckpointError(f"per-worker leaves with different worker counts "
+                          f"{sorted(sizes)}; one state holds one mesh's.")
+  return sizes.pop() if sizes else None
 
 
 def abstract(tree: Any) -> Any:
@@ -95,20 +123,52 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   """(step, state): checkpoint ``step`` (default the latest) restored into
   the structure, shapes, dtypes and shardings of ``like`` (a freshly
   initialized state, or ``abstract(...)`` of one), after checking that the
-  saved plan has ``plan``'s layout."""
+  saved plan has ``plan``'s layout. Saved on another number of workers:
+  per-worker leaves are redistributed (``jaxfuse.elastic``)."""
   ocp = _ocp()
   step = _resolve(mngr, step)
   saved = _json_item(mngr, step, PLAN)
   _check_plan(saved, plan, step)
+  saved_k = (_json_item(mngr, step, EXTRA) or {}).get(WORKERS)
+  new_k = _num_workers(like)
+  elastic_k = saved_k is not None and new_k is not None and saved_k != new_k
+  target = _on_host(like, saved_k) if elastic_k else abstract(like)
   try:
     out = mngr.restore(step, args=ocp.args.Composite(
-        **{STATE: ocp.args.StandardRestore(abstract(like))}))[STATE]
+        **{STATE: ocp.args.StandardRestore(target)}))[STATE]
   except (ValueError, KeyError, TypeError) as e:
     raise CheckpointError(
         f"checkpoint {step} does not fit this train state ({e}); restore "
-        "with the same model, optimizer and worker count it was saved "
-        "with.") from None
+        "with the same model and optimizer it was saved with.") from None
+  if elastic_k:
+    host = elastic.resize_tree(jax.tree.map(np.asarray, out),
+                               transform.per_worker_mask(like), new_k)
+    out = jax.tree.map(_place, host, abstract(like))
   return step, out
+
+
+def _on_host(like, saved_k):
+  """Restore target: ``like`` with per-worker leaves of ``saved_k`` rows,
+  every array whole on one CPU device (then redistributed and placed)."""
+  try:
+    cpus = jax.local_devices(backend="cpu")
+  except RuntimeError:  # no CPU backend (JAX_PLATFORMS without cpu)
+    cpus = []
+  device = jax.sharding.SingleDeviceSharding(
+      cpus[0] if cpus else jax.local_devices()[0])
+  return jax.tree.map(
+      lambda x, m: jax.ShapeDtypeStruct(
+          ((saved_k,) + tuple(x.shape[1:])) if m else x.shape, x.dtype,
+          sharding=device), like, transform.per_worker_mask(like))
+
+
+def _place(host: np.ndarray, like: jax.ShapeDtypeStruct) -> jax.Array:
+  """A host array placed with ``like``'s sharding (each process fills its
+  own devices: works across processes)."""
+  if like.sharding is None:
+    return jax.numpy.asarray(host)
+  return jax.make_array_from_callback(host.shape, like.sharding,
+                                      lambda index: host[index])
 
 
 def _check_plan(saved: dict, plan: plan_lib.Plan | None, step: int) -> None:
@@ -135,7 +195,9 @@ def _check_plan(saved: dict, plan: plan_lib.Plan | None, step: int) -> None:
 
 def saved_extra(mngr, step: int | None = None) -> dict:
   """The ``extra`` JSON saved with checkpoint ``step`` (default latest)."""
-  return dict(_json_item(mngr, _resolve(mngr, step), EXTRA) or {})
+  extra = dict(_json_item(mngr, _resolve(mngr, step), EXTRA) or {})
+  extra.pop(WORKERS, None)
+  return extra
 
 
 def saved_plan(mngr, step: int | None = None) -> plan_lib.Plan | None:

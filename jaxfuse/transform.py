@@ -417,6 +417,17 @@ def _is_worker_state(x) -> bool:
   return isinstance(x, (SparseSyncState, PerWorkerState))
 
 
+def per_worker_mask(tree):
+  """The same structure as ``tree`` (any pytree holding optimizer states),
+  True at the leaves of ``sparse_sync``'s and ``per_worker``'s states (a
+  leading worker axis), False elsewhere."""
+  def mark(x):
+    if _is_worker_state(x):
+      return jax.tree.map(lambda _: True, x)
+    return False
+  return jax.tree.map(mark, tree, is_leaf=_is_worker_state)
+
+
 def state_specs(opt_state, axis_name: str | tuple = "data"):
   """``PartitionSpec`` tree for an optimizer state holding ``sparse_sync``.
 
