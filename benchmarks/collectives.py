@@ -113,8 +113,8 @@ def hlo_wire(hlo_text: str, num_workers: int) -> dict:
 
 def _gpt2_shapes():
   import jax  # pylint: disable=g-import-not-at-top
-  import train_lm  # pylint: disable=g-import-not-at-top
-  model = train_lm.build_model("gpt2-small")
+  import lm_model  # pylint: disable=g-import-not-at-top
+  model = lm_model.build_model("gpt2-small")
   tokens = jax.ShapeDtypeStruct((1, model.cfg.seq_len), "int32")
   params = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t),
                           tokens)["params"]
@@ -185,19 +185,19 @@ def run_overlap(workers, densities, steps: int = 20) -> list[dict]:
   tiny example LM (every leaf of ≥ 1024 elements), after ``steps`` SGD steps."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  import train_lm  # pylint: disable=g-import-not-at-top
-  model = train_lm.build_model("tiny", seq_len=64)
-  train, _ = train_lm.load_corpus(cap_bytes=2**20)
+  import lm_model  # pylint: disable=g-import-not-at-top
+  model = lm_model.build_model("tiny", seq_len=64)
+  train, _ = lm_model.load_corpus(cap_bytes=2**20)
   rng = np.random.default_rng(0)
   params = model.init(jax.random.PRNGKey(0),
-                      train_lm.sample_batch(rng, train, 1, 64)[:, :-1])["params"]
-  grad_fn = jax.jit(jax.grad(train_lm.make_loss(model)))
+                      lm_model.sample_batch(rng, train, 1, 64)[:, :-1])["params"]
+  grad_fn = jax.jit(jax.grad(lm_model.make_loss(model)))
   for _ in range(steps):
     params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grad_fn(
-        params, train_lm.sample_batch(rng, train, 32, 64)))
+        params, lm_model.sample_batch(rng, train, 32, 64)))
   kmax = max(workers)
   grads = [[np.asarray(g).ravel() for g in jax.tree.leaves(grad_fn(
-      params, train_lm.sample_batch(rng, train, 4, 64)))] for _ in range(kmax)]
+      params, lm_model.sample_batch(rng, train, 4, 64)))] for _ in range(kmax)]
   rows = []
   for density in densities:
     for k in workers:

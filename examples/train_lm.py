@@ -1,7 +1,6 @@
 """Data-parallel byte-level language model, dense vs. jaxfuse gradient sync.
 
-A small decoder-only transformer (Flax linen: pre-LayerNorm, causal
-self-attention, GELU MLP, learned positions, tied output head) learns to
+The model of ``lm_model.py`` (a small decoder-only transformer) learns to
 predict the bytes of the Python standard library's own ``.py`` files, so it
 runs offline anywhere. Every mode trains the same model on the same data in
 the same order; only the gradient synchronization differs:
@@ -27,6 +26,15 @@ GPUs it uses all of them (or --devices N):
   python examples/train_lm.py --strategy auto --costs costs.json
   python examples/train_lm.py --plan plan.json     # from `jaxfuse plan`
   python examples/train_lm.py --xla-option xla_gpu_all_reduce_combine_threshold_bytes=0
+  python examples/train_lm.py --grad-dtype bfloat16   # float32 residuals
+  python examples/train_lm.py --checkpoint-dir ck --checkpoint-every 100
+  python examples/train_lm.py --checkpoint-dir ck --resume --cpu-devices 4
+  python examples/train_lm.py --coordinator host0:1234 --num-processes 2 \
+      --process-id 0          # and 1 on the other host (SLURM: no flags)
+  bash scripts/launch_local.sh 2      # 2 local processes, 4 CPU devices each
+
+--resume on another device count redistributes the per-worker state
+(jaxfuse.elastic); the global batch must divide over the new count.
 
 Tokens/s excludes step 1 (compilation); every step is timed to completion.
 
@@ -64,10 +72,8 @@ import functools
 import json
 import math
 import pathlib
-import sysconfig
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,117 +82,25 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
+from lm_model import build_model
+from lm_model import load_corpus
+from lm_model import make_loss
+from lm_model import PRESETS
+from lm_model import sample_starts
+from lm_model import windows
 
 AXIS = "data"
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-  layers: int
-  d_model: int
-  heads: int
-  seq_len: int
-  vocab: int = 256
-  dtype: str = "float32"  # compute dtype; parameters stay float32
-
-
-# Per preset: the model, and defaults for steps, global batch (or per-device
-# batch x devices), peak learning rate and warmup steps.
-PRESETS = {
-    "tiny": dict(model=ModelConfig(layers=2, d_model=128, heads=4, seq_len=128),
-                 steps=300, batch=32, lr=3e-3, warmup=20),
-    "gpt2-small": dict(model=ModelConfig(layers=12, d_model=768, heads=12,
-                                         seq_len=1024),
-                       steps=1000, batch_per_device=8, lr=6e-4, warmup=100),
-}
-
-
-class Block(nn.Module):
-  cfg: ModelConfig
-
-  @nn.compact
-  def __call__(self, x, mask):
-    cfg, init = self.cfg, nn.initializers.normal(0.02)
-    h = nn.LayerNorm(dtype=cfg.dtype)(x)
-    x = x + nn.MultiHeadDotProductAttention(
-        num_heads=cfg.heads, dtype=cfg.dtype, kernel_init=init,
-        deterministic=True)(h, h, mask=mask)
-    h = nn.LayerNorm(dtype=cfg.dtype)(x)
-    h = nn.Dense(4 * cfg.d_model, dtype=cfg.dtype, kernel_init=init)(h)
-    h = nn.Dense(cfg.d_model, dtype=cfg.dtype, kernel_init=init)(nn.gelu(h))
-    return x + h
-
-
-class Transformer(nn.Module):
-  cfg: ModelConfig
-
-  @nn.compact
-  def __call__(self, tokens):  # (batch, time) int -> (batch, time, vocab)
-    cfg = self.cfg
-    embed = nn.Embed(cfg.vocab, cfg.d_model, dtype=cfg.dtype,
-                     embedding_init=nn.initializers.normal(0.02))
-    pos = self.param("pos_embed", nn.initializers.normal(0.01),
-                     (cfg.seq_len, cfg.d_model))
-    x = embed(tokens) + pos[:tokens.shape[1]].astype(cfg.dtype)
-    mask = nn.make_causal_mask(tokens)
-    for i in range(cfg.layers):
-      x = Block(cfg, name=f"block_{i}")(x, mask)
-    x = nn.LayerNorm(dtype=cfg.dtype, name="ln_f")(x)
-    return embed.attend(x).astype(jnp.float32)  # tied output head
-
-
-def build_model(preset: str = "tiny", seq_len: int | None = None,
-                dtype: str = "float32") -> Transformer:
-  cfg = PRESETS[preset]["model"]
-  return Transformer(dataclasses.replace(cfg, seq_len=seq_len or cfg.seq_len,
-                                         dtype=dtype))
-
-
-def load_corpus(cap_bytes: int = 8 * 2**20,
-                val_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
-  """(train, val) uint8 arrays: the stdlib's .py files, sorted, capped."""
-  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-  files = sorted(p for p in root.rglob("*.py")
-                 if "site-packages" not in p.parts and p.is_file())
-  chunks, total = [], 0
-  for p in files:
-    if total >= cap_bytes:
-      break
-    try:
-      data = p.read_bytes()
-    except OSError:
-      continue
-    chunks.append(data)
-    total += len(data)
-  data = np.frombuffer(b"".join(chunks)[:cap_bytes], np.uint8)
-  if data.size < 100_000:
-    raise RuntimeError(f"only {data.size} bytes of stdlib source under {root}")
-  split = int(data.size * (1 - val_fraction))
-  return data[:split], data[split:]
-
-
-def sample_batch(rng: np.random.Generator, data: np.ndarray, batch: int,
-                 seq_len: int) -> np.ndarray:
-  """``batch`` random windows of ``seq_len + 1`` bytes, as int32."""
-  starts = rng.integers(0, data.size - seq_len - 1, size=batch)
-  return data[starts[:, None] + np.arange(seq_len + 1)].astype(np.int32)
-
-
-def make_loss(model: Transformer):
-  def loss_fn(params, batch):
-    logits = model.apply({"params": params}, batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits, batch[:, 1:]).mean()
-  return loss_fn
-
-
 def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
-                    compiler_options=None):
-  """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss."""
+                    compiler_options=None, grad_dtype=None):
+  """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss.
+  ``grad_dtype``: differentiate a copy of the parameters in this dtype (the
+  gradients, and what the sync sends, are in it; params stay float32)."""
   def local(params, opt_state, batch):
     # Each worker's own gradient of its own shard of the batch.
     loss, grads = jax.value_and_grad(loss_fn)(
-        jaxfuse.local_params(params, AXIS), batch)
+        _cast(jaxfuse.local_params(params, AXIS), grad_dtype), batch)
     if sync == "dense":
       grads = jax.lax.pmean(grads, AXIS)
     updates, opt_state = opt.update(grads, opt_state, params)
@@ -196,6 +110,49 @@ def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
                        out_specs=(P(), opt_specs, P()))
   return jax.jit(step, donate_argnums=(0, 1),
                  compiler_options=compiler_options or None)
+
+
+def _cast(tree, dtype):
+  return tree if dtype is None else jax.tree.map(
+      lambda x: x.astype(dtype), tree)
+
+
+def init_distributed(args) -> None:
+  """``jax.distributed`` when there are several processes: from the flags,
+  or from an environment JAX detects itself (SLURM, Open MPI)."""
+  flags = (args.coordinator, args.num_processes, args.process_id)
+  env = os.environ
+  detected = (int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in env
+              or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1)
+  if all(f is None for f in flags) and not detected:
+    return
+  if any(f is None for f in flags) and not all(f is None for f in flags):
+    raise SystemExit("--coordinator, --num-processes and --process-id go "
+                     "together (or none of them under SLURM or Open MPI)")
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=args.coordinator,
+                             num_processes=args.num_processes,
+                             process_id=args.process_id)
+
+
+def replicated(tree, mesh):
+  """Host values (the same in every process) placed on every device."""
+  sharding = NamedSharding(mesh, P())
+  return jax.tree.map(lambda x: jax.make_array_from_callback(
+      np.shape(x), sharding, lambda i, x=np.asarray(x): x[i]), tree)
+
+
+def global_values(tree):
+  """numpy copies of (possibly multi-process) arrays, whole."""
+  if jax.process_count() == 1:
+    return tree
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def scalar(x) -> float:
+  """A replicated scalar as a float (this process's copy)."""
+  return float(np.asarray(x.addressable_data(0)))
 
 
 def parse_xla_options(items) -> dict:
@@ -325,6 +282,15 @@ def parse_args(argv):
                  "clip x sqrt(workers) (jaxfuse.local_clip_by_global_norm)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="compute dtype (parameters stay float32)")
+  p.add_argument("--grad-dtype", choices=("float32", "bfloat16"),
+                 default="float32",
+                 help="gradient dtype: bfloat16 differentiates a bfloat16 "
+                 "copy of the float32 parameters, so the sync (dense or "
+                 "sparse) moves bfloat16")
+  p.add_argument("--residual-dtype", choices=jaxfuse.plans.RESIDUAL_DTYPES,
+                 default="float32",
+                 help="jaxfuse residuals of bfloat16 gradients: float32, or "
+                 "the gradient's dtype (Settings.residual_dtype)")
   p.add_argument("--devices", type=int, help="default: all")
   p.add_argument("--cpu-devices", type=int, default=8,
                  help="simulated CPU devices; read before jax is imported, "
@@ -348,7 +314,13 @@ def parse_args(argv):
   p.add_argument("--resume", action="store_true",
                  help="continue from the latest checkpoint in "
                  "--checkpoint-dir (same flags as the run that saved it)")
-  p.add_argument("--json-out")
+  p.add_argument("--json-out", help="results JSON (written by process 0)")
+  p.add_argument("--coordinator", metavar="HOST:PORT",
+                 help="jax.distributed: process 0's address (with "
+                 "--num-processes and --process-id; SLURM and Open MPI need "
+                 "none of the three)")
+  p.add_argument("--num-processes", type=int)
+  p.add_argument("--process-id", type=int)
   args = p.parse_args(argv)
   if args.optimizer == "onebit_adamw" and args.sync != "dense" and (
       args.dense_warmup == 0):
@@ -360,6 +332,8 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  init_distributed(args)
+  say = print if jax.process_index() == 0 else lambda *a, **k: None
   xla_options = {**({} if args.xla_defaults else jaxfuse.xla_options()),
                  **parse_xla_options(args.xla_option)}
   t_start = time.perf_counter()
@@ -376,23 +350,37 @@ def main(argv=None) -> dict:
   batch_size = (args.batch_size or preset.get("batch")
                 or preset["batch_per_device"] * k)
   if batch_size % k:
-    raise SystemExit(f"--batch-size {batch_size} must divide over {k} devices")
+    raise SystemExit(f"--batch-size {batch_size} must divide over {k} "
+                     "devices: pick a batch size that is a multiple of the "
+                     "device count (or, resuming, a device count that "
+                     "divides the batch)")
   model = build_model(args.preset, args.seq_len, args.dtype)
   seq_len = model.cfg.seq_len
   lr = args.lr or preset["lr"]
   train, val = load_corpus(int(args.corpus_mb * 2**20))
-  print(f"{k} x {jax.devices()[0].platform} devices; corpus {train.size:,} "
-        f"train / {val.size:,} val bytes; preset {args.preset} "
-        f"{model.cfg}; batch {batch_size} x {seq_len}; {steps} steps")
+  say(f"{k} x {jax.devices()[0].platform} devices in "
+      f"{jax.process_count()} process(es); corpus {train.size:,} "
+      f"train / {val.size:,} val bytes; preset {args.preset} "
+      f"{model.cfg}; batch {batch_size} x {seq_len}; {steps} steps")
 
   data_sharding = NamedSharding(mesh, P(AXIS))
   rng = np.random.default_rng(args.seed)
-  put = lambda b: jax.device_put(b, data_sharding)
-  first_tokens = sample_batch(rng, train, batch_size, seq_len)
-  first_batch = put(first_tokens)
+  grad_dtype = None if args.grad_dtype == "float32" else args.grad_dtype
+
+  def put(starts, data):
+    """A global batch: every process draws the same window starts and reads
+    only the rows of its own devices."""
+    return jax.make_array_from_callback(
+        (batch_size, seq_len + 1), data_sharding,
+        lambda index: windows(data, starts[index[0]], seq_len))
+
+  draw = lambda rng, data: put(sample_starts(rng, data, batch_size, seq_len),
+                               data)
+  first_starts = sample_starts(rng, train, batch_size, seq_len)
+  first_batch = put(first_starts, train)
   params = model.init(jax.random.PRNGKey(args.seed),
                       jnp.zeros((1, seq_len), jnp.int32))
-  params = jax.device_put(params["params"], NamedSharding(mesh, P()))
+  params = replicated(params["params"], mesh)
   loss_fn = make_loss(model)
   num_params = sum(x.size for x in jax.tree.leaves(params))
   dense_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
@@ -408,7 +396,7 @@ def main(argv=None) -> dict:
   if args.sync == "dense":
     opt = make_opt(None)
     phases = (jaxfuse.Phase(0, None, None),)
-    opt_state = jax.device_put(opt.init(params), NamedSharding(mesh, P()))
+    opt_state = replicated(opt.init(params), mesh)
     opt_specs, wire_bytes = P(), dense_bytes
   else:
     strategy = "behind" if args.sync == "behind" else args.strategy
@@ -416,21 +404,23 @@ def main(argv=None) -> dict:
     if args.bucket_bytes:
       options["bucket_bytes"] = args.bucket_bytes
     plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
-        params, density=args.density, strategy=strategy,
+        _cast(params, grad_dtype), density=args.density, strategy=strategy,
         estimator=args.estimator, seed=args.seed, loss_fn=loss_fn,
         collective=args.collective, spardl_block=args.spardl_block,
-        example_args=(first_tokens[:batch_size // k],), **options))
-    print(plan.summary())
+        residual_dtype=args.residual_dtype,
+        example_args=(windows(train, first_starts[:batch_size // k],
+                              seq_len),), **options))
+    say(plan.summary())
     phases = jaxfuse.density_warmup(
         plan, steps=args.warmup_steps, densities=args.warmup_densities,
         dense_steps=args.dense_warmup)
     if len(phases) > 1:
-      print("warm-up: " + ", ".join(
+      say("warm-up: " + ", ".join(
           f"steps {p.start}-{p.stop or steps} density "
           f"{p.plan.provenance.get('phase_density', args.density):g}"
           for p in phases))
-    opt_state = jaxfuse.init_state(make_opt(phases[0].plan), params, mesh,
-                                   AXIS)
+    opt_state = jaxfuse.init_state(make_opt(phases[0].plan),
+                                   _cast(params, grad_dtype), mesh, AXIS)
     opt_specs = jaxfuse.state_specs(opt_state, AXIS)
     wire_bytes = plan.bytes_per_worker()
   start, mngr = 0, None
@@ -443,17 +433,18 @@ def main(argv=None) -> dict:
         mngr, {"params": params, "opt": opt_state}, plan)
     params, opt_state = state["params"], state["opt"]
     rng.bit_generator.state = jaxfuse.checkpoint.saved_extra(mngr)["rng"]
-    first_batch = put(sample_batch(rng, train, batch_size, seq_len))
-    print(f"resumed from step {start} of {args.checkpoint_dir}")
-  print(f"{num_params:,} params; wire bytes per worker per step "
-        f"{wire_bytes:,} = {wire_bytes / dense_bytes:.4f} x dense "
-        f"({dense_bytes:,}); optimizer {args.optimizer}")
+    first_batch = draw(rng, train)
+    say(f"resumed from step {start} of {args.checkpoint_dir} (saved on "
+        f"{jaxfuse.checkpoint.saved_workers(mngr, start) or '?'} workers, "
+        f"now {k})")
+  say(f"{num_params:,} params; wire bytes per worker per step "
+      f"{wire_bytes:,} = {wire_bytes / dense_bytes:.4f} x dense "
+      f"({dense_bytes:,}); optimizer {args.optimizer}")
 
   eval_step = make_eval_step(loss_fn, mesh)
   eval_rng = np.random.default_rng(args.seed + 10_000)
-  eval_batches = [put(sample_batch(eval_rng, val, batch_size, seq_len))
-                  for _ in range(args.eval_batches)]
-  evaluate = lambda p: float(np.mean([float(eval_step(p, b))
+  eval_batches = [draw(eval_rng, val) for _ in range(args.eval_batches)]
+  evaluate = lambda p: float(np.mean([scalar(eval_step(p, b))
                                       for b in eval_batches]))
 
   tokens_per_step = batch_size * seq_len
@@ -466,7 +457,8 @@ def main(argv=None) -> dict:
     if jaxfuse.phase_index(phases, step) != phase_id:
       phase_id = jaxfuse.phase_index(phases, step)
       train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
-                                   mesh, opt_specs, args.sync, xla_options)
+                                   mesh, opt_specs, args.sync, xla_options,
+                                   grad_dtype)
       compile_steps.append(step)
     step_fn = train_step
     if plan is not None and args.flush_every and (
@@ -474,24 +466,24 @@ def main(argv=None) -> dict:
       if flush_step is None:
         flush_step = make_train_step(
             loss_fn, make_opt(jaxfuse.with_density(plan, 1.0)), mesh,
-            opt_specs, args.sync, xla_options)
+            opt_specs, args.sync, xla_options, grad_dtype)
         compile_steps.append(step)
       step_fn = flush_step
     t0 = time.perf_counter()
     params, opt_state, loss = step_fn(params, opt_state, batch)
-    loss = float(jax.block_until_ready(loss))
+    loss = scalar(jax.block_until_ready(loss))
     step_times.append(time.perf_counter() - t0)
     losses.append(loss)
     phase_of_step.append(-1 if step_fn is flush_step else phase_id)
     rng_state = rng.bit_generator.state  # before the next batch: resume point
     if step + 1 < steps:  # the next batch, prepared outside the timed region
-      batch = put(sample_batch(rng, train, batch_size, seq_len))
+      batch = draw(rng, train)
     if mngr is not None and (step + 1 == steps or (
         args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
       jaxfuse.checkpoint.save(mngr, step + 1, {"params": params,
                                                "opt": opt_state}, plan,
                               {"rng": rng_state})
-      print(f"checkpoint saved at step {step + 1}", flush=True)
+      say(f"checkpoint saved at step {step + 1}", flush=True)
     if (step + 1) % args.log_every == 0 or step == start or step + 1 == steps:
       since = max(start, step + 1 - args.log_every)  # since the last log
       recent = [t for i, t in enumerate(step_times[since - start:], since)
@@ -506,19 +498,20 @@ def main(argv=None) -> dict:
               f"{1e3 * entry['step_time_s']:7.1f} ms/step"
               + (" (compile)" if step == start else ""))
       if plan is not None:
-        stats = jaxfuse.summarize(jaxfuse.sync_stats(opt_state), plan)
+        stats = jaxfuse.summarize(global_values(
+            jaxfuse.sync_stats(opt_state)), plan)
         entry["stats"] = stats
         line += (f"  density {stats.get('density', 1.0):.4f}  missing "
                  f"{stats['missing_leaves']:g}  overflow {stats['overflow']:g}"
                  f"  wire {stats['wire_bytes']:,} B")
       log.append(entry)
-      print(line, flush=True)
+      say(line, flush=True)
     if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < steps:
       val_curve.append({"step": step + 1, "val_loss": evaluate(params)})
-      print(f"step {step + 1:5d}  validation loss "
-            f"{val_curve[-1]['val_loss']:.4f}", flush=True)
+      say(f"step {step + 1:5d}  validation loss "
+          f"{val_curve[-1]['val_loss']:.4f}", flush=True)
     if not math.isfinite(loss):
-      print(f"loss is {loss} at step {step + 1}; stopping")
+      say(f"loss is {loss} at step {step + 1}; stopping")
       break
 
   val_loss = evaluate(params) if eval_batches else float("nan")
@@ -529,8 +522,9 @@ def main(argv=None) -> dict:
       all(np.array_equal(np.asarray(s.data), np.asarray(x.addressable_shards[0]
                                                           .data))
           for s in x.addressable_shards) for x in jax.tree.leaves(params))
-  print(f"parameters bitwise identical on all {k} devices: "
-        f"{replicas_identical}")
+  say(f"parameters bitwise identical on all {jax.local_device_count()} "
+      "devices" + (" of process 0" if jax.process_count() > 1 else "") +
+      f": {replicas_identical}")
 
   # The first step of each phase includes its compilation.
   timed = [t for i, t in enumerate(step_times, start)
@@ -563,15 +557,15 @@ def main(argv=None) -> dict:
       "wall_time_s": time.perf_counter() - t_start,
       "replicas_identical": replicas_identical,
   }
-  print(f"final validation loss {val_loss:.4f} ({args.eval_batches} batches)")
-  print(f"summary: sync={args.sync}"
-        + (f" strategy={plan.provenance['strategy']} density={args.density}"
+  say(f"final validation loss {val_loss:.4f} ({args.eval_batches} batches)")
+  say(f"summary: sync={args.sync}"
+      + (f" strategy={plan.provenance['strategy']} density={args.density}"
            f" estimator={args.estimator}" if plan is not None else "")
-        + f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}  val {val_loss:.3f}  "
-        f"{result['tokens_per_s']:,.0f} tok/s  {1e3 * mean_step:.1f} ms/step "
-        f"(first step {step_times[0]:.1f} s)  wire/dense "
-        f"{result['wire_ratio']:.4f}  wall {result['wall_time_s']:.0f} s")
-  if args.json_out:
+      + f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}  val {val_loss:.3f}  "
+      f"{result['tokens_per_s']:,.0f} tok/s  {1e3 * mean_step:.1f} ms/step "
+      f"(first step {step_times[0]:.1f} s)  wire/dense "
+      f"{result['wire_ratio']:.4f}  wall {result['wall_time_s']:.0f} s")
+  if args.json_out and jax.process_index() == 0:
     pathlib.Path(args.json_out).write_text(json.dumps(result, indent=1))
   return result
 

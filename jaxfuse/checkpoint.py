@@ -200,6 +200,12 @@ def saved_extra(mngr, step: int | None = None) -> dict:
   return extra
 
 
+def saved_workers(mngr, step: int | None = None) -> int | None:
+  """K, the workers the per-worker state of checkpoint ``step`` (default
+  the latest) was saved on (None: no per-worker state)."""
+  return (_json_item(mngr, _resolve(mngr, step), EXTRA) or {}).get(WORKERS)
+
+
 def saved_plan(mngr, step: int | None = None) -> plan_lib.Plan | None:
   """The plan saved with checkpoint ``step`` (default the latest)."""
   saved = _json_item(mngr, _resolve(mngr, step), PLAN)

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import pathlib
 
 import jax
 from jax.sharding import NamedSharding
@@ -14,6 +15,38 @@ import jaxfuse
 # Workers of the test mesh: 8 simulated CPU devices, or every GPU on a GPU run.
 NUM_WORKERS = int(os.environ.get("JAXFUSE_TEST_WORKERS") or (
     len(jax.devices()) if os.environ.get("JAXFUSE_TEST_GPU") == "1" else 8))
+
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def cpu_env(num_devices: int = 8) -> dict[str, str]:
+  """Environment of a child process on ``num_devices`` CPU devices (the
+  reference path, no accelerator memory) whatever this test run uses, with
+  the repository first on its path."""
+  env = dict(os.environ)
+  flags = [f for f in env.pop("XLA_FLAGS", "").split()
+           if "xla_force_host_platform_device_count" not in f]
+  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
+              "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "CUDA_VISIBLE_DEVICES",
+              "JAXFUSE_KERNELS", "JAXFUSE_TEST_GPU", "JAXFUSE_TEST_WORKERS"):
+    env.pop(var, None)
+  env.update(
+      JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(num_devices),
+      XLA_FLAGS=" ".join(flags + [
+          f"--xla_force_host_platform_device_count={num_devices}"]),
+      PYTHONPATH=os.pathsep.join([str(REPO)] + [
+          p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  return env
+
+
+def mesh_of(k: int, **kwargs):
+  """``jaxfuse.make_mesh(k, ...)``; skips the test where fewer than k
+  devices exist (a GPU run on 1 or 2 GPUs: the CPU suite runs it on 8)."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  if k > len(jax.devices()):
+    pytest.skip(f"needs {k} devices; {len(jax.devices())} here")
+  return jaxfuse.make_mesh(k, **kwargs)
 
 
 def shard(mesh, tree):

@@ -11,6 +11,8 @@ anywhere, e.g. 2 to try a GPU-sized mesh on CPU).
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("JAXFUSE_TEST_GPU") == "1":   # memory as the tests need it
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -41,21 +43,21 @@ def lm_gradients():
   import sys  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "examples"))
-  import train_lm  # pylint: disable=g-import-not-at-top
-  model = train_lm.build_model("tiny", seq_len=64)
-  train, _ = train_lm.load_corpus(cap_bytes=2**20)
+  import lm_model  # pylint: disable=g-import-not-at-top
+  model = lm_model.build_model("tiny", seq_len=64)
+  train, _ = lm_model.load_corpus(cap_bytes=2**20)
   rng = np.random.default_rng(0)
   params = model.init(jax.random.PRNGKey(0),
-                      train_lm.sample_batch(rng, train, 1, 64)[:, :-1])["params"]
-  grad_fn = jax.jit(jax.grad(train_lm.make_loss(model)))
+                      lm_model.sample_batch(rng, train, 1, 64)[:, :-1])["params"]
+  grad_fn = jax.jit(jax.grad(lm_model.make_loss(model)))
   leaves = jax.tree.leaves(params)
   big = max(range(len(leaves)), key=lambda i: leaves[i].size)
   out = []
   for _ in range(6):
-    grads = [jax.tree.leaves(grad_fn(params, train_lm.sample_batch(
+    grads = [jax.tree.leaves(grad_fn(params, lm_model.sample_batch(
         rng, train, 4, 64)))[big].reshape(-1) for _ in range(NUM_WORKERS)]
     out.append(jax.numpy.stack(grads))
     params = jax.tree.map(lambda p, g: p - 0.5 * g, params,
-                          grad_fn(params, train_lm.sample_batch(rng, train, 32,
+                          grad_fn(params, lm_model.sample_batch(rng, train, 32,
                                                                 64)))
   return out

@@ -1,7 +1,6 @@
 """Checkpoint and resume (jaxfuse.checkpoint, orbax): bitwise continuation
 in a fresh process, shardings kept, plan checks, bad directories."""
 
-import os
 import pathlib
 import shutil
 import subprocess
@@ -15,14 +14,14 @@ import pytest
 import jaxfuse
 from jaxfuse import checkpoint
 
-from _harness import init, list_plan, sync
+from _harness import cpu_env, init, list_plan, sync
+from _harness import NUM_WORKERS as K
 
 WORKER = pathlib.Path(__file__).with_name("_checkpoint_worker.py")
 
 
 def _run(*args):
-  env = dict(os.environ, PYTHONPATH=str(WORKER.parents[1]))
-  env.pop("XLA_FLAGS", None)
+  env = cpu_env(8)
   r = subprocess.run([sys.executable, str(WORKER), *map(str, args)],
                      capture_output=True, text=True, env=env, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -49,7 +48,7 @@ def test_resume_in_a_fresh_process_is_bitwise_the_straight_run(tmp_path):
 def _trained(mesh):
   plan = list_plan([(64, 64), (32,)], density=0.05, min_sparse_size=256)
   state = init(plan, mesh)
-  grads = [jax.random.normal(jax.random.PRNGKey(i), (8,) + l.shape)
+  grads = [jax.random.normal(jax.random.PRNGKey(i), (K,) + l.shape)
            for i, l in enumerate(plan.leaves)]
   for _ in range(2):
     _, state = sync(plan, mesh, grads, state)
@@ -123,8 +122,7 @@ EXAMPLE_ARGS = ["--preset", "tiny", "--steps", "12", "--cpu-devices", "8",
 def _example(tmp_path, name, *extra):
   cmd = [sys.executable, str(EXAMPLE), *EXAMPLE_ARGS, "--json-out",
          str(tmp_path / f"{name}.json"), *map(str, extra)]
-  env = dict(os.environ, PYTHONPATH=str(WORKER.parents[1]))
-  env.pop("XLA_FLAGS", None)
+  env = cpu_env(8)
   return cmd, env
 
 

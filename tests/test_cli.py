@@ -1,7 +1,6 @@
 """The ``jaxfuse`` command: profile -> plan -> show end to end in subprocesses
 on 8 simulated CPU devices, and one-line errors (exit 2) for bad input."""
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from jaxfuse.planning import cli
 from jaxfuse.planning.costs import Costs
 from jaxfuse.planning.costs import LinearCost
 from jaxfuse.planning.simulate import simulate
+
+from _harness import cpu_env
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -60,18 +61,9 @@ def workdir(tmp_path_factory):
 
 
 def run(workdir, *args):
-  env = {k: v for k, v in os.environ.items()   # a CPU process: reference path
-         if k not in ("JAXFUSE_KERNELS", "JAXFUSE_TEST_GPU",
-                      "JAXFUSE_TEST_WORKERS")}
-  flags = [f for f in env.get("XLA_FLAGS", "").split()
-           if "xla_force_host_platform_device_count" not in f]
-  env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
-             XLA_FLAGS=" ".join(flags +
-                                ["--xla_force_host_platform_device_count=8"]),
-             PYTHONPATH=os.pathsep.join(
-                 [str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p]))
   return subprocess.run([sys.executable, "-m", "jaxfuse", *args], cwd=workdir,
-                        env=env, capture_output=True, text=True, timeout=300)
+                        env=cpu_env(8), capture_output=True, text=True,
+                        timeout=300)
 
 
 def test_profile_plan_show_end_to_end(workdir):
@@ -280,8 +272,7 @@ def test_example_lm_profile_auto_plan_show_and_train(tmp_path):
           "timeline.png")
   assert r.returncode == 0, r.stderr
   assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG_SIGNATURE
-  env = {k: v for k, v in os.environ.items() if not k.startswith("JAXFUSE_")}
-  env["PYTHONPATH"] = str(REPO)
+  env = cpu_env(8)
   out = subprocess.run(
       [sys.executable, str(REPO / "examples" / "train_lm.py"), "--plan",
        "plan.json", "--steps", "2", "--eval-batches", "0",

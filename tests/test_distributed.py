@@ -20,7 +20,6 @@ required to be bitwise equal, the rest to tight tolerances.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shlex
 import socket
@@ -30,6 +29,8 @@ import time
 
 import numpy as np
 import pytest
+
+from _harness import cpu_env
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 WORKER = pathlib.Path(__file__).resolve().parent / "_distributed_worker.py"
@@ -50,32 +51,23 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _env(local_devices: int) -> dict[str, str]:
-  env = dict(os.environ)
-  flags = [f for f in env.pop("XLA_FLAGS", "").split()
-           if "xla_force_host_platform_device_count" not in f]
-  if flags:
-    env["XLA_FLAGS"] = " ".join(flags)
-  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES",
-              "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS", "CUDA_VISIBLE_DEVICES",
-              "JAXFUSE_KERNELS", "JAXFUSE_TEST_GPU", "JAXFUSE_TEST_WORKERS"):
-    env.pop(var, None)  # CPU processes: the reference path, 8 workers
-  env["JAX_PLATFORMS"] = "cpu"
-  env["JAX_NUM_CPU_DEVICES"] = str(local_devices)
-  env["PYTHONPATH"] = os.pathsep.join(
-      [str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                     if p])
-  return env
+def _worker_command(pid, num_processes, port, out):
+  return [sys.executable, str(WORKER), "--process-id", str(pid),
+          "--num-processes", str(num_processes), "--port", str(port),
+          "--out", str(out)]
 
 
-def _launch(num_processes: int, workdir: pathlib.Path, tag: str):
-  """Runs the worker as `num_processes` processes; returns their out files.
+def _launch(num_processes: int, workdir: pathlib.Path, tag: str,
+            command=_worker_command):
+  """Runs ``command(pid, num_processes, port, out)`` (default: the worker)
+  as `num_processes` processes; returns their out files.
 
   The free port is found before the coordinator binds it, so another program
   may take it in between: only that failure is retried, once, on a new port.
   """
   for attempt in range(2):
-    failure = _try_launch(num_processes, workdir, f"{tag}{attempt or ''}")
+    failure = _try_launch(num_processes, workdir, f"{tag}{attempt or ''}",
+                          command)
     if isinstance(failure, list):
       return failure
     if not (num_processes > 1 and PORT_TAKEN in failure):
@@ -83,17 +75,16 @@ def _launch(num_processes: int, workdir: pathlib.Path, tag: str):
   pytest.fail(failure, pytrace=False)
 
 
-def _try_launch(num_processes: int, workdir: pathlib.Path, tag: str):
+def _try_launch(num_processes: int, workdir: pathlib.Path, tag: str,
+                command):
   """The out files, or the failure report as a string."""
   port = _free_port() if num_processes > 1 else 0
-  env = _env(NUM_DEVICES // num_processes)
+  env = cpu_env(NUM_DEVICES // num_processes)
   procs, outs, logs = [], [], []
   for pid in range(num_processes):
     out = workdir / f"{tag}_p{pid}.npz"
     log = workdir / f"{tag}_p{pid}.log"
-    cmd = [sys.executable, str(WORKER), "--process-id", str(pid),
-           "--num-processes", str(num_processes), "--port", str(port),
-           "--out", str(out)]
+    cmd = command(pid, num_processes, port, out)
     with open(log, "wb") as f:
       procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=f,
                                     stderr=subprocess.STDOUT))
@@ -295,3 +286,39 @@ def test_hier_equals_flat_bitwise(runs):
   assert len(hier) >= 2 * HIER_STEPS * len(LEAVES)
   for k in hier:
     np.testing.assert_array_equal(dist[k], ref[k], err_msg=k)
+
+
+# --- the example end to end: 2 processes, checkpoint, resume ------------------
+
+EXAMPLE = REPO / "examples" / "train_lm.py"
+
+
+def _example(workdir, tag, *flags):
+  """examples/train_lm.py as 2 processes x 4 CPU devices; process 0's JSON."""
+  def command(pid, num_processes, port, out):
+    return [sys.executable, str(EXAMPLE), "--cpu-devices", "4",
+            "--coordinator", f"localhost:{port}", "--num-processes",
+            str(num_processes), "--process-id", str(pid), "--json-out",
+            str(out), "--steps", "6", "--seq-len", "32", "--batch-size", "16",
+            "--corpus-mb", "0.25", "--eval-batches", "1", "--log-every", "1",
+            "--optimizer", "local_adamw", "--checkpoint-dir",
+            str(workdir / "ck"), *flags]
+  outs = _launch(NUM_PROCESSES, workdir, tag, command)
+  import json  # pylint: disable=g-import-not-at-top
+  return json.loads(outs[0].read_text())
+
+
+def test_example_under_jax_distributed_resumes_bitwise(tmp_path):
+  """The example on 2 processes (each loading its own rows) saves at 3 and
+  6; resumed from 3 in new processes it gives the same losses, bit for bit,
+  and the per-worker state it restored was written by both processes."""
+  straight = _example(tmp_path, "straight", "--checkpoint-every", "3")
+  assert straight["config"]["num_devices"] == NUM_DEVICES
+  assert straight["replicas_identical"]
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.rmtree(tmp_path / "ck" / "6")   # as if killed before the last save
+  resumed = _example(tmp_path, "resumed", "--resume")
+  assert resumed["start_step"] == 3
+  assert resumed["losses"] == straight["losses"][3:]
+  assert resumed["final_val_loss"] == straight["final_val_loss"]
+  assert resumed["losses"][-1] < straight["losses"][0]

@@ -13,14 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxfuse
 from jaxfuse import plans as plan_lib
 from jaxfuse.collectives import allgather
 from jaxfuse.collectives import base
 from jaxfuse.collectives import spardl
 
 from _harness import assert_replicas_identical
-from _harness import init, list_plan, per_device, sync
+from _harness import init, list_plan, mesh_of, per_device, sync
 
 
 # --- the send schedule --------------------------------------------------------
@@ -109,7 +108,7 @@ def _shard(mesh, x):
     (8, 4, [(600,)], False), (6, 3, [(600,)], True)])
 def test_sync_conserves_is_identical_and_lossless_when_it_fits(
     k, teams, shapes, vs_allgather):
-  mesh = jaxfuse.make_mesh(k)
+  mesh = mesh_of(k)
   plan = list_plan(shapes, density=0.05, collective="spardl",
                    estimator="topk", min_sparse_size=100, strategy="single",
                    spardl_teams=teams)
@@ -159,7 +158,7 @@ def test_sync_conserves_is_identical_and_lossless_when_it_fits(
        density=st.sampled_from([0.02, 0.1, 0.5]),
        seed=st.integers(0, 2**16))
 def test_conservation_any_shape_density_k(k, shapes, density, seed):
-  mesh = jaxfuse.make_mesh(k)
+  mesh = mesh_of(k)
   plan = list_plan(shapes, density=density, collective="spardl",
                    estimator="topk", min_sparse_size=100, strategy="single")
   for _ in _random_steps(plan, mesh, k, shapes, seed):
@@ -203,7 +202,7 @@ def test_steps_are_what_the_program_sends(k, teams):
   units = [plan_lib.Unit((0,), 1000, 40, 0.04, "topk", "float32"),
            plan_lib.Unit((1,), 300, 13, 0.04, "topk", "bfloat16")]
   s = plan_lib.Settings(spardl_teams=teams)
-  mesh = jaxfuse.make_mesh(k)
+  mesh = mesh_of(k)
 
   def local(*xs):
     parts = [(xs[0][0], xs[1][0]), (xs[2][0], xs[3][0])]
@@ -238,7 +237,7 @@ def test_teams_that_cannot_form_raise_naming_the_bucket(k, teams, why):
 
 
 def test_sparse_sync_refuses_teams_that_cannot_form():
-  mesh = jaxfuse.make_mesh(6)
+  mesh = mesh_of(6)
   plan = list_plan([(600,)], density=0.05, collective="spardl",
                    min_sparse_size=100, spardl_teams=4)
   # "bucket 0: …" from check_axes, or "spardl bucket of leaves [0]: …"

@@ -15,14 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxfuse
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
 from jaxfuse.collectives import zen as zen_lib
 from jaxfuse.kernels import hash_partition as hp
 
 from _harness import assert_replicas_identical
-from _harness import NUM_WORKERS, init, list_plan, shard, sync
+from _harness import NUM_WORKERS, init, list_plan, mesh_of, shard, sync
 
 SHAPES = [(64, 64)]               # the mesh tests: one unit, N = 4096
 TWO_UNITS = [(64, 48), (1000,)]   # one bucket of two units, N = 4072
@@ -79,9 +78,7 @@ def test_conserves_identical_replicas_equals_allgather(k):
   """Ample tables (zen_table 4) and zen_union 1 on overlapping selections:
   nothing overflows, so ĝ and the residuals equal allgather's bit for bit
   (same f32 sums in rank order, same /K)."""
-  if k > len(jax.devices()):
-    pytest.skip(f"needs {k} devices")
-  mesh = jaxfuse.make_mesh(k)
+  mesh = mesh_of(k)
   kw = dict(density=0.005, min_sparse_size=64, strategy="single",
             estimator="topk")
   plan = list_plan(SHAPES, collective="zen", zen_table=4.0, **kw)
@@ -129,7 +126,7 @@ N, C = 2048, 16
 def _direct(k, sizes, caps, table, union):
   """Zen.sync over k workers on (values, indices) per unit: -> (means, kept)
   with kept (k, n) per unit."""
-  mesh = jaxfuse.make_mesh(k)
+  mesh = mesh_of(k)
   units = [plan_lib.Unit((i,), n, c, c / n, "topk", "float32")
            for i, (n, c) in enumerate(zip(sizes, caps))]
   settings = plan_lib.Settings(zen_table=table, zen_union=union)
