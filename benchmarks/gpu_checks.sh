@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU checks of issue 12 (run on a GPU machine from the repository root;
+# writes logs and JSON under ${OUT:-/tmp/gpu_checks}):
+#   suite   the test suite on the GPUs present, compiled kernels
+#   resume  gpt2-small: 100 steps straight (saving at 50) vs 50 + resumed 50
+#   bf16    gpt2-small: float32 vs bfloat16 gradients (float32 / bfloat16
+#           residual), onebit_adamw, equal steps, step times
+# usage: bash benchmarks/gpu_checks.sh suite|resume|bf16 [steps]
+set -uo pipefail
+out="${OUT:-/tmp/gpu_checks}"; mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+lm() { python examples/train_lm.py --preset gpt2-small "$@"; }
+case "$1" in
+  suite)
+    JAX_PLATFORMS=cuda,cpu JAXFUSE_TEST_GPU=1 JAXFUSE_KERNELS=pallas \
+      python -m pytest tests -q -p no:cacheprovider -rfEs --durations=10 \
+      > "$out/suite.log" 2>&1
+    echo "suite rc=$?"; tail -n 30 "$out/suite.log" ;;
+  resume)
+    ck="$(mktemp -d)"
+    common=(--steps "${2:-100}" --optimizer local_adamw --eval-batches 2
+            --log-every 10 --checkpoint-dir "$ck")
+    lm "${common[@]}" --checkpoint-every $(( ${2:-100} / 2 )) \
+      --json-out "$out/resume_straight.json" > "$out/resume_straight.log" 2>&1
+    rm -rf "$ck/${2:-100}"
+    lm "${common[@]}" --resume --json-out "$out/resume_resumed.json" \
+      > "$out/resume_resumed.log" 2>&1
+    python - "$out" <<'PY'
+import json, sys
+a = json.load(open(f"{sys.argv[1]}/resume_straight.json"))
+b = json.load(open(f"{sys.argv[1]}/resume_resumed.json"))
+s = b["start_step"]
+print("resumed from", s, "losses equal:", a["losses"][s:] == b["losses"],
+      "val equal:", a["final_val_loss"] == b["final_val_loss"],
+      a["final_val_loss"], b["final_val_loss"])
+PY
+    ;;
+  bf16)
+    steps="${2:-300}"
+    common=(--steps "$steps" --optimizer onebit_adamw --dense-warmup $((steps / 6))
+            --warmup-steps 0 --eval-batches 8 --log-every 50)
+    for run in "f32 --grad-dtype float32" "bf16 --grad-dtype bfloat16" \
+               "bf16_res16 --grad-dtype bfloat16 --residual-dtype gradient" \
+               "dense_f32 --sync dense --grad-dtype float32" \
+               "dense_bf16 --sync dense --grad-dtype bfloat16"; do
+      set -- $run
+      name="$1"; shift
+      lm "${common[@]}" "$@" --json-out "$out/bf16_$name.json" \
+        > "$out/bf16_$name.log" 2>&1
+      grep summary "$out/bf16_$name.log" | sed "s/^/$name: /"
+    done ;;
+esac
