@@ -257,14 +257,25 @@ def _accumulate(x, u, momentum, nesterov):
   return u, u
 
 
+def _round_to(x, wire_dtype):
+  """(x rounded to ``wire_dtype`` but still in x's dtype, the same in
+  ``wire_dtype``). ``lax.reduce_precision`` rounds explicitly: XLA may drop
+  a convert round trip (``xla_allow_excess_precision``, on by default on
+  GPU), which would lose the rounding we keep."""
+  info = jnp.finfo(wire_dtype)
+  rounded = lax.reduce_precision(x, exponent_bits=info.nexp,
+                                 mantissa_bits=info.nmant)
+  return rounded, rounded.astype(wire_dtype)
+
+
 def _to_wire(values, indices, residual, nonfinite, wire_dtype):
   """Selected values in the wire dtype, and the residual that keeps their
   rounding: r' = acc − wire(v) at the sent slots (exact in float32 for a
   bfloat16 wire), so nothing sent is lost to the cast."""
   if values.dtype == jnp.dtype(wire_dtype):
     return values, residual
-  wire = values.astype(wire_dtype)
-  rounding = jnp.where(nonfinite, 0, values - wire.astype(values.dtype))
+  rounded, wire = _round_to(values, wire_dtype)
+  rounding = jnp.where(nonfinite, 0, values - rounded)
   return wire, residual.at[indices].add(rounding, mode="drop")
 
 
@@ -275,8 +286,15 @@ def _full_sync(plan, units, accs, stat_chunks, axis_name):
   the new residual: zero, or acc's rounding to the wire dtype (the unit's
   dtype) where the residual is kept wider; appends the units' per-leaf
   stats chunks (everything selected)."""
-  wires = [acc.astype(unit.dtype) for unit, acc in zip(units, accs)]
-  roundings = [acc - wire.astype(acc.dtype) for acc, wire in zip(accs, wires)]
+  wires, roundings = [], []
+  for unit, acc in zip(units, accs):
+    if acc.dtype == jnp.dtype(unit.dtype):
+      wires.append(acc)
+      roundings.append(jnp.zeros_like(acc))
+    else:
+      rounded, wire = _round_to(acc, unit.dtype)
+      wires.append(wire)
+      roundings.append(acc - rounded)
   means = collectives.psum.mean(wires, axis_name)
   per_leaf = {}
   for unit, acc in zip(units, accs):

@@ -17,6 +17,7 @@ from jaxfuse import elastic
 
 from _harness import assert_replicas_identical, list_plan, mesh_of
 from _harness import NUM_WORKERS as K
+from _harness import REPO
 
 SHAPES = [(64, 48), (48,), (2000,)]
 
@@ -133,3 +134,21 @@ def test_extra_key_of_jaxfuse_is_reserved(tmp_path):
     checkpoint.save(mngr, 1, state, plan, {checkpoint.WORKERS: 1})
   checkpoint.save(mngr, 1, state, plan, {"rng": 7})
   assert checkpoint.saved_extra(mngr) == {"rng": 7}
+
+
+def test_example_on_a_count_that_does_not_divide_the_batch(tmp_path):
+  """Resuming the example on K' = 3 of a global batch of 32: one clear
+  line before anything is loaded or written."""
+  mesh_of(3)   # skips where fewer devices exist
+  import sys  # pylint: disable=g-import-not-at-top
+  examples = str(REPO / "examples")
+  sys.path.insert(0, examples)
+  try:
+    import train_lm  # pylint: disable=g-import-not-at-top
+    with pytest.raises(SystemExit, match="32 must divide over 3 devices.*"
+                       "a device count that divides the batch"):
+      train_lm.main(["--devices", "3", "--checkpoint-dir", str(tmp_path),
+                     "--resume"])
+  finally:
+    sys.path.remove(examples)
+  assert not any(tmp_path.iterdir())

@@ -16,8 +16,7 @@ import jaxfuse
 from jaxfuse import plans as plan_lib
 
 from _harness import init, list_plan, shard, sharded_update, sync
-
-K = 8
+from _harness import NUM_WORKERS as K
 
 
 # --- strategies ----------------------------------------------------------------
