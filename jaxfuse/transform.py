@@ -401,7 +401,8 @@ class PerWorkerState(NamedTuple):
   inner: Any
 
 
-def per_worker(inner: optax.GradientTransformation
+def per_worker(inner: optax.GradientTransformation, *,
+               float32_state: bool = True
                ) -> optax.GradientTransformationExtraArgs:
   """Run ``inner`` on each worker's own values, with per-worker state.
 
@@ -409,11 +410,17 @@ def per_worker(inner: optax.GradientTransformation
   state (e.g. Adam's moments of the local gradients) differs per worker;
   ``init_state`` and ``state_specs`` shard it over the data axis like the
   residuals. Stateless transforms need no wrapper.
+
+  ``float32_state``: low-precision (bfloat16, float16) leaves go through
+  ``inner`` in float32, so its state is float32 (as ``sparse_sync``'s
+  residual is); its outputs come back in the updates' dtype.
   """
   inner = optax.with_extra_args_support(inner)
+  wide = _at_least_float32 if float32_state else (lambda tree: tree)
 
   def init_fn(params):
-    return PerWorkerState(jax.tree.map(lambda x: x[None], inner.init(params)))
+    return PerWorkerState(jax.tree.map(lambda x: x[None],
+                                       inner.init(wide(params))))
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, PerWorkerState):
@@ -421,10 +428,23 @@ def per_worker(inner: optax.GradientTransformation
                       f"{type(state).__name__}; create the state with "
                       "jaxfuse.init_state(optimizer, ...).")
     local = jax.tree.map(lambda x: x[0], state.inner)
-    updates, local = inner.update(updates, local, params, **extra_args)
-    return updates, PerWorkerState(jax.tree.map(lambda x: x[None], local))
+    out, local = inner.update(wide(updates), local,
+                              None if params is None else wide(params),
+                              **extra_args)
+    out = jax.tree.map(lambda o, u: o.astype(u.dtype), out, updates)
+    return out, PerWorkerState(jax.tree.map(lambda x: x[None], local))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _at_least_float32(tree):
+  """Floating leaves below float32 as float32; the rest as they are."""
+  def widen(x):
+    dtype = jnp.result_type(x)
+    if _compat.is_float_dtype(dtype) and jnp.finfo(dtype).bits < 32:
+      return jnp.asarray(x, jnp.float32)
+    return x
+  return jax.tree.map(widen, tree)
 
 
 def _is_sync_state(x) -> bool:

@@ -10,6 +10,7 @@ so an unsent element keeps acc exactly and a sent one keeps its rounding;
 """
 
 import jax
+from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import pytest
 import jaxfuse
 from jaxfuse import plans as plan_lib
 
-from _harness import init, list_plan, sync
+from _harness import init, list_plan, shard, sync
 from _harness import NUM_WORKERS as K
 
 SHAPES = [(4096,), (48, 64)]
@@ -115,3 +116,30 @@ def test_residual_dtype_is_checked_and_part_of_the_layout():
   from jaxfuse import phases  # pylint: disable=g-import-not-at-top
   assert phases.layout_difference(
       _plan(), _plan(residual_dtype="gradient")) == "settings"
+
+
+def test_recipe_moments_are_float32_for_bfloat16_gradients(mesh):
+  """local_adamw's per-worker Adam runs in float32 (per_worker's default):
+  after one step worker k's first moment is (1 − β1)·g_k of its bfloat16
+  gradient, exactly in float32; the update goes on in bfloat16."""
+  plan = _plan()
+  opt = jaxfuse.local_adamw(plan, 1e-3)
+  params = [jnp.zeros(s, jnp.bfloat16) for s in SHAPES]
+  state = jaxfuse.init_state(opt, params, mesh)
+  adam = state[1].inner
+  assert {str(x.dtype) for x in jax.tree.leaves((adam.mu, adam.nu))} == {
+      "float32"}
+  specs = jaxfuse.state_specs(state)
+  grads = _grads(0)
+
+  def local(g, s):
+    u, s = opt.update([x[0] for x in g], s, params)
+    return u, s
+
+  updates, state = jax.jit(jax.shard_map(
+      local, mesh=mesh, in_specs=(P("data"), specs),
+      out_specs=(P(), specs)))(shard(mesh, grads), state)
+  assert {str(u.dtype) for u in updates} == {"bfloat16"}
+  for g, mu in zip(grads, state[1].inner.mu):
+    want = np.float32(1 - 0.9) * np.asarray(g, np.float32)
+    np.testing.assert_allclose(np.asarray(mu), want, rtol=1e-6)
