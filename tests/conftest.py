@@ -26,6 +26,13 @@ import jaxfuse  # pylint: disable=g-import-not-at-top,wrong-import-position
 from _harness import NUM_WORKERS  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "example: runs examples/train_lm.py end to end in "
+      "subprocesses (scripts/test.sh runs these on the first interpreter "
+      "only)")
+
+
 @pytest.fixture(scope="session")
 def mesh():
   assert len(jax.devices()) >= NUM_WORKERS, jax.devices()

@@ -113,8 +113,8 @@ def test_empty_corrupt_and_interrupted_directories(tmp_path, trained):
 
 EXAMPLE = WORKER.parents[1] / "examples" / "train_lm.py"
 EXAMPLE_ARGS = ["--preset", "tiny", "--steps", "12", "--cpu-devices", "8",
-                "--optimizer", "onebit_adamw", "--dense-warmup", "2",
-                "--warmup-steps", "0", "--eval-batches", "1", "--lr", "1e-3",
+                "--optimizer", "local_adamw", "--eval-batches", "1",
+                "--lr", "1e-3",
                 "--batch-size", "16", "--seq-len", "32", "--log-every", "4",
                 "--corpus-mb", "1", "--checkpoint-every", "6"]
 
@@ -126,6 +126,7 @@ def _example(tmp_path, name, *extra):
   return cmd, env
 
 
+@pytest.mark.example
 def test_example_killed_after_a_save_resumes_bitwise(tmp_path):
   """train_lm: an uninterrupted run vs one SIGKILLed right after its step-6
   save and restarted with --resume: steps 7..12 and the final validation
