@@ -75,6 +75,11 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
   1.0)``, a dense warm-up phase) sends every element with one ``pmean``:
   ``out = (1/K)·Σ_k acc_k`` exactly, residual zero.
 
+  Low-precision gradients (``plan.settings.residual_dtype = "float32"``,
+  the default): acc, r and u are float32; sent_k is rounded to the
+  gradient's dtype for the wire and r' keeps the rounding, acc − sent_k
+  (a density-1 bucket's residual is then that rounding, not zero).
+
   Args:
     plan: from ``jaxfuse.plan(params, ...)`` or ``Plan.load(path)``.
     axis_name: the ``shard_map`` mesh axis the workers are laid along, or
