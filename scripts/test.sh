@@ -4,25 +4,30 @@
 # (each run compiles mostly on one core, so the two share the machine well;
 # the 3.12 run's output follows the first's). Sets everything up on first
 # use. Extra arguments go to pytest; QUICK=1 skips the Python 3.12 run.
-# The 3.12 run leaves out the tests marked `example` (examples/train_lm.py
-# end to end in subprocesses, ~4 of its minutes): they drive the same
-# library code the in-process tests cover on both interpreters.
+# The tests marked `example` (examples/train_lm.py end to end in
+# subprocesses, ~4 minutes) run once, shared out: the multi-process one on
+# 3.12, the others on the first interpreter; they drive the same library code
+# the in-process tests cover on both. The 3.12 environment is set up while
+# the first run's tests start.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 make_venv "$ROOT/.venv" "${PYTHON:-python3}"
 second=""
+only_first=()
 if [[ "${QUICK:-0}" != 1 ]] && py312="$(find_python312)" && \
    [[ "$("${PYTHON:-python3}" -c 'import sys; print(sys.version_info[:2])')" != "(3, 12)" ]]; then
-  make_venv "$ROOT/.venv312" "$py312" --upgrade jax jaxlib
   second="$(mktemp)"
-  ( echo "== tests on $(.venv312/bin/python --version), jax $(.venv312/bin/python -c 'import jax; print(jax.__version__)')"
-    .venv312/bin/python -m pytest -p no:cacheprovider -m "not example" "$@"
+  ( make_venv "$ROOT/.venv312" "$py312" --upgrade jax jaxlib
+    echo "== tests on $(.venv312/bin/python --version), jax $(.venv312/bin/python -c 'import jax; print(jax.__version__)')"
+    .venv312/bin/python -m pytest -p no:cacheprovider \
+      -m "not example or multiprocess" "$@"
   ) > "$second" 2>&1 &
   pid=$!
+  only_first=(-m "not (example and multiprocess)")
 fi
 echo "== tests on $(.venv/bin/python --version), jax $(.venv/bin/python -c 'import jax; print(jax.__version__)')"
 status=0
-.venv/bin/python -m pytest -p no:cacheprovider "$@" || status=$?
+.venv/bin/python -m pytest -p no:cacheprovider "${only_first[@]}" "$@" || status=$?
 if [[ -n "$second" ]]; then
   wait "$pid" || status=$?
   cat "$second"

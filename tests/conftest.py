@@ -29,8 +29,9 @@ from _harness import NUM_WORKERS  # pylint: disable=g-import-not-at-top,wrong-im
 def pytest_configure(config):
   config.addinivalue_line(
       "markers", "example: runs examples/train_lm.py end to end in "
-      "subprocesses (scripts/test.sh runs these on the first interpreter "
-      "only)")
+      "subprocesses (scripts/test.sh runs each on one interpreter only)")
+  config.addinivalue_line(
+      "markers", "multiprocess: several processes under jax.distributed")
 
 
 @pytest.fixture(scope="session")

@@ -70,7 +70,7 @@ def test_sparse_path_at_full_capacity_equals_pmean(mesh):
 
 # 2. Conservation --------------------------------------------------------------
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(shapes=st.lists(st.one_of(  # repeated shapes run as one vmap
     st.sampled_from([(32, 40), (1300,)]),
     st.tuples(st.integers(1, 40), st.integers(1, 70))), min_size=1, max_size=5),
