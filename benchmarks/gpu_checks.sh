@@ -3,6 +3,8 @@
 # writes logs and JSON under ${OUT:-/tmp/gpu_checks}):
 #   suite   the test suite on the GPUs present, compiled kernels
 #   resume  gpt2-small: 100 steps straight (saving at 50) vs 50 + resumed 50
+#           (bitwise only with XLA_FLAGS=--xla_gpu_deterministic_ops=true:
+#           docs/benchmarks.md)
 #   bf16    gpt2-small: float32 vs bfloat16 gradients (float32 / bfloat16
 #           residual), onebit_adamw, equal steps, step times
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16 [steps]
