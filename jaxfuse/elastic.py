@@ -62,8 +62,7 @@ def resize_tree(tree: Any, per_worker: Any, num_new: int) -> Any:
 def owed(tree: Any, per_worker: Any) -> list[np.ndarray]:
   """The worker mean (1/K)·Σ_k x_k of each marked float leaf (float64):
   what ``resize_tree`` keeps."""
-  leaves = jax.tree.leaves(jax.tree.map(
+  return jax.tree.leaves(jax.tree.map(   # None marks no leaf: dropped
       lambda x, m: np.asarray(x, np.float64).mean(0)
       if m and jnp.issubdtype(x.dtype, jnp.floating) else None,
       tree, per_worker))
-  return [x for x in leaves if x is not None]

@@ -267,6 +267,8 @@ def _round_to(x, wire_dtype):
   ``wire_dtype``). ``lax.reduce_precision`` rounds explicitly: XLA may drop
   a convert round trip (``xla_allow_excess_precision``, on by default on
   GPU), which would lose the rounding we keep."""
+  if x.dtype == jnp.dtype(wire_dtype):
+    return x, x
   info = jnp.finfo(wire_dtype)
   rounded = lax.reduce_precision(x, exponent_bits=info.nexp,
                                  mantissa_bits=info.nmant)
@@ -293,13 +295,9 @@ def _full_sync(plan, units, accs, stat_chunks, axis_name):
   stats chunks (everything selected)."""
   wires, roundings = [], []
   for unit, acc in zip(units, accs):
-    if acc.dtype == jnp.dtype(unit.dtype):
-      wires.append(acc)
-      roundings.append(jnp.zeros_like(acc))
-    else:
-      rounded, wire = _round_to(acc, unit.dtype)
-      wires.append(wire)
-      roundings.append(acc - rounded)
+    rounded, wire = _round_to(acc, unit.dtype)
+    wires.append(wire)
+    roundings.append(acc - rounded)   # zero where the wire is acc's dtype
   means = collectives.psum.mean(wires, axis_name)
   per_leaf = {}
   for unit, acc in zip(units, accs):
@@ -446,8 +444,8 @@ def _at_least_float32(tree):
   """Floating leaves below float32 as float32; the rest as they are."""
   def widen(x):
     dtype = jnp.result_type(x)
-    if _compat.is_float_dtype(dtype) and jnp.finfo(dtype).bits < 32:
-      return jnp.asarray(x, jnp.float32)
+    if _compat.is_float_dtype(dtype):
+      return jnp.asarray(x, jnp.promote_types(dtype, jnp.float32))
     return x
   return jax.tree.map(widen, tree)
 
