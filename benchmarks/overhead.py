@@ -1,0 +1,217 @@
+"""jaxfuse's cost over dense on one device: step time, compile time, bytes.
+
+With one worker nothing is averaged and no network is involved, so what a
+``sparse_sync`` step costs over a dense one is the sparsification alone
+(issue 13). For a preset of ``examples/lm_model.py`` this builds the train
+step of ``examples/train_lm.py`` with the README's default recipe
+(``onebit_adamw``, in its sparse phase) and with dense
+AdamW (``pmean`` + ``optax.adamw``), both with ``jaxfuse.xla_options()``,
+and prints::
+
+  sync  estimator  step ms  over dense  compile s  x dense  step GB  kernels
+
+* step ms: mean of the timed steps, each waited for (as ``train_lm``
+  does); "over dense" is against the dense step measured in this run.
+* compile s: ``jit(...).lower(...).compile()`` of the whole step.
+* step GB: the compiled step's "bytes accessed" (XLA's cost analysis;
+  a Pallas kernel counts its operands and outputs once).
+* kernels: GPU kernels per step and their summed time, from a
+  ``jax.profiler`` trace (``--profile-steps``; GPU only).
+
+``--top N`` also prints the N kernels of the sparse steps that take the
+most time beyond dense's. Every row runs in this one process, dense
+included, so the rows compare::
+
+  python benchmarks/overhead.py --preset gpt2-small --estimators dgc topk \\
+      --out overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+import jax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+import optax  # pylint: disable=wrong-import-position
+from jax.sharding import NamedSharding  # pylint: disable=wrong-import-position
+from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
+
+import jaxfuse  # pylint: disable=wrong-import-position
+import lm_model  # pylint: disable=wrong-import-position
+from train_lm import make_train_step  # pylint: disable=wrong-import-position
+
+AXIS = "data"
+
+
+def gpu_kernels(trace_dir: str, steps: int) -> dict:
+  """Kernels per step from a profiler trace: count, summed time, by name."""
+  from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
+  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
+                    recursive=True)
+  if not files:
+    return {}
+  by_name = collections.Counter()
+  count = 0
+  for plane in ProfileData.from_file(files[0]).planes:
+    if not plane.name.startswith("/device:GPU:0"):
+      continue
+    for line in plane.lines:
+      if not line.name.startswith("Stream"):   # "Stream #14(Compute)"
+        continue
+      for event in line.events:
+        by_name[event.name] += event.duration_ns
+        count += 1
+  return {"kernels_per_step": count / steps,
+          "kernel_ms_per_step": sum(by_name.values()) / steps / 1e6,
+          "by_name_us": {k: v / steps / 1e3 for k, v in by_name.items()}}
+
+
+def run(sync, estimator, args, model_parts, mesh, options) -> dict:
+  """Compile and time one train step; ``sync`` "dense" or "jaxfuse"."""
+  params, loss_fn, batches, local_batch = model_parts
+  lr = 1e-4
+  decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
+  state_params = jax.tree.map(jnp.copy, params)
+  if sync == "dense":
+    opt = optax.adamw(lr, weight_decay=0.01, mask=decay_mask)
+    opt_state = jax.device_put(opt.init(state_params),
+                               NamedSharding(mesh, P()))
+    specs, plan = P(), None
+  else:
+    plan = jaxfuse.plan(params, density=args.density, estimator=estimator,
+                        strategy=args.strategy, loss_fn=loss_fn,
+                        example_args=(local_batch,))
+    # The sparse phase from the start: with no dense step before it the
+    # recipe's update is zero (v = 0), but every step does its full work.
+    opt = jaxfuse.onebit_adamw(plan, lr, weight_decay=0.01, mask=decay_mask)
+    opt_state = jaxfuse.init_state(opt, params, mesh)
+    specs = jaxfuse.state_specs(opt_state)
+  step = make_train_step(loss_fn, opt, mesh, specs, sync, options)
+  t0 = time.perf_counter()
+  lowered = step.lower(state_params, opt_state, batches[0])
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - t0
+  if args.hlo_dir:
+    pathlib.Path(args.hlo_dir, f"{sync}_{estimator}.hlo.txt").write_text(
+        compiled.as_text())
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  out = {"sync": sync, "estimator": estimator if plan else None,
+         "compile_s": compile_s,
+         "step_bytes": float((cost or {}).get("bytes accessed", float("nan"))),
+         "hlo_fusions": compiled.as_text().count(" fusion(")}
+  state = (state_params, opt_state)
+  times = []
+  for i in range(args.warmup + args.steps):
+    t0 = time.perf_counter()
+    p, s, loss = compiled(*state, batches[i % len(batches)])
+    jax.block_until_ready(loss)
+    if i >= args.warmup:
+      times.append(time.perf_counter() - t0)
+    state = (p, s)
+  out["step_ms"] = 1e3 * statistics.fmean(times)
+  out["step_ms_median"] = 1e3 * statistics.median(times)
+  out["step_ms_min"] = 1e3 * min(times)
+  out["loss"] = float(loss)
+  if args.profile_steps and jax.default_backend() == "gpu":
+    with tempfile.TemporaryDirectory() as tmp:
+      with jax.profiler.trace(tmp):
+        for i in range(args.profile_steps):
+          p, s, loss = compiled(*state, batches[i % len(batches)])
+          jax.block_until_ready(loss)
+          state = (p, s)
+      out.update(gpu_kernels(tmp, args.profile_steps))
+  if plan is not None:
+    stats = jaxfuse.summarize(jaxfuse.sync_stats(state[1]), plan)
+    out["density"] = stats.get("density")
+    out["overflow"] = stats["overflow"]
+    out["missing_leaves"] = stats["missing_leaves"]
+  return out
+
+
+def main(argv=None) -> list[dict]:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--preset", default="tiny", choices=sorted(lm_model.PRESETS))
+  p.add_argument("--density", type=float, default=0.01)
+  p.add_argument("--estimators", nargs="+", default=["dgc", "topk"])
+  p.add_argument("--strategy", default="aligned")
+  p.add_argument("--batch-per-device", type=int,
+                 help="default: the preset's (tiny: 32 for all devices)")
+  p.add_argument("--devices", type=int, default=1)
+  p.add_argument("--steps", type=int, default=30)
+  p.add_argument("--warmup", type=int, default=5)
+  p.add_argument("--profile-steps", type=int, default=5)
+  p.add_argument("--kernels", default="auto", choices=jaxfuse.kernels.BACKENDS)
+  p.add_argument("--top", type=int, default=0)
+  p.add_argument("--hlo-dir", help="also write each step's compiled HLO here")
+  p.add_argument("--out", help="JSON file to write")
+  args = p.parse_args(argv)
+  jaxfuse.kernels.set_backend(args.kernels)
+  mesh = jaxfuse.make_mesh(args.devices, AXIS)
+  preset = lm_model.PRESETS[args.preset]
+  model = lm_model.build_model(args.preset)
+  seq_len = model.cfg.seq_len
+  per_device = args.batch_per_device or preset.get(
+      "batch_per_device", preset.get("batch", 32) // args.devices)
+  batch = per_device * args.devices
+  train, _ = lm_model.load_corpus(2**20)
+  rng = np.random.default_rng(0)
+  sharding = NamedSharding(mesh, P(AXIS))
+  batches = [jax.device_put(lm_model.sample_batch(rng, train, batch, seq_len),
+                            sharding) for _ in range(4)]
+  params = model.init(jax.random.PRNGKey(0),
+                      jnp.zeros((1, seq_len), jnp.int32))["params"]
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  loss_fn = lm_model.make_loss(model)
+  local_batch = np.asarray(batches[0])[:per_device]
+  parts = (params, loss_fn, batches, local_batch)
+  options = jaxfuse.xla_options()
+  rows = [run("dense", None, args, parts, mesh, options)]
+  rows += [run("jaxfuse", e, args, parts, mesh, options)
+           for e in args.estimators]
+  dense = rows[0]
+  print(f"\n{'sync':8} {'estimator':9} {'step ms':>8} {'over dense':>11} "
+        f"{'compile s':>9} {'x dense':>7} {'step GB':>8} {'kernels':>8} "
+        f"{'kernel ms':>9}")
+  for r in rows:
+    over = r["step_ms"] - dense["step_ms"]
+    r["overhead_ms"] = over
+    r["compile_vs_dense"] = r["compile_s"] / dense["compile_s"]
+    print(f"{r['sync']:8} {r['estimator'] or '-':9} {r['step_ms']:8.2f} "
+          f"{over:+7.2f} ms {r['compile_s']:9.1f} "
+          f"{r['compile_vs_dense']:7.2f} {r['step_bytes'] / 1e9:8.2f} "
+          f"{r.get('kernels_per_step', float('nan')):8.0f} "
+          f"{r.get('kernel_ms_per_step', float('nan')):9.2f}")
+  if args.top and "by_name_us" in dense:
+    for r in rows[1:]:
+      extra = {k: v - dense["by_name_us"].get(k, 0.0)
+               for k, v in r["by_name_us"].items()}
+      print(f"\n{r['estimator']}: kernels beyond dense (us per step)")
+      for name, us in sorted(extra.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"  {us:9.1f}  {name[:100]}")
+  if args.out:
+    meta = {"jax": jax.__version__, "backend": jax.default_backend(),
+            "device": getattr(jax.devices()[0], "device_kind", "cpu"),
+            "devices": args.devices, "date": time.strftime("%Y-%m-%d"),
+            "args": vars(args), "xla_options": options}
+    pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows},
+                                                 indent=1))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
