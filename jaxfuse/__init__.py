@@ -45,6 +45,7 @@ from jaxfuse.transform import sparse_sync
 from jaxfuse.transform import state_specs
 from jaxfuse.stats import summarize
 from jaxfuse.transform import sync_stats
+from jaxfuse.transform import unit_residuals
 from jaxfuse.version import __version__
 
 __all__ = [
@@ -57,5 +58,5 @@ __all__ = [
     "local_params", "make_mesh", "onebit_adamw", "per_worker", "per_worker_mask",
     "phase_index",
     "plan", "sgd", "sparse_sync", "state_specs", "summarize", "sync_adamw",
-    "sync_stats", "with_density", "xla_options", "__version__",
+    "sync_stats", "unit_residuals", "with_density", "xla_options", "__version__",
 ]

@@ -371,6 +371,23 @@ def units(plan: Plan
   return tuple(out), tuple(per_bucket)
 
 
+def state_groups(plan: Plan) -> tuple[tuple[int, ...], ...]:
+  """Unit ids whose per-worker state (residual, velocity) is stored as one
+  (G, size) array: the units of one bucket with the same size and dtype, in
+  ready order. The key ignores density and capacity, so every phase of a
+  density warm-up (``with_density``) has the same groups and its state
+  carries over. Stored together, a group's rows go through the selection
+  as one batch with no copy in or out."""
+  all_units, per_bucket = units(plan)
+  out = []
+  for ids in per_bucket:
+    keys = {}
+    for u in ids:
+      keys.setdefault((all_units[u].size, all_units[u].dtype), []).append(u)
+    out.extend(tuple(g) for g in keys.values())
+  return tuple(out)
+
+
 def state_dtype(unit: Unit, settings: Settings) -> str:
   """dtype of the unit's residual and velocity (``Settings.residual_dtype``):
   the gradient's, or at least float32."""

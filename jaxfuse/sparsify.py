@@ -72,12 +72,17 @@ def topk_threshold(a, *, density, salt_, settings):
   return kernels.kth_largest_magnitude(a, target_count(density, a.size))
 
 
-def dgc_threshold(a, *, density, salt_, settings):
-  """DGC: k_s-th largest of a uniform sample of s = max(f·n, 256) elements."""
-  n = a.size
+def dgc_sample_index(n: int, salt_, settings) -> jax.Array:
+  """DGC's uniform sample: s = max(f·n, 256) positions (at most n)."""
   s = min(n, max(256, math.ceil(settings.sample_fraction * n)))
-  sample = a[uniform_index(salt_, s, n)]
-  return kth_largest(sample, max(1, round(density * s)))
+  return uniform_index(salt_, s, n)
+
+
+def dgc_threshold(a, *, density, salt_, settings):
+  """DGC: k_s-th largest of a uniform sample of s = max(f·n, 256) elements,
+  k_s = round(ρ·s)."""
+  sample = a[dgc_sample_index(a.size, salt_, settings)]
+  return kth_largest(sample, max(1, round(density * sample.size)))
 
 
 def gaussian_threshold(a, *, density, salt_, settings, signed=None):
@@ -131,7 +136,15 @@ ESTIMATORS = {
 }
 
 
-def estimate_threshold(acc, *, estimator, density, salt_, settings):
+def estimate_threshold(grad, residual, *, estimator, density, salt_,
+                       settings):
+  """τ of acc = grad + residual (unscaled). ``"dgc"`` reads only its
+  sample of acc, the others all of it."""
+  if estimator == "dgc":
+    idx = dgc_sample_index(grad.size, salt_, settings)
+    sample = jnp.abs(grad[idx] + residual[idx]).astype(jnp.float32)
+    return kth_largest(sample, max(1, round(density * sample.size)))
+  acc = grad + residual
   a = jnp.abs(acc).astype(jnp.float32)
   if estimator == "gaussian":
     return gaussian_threshold(a, density=density, salt_=salt_,
@@ -165,6 +178,7 @@ class UnitResult(NamedTuple):
   tau: jax.Array
   nonfinite: jax.Array
   acc: jax.Array        # g + r (the old residual where g is non-finite)
+  nonzero: jax.Array    # the stream had a non-zero element
 
 
 def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
@@ -172,39 +186,34 @@ def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
                   settings) -> UnitResult:
   """One unit, one step (all arrays flat; ``ctrl_unit`` fields scalars).
 
-  Non-finite gradients: nothing of ``grad`` enters the residual (it is kept as
-  it was), the control state is kept, and the values sent are NaN with slot 0
-  pointing at element 0, so the synchronized gradient is non-finite on every
-  worker (as a dense ``pmean`` would be) and ``optax.apply_if_finite`` works.
+  acc = grad + residual, its selection and new residual are one pass
+  (``kernels.sparsify_pass``: a fused Pallas kernel on GPU).
+
+  Non-finite acc: nothing of ``grad`` enters the residual (it is kept as
+  it was), the control state is kept, no candidate is counted, τ is NaN,
+  and the values sent are NaN with slot 0 pointing at element 0, so the
+  synchronized gradient is non-finite on every worker (as a dense
+  ``pmean`` would be) and ``optax.apply_if_finite`` works.
   """
-  acc = grad + residual
-  finite = jnp.all(jnp.isfinite(acc))
-  safe_acc = jnp.where(finite, acc, residual)
   fresh = lambda: (estimate_threshold(
-      safe_acc, estimator=estimator, density=density, salt_=salt_,
+      grad, residual, estimator=estimator, density=density, salt_=salt_,
       settings=settings) * jnp.exp(ctrl_unit.log_scale)).astype(jnp.float32)
   if settings.refresh == 1:
     tau = fresh()
   else:
     tau = lax.cond(step % settings.refresh == 0, fresh,
                    lambda: ctrl_unit.threshold)
-  n = acc.size
+  n = grad.size
   offset = uniform_index(hash32(salt_), 0, n)
-  values, indices, count = kernels.select(safe_acc, tau, capacity, offset)
-  # No tensor missing: if τ let nothing through, send the largest element.
-  top = jnp.argmax(jnp.abs(safe_acc)).astype(jnp.int32)
-  lone = (count == 0) & (safe_acc[top] != 0)
-  indices = indices.at[0].set(jnp.where(lone, top, indices[0]))
-  values = values.at[0].set(jnp.where(lone, safe_acc[top], values[0]))
-  new_residual = jnp.where(finite, acc.at[indices].set(0, mode="drop"),
-                           residual)
+  out = kernels.sparsify_pass(grad, residual, tau, capacity, offset)
   if settings.feedback and estimator != "topk":
-    new_ctrl = controller(ctrl_unit, count, target_count(density, n), tau)
+    new_ctrl = controller(ctrl_unit, out.count, target_count(density, n), tau)
   else:
     new_ctrl = ctrl_unit._replace(threshold=tau)
-  new_ctrl = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+  new_ctrl = jax.tree.map(lambda new, old: jnp.where(out.finite, new, old),
                           new_ctrl, ctrl_unit)
-  values = jnp.where(finite, values, jnp.nan)
-  indices = jnp.where(finite | (jnp.arange(capacity) > 0), indices, 0)
-  return UnitResult(values, indices, count, new_residual, new_ctrl, tau,
-                    ~finite, safe_acc)
+  acc = grad + residual   # only "behind" units' statistics read it
+  return UnitResult(out.values, out.indices, out.count, out.residual,
+                    new_ctrl, jnp.where(out.finite, tau, jnp.nan),
+                    ~out.finite, jnp.where(out.finite, acc, residual),
+                    out.nonzero)

@@ -66,7 +66,7 @@ def sparse_stats(plan, units, out, stacked):
         candidates=out.count,
         threshold=out.tau,
         nonfinite=out.nonfinite,
-        nonzero=jnp.any(stacked != 0, axis=1)))]
+        nonzero=out.nonzero))]
   chunks = []
   for i, unit in enumerate(units):   # a "behind" unit: several leaves
     sizes = [plan.leaves[j].size for j in unit.leaves]

@@ -30,11 +30,14 @@ from jaxfuse.stats import SyncStats
 
 
 class SparseSyncState(NamedTuple):
+  """Per-worker state. ``residuals`` and ``velocity`` hold one (1, G, size)
+  array per state group (``plans.state_groups``: a bucket's units of one
+  size and dtype); ``unit_residuals`` gives them per unit."""
   step: jax.Array                   # (1,) int32
-  residuals: tuple[jax.Array, ...]  # per unit, (1, size)
+  residuals: tuple[jax.Array, ...]  # per state group, (1, G, size)
   control: sparsify.Control         # per unit, (1, max(U, 1))
   stats: SyncStats                  # per leaf, (1, L)
-  velocity: tuple[jax.Array, ...] = ()  # per unit, (1, size); momentum > 0
+  velocity: tuple[jax.Array, ...] = ()  # as residuals; momentum > 0
 
 
 class SyncError(ValueError):
@@ -110,23 +113,30 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
   all_units, bucket_units = plan_lib.units(plan)
+  groups = plan_lib.state_groups(plan)
+  group_of_unit = {u: (g, i) for g, ids in enumerate(groups)
+                   for i, u in enumerate(ids)}
+  bucket_groups = [sorted({group_of_unit[u][0] for u in ids})
+                   for ids in bucket_units]
   settings = plan.settings
   num_leaves = len(plan.leaves)
-  state_dtypes = [plan_lib.state_dtype(u, settings) for u in all_units]
+  group_dtypes = [plan_lib.state_dtype(all_units[ids[0]], settings)
+                  for ids in groups]
+  zeros = lambda: tuple(jnp.zeros((1, len(ids), all_units[ids[0]].size),
+                                  group_dtypes[g])
+                        for g, ids in enumerate(groups))
 
   def init_fn(params):
     plan.validate(params)
     return SparseSyncState(
         step=jnp.zeros((1,), jnp.int32),
-        residuals=tuple(jnp.zeros((1, u.size), state_dtypes[i])
-                        for i, u in enumerate(all_units)),
+        residuals=zeros(),
         # At least one entry: an all-dense plan would otherwise carry
         # zero-size arrays, which XLA's GPU compiler (JAX 0.11.2) crashes on.
         control=jax.tree.map(lambda x: x[None], sparsify.initial_control(
             max(1, len(all_units)))),
         stats=stats_lib.empty_stats(num_leaves),
-        velocity=tuple(jnp.zeros((1, u.size), state_dtypes[i])
-                       for i, u in enumerate(all_units)) if momentum else ())
+        velocity=zeros() if momentum else ())
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
@@ -138,7 +148,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
           f"{axis_name!r} (see README, quickstart), or pass "
           "sparse_sync(plan, axis_name=...) with your axis name.")
     flat = _check_grads(plan, updates, axis_name)
-    _check_state(state, all_units, momentum)
+    _check_state(state, groups, all_units, momentum)
     for i, b in enumerate(plan.buckets):
       scheme = collectives.get(b.collective)
       scheme.check(f"bucket {i}", num_workers, settings)
@@ -151,12 +161,13 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     ctrl = jax.tree.map(lambda x: x[0], state.control)
 
     synced = [None] * num_leaves
-    residuals = list(state.residuals)
-    velocity = list(state.velocity)
+    residuals = [r[0] for r in state.residuals]
+    velocity = [v[0] for v in state.velocity]
     ctrl_chunks = []   # (unit ids, Control of (G,) arrays)
     stat_chunks = []   # (leaf ids, {stat: (G,) array})
 
-    for bucket, unit_ids in zip(plan.buckets, bucket_units):
+    for bucket, unit_ids, gids in zip(plan.buckets, bucket_units,
+                                      bucket_groups):
       if bucket.collective == "psum":
         # Non-float leaves have no gradient to average (float0 or ints).
         ids = [j for j in bucket.leaves if _compat.is_float_dtype(flat[j].dtype)]
@@ -167,55 +178,77 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
           synced[j] = out
         stat_chunks.extend(stats_lib.dense_stats(plan, bucket.leaves, flat))
         continue
-      grads, moved = {}, {}
-      for u in unit_ids:
-        g = jnp.concatenate([flat[j].reshape(-1).astype(state_dtypes[u])
-                             for j in all_units[u].leaves])
-        grads[u], moved[u] = _accumulate(g, velocity[u][0] if momentum else
-                                         None, momentum, nesterov)
-      decayed = {u: residuals[u][0] * residual_decay if residual_decay != 1
-                 else residuals[u][0] for u in unit_ids}
+      # Per state group: its rows' streams x (G, n), what they accumulate
+      # and the (decayed) residuals.
+      grads, moved, decayed = {}, {}, {}
+      for g in gids:
+        x = jnp.stack([_unit_stream(plan, all_units[u], flat, group_dtypes[g])
+                       for u in groups[g]])
+        grads[g], moved[g] = _accumulate(x, velocity[g] if momentum else None,
+                                         momentum, nesterov)
+        decayed[g] = (residuals[g] * residual_decay if residual_decay != 1
+                      else residuals[g])
       if all(plan_lib.is_full(all_units[u]) for u in unit_ids):
         dense, finite, roundings = _full_sync(
-            plan, [all_units[u] for u in unit_ids],
-            [grads[u] + decayed[u] for u in unit_ids], stat_chunks, axis_name)
+            plan, [all_units[u] for g in gids for u in groups[g]],
+            [grads[g][i] + decayed[g][i] for g in gids
+             for i in range(len(groups[g]))], stat_chunks, axis_name)
         # Their thresholds are not used; kept as they were.
         ctrl_chunks.append((list(unit_ids), jax.tree.map(
             lambda x: _take(x, unit_ids), ctrl)))
-        for u, ok, rounding in zip(unit_ids, finite, roundings):
-          residuals[u] = jnp.where(ok, rounding[None], residuals[u])
+        rows = 0
+        for g in gids:
+          n = len(groups[g])
+          ok = jnp.stack(finite[rows:rows + n])[:, None]
+          residuals[g] = jnp.where(ok, jnp.stack(roundings[rows:rows + n]),
+                                   residuals[g])
           if momentum:
-            kept = jnp.zeros_like(moved[u]) if mask_momentum else moved[u]
-            velocity[u] = jnp.where(ok, kept, velocity[u][0])[None]
+            kept = jnp.zeros_like(moved[g]) if mask_momentum else moved[g]
+            velocity[g] = jnp.where(ok, kept, velocity[g])
+          rows += n
+        order = [u for g in gids for u in groups[g]]
       else:
         parts = {}
-        for ids, out, stacked in _sparsify_groups(
-            all_units, unit_ids, grads, decayed, ctrl, step, settings):
-          for i, u in enumerate(ids):
-            values, residual = _to_wire(out.values[i], out.indices[i],
-                                        out.residual[i], out.nonfinite[i],
-                                        all_units[u].dtype)
-            parts[u] = (values, out.indices[i])
+        for g in gids:
+          new_res, new_vel, back = [], [], {}
+          for rows, out, stacked in _sparsify_rows(
+              all_units, groups[g], grads[g], decayed[g], ctrl, step,
+              settings):
+            ids = [groups[g][i] for i in rows]
+            values, residual = jax.vmap(_to_wire, in_axes=(0, 0, 0, 0, None))(
+                out.values, out.indices, out.residual, out.nonfinite,
+                all_units[ids[0]].dtype)
+            for i, u in enumerate(ids):
+              parts[u] = (values[i], out.indices[i])
             # A non-finite step keeps the residual sparsify was given: the
             # decayed one, so restore the old where it was decayed.
-            residuals[u] = (residual if residual_decay == 1 else
-                            jnp.where(out.nonfinite[i], residuals[u][0],
-                                      residual))[None]
+            bad = out.nonfinite[:, None]
+            if residual_decay != 1:
+              residual = jnp.where(bad, _rows(residuals[g], rows), residual)
+            new_res.append((rows, residual))
             if momentum:
-              kept = (moved[u].at[out.indices[i]].set(0, mode="drop")
-                      if mask_momentum else moved[u])
-              velocity[u] = jnp.where(out.nonfinite[i], velocity[u][0],
-                                      kept)[None]
-          ctrl_chunks.append((ids, out.control))
-          stat_chunks.extend(stats_lib.sparse_stats(
-              plan, [all_units[u] for u in ids], out, stacked))
+              m = _rows(moved[g], rows)
+              kept = (jax.vmap(lambda v, i: v.at[i].set(0, mode="drop"))(
+                  m, out.indices) if mask_momentum else m)
+              new_vel.append((rows, jnp.where(bad, _rows(velocity[g], rows),
+                                              kept)))
+            ctrl_chunks.append((ids, out.control))
+            stat_chunks.extend(stats_lib.sparse_stats(
+                plan, [all_units[u] for u in ids], out, stacked))
+          residuals[g] = _set_rows(residuals[g], new_res)
+          if momentum:
+            velocity[g] = _set_rows(velocity[g], new_vel)
+        order = list(unit_ids)   # the bucket's layout: its ready order
         dense, kept = collectives.get(bucket.collective).sync(
-            [parts[u] for u in unit_ids], [all_units[u] for u in unit_ids],
+            [parts[u] for u in order], [all_units[u] for u in order],
             axis_name, settings)
-        for u, back in zip(unit_ids, kept):  # dropped on the way: owed still
-          if back is not None:
-            residuals[u] = residuals[u] + back.astype(residuals[u].dtype)
-      for u, unit_dense in zip(unit_ids, dense):
+        for g in gids:  # dropped on the way: owed still
+          back = [kept[order.index(u)] for u in groups[g]]
+          if any(b is not None for b in back):
+            residuals[g] = residuals[g] + jnp.stack([
+                jnp.zeros_like(residuals[g][0]) if b is None else
+                b.astype(residuals[g].dtype) for b in back])
+      for u, unit_dense in zip(order, dense):
         unit = all_units[u]
         for j, start in zip(unit.leaves, plan_lib.leaf_offsets(plan, unit)):
           leaf = plan.leaves[j]
@@ -225,8 +258,9 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     stats = stats_lib.finish_stats(stats_lib.in_order(stat_chunks), wire_bytes)
     control = (jax.tree.map(lambda x: x[None], stats_lib.in_order(ctrl_chunks))
                if ctrl_chunks else state.control)
-    new_state = SparseSyncState(state.step + 1, tuple(residuals), control,
-                                stats, tuple(velocity))
+    new_state = SparseSyncState(state.step + 1,
+                                tuple(r[None] for r in residuals), control,
+                                stats, tuple(v[None] for v in velocity))
     return jax.tree.unflatten(jax.tree.structure(updates), synced), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -307,30 +341,52 @@ def _full_sync(plan, units, accs, stat_chunks, axis_name):
   return means, [jnp.all(jnp.isfinite(acc)) for acc in accs], roundings
 
 
-def _sparsify_groups(all_units, unit_ids, grads, residuals, ctrl, step,
-                     settings):
-  """``sparsify_unit`` over a bucket's units, units of one shape as one vmap.
+def _unit_stream(plan, unit, flat, dtype):
+  """A unit's flat stream: its leaves' gradients concatenated, in ``dtype``."""
+  return jnp.concatenate([flat[j].reshape(-1).astype(dtype)
+                          for j in unit.leaves])
 
-  Yields (unit ids, batched ``UnitResult``, stacked gradients) per group.
+
+def _rows(x, rows):
+  """x[rows] for static row ids (the array itself when they are all)."""
+  return x if list(rows) == list(range(x.shape[0])) else _take(x, rows)
+
+
+def _set_rows(x, pieces):
+  """x with rows replaced by [(rows, values)] (no copy if one piece covers
+  every row in order)."""
+  if len(pieces) == 1 and list(pieces[0][0]) == list(range(x.shape[0])):
+    return pieces[0][1]
+  for rows, values in pieces:
+    x = x.at[np.asarray(rows)].set(values)
+  return x
+
+
+def _sparsify_rows(all_units, ids, grads, residuals, ctrl, step, settings):
+  """``sparsify_unit`` over the rows of one state group, rows with the same
+  capacity, density and estimator as one batch (usually all of them).
+
+  Yields (row numbers, batched ``UnitResult``, the rows' streams).
   Transformer layers repeat the same shapes, so this keeps the program (and
   its compile time and kernel count) about the size of one layer's.
   """
-  groups = {}
-  for u in unit_ids:
+  batches = {}
+  for row, u in enumerate(ids):
     unit = all_units[u]
-    sig = (unit.size, unit.capacity, unit.density, unit.estimator, unit.dtype)
-    groups.setdefault(sig, []).append(u)
-  for ids in groups.values():
-    unit = all_units[ids[0]]
+    batches.setdefault((unit.capacity, unit.density, unit.estimator),
+                       []).append(row)
+  for rows in batches.values():
+    unit = all_units[ids[rows[0]]]
+    units = [ids[r] for r in rows]
     fn = functools.partial(sparsify.sparsify_unit, capacity=unit.capacity,
                            density=unit.density, estimator=unit.estimator,
                            settings=settings)
-    stacked = jnp.stack([grads[u] for u in ids])
+    stacked = _rows(grads, rows)
     out = jax.vmap(fn, in_axes=(0, 0, 0, None, 0))(
-        stacked, jnp.stack([residuals[u] for u in ids]),
-        jax.tree.map(lambda x, ids=ids: _take(x, ids), ctrl), step,
-        jnp.stack([sparsify.salt(settings.seed, step, u) for u in ids]))
-    yield ids, out, stacked
+        stacked, _rows(residuals, rows),
+        jax.tree.map(lambda x: _take(x, units), ctrl), step,
+        jnp.stack([sparsify.salt(settings.seed, step, u) for u in units]))
+    yield rows, out, stacked
 
 
 def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
@@ -367,21 +423,44 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
   return out
 
 
-def _check_state(state, all_units, momentum) -> None:
+def _check_state(state, groups, all_units, momentum) -> None:
   if not isinstance(state, SparseSyncState):
     raise SyncError(f"expected a SparseSyncState, got {type(state).__name__}; "
                     "create the state with jaxfuse.init_state(...).")
-  if state.step.shape != (1,) or len(state.residuals) != len(all_units):
+  shapes = [(len(ids), all_units[ids[0]].size) for ids in groups]
+  if state.step.shape != (1,) or len(state.residuals) != len(groups):
     raise SyncError(
-        f"sparse_sync state has step shape {tuple(state.step.shape)} inside "
-        "shard_map; expected (1,). Pass the state with "
-        "jaxfuse.state_specs(state) as its in_specs/out_specs.")
-  if len(state.velocity) != (len(all_units) if momentum else 0):
+        f"sparse_sync state has step shape {tuple(state.step.shape)} and "
+        f"{len(state.residuals)} residual groups inside shard_map; expected "
+        f"(1,) and {len(groups)}. Pass the state with "
+        "jaxfuse.state_specs(state) as its in_specs/out_specs, and create it "
+        "with this plan (jaxfuse.init_state).")
+  for g, (r, shape) in enumerate(zip(state.residuals, shapes)):
+    if tuple(r.shape[1:]) != shape:
+      raise SyncError(
+          f"sparse_sync state: residual group {g} has shape "
+          f"{tuple(r.shape[1:])}, this plan needs {shape}. The state was "
+          "made for another plan or by jaxfuse 0.1 (per-unit "
+          "residuals); create it with jaxfuse.init_state for this plan.")
+  if len(state.velocity) != (len(groups) if momentum else 0):
     raise SyncError(
         f"sparse_sync state has {len(state.velocity)} velocity buffers; this "
         f"transform (momentum={momentum}) needs "
-        f"{len(all_units) if momentum else 0}. Create the state with the "
+        f"{len(groups) if momentum else 0}. Create the state with the "
         "same transform (jaxfuse.init_state(optimizer, ...)).")
+
+
+def unit_residuals(plan: plan_lib.Plan, state: SparseSyncState,
+                   velocity: bool = False) -> list[jax.Array]:
+  """The residual (or velocity) of each selection unit, in
+  ``plans.units`` order: views of the state's per-group arrays, each with
+  the state's leading worker axis (K outside ``shard_map``)."""
+  arrays = state.velocity if velocity else state.residuals
+  out = [None] * len(plan_lib.units(plan)[0])
+  for ids, array in zip(plan_lib.state_groups(plan), arrays):
+    for i, u in enumerate(ids):
+      out[u] = array[:, i]
+  return out
 
 
 # --- helpers for users --------------------------------------------------------

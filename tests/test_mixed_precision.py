@@ -50,9 +50,9 @@ def _run(plan, mesh, steps, acc_dtype=None):
   state = init(plan, mesh)
   for step in range(steps):
     grads = _grads(step)
-    old = [np.asarray(r) for r in state.residuals]
+    old = [np.asarray(r) for r in jaxfuse.unit_residuals(plan, state)]
     synced, state = sync(plan, mesh, grads, state)
-    new = [np.asarray(r) for r in state.residuals]
+    new = [np.asarray(r) for r in jaxfuse.unit_residuals(plan, state)]
     acc = [np.asarray(grads[j], np.float32).reshape(K, -1).astype(acc_dtype or r.dtype)
            + r.astype(acc_dtype or r.dtype)
            for j, r in zip(leaf_of, old)]

@@ -273,11 +273,11 @@ def _sync_state(state):
   return s
 
 
-def _per_leaf(plan, buffers):
-  """Per-unit (K, size) state buffers -> {leaf name: (K, n)}."""
+def _per_leaf(plan, sync, velocity=False):
+  """The sync state's per-unit (K, size) buffers -> {leaf name: (K, n)}."""
   units, _ = plan_lib.units(plan)
   out = {}
-  for unit, buf in zip(units, buffers):
+  for unit, buf in zip(units, jaxfuse.unit_residuals(plan, sync, velocity)):
     (j,) = unit.leaves
     out[plan.leaves[j].path[2:-2]] = np.asarray(buf, np.float64)
   return out
@@ -304,9 +304,9 @@ def test_sgd_matches_reference(mesh, case):
   _assert_updates(got, want)
   # The state too: per worker, the velocity u and residual v of the last step.
   sync = _sync_state(state)
-  for name, u in _per_leaf(plan, sync.velocity).items():
+  for name, u in _per_leaf(plan, sync, velocity=True).items():
     np.testing.assert_allclose(u, want_u[name], rtol=1e-4, atol=1e-5)
-  for name, r in _per_leaf(plan, sync.residuals).items():
+  for name, r in _per_leaf(plan, sync).items():
     np.testing.assert_allclose(r, want_r[name], rtol=1e-4, atol=1e-5)
 
 

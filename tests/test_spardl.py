@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxfuse
 from jaxfuse import plans as plan_lib
 from jaxfuse.collectives import allgather
 from jaxfuse.collectives import base
@@ -67,7 +68,7 @@ def _capacity(n, c, k, teams=1):
 def _conserved(plan, k, grads, old, synced, state):
   """K·ĝ + Σ_k r_k' = Σ_k (g_k + r_k) per unit, float64."""
   units, _ = plan_lib.units(plan)
-  new = [np.asarray(r, np.float64).sum(0) for r in state.residuals]
+  new = [np.asarray(r, np.float64).sum(0) for r in jaxfuse.unit_residuals(plan, state)]
   for u, unit in enumerate(units):
     g = np.concatenate([np.asarray(grads[j], np.float64).sum(0).ravel()
                         for j in unit.leaves])
@@ -77,8 +78,9 @@ def _conserved(plan, k, grads, old, synced, state):
                                atol=1e-5 * (1 + np.abs(g).max()))
 
 
-def _residual_sums(state):
-  return [np.asarray(r, np.float64).sum(0) for r in state.residuals]
+def _residual_sums(plan, state):
+  return [np.asarray(r, np.float64).sum(0)
+          for r in jaxfuse.unit_residuals(plan, state)]
 
 
 def _random_steps(plan, mesh, k, shapes, seed, steps=2):
@@ -90,7 +92,7 @@ def _random_steps(plan, mesh, k, shapes, seed, steps=2):
     key, sub = jax.random.split(key)
     grads = [jax.random.normal(kk, (k,) + s)
              for kk, s in zip(jax.random.split(sub, len(shapes)), shapes)]
-    old = _residual_sums(state)
+    old = _residual_sums(plan, state)
     synced, state = sync(plan, mesh, grads, state)
     _conserved(plan, k, grads, old, synced, state)
     assert_replicas_identical(synced)

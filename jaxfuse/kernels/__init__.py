@@ -50,6 +50,18 @@ def select(acc, tau, capacity: int, offset):
   return reference.select(acc, tau, capacity, offset)
 
 
+def sparsify_pass(x, r, tau, capacity: int, offset):
+  """acc = x + r, its selection, the new residual and the unit's checks in
+  one pass (``fused_pass.sparsify_pass_reference``; the Pallas kernels for
+  float32 x and r, the reference for narrower ones)."""
+  from jaxfuse.kernels import fused_pass as fused  # pylint: disable=g-import-not-at-top
+  if backend() == "pallas" and x.dtype == r.dtype == jax.numpy.float32:
+    return fused.sparsify_pass_pallas(
+        x, r, tau, capacity, offset,
+        interpret=jax.default_backend() != "gpu")
+  return fused.sparsify_pass_reference(x, r, tau, capacity, offset)
+
+
 def kth_largest_magnitude(x, k: int):
   """Exact k-th largest |x| (``threshold.kth_largest_magnitude``: a sampled
   bracket, the band kernel, a sort of the band). On the Pallas backend from

@@ -90,7 +90,7 @@ def _round_to_bfloat16(t32: jax.Array) -> jax.Array:
                    lax.bitcast_convert_type(bits, jnp.float32))
 
 
-def _comparison_threshold(acc_dtype, tau) -> jax.Array:
+def comparison_threshold(acc_dtype, tau) -> jax.Array:
   """τ as the float32 ``t`` with  |a| ≥ τ  ⟺  f32(|a|) ≥ t  for every a.
 
   The comparison dtype is the reference's own (``jnp.abs(acc) >= tau``
@@ -121,7 +121,7 @@ def _comparison_threshold(acc_dtype, tau) -> jax.Array:
 WORD = 32        # mask bits per word
 
 
-def _candidates(x, pos, n, tau, upper=None):
+def candidates(x, pos, n, tau, upper=None):
   """|x| ≥ τ, x ≠ 0, in range; and |x| < upper if given (the band)."""
   xf = x.astype(jnp.float32)
   m = (jnp.abs(xf) >= tau) & (xf != 0)
@@ -130,33 +130,37 @@ def _candidates(x, pos, n, tau, upper=None):
   return m if pos is None else m & (pos < n)
 
 
-def _masked_index(ok, index, out_of_range, interpret):
+def masked_index(ok, index, out_of_range, interpret):
   # Triton never touches masked lanes; the interpreter scatters them, so they
   # must point out of range (where the scatter drops them).
   return jnp.where(ok, index, out_of_range) if interpret else index
 
 
-def _popcount(w):
+def popcount(w):
   return lax.population_count(w)
 
 
-def _for_each_tile(acc_ref, b, n, block, tile, body, carry):
+def for_each_tile(acc_ref, b, n, block, tile, body, carry):
   """carry = body(t, x, bounded_pos, carry) over the tiles of block b.
 
-  ``acc_ref`` is the whole array. Full blocks load without a mask (so the
+  ``acc_ref`` is the whole array (or a tuple of arrays of one length: x is
+  then the tuple of their tiles). Full blocks load without a mask (so the
   loads vectorize whatever n is) and pass ``bounded_pos=None``; only the last
   block, if partial, masks and passes the positions. With several tiles, the
   load of tile t+1 is issued before the work on tile t.
   """
+  refs = acc_ref if isinstance(acc_ref, tuple) else (acc_ref,)
   ntiles = block // tile
   lanes = lax.broadcasted_iota(jnp.int32, (tile,), 0)
 
   def run(masked):
     def load(t):
       pos = b * block + t * tile + lanes
-      ref = acc_ref.at[pl.ds(b * block + t * tile, tile)]
-      return (plgpu.load(ref, mask=pos < n), pos) if masked else (ref[...],
-                                                                    None)
+      at = lambda ref: ref.at[pl.ds(b * block + t * tile, tile)]
+      xs = tuple(plgpu.load(at(r), mask=pos < n) if masked else at(r)[...]
+                 for r in refs)
+      return (xs if isinstance(acc_ref, tuple) else xs[0],
+              pos if masked else None)
 
     if ntiles == 1:
       return body(0, *load(0), carry)
@@ -168,7 +172,7 @@ def _for_each_tile(acc_ref, b, n, block, tile, body, carry):
 
     return lax.fori_loop(0, ntiles, step, (*load(0), carry))[2]
 
-  size = acc_ref.shape[0]                  # n, or block if n < block (padded)
+  size = refs[0].shape[0]                  # n, or block if n < block (padded)
   if size % block == 0:
     return run(masked=False)
   last = size // block                     # the partial block
@@ -176,13 +180,13 @@ def _for_each_tile(acc_ref, b, n, block, tile, body, carry):
                   lambda: run(masked=False))
 
 
-def _lowest_bit_position(base, w):
+def lowest_bit_position(base, w):
   """Position of the lowest set bit of each word w (bit j of the word at
   ``base`` is position base + j)."""
   return base + (WORD - 1) - lax.clz(w & -w)
 
 
-def _mask_kernel(tau_ref, acc_ref, bits_ref, cnt_ref, sv_ref, si_ref,
+def mask_kernel(tau_ref, acc_ref, bits_ref, cnt_ref, sv_ref, si_ref,
                  *above_ref, n, block, tile, stage, interpret):
   """Pass 1. With ``above_ref`` (the band): candidates are τ ≤ |x| < τ_hi
   (τ_hi = tau_ref[1]) and above_ref[b] counts the block's |x| ≥ τ_hi."""
@@ -195,19 +199,19 @@ def _mask_kernel(tau_ref, acc_ref, bits_ref, cnt_ref, sv_ref, si_ref,
 
   def body(t, x, pos, carry):
     count, above = carry
-    m = _candidates(x, pos, n, tau, upper).astype(jnp.int32)
+    m = candidates(x, pos, n, tau, upper).astype(jnp.int32)
     words = jnp.sum(m.reshape(rows, WORD) << shift, axis=1)   # disjoint bits
     bits_ref[pl.ds((b * block + t * tile) // WORD, rows)] = words
-    counts = _popcount(words)
+    counts = popcount(words)
     rank0 = count + jnp.cumsum(counts) - counts       # in the block, from 0
     base = b * block + t * tile + row * WORD
 
     def peel(j, w):                 # stage the j-th candidate of every word
       rank = rank0 + j
       ok = (w != 0) & (rank < stage)
-      p = _lowest_bit_position(base, w)
+      p = lowest_bit_position(base, w)
       v = plgpu.load(acc_ref.at[jnp.where(ok, p, 0)], mask=ok)   # cached
-      slot = _masked_index(ok, rank, stage, interpret)
+      slot = masked_index(ok, rank, stage, interpret)
       plgpu.store(sv_ref.at[slot], v, mask=ok)
       plgpu.store(si_ref.at[slot], p, mask=ok)
       return w & (w - 1)
@@ -215,20 +219,27 @@ def _mask_kernel(tau_ref, acc_ref, bits_ref, cnt_ref, sv_ref, si_ref,
     lax.fori_loop(0, jnp.where(count < stage, jnp.max(counts), 0), peel,
                   words)
     if upper is not None:
-      above += jnp.sum(_candidates(x, pos, n, upper).astype(jnp.int32))
+      above += jnp.sum(candidates(x, pos, n, upper).astype(jnp.int32))
     return count + jnp.sum(counts), above
 
-  count, above = _for_each_tile(acc_ref, b, n, block, tile, body,
+  count, above = for_each_tile(acc_ref, b, n, block, tile, body,
                                 (jnp.int32(0), jnp.int32(0)))
   cnt_ref[b] = count
   if above_ref:
     above_ref[0][b] = above
 
 
-def _scan_kernel(offset_ref, cnt_ref, bits_ref, start_ref, scal_ref, *, n,
-                 block, num_blocks, chunk):
+def scan_kernel(offset_ref, cnt_ref, bits_ref, *refs, n, block, num_blocks,
+                chunk):
   """One program: start = exclusive scan of the block counts, then
-  scal = (offset, before, total) with before = |M ∩ [0, offset)|."""
+  scal = (offset, before, total) with before = |M ∩ [0, offset)|.
+
+  With the fused pass's block summaries (``refs`` = bmax, bpos, bfinite,
+  bnonzero, start, scal) also scal[3:7] = (finite, top, lone, nonzero):
+  top the first position of the largest |acc| (the first block holding the
+  largest block maximum), lone = finite ∧ total = 0 ∧ max |acc| ≠ 0.
+  """
+  *summary, start_ref, scal_ref = refs
   offset = offset_ref[0]
   ob = jnp.clip(offset, 0, n - 1) // block          # offset's block
   lanes = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
@@ -245,6 +256,33 @@ def _scan_kernel(offset_ref, cnt_ref, bits_ref, start_ref, scal_ref, *, n,
 
   total, start_ob = lax.fori_loop(0, pl.cdiv(num_blocks, chunk), step,
                                   (jnp.int32(0), jnp.int32(0)))
+  if summary:
+    bmax_ref, bpos_ref, bfin_ref, bnz_ref = summary
+
+    def reduce(c, carry):
+      best, top, fin, nz = carry
+      b = c * chunk + lanes
+      ok = b < num_blocks
+      at = lambda ref: ref.at[pl.ds(c * chunk, chunk)]
+      m = plgpu.load(at(bmax_ref), mask=ok, other=-1.0)
+      p = plgpu.load(at(bpos_ref), mask=ok, other=0)
+      cm = jnp.max(m)
+      cp = jnp.min(jnp.where(m == cm, p, jnp.int32(2**31 - 1)))
+      better = cm > best
+      fin = jnp.minimum(fin, jnp.min(plgpu.load(at(bfin_ref), mask=ok,
+                                                other=1)))
+      nz = jnp.maximum(nz, jnp.max(plgpu.load(at(bnz_ref), mask=ok,
+                                              other=0)))
+      return (jnp.where(better, cm, best), jnp.where(better, cp, top), fin,
+              nz)
+
+    best, top, fin, nz = lax.fori_loop(
+        0, pl.cdiv(num_blocks, chunk), reduce,
+        (jnp.float32(-1.0), jnp.int32(0), jnp.int32(1), jnp.int32(0)))
+    scal_ref[3] = fin
+    scal_ref[4] = top
+    scal_ref[5] = jnp.where((fin > 0) & (total == 0) & (best != 0), 1, 0)
+    scal_ref[6] = nz
   # The words of offset's block below offset, and the low bits of the word
   # holding it.
   words_per_block = block // WORD
@@ -254,16 +292,24 @@ def _scan_kernel(offset_ref, cnt_ref, bits_ref, start_ref, scal_ref, *, n,
   low = (jnp.int32(1) << (rel % WORD)) - 1
   kept = jnp.where(k < rel // WORD, w,
                    jnp.where(k == rel // WORD, w & low, 0))
-  before = start_ob + jnp.sum(_popcount(kept))
+  before = start_ob + jnp.sum(popcount(kept))
   scal_ref[0] = offset
   scal_ref[1] = jnp.where(offset <= 0, 0, jnp.where(offset >= n, total,
                                                     before))
   scal_ref[2] = total
 
 
-def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
-                  si_ref, v_ref, i_ref, *, n, block, words_per_step, stage,
-                  capacity, fill_per_program, interpret):
+def write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
+                 si_ref, *refs, n, block, words_per_step, stage, capacity,
+                 fill_per_program, interpret, tile=None):
+  """Pass 2. ``refs`` = (values, indices), or for the fused pass (old
+  residual, values, indices, residual): ``acc_ref`` then holds acc, and the
+  residual (the same buffer) gets 0 at every sent position; the block of
+  the largest |acc| sends it alone if nothing else is sent (lone); a
+  non-finite unit sends nothing and its block copies the old residual back.
+  """
+  fused = len(refs) == 4
+  old_ref, v_ref, i_ref, res_ref = refs if fused else (None, *refs, None)
   b = pl.program_id(0)
   offset = scal_ref[0]
   before = scal_ref[1]
@@ -276,6 +322,12 @@ def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
                     jnp.where(first_pos + block <= offset,
                               start + total - before, 0))
   need = (cnt > 0) & (first < capacity)
+  lone = jnp.int32(0)
+  if fused:
+    finite = scal_ref[3] > 0
+    need &= finite
+    lone = scal_ref[5]
+    size = res_ref.shape[0]
 
   def emit(rank, pos, valid, vals=None):
     """Write the candidates of global inclusive ranks ``rank`` at ``pos``."""
@@ -283,9 +335,12 @@ def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
     ok = valid & (slot < capacity)
     if vals is None:
       vals = plgpu.load(acc_ref.at[jnp.where(ok, pos, 0)], mask=ok)
-    slot = _masked_index(ok, slot, capacity, interpret)
+    slot = masked_index(ok, slot, capacity, interpret)
     plgpu.store(v_ref.at[slot], vals, mask=ok)
     plgpu.store(i_ref.at[slot], pos, mask=ok)
+    if fused:
+      plgpu.store(res_ref.at[masked_index(ok, pos, size, interpret)],
+                  jnp.zeros(pos.shape, res_ref.dtype), mask=ok)
 
   @pl.when(need & (cnt <= stage))
   def _staged():
@@ -301,12 +356,12 @@ def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
     def words_step(s, run):
       word0 = b * (block // WORD) + s * words_per_step
       w = bits_ref[pl.ds(word0, words_per_step)]
-      counts = _popcount(w)
+      counts = popcount(w)
       rank0 = start + run + jnp.cumsum(counts) - counts   # exclusive, global
       base = (word0 + lanes) * WORD
 
       def peel(j, w):
-        emit(rank0 + j + 1, _lowest_bit_position(base, w), w != 0)
+        emit(rank0 + j + 1, lowest_bit_position(base, w), w != 0)
         return w & (w - 1)
 
       lax.fori_loop(0, jnp.max(counts), peel, w)
@@ -318,15 +373,39 @@ def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
     else:
       lax.fori_loop(0, steps, words_step, jnp.int32(0))
 
-  # Sentinels: program b fills its share of [min(total, capacity), capacity).
+  if fused:
+    top = scal_ref[4]
+
+    @pl.when((lone > 0) & (top // block == b))
+    def _lone():
+      v_ref[0] = acc_ref[top]
+      i_ref[0] = top
+      res_ref[top] = jnp.zeros((), res_ref.dtype)
+
+    @pl.when(jnp.logical_not(finite))
+    def _keep_old():
+      lanes = lax.broadcasted_iota(jnp.int32, (tile,), 0)
+
+      def copy(t, carry):
+        pos = b * block + t * tile + lanes
+        ok = pos < size
+        at = lambda ref: ref.at[pl.ds(b * block + t * tile, tile)]
+        plgpu.store(at(res_ref), plgpu.load(at(old_ref), mask=ok), mask=ok)
+        return carry
+
+      lax.fori_loop(0, block // tile, copy, 0)
+
+  # Sentinels: program b fills its share of [min(total, capacity), capacity)
+  # (from slot 1 if slot 0 went to a lone element).
   fill_tile = min(FILL_TILE, fill_per_program)
-  fill_from = jnp.minimum(total, capacity) + b * fill_per_program
+  fill_from = jnp.maximum(jnp.minimum(total, capacity),
+                          lone) + b * fill_per_program
   lanes = lax.broadcasted_iota(jnp.int32, (fill_tile,), 0)
 
   def fill(k, carry):
     slot = fill_from + k * fill_tile + lanes
     ok = slot < capacity
-    slot = _masked_index(ok, slot, capacity, interpret)
+    slot = masked_index(ok, slot, capacity, interpret)
     plgpu.store(v_ref.at[slot], jnp.zeros((fill_tile,), v_ref.dtype), mask=ok)
     plgpu.store(i_ref.at[slot], jnp.full((fill_tile,), n, jnp.int32), mask=ok)
     return carry
@@ -337,7 +416,7 @@ def _write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
     lax.fori_loop(0, fill_per_program // fill_tile, fill, 0)
 
 
-def _vary_alike(*xs):
+def vary_alike(*xs):
   """Cast xs to vary over the union of their varying manual (shard_map) axes;
   a no-op outside shard_map."""
   mats = [getattr(jax.typeof(x), "mat", None) for x in xs]
@@ -353,7 +432,7 @@ def _is_pow2(v: int) -> bool:
   return v >= 1 and (v & (v - 1)) == 0
 
 
-def _config(n, capacity, block, tile, stage):
+def config(n, capacity, block, tile, stage):
   """Checked (block, tile, stage), the defaults filled in."""
   if capacity < 1:
     raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -375,7 +454,7 @@ def _config(n, capacity, block, tile, stage):
   return block, tile, stage
 
 
-def _check_acc(acc):
+def check_acc(acc):
   if acc.ndim != 1:
     raise ValueError(f"acc must be flat (1-D), got shape {acc.shape}")
   if acc.shape[0] < 1:
@@ -408,7 +487,7 @@ def _run(acc, taus, capacity, offset, *, band, block, tile, stage, num_warps,
 
   # Inside shard_map (check_vma): every kernel operand and output varies over
   # the union of the mesh axes that acc, tau and offset vary over.
-  acc_k, taus, offset = _vary_alike(acc_k, taus, offset)
+  acc_k, taus, offset = vary_alike(acc_k, taus, offset)
   mat = getattr(jax.typeof(acc_k), "mat", None)
   if interpret and mat is not None and mat.varying:
     raise NotImplementedError(
@@ -421,7 +500,7 @@ def _run(acc, taus, capacity, offset, *, band, block, tile, stage, num_warps,
 
   counts_shape = out((padded_blocks,), jnp.int32)
   bits, counts, staged_v, staged_i, *above = pl.pallas_call(
-      functools.partial(_mask_kernel, n=n, block=block, tile=tile,
+      functools.partial(mask_kernel, n=n, block=block, tile=tile,
                         stage=stage, interpret=interpret),
       out_shape=(out((num_blocks * words_per_block,), jnp.int32),
                  counts_shape,
@@ -437,7 +516,7 @@ def _run(acc, taus, capacity, offset, *, band, block, tile, stage, num_warps,
   )(taus, acc_k)
 
   start, scal = pl.pallas_call(
-      functools.partial(_scan_kernel, n=n, block=block,
+      functools.partial(scan_kernel, n=n, block=block,
                         num_blocks=num_blocks, chunk=scan_chunk),
       out_shape=(out((padded_blocks,), jnp.int32), out((3,), jnp.int32)),
       grid=(1,),
@@ -449,7 +528,7 @@ def _run(acc, taus, capacity, offset, *, band, block, tile, stage, num_warps,
   )(jnp.reshape(offset, (1,)), counts, bits)
 
   values, indices = pl.pallas_call(
-      functools.partial(_write_kernel, n=n, block=block,
+      functools.partial(write_kernel, n=n, block=block,
                         words_per_step=words_per_step, stage=stage,
                         capacity=capacity,
                         fill_per_program=fill_per_program,
@@ -495,9 +574,9 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
   Returns:
     (values[capacity] in acc's dtype, indices[capacity] int32, count int32).
   """
-  _check_acc(acc)
-  block, tile, stage = _config(acc.shape[0], capacity, block, tile, stage)
-  taus = jnp.reshape(_comparison_threshold(acc.dtype, tau), (1,))
+  check_acc(acc)
+  block, tile, stage = config(acc.shape[0], capacity, block, tile, stage)
+  taus = jnp.reshape(comparison_threshold(acc.dtype, tau), (1,))
   values, indices, count, _ = _run(
       acc, taus, capacity, offset, band=False, block=block, tile=tile,
       stage=stage, num_warps=num_warps, interpret=interpret)
@@ -519,10 +598,10 @@ def select_band_pallas(acc: jax.Array, lo, hi, capacity: int, *,
   Returns:
     (values[capacity], indices[capacity], count, above), counts int32.
   """
-  _check_acc(acc)
-  block, tile, stage = _config(acc.shape[0], capacity, block, tile, stage)
-  taus = jnp.stack([_comparison_threshold(acc.dtype, lo),
-                    _comparison_threshold(acc.dtype, hi)])
+  check_acc(acc)
+  block, tile, stage = config(acc.shape[0], capacity, block, tile, stage)
+  taus = jnp.stack([comparison_threshold(acc.dtype, lo),
+                    comparison_threshold(acc.dtype, hi)])
   return _run(acc, taus, capacity, 0, band=True, block=block, tile=tile,
               stage=stage, num_warps=num_warps, interpret=interpret)
 

@@ -1,0 +1,230 @@
+"""The fused sparsify pass: one read of the stream and the residual.
+
+For a unit's stream x (the gradient, or what a recipe accumulates) and its
+residual r, at threshold τ with c slots and rotation offset o::
+
+  acc = x + r
+  (v, idx, m) = select(acc, τ, c, o)          (``reference.select``)
+  lone: m = 0 and acc ≠ 0  ⇒  slot 0 = (acc[t], t),  t = argmax |acc|
+  r'  = acc with the sent slots zeroed
+  finite = all(isfinite(acc)) ;  nonzero = any(x ≠ 0)
+
+and, if acc is not finite: r' = r, v = NaN, idx = (0, n, n, …), m = 0 (the
+update is non-finite on every worker; nothing of x enters the residual).
+
+``sparsify_pass_pallas`` does this in the three kernels of
+``selection.py``: pass 1 reads x and r once, writes acc into the new
+residual's buffer, its candidate mask, counts and staged candidates, and
+per block whether acc is finite, its largest |acc| (first position) and
+whether x has a non-zero; the scan reduces those; pass 2 writes the slots
+and zeroes them in the residual in place (or copies r back if not finite).
+For float32 x and r. Memory traffic: read x and r, write r' (3n elements), the n/8-byte mask,
+the staged pairs and the slots. The XLA reference reads acc about five
+times (finiteness, selection, argmax, scatter, the ``where``).
+``sparsify_pass_reference`` is that reference; the two are equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxfuse.kernels import reference
+from jaxfuse.kernels import selection as sel
+
+
+class PassResult(NamedTuple):
+  values: jax.Array     # (c,) acc's dtype
+  indices: jax.Array    # (c,) int32, sentinel n
+  count: jax.Array      # int32: candidates |acc| ≥ τ (0 if not finite)
+  residual: jax.Array   # (n,) r'
+  finite: jax.Array     # bool
+  nonzero: jax.Array    # bool: x has a non-zero
+
+
+def _nonfinite_slots(values, indices, count, finite, n):
+  """What a non-finite unit sends: NaN, at element 0 only."""
+  c = indices.shape[0]
+  slot0 = jnp.arange(c) == 0
+  return (jnp.where(finite, values, jnp.nan).astype(values.dtype),
+          jnp.where(finite, indices, jnp.where(slot0, 0, n)).astype(jnp.int32),
+          jnp.where(finite, count, 0))
+
+
+def sparsify_pass_reference(x, r, tau, capacity: int, offset) -> PassResult:
+  """The pass in jnp (module docstring)."""
+  acc = x + r
+  n = acc.size
+  finite = jnp.all(jnp.isfinite(acc))
+  values, indices, count = reference.select(acc, tau, capacity, offset)
+  top = jnp.argmax(jnp.abs(acc)).astype(jnp.int32)
+  lone = (count == 0) & (acc[top] != 0)
+  indices = indices.at[0].set(jnp.where(lone, top, indices[0]))
+  values = values.at[0].set(jnp.where(lone, acc[top], values[0]))
+  residual = jnp.where(finite, acc.at[indices].set(0, mode="drop"), r)
+  values, indices, count = _nonfinite_slots(values, indices, count, finite, n)
+  return PassResult(values, indices, count, residual, finite,
+                    jnp.any(x != 0))
+
+
+def _mask_kernel(tau_ref, x_ref, r_ref, bits_ref, cnt_ref, sv_ref, si_ref,
+                 acc_ref, bmax_ref, bpos_ref, bfin_ref, bnz_ref, *, n, block,
+                 tile, stage, interpret):
+  """Pass 1 of ``selection.mask_kernel`` on acc = x + r, which it also
+  stores, with the block's summaries (module docstring)."""
+  b = pl.program_id(0)
+  tau = tau_ref[0]
+  rows = tile // sel.WORD
+  shift = lax.broadcasted_iota(jnp.int32, (rows, sel.WORD), 1)
+  row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+  lanes = lax.broadcasted_iota(jnp.int32, (tile,), 0)
+
+  def body(t, xr, pos, carry):
+    count, fin, top_mag, top, nz = carry
+    x, r = xr
+    acc = x + r
+    at = b * block + t * tile
+    if pos is None:
+      acc_ref[pl.ds(at, tile)] = acc
+      valid = jnp.ones((tile,), bool)
+    else:
+      valid = pos < n
+      plgpu.store(acc_ref.at[pl.ds(at, tile)], acc, mask=valid)
+    m = sel.candidates(acc, pos, n, tau).astype(jnp.int32)
+    words = jnp.sum(m.reshape(rows, sel.WORD) << shift, axis=1)
+    bits_ref[pl.ds(at // sel.WORD, rows)] = words
+    counts = sel.popcount(words)
+    rank0 = count + jnp.cumsum(counts) - counts       # in the block, from 0
+    base = at + row * sel.WORD
+
+    def peel(j, w):                 # stage the j-th candidate of every word
+      rank = rank0 + j
+      ok = (w != 0) & (rank < stage)
+      p = sel.lowest_bit_position(base, w)
+      q = jnp.where(ok, p, 0)
+      v = (plgpu.load(x_ref.at[q], mask=ok) +        # cached: acc[p]
+           plgpu.load(r_ref.at[q], mask=ok))
+      slot = sel.masked_index(ok, rank, stage, interpret)
+      plgpu.store(sv_ref.at[slot], v, mask=ok)
+      plgpu.store(si_ref.at[slot], p, mask=ok)
+      return w & (w - 1)
+
+    lax.fori_loop(0, jnp.where(count < stage, jnp.max(counts), 0), peel,
+                  words)
+    mag = jnp.where(valid, jnp.abs(acc.astype(jnp.float32)), -1.0)
+    bad = jnp.sum(jnp.where(valid & ~jnp.isfinite(mag), 1, 0))
+    tile_mag = jnp.max(mag)
+    tile_top = jnp.min(jnp.where(mag == tile_mag, at + lanes,
+                                 jnp.int32(2**31 - 1)))
+    better = tile_mag > top_mag                       # the first maximum
+    nz = jnp.maximum(nz, jnp.max(jnp.where(valid & (x != 0), 1, 0)))
+    return (count + jnp.sum(counts), jnp.where(bad > 0, 0, fin),
+            jnp.where(better, tile_mag, top_mag),
+            jnp.where(better, tile_top, top), nz)
+
+  count, fin, top_mag, top, nz = sel.for_each_tile(
+      (x_ref, r_ref), b, n, block, tile, body,
+      (jnp.int32(0), jnp.int32(1), jnp.float32(-1.0), jnp.int32(0),
+       jnp.int32(0)))
+  cnt_ref[b] = count
+  bfin_ref[b] = fin
+  bmax_ref[b] = top_mag
+  bpos_ref[b] = top
+  bnz_ref[b] = nz
+
+
+_STATIC = ("capacity", "block", "tile", "stage", "num_warps", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
+                         offset, *, block: int | None = None,
+                         tile: int | None = None, stage: int | None = None,
+                         num_warps: int | None = None,
+                         interpret: bool = False) -> PassResult:
+  """``sparsify_pass_reference`` as three Pallas kernels, bit for bit.
+
+  x, r: flat float32, n elements; the other arguments as
+  ``selection.select_pallas``. (float32 only: XLA and Triton may both keep
+  a bfloat16 x + r in float32 before comparing it, each in its own places,
+  so a narrower acc could differ from the reference near τ.)
+  """
+  sel.check_acc(x)
+  if r.shape != x.shape or x.dtype != jnp.float32 or r.dtype != x.dtype:
+    raise ValueError(f"x and r must be float32 of one shape, got "
+                     f"{x.dtype}{list(x.shape)} and {r.dtype}{list(r.shape)}")
+  n = x.shape[0]
+  block, tile, stage = sel.config(n, capacity, block, tile, stage)
+  taus = jnp.reshape(sel.comparison_threshold(x.dtype, tau), (1,))
+  num_blocks = pl.cdiv(n, block)
+  words_per_block = block // sel.WORD
+  scan_chunk = min(sel.MAX_SCAN_CHUNK, pl.next_power_of_2(num_blocks))
+  padded_blocks = pl.cdiv(num_blocks, scan_chunk) * scan_chunk
+  fill_per_program = pl.next_power_of_2(pl.cdiv(capacity, num_blocks))
+  params = plgpu.CompilerParams(num_warps=num_warps or sel.DEFAULT_NUM_WARPS)
+  offset = jnp.asarray(offset, jnp.int32)
+  if n < block:                      # one short block: padded with zeros
+    x, r = (jnp.pad(a, (0, block - n)) for a in (x, r))
+  x, r, taus, offset = sel.vary_alike(x, r, taus, offset)
+  mat = getattr(jax.typeof(x), "mat", None)
+  if interpret and mat is not None and mat.varying:
+    raise NotImplementedError(
+        "sparsify_pass_pallas(interpret=True) inside shard_map needs "
+        "check_vma=False (the Pallas interpreter of JAX 0.10-0.12); off GPU "
+        "use sparsify_pass_reference.")
+  out = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                  manual_axis_type=mat)
+  whole = pl.BlockSpec()
+  stage_spec = pl.BlockSpec((stage,), lambda b: (b,))
+  per_block = lambda dtype: out((padded_blocks,), dtype)
+  bits, counts, staged_v, staged_i, acc, bmax, bpos, bfin, bnz = (
+      pl.pallas_call(
+          functools.partial(_mask_kernel, n=n, block=block, tile=tile,
+                            stage=stage, interpret=interpret),
+          out_shape=(out((num_blocks * words_per_block,), jnp.int32),
+                     per_block(jnp.int32),
+                     out((num_blocks * stage,), x.dtype),
+                     out((num_blocks * stage,), jnp.int32),
+                     out(x.shape, x.dtype), per_block(jnp.float32),
+                     per_block(jnp.int32), per_block(jnp.int32),
+                     per_block(jnp.int32)),
+          grid=(num_blocks,),
+          in_specs=[whole] * 3,
+          out_specs=(whole, whole, stage_spec, stage_spec) + (whole,) * 5,
+          compiler_params=params, interpret=interpret,
+          name="jaxfuse_sparsify_pass1")(taus, x, r))
+  start, scal = pl.pallas_call(
+      functools.partial(sel.scan_kernel, n=n, block=block,
+                        num_blocks=num_blocks, chunk=scan_chunk),
+      out_shape=(out((padded_blocks,), jnp.int32), out((8,), jnp.int32)),
+      grid=(1,), in_specs=[whole] * 7, out_specs=(whole, whole),
+      compiler_params=params, interpret=interpret,
+      name="jaxfuse_sparsify_scan",
+  )(jnp.reshape(offset, (1,)), counts, bits, bmax, bpos, bfin, bnz)
+  values, indices, residual = pl.pallas_call(
+      functools.partial(sel.write_kernel, n=n, block=block,
+                        words_per_step=min(words_per_block,
+                                           sel.MAX_WORDS_PER_STEP),
+                        stage=stage, capacity=capacity,
+                        fill_per_program=fill_per_program,
+                        interpret=interpret, tile=tile),
+      out_shape=(out((capacity,), x.dtype), out((capacity,), jnp.int32),
+                 out(x.shape, x.dtype)),
+      grid=(num_blocks,),
+      in_specs=[whole] * 5 + [stage_spec] * 2 + [whole],
+      out_specs=(whole, whole, whole),
+      input_output_aliases={4: 2},
+      compiler_params=params, interpret=interpret,
+      name="jaxfuse_sparsify_pass2",
+  )(scal, counts, start, bits, acc, staged_v, staged_i, r)
+  finite = scal[3] > 0
+  values, indices, count = _nonfinite_slots(values, indices, scal[2], finite,
+                                            n)
+  return PassResult(values, indices, count, residual[:n], finite,
+                    scal[6] > 0)

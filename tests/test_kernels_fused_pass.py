@@ -1,0 +1,118 @@
+"""The fused sparsify pass equals its jnp reference bit for bit.
+
+``sparsify_pass_pallas`` (acc = x + r, selection, lone element, residual,
+finiteness, non-zero flag in three kernels) against
+``sparsify_pass_reference``. On CPU the kernels run in the Pallas
+interpreter with small blocks; with ``JAXFUSE_TEST_GPU=1`` on a GPU backend
+the compiled Triton kernels run, on larger units too.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfuse.kernels import fused_pass as sp
+
+ON_GPU = (os.environ.get("JAXFUSE_TEST_GPU") == "1"
+          and jax.default_backend() == "gpu")
+
+
+def _bits(v):
+  v = np.asarray(v)
+  if v.dtype.kind != "f" and v.dtype.name != "bfloat16":
+    return v
+  return v.view({2: np.uint16, 4: np.uint32}[v.dtype.itemsize])
+
+
+def _check(x, r, tau, capacity, offset, **kw):
+  got = sp.sparsify_pass_pallas(x, r, tau, capacity, offset,
+                                interpret=not ON_GPU, **kw)
+  want = jax.jit(sp.sparsify_pass_reference, static_argnums=3)(
+      x, r, tau, capacity, offset)
+  for name, g, w in zip(sp.PassResult._fields, got, want):
+    g, w = np.asarray(g), np.asarray(w)
+    assert (g.dtype, g.shape) == (w.dtype, w.shape), name
+    np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
+  return want
+
+
+def _stream(rng, n, dtype=np.float32, zeros=0.2):
+  x = rng.normal(size=n).astype(np.float32)
+  x[rng.random(n) < zeros] = 0
+  return jnp.asarray(x, dtype)
+
+
+# (n, capacity, τ, offset, block, what the case covers)
+CASES = [
+    (1000, 40, 1.5, 333, 128, "several blocks, a tail, rotation"),
+    (1000, 8, 1.0, 990, 128, "overflow: the blocks after the offset win"),
+    (100, 8, 1.5, 7, None, "one short (padded) block"),
+    (1000, 20, 99.0, 0, 128, "nothing passes: the largest is sent alone"),
+    (1000, 20, 0.0, 5, 256, "every non-zero is a candidate"),
+]
+
+
+@pytest.mark.parametrize("n,capacity,tau,offset,block,_", CASES)
+def test_pass_equals_reference(n, capacity, tau, offset, block, _):
+  rng = np.random.default_rng(n + capacity)
+  x, r = _stream(rng, n), _stream(rng, n, zeros=0.5)
+  out = _check(x, r, jnp.float32(tau), capacity, offset, block=block,
+               tile=None if block is None else 64)
+  acc = np.asarray(x) + np.asarray(r)
+  # The reference's meaning, independently: r' = acc where not sent.
+  sent = np.asarray(out.indices)[np.asarray(out.indices) < n]
+  want_r = acc.copy()
+  want_r[sent] = 0
+  np.testing.assert_array_equal(np.asarray(out.residual), want_r)
+  assert bool(out.finite) and bool(out.nonzero)
+  if tau == 99.0:
+    assert int(out.count) == 0 and list(sent) == [np.argmax(np.abs(acc))]
+
+
+def test_nonfinite_keeps_the_residual_and_sends_nan():
+  rng = np.random.default_rng(1)
+  x, r = _stream(rng, 1000), _stream(rng, 1000)
+  x = x.at[700].set(jnp.inf)
+  out = _check(x, r, jnp.float32(1.0), 16, 3, block=128, tile=64)
+  np.testing.assert_array_equal(np.asarray(out.residual), np.asarray(r))
+  assert not bool(out.finite) and int(out.count) == 0
+  assert np.isnan(np.asarray(out.values)).all()
+  assert list(np.asarray(out.indices)) == [0] + [1000] * 15
+
+
+def test_all_zero_sends_nothing_and_flags_it():
+  z = jnp.zeros((1000,), jnp.float32)
+  out = _check(z, z, jnp.float32(0.0), 8, 0, block=128, tile=64)
+  assert list(np.asarray(out.indices)) == [1000] * 8
+  assert not bool(out.nonzero) and bool(out.finite)
+
+
+def test_vmap_rows_and_float32_only():
+  rng = np.random.default_rng(2)
+  x = jnp.stack([_stream(rng, 600) for _ in range(3)])
+  r = jnp.stack([_stream(rng, 600) for _ in range(3)])
+  taus = jnp.array([1.0, 2.0, 50.0], jnp.float32)
+  offsets = jnp.array([0, 123, 599])
+  got = jax.vmap(lambda *a: sp.sparsify_pass_pallas(
+      *a[:3], 24, a[3], block=128, tile=64, interpret=not ON_GPU))(
+          x, r, taus, offsets)
+  want = jax.vmap(lambda *a: sp.sparsify_pass_reference(*a[:3], 24, a[3]))(
+      x, r, taus, offsets)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+  with pytest.raises(ValueError, match="float32"):
+    sp.sparsify_pass_pallas(x[0].astype(jnp.bfloat16),
+                            r[0].astype(jnp.bfloat16), 1.0, 8, 0,
+                            interpret=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs JAXFUSE_TEST_GPU=1 and a GPU")
+@pytest.mark.parametrize("n", [2**20 + 77, 3 * 2**21])
+def test_large_units_on_gpu(n):
+  rng = np.random.default_rng(n)
+  x, r = _stream(rng, n), _stream(rng, n, zeros=0.9)
+  for tau, capacity in ((2.5, n // 100), (2.0, n // 1000)):
+    _check(x, r, jnp.float32(tau), capacity, n // 3)
