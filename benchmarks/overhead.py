@@ -18,8 +18,8 @@ and prints::
 * kernels: GPU kernels per step and their summed time, from a
   ``jax.profiler`` trace (``--profile-steps``; GPU only).
 
-``--top N`` also prints the N kernels of the sparse steps that take the
-most time beyond dense's. Every row runs in this one process, dense
+``--top N`` also prints, per row, the N kernels after which the GPU waits
+longest inside a step (host-bound launches, or a host sync). Every row runs in this one process, dense
 included, so the rows compare::
 
   python benchmarks/overhead.py --preset gpt2-small --estimators dgc topk \\
@@ -58,14 +58,17 @@ AXIS = "data"
 
 
 def gpu_kernels(trace_dir: str, steps: int) -> dict:
-  """Kernels per step from a profiler trace: count, summed time, by name."""
+  """Kernels per step from a profiler trace: count, summed time, by name,
+  and the GPU's idle time inside steps (gaps between kernels under 5 ms;
+  the gaps between steps, where the host waits for each step, excluded)
+  with the kernels that precede the largest gaps."""
   from jax.profiler import ProfileData  # pylint: disable=g-import-not-at-top
   files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"),
                     recursive=True)
   if not files:
     return {}
   by_name = collections.Counter()
-  count = 0
+  events = []
   for plane in ProfileData.from_file(files[0]).planes:
     if not plane.name.startswith("/device:GPU:0"):
       continue
@@ -74,9 +77,20 @@ def gpu_kernels(trace_dir: str, steps: int) -> dict:
         continue
       for event in line.events:
         by_name[event.name] += event.duration_ns
-        count += 1
-  return {"kernels_per_step": count / steps,
+        events.append((event.start_ns, event.duration_ns, event.name))
+  events.sort()
+  gaps = collections.Counter()
+  idle = 0.0
+  for (s0, d0, n0), (s1, _, _) in zip(events, events[1:]):
+    gap = s1 - (s0 + d0)
+    if 0 < gap < 5e6:
+      idle += gap
+      gaps[n0] += gap
+  return {"kernels_per_step": len(events) / steps,
           "kernel_ms_per_step": sum(by_name.values()) / steps / 1e6,
+          "idle_ms_per_step": idle / steps / 1e6,
+          "idle_after_us": {k: v / steps / 1e3
+                            for k, v in gaps.most_common(15)},
           "by_name_us": {k: v / steps / 1e3 for k, v in by_name.items()}}
 
 
@@ -156,6 +170,8 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--profile-steps", type=int, default=5)
   p.add_argument("--kernels", default="auto", choices=jaxfuse.kernels.BACKENDS)
+  p.add_argument("--xla-defaults", action="store_true",
+                 help="compile without jaxfuse.xla_options()")
   p.add_argument("--top", type=int, default=0)
   p.add_argument("--hlo-dir", help="also write each step's compiled HLO here")
   p.add_argument("--out", help="JSON file to write")
@@ -179,14 +195,14 @@ def main(argv=None) -> list[dict]:
   loss_fn = lm_model.make_loss(model)
   local_batch = np.asarray(batches[0])[:per_device]
   parts = (params, loss_fn, batches, local_batch)
-  options = jaxfuse.xla_options()
+  options = {} if args.xla_defaults else jaxfuse.xla_options()
   rows = [run("dense", None, args, parts, mesh, options)]
   rows += [run("jaxfuse", e, args, parts, mesh, options)
            for e in args.estimators]
   dense = rows[0]
   print(f"\n{'sync':8} {'estimator':9} {'step ms':>8} {'over dense':>11} "
         f"{'compile s':>9} {'x dense':>7} {'step GB':>8} {'kernels':>8} "
-        f"{'kernel ms':>9}")
+        f"{'kernel ms':>9} {'idle ms':>7}")
   for r in rows:
     over = r["step_ms"] - dense["step_ms"]
     r["overhead_ms"] = over
@@ -195,14 +211,15 @@ def main(argv=None) -> list[dict]:
           f"{over:+7.2f} ms {r['compile_s']:9.1f} "
           f"{r['compile_vs_dense']:7.2f} {r['step_bytes'] / 1e9:8.2f} "
           f"{r.get('kernels_per_step', float('nan')):8.0f} "
-          f"{r.get('kernel_ms_per_step', float('nan')):9.2f}")
-  if args.top and "by_name_us" in dense:
-    for r in rows[1:]:
-      extra = {k: v - dense["by_name_us"].get(k, 0.0)
-               for k, v in r["by_name_us"].items()}
-      print(f"\n{r['estimator']}: kernels beyond dense (us per step)")
-      for name, us in sorted(extra.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"  {us:9.1f}  {name[:100]}")
+          f"{r.get('kernel_ms_per_step', float('nan')):9.2f} "
+          f"{r.get('idle_ms_per_step', float('nan')):7.2f}")
+  if args.top:
+    for r in rows:
+      if "idle_after_us" in r:
+        print(f"\n{r['sync']} {r['estimator'] or ''}: GPU idle after "
+              "(us per step)")
+        for name, us in list(r["idle_after_us"].items())[:args.top]:
+          print(f"  {us:9.1f}  {name[:90]}")
   if args.out:
     meta = {"jax": jax.__version__, "backend": jax.default_backend(),
             "device": getattr(jax.devices()[0], "device_kind", "cpu"),

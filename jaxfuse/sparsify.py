@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.scipy.special import ndtri
 
 from jaxfuse import kernels
+from jaxfuse.kernels import fused_pass
 from jaxfuse.kernels.reference import hash32
 from jaxfuse.kernels.reference import kth_largest
 from jaxfuse.kernels.reference import uniform_index
@@ -181,13 +182,76 @@ class UnitResult(NamedTuple):
   nonzero: jax.Array    # the stream had a non-zero element
 
 
+# --- "topk": a sampled bracket, the fused pass at it, the k-th of its slots --
+
+TOPK_SAMPLE = 1 << 16   # sample size s
+TOPK_MARGIN = 4.0       # sample standard deviations below rank k
+
+
+def topk_bracket(k: int, n: int) -> tuple[int, int, int]:
+  """(s, r, C): the bracket τ_lo is the r-th largest |acc| of a sample of
+  s, and the fused pass at τ_lo gets C slots.
+
+  Rank k of n sits at k·s/n in the sample, with standard deviation
+  ≈ √(k·s/n); r = k·s/n + d, d = TOPK_MARGIN·√(k·s/n) + 1, puts τ_lo below
+  the k-th largest |acc| but for a ≈ 3·10⁻⁵ chance, and about k + d·n/s
+  elements above it: C = k + 2·⌈d·n/s⌉ + 1024 holds them."""
+  s = min(n, TOPK_SAMPLE)
+  r = k * s / n
+  d = TOPK_MARGIN * math.sqrt(r) + 1
+  return s, min(s, math.ceil(r + d)), min(n, k + 2 * math.ceil(d * n / s) +
+                                          1024)
+
+
+def _topk_select(grad, residual, salt_, offset, *, capacity, density):
+  """(τ, pass result) of the exact top-k, sharing the fused pass.
+
+  One pass at τ_lo (``topk_bracket``) stages every m elements with
+  |acc| ≥ τ_lo, in the rotated order, in C slots; τ = the k-th largest of
+  their magnitudes; the first c with |acc| ≥ τ are sent, and the other
+  staged ones go back into the residual. That is ``select(acc, τ, c, o)``
+  with τ the exact k-th largest |acc| whenever k ≤ m ≤ C. If the sample
+  put τ_lo above the k-th largest (m < k, the ≈ 3·10⁻⁵ chance) the m
+  largest are sent (the candidates statistic shows m < k); m > C (≈ never)
+  sends the k largest of the first C.
+  """
+  n = grad.size
+  k = target_count(density, n)
+  s, r, wide = topk_bracket(k, n)
+  if wide >= n:                      # small: sort all of it
+    tau = kth_largest(jnp.abs(grad + residual).astype(jnp.float32), k)
+    return tau, kernels.sparsify_pass(grad, residual, tau, capacity, offset)
+  idx = uniform_index(salt_, s, n)
+  sample = jnp.abs(grad[idx] + residual[idx]).astype(jnp.float32)
+  lo = kth_largest(sample, r)
+  out = kernels.sparsify_pass(grad, residual, lo, wide, offset)
+  mags = jnp.abs(out.values).astype(jnp.float32)
+  staged = out.finite & (out.indices < n)
+  tau = jnp.where(out.count >= k, lax.top_k(mags, k)[0][k - 1], 0.0)
+  keep = staged & (mags >= tau)
+  rank = jnp.cumsum(keep, dtype=jnp.int32) - 1
+  sent = keep & (rank < capacity)
+  slot = jnp.where(sent, rank, capacity)
+  values = jnp.zeros((capacity,), out.values.dtype).at[slot].set(
+      out.values, mode="drop")
+  indices = jnp.full((capacity,), n, jnp.int32).at[slot].set(
+      out.indices, mode="drop")
+  back = jnp.where(staged & ~sent, out.indices, n)
+  residual = out.residual.at[back].set(out.values, mode="drop")
+  values, indices, count = fused_pass.nonfinite_slots(
+      values, indices, jnp.sum(keep, dtype=jnp.int32), out.finite, n)
+  return tau, out._replace(values=values, indices=indices, count=count,
+                           residual=residual)
+
+
 def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
                   capacity: int, density: float, estimator: str,
                   settings) -> UnitResult:
   """One unit, one step (all arrays flat; ``ctrl_unit`` fields scalars).
 
   acc = grad + residual, its selection and new residual are one pass
-  (``kernels.sparsify_pass``: a fused Pallas kernel on GPU).
+  (``kernels.sparsify_pass``: a fused Pallas kernel on GPU); ``"topk"``
+  runs that pass at a sampled bracket (``_topk_select``).
 
   Non-finite acc: nothing of ``grad`` enters the residual (it is kept as
   it was), the control state is kept, no candidate is counted, τ is NaN,
@@ -195,17 +259,22 @@ def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
   synchronized gradient is non-finite on every worker (as a dense
   ``pmean`` would be) and ``optax.apply_if_finite`` works.
   """
-  fresh = lambda: (estimate_threshold(
-      grad, residual, estimator=estimator, density=density, salt_=salt_,
-      settings=settings) * jnp.exp(ctrl_unit.log_scale)).astype(jnp.float32)
-  if settings.refresh == 1:
-    tau = fresh()
-  else:
-    tau = lax.cond(step % settings.refresh == 0, fresh,
-                   lambda: ctrl_unit.threshold)
   n = grad.size
   offset = uniform_index(hash32(salt_), 0, n)
-  out = kernels.sparsify_pass(grad, residual, tau, capacity, offset)
+  if estimator == "topk":
+    tau, out = _topk_select(grad, residual, salt_, offset, capacity=capacity,
+                            density=density)
+  else:
+    fresh = lambda: (estimate_threshold(
+        grad, residual, estimator=estimator, density=density, salt_=salt_,
+        settings=settings) * jnp.exp(ctrl_unit.log_scale)).astype(
+            jnp.float32)
+    if settings.refresh == 1:
+      tau = fresh()
+    else:
+      tau = lax.cond(step % settings.refresh == 0, fresh,
+                     lambda: ctrl_unit.threshold)
+    out = kernels.sparsify_pass(grad, residual, tau, capacity, offset)
   if settings.feedback and estimator != "topk":
     new_ctrl = controller(ctrl_unit, out.count, target_count(density, n), tau)
   else:

@@ -30,7 +30,8 @@ K = 2
 def _run(plan, backend, grads_per_step):
   mesh = mesh_of(K)
   tx = jaxfuse.sparse_sync(plan)
-  state = jaxfuse.init_state(tx, [jnp.zeros(s) for s in SHAPES], mesh)
+  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape) for l in plan.leaves],
+                             mesh)
   specs = jaxfuse.state_specs(state)
   kernels.set_backend(backend)
   try:
@@ -51,14 +52,16 @@ def _bits(tree):
   return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.parametrize("estimator,strategy", [
-    ("dgc", "layerwise"), ("gaussian", "layerwise"), ("topk", "layerwise"),
-    ("redsync", "behind"), ("sidco", "layerwise")])
-def test_pallas_equals_reference(estimator, strategy):
-  plan = list_plan(SHAPES, density=0.05, estimator=estimator,
+@pytest.mark.parametrize("estimator,strategy,shapes", [
+    ("dgc", "layerwise", SHAPES), ("gaussian", "layerwise", SHAPES),
+    # A unit large enough for topk's sampled bracket (topk_bracket).
+    ("topk", "layerwise", [(40, 50), (120_000,), (300,)]),
+    ("redsync", "behind", SHAPES), ("sidco", "layerwise", SHAPES)])
+def test_pallas_equals_reference(estimator, strategy, shapes):
+  plan = list_plan(shapes, density=0.05, estimator=estimator,
                    strategy=strategy, min_sparse_size=64)
   rng = np.random.default_rng(0)
-  steps = [[rng.normal(size=(K,) + s).astype(np.float32) for s in SHAPES]
+  steps = [[rng.normal(size=(K,) + s).astype(np.float32) for s in shapes]
            for _ in range(3)]
   steps[1][1][0, 5] = np.nan      # a non-finite step on worker 0
   steps[2][0][1] = 0              # a unit with nothing to send

@@ -230,3 +230,57 @@ def test_per_leaf_stats_match_what_was_sent(mesh, strategy, shapes):
   last = len(shapes) - 1
   if plan.leaves[last].mode == "sparse" and unit_finite[last][0]:
     assert stats.selected[0, last] == 0 and not stats.missing[0, last]
+
+
+# --- "topk": the sampled bracket and the shared pass --------------------------
+
+def _topk(grad, residual, capacity, density=0.01, seed=3):
+  fn = jax.jit(functools.partial(sparsify._topk_select, capacity=capacity,
+                                 density=density))
+  return fn(jnp.asarray(grad), jnp.asarray(residual), jnp.uint32(seed),
+            jnp.int32(seed * 1000 % grad.size))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_topk_shared_pass_is_the_exact_top_k(seed):
+  """n large enough for the bracket (C < n): τ is the exact k-th largest
+  |acc|, the slots are ``select(acc, τ, c, offset)``'s, and every staged
+  element that is not sent is back in the residual."""
+  n, k = 150_000, 1500
+  assert sparsify.topk_bracket(k, n)[2] < n
+  rng = np.random.default_rng(seed)
+  g = rng.standard_t(3, size=n).astype(np.float32)
+  r = (0.3 * rng.normal(size=n)).astype(np.float32)
+  g[rng.random(n) < 0.1] = 0
+  tau, out = _topk(g, r, k, seed=seed)
+  acc = g + r
+  want_tau = np.sort(np.abs(acc))[-k]
+  assert float(tau) == want_tau
+  values, indices, count = map(np.asarray, _select(
+      acc, np.float32(want_tau), k, seed * 1000 % n))
+  np.testing.assert_array_equal(np.asarray(out.indices), indices)
+  np.testing.assert_array_equal(np.asarray(out.values), values)
+  assert int(out.count) == count == k
+  want_r = acc.copy()
+  want_r[indices[indices < n]] = 0
+  np.testing.assert_array_equal(np.asarray(out.residual), want_r)
+
+
+def test_topk_bracket_miss_sends_the_largest_and_keeps_the_rest(monkeypatch):
+  """A bracket above the k-th largest (forced: a negative margin) sends the
+  m < k elements above it, the largest ones, and loses nothing."""
+  monkeypatch.setattr(sparsify, "TOPK_MARGIN", -6.0)
+  n, k = 150_000, 1500
+  rng = np.random.default_rng(5)
+  g = rng.normal(size=n).astype(np.float32)
+  r = np.zeros(n, np.float32)
+  _, out = _topk(g, r, k)
+  idx = np.asarray(out.indices)
+  sent = idx[idx < n]
+  assert 0 < len(sent) == int(out.count) < k
+  order = np.argsort(-np.abs(g), kind="stable")
+  assert set(sent) == set(order[:len(sent)])
+  back = np.asarray(out.residual)
+  np.testing.assert_array_equal(back[sent], 0)
+  rest = np.setdiff1d(np.arange(n), sent)
+  np.testing.assert_array_equal(back[rest], g[rest])

@@ -48,7 +48,7 @@ class PassResult(NamedTuple):
   nonzero: jax.Array    # bool: x has a non-zero
 
 
-def _nonfinite_slots(values, indices, count, finite, n):
+def nonfinite_slots(values, indices, count, finite, n):
   """What a non-finite unit sends: NaN, at element 0 only."""
   c = indices.shape[0]
   slot0 = jnp.arange(c) == 0
@@ -68,7 +68,7 @@ def sparsify_pass_reference(x, r, tau, capacity: int, offset) -> PassResult:
   indices = indices.at[0].set(jnp.where(lone, top, indices[0]))
   values = values.at[0].set(jnp.where(lone, acc[top], values[0]))
   residual = jnp.where(finite, acc.at[indices].set(0, mode="drop"), r)
-  values, indices, count = _nonfinite_slots(values, indices, count, finite, n)
+  values, indices, count = nonfinite_slots(values, indices, count, finite, n)
   return PassResult(values, indices, count, residual, finite,
                     jnp.any(x != 0))
 
@@ -224,7 +224,7 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
       name="jaxfuse_sparsify_pass2",
   )(scal, counts, start, bits, acc, staged_v, staged_i, r)
   finite = scal[3] > 0
-  values, indices, count = _nonfinite_slots(values, indices, scal[2], finite,
+  values, indices, count = nonfinite_slots(values, indices, scal[2], finite,
                                             n)
   return PassResult(values, indices, count, residual[:n], finite,
                     scal[6] > 0)
