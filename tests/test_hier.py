@@ -98,8 +98,8 @@ def _sync_run(plan, mesh, axis, feeds):
     state, steps = state0, []
     for g in grads:
       synced, state = step(g, state)
-      steps.append((synced, [np.asarray(r) for r in state.residuals],
-                    state))
+      steps.append((synced, [np.asarray(r) for r in
+                             jaxfuse.unit_residuals(plan, state)], state))
     out.append(steps)
   return out
 
