@@ -82,7 +82,11 @@ def dgc_sample_index(n: int, salt_, settings) -> jax.Array:
 def dgc_threshold(a, *, density, salt_, settings):
   """DGC: k_s-th largest of a uniform sample of s = max(f·n, 256) elements,
   k_s = round(ρ·s)."""
-  sample = a[dgc_sample_index(a.size, salt_, settings)]
+  return _sample_threshold(a[dgc_sample_index(a.size, salt_, settings)],
+                           density)
+
+
+def _sample_threshold(sample, density):
   return kth_largest(sample, max(1, round(density * sample.size)))
 
 
@@ -143,8 +147,8 @@ def estimate_threshold(grad, residual, *, estimator, density, salt_,
   sample of acc, the others all of it."""
   if estimator == "dgc":
     idx = dgc_sample_index(grad.size, salt_, settings)
-    sample = jnp.abs(grad[idx] + residual[idx]).astype(jnp.float32)
-    return kth_largest(sample, max(1, round(density * sample.size)))
+    return _sample_threshold(
+        jnp.abs(grad[idx] + residual[idx]).astype(jnp.float32), density)
   acc = grad + residual
   a = jnp.abs(acc).astype(jnp.float32)
   if estimator == "gaussian":
@@ -204,7 +208,8 @@ def topk_bracket(k: int, n: int) -> tuple[int, int, int]:
 
 
 def _topk_select(grad, residual, salt_, offset, *, capacity, density):
-  """(τ, pass result) of the exact top-k, sharing the fused pass.
+  """(τ, pass result) of the exact top-k, sharing the fused pass (τ is
+  τ_lo after a miss).
 
   One pass at τ_lo (``topk_bracket``) stages every m elements with
   |acc| ≥ τ_lo, in the rotated order, in C slots; τ = the k-th largest of
@@ -227,8 +232,9 @@ def _topk_select(grad, residual, salt_, offset, *, capacity, density):
   out = kernels.sparsify_pass(grad, residual, lo, wide, offset)
   mags = jnp.abs(out.values).astype(jnp.float32)
   staged = out.finite & (out.indices < n)
-  tau = jnp.where(out.count >= k, lax.top_k(mags, k)[0][k - 1], 0.0)
-  keep = staged & (mags >= tau)
+  exact = out.count >= k
+  kth = kth_largest(mags, k)
+  keep = staged & (mags >= jnp.where(exact, kth, 0.0))   # a miss: all staged
   rank = jnp.cumsum(keep, dtype=jnp.int32) - 1
   sent = keep & (rank < capacity)
   slot = jnp.where(sent, rank, capacity)
@@ -240,8 +246,8 @@ def _topk_select(grad, residual, salt_, offset, *, capacity, density):
   residual = out.residual.at[back].set(out.values, mode="drop")
   values, indices, count = fused_pass.nonfinite_slots(
       values, indices, jnp.sum(keep, dtype=jnp.int32), out.finite, n)
-  return tau, out._replace(values=values, indices=indices, count=count,
-                           residual=residual)
+  return jnp.where(exact, kth, lo), out._replace(
+      values=values, indices=indices, count=count, residual=residual)
 
 
 def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,

@@ -182,7 +182,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
       # and the (decayed) residuals.
       grads, moved, decayed = {}, {}, {}
       for g in gids:
-        x = jnp.stack([_unit_stream(plan, all_units[u], flat, group_dtypes[g])
+        x = jnp.stack([_unit_stream(all_units[u], flat, group_dtypes[g])
                        for u in groups[g]])
         grads[g], moved[g] = _accumulate(x, velocity[g] if momentum else None,
                                          momentum, nesterov)
@@ -210,7 +210,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
       else:
         parts = {}
         for g in gids:
-          new_res, new_vel, back = [], [], {}
+          new_res, new_vel = [], []
           for rows, out, stacked in _sparsify_rows(
               all_units, groups[g], grads[g], decayed[g], ctrl, step,
               settings):
@@ -341,7 +341,7 @@ def _full_sync(plan, units, accs, stat_chunks, axis_name):
   return means, [jnp.all(jnp.isfinite(acc)) for acc in accs], roundings
 
 
-def _unit_stream(plan, unit, flat, dtype):
+def _unit_stream(unit, flat, dtype):
   """A unit's flat stream: its leaves' gradients concatenated, in ``dtype``."""
   return jnp.concatenate([flat[j].reshape(-1).astype(dtype)
                           for j in unit.leaves])

@@ -5,8 +5,9 @@
 # the 3.12 run's output follows the first's). Sets everything up on first
 # use. Extra arguments go to pytest; QUICK=1 skips the Python 3.12 run.
 # The tests marked `example` (examples/train_lm.py end to end in
-# subprocesses, ~4 minutes) run once, shared out: the multi-process one on
-# 3.12, the others on the first interpreter; they drive the same library code
+# subprocesses, ~4 minutes) run once, shared out: those also marked `second`
+# (the multi-process one and the CLI's) on 3.12, the others on the first
+# interpreter; they drive the same library code
 # the in-process tests cover on both. The 3.12 environment is set up while
 # the first run's tests start.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
@@ -20,10 +21,10 @@ if [[ "${QUICK:-0}" != 1 ]] && py312="$(find_python312)" && \
   ( make_venv "$ROOT/.venv312" "$py312" --upgrade jax jaxlib
     echo "== tests on $(.venv312/bin/python --version), jax $(.venv312/bin/python -c 'import jax; print(jax.__version__)')"
     .venv312/bin/python -m pytest -p no:cacheprovider \
-      -m "not example or multiprocess" "$@"
+      -m "not example or second" "$@"
   ) > "$second" 2>&1 &
   pid=$!
-  only_first=(-m "not (example and multiprocess)")
+  only_first=(-m "not (example and second)")
 fi
 echo "== tests on $(.venv/bin/python --version), jax $(.venv/bin/python -c 'import jax; print(jax.__version__)')"
 status=0

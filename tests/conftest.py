@@ -32,6 +32,9 @@ def pytest_configure(config):
       "subprocesses (scripts/test.sh runs each on one interpreter only)")
   config.addinivalue_line(
       "markers", "multiprocess: several processes under jax.distributed")
+  config.addinivalue_line(
+      "markers", "second: an example test scripts/test.sh runs on the second "
+      "interpreter (Python 3.12) when there is one, to balance the two runs")
 
 
 @pytest.fixture(scope="session")

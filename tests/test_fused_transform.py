@@ -2,7 +2,8 @@
 
 The whole transform (fused sparsify pass, exact k-th, selection) on both
 kernel backends, several steps, every output and state leaf compared bit
-for bit, for each estimator and both sparsification strategies. On CPU the
+for bit, for the estimators' three kinds of τ (sampled, exact top-k, a
+statistic of all of acc) and both sparsification strategies. On CPU the
 kernels run in the Pallas interpreter (shard_map without vma checks: the
 interpreter of JAX 0.10-0.12 fails on varying operands); with
 ``JAXFUSE_TEST_GPU=1`` on a GPU the compiled kernels run.
@@ -52,11 +53,13 @@ def _bits(tree):
   return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
+# The estimators differ only in τ (XLA on both backends); gaussian and sidco
+# run the same pass as dgc and redsync.
 @pytest.mark.parametrize("estimator,strategy,shapes", [
-    ("dgc", "layerwise", SHAPES), ("gaussian", "layerwise", SHAPES),
+    ("dgc", "layerwise", SHAPES),
     # A unit large enough for topk's sampled bracket (topk_bracket).
     ("topk", "layerwise", [(40, 50), (120_000,), (300,)]),
-    ("redsync", "behind", SHAPES), ("sidco", "layerwise", SHAPES)])
+    ("redsync", "behind", SHAPES)])
 def test_pallas_equals_reference(estimator, strategy, shapes):
   plan = list_plan(shapes, density=0.05, estimator=estimator,
                    strategy=strategy, min_sparse_size=64)
