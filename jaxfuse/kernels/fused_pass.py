@@ -13,13 +13,15 @@ and, if acc is not finite: r' = r, v = NaN, idx = (0, n, n, …), m = 0 (the
 update is non-finite on every worker; nothing of x enters the residual).
 
 ``sparsify_pass_pallas`` does this in the three kernels of
-``selection.py``: pass 1 reads x and r once, writes acc into the new
-residual's buffer, its candidate mask, counts and staged candidates, and
-per block whether acc is finite, its largest |acc| (first position) and
-whether x has a non-zero; the scan reduces those; pass 2 writes the slots
-and zeroes them in the residual in place (or copies r back if not finite).
-For float32 x and r. Memory traffic: read x and r, write r' (3n elements), the n/8-byte mask,
-the staged pairs and the slots. The XLA reference reads acc about five
+``selection.py``: pass 1 reads x and r once, writes acc over r in place
+(so a donated residual needs no copy) and r to a scratch buffer, the
+candidate mask, counts and staged positions, and per block whether acc is
+finite, its largest |acc| (first position) and whether x has a non-zero;
+the scan reduces those; pass 2 writes the slots and zeroes them in the
+residual in place (or copies r back from the scratch if acc was not
+finite). For float32 x and r. Memory traffic: read x and r, write acc and
+the scratch (4n elements), the n/8-byte mask, the staged positions and the
+slots. The XLA reference reads acc about five
 times (finiteness, selection, argmax, scatter, the ``where``).
 ``sparsify_pass_reference`` is that reference; the two are equal bit for bit.
 """
@@ -73,11 +75,14 @@ def sparsify_pass_reference(x, r, tau, capacity: int, offset) -> PassResult:
                     jnp.any(x != 0))
 
 
-def _mask_kernel(tau_ref, x_ref, r_ref, bits_ref, cnt_ref, sv_ref, si_ref,
-                 acc_ref, bmax_ref, bpos_ref, bfin_ref, bnz_ref, *, n, block,
+def _mask_kernel(tau_ref, x_ref, r_ref, bits_ref, cnt_ref, si_ref, acc_ref,
+                 old_ref, bmax_ref, bpos_ref, bfin_ref, bnz_ref, *, n, block,
                  tile, stage, interpret):
-  """Pass 1 of ``selection.mask_kernel`` on acc = x + r, which it also
-  stores, with the block's summaries (module docstring)."""
+  """Pass 1 of ``selection.mask_kernel`` on acc = x + r, with the block's
+  summaries (module docstring). acc goes over r in place (``acc_ref`` is
+  r's buffer) and r to ``old_ref``; the staged candidates are positions
+  only (pass 2 reads their values from acc), so nothing here reads memory
+  this pass has written."""
   b = pl.program_id(0)
   tau = tau_ref[0]
   rows = tile // sel.WORD
@@ -92,10 +97,12 @@ def _mask_kernel(tau_ref, x_ref, r_ref, bits_ref, cnt_ref, sv_ref, si_ref,
     at = b * block + t * tile
     if pos is None:
       acc_ref[pl.ds(at, tile)] = acc
+      old_ref[pl.ds(at, tile)] = r
       valid = jnp.ones((tile,), bool)
     else:
       valid = pos < n
       plgpu.store(acc_ref.at[pl.ds(at, tile)], acc, mask=valid)
+      plgpu.store(old_ref.at[pl.ds(at, tile)], r, mask=valid)
     m = sel.candidates(acc, pos, n, tau).astype(jnp.int32)
     words = jnp.sum(m.reshape(rows, sel.WORD) << shift, axis=1)
     bits_ref[pl.ds(at // sel.WORD, rows)] = words
@@ -106,13 +113,8 @@ def _mask_kernel(tau_ref, x_ref, r_ref, bits_ref, cnt_ref, sv_ref, si_ref,
     def peel(j, w):                 # stage the j-th candidate of every word
       rank = rank0 + j
       ok = (w != 0) & (rank < stage)
-      p = sel.lowest_bit_position(base, w)
-      q = jnp.where(ok, p, 0)
-      v = (plgpu.load(x_ref.at[q], mask=ok) +        # cached: acc[p]
-           plgpu.load(r_ref.at[q], mask=ok))
       slot = sel.masked_index(ok, rank, stage, interpret)
-      plgpu.store(sv_ref.at[slot], v, mask=ok)
-      plgpu.store(si_ref.at[slot], p, mask=ok)
+      plgpu.store(si_ref.at[slot], sel.lowest_bit_position(base, w), mask=ok)
       return w & (w - 1)
 
     lax.fori_loop(0, jnp.where(count < stage, jnp.max(counts), 0), peel,
@@ -183,20 +185,23 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
   whole = pl.BlockSpec()
   stage_spec = pl.BlockSpec((stage,), lambda b: (b,))
   per_block = lambda dtype: out((padded_blocks,), dtype)
-  bits, counts, staged_v, staged_i, acc, bmax, bpos, bfin, bnz = (
+  # Pass 1 writes acc over r (aliased: the residual stays in its buffer,
+  # which the caller may have donated) and keeps r in ``old`` for a
+  # non-finite step.
+  bits, counts, staged_i, acc, old, bmax, bpos, bfin, bnz = (
       pl.pallas_call(
           functools.partial(_mask_kernel, n=n, block=block, tile=tile,
                             stage=stage, interpret=interpret),
           out_shape=(out((num_blocks * words_per_block,), jnp.int32),
                      per_block(jnp.int32),
-                     out((num_blocks * stage,), x.dtype),
                      out((num_blocks * stage,), jnp.int32),
-                     out(x.shape, x.dtype), per_block(jnp.float32),
-                     per_block(jnp.int32), per_block(jnp.int32),
-                     per_block(jnp.int32)),
+                     out(x.shape, x.dtype), out(x.shape, x.dtype),
+                     per_block(jnp.float32), per_block(jnp.int32),
+                     per_block(jnp.int32), per_block(jnp.int32)),
           grid=(num_blocks,),
           in_specs=[whole] * 3,
-          out_specs=(whole, whole, stage_spec, stage_spec) + (whole,) * 5,
+          out_specs=(whole, whole, stage_spec) + (whole,) * 6,
+          input_output_aliases={2: 3},
           compiler_params=params, interpret=interpret,
           name="jaxfuse_sparsify_pass1")(taus, x, r))
   start, scal = pl.pallas_call(
@@ -222,7 +227,7 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
       input_output_aliases={4: 2},
       compiler_params=params, interpret=interpret,
       name="jaxfuse_sparsify_pass2",
-  )(scal, counts, start, bits, acc, staged_v, staged_i, r)
+  )(scal, counts, start, bits, acc, staged_i, staged_i, old)
   finite = scal[3] > 0
   values, indices, count = nonfinite_slots(values, indices, scal[2], finite,
                                             n)

@@ -307,6 +307,8 @@ def write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
   residual (the same buffer) gets 0 at every sent position; the block of
   the largest |acc| sends it alone if nothing else is sent (lone); a
   non-finite unit sends nothing and its block copies the old residual back.
+  The fused pass stages no values (``sv_ref`` is unused): staged slots
+  read theirs from acc.
   """
   fused = len(refs) == 4
   old_ref, v_ref, i_ref, res_ref = refs if fused else (None, *refs, None)
@@ -346,8 +348,9 @@ def write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
   def _staged():
     j = lax.broadcasted_iota(jnp.int32, (stage,), 0)
     valid = j < cnt
+    # The fused pass stages positions only: its values are in acc_ref.
     emit(start + j + 1, plgpu.load(si_ref, mask=valid, other=0), valid,
-         plgpu.load(sv_ref, mask=valid))
+         None if fused else plgpu.load(sv_ref, mask=valid))
 
   @pl.when(need & (cnt > stage))
   def _from_mask():
