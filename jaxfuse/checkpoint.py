@@ -21,7 +21,9 @@ host memory once, then are placed with ``like``'s shardings.
 
 Orbax writes each step into a temporary directory and renames it when
 complete, so a save that dies half-way leaves the previous checkpoint
-intact and loadable. Resuming with a plan of another layout (other units,
+intact and loadable. A checkpoint of jaxfuse 0.1 (one residual per unit)
+is regrouped into today's per-group arrays on restore. Resuming with a plan
+of another layout (other units,
 buckets, leaves or settings: its state would not fit) raises
 ``CheckpointError``; a plan that differs only in densities and capacities
 (a warm-up phase) is accepted.
@@ -44,6 +46,10 @@ from jaxfuse import transform
 
 STATE, PLAN, EXTRA = "state", "plan", "extra"
 WORKERS = "__jaxfuse_workers__"  # in the extra item: K of the saved state
+LAYOUT = "__jaxfuse_state_layout__"  # and how sparse_sync's state is laid out
+# 1 (jaxfuse 0.1, no LAYOUT key): one residual (and velocity) per unit;
+# 2: one (K, G, n) array per state group (plans.state_groups).
+STATE_LAYOUT = 2
 
 
 class CheckpointError(ValueError):
@@ -86,12 +92,15 @@ def save(mngr, step: int, state: Any, plan: plan_lib.Plan | None,
                           "step.")
   plan_json = json.loads(plan.to_json()) if plan is not None else {}
   extra = dict(extra or {})
-  if WORKERS in extra:
-    raise CheckpointError(f"extra: the key {WORKERS!r} is jaxfuse's own; "
-                          "use another name.")
+  for key in (WORKERS, LAYOUT):
+    if key in extra:
+      raise CheckpointError(f"extra: the key {key!r} is jaxfuse's own; "
+                            "use another name.")
   workers = _num_workers(state)
   if workers is not None:
     extra[WORKERS] = workers
+  if _has_sync_state(state):
+    extra[LAYOUT] = STATE_LAYOUT
   mngr.save(step, args=ocp.args.Composite(
       **{STATE: ocp.args.StandardSave(state),
          PLAN: ocp.args.JsonSave(plan_json),
@@ -129,10 +138,15 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   step = _resolve(mngr, step)
   saved = _json_item(mngr, step, PLAN)
   _check_plan(saved, plan, step)
-  saved_k = (_json_item(mngr, step, EXTRA) or {}).get(WORKERS)
+  extra = _json_item(mngr, step, EXTRA) or {}
+  saved_k = extra.get(WORKERS)
+  per_unit = (plan is not None and _has_sync_state(like) and
+              extra.get(LAYOUT, 1) < STATE_LAYOUT)
+  saved_like = _per_unit(like, plan) if per_unit else like
   new_k = _num_workers(like)
   elastic_k = saved_k is not None and new_k is not None and saved_k != new_k
-  target = _on_host(like, saved_k) if elastic_k else abstract(like)
+  target = _on_host(saved_like, saved_k) if elastic_k else abstract(
+      saved_like)
   try:
     out = mngr.restore(step, args=ocp.args.Composite(
         **{STATE: ocp.args.StandardRestore(target)}))[STATE]
@@ -142,9 +156,59 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
         "with the same model and optimizer it was saved with.") from None
   if elastic_k:
     host = elastic.resize_tree(jax.tree.map(np.asarray, out),
-                               transform.per_worker_mask(like), new_k)
-    out = jax.tree.map(_place, host, abstract(like))
+                               transform.per_worker_mask(saved_like), new_k)
+    out = jax.tree.map(_place, _grouped(host, plan, np.stack)
+                       if per_unit else host, abstract(like))
+  elif per_unit:
+    out = jax.tree.map(lambda x, l: jax.device_put(x, l.sharding),
+                       _grouped(out, plan, jax.numpy.stack), abstract(like))
   return step, out
+
+
+def _is_sync(x) -> bool:
+  return isinstance(x, transform.SparseSyncState)
+
+
+def _has_sync_state(tree) -> bool:
+  return any(_is_sync(x) for x in jax.tree.leaves(tree, is_leaf=_is_sync))
+
+
+def _per_unit(tree, plan):
+  """``tree`` with each ``SparseSyncState``'s residuals and velocity as
+  jaxfuse 0.1 kept them: one (K, n) array per unit (shapes only)."""
+  groups = plan_lib.state_groups(plan)
+
+  def rows(sharding):         # the group's sharding, on its leading axis
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      return jax.sharding.NamedSharding(
+          sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
+    return sharding
+
+  def split(arrays):
+    out = [None] * sum(len(ids) for ids in groups)
+    for ids, a in zip(groups, arrays):
+      for u in ids:
+        out[u] = jax.ShapeDtypeStruct(
+            (a.shape[0],) + tuple(a.shape[2:]), a.dtype,
+            sharding=rows(getattr(a, "sharding", None)))
+    return tuple(out)
+
+  return jax.tree.map(
+      lambda x: x._replace(residuals=split(x.residuals),
+                           velocity=split(x.velocity) if x.velocity else ())
+      if _is_sync(x) else x, tree, is_leaf=_is_sync)
+
+
+def _grouped(tree, plan, stack):
+  """Inverse of ``_per_unit`` on arrays: per-unit (K, n) arrays stacked
+  into one (K, G, n) array per state group."""
+  groups = plan_lib.state_groups(plan)
+  join = lambda arrays: tuple(stack([arrays[u] for u in ids], axis=1)
+                              for ids in groups) if arrays else ()
+  return jax.tree.map(
+      lambda x: x._replace(residuals=join(x.residuals),
+                           velocity=join(x.velocity))
+      if _is_sync(x) else x, tree, is_leaf=_is_sync)
 
 
 def _on_host(like, saved_k):
@@ -197,6 +261,7 @@ def saved_extra(mngr, step: int | None = None) -> dict:
   """The ``extra`` JSON saved with checkpoint ``step`` (default latest)."""
   extra = dict(_json_item(mngr, _resolve(mngr, step), EXTRA) or {})
   extra.pop(WORKERS, None)
+  extra.pop(LAYOUT, None)
   return extra
 
 

@@ -158,3 +158,37 @@ def test_example_killed_after_a_save_resumes_bitwise(tmp_path):
   assert b["start_step"] == 6 and len(b["losses"]) == 6
   assert a["losses"][6:] == b["losses"]
   assert a["final_val_loss"] == b["final_val_loss"]
+
+
+def test_a_jaxfuse_0_1_checkpoint_is_regrouped(tmp_path, mesh):
+  """jaxfuse 0.1 saved one residual per unit and no layout key: restore
+  stacks them into today's state groups, bitwise, on the same worker count
+  and (through the elastic path) on half of it."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  plan = list_plan([(64, 64), (64, 64), (32,)], density=0.05,
+                   min_sparse_size=256, num_buckets=1)
+  assert any(len(ids) == 2 for ids in jaxfuse.plans.state_groups(plan))
+  state = init(plan, mesh)
+  grads = [jax.random.normal(jax.random.PRNGKey(i), (K,) + l.shape)
+           for i, l in enumerate(plan.leaves)]
+  _, state = sync(plan, mesh, grads, state)
+  old = state._replace(residuals=tuple(jaxfuse.unit_residuals(plan, state)))
+  legacy = checkpoint.manager(tmp_path / "legacy")
+  legacy.save(1, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(old),
+      plan=ocp.args.JsonSave(__import__("json").loads(plan.to_json())),
+      extra=ocp.args.JsonSave({checkpoint.WORKERS: K})), force=True)
+  legacy.wait_until_finished()
+  step, back = checkpoint.restore(legacy, init(plan, mesh), plan)
+  assert step == 1
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.sharding == b.sharding
+  # On K/2 workers: the same numbers as today's layout restored there.
+  current = checkpoint.manager(tmp_path / "current")
+  checkpoint.save(current, 1, state, plan)
+  half = jaxfuse.make_mesh(K // 2)
+  _, want = checkpoint.restore(current, init(plan, half), plan)
+  _, got = checkpoint.restore(legacy, init(plan, half), plan)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
