@@ -9,18 +9,23 @@ AdamW (``pmean`` + ``optax.adamw``), both with ``jaxfuse.xla_options()``,
 and prints::
 
   sync  estimator  step ms  over dense  compile s  x dense  step GB  kernels
+  kernel ms  idle ms  pipelined
 
 * step ms: mean of the timed steps, each waited for (as ``train_lm``
   does); "over dense" is against the dense step measured in this run.
 * compile s: ``jit(...).lower(...).compile()`` of the whole step.
 * step GB: the compiled step's "bytes accessed" (XLA's cost analysis;
   a Pallas kernel counts its operands and outputs once).
-* kernels: GPU kernels per step and their summed time, from a
-  ``jax.profiler`` trace (``--profile-steps``; GPU only).
+* kernels, kernel ms, idle ms: GPU kernels per step, their summed time,
+  and the GPU's idle time inside steps, from a ``jax.profiler`` trace
+  (``--profile-steps``; GPU only).
+* pipelined: ms per step with the steps dispatched back to back and one
+  wait at the end (the host's own time per step hides behind the GPU's).
 
 ``--top N`` also prints, per row, the N kernels after which the GPU waits
-longest inside a step (host-bound launches, or a host sync). Every row runs in this one process, dense
-included, so the rows compare::
+longest (host-bound launches, a host sync, or the gap between two waited-for
+steps). Every row runs in this one process, dense included, so the rows
+compare::
 
   python benchmarks/overhead.py --preset gpt2-small --estimators dgc topk \\
       --out overhead.json
