@@ -192,3 +192,29 @@ def test_a_jaxfuse_0_1_checkpoint_is_regrouped(tmp_path, mesh):
   _, got = checkpoint.restore(legacy, init(plan, half), plan)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_per_unit_layout_round_trip_with_velocity(mesh):
+  """``_per_unit`` (shapes) and ``_grouped`` (arrays) are inverse, for the
+  residuals and the velocity of every state group."""
+  plan = list_plan([(64, 64), (64, 64), (32, 64), (64, 64)], density=0.05,
+                   min_sparse_size=256, num_buckets=1)
+  params = [jnp.zeros(l.shape) for l in plan.leaves]
+  state = jaxfuse.init_state(jaxfuse.sparse_sync(plan, momentum=0.9), params,
+                             mesh)
+  rng = np.random.default_rng(0)
+  state = state._replace(
+      residuals=tuple(jnp.asarray(rng.normal(size=r.shape), r.dtype)
+                      for r in state.residuals),
+      velocity=tuple(jnp.asarray(rng.normal(size=v.shape), v.dtype)
+                     for v in state.velocity))
+  units = state._replace(
+      residuals=tuple(jaxfuse.unit_residuals(plan, state)),
+      velocity=tuple(jaxfuse.unit_residuals(plan, state, velocity=True)))
+  shapes = checkpoint._per_unit(state, plan)  # pylint: disable=protected-access
+  assert [(s.shape, s.dtype) for s in jax.tree.leaves(shapes)] == [
+      (u.shape, u.dtype) for u in jax.tree.leaves(units)]
+  back = checkpoint._grouped(units, plan, jnp.stack)  # pylint: disable=protected-access
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert max(len(ids) for ids in jaxfuse.plans.state_groups(plan)) == 3

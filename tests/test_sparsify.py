@@ -284,3 +284,37 @@ def test_topk_bracket_miss_sends_the_largest_and_keeps_the_rest(monkeypatch):
   np.testing.assert_array_equal(back[sent], 0)
   rest = np.setdiff1d(np.arange(n), sent)
   np.testing.assert_array_equal(back[rest], g[rest])
+
+
+@settings(max_examples=6, deadline=None)
+@given(n=st.sampled_from([80_000, 150_000]),
+       density=st.sampled_from([0.01, 0.05]),
+       kind=st.sampled_from(["normal", "heavy", "ties", "sparse"]),
+       seed=st.integers(0, 2**16))
+def test_topk_is_the_exact_top_k_or_the_largest_m(n, density, kind, seed):
+  """For any data: the slots are ``select(acc, k-th largest, c, offset)``,
+  or, after a bracket miss, the m < k largest; the residual is acc with
+  exactly the sent slots zeroed (nothing lost or doubled)."""
+  rng = np.random.default_rng(seed)
+  g = {"normal": lambda: rng.normal(size=n),
+       "heavy": lambda: rng.standard_t(2, size=n),
+       "ties": lambda: np.round(rng.normal(size=n) * 4) / 4,
+       "sparse": lambda: rng.normal(size=n) * (rng.random(n) < 0.02)}[kind]()
+  g = g.astype(np.float32)
+  r = np.zeros(n, np.float32)
+  k = plan_lib.target_count(density, n)
+  tau, out = _topk(g, r, k, density=density, seed=seed % 97)
+  idx, vals = np.asarray(out.indices), np.asarray(out.values)
+  sent = idx[idx < n]
+  want_r = g.copy()
+  want_r[sent] = 0
+  np.testing.assert_array_equal(np.asarray(out.residual), want_r)
+  np.testing.assert_array_equal(vals[idx < n], g[sent])
+  kth = np.sort(np.abs(g))[-k]
+  if float(tau) == kth:      # the bracket held: exactly select's slots
+    v, i, c = map(np.asarray, _select(g, np.float32(kth), k, seed % 97 * 1000 % n))
+    np.testing.assert_array_equal(idx, i)
+    assert int(out.count) == c
+  else:                      # a miss: the m largest, m < k
+    assert len(sent) < k
+    assert np.abs(g[sent]).min() >= np.abs(np.delete(g, sent)).max()
