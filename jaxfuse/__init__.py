@@ -58,5 +58,6 @@ __all__ = [
     "local_params", "make_mesh", "onebit_adamw", "per_worker", "per_worker_mask",
     "phase_index",
     "plan", "sgd", "sparse_sync", "state_specs", "summarize", "sync_adamw",
-    "sync_stats", "unit_residuals", "with_density", "xla_options", "__version__",
+    "sync_stats", "unit_residuals", "with_density", "xla_options",
+    "__version__",
 ]

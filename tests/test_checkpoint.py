@@ -214,7 +214,8 @@ def test_per_unit_layout_round_trip_with_velocity(mesh):
   shapes = checkpoint._per_unit(state, plan)  # pylint: disable=protected-access
   assert [(s.shape, s.dtype) for s in jax.tree.leaves(shapes)] == [
       (u.shape, u.dtype) for u in jax.tree.leaves(units)]
-  back = checkpoint._grouped(units, plan, jnp.stack)  # pylint: disable=protected-access
+  back = checkpoint._grouped(  # pylint: disable=protected-access
+      units, plan, jnp.stack)
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert max(len(ids) for ids in jaxfuse.plans.state_groups(plan)) == 3

@@ -91,9 +91,11 @@ def test_conservation(mesh, shapes, density, estimator, strategy, seed):
   for _ in range(2):
     key, sub = jax.random.split(key)
     grads = _worker_grads(sub, shapes)
-    old = [np.asarray(r, np.float64).sum(0) for r in jaxfuse.unit_residuals(plan, state)]
+    old = [np.asarray(r, np.float64).sum(0)
+           for r in jaxfuse.unit_residuals(plan, state)]
     synced, state = sync(plan, mesh, grads, state)
-    new = [np.asarray(r, np.float64).sum(0) for r in jaxfuse.unit_residuals(plan, state)]
+    new = [np.asarray(r, np.float64).sum(0)
+           for r in jaxfuse.unit_residuals(plan, state)]
     dense = {i for i, l in enumerate(plan.leaves) if l.mode == "dense"}
     for i in dense:
       np.testing.assert_allclose(np.asarray(synced[i]) * K,

@@ -66,7 +66,8 @@ def test_momentum_conserves_what_workers_owe(mesh, shapes, density, momentum,
   for _ in range(2):
     grads = [rng.normal(size=(K,) + tuple(s)).astype(np.float32)
              for s in shapes]
-    u = [np.asarray(x, np.float64) for x in jaxfuse.unit_residuals(plan, state, velocity=True)]
+    u = [np.asarray(x, np.float64)
+         for x in jaxfuse.unit_residuals(plan, state, velocity=True)]
     r = [np.asarray(x, np.float64) for x in jaxfuse.unit_residuals(plan, state)]
     synced, state = jax.block_until_ready(fn(shard(mesh, grads), state))
     for j, leaf in enumerate(plan.leaves):
@@ -339,5 +340,5 @@ def test_plan_mixing_density_one_and_sparse_buckets_keeps_its_state(mesh):
       np.testing.assert_allclose(np.asarray(synced[full]),
                                  grads[full].mean(0), rtol=1e-5, atol=1e-6)
       assert np.all(np.asarray(jaxfuse.unit_residuals(plan, new)[unit]) == 0)
-      assert np.any(np.asarray(jaxfuse.unit_residuals(plan, new)[1 - unit]) != 0)
+      assert np.any(np.asarray(jaxfuse.unit_residuals(plan, new)[1 - unit]))
       state = new

@@ -68,7 +68,8 @@ def _capacity(n, c, k, teams=1):
 def _conserved(plan, k, grads, old, synced, state):
   """K·ĝ + Σ_k r_k' = Σ_k (g_k + r_k) per unit, float64."""
   units, _ = plan_lib.units(plan)
-  new = [np.asarray(r, np.float64).sum(0) for r in jaxfuse.unit_residuals(plan, state)]
+  new = [np.asarray(r, np.float64).sum(0)
+         for r in jaxfuse.unit_residuals(plan, state)]
   for u, unit in enumerate(units):
     g = np.concatenate([np.asarray(grads[j], np.float64).sum(0).ravel()
                         for j in unit.leaves])

@@ -142,7 +142,8 @@ def test_nonfinite_gradient_propagates_and_keeps_residual(mesh):
   _, state = sync(plan, mesh, grads, state)  # residuals now non-zero
   units, _ = plan_lib.units(plan)
   unit_of = {u.leaves[0]: i for i, u in enumerate(units)}
-  old = [np.asarray(jaxfuse.unit_residuals(plan, state)[unit_of[j]]) for j in (0, 1)]
+  old = [np.asarray(jaxfuse.unit_residuals(plan, state)[unit_of[j]])
+         for j in (0, 1)]
   bad = [g for g in grads]
   nan_worker, inf_worker, clean_worker = K - 1, K // 2 - 1 if K > 2 else 0, 0
   bad[0] = bad[0].at[nan_worker, 17].set(jnp.nan)
@@ -151,7 +152,8 @@ def test_nonfinite_gradient_propagates_and_keeps_residual(mesh):
   assert not np.all(np.isfinite(np.asarray(synced[0])))
   assert np.all(np.isfinite(np.asarray(synced[1])))
   assert not np.all(np.isfinite(np.asarray(synced[2])))
-  new = [np.asarray(jaxfuse.unit_residuals(plan, state)[unit_of[j]]) for j in (0, 1)]
+  new = [np.asarray(jaxfuse.unit_residuals(plan, state)[unit_of[j]])
+         for j in (0, 1)]
   # kept, not corrupted
   np.testing.assert_array_equal(new[0][nan_worker], old[0][nan_worker])
   assert np.all(np.isfinite(new[0])) and np.all(np.isfinite(new[1]))
@@ -312,7 +314,8 @@ def test_topk_is_the_exact_top_k_or_the_largest_m(n, density, kind, seed):
   np.testing.assert_array_equal(vals[idx < n], g[sent])
   kth = np.sort(np.abs(g))[-k]
   if float(tau) == kth:      # the bracket held: exactly select's slots
-    v, i, c = map(np.asarray, _select(g, np.float32(kth), k, seed % 97 * 1000 % n))
+    v, i, c = map(np.asarray, _select(g, np.float32(kth), k,
+                                      seed % 97 * 1000 % n))
     np.testing.assert_array_equal(idx, i)
     assert int(out.count) == c
   else:                      # a miss: the m largest, m < k

@@ -54,12 +54,12 @@ def sparsify_pass(x, r, tau, capacity: int, offset):
   """acc = x + r, its selection, the new residual and the unit's checks in
   one pass (``fused_pass.sparsify_pass_reference``; the Pallas kernels for
   float32 x and r, the reference for narrower ones)."""
-  from jaxfuse.kernels import fused_pass as fused  # pylint: disable=g-import-not-at-top
+  from jaxfuse.kernels import fused_pass  # pylint: disable=g-import-not-at-top
   if backend() == "pallas" and x.dtype == r.dtype == jax.numpy.float32:
-    return fused.sparsify_pass_pallas(
+    return fused_pass.sparsify_pass_pallas(
         x, r, tau, capacity, offset,
         interpret=jax.default_backend() != "gpu")
-  return fused.sparsify_pass_reference(x, r, tau, capacity, offset)
+  return fused_pass.sparsify_pass_reference(x, r, tau, capacity, offset)
 
 
 def kth_largest_magnitude(x, k: int):
