@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jaxfuse.kernels import reference
-from jaxfuse.kernels.selection import _round_to_bfloat16
+from jaxfuse.kernels.compare import round_to_bfloat16
 from jaxfuse.kernels.selection import select_band_pallas
 from jaxfuse.kernels.selection import select_band_reference
 from jaxfuse.kernels.selection import select_pallas
@@ -252,7 +252,7 @@ def test_bfloat16_rounding_of_tau_is_round_to_nearest_even():
   x = bits.view(np.float32)
   with np.errstate(invalid="ignore"):
     want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
-  got = np.asarray(jax.jit(_round_to_bfloat16)(jnp.asarray(x)))
+  got = np.asarray(jax.jit(round_to_bfloat16)(jnp.asarray(x)))
   nan = np.isnan(want)
   np.testing.assert_array_equal(np.isnan(got), nan)
   np.testing.assert_array_equal(got[~nan].view(np.uint32),

@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxfuse.kernels import reference
 from jaxfuse.kernels import selection as sel
+from jaxfuse.kernels.compare import comparison_threshold
 
 
 class PassResult(NamedTuple):
@@ -163,7 +164,7 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
                      f"{x.dtype}{list(x.shape)} and {r.dtype}{list(r.shape)}")
   n = x.shape[0]
   block, tile, stage = sel.config(n, capacity, block, tile, stage)
-  taus = jnp.reshape(sel.comparison_threshold(x.dtype, tau), (1,))
+  taus = jnp.reshape(comparison_threshold(x.dtype, tau), (1,))
   num_blocks = pl.cdiv(n, block)
   words_per_block = block // sel.WORD
   scan_chunk = min(sel.MAX_SCAN_CHUNK, pl.next_power_of_2(num_blocks))
