@@ -64,14 +64,10 @@ def salt(seed: int, step, unit: int) -> jax.Array:
                 ^ jnp.uint32((unit * 0x85EBCA6B) & 0xFFFFFFFF))
 
 
-# --- estimators: τ on magnitudes a = |acc| (float32) --------------------------
-
-def topk_threshold(a, *, density, salt_, settings):
-  """Exact: τ = the k-th largest |acc|, k = ⌈ρ·n⌉ (``lax.top_k``, or on the
-  Pallas backend the kernel of ``kernels.kth_largest_magnitude``: equal)."""
-  del salt_, settings
-  return kernels.kth_largest_magnitude(a, target_count(density, a.size))
-
+# --- estimators: τ of acc = grad + residual --------------------------------
+# "dgc" reads only its sample of acc; "gaussian", "redsync" and "sidco" read
+# all of |acc| (``ESTIMATORS``); "topk" shares the selection pass
+# (``_topk_select``).
 
 def dgc_sample_index(n: int, salt_, settings) -> jax.Array:
   """DGC's uniform sample: s = max(f·n, 256) positions (at most n)."""
@@ -79,14 +75,11 @@ def dgc_sample_index(n: int, salt_, settings) -> jax.Array:
   return uniform_index(salt_, s, n)
 
 
-def dgc_threshold(a, *, density, salt_, settings):
-  """DGC: k_s-th largest of a uniform sample of s = max(f·n, 256) elements,
-  k_s = round(ρ·s)."""
-  return _sample_threshold(a[dgc_sample_index(a.size, salt_, settings)],
-                           density)
-
-
-def _sample_threshold(sample, density):
+def dgc_threshold(grad, residual, *, density, salt_, settings):
+  """DGC: the k_s-th largest |acc| of a uniform sample of s = max(f·n, 256)
+  elements, k_s = round(ρ·s); reads only the sampled elements."""
+  idx = dgc_sample_index(grad.size, salt_, settings)
+  sample = jnp.abs(grad[idx] + residual[idx]).astype(jnp.float32)
   return kth_largest(sample, max(1, round(density * sample.size)))
 
 
@@ -132,9 +125,7 @@ def sidco_threshold(a, *, density, salt_, settings):
   return tau
 
 
-ESTIMATORS = {
-    "topk": topk_threshold,
-    "dgc": dgc_threshold,
+ESTIMATORS = {           # τ from all of a = |acc| (float32)
     "gaussian": gaussian_threshold,
     "redsync": redsync_threshold,
     "sidco": sidco_threshold,
@@ -143,12 +134,11 @@ ESTIMATORS = {
 
 def estimate_threshold(grad, residual, *, estimator, density, salt_,
                        settings):
-  """τ of acc = grad + residual (unscaled). ``"dgc"`` reads only its
-  sample of acc, the others all of it."""
+  """τ of acc = grad + residual (unscaled), for every estimator but
+  ``"topk"``."""
   if estimator == "dgc":
-    idx = dgc_sample_index(grad.size, salt_, settings)
-    return _sample_threshold(
-        jnp.abs(grad[idx] + residual[idx]).astype(jnp.float32), density)
+    return dgc_threshold(grad, residual, density=density, salt_=salt_,
+                         settings=settings)
   acc = grad + residual
   a = jnp.abs(acc).astype(jnp.float32)
   if estimator == "gaussian":

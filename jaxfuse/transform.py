@@ -114,9 +114,8 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     axis_name = tuple(axis_name)
   all_units, bucket_units = plan_lib.units(plan)
   groups = plan_lib.state_groups(plan)
-  group_of_unit = {u: (g, i) for g, ids in enumerate(groups)
-                   for i, u in enumerate(ids)}
-  bucket_groups = [sorted({group_of_unit[u][0] for u in ids})
+  group_of_unit = {u: g for g, ids in enumerate(groups) for u in ids}
+  bucket_groups = [sorted({group_of_unit[u] for u in ids})
                    for ids in bucket_units]
   settings = plan.settings
   num_leaves = len(plan.leaves)
