@@ -16,6 +16,11 @@ missing" holds by construction, whatever the estimator did).
 
 Empty slots carry the sentinel index n, which decoding drops.
 A controller (SparDL Alg. 2, in log τ) moves ``scale`` so m tracks k = ⌈ρ·n⌉.
+
+``sparsify_unit`` is that step for one unit. It is made of stages
+(``sample_magnitudes``, ``unit_pass``, ``topk_finish``, ``unit_result``)
+that ``bucket_pass`` runs over a whole bucket, each unit's k-th largest of
+a sample found in one batched radix select (``radix_select``).
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.scipy.special import ndtri
+import numpy as np
 
 from jaxfuse import kernels
 from jaxfuse.kernels import fused_pass
 from jaxfuse.kernels.reference import hash32
-from jaxfuse.kernels.reference import kth_largest
 from jaxfuse.kernels.reference import uniform_index
 from jaxfuse.plans import target_count
+from jaxfuse.radix_select import kth_largest
 
 MIN_LOG_STEP = 1e-3
 MAX_LOG_STEP = 1.0
@@ -57,30 +63,66 @@ def initial_control(num_units: int) -> Control:
 
 # --- counter-based hashing (cheap randomness, no PRNG state) ------------------
 
-def salt(seed: int, step, unit: int) -> jax.Array:
-  """A uint32 drawn per (seed, step, unit)."""
+def salt(seed: int, step, unit) -> jax.Array:
+  """A uint32 drawn per (seed, step, unit); ``unit`` an int, or a sequence
+  of them for one salt each."""
+  word = np.asarray((np.asarray(unit, np.uint64) * 0x85EBCA6B) & 0xFFFFFFFF,
+                    np.uint32)
   return hash32(hash32(jnp.uint32(seed) ^ (jnp.asarray(step, jnp.uint32) *
                                           jnp.uint32(0x9E3779B9)))
-                ^ jnp.uint32((unit * 0x85EBCA6B) & 0xFFFFFFFF))
+                ^ jnp.asarray(word))
 
 
 # --- estimators: τ of acc = grad + residual --------------------------------
-# "dgc" reads only its sample of acc; "gaussian", "redsync" and "sidco" read
-# all of |acc| (``ESTIMATORS``); "topk" shares the selection pass
-# (``_topk_select``).
+# "dgc" reads only its sample of acc and "topk" its bracket's sample
+# (``sample_spec``: the k-th largest of a sample, batched across a bucket by
+# ``bucket_pass``); "gaussian", "redsync" and "sidco" read all of |acc|
+# (``ESTIMATORS``).
 
-def dgc_sample_index(n: int, salt_, settings) -> jax.Array:
-  """DGC's uniform sample: s = max(f·n, 256) positions (at most n)."""
+class Sample(NamedTuple):
+  """The estimate is the ``rank``-th largest of ``size`` magnitudes of acc:
+  all of them (``whole``) or drawn at uniform positions."""
+  size: int
+  rank: int
+  whole: bool
+
+
+def dgc_sample_spec(n: int, density: float, settings) -> Sample:
+  """DGC's uniform sample: s = max(f·n, 256) positions (at most n),
+  rank k_s = round(ρ·s) (at least 1)."""
   s = min(n, max(256, math.ceil(settings.sample_fraction * n)))
-  return uniform_index(salt_, s, n)
+  return Sample(s, max(1, round(density * s)), False)
+
+
+def sample_spec(n: int, *, density: float, estimator: str,
+                settings) -> Sample | None:
+  """What a unit's estimate is the k-th largest of: DGC's sample (when it
+  is refreshed every step), or ``"topk"``'s bracket sample (``topk_bracket``;
+  all of |acc| for a unit too small for one). None for the others."""
+  if estimator == "dgc" and settings.refresh == 1:
+    return dgc_sample_spec(n, density, settings)
+  if estimator == "topk":
+    k = target_count(density, n)
+    s, r, wide = topk_bracket(k, n)
+    return Sample(n, k, True) if wide >= n else Sample(s, r, False)
+  return None
+
+
+def sample_magnitudes(grad, residual, salt_, spec: Sample) -> jax.Array:
+  """|acc| (float32) at ``spec.size`` positions drawn from ``salt_``, or all
+  of it."""
+  if spec.whole:
+    return jnp.abs(grad + residual).astype(jnp.float32)
+  idx = uniform_index(salt_, spec.size, grad.size)
+  return jnp.abs(grad[idx] + residual[idx]).astype(jnp.float32)
 
 
 def dgc_threshold(grad, residual, *, density, salt_, settings):
   """DGC: the k_s-th largest |acc| of a uniform sample of s = max(f·n, 256)
   elements, k_s = round(ρ·s); reads only the sampled elements."""
-  idx = dgc_sample_index(grad.size, salt_, settings)
-  sample = jnp.abs(grad[idx] + residual[idx]).astype(jnp.float32)
-  return kth_largest(sample, max(1, round(density * sample.size)))
+  spec = dgc_sample_spec(grad.size, density, settings)
+  return kth_largest(sample_magnitudes(grad, residual, salt_, spec),
+                     spec.rank)
 
 
 def gaussian_threshold(a, *, density, salt_, settings, signed=None):
@@ -176,7 +218,8 @@ class UnitResult(NamedTuple):
   nonzero: jax.Array    # the stream had a non-zero element
 
 
-# --- "topk": a sampled bracket, the fused pass at it, the k-th of its slots --
+# --- one unit's stages: the pass at τ ("topk": at its sampled bracket, then
+# the k-th of the staged slots), and the result ---------------------------
 
 TOPK_SAMPLE = 1 << 16   # sample size s
 TOPK_MARGIN = 4.0       # sample standard deviations below rank k
@@ -197,33 +240,62 @@ def topk_bracket(k: int, n: int) -> tuple[int, int, int]:
                                           1024)
 
 
-def _topk_select(grad, residual, salt_, offset, *, capacity, density):
-  """(τ, pass result) of the exact top-k, sharing the fused pass (τ is
-  τ_lo after a miss).
+def unit_pass(grad, residual, ctrl_unit: Control, step, salt_, estimate, *,
+              capacity: int, density: float, estimator: str, settings):
+  """(τ, ``kernels.sparsify_pass`` result) of one unit, one step.
 
-  One pass at τ_lo (``topk_bracket``) stages every m elements with
-  |acc| ≥ τ_lo, in the rotated order, in C slots; τ = the k-th largest of
-  their magnitudes; the first c with |acc| ≥ τ are sent, and the other
-  staged ones go back into the residual. That is ``select(acc, τ, c, o)``
-  with τ the exact k-th largest |acc| whenever k ≤ m ≤ C. If the sample
-  put τ_lo above the k-th largest (m < k, the ≈ 3·10⁻⁵ chance) the m
-  largest are sent (the candidates statistic shows m < k); m > C (≈ never)
-  sends the k largest of the first C.
+  ``estimate``: the k-th largest of the unit's ``sample_spec`` (None where
+  that is None). For ``"topk"`` with a drawn sample, τ is the bracket τ_lo
+  and the pass has ``topk_bracket``'s C slots; ``topk_finish`` completes
+  it.
   """
   n = grad.size
+  offset = uniform_index(hash32(salt_), 0, n)
+  if estimator == "topk":
+    spec = sample_spec(n, density=density, estimator=estimator,
+                       settings=settings)
+    wide = (capacity if spec.whole else
+            topk_bracket(target_count(density, n), n)[2])
+    return estimate, kernels.sparsify_pass(grad, residual, estimate, wide,
+                                           offset)
+  scale = jnp.exp(ctrl_unit.log_scale)
+  if estimate is not None:
+    tau = (estimate * scale).astype(jnp.float32)
+  else:
+    fresh = lambda: (estimate_threshold(
+        grad, residual, estimator=estimator, density=density, salt_=salt_,
+        settings=settings) * scale).astype(jnp.float32)
+    if settings.refresh == 1:
+      tau = fresh()
+    else:
+      tau = lax.cond(step % settings.refresh == 0, fresh,
+                     lambda: ctrl_unit.threshold)
+  return tau, kernels.sparsify_pass(grad, residual, tau, capacity, offset)
+
+
+def needs_topk_finish(n: int, *, density: float, estimator: str,
+                      settings) -> bool:
+  """Whether ``unit_pass`` staged a ``"topk"`` bracket (``topk_finish``)."""
+  return estimator == "topk" and not sample_spec(
+      n, density=density, estimator=estimator, settings=settings).whole
+
+
+def topk_finish(lo, out, kth, *, capacity: int, density: float, n: int):
+  """(τ, pass result) of the exact top-k from the pass at the bracket τ_lo.
+
+  ``out`` stages every m elements with |acc| ≥ τ_lo, in the rotated order,
+  in C slots; ``kth`` is the k-th largest of their magnitudes |out.values|.
+  The first c with |acc| ≥ kth are sent, and the other staged ones go back
+  into the residual: ``select(acc, τ, c, o)`` with τ the exact k-th largest
+  |acc| whenever k ≤ m ≤ C. If the sample put τ_lo above the k-th largest
+  (m < k, the ≈ 3·10⁻⁵ chance) the m largest are sent (the candidates
+  statistic shows m < k); m > C (≈ never) sends the k largest of the
+  first C.
+  """
   k = target_count(density, n)
-  s, r, wide = topk_bracket(k, n)
-  if wide >= n:                      # small: sort all of it
-    tau = kth_largest(jnp.abs(grad + residual).astype(jnp.float32), k)
-    return tau, kernels.sparsify_pass(grad, residual, tau, capacity, offset)
-  idx = uniform_index(salt_, s, n)
-  sample = jnp.abs(grad[idx] + residual[idx]).astype(jnp.float32)
-  lo = kth_largest(sample, r)
-  out = kernels.sparsify_pass(grad, residual, lo, wide, offset)
   mags = jnp.abs(out.values).astype(jnp.float32)
   staged = out.finite & (out.indices < n)
   exact = out.count >= k
-  kth = kth_largest(mags, k)
   keep = staged & (mags >= jnp.where(exact, kth, 0.0))   # a miss: all staged
   rank = jnp.cumsum(keep, dtype=jnp.int32) - 1
   sent = keep & (rank < capacity)
@@ -240,39 +312,13 @@ def _topk_select(grad, residual, salt_, offset, *, capacity, density):
       values=values, indices=indices, count=count, residual=residual)
 
 
-def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
-                  capacity: int, density: float, estimator: str,
-                  settings) -> UnitResult:
-  """One unit, one step (all arrays flat; ``ctrl_unit`` fields scalars).
-
-  acc = grad + residual, its selection and new residual are one pass
-  (``kernels.sparsify_pass``: a fused Pallas kernel on GPU); ``"topk"``
-  runs that pass at a sampled bracket (``_topk_select``).
-
-  Non-finite acc: nothing of ``grad`` enters the residual (it is kept as
-  it was), the control state is kept, no candidate is counted, τ is NaN,
-  and the values sent are NaN with slot 0 pointing at element 0, so the
-  synchronized gradient is non-finite on every worker (as a dense
-  ``pmean`` would be) and ``optax.apply_if_finite`` works.
-  """
-  n = grad.size
-  offset = uniform_index(hash32(salt_), 0, n)
-  if estimator == "topk":
-    tau, out = _topk_select(grad, residual, salt_, offset, capacity=capacity,
-                            density=density)
-  else:
-    fresh = lambda: (estimate_threshold(
-        grad, residual, estimator=estimator, density=density, salt_=salt_,
-        settings=settings) * jnp.exp(ctrl_unit.log_scale)).astype(
-            jnp.float32)
-    if settings.refresh == 1:
-      tau = fresh()
-    else:
-      tau = lax.cond(step % settings.refresh == 0, fresh,
-                     lambda: ctrl_unit.threshold)
-    out = kernels.sparsify_pass(grad, residual, tau, capacity, offset)
+def unit_result(grad, residual, ctrl_unit: Control, tau, out, *,
+                density: float, estimator: str, settings) -> UnitResult:
+  """The unit's ``UnitResult`` from its pass: the controller's next state
+  (kept on a non-finite step), τ (NaN then) and the checks."""
   if settings.feedback and estimator != "topk":
-    new_ctrl = controller(ctrl_unit, out.count, target_count(density, n), tau)
+    new_ctrl = controller(ctrl_unit, out.count,
+                          target_count(density, grad.size), tau)
   else:
     new_ctrl = ctrl_unit._replace(threshold=tau)
   new_ctrl = jax.tree.map(lambda new, old: jnp.where(out.finite, new, old),
@@ -282,3 +328,34 @@ def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
                     new_ctrl, jnp.where(out.finite, tau, jnp.nan),
                     ~out.finite, jnp.where(out.finite, acc, residual),
                     out.nonzero)
+
+
+def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
+                  capacity: int, density: float, estimator: str,
+                  settings) -> UnitResult:
+  """One unit, one step (all arrays flat; ``ctrl_unit`` fields scalars).
+
+  acc = grad + residual, its selection and new residual are one pass
+  (``kernels.sparsify_pass``: a fused Pallas kernel on GPU); ``"topk"``
+  runs that pass at a sampled bracket (``topk_finish``). ``bucket_pass``
+  runs these stages over a whole bucket, its k-th largests batched.
+
+  Non-finite acc: nothing of ``grad`` enters the residual (it is kept as
+  it was), the control state is kept, no candidate is counted, τ is NaN,
+  and the values sent are NaN with slot 0 pointing at element 0, so the
+  synchronized gradient is non-finite on every worker (as a dense
+  ``pmean`` would be) and ``optax.apply_if_finite`` works.
+  """
+  n = grad.size
+  kw = dict(density=density, estimator=estimator, settings=settings)
+  spec = sample_spec(n, **kw)
+  estimate = (None if spec is None else kth_largest(
+      sample_magnitudes(grad, residual, salt_, spec), spec.rank))
+  tau, out = unit_pass(grad, residual, ctrl_unit, step, salt_, estimate,
+                       capacity=capacity, **kw)
+  if needs_topk_finish(n, **kw):
+    kth = kth_largest(jnp.abs(out.values).astype(jnp.float32),
+                      target_count(density, n))
+    tau, out = topk_finish(tau, out, kth, capacity=capacity, density=density,
+                           n=n)
+  return unit_result(grad, residual, ctrl_unit, tau, out, **kw)

@@ -11,7 +11,6 @@ axis. ``init_state`` builds it that way and ``state_specs`` gives the
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +21,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxfuse import _compat
+from jaxfuse import bucket_pass
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
 from jaxfuse import sparsify
@@ -194,7 +194,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
              for i in range(len(groups[g]))], stat_chunks, axis_name)
         # Their thresholds are not used; kept as they were.
         ctrl_chunks.append((list(unit_ids), jax.tree.map(
-            lambda x: _take(x, unit_ids), ctrl)))
+            lambda x: bucket_pass.take(x, unit_ids), ctrl)))
         rows = 0
         for g in gids:
           n = len(groups[g])
@@ -208,35 +208,36 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
         order = [u for g in gids for u in groups[g]]
       else:
         parts = {}
-        for g in gids:
-          new_res, new_vel = [], []
-          for rows, out, stacked in _sparsify_rows(
-              all_units, groups[g], grads[g], decayed[g], ctrl, step,
-              settings):
-            ids = [groups[g][i] for i in rows]
-            values, residual = jax.vmap(_to_wire, in_axes=(0, 0, 0, 0, None))(
-                out.values, out.indices, out.residual, out.nonfinite,
-                all_units[ids[0]].dtype)
-            for i, u in enumerate(ids):
-              parts[u] = (values[i], out.indices[i])
-            # A non-finite step keeps the residual sparsify was given: the
-            # decayed one, so restore the old where it was decayed.
-            bad = out.nonfinite[:, None]
-            if residual_decay != 1:
-              residual = jnp.where(bad, _rows(residuals[g], rows), residual)
-            new_res.append((rows, residual))
-            if momentum:
-              m = _rows(moved[g], rows)
-              kept = (jax.vmap(lambda v, i: v.at[i].set(0, mode="drop"))(
-                  m, out.indices) if mask_momentum else m)
-              new_vel.append((rows, jnp.where(bad, _rows(velocity[g], rows),
-                                              kept)))
-            ctrl_chunks.append((ids, out.control))
-            stat_chunks.extend(stats_lib.sparse_stats(
-                plan, [all_units[u] for u in ids], out, stacked))
-          residuals[g] = _set_rows(residuals[g], new_res)
+        new_res = {g: [] for g in gids}
+        new_vel = {g: [] for g in gids}
+        for batch, out, stacked in bucket_pass.sparsify_groups(
+            all_units, groups, gids, grads, decayed, ctrl, step, settings):
+          g, rows, ids = batch.group, batch.rows, batch.units
+          values, residual = jax.vmap(_to_wire, in_axes=(0, 0, 0, 0, None))(
+              out.values, out.indices, out.residual, out.nonfinite,
+              batch.unit.dtype)
+          for i, u in enumerate(ids):
+            parts[u] = (values[i], out.indices[i])
+          # A non-finite step keeps the residual sparsify was given: the
+          # decayed one, so restore the old where it was decayed.
+          bad = out.nonfinite[:, None]
+          if residual_decay != 1:
+            residual = jnp.where(bad, bucket_pass.rows_of(residuals[g], rows),
+                                 residual)
+          new_res[g].append((rows, residual))
           if momentum:
-            velocity[g] = _set_rows(velocity[g], new_vel)
+            m = bucket_pass.rows_of(moved[g], rows)
+            kept = (jax.vmap(lambda v, i: v.at[i].set(0, mode="drop"))(
+                m, out.indices) if mask_momentum else m)
+            new_vel[g].append((rows, jnp.where(
+                bad, bucket_pass.rows_of(velocity[g], rows), kept)))
+          ctrl_chunks.append((ids, out.control))
+          stat_chunks.extend(stats_lib.sparse_stats(
+              plan, [all_units[u] for u in ids], out, stacked))
+        for g in gids:
+          residuals[g] = _set_rows(residuals[g], new_res[g])
+          if momentum:
+            velocity[g] = _set_rows(velocity[g], new_vel[g])
         order = list(unit_ids)   # the bucket's layout: its ready order
         dense, kept = collectives.get(bucket.collective).sync(
             [parts[u] for u in order], [all_units[u] for u in order],
@@ -263,13 +264,6 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     return jax.tree.unflatten(jax.tree.structure(updates), synced), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _take(x, ids):
-  """x[ids] along axis 0 for static ids (a slice when they are contiguous)."""
-  if list(ids) == list(range(ids[0], ids[0] + len(ids))):
-    return x[ids[0]:ids[0] + len(ids)]
-  return x[np.asarray(ids)]
 
 
 def _check_unit_interval(name, x, closed_low=False, closed_high=False):
@@ -346,11 +340,6 @@ def _unit_stream(unit, flat, dtype):
                           for j in unit.leaves])
 
 
-def _rows(x, rows):
-  """x[rows] for static row ids (the array itself when they are all)."""
-  return x if list(rows) == list(range(x.shape[0])) else _take(x, rows)
-
-
 def _set_rows(x, pieces):
   """x with rows replaced by [(rows, values)] (no copy if one piece covers
   every row in order)."""
@@ -359,33 +348,6 @@ def _set_rows(x, pieces):
   for rows, values in pieces:
     x = x.at[np.asarray(rows)].set(values)
   return x
-
-
-def _sparsify_rows(all_units, ids, grads, residuals, ctrl, step, settings):
-  """``sparsify_unit`` over the rows of one state group, rows with the same
-  capacity, density and estimator as one batch (usually all of them).
-
-  Yields (row numbers, batched ``UnitResult``, the rows' streams).
-  Transformer layers repeat the same shapes, so this keeps the program (and
-  its compile time and kernel count) about the size of one layer's.
-  """
-  batches = {}
-  for row, u in enumerate(ids):
-    unit = all_units[u]
-    batches.setdefault((unit.capacity, unit.density, unit.estimator),
-                       []).append(row)
-  for rows in batches.values():
-    unit = all_units[ids[rows[0]]]
-    units = [ids[r] for r in rows]
-    fn = functools.partial(sparsify.sparsify_unit, capacity=unit.capacity,
-                           density=unit.density, estimator=unit.estimator,
-                           settings=settings)
-    stacked = _rows(grads, rows)
-    out = jax.vmap(fn, in_axes=(0, 0, 0, None, 0))(
-        stacked, _rows(residuals, rows),
-        jax.tree.map(lambda x: _take(x, units), ctrl), step,
-        jnp.stack([sparsify.salt(settings.seed, step, u) for u in units]))
-    yield rows, out, stacked
 
 
 def _check_grads(plan, updates, axis_name) -> list[jax.Array]:

@@ -237,10 +237,16 @@ def test_per_leaf_stats_match_what_was_sent(mesh, strategy, shapes):
 # --- "topk": the sampled bracket and the shared pass --------------------------
 
 def _topk(grad, residual, capacity, density=0.01, seed=3):
-  fn = jax.jit(functools.partial(sparsify._topk_select, capacity=capacity,
-                                 density=density))
-  return fn(jnp.asarray(grad), jnp.asarray(residual), jnp.uint32(seed),
-            jnp.int32(seed * 1000 % grad.size))
+  """(τ, result, offset) of one ``"topk"`` unit step with salt ``seed``."""
+  fn = jax.jit(functools.partial(
+      sparsify.sparsify_unit, capacity=capacity, density=density,
+      estimator="topk", settings=jaxfuse.Settings()))
+  ctrl = jax.tree.map(lambda x: x[0], sparsify.initial_control(1))
+  salt = jnp.uint32(seed)
+  out = fn(jnp.asarray(grad), jnp.asarray(residual), ctrl, jnp.int32(1),
+           salt)
+  offset = int(reference.uniform_index(reference.hash32(salt), 0, grad.size))
+  return out.tau, out, offset
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -254,12 +260,12 @@ def test_topk_shared_pass_is_the_exact_top_k(seed):
   g = rng.standard_t(3, size=n).astype(np.float32)
   r = (0.3 * rng.normal(size=n)).astype(np.float32)
   g[rng.random(n) < 0.1] = 0
-  tau, out = _topk(g, r, k, seed=seed)
+  tau, out, offset = _topk(g, r, k, seed=seed)
   acc = g + r
   want_tau = np.sort(np.abs(acc))[-k]
   assert float(tau) == want_tau
   values, indices, count = map(np.asarray, _select(
-      acc, np.float32(want_tau), k, seed * 1000 % n))
+      acc, np.float32(want_tau), k, offset))
   np.testing.assert_array_equal(np.asarray(out.indices), indices)
   np.testing.assert_array_equal(np.asarray(out.values), values)
   assert int(out.count) == count == k
@@ -276,7 +282,7 @@ def test_topk_bracket_miss_sends_the_largest_and_keeps_the_rest(monkeypatch):
   rng = np.random.default_rng(5)
   g = rng.normal(size=n).astype(np.float32)
   r = np.zeros(n, np.float32)
-  _, out = _topk(g, r, k)
+  _, out, _ = _topk(g, r, k)
   idx = np.asarray(out.indices)
   sent = idx[idx < n]
   assert 0 < len(sent) == int(out.count) < k
@@ -305,7 +311,7 @@ def test_topk_is_the_exact_top_k_or_the_largest_m(n, density, kind, seed):
   g = g.astype(np.float32)
   r = np.zeros(n, np.float32)
   k = plan_lib.target_count(density, n)
-  tau, out = _topk(g, r, k, density=density, seed=seed % 97)
+  tau, out, offset = _topk(g, r, k, density=density, seed=seed % 97)
   idx, vals = np.asarray(out.indices), np.asarray(out.values)
   sent = idx[idx < n]
   want_r = g.copy()
@@ -314,8 +320,7 @@ def test_topk_is_the_exact_top_k_or_the_largest_m(n, density, kind, seed):
   np.testing.assert_array_equal(vals[idx < n], g[sent])
   kth = np.sort(np.abs(g))[-k]
   if float(tau) == kth:      # the bracket held: exactly select's slots
-    v, i, c = map(np.asarray, _select(g, np.float32(kth), k,
-                                      seed % 97 * 1000 % n))
+    v, i, c = map(np.asarray, _select(g, np.float32(kth), k, offset))
     np.testing.assert_array_equal(idx, i)
     assert int(out.count) == c
   else:                      # a miss: the m largest, m < k

@@ -1,0 +1,113 @@
+"""The k-th largest of a bucket's rows: a sort per group against radix select.
+
+A ``sparse_sync`` step needs, per unit, the k-th largest magnitude of a
+row: DGC's sample (s = 1 % of n), and for ``"topk"`` its bracket sample
+(2^16) and its staged slots (C). This times, for the row shapes of one
+gpt2-small bucket at density 0.01 (``aligned``, 4 buckets; rows grouped by
+shape as the state groups are)::
+
+  sort     lax.top_k per group (before issue 13's second part)
+  xla      ``radix_select.radix_rows``, all rows in one call (8 reductions)
+
+(A Pallas kernel with a program per row, a bit per round, measured
+1.9–3.4× slower than ``xla`` on an H100 and was dropped: docs/benchmarks.md.)
+
+  python benchmarks/kth_rows.py --out kth_rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # pylint: disable=wrong-import-position
+from jax import lax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+
+from jaxfuse import radix_select  # pylint: disable=wrong-import-position
+
+# (rows, s, k) per group of the second gpt2-small bucket (22 units).
+BUCKETS = {
+    "dgc sample": [(12, 5899, 59), (5, 23593, 236), (2, 256, 3),
+                   (3, 256, 3)],
+    "topk bracket": [(12, 65536, 755), (5, 65536, 757), (2, 3072, 31),
+                     (3, 3072, 31)],
+    "topk slots": [(12, 9920, 5899), (5, 32161, 23593), (2, 1103, 31),
+                   (3, 1103, 31)],
+}
+
+
+def _time(fn, args, repeats):
+  """(median waited call, mean of back-to-back calls), seconds."""
+  jax.block_until_ready(fn(*args))
+  waited = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    waited.append(time.perf_counter() - t0)
+  t0 = time.perf_counter()
+  for _ in range(repeats):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return statistics.median(waited), (time.perf_counter() - t0) / repeats
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--repeats", type=int, default=50)
+  p.add_argument("--methods", nargs="+", default=["sort", "xla"])
+  p.add_argument("--out", help="JSON file to write")
+  args = p.parse_args(argv)
+  rng = np.random.default_rng(0)
+  results = []
+  print(f"{'rows':14} {'method':7} {'waited us':>10} {'pipelined us':>13}")
+  for name, groups in BUCKETS.items():
+    rows = [jnp.asarray(np.abs(rng.standard_t(3, size=(r, s))), jnp.float32)
+            for r, s, _ in groups]
+    ranks = [k for _, _, k in groups]
+    sort = jax.jit(lambda rs: [lax.top_k(a, k)[0][:, k - 1]
+                               for a, k in zip(rs, ranks)])
+
+    def rows_to(fn):
+      def run(rs):
+        width = max(a.shape[1] for a in rs)
+        bits = jnp.concatenate([jnp.pad(
+            lax.bitcast_convert_type(a, jnp.int32),
+            ((0, 0), (0, width - a.shape[1]))) for a in rs])
+        k = jnp.asarray(np.repeat(ranks, [a.shape[0] for a in rs]),
+                        jnp.int32)
+        return fn(bits, k)
+      return jax.jit(run)
+
+    methods = {"sort": sort, "xla": rows_to(radix_select.radix_rows)}
+    want = np.concatenate([np.asarray(x) for x in sort(rows)])
+    for method in args.methods:
+      fn = methods[method]
+      got = fn(rows)
+      got = (np.concatenate([np.asarray(x) for x in got]) if method == "sort"
+             else np.asarray(got).view(np.float32))
+      assert (got == want).all(), (name, method)
+      waited, pipelined = _time(fn, (rows,), args.repeats)
+      print(f"{name:14} {method:7} {waited * 1e6:10.1f} "
+            f"{pipelined * 1e6:13.1f}")
+      results.append({"rows": name, "method": method, "groups": groups,
+                      "waited_us": waited * 1e6,
+                      "pipelined_us": pipelined * 1e6})
+  if args.out:
+    meta = {"jax": jax.__version__, "backend": jax.default_backend(),
+            "device": getattr(jax.devices()[0], "device_kind", "cpu"),
+            "date": time.strftime("%Y-%m-%d")}
+    pathlib.Path(args.out).write_text(json.dumps(
+        {"meta": meta, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,116 @@
+"""A sparse bucket's state groups through ``sparsify``, stage by stage.
+
+A batch is a state group's rows with one capacity, density and estimator
+(usually the whole group); its units run vmapped, so transformer layers
+that repeat shapes keep the program about one layer's size. The k-th
+largest magnitudes the estimators need are found for all of a bucket's
+batches at once (``radix_select.kth_largest_rows``: a few reductions
+instead of a sort per group)::
+
+  1. per batch: the sampled |acc| (``sparsify.sample_magnitudes``)
+  2. the bucket: their k-th largest (DGC's estimate, topk's bracket τ_lo)
+  3. per batch: the fused pass (``sparsify.unit_pass``)
+  4. the bucket: the k-th largest of topk's staged slots; per batch
+     ``sparsify.topk_finish``
+  5. per batch: controller and checks (``sparsify.unit_result``)
+
+Bitwise the same as ``sparsify.sparsify_unit`` on each unit alone.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse import plans as plan_lib
+from jaxfuse import radix_select
+from jaxfuse import sparsify
+
+
+class Batch(NamedTuple):
+  group: int          # state group
+  rows: list[int]     # its rows in the batch
+  units: list[int]    # their unit ids
+  unit: plan_lib.Unit  # the first (capacity, density, estimator, size)
+
+
+def take(x, ids):
+  """x[ids] along axis 0 for static ids (a slice when they are contiguous)."""
+  if list(ids) == list(range(ids[0], ids[0] + len(ids))):
+    return x[ids[0]:ids[0] + len(ids)]
+  return x[np.asarray(ids)]
+
+
+def rows_of(x, rows):
+  """x[rows] for static row ids (the array itself when they are all)."""
+  return x if list(rows) == list(range(x.shape[0])) else take(x, rows)
+
+
+def batches(all_units: Sequence[plan_lib.Unit], groups: Sequence[list[int]],
+            gids: Sequence[int]) -> list[Batch]:
+  """The batches of state groups ``gids``: rows of one capacity, density
+  and estimator, in row order."""
+  out = []
+  for g in gids:
+    by_kind = {}
+    for row, u in enumerate(groups[g]):
+      unit = all_units[u]
+      by_kind.setdefault((unit.capacity, unit.density, unit.estimator),
+                         []).append(row)
+    for rows in by_kind.values():
+      units = [groups[g][r] for r in rows]
+      out.append(Batch(g, rows, units, all_units[units[0]]))
+  return out
+
+
+def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
+                    settings):
+  """``sparsify_unit`` over every row of state groups ``gids`` (one bucket).
+
+  grads, residuals: per group, (G, n) streams and (decayed) residuals;
+  ctrl: per unit ``Control`` arrays. Returns [(batch, batched
+  ``UnitResult``, the rows' streams)].
+  """
+  todo = batches(all_units, groups, gids)
+  kw = [dict(density=b.unit.density, estimator=b.unit.estimator,
+             settings=settings) for b in todo]
+  x = [rows_of(grads[b.group], b.rows) for b in todo]
+  r = [rows_of(residuals[b.group], b.rows) for b in todo]
+  c = [jax.tree.map(lambda a, b=b: take(a, b.units), ctrl) for b in todo]
+  salts = [sparsify.salt(settings.seed, step, b.units) for b in todo]
+
+  specs = [sparsify.sample_spec(b.unit.size, **k) for b, k in zip(todo, kw)]
+  sampled = [i for i, s in enumerate(specs) if s is not None]
+  estimate = dict(zip(sampled, _kth([
+      jax.vmap(sparsify.sample_magnitudes, in_axes=(0, 0, 0, None))(
+          x[i], r[i], salts[i], specs[i]) for i in sampled],
+      [specs[i].rank for i in sampled])))
+
+  passes = [jax.vmap(functools.partial(
+      sparsify.unit_pass, capacity=b.unit.capacity, **kw[i]),
+      in_axes=(0, 0, 0, None, 0, 0))(x[i], r[i], c[i], step, salts[i],
+                                     estimate.get(i))
+            for i, b in enumerate(todo)]
+
+  staged = [i for i, b in enumerate(todo)
+            if sparsify.needs_topk_finish(b.unit.size, **kw[i])]
+  kths = _kth([jnp.abs(passes[i][1].values).astype(jnp.float32)
+               for i in staged],
+              [plan_lib.target_count(todo[i].unit.density, todo[i].unit.size)
+               for i in staged])
+  for i, kth in zip(staged, kths):
+    b = todo[i]
+    passes[i] = jax.vmap(functools.partial(
+        sparsify.topk_finish, capacity=b.unit.capacity,
+        density=b.unit.density, n=b.unit.size))(*passes[i], kth)
+
+  return [(b, jax.vmap(functools.partial(sparsify.unit_result, **kw[i]))(
+      x[i], r[i], c[i], *passes[i]), x[i]) for i, b in enumerate(todo)]
+
+
+def _kth(rows, ranks):
+  return radix_select.kth_largest_rows(rows, ranks) if rows else []

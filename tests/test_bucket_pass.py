@@ -1,0 +1,66 @@
+"""A bucket's groups through ``bucket_pass`` (the k-th largests batched
+across the bucket) equal ``sparsify_unit`` on each unit alone, bitwise."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfuse import bucket_pass
+from jaxfuse import plans as plan_lib
+from jaxfuse import sparsify
+
+from _harness import list_plan
+
+# Groups of several sizes in one sparse bucket: topk samples a bracket for
+# all but the (40, 25) ones, which it sorts whole; DGC's samples are 256
+# elements but for the (30_000,) ones (300: rows of two widths).
+SHAPES = [(60, 100), (40, 25), (60, 100), (30_000,), (6, 500), (30_000,),
+          (6, 500), (40, 25)]
+
+
+@pytest.mark.parametrize("estimator", ["dgc", "topk"])
+def test_bucket_equals_each_unit_alone(estimator):
+  plan = list_plan(SHAPES, density=0.01, estimator=estimator,
+                   strategy="aligned", num_buckets=1,
+                   min_sparse_size=256)
+  all_units, bucket_units = plan_lib.units(plan)
+  groups = plan_lib.state_groups(plan)
+  gids = sorted({g for g, ids in enumerate(groups) for u in ids
+                 if u in bucket_units[0]})
+  assert len(gids) == 4 and plan.buckets[0].collective == "allgather"
+  rng = np.random.default_rng(1)
+  group_arrays = lambda scale: [
+      jnp.asarray(scale * rng.standard_t(3, size=(len(ids), all_units[
+          ids[0]].size)).astype(np.float32)) for ids in groups]
+  grads, residuals = group_arrays(1.0), group_arrays(0.3)
+  ctrl = sparsify.initial_control(len(all_units))
+  ctrl = ctrl._replace(log_scale=jnp.asarray(
+      rng.normal(size=len(all_units)) * 0.2, jnp.float32))
+  step = jnp.int32(7)
+  got = jax.jit(lambda *args: [(out, x) for _, out, x in (
+      bucket_pass.sparsify_groups(all_units, groups, gids, *args,
+                                  settings=plan.settings))])(
+                                      grads, residuals, ctrl, step)
+  seen = set()
+  for batch, (out, stacked) in zip(
+      bucket_pass.batches(all_units, groups, gids), got, strict=True):
+    for i, (row, u) in enumerate(zip(batch.rows, batch.units)):
+      unit = all_units[u]
+      want = jax.jit(functools.partial(
+          sparsify.sparsify_unit, capacity=unit.capacity,
+          density=unit.density, estimator=unit.estimator,
+          settings=plan.settings))(
+              grads[batch.group][row], residuals[batch.group][row],
+              jax.tree.map(lambda x: x[u], ctrl), step,
+              sparsify.salt(plan.settings.seed, step, u))
+      for name, a, b in zip(want._fields, jax.tree.leaves(want),
+                            jax.tree.leaves(jax.tree.map(lambda x: x[i],
+                                                         out))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                      err_msg=f"unit {u}: {name}")
+      np.testing.assert_array_equal(stacked[i], grads[batch.group][row])
+      seen.add(u)
+  assert seen == set(bucket_units[0])
