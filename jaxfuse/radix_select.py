@@ -26,21 +26,35 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse import kernels
+
 ROUNDS = ((28, 3),) + tuple((s, 4) for s in range(24, -1, -4))   # 31 bits
 
 
-def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int]
-                     ) -> list[jax.Array]:
+def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int],
+                     method: str | None = None) -> list[jax.Array]:
   """Per (R_i, s_i) array of magnitudes (float32, ≥ 0 or NaN) and static
   rank 1 ≤ k_i ≤ s_i: the (R_i,) k_i-th largest of each row, bitwise
   ``lax.top_k(row, k_i)[0][k_i − 1]`` (NaN counts as the largest, as
-  there). One computation for all of them."""
+  there).
+
+  ``method``: ``"radix"`` (one computation for all of them) or ``"sort"``
+  (``lax.top_k`` per array). Default: radix where the Pallas kernels run
+  (``jaxfuse.kernels.backend()``, GPUs), sort elsewhere: on a CPU the
+  sort is about as fast and compiles in a sixth of the time (0.05 s
+  against 0.31 s for a gpt2-small bucket's DGC samples). Both are exact,
+  so they agree bit for bit."""
+  method = method or ("radix" if kernels.backend() == "pallas" else "sort")
+  if method not in ("radix", "sort"):
+    raise ValueError(f"method={method!r}; use 'radix' or 'sort'.")
   if len(rows) != len(ranks):
     raise ValueError(f"{len(rows)} row arrays but {len(ranks)} ranks.")
   for a, k in zip(rows, ranks):
     if a.ndim != 2 or a.dtype != jnp.float32 or not 1 <= k <= a.shape[1]:
       raise ValueError(f"rows must be (R, s) float32 with 1 <= k <= s; got "
                        f"{a.dtype}{list(a.shape)} and k={k}.")
+  if method == "sort":
+    return [lax.top_k(a, k)[0][:, k - 1] for a, k in zip(rows, ranks)]
   width = max(a.shape[1] for a in rows)
   bits = jnp.concatenate([
       jnp.pad(lax.bitcast_convert_type(a, jnp.int32),
