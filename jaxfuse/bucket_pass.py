@@ -4,8 +4,8 @@ A batch is a state group's rows with one capacity, density and estimator
 (usually the whole group); its units run vmapped, so transformer layers
 that repeat shapes keep the program about one layer's size. The k-th
 largest magnitudes the estimators need are found for all of a bucket's
-batches at once (``radix_select.kth_largest_rows``: a few reductions
-instead of a sort per group)::
+batches at once (``radix_select.kth_largest_rows``: on GPU a few
+reductions instead of a sort per group)::
 
   1. per batch: the sampled |acc| (``sparsify.sample_magnitudes``)
   2. the bucket: their k-th largest (DGC's estimate, topk's bracket τ_lo)

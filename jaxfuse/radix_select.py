@@ -3,7 +3,8 @@
 For a row a of non-negative float32 magnitudes (|acc| of a sample, or of
 staged slots), the bit patterns b = bitcast(a, int32) order as the values
 do (0 ≤ b < 2³¹), so the k-th largest is the largest pattern t with
-#{i : b_i ≥ t} ≥ k: a radix select, built from the top bit down a digit per round::
+#{i : b_i ≥ t} ≥ k: a radix select, built from the top bit down, a
+digit per round::
 
   t ← 0;  for (shift, width) in ROUNDS:          (3 bits, then 4-bit digits)
     c_d = #{i : b_i ≥ t | d·2^shift}   d = 0 … 2^width − 1 (non-increasing)
@@ -14,7 +15,8 @@ at once (rows of different lengths are padded with 0.0, which only ever
 counts towards t = 0, where every row has k elements anyway). On an H100,
 for one gpt2-small bucket, this is 1.4–1.9× faster than a ``lax.top_k``
 sort per group and 1.9–3.4× faster than a Pallas kernel with a program per
-row (``benchmarks/kth_rows.py``).
+row (``benchmarks/kth_rows.py``). Off GPU ``kth_largest_rows`` sorts
+instead (the same bits, less to compile).
 """
 
 from __future__ import annotations
