@@ -176,7 +176,7 @@ def _has_sync_state(tree) -> bool:
 def _per_unit(tree, plan):
   """``tree`` with each ``SparseSyncState``'s residuals and velocity as
   jaxfuse 0.1 kept them: one (K, n) array per unit (shapes only)."""
-  groups = plan_lib.state_groups(plan)
+  unit_rows = plan_lib.unit_rows(plan)
 
   def rows(sharding):         # the group's sharding, on its leading axis
     if isinstance(sharding, jax.sharding.NamedSharding):
@@ -184,14 +184,11 @@ def _per_unit(tree, plan):
           sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
     return sharding
 
-  def split(arrays):
-    out = [None] * sum(len(ids) for ids in groups)
-    for ids, a in zip(groups, arrays):
-      for u in ids:
-        out[u] = jax.ShapeDtypeStruct(
-            (a.shape[0],) + tuple(a.shape[2:]), a.dtype,
-            sharding=rows(getattr(a, "sharding", None)))
-    return tuple(out)
+  def unit_like(a):           # a row of a group's (K, G, n) array
+    return jax.ShapeDtypeStruct((a.shape[0],) + tuple(a.shape[2:]), a.dtype,
+                                sharding=rows(getattr(a, "sharding", None)))
+
+  split = lambda arrays: tuple(unit_like(arrays[g]) for g, _ in unit_rows)
 
   return jax.tree.map(
       lambda x: x._replace(residuals=split(x.residuals),

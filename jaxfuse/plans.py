@@ -388,6 +388,13 @@ def state_groups(plan: Plan) -> tuple[tuple[int, ...], ...]:
   return tuple(out)
 
 
+def unit_rows(plan: Plan) -> tuple[tuple[int, int], ...]:
+  """Per unit (in ``units`` order): (its state group, its row there)."""
+  rows = {u: (g, i) for g, ids in enumerate(state_groups(plan))
+          for i, u in enumerate(ids)}
+  return tuple(rows[u] for u in range(len(rows)))
+
+
 def state_dtype(unit: Unit, settings: Settings) -> str:
   """dtype of the unit's residual and velocity (``Settings.residual_dtype``):
   the gradient's, or at least float32."""

@@ -114,7 +114,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     axis_name = tuple(axis_name)
   all_units, bucket_units = plan_lib.units(plan)
   groups = plan_lib.state_groups(plan)
-  group_of_unit = {u: g for g, ids in enumerate(groups) for u in ids}
+  group_of_unit = [g for g, _ in plan_lib.unit_rows(plan)]
   bucket_groups = [sorted({group_of_unit[u] for u in ids})
                    for ids in bucket_units]
   settings = plan.settings
@@ -417,11 +417,7 @@ def unit_residuals(plan: plan_lib.Plan, state: SparseSyncState,
   ``plans.units`` order: views of the state's per-group arrays, each with
   the state's leading worker axis (K outside ``shard_map``)."""
   arrays = state.velocity if velocity else state.residuals
-  out = [None] * len(plan_lib.units(plan)[0])
-  for ids, array in zip(plan_lib.state_groups(plan), arrays):
-    for i, u in enumerate(ids):
-      out[u] = array[:, i]
-  return out
+  return [arrays[g][:, i] for g, i in plan_lib.unit_rows(plan)]
 
 
 # --- helpers for users --------------------------------------------------------
