@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
 
@@ -33,6 +32,8 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from jaxfuse import radix_select  # pylint: disable=wrong-import-position
+# benchmarks/kernels.py's timer: (median waited call, back-to-back mean).
+from kernels import _time  # pylint: disable=wrong-import-position
 
 # (rows, s, k) per group of the second gpt2-small bucket (22 units).
 BUCKETS = {
@@ -43,21 +44,6 @@ BUCKETS = {
     "topk slots": [(12, 9920, 5899), (5, 32161, 23593), (2, 1103, 31),
                    (3, 1103, 31)],
 }
-
-
-def _time(fn, args, repeats):
-  """(median waited call, mean of back-to-back calls), seconds."""
-  jax.block_until_ready(fn(*args))
-  waited = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    waited.append(time.perf_counter() - t0)
-  t0 = time.perf_counter()
-  for _ in range(repeats):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return statistics.median(waited), (time.perf_counter() - t0) / repeats
 
 
 def main(argv=None):
@@ -95,7 +81,7 @@ def main(argv=None):
       got = (np.concatenate([np.asarray(x) for x in got]) if method == "sort"
              else np.asarray(got).view(np.float32))
       assert (got == want).all(), (name, method)
-      waited, pipelined = _time(fn, (rows,), args.repeats)
+      waited, pipelined, _ = _time(fn, (rows,), args.repeats)
       print(f"{name:14} {method:7} {waited * 1e6:10.1f} "
             f"{pipelined * 1e6:13.1f}")
       results.append({"rows": name, "method": method, "groups": groups,
