@@ -105,7 +105,7 @@ def _train(args, extra, env) -> dict:
     cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"),
            "--preset", args.preset, "--steps", str(args.steps),
            "--eval-batches", "0", "--log-every", "1000",
-           "--json-out", str(out), *extra]
+           "--json-out", str(out), *args.train_args.split(), *extra]
     print("==", " ".join(cmd[1:]), flush=True)
     try:
       proc = subprocess.run(cmd, env=env, check=False, capture_output=True,
@@ -117,6 +117,20 @@ def _train(args, extra, env) -> dict:
       print(proc.stdout[-2000:], proc.stderr[-3000:], flush=True)
       return {"error": proc.returncode}
     return json.loads(out.read_text())
+
+
+def _configs(args) -> list[tuple[str, str | None, dict]]:
+  """(name, strategy, plan options) of every plan ``measure`` runs."""
+  configs = [] if args.no_dense else [("dense", None, dict(density=1.0))]
+  for density in args.densities:
+    tag = f" @{density:g}" if len(args.densities) > 1 else ""
+    for scheme in args.collectives:
+      name = "" if scheme == "allgather" else f"{scheme} "
+      configs += [(f"{name}size {mb} MiB{tag}", "size",
+                   dict(bucket_bytes=mb * 2**20, density=density,
+                        collective=scheme)) for mb in args.sizes_mb]
+    configs += [(s + tag, s, dict(density=density)) for s in args.strategies]
+  return configs
 
 
 def cmd_measure(args) -> list[dict]:
@@ -133,12 +147,7 @@ def cmd_measure(args) -> list[dict]:
   loss_fn, params, tokens = getattr(lm_model, args.model)()
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                         params)
-  base = dict(density=args.density, loss_fn=loss_fn, example_args=(tokens,),
-              costs=costs)
-  configs = [("dense", None, dict(density=1.0))]
-  configs += [(f"size {mb} MiB", "size", dict(bucket_bytes=mb * 2**20))
-              for mb in args.sizes_mb]
-  configs += [(s, s, {}) for s in args.strategies]
+  base = dict(loss_fn=loss_fn, example_args=(tokens,), costs=costs)
   rows = []
   if args.flags_via == "env":     # process-wide, every program of the run
     env, flag_args = _env(args.transport, FLAG_SETS[args.flags]), []
@@ -147,7 +156,7 @@ def cmd_measure(args) -> list[dict]:
     flag_args = [a for f in FLAG_SETS[args.flags].split()
                  for a in ("--xla-option", f.removeprefix("--"))]
   with tempfile.TemporaryDirectory() as tmp:
-    for name, strategy, options in configs:
+    for name, strategy, options in _configs(args):
       plan = jaxfuse.plan(params, **{**base, **options,
                                      "strategy": strategy or "single"})
       predicted = simulate.simulate(plan, costs)
@@ -159,12 +168,15 @@ def cmd_measure(args) -> list[dict]:
         extra = ["--plan", str(path)]
       run = _train(args, extra + flag_args, env)
       row = {"plan": name, "buckets": len(plan.buckets),
+             "collectives": sorted({b.collective for b in plan.buckets}),
              "wire_bytes": plan.bytes_per_worker(),
              "predicted_s": predicted.iteration,
              "predicted_compute_s": predicted.compute_end,
+             "predicted_communication_s": predicted.communication,
              "predicted_overlap": predicted.overlap_ratio,
-             "measured_s": run.get("median_step_time_s"),
+             "measured_s": run.get("steady_step_time_s"),
              "measured_mean_s": run.get("mean_step_time_s"),
+             "phase_steps": run.get("phase_steps"),
              "error": run.get("error"),
              "winner": plan.provenance.get("auto", {}).get("winner")}
       if "config" in run:          # where the run trained (this process plans)
@@ -172,21 +184,47 @@ def cmd_measure(args) -> list[dict]:
                           f"{run['config'].get('device_kind', '?')}")
       if row["measured_s"]:
         row["prediction_error"] = row["predicted_s"] / row["measured_s"] - 1
+      line = (f"   {name:22} {row['buckets']:3d} buckets  "
+              f"{row['wire_bytes'] / 2**20:8.2f} MiB  predicted "
+              f"{1e3 * row['predicted_s']:7.1f} ms  measured "
+              + (f"{1e3 * row['measured_s']:7.1f} ms  error "
+                 f"{100 * row['prediction_error']:+5.1f} %"
+                 if row["measured_s"] else "failed"))
+      if args.one_worker and row["measured_s"] and row["collectives"] in (
+          ["psum"], ["allgather"], ["allgather", "psum"]):
+        # The same per-worker work on one device: no communication, so the
+        # measured overlap is η = (T₁ + G − T_K) / G, G the simulated link
+        # time (a schemes' plans for K workers do not run on one).
+        per_worker = run["config"]["batch_size"] // run["config"]["num_devices"]
+        alone = _train(args, extra + flag_args + [
+            "--devices", "1", "--batch-size", str(per_worker)], env)
+        row["measured_one_worker_s"] = alone.get("steady_step_time_s")
+        g = predicted.communication
+        if row["measured_one_worker_s"] and g > 0:
+          row["measured_overlap"] = (row["measured_one_worker_s"] + g -
+                                     row["measured_s"]) / g
+          line += (f"  one worker {1e3 * row['measured_one_worker_s']:.1f} ms"
+                   f"  η {row['measured_overlap']:.2f}")
       rows.append(row)
-      print(f"   {name:14} {row['buckets']:3d} buckets  "
-            f"{row['wire_bytes'] / 2**20:8.2f} MiB  predicted "
-            f"{1e3 * row['predicted_s']:7.1f} ms  measured "
-            + (f"{1e3 * row['measured_s']:7.1f} ms  error "
-               f"{100 * row['prediction_error']:+5.1f} %"
-               if row["measured_s"] else "failed"), flush=True)
-  sized = [r for r in rows if r["plan"].startswith("size") and r["measured_s"]]
-  auto = next((r for r in rows if r["plan"] == "auto" and r["measured_s"]),
-              None)
-  if sized and auto:
+      print(line, flush=True)
+  dense = next((r for r in rows if r["plan"] == "dense" and r["measured_s"]),
+               None)
+  for r in rows:
+    if dense and r["measured_s"]:
+      r["vs_dense"] = dense["measured_s"] / r["measured_s"]
+  for density in args.densities:
+    tag = f" @{density:g}" if len(args.densities) > 1 else ""
+    sized = [r for r in rows if r["plan"].startswith("size")
+             and r["plan"].endswith(tag) and r["measured_s"]]
+    auto = next((r for r in rows if r["plan"] == "auto" + tag
+                 and r["measured_s"]), None)
+    if not (sized and auto):
+      continue
     best = min(sized, key=lambda r: r["measured_s"])
-    print(f"auto {1e3 * auto['measured_s']:.1f} ms vs best fixed rule "
+    print(f"auto{tag} {1e3 * auto['measured_s']:.1f} ms vs best fixed rule "
           f"({best['plan']}) {1e3 * best['measured_s']:.1f} ms: "
-          f"{100 * (1 - auto['measured_s'] / best['measured_s']):+.1f} %")
+          f"{100 * (1 - auto['measured_s'] / best['measured_s']):+.1f} %"
+          + (f"; vs dense {auto['vs_dense']:.2f}x" if dense else ""))
     # No grouping of the same sparse leaves beats its compute stream (forward
     # + backward + compression): the most any plan can gain on the best rule.
     bound = auto["predicted_compute_s"]
@@ -246,9 +284,21 @@ def main(argv=None):
   m.add_argument("--costs", required=True)
   m.add_argument("--preset", default="gpt2-small")
   m.add_argument("--steps", type=int, default=20)
-  m.add_argument("--density", type=float, default=0.01)
+  m.add_argument("--densities", type=float, nargs="+", default=[0.01])
   m.add_argument("--sizes-mb", type=int, nargs="+", default=list(SIZES_MB))
-  m.add_argument("--strategies", nargs="+", default=["auto"])
+  m.add_argument("--collectives", nargs="+", default=["allgather"],
+                 help="sparse schemes of the size plans (allgather zen "
+                 "spardl); auto picks its own")
+  m.add_argument("--train-args", default="--dense-warmup 1 --warmup-steps 0",
+                 help="more train_lm.py arguments; the default times "
+                 "onebit_adamw's sparse phase after one dense step (the "
+                 "measured step is the last phase's median)")
+  m.add_argument("--no-dense", action="store_true",
+                 help="leave out the dense run (measured in another call)")
+  m.add_argument("--one-worker", action="store_true",
+                 help="also run dense and allgather plans on one device "
+                 "(same per-worker batch) for the measured overlap η")
+  m.add_argument("--strategies", nargs="*", default=["auto"])
   m.add_argument("--flags", default="default", choices=sorted(FLAG_SETS))
   m.add_argument("--flags-via", default="env", choices=("env", "jit"),
                  help="apply --flags through XLA_FLAGS (every program) or "

@@ -531,6 +531,15 @@ def main(argv=None) -> dict:
            if i not in compile_steps]
   timed = timed or step_times
   mean_step = float(np.mean(timed))
+  # Per phase: the median of its steps, its compile step and flushes left out
+  # (the last phase is the recipe's steady state: what throughput means).
+  phase_steps = []
+  for i, phase in enumerate(phases):
+    own = [t for j, (t, ph) in enumerate(zip(step_times, phase_of_step), start)
+           if ph == i and j not in compile_steps]
+    if own:
+      phase_steps.append({"phase": i, "steps": len(own),
+                          "median_step_s": float(np.median(own))})
   result = {
       "config": {**vars(args), "steps": steps, "batch_size": batch_size,
                  "seq_len": seq_len, "lr": lr, "num_devices": k,
@@ -547,6 +556,9 @@ def main(argv=None) -> dict:
       "val_curve": val_curve,
       "first_step_s": step_times[0], "mean_step_time_s": mean_step,
       "median_step_time_s": float(np.median(timed)),
+      "phase_steps": phase_steps,
+      "steady_step_time_s": (phase_steps[-1]["median_step_s"] if phase_steps
+                             else float(np.median(timed))),
       "tokens_per_s": tokens_per_step / mean_step,
       "final_train_loss": losses[-1],
       "final_val_loss": val_loss if eval_batches else None,

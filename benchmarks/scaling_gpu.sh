@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The 2-GPU runs behind docs/benchmarks.md "Scaling on 2 GPUs (issue 14)", as
+# they were made, from the repository root on a 2-GPU machine; results go to
+# $OUT (default out/). One mode per device call (each under 10 minutes):
+#   conv     socket: dense and the README's recipe (onebit_adamw, dense
+#            quarter, DGC's ramp, density 0.05) to 1000 steps, at the rates
+#            the NVLink grid chose (docs/convergence.md), one run at a time
+#   socket   socket: profile the costs on this mesh, then plans measured
+#            against the simulator: dense, size 64 MiB and auto at 0.05
+#            (dense and size also on one GPU, for the measured overlap η),
+#            allgather / zen / spardl at 0.01
+#   nvlink   NVLink: profile the costs on this mesh, then dense, size 64 MiB
+#            and auto at 0.05 and 0.01; then XLA's overlap of the dense
+#            all-reduce under flag sets (socket)
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-out}
+mkdir -p out "$OUT"
+export JAX_COMPILATION_CACHE_DIR=$PWD/out/jaxcache
+SOCKET="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo"
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpus.txt"
+MEASURE="python benchmarks/planner.py"
+case "$1" in
+conv)
+  export $SOCKET
+  python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 \
+      --eval-every 50 --eval-batches 8 --recipes dense,onebit_adamw+warm \
+      --density 0.05 --lrs 3e-4 --parallel 1 --timeout 290 \
+      --out "$OUT/conv_socket.json" --plot "$OUT/conv_socket.png" 2>&1 | tee "$OUT/conv.log" ;;
+socket)
+  export $SOCKET
+  ( time python -m jaxfuse profile --model examples/lm_model.py:gpt2_small -q \
+      -o "$OUT/costs_socket.json" ) > "$OUT/profile_socket.log" 2>&1
+  tail -n 12 "$OUT/profile_socket.log"
+  $MEASURE --out "$OUT/measure_socket_05.json" measure --transport socket \
+      --costs "$OUT/costs_socket.json" --steps 10 --sizes-mb 64 \
+      --densities 0.05 --strategies auto --one-worker --run-timeout 120 \
+      2>&1 | tee "$OUT/measure_socket_05.log"
+  $MEASURE --out "$OUT/measure_socket_01.json" measure --transport socket \
+      --costs "$OUT/costs_socket.json" --steps 10 --sizes-mb 64 \
+      --densities 0.01 --collectives allgather zen spardl --strategies \
+      --no-dense --run-timeout 120 2>&1 | tee "$OUT/measure_socket_01.log" ;;
+nvlink)
+  ( time python -m jaxfuse profile --model examples/lm_model.py:gpt2_small -q \
+      -o "$OUT/costs_nvlink.json" ) > "$OUT/profile_nvlink.log" 2>&1
+  tail -n 12 "$OUT/profile_nvlink.log"
+  $MEASURE --out "$OUT/measure_nvlink.json" measure --transport nvlink \
+      --costs "$OUT/costs_nvlink.json" --steps 10 --sizes-mb 64 \
+      --densities 0.05 0.01 --strategies auto --run-timeout 120 \
+      2>&1 | tee "$OUT/measure_nvlink.log"
+  $MEASURE --out "$OUT/overlap_socket.json" overlap --transport socket \
+      --flag-sets nocmdbuf lhs+nocombine+nocmdbuf 2>&1 | tee "$OUT/overlap.log" ;;
+*)
+  echo "usage: $0 conv|socket|nvlink" >&2; exit 2 ;;
+esac
