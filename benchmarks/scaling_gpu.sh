@@ -10,8 +10,12 @@
 #            (dense and size also on one GPU, for the measured overlap η),
 #            allgather / zen / spardl at 0.01
 #   nvlink   NVLink: profile the costs on this mesh, then dense, size 64 MiB
-#            and auto at 0.05 and 0.01; then XLA's overlap of the dense
-#            all-reduce under flag sets (socket)
+#            and auto at 0.05 and 0.01; then (socket) size 64 MiB at 0.05
+#            with XLA's latency-hiding scheduler, and with it and no
+#            combining (the predictions there use the NVLink costs: ignore)
+#   recal    both profiles again (compression timed as the bucket's whole
+#            sparse work), then socket dense and size 64 MiB at 0.05 / 0.01
+#            and NVLink size 64 MiB and auto at 0.05 against them
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -49,8 +53,29 @@ nvlink)
       --costs "$OUT/costs_nvlink.json" --steps 10 --sizes-mb 64 \
       --densities 0.05 0.01 --strategies auto --run-timeout 120 \
       2>&1 | tee "$OUT/measure_nvlink.log"
-  $MEASURE --out "$OUT/overlap_socket.json" overlap --transport socket \
-      --flag-sets nocmdbuf lhs+nocombine+nocmdbuf 2>&1 | tee "$OUT/overlap.log" ;;
+  for flags in lhs lhs+nocombine; do
+    $MEASURE --out "$OUT/measure_socket_$flags.json" measure --transport socket \
+        --costs "$OUT/costs_nvlink.json" --steps 10 --sizes-mb 64 \
+        --densities 0.05 --strategies --no-dense --flags $flags --flags-via jit \
+        --run-timeout 100 2>&1 | tee "$OUT/measure_socket_$flags.log"
+  done ;;
+recal)
+  # After profiling's compression became the bucket's whole sparse work:
+  # both profiles again, and plans measured against them on this machine.
+  for t in socket nvlink; do
+    ( time env $([ $t = socket ] && echo $SOCKET) python -m jaxfuse profile \
+        --model examples/lm_model.py:gpt2_small -q -o "$OUT/costs2_$t.json" \
+      ) > "$OUT/profile2_$t.log" 2>&1
+    tail -n 12 "$OUT/profile2_$t.log"
+  done
+  $MEASURE --out "$OUT/measure2_socket.json" measure --transport socket \
+      --costs "$OUT/costs2_socket.json" --steps 10 --sizes-mb 64 \
+      --densities 0.05 0.01 --strategies --run-timeout 100 \
+      2>&1 | grep -v "^==" | tee "$OUT/measure2_socket.log"
+  $MEASURE --out "$OUT/measure2_nvlink.json" measure --transport nvlink \
+      --costs "$OUT/costs2_nvlink.json" --steps 10 --sizes-mb 64 \
+      --densities 0.05 --strategies auto --no-dense --run-timeout 100 \
+      2>&1 | grep -v "^==" | tee "$OUT/measure2_nvlink.log" ;;
 *)
-  echo "usage: $0 conv|socket|nvlink" >&2; exit 2 ;;
+  echo "usage: $0 conv|socket|nvlink|recal" >&2; exit 2 ;;
 esac

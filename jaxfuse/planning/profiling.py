@@ -10,8 +10,9 @@ Every time below is the median of ``repeats`` runs after ``warmup`` runs
                ``psum`` of a float32 buffer (a dense bucket).
                t(x) = time / chain (so one dispatch is not counted as
                latency); fitted g(x) = α + β·x (``costs.fit_linear``).
-  compress     ``jit(sparsify_unit)`` of x elements on one device (the
-               estimator, density and headroom a plan would use), fitted
+  compress     ``sparse_sync``'s update of one bucket of ``chain`` units of x
+               elements on a one-device mesh, per unit (the estimator,
+               density and headroom a plan would use), fitted
                h(x) = α_h + β_h·x.
   contention   γ (ASC-WFBP Eq. 9): two independent psums of m bytes at once
                take T₂ = α + γ·β·m, one takes T₁ = α + β·m, so
@@ -55,7 +56,6 @@ from jaxfuse import compile_options
 from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning import ordering
 from jaxfuse import plans as plan_lib
-from jaxfuse import sparsify
 from jaxfuse.version import __version__
 
 Progress = Callable[[int, int, str], None]  # (done, total, what is next)
@@ -260,38 +260,42 @@ def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
                      device=None,
                      progress: Callable[[str], None] | None = None
                      ) -> list[tuple[int, float]]:
-  """[(elements, seconds)]: one ``sparsify_unit`` (float32) per size.
+  """[(elements, seconds)]: one selection unit's share of a sparse bucket.
 
-  As for the collectives, ``chain`` units (distinct gradients) run in one
-  jitted program and t = time / chain: inside a training step a unit costs
-  its kernels, not a dispatch from Python.
+  What a step runs: ``sparse_sync``'s update for one bucket of ``chain``
+  float32 leaves of x elements each (one state group: the batched k-th
+  largests, the fused pass, packing, the collective, decoding, the residual
+  and the statistics) on a one-device mesh, so the collective moves
+  nothing; t = time / chain. Timing one ``sparsify_unit`` instead measured
+  a path steps no longer run (about 0.3 ms per unit on GPUs where the
+  bucket's pass costs a few µs per unit).
   """
+  from jaxfuse import transform  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
   if estimator not in plan_lib.ESTIMATORS:
     raise ProfileError(f"estimator={estimator!r}; use one of "
                        f"{plan_lib.ESTIMATORS}.")
   device = device or jax.local_devices()[0]
-  settings = plan_lib.Settings(headroom=headroom)
-  ctrl = jax.tree.map(lambda x: x[0], sparsify.initial_control(1))
+  mesh = jax.sharding.Mesh(np.array([device]), ("data",))
   out = []
   for n in sizes:
     n = int(n)
     if progress:
       progress(f"compress {n:,} elements")
-    cap = plan_lib.capacity_for(density, n, headroom)
-
-    def units(grads, residual, c, cap=cap):
-      return [sparsify.sparsify_unit(
-          g, residual, c, jnp.int32(0), sparsify.salt(settings.seed, 0, u),
-          capacity=cap, density=density, estimator=estimator,
-          settings=settings) for u, g in enumerate(grads)]
-
     rng = np.random.default_rng(n)
     grads = [jax.device_put(rng.standard_normal(n, np.float32), device)
              for _ in range(chain)]
-    residual = jax.device_put(np.zeros(n, np.float32), device)
-    t = time_call(_jit(units), grads, residual,
-                  jax.device_put(ctrl, device), warmup=warmup,
-                  repeats=repeats)
+    plan = planner.plan(grads, density=density, strategy="single",
+                        estimator=estimator, headroom=headroom,
+                        min_sparse_size=1)
+    opt = transform.sparse_sync(plan)
+    state = transform.init_state(opt, grads, mesh)
+    specs = transform.state_specs(state)
+    step = _jit(jax.shard_map(
+        lambda g, s: opt.update(_compat.to_varying(g, "data"), s),
+        mesh=mesh, in_specs=(P(), specs),
+        out_specs=(P(), specs)))
+    t = time_call(step, grads, state, warmup=warmup, repeats=repeats)
     out.append((n, t / chain))
   return out
 
