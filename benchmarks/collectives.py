@@ -242,12 +242,27 @@ def run_simulate(costs_path, densities, workers, union_share) -> list[dict]:
       t = simulate.simulate(plan, costs, k)
       rows.append(dict(scheme=name, density=density, workers=k,
                        iteration=t.iteration, communication=t.communication))
+  for density in densities:   # what the planner picks for K workers
+    for k in workers:
+      plan = jaxfuse.plan(leaves, density=density, strategy="auto",
+                          costs=costs, num_workers=k)
+      t = simulate.simulate(plan, costs, k)
+      picked = sorted({b.collective for b in plan.buckets})
+      rows.append(dict(scheme="auto", density=density, workers=k,
+                       iteration=t.iteration, communication=t.communication,
+                       collectives=picked,
+                       winner=plan.provenance["auto"]["winner"]))
+  variants += [("auto", d, None, {}) for d in densities]
   print(f"{'scheme':10} {'rho':>6} " + " ".join(f"{k:>8}" for k in workers))
   for name, density, _, _ in variants:
     its = [r["iteration"] for r in rows
            if r["scheme"] == name and r["density"] == density]
     print(f"{name:10} {density:6.3f} " +
           " ".join(f"{1e3 * t:8.1f}" for t in its))
+  for r in rows:
+    if r["scheme"] == "auto":
+      print(f"auto at rho {r['density']:g}, K = {r['workers']}: "
+            f"{'/'.join(r['collectives'])} ({r['winner']})")
   return rows
 
 

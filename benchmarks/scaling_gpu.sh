@@ -54,10 +54,11 @@ nvlink)
       --densities 0.05 0.01 --strategies auto --run-timeout 120 \
       2>&1 | tee "$OUT/measure_nvlink.log"
   for flags in lhs lhs+nocombine; do
-    $MEASURE --out "$OUT/measure_socket_$flags.json" measure --transport socket \
+    name=${flags//+/_}   # the device tool returns no file with a + in its name
+    $MEASURE --out "$OUT/measure_socket_$name.json" measure --transport socket \
         --costs "$OUT/costs_nvlink.json" --steps 10 --sizes-mb 64 \
         --densities 0.05 --strategies --no-dense --flags $flags --flags-via jit \
-        --run-timeout 100 2>&1 | tee "$OUT/measure_socket_$flags.log"
+        --run-timeout 100 2>&1 | tee "$OUT/measure_socket_$name.log"
   done ;;
 recal)
   # After profiling's compression became the bucket's whole sparse work:

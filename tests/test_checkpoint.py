@@ -158,6 +158,11 @@ def test_example_killed_after_a_save_resumes_bitwise(tmp_path):
   assert b["start_step"] == 6 and len(b["losses"]) == 6
   assert a["losses"][6:] == b["losses"]
   assert a["final_val_loss"] == b["final_val_loss"]
+  # The throughput the benchmarks report: the last phase's median step,
+  # each run's compile step left out (step 0, and step 6 on resuming).
+  assert [p["steps"] for p in a["phase_steps"]] == [11]
+  assert [p["steps"] for p in b["phase_steps"]] == [5]
+  assert a["steady_step_time_s"] == float(np.median(a["step_times_s"][1:]))
 
 
 def test_a_jaxfuse_0_1_checkpoint_is_regrouped(tmp_path, mesh):
