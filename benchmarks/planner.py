@@ -9,6 +9,8 @@
   overlap  on the GPUs: XLA's overlap of the dense all-reduce with the
            backward pass, η = (T_bwd + T_comm − T_both) / T_comm, under
            several XLA flag sets (one process each)
+  eta      simulated from a costs file: what ``auto`` gains over the best
+           ``size`` rule as the overlap η grows (CPU)
 
 Prints a table and writes JSON::
 
@@ -16,11 +18,13 @@ Prints a table and writes JSON::
   jaxfuse profile --model examples/lm_model.py:gpt2_small -o costs.json
   python benchmarks/planner.py measure --costs costs.json --transport socket
   python benchmarks/planner.py overlap --transport socket
+  python benchmarks/planner.py eta --costs costs.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -234,6 +238,48 @@ def cmd_measure(args) -> list[dict]:
   return rows
 
 
+def cmd_eta(args) -> list[dict]:
+  """What ``auto`` gains over the best ``size`` rule as the overlap η grows:
+  the profiled costs with η replaced, every plan simulated (CPU only)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_platforms", "cpu")
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(ROOT / "examples"))
+  import lm_model  # pylint: disable=g-import-not-at-top
+  profiled = costs_lib.Costs.load(args.costs)
+  loss_fn, params, tokens = getattr(lm_model, args.model)()
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        params)
+  rows = []
+  print(f"{'rho':>6} {'eta':>5} {'best size rule':>22} {'auto':>8} "
+        f"{'gain':>7} {'dense':>8}")
+  for density in args.densities:
+    for eta in args.etas:
+      costs = dataclasses.replace(profiled, overlap=eta)
+      base = dict(density=density, loss_fn=loss_fn, example_args=(tokens,),
+                  costs=costs)
+      sized = {mb: simulate.simulate(jaxfuse.plan(
+          params, strategy="size", bucket_bytes=mb * 2**20, **base),
+                                     costs).iteration
+               for mb in args.sizes_mb}
+      best = min(sized, key=sized.get)
+      auto = jaxfuse.plan(params, strategy="auto", **base)
+      t_auto = simulate.simulate(auto, costs).iteration
+      t_dense = simulate.simulate(jaxfuse.plan(
+          params, strategy="single", **{**base, "density": 1.0}),
+                                  costs).iteration
+      rows.append({"density": density, "overlap": eta, "size_rules_s":
+                   {str(k): v for k, v in sized.items()}, "best_rule_mb": best,
+                   "auto_s": t_auto, "dense_s": t_dense,
+                   "auto_winner": auto.provenance["auto"]["winner"]})
+      print(f"{density:6g} {eta:5.2f} {f'{1e3 * sized[best]:.1f} ms ({best} MiB)':>22} "
+            f"{1e3 * t_auto:6.1f}ms {100 * (1 - t_auto / sized[best]):6.1f}% "
+            f"{1e3 * t_dense:6.1f}ms", flush=True)
+  return rows
+
+
 _OVERLAP_WORKER = """
 import json, sys
 sys.path.insert(0, {examples!r})
@@ -305,12 +351,21 @@ def main(argv=None):
                  "train_lm.py --xla-option (the train step's jit only)")
   m.add_argument("--run-timeout", type=float, default=420,
                  help="seconds per training run before it counts as failed")
+  e = sub.add_parser("eta", help="auto vs the best size rule as η grows "
+                     "(simulated, CPU)")
+  e.add_argument("--costs", required=True)
+  e.add_argument("--model", default="gpt2_small")
+  e.add_argument("--densities", type=float, nargs="+", default=[0.05, 0.01])
+  e.add_argument("--etas", type=float, nargs="+",
+                 default=[0.0, 0.1, 0.25, 0.5, 0.75, 1.0])
+  e.add_argument("--sizes-mb", type=int, nargs="+",
+                 default=[1, 4, 16, 64, 128])
   sub.choices["overlap"].add_argument("--flag-sets", nargs="+",
                                       default=list(FLAG_SETS),
                                       choices=sorted(FLAG_SETS))
   p.add_argument("--out", default=None, help="JSON file to write")
   args = p.parse_args(argv)
-  rows = {"timing": cmd_timing, "measure": cmd_measure,
+  rows = {"timing": cmd_timing, "measure": cmd_measure, "eta": cmd_eta,
           "overlap": cmd_overlap}[args.command](args)
   if args.out:
     import jax  # pylint: disable=g-import-not-at-top
@@ -319,6 +374,8 @@ def main(argv=None):
             "device": getattr(dev, "device_kind", str(dev)),
             "devices": jax.device_count(), "date": time.strftime("%Y-%m-%d"),
             "args": {k: v for k, v in vars(args).items()}}
+    if args.command == "eta":      # simulated from a profile
+      meta["device"] = "simulated"
     if args.command == "measure":  # planned on the CPU, trained elsewhere
       meta["device"] = next((r["devices"] for r in rows if "devices" in r),
                             None)
