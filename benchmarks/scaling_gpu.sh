@@ -16,6 +16,11 @@
 #   recal    both profiles again (compression timed as the bucket's whole
 #            sparse work), then socket dense and size 64 MiB at 0.05 / 0.01
 #            and NVLink size 64 MiB and auto at 0.05 against them
+#   multi    (4 or 8 GPUs) socket profile, then dense, allgather / zen /
+#            spardl and auto at 0.01 and 0.001 (ONLY=0.01 or 0.001: one)
+#   conv8    (every GPU a worker) dense, onebit_adamw+warm and its spardl
+#            variant to 1000 steps over sockets (RECIPES=… to pick; one
+#            recipe per call where 1000 steps take over 3 minutes)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -77,6 +82,30 @@ recal)
       --costs "$OUT/costs2_nvlink.json" --steps 10 --sizes-mb 64 \
       --densities 0.05 --strategies auto --no-dense --run-timeout 100 \
       2>&1 | grep -v "^==" | tee "$OUT/measure2_nvlink.log" ;;
+multi)
+  # Issue 14 items 3 (4 or 8 GPUs, whatever this machine has): the socket
+  # profile, then dense and each scheme at 0.01 and 0.001, and auto. About
+  # 11 runs of about a minute: split over two calls with ONLY=0.01|0.001.
+  export $SOCKET
+  [ -f "$OUT/costs_multi.json" ] || python -m jaxfuse profile \
+      --model examples/lm_model.py:gpt2_small -q -o "$OUT/costs_multi.json" \
+      2>&1 | tail -n 9
+  for d in ${ONLY:-0.01 0.001}; do
+    $MEASURE --out "$OUT/measure_multi_$d.json" measure --transport socket \
+        --costs "$OUT/costs_multi.json" --steps 10 --sizes-mb 64 \
+        --densities $d --collectives allgather zen spardl --strategies auto \
+        $([ "$d" = 0.001 ] && echo --no-dense) --run-timeout 150 \
+        2>&1 | grep -v "^==" | tee "$OUT/measure_multi_$d.log"
+  done ;;
+conv8)
+  # Issue 14 item 4: every GPU a worker, dense against the README's recipe and
+  # its SparDL variant (RECIPES to pick), 1000 steps, socket.
+  export $SOCKET
+  python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 \
+      --eval-every 50 --eval-batches 8 \
+      --recipes ${RECIPES:-dense,onebit_adamw+warm,onebit_adamw+warm+spardl} \
+      --density 0.05 --lrs 3e-4 --parallel 1 --timeout 590 \
+      --out "$OUT/conv8.json" --plot "$OUT/conv8.png" 2>&1 | tee "$OUT/conv8.log" ;;
 *)
-  echo "usage: $0 conv|socket|nvlink|recal" >&2; exit 2 ;;
+  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8" >&2; exit 2 ;;
 esac
