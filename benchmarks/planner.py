@@ -137,20 +137,25 @@ def _configs(args) -> list[tuple[str, str | None, dict]]:
   return configs
 
 
-def cmd_measure(args) -> list[dict]:
+def _planning_inputs(args):
+  """(costs, the model's parameter shapes, its loss_fn, example tokens),
+  with JAX on the CPU: this process only plans and simulates, and holds no
+  GPU memory that the training runs it starts need."""
   import jax  # pylint: disable=g-import-not-at-top
-  # This process only plans (shapes, a simulation): on the CPU, so that it
-  # holds no GPU memory that the training runs it starts need.
   jax.config.update("jax_platforms", "cpu")
-  import jaxfuse  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import costs as costs_lib  # pylint: disable=g-import-not-at-top
-  from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, str(ROOT / "examples"))
   import lm_model  # pylint: disable=g-import-not-at-top
-  costs = costs_lib.Costs.load(args.costs)
   loss_fn, params, tokens = getattr(lm_model, args.model)()
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                         params)
+  return costs_lib.Costs.load(args.costs), params, loss_fn, tokens
+
+
+def cmd_measure(args) -> list[dict]:
+  costs, params, loss_fn, tokens = _planning_inputs(args)
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
   base = dict(loss_fn=loss_fn, example_args=(tokens,), costs=costs)
   rows = []
   if args.flags_via == "env":     # process-wide, every program of the run
@@ -241,17 +246,9 @@ def cmd_measure(args) -> list[dict]:
 def cmd_eta(args) -> list[dict]:
   """What ``auto`` gains over the best ``size`` rule as the overlap η grows:
   the profiled costs with η replaced, every plan simulated (CPU only)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.config.update("jax_platforms", "cpu")
+  profiled, params, loss_fn, tokens = _planning_inputs(args)
   import jaxfuse  # pylint: disable=g-import-not-at-top
-  from jaxfuse.planning import costs as costs_lib  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
-  sys.path.insert(0, str(ROOT / "examples"))
-  import lm_model  # pylint: disable=g-import-not-at-top
-  profiled = costs_lib.Costs.load(args.costs)
-  loss_fn, params, tokens = getattr(lm_model, args.model)()
-  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                        params)
   rows = []
   print(f"{'rho':>6} {'eta':>5} {'best size rule':>22} {'auto':>8} "
         f"{'gain':>7} {'dense':>8}")
