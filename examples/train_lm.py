@@ -534,7 +534,7 @@ def main(argv=None) -> dict:
   # Per phase: the median of its steps, its compile step and flushes left out
   # (the last phase is the recipe's steady state: what throughput means).
   phase_steps = []
-  for i, phase in enumerate(phases):
+  for i in range(len(phases)):
     own = [t for j, (t, ph) in enumerate(zip(step_times, phase_of_step), start)
            if ph == i and j not in compile_steps]
     if own:

@@ -266,9 +266,9 @@ def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
   float32 leaves of x elements each (one state group: the batched k-th
   largests, the fused pass, packing, the collective, decoding, the residual
   and the statistics) on a one-device mesh, so the collective moves
-  nothing; t = time / chain. Timing one ``sparsify_unit`` instead measured
-  a path steps no longer run (about 0.3 ms per unit on GPUs where the
-  bucket's pass costs a few µs per unit).
+  nothing; t = time / chain. (Timing one ``sparsify_unit`` at a time
+  measured a path steps no longer run: α = 0.26–0.31 ms per unit on
+  2 × H200, against 0.12–0.14 ms this way; docs/benchmarks.md.)
   """
   from jaxfuse import transform  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
