@@ -199,8 +199,8 @@ def cmd_measure(args) -> list[dict]:
               + (f"{1e3 * row['measured_s']:7.1f} ms  error "
                  f"{100 * row['prediction_error']:+5.1f} %"
                  if row["measured_s"] else "failed"))
-      if args.one_worker and row["measured_s"] and row["collectives"] in (
-          ["psum"], ["allgather"], ["allgather", "psum"]):
+      if args.one_worker and row["measured_s"] and set(
+          row["collectives"]) <= {"psum", "allgather"}:
         # The same per-worker work on one device: no communication, so the
         # measured overlap is η = (T₁ + G − T_K) / G, G the simulated link
         # time (a schemes' plans for K workers do not run on one).
