@@ -16,10 +16,11 @@ recipe and dense get the same learning-rate grid; the best value of each
   # tables and a PNG from a results file (also written by each study)
   python benchmarks/convergence.py report results/conv_tiny.json
 
-Recipes for ``lm`` (``name[+warm][+flushN]``): ``dense`` (AdamW after a
-pmean), every name of ``jaxfuse.RECIPES``; ``+warm`` adds DGC's density
-ramp (``--warm-steps`` per density), ``+flushN`` a density-1 step every N
-steps (``train_lm --flush-every``); ``onebit_adamw`` always gets a dense warm-up
+Recipes for ``lm`` (``name[+warm][+flushN][+delay]``): ``dense`` (AdamW
+after a pmean), every name of ``jaxfuse.RECIPES``; ``+warm`` adds DGC's
+density ramp (``--warm-steps`` per density), ``+flushN`` a density-1 step
+every N steps (``train_lm --flush-every``), ``+delay`` the recipe on the
+previous step's gradients (``jaxfuse.delayed``, ``train_lm --delay``); ``onebit_adamw`` always gets a dense warm-up
 of ``--dense-fraction`` of the steps. Wall time: each run's measured step
 times, compilation and evaluation excluded (each phase's first step counts
 as that phase's median step); time to dense's quality: the wall time at the
@@ -84,9 +85,11 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
       cmd += ["--flush-every", part[len("flush"):] or "50"]
     elif part in ("zen", "spardl"):
       cmd += ["--collective", part]
+    elif part == "delay":
+      cmd += ["--delay"]
     else:
       raise SystemExit(f"recipe {recipe!r}: suffixes are +warm, +flushN, "
-                       "+zen, +spardl")
+                       "+zen, +spardl, +delay")
   cmd += ["--warmup-steps", str(warm), "--dense-warmup",
           str(max(1, int(args.dense_fraction * args.steps))
               if name == "onebit_adamw" else 0)]

@@ -202,7 +202,8 @@ def make_optimizer(args, schedule, decay_mask, plan):
                  clip_norm=clip, axis_name=AXIS)
   if args.momentum is not None:
     options["momentum"] = args.momentum
-  return jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
+  rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
+  return jaxfuse.delayed(rule) if args.delay else rule
 
 
 def make_eval_step(loss_fn, mesh):
@@ -244,6 +245,10 @@ def parse_args(argv):
   p.add_argument("--dense-warmup", type=int,
                  help="dense steps first (onebit_adamw needs them; default "
                  "25%% of the steps for it, else 0)")
+  p.add_argument("--delay", action="store_true",
+                 help="apply the recipe to the previous step's gradients "
+                 "(jaxfuse.delayed): its communication can then overlap the "
+                 "whole step; pair with XLA_FLAGS from jaxfuse.xla_flags")
   p.add_argument("--flush-every", type=int, default=0,
                  help="every N-th step sends everything (a density-1 step: "
                  "one dense all-reduce pays every residual back)")
@@ -327,6 +332,8 @@ def parse_args(argv):
     p.error("--optimizer onebit_adamw freezes Adam's second moment after a "
             "dense warm-up: give --dense-warmup N (1-bit Adam: 15-25%% of "
             "the steps)")
+  if args.delay and args.sync == "dense":
+    p.error("--delay delays a jaxfuse recipe; --sync dense has none")
   return args
 
 

@@ -8,11 +8,15 @@
 """
 
 from jaxfuse import checkpoint
+from jaxfuse import clipping
 from jaxfuse import collectives
 from jaxfuse import elastic
 from jaxfuse import kernels
 from jaxfuse._compat import make_mesh
+from jaxfuse.compile_options import xla_flags
 from jaxfuse.compile_options import xla_options
+from jaxfuse.delay import DelayedState
+from jaxfuse.delay import delayed
 from jaxfuse.plans import BucketPlan
 from jaxfuse.plans import LeafPlan
 from jaxfuse.plans import Plan
@@ -49,7 +53,8 @@ from jaxfuse.transform import unit_residuals
 from jaxfuse.version import __version__
 
 __all__ = [
-    "BucketPlan", "COST_STRATEGIES", "checkpoint", "collectives", "elastic",
+    "BucketPlan", "COST_STRATEGIES", "DelayedState", "checkpoint",
+    "clipping", "collectives", "delayed", "elastic",
     "kernels",
     "LeafPlan", "Phase",
     "PerWorkerState", "Plan", "PlanError", "RECIPES", "Settings", "STRATEGIES",
@@ -58,6 +63,6 @@ __all__ = [
     "local_params", "make_mesh", "onebit_adamw", "per_worker", "per_worker_mask",
     "phase_index",
     "plan", "sgd", "sparse_sync", "state_specs", "summarize", "sync_adamw",
-    "sync_stats", "unit_residuals", "with_density", "xla_options",
+    "sync_stats", "unit_residuals", "with_density", "xla_flags", "xla_options",
     "__version__",
 ]

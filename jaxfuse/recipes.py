@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse import _compat
+from jaxfuse import clipping
 from jaxfuse import plans as plan_lib
 from jaxfuse import transform
 
@@ -54,11 +55,21 @@ ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
 
 def _check_clip(max_norm):
-  if max_norm is not None and not (
-      isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
-      and max_norm > 0):
-    raise transform.SyncError(f"clip_norm={max_norm!r} must be a number > 0 "
-                              "(or None: no clipping).")
+  try:
+    clipping.check_max_norm(max_norm)
+  except clipping.ClipError as e:
+    raise transform.SyncError(str(e)) from None
+
+
+def _bucket_clip(plan, max_norm, axis_name):
+  """Each bucket clipped at its share of max_norm·√K (jaxfuse.clipping),
+  with per-worker state; None: identity."""
+  _check_clip(max_norm)
+  if max_norm is None:
+    return optax.identity()
+  return transform.per_worker(
+      clipping.clip_by_bucket_norm(plan, max_norm, axis_name),
+      float32_state=False)
 
 
 def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
@@ -67,7 +78,11 @@ def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
   its own gradient's global norm to max_norm·√K. The mean of K independent
   gradients of norm n has norm ≈ n/√K, so this clips about when a dense
   clip of the mean at ``max_norm`` would (DGC's N^(−1/2) is for a sum).
-  None: identity."""
+  None: identity.
+
+  Its norm needs every leaf, so chained before ``sparse_sync`` it makes
+  every bucket's collective wait for the whole backward pass. The recipes'
+  ``clip_norm`` clips per bucket instead (``jaxfuse.clipping``)."""
   _check_clip(max_norm)
   if max_norm is None:
     return optax.identity()
@@ -105,7 +120,7 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
   return optax.chain(
-      local_clip_by_global_norm(clip_norm, axis_name),
+      _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, momentum=momentum,
                             nesterov=nesterov, mask_momentum=mask_momentum),
       optax.masked(optax.trace(momentum, nesterov), dense_mask)
@@ -120,7 +135,7 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                 ) -> optax.GradientTransformationExtraArgs:
   """AdamW preconditioned on each worker, error feedback on the update."""
   return optax.chain(
-      local_clip_by_global_norm(clip_norm, axis_name),
+      _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
       transform.sparse_sync(plan, axis_name),
       _tail(learning_rate, weight_decay, mask))
@@ -146,6 +161,7 @@ class OnebitState(NamedTuple):
   mu: Any              # replicated first moment
   nu: Any              # replicated second moment (frozen in sparse phases)
   sync: transform.SparseSyncState
+  clip: Any = ()       # per-worker bucket norms (clip_norm set), every phase
 
 
 def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
@@ -161,35 +177,44 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   feedback and keeps v frozen. Train at least one dense step first (v = 0
   would make the first sparse steps huge); the update is zero until then.
   ``clip_norm`` clips the mean gradient in the dense phase (exactly dense
-  AdamW's clip) and each worker's gradient at clip_norm·√K in the others.
+  AdamW's clip, after the sync) and, in the others, each worker's gradient
+  per bucket at its share of clip_norm·√K (``jaxfuse.clipping``: no bucket
+  waits for another's gradients); the dense phase records the bucket norms
+  that the first sparse step's shares start from.
   """
   _check_betas(b1=b1, b2=b2)
   _check_clip(clip_norm)
   all_units, _ = plan_lib.units(plan)
   dense_phase = all(plan_lib.is_full(u) for u in all_units)
   sync = transform.sparse_sync(plan, axis_name)
-  clip = (optax.clip_by_global_norm(clip_norm) if dense_phase and clip_norm
-          else local_clip_by_global_norm(clip_norm, axis_name))
+  mean_clip = (optax.clip_by_global_norm(clip_norm) if clip_norm
+               else optax.identity())
+  bucket_clip = _bucket_clip(plan, clip_norm, axis_name)
 
   def init_fn(params):
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
                          params)
     return OnebitState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
-                       zeros, zeros, sync.init(params))
+                       zeros, zeros, sync.init(params),
+                       bucket_clip.init(params) if clip_norm else ())
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     cast = lambda tree, like: jax.tree.map(lambda x, y: x.astype(y.dtype),
                                            tree, like)
+    clip_state = state.clip
     if dense_phase:
+      if clip_norm:
+        clip_state = _record_bucket_norms(plan, updates, clip_state)
       g, sync_state = sync.update(updates, state.sync, params)
-      g, _ = clip.update(g, optax.EmptyState())
+      g, _ = mean_clip.update(g, optax.EmptyState())
       g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
       mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, g)
       nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
       nu_count = state.nu_count + 1
     else:
-      updates, _ = clip.update(updates, optax.EmptyState())
+      if clip_norm:
+        updates, clip_state = bucket_clip.update(updates, clip_state)
       local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu,
                            updates)
       mu, sync_state = sync.update(cast(local, updates), state.sync, params)
@@ -202,11 +227,18 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
         lambda m, v: jnp.where(nu_count > 0,
                                (m / c1) / (jnp.sqrt(v / c2) + eps), 0.0),
         mu, nu)
-    new_state = OnebitState(count, nu_count, mu, nu, sync_state)
+    new_state = OnebitState(count, nu_count, mu, nu, sync_state, clip_state)
     return cast(step, updates), new_state
 
   return optax.chain(optax.GradientTransformationExtraArgs(init_fn, update_fn),
                      _tail(learning_rate, weight_decay, mask))
+
+
+def _record_bucket_norms(plan, grads, state: transform.PerWorkerState):
+  """The bucket-clip state after a step that clipped the mean instead."""
+  local = clipping.BucketClipState(state.inner.norms[0])
+  return transform.PerWorkerState(clipping.BucketClipState(
+      clipping.record_bucket_norms(plan, grads, local).norms[None]))
 
 
 def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
@@ -216,7 +248,7 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
          ) -> optax.GradientTransformationExtraArgs:
   """DeMo: the decaying local momentum is the error-feedback buffer."""
   return optax.chain(
-      local_clip_by_global_norm(clip_norm, axis_name),
+      _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, residual_decay=momentum),
       optax.GradientTransformation(
           lambda _: optax.EmptyState(),

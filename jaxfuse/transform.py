@@ -16,14 +16,14 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxfuse import _compat
-from jaxfuse import bucket_pass
+from jaxfuse import bucket_sync
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
+from jaxfuse import schedule as schedule_lib
 from jaxfuse import sparsify
 from jaxfuse import stats as stats_lib
 from jaxfuse.stats import SyncStats
@@ -112,15 +112,10 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     raise SyncError("sparse_sync: nesterov=True needs momentum > 0.")
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
-  all_units, bucket_units = plan_lib.units(plan)
-  groups = plan_lib.state_groups(plan)
-  group_of_unit = [g for g, _ in plan_lib.unit_rows(plan)]
-  bucket_groups = [sorted({group_of_unit[u] for u in ids})
-                   for ids in bucket_units]
+  sched = schedule_lib.compile_plan(plan)
+  groups, group_dtypes = sched.groups, sched.group_dtypes
+  all_units = sched.units
   settings = plan.settings
-  num_leaves = len(plan.leaves)
-  group_dtypes = [plan_lib.state_dtype(all_units[ids[0]], settings)
-                  for ids in groups]
   zeros = lambda: tuple(jnp.zeros((1, len(ids), all_units[ids[0]].size),
                                   group_dtypes[g])
                         for g, ids in enumerate(groups))
@@ -134,7 +129,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
         # zero-size arrays, which XLA's GPU compiler (JAX 0.11.2) crashes on.
         control=jax.tree.map(lambda x: x[None], sparsify.initial_control(
             max(1, len(all_units)))),
-        stats=stats_lib.empty_stats(num_leaves),
+        stats=stats_lib.empty_stats(sched.num_leaves),
         velocity=zeros() if momentum else ())
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -148,112 +143,35 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
           "sparse_sync(plan, axis_name=...) with your axis name.")
     flat = _check_grads(plan, updates, axis_name)
     _check_state(state, groups, all_units, momentum)
-    for i, b in enumerate(plan.buckets):
+    for b in sched.buckets:
       scheme = collectives.get(b.collective)
-      scheme.check(f"bucket {i}", num_workers, settings)
-      scheme.check_axes(f"bucket {i}", axis_name, settings)
+      scheme.check(f"bucket {b.index}", num_workers, settings)
+      scheme.check_axes(f"bucket {b.index}", axis_name, settings)
     sizes = (tuple(_compat.axis_size(a) for a in axis_name)
              if isinstance(axis_name, tuple) else None)
     wire_bytes = sum(w.sent for w in collectives.bucket_wire(
         plan, num_workers, sizes))
+    rule = bucket_sync.Rule(momentum, nesterov, mask_momentum, residual_decay)
     step = state.step[0]
     ctrl = jax.tree.map(lambda x: x[0], state.control)
 
-    synced = [None] * num_leaves
+    synced = [None] * sched.num_leaves
     residuals = [r[0] for r in state.residuals]
     velocity = [v[0] for v in state.velocity]
     ctrl_chunks = []   # (unit ids, Control of (G,) arrays)
     stat_chunks = []   # (leaf ids, {stat: (G,) array})
 
-    for bucket, unit_ids, gids in zip(plan.buckets, bucket_units,
-                                      bucket_groups):
-      if bucket.collective == "psum":
-        # Non-float leaves have no gradient to average (float0 or ints).
-        ids = [j for j in bucket.leaves if _compat.is_float_dtype(flat[j].dtype)]
-        for j in bucket.leaves:
-          synced[j] = flat[j]
-        for j, out in zip(ids, collectives.psum.mean([flat[j] for j in ids],
-                                                     axis_name)):
-          synced[j] = out
-        stat_chunks.extend(stats_lib.dense_stats(plan, bucket.leaves, flat))
-        continue
-      # Per state group: its rows' streams x (G, n), what they accumulate
-      # and the (decayed) residuals.
-      grads, moved, decayed = {}, {}, {}
-      for g in gids:
-        x = jnp.stack([_unit_stream(all_units[u], flat, group_dtypes[g])
-                       for u in groups[g]])
-        grads[g], moved[g] = _accumulate(x, velocity[g] if momentum else None,
-                                         momentum, nesterov)
-        decayed[g] = (residuals[g] * residual_decay if residual_decay != 1
-                      else residuals[g])
-      if all(plan_lib.is_full(all_units[u]) for u in unit_ids):
-        dense, finite, roundings = _full_sync(
-            plan, [all_units[u] for g in gids for u in groups[g]],
-            [grads[g][i] + decayed[g][i] for g in gids
-             for i in range(len(groups[g]))], stat_chunks, axis_name)
-        # Their thresholds are not used; kept as they were.
-        ctrl_chunks.append((list(unit_ids), jax.tree.map(
-            lambda x: bucket_pass.take(x, unit_ids), ctrl)))
-        rows = 0
-        for g in gids:
-          n = len(groups[g])
-          ok = jnp.stack(finite[rows:rows + n])[:, None]
-          residuals[g] = jnp.where(ok, jnp.stack(roundings[rows:rows + n]),
-                                   residuals[g])
-          if momentum:
-            kept = jnp.zeros_like(moved[g]) if mask_momentum else moved[g]
-            velocity[g] = jnp.where(ok, kept, velocity[g])
-          rows += n
-        order = [u for g in gids for u in groups[g]]
-      else:
-        parts = {}
-        new_res = {g: [] for g in gids}
-        new_vel = {g: [] for g in gids}
-        for batch, out, stacked in bucket_pass.sparsify_groups(
-            all_units, groups, gids, grads, decayed, ctrl, step, settings):
-          g, rows, ids = batch.group, batch.rows, batch.units
-          values, residual = jax.vmap(_to_wire, in_axes=(0, 0, 0, 0, None))(
-              out.values, out.indices, out.residual, out.nonfinite,
-              batch.unit.dtype)
-          for i, u in enumerate(ids):
-            parts[u] = (values[i], out.indices[i])
-          # A non-finite step keeps the residual sparsify was given: the
-          # decayed one, so restore the old where it was decayed.
-          bad = out.nonfinite[:, None]
-          if residual_decay != 1:
-            residual = jnp.where(bad, bucket_pass.rows_of(residuals[g], rows),
-                                 residual)
-          new_res[g].append((rows, residual))
-          if momentum:
-            m = bucket_pass.rows_of(moved[g], rows)
-            kept = (jax.vmap(lambda v, i: v.at[i].set(0, mode="drop"))(
-                m, out.indices) if mask_momentum else m)
-            new_vel[g].append((rows, jnp.where(
-                bad, bucket_pass.rows_of(velocity[g], rows), kept)))
-          ctrl_chunks.append((ids, out.control))
-          stat_chunks.extend(stats_lib.sparse_stats(
-              plan, [all_units[u] for u in ids], out, stacked))
-        for g in gids:
-          residuals[g] = _set_rows(residuals[g], new_res[g])
-          if momentum:
-            velocity[g] = _set_rows(velocity[g], new_vel[g])
-        order = list(unit_ids)   # the bucket's layout: its ready order
-        dense, kept = collectives.get(bucket.collective).sync(
-            [parts[u] for u in order], [all_units[u] for u in order],
-            axis_name, settings)
-        for g in gids:  # dropped on the way: owed still
-          back = [kept[order.index(u)] for u in groups[g]]
-          if any(b is not None for b in back):
-            residuals[g] = residuals[g] + jnp.stack([
-                jnp.zeros_like(residuals[g][0]) if b is None else
-                b.astype(residuals[g].dtype) for b in back])
-      for u, unit_dense in zip(order, dense):
-        unit = all_units[u]
-        for j, start in zip(unit.leaves, plan_lib.leaf_offsets(plan, unit)):
-          leaf = plan.leaves[j]
-          synced[j] = unit_dense[start:start + leaf.size].reshape(
-              leaf.shape).astype(flat[j].dtype)
+    for b in sched.buckets:   # the plan's (backward-ready) order
+      out = bucket_sync.sync_bucket(plan, sched, b, flat, residuals, velocity,
+                                   ctrl, step, axis_name, rule)
+      for j, x in out.leaves.items():
+        synced[j] = x
+      for g, r in out.residuals.items():
+        residuals[g] = r
+      for g, v in out.velocity.items():
+        velocity[g] = v
+      ctrl_chunks.extend(out.control)
+      stat_chunks.extend(out.stats)
 
     stats = stats_lib.finish_stats(stats_lib.in_order(stat_chunks), wire_bytes)
     control = (jax.tree.map(lambda x: x[None], stats_lib.in_order(ctrl_chunks))
@@ -274,80 +192,6 @@ def _check_unit_interval(name, x, closed_low=False, closed_high=False):
                 ("]" if closed_high else ")"))
     raise SyncError(f"sparse_sync: {name}={x!r} must be a number in "
                     f"{interval}.")
-
-
-def _accumulate(x, u, momentum, nesterov):
-  """(what the residual accumulates, new velocity) of DGC's momentum
-  correction: u' = m·u + x, adds u' (Nesterov: u' = m·(u + x), adds x + u').
-  Without momentum, x itself and no velocity."""
-  if not momentum:
-    return x, None
-  if nesterov:
-    u = momentum * (u + x)
-    return x + u, u
-  u = momentum * u + x
-  return u, u
-
-
-def _round_to(x, wire_dtype):
-  """(x rounded to ``wire_dtype`` but still in x's dtype, the same in
-  ``wire_dtype``). ``lax.reduce_precision`` rounds explicitly: XLA may drop
-  a convert round trip (``xla_allow_excess_precision``, on by default on
-  GPU), which would lose the rounding we keep."""
-  if x.dtype == jnp.dtype(wire_dtype):
-    return x, x
-  info = jnp.finfo(wire_dtype)
-  rounded = lax.reduce_precision(x, exponent_bits=info.nexp,
-                                 mantissa_bits=info.nmant)
-  return rounded, rounded.astype(wire_dtype)
-
-
-def _to_wire(values, indices, residual, nonfinite, wire_dtype):
-  """Selected values in the wire dtype, and the residual that keeps their
-  rounding: r' = acc − wire(v) at the sent slots (exact in float32 for a
-  bfloat16 wire), so nothing sent is lost to the cast."""
-  if values.dtype == jnp.dtype(wire_dtype):
-    return values, residual
-  rounded, wire = _round_to(values, wire_dtype)
-  rounding = jnp.where(nonfinite, 0, values - rounded)
-  return wire, residual.at[indices].add(rounding, mode="drop")
-
-
-def _full_sync(plan, units, accs, stat_chunks, axis_name):
-  """Density-1 units: every element sent, one ``pmean`` for the bucket.
-
-  Returns the dense means per unit, per unit whether acc was finite, and
-  the new residual: zero, or acc's rounding to the wire dtype (the unit's
-  dtype) where the residual is kept wider; appends the units' per-leaf
-  stats chunks (everything selected)."""
-  wires, roundings = [], []
-  for unit, acc in zip(units, accs):
-    rounded, wire = _round_to(acc, unit.dtype)
-    wires.append(wire)
-    roundings.append(acc - rounded)   # zero where the wire is acc's dtype
-  means = collectives.psum.mean(wires, axis_name)
-  per_leaf = {}
-  for unit, acc in zip(units, accs):
-    for j, start in zip(unit.leaves, plan_lib.leaf_offsets(plan, unit)):
-      per_leaf[j] = acc[start:start + plan.leaves[j].size]
-  stat_chunks.extend(stats_lib.dense_stats(plan, list(per_leaf), per_leaf))
-  return means, [jnp.all(jnp.isfinite(acc)) for acc in accs], roundings
-
-
-def _unit_stream(unit, flat, dtype):
-  """A unit's flat stream: its leaves' gradients concatenated, in ``dtype``."""
-  return jnp.concatenate([flat[j].reshape(-1).astype(dtype)
-                          for j in unit.leaves])
-
-
-def _set_rows(x, pieces):
-  """x with rows replaced by [(rows, values)] (no copy if one piece covers
-  every row in order)."""
-  if len(pieces) == 1 and list(pieces[0][0]) == list(range(x.shape[0])):
-    return pieces[0][1]
-  for rows, values in pieces:
-    x = x.at[np.asarray(rows)].set(values)
-  return x
 
 
 def _check_grads(plan, updates, axis_name) -> list[jax.Array]:

@@ -85,14 +85,28 @@ def _k(name, plan):
   return k
 
 
-def _clip(g, clip_norm):
-  """Each worker's gradient to global norm ≤ clip_norm·K^(1/2) (a clip of
-  the worker mean at clip_norm, for independent gradients)."""
+def _clip(plan, g, clip_norm, prev):
+  """Each worker's gradient clipped per bucket b at ℓ_b = clip_norm·√K·p_b/‖p‖
+  (a clip of the worker mean at clip_norm), p (K, B) the bucket norms of the
+  step before (a bucket at 0 taking ‖p‖·√(its size share); all of them: the
+  size shares); returns (clipped, this step's norms)."""
   if clip_norm is None:
-    return g
-  norm = np.sqrt(sum((x ** 2).sum(1) for x in g.values()))  # (K,)
-  scale = np.minimum(1.0, clip_norm * np.sqrt(K) / norm)[:, None]
-  return {n: x * scale for n, x in g.items()}
+    return g, prev
+  names = [l.path[2:-2] for l in plan.leaves]
+  members = [[names[j] for j in b.leaves] for b in plan.buckets]
+  norms = np.stack([np.sqrt(sum((g[n] ** 2).sum(1) for n in m))
+                    for m in members], 1)                         # (K, B)
+  sizes = np.array([sum(g[n].shape[1] for n in m) for m in members], float)
+  total = np.sqrt((prev ** 2).sum(1, keepdims=True))
+  filled = np.where(prev > 0, prev, np.where(total > 0, total, 1.0) *
+                    np.sqrt(sizes / sizes.sum()))
+  shares = filled / np.sqrt((filled ** 2).sum(1, keepdims=True))
+  scale = np.minimum(1.0, clip_norm * np.sqrt(K) * shares / norms)
+  out = dict(g)
+  for b, m in enumerate(members):
+    for n in m:
+      out[n] = g[n] * scale[:, b:b + 1]
+  return out, norms
 
 
 def _ref_sgd(plan, params, grads, momentum, nesterov=False,
@@ -102,8 +116,9 @@ def _ref_sgd(plan, params, grads, momentum, nesterov=False,
   u, r = ref.zeros(), ref.zeros()
   dense_u = {n: 0.0 for n in SHAPES}  # momentum of a dense leaf's mean
   out = []
+  prev = np.zeros((K, len(plan.buckets)))
   for g in grads:
-    g = _clip(g, clip_norm)
+    g, prev = _clip(plan, g, clip_norm, prev)
     mean = {}
     for n in SHAPES:
       if not ref.sparse(n):
@@ -302,6 +317,10 @@ def test_sgd_matches_reference(mesh, case):
   want, want_u, want_r = _ref_sgd(plan, params, _grads64(grads), 0.9,
                                   **SGD_CASES[case])
   _assert_updates(got, want)
+  if "clip_norm" in SGD_CASES[case]:   # the clip engages on this problem
+    unclipped, _, _ = _ref_sgd(plan, params, _grads64(grads), 0.9)
+    assert max(np.abs(w["w"] - u["w"]).max()
+               for w, u in zip(want, unclipped)) > 1e-3
   # The state too: per worker, the velocity u and residual v of the last step.
   sync = _sync_state(state)
   for name, u in _per_leaf(plan, sync, velocity=True).items():

@@ -1,0 +1,336 @@
+"""Does the sparse step hide its communication behind the backward pass?
+
+One plan of the example LM (``size`` buckets of --bucket-mb, density ρ) and
+the README recipe's sparse phase (``onebit_adamw``, clip 1.0), compiled under
+several XLA option sets on all GPUs. For each: where every collective starts
+and finishes against the backward pass in the scheduled program
+(``jaxfuse.planning.hlo.schedule``), and the measured step time T_K. Also,
+on the same GPUs and one of them:
+
+  T₁   the same step on one GPU, the same per-worker batch (no wire)
+  G    the step's collectives alone (its all-gathers and psums, same sizes)
+  T_b  the backward pass alone: fwd+bwd − fwd on one GPU
+
+  hidden = (T₁ + G − T_K) / min(G, T_b)   (1: all the overlap there can be)
+
+Prints a table and writes JSON (and each variant's HLO with --hlo-dir)::
+
+  NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket \\
+  NCCL_SOCKET_IFNAME=lo python benchmarks/overlap.py --density 0.05 \\
+      --variants base lhs lhs_sol --out overlap.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+# pylint: disable=wrong-import-position
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxfuse
+from jaxfuse.planning import hlo
+from lm_model import build_model
+from lm_model import make_loss
+from lm_model import PRESETS
+
+AXIS = "data"
+LHS = {"xla_gpu_enable_latency_hiding_scheduler": True}
+NO_COMBINE = {"xla_gpu_all_gather_combine_threshold_bytes": 0,
+              "xla_gpu_all_reduce_combine_threshold_bytes": 0}
+
+
+def sol(nic_gbytes_s: float) -> dict:
+  """XLA's speed-of-light latency estimator told that every GPU is its own
+  node on a network of ``nic_gbytes_s`` GB/s (its NVLink table otherwise)."""
+  return {"xla_gpu_enable_analytical_sol_latency_estimator": True,
+          "xla_gpu_analytical_latency_estimator_options":
+              f"nic_speed_gbps={nic_gbytes_s:g},gpus_per_node=1,"
+              "partition_size=1,rtt_us=100"}
+
+
+VARIANTS = {
+    "base": {},
+    "lhs": LHS,
+    "lhs_sol": {**LHS, **sol(3.0)},
+    "lhs_sol_nocombine": {**LHS, **sol(3.0), **NO_COMBINE},
+    "lhs_nocombine": {**LHS, **NO_COMBINE},
+}
+
+
+def _time(fn, args, steps, carry=True):
+  """Median wall time of ``steps`` calls, each waited for; ``carry``: feed
+  the first two outputs back as the first two inputs (a train step)."""
+  out = jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(steps):
+    if carry:
+      args = (out[0], out[1]) + tuple(args[2:])
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times)), out
+
+
+def build(args, devices):
+  mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
+  k = len(devices)
+  model = build_model(args.preset, None, "float32")
+  seq = model.cfg.seq_len
+  per_worker = PRESETS[args.preset].get("batch_per_device", 4)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, seq), jnp.int32))
+  params = jax.device_put(params["params"], NamedSharding(mesh, P()))
+  loss_fn = make_loss(model)
+  tokens = np.random.default_rng(0).integers(
+      0, 256, size=(per_worker * k, seq + 1), dtype=np.int32)
+  batch = jax.device_put(tokens, NamedSharding(mesh, P(AXIS)))
+  sizing = ({"bucket_bytes": int(args.bucket_mb * 2**20)}
+            if args.strategy == "size" else {})
+  plan = jaxfuse.plan(params, density=args.density, strategy=args.strategy,
+                      seed=0, loss_fn=loss_fn, example_args=(tokens[:1],),
+                      **sizing)
+  return mesh, params, loss_fn, batch, plan
+
+
+def sparse_step(mesh, plan, loss_fn, params, options, delay=False):
+  """The README recipe's sparse phase, jitted with ``options`` (``delay``:
+  under ``jaxfuse.delayed``)."""
+  opt = jaxfuse.onebit_adamw(plan, 1e-4, clip_norm=1.0, weight_decay=0.01)
+  if delay:
+    opt = jaxfuse.delayed(opt)
+  state = jaxfuse.init_state(opt, params, mesh)
+  specs = jaxfuse.state_specs(state)
+
+  def local(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(jaxfuse.local_params(params),
+                                              batch)
+    updates, state = opt.update(grads, state, params)
+    return (optax.apply_updates(params, updates), state,
+            jax.lax.pmean(loss, AXIS))
+  step = jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), specs, P(AXIS)),
+                               out_specs=(P(), specs, P())),
+                 compiler_options={**jaxfuse.xla_options(), **options})
+  return step, state
+
+
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def wire_shapes(text: str) -> list[tuple[str, str, tuple[int, ...]]]:
+  """(opcode, dtype, per-worker operand shape) of each collective."""
+  out = []
+  for inst, _ in hlo.collective_inputs(text):
+    m = _SHAPE.search(inst.shape)
+    if not m:
+      continue
+    dims = tuple(int(d) for d in m.group(2).split(",") if d)
+    out.append((inst.opcode.replace("-start", ""), m.group(1), dims))
+  return out
+
+
+def comm_only(mesh, shapes, steps):
+  """G: the step's collectives alone, one after another (one stream)."""
+  k = mesh.devices.size
+  bufs = []
+  for op, dtype, dims in shapes:
+    if op == "all-gather":   # the gathered shape: (K, m) from (1, m) each
+      dims = (1,) + tuple(dims[1:])
+    bufs.append((op, jnp.zeros((k,) + dims, jnp.dtype(
+        {"u32": "uint32", "f32": "float32", "bf16": "bfloat16",
+         "s32": "int32"}.get(dtype, "float32")))))
+
+  def local(*xs):
+    outs = []
+    for (op, _), x in zip(bufs, xs):
+      x = x[0]
+      outs.append(jax.lax.all_gather(x, AXIS, tiled=True) if op ==
+                  "all-gather" else jax.lax.psum(x, AXIS))
+    return tuple(jnp.sum(o[:1]).astype(jnp.float32)[None] for o in outs)
+  fn = jax.jit(jax.shard_map(local, mesh=mesh,
+                             in_specs=tuple(P(AXIS) for _ in bufs),
+                             out_specs=tuple(P(AXIS) for _ in bufs)))
+  xs = [jax.device_put(b, NamedSharding(mesh, P(AXIS))) for _, b in bufs]
+  t, _ = _time(fn, xs, steps, carry=False)
+  return t
+
+
+def probe(mesh, loss_fn, params, batch, shapes, source, steps):
+  """The scheduler alone, without the sparse work: each worker's backward
+  and all-gathers of the step's wire sizes, whose results the step's output
+  needs. ``source`` "state": the buffers are inputs (a one-step-delayed
+  sync); "grads": each is cut from its own run of consecutive gradient
+  leaves, in reverse pytree order (about backward-ready order), so it is
+  ready once those leaves are."""
+  k = mesh.devices.size
+  sizes = [int(np.prod(d[1:])) for op, _, d in shapes if op == "all-gather"]
+  bufs = [jax.device_put(jnp.zeros((k, m), jnp.float32),
+                         NamedSharding(mesh, P(AXIS))) for m in sizes]
+
+  def cut(leaves, m):
+    """m elements from the fewest leading leaves; the leaves left over."""
+    taken, got = [], 0
+    while got < m and leaves:
+      taken.append(leaves[0].reshape(-1))
+      got += taken[-1].size
+      leaves = leaves[1:]
+    x = jnp.concatenate(taken) if taken else jnp.zeros((0,), jnp.float32)
+    return jnp.resize(x, (m,)) if x.size else jnp.zeros((m,)), leaves
+
+  def local(params, bufs, batch):
+    grads = jax.grad(loss_fn)(jaxfuse.local_params(params), batch)
+    leaves = list(reversed(jax.tree.leaves(grads)))
+    total = sum(jnp.sum(g) for g in leaves)
+    for b, m in zip(bufs, sizes):
+      if source == "state":
+        x = b[0]
+      else:
+        x, leaves = cut(leaves, m)
+      total = total + 1e-30 * jnp.sum(jax.lax.all_gather(x, AXIS)[:, :8])
+    return total[None]
+  fn = jax.jit(jax.shard_map(local, mesh=mesh,
+                             in_specs=(P(), P(AXIS), P(AXIS)),
+                             out_specs=P(AXIS)),
+               compiler_options=jaxfuse.xla_options())
+  text = fn.lower(params, bufs, batch).compile().as_text()
+  t, _ = _time(fn, (params, bufs, batch), steps, carry=False)
+  return t, hlo.schedule(text, ("all-gather",))
+
+
+def backward_time(loss_fn, params, batch, steps):
+  """T_b on one device: value_and_grad − the forward alone."""
+  fwd = jax.jit(loss_fn)
+  both = jax.jit(jax.value_and_grad(loss_fn))
+  t_f, _ = _time(fwd, (params, batch), steps, carry=False)
+  t_fb, _ = _time(both, (params, batch), steps, carry=False)
+  return t_f, t_fb - t_f
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--preset", default="gpt2-small", choices=sorted(PRESETS))
+  p.add_argument("--density", type=float, default=0.05)
+  p.add_argument("--strategy", default="size", choices=("size", "single"))
+  p.add_argument("--bucket-mb", type=float, default=64,
+                 help="bucket size of --strategy size")
+  p.add_argument("--steps", type=int, default=15)
+  p.add_argument("--variants", nargs="+", default=["base", "lhs", "lhs_sol"],
+                 choices=sorted(VARIANTS))
+  p.add_argument("--skip-one-gpu", action="store_true")
+  p.add_argument("--skip-comm", action="store_true")
+  p.add_argument("--via-jit", action="store_true")
+  p.add_argument("--delay", action="store_true",
+                 help="the recipe under jaxfuse.delayed")
+  p.add_argument("--probe", action="store_true",
+                 help="also time the scheduler probe (see probe())")
+  p.add_argument("--label", default="",
+                 help="prefix of the variants' names (e.g. the XLA_FLAGS "
+                      "this process runs under)")
+  p.add_argument("--budget-s", type=float, default=520,
+                 help="start no variant after this many seconds")
+  p.add_argument("--hlo-dir")
+  p.add_argument("--out")
+  args = p.parse_args(argv)
+  t_start = time.perf_counter()
+  devices = jax.devices()
+  mesh, params, loss_fn, batch, plan = build(args, devices)
+  result = {"device": devices[0].device_kind, "num_devices": len(devices),
+            "jax": jax.__version__, "preset": args.preset,
+            "density": args.density, "strategy": args.strategy,
+            "bucket_mb": args.bucket_mb,
+            "buckets": len(plan.buckets), "variants": {},
+            "date": time.strftime("%Y-%m-%d"), "delay": args.delay,
+            "command": " ".join(sys.argv),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+  save = lambda: args.out and pathlib.Path(args.out).write_text(
+      json.dumps(result, indent=1))
+  print(f"{len(devices)} x {devices[0].device_kind}, {len(plan.buckets)} "
+        f"buckets, density {args.density}", flush=True)
+  shapes = None
+  for name in args.variants:
+    if time.perf_counter() - t_start > args.budget_s:
+      print(f"{name}: skipped (budget)")
+      continue
+    step, state = sparse_step(mesh, plan, loss_fn, params, VARIANTS[name],
+                              args.delay)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    text = compiled.as_text()
+    if args.hlo_dir:
+      pathlib.Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
+      pathlib.Path(args.hlo_dir, f"{args.label}{name}.hlo.txt").write_text(
+          text)
+    shapes = shapes or wire_shapes(text)
+    sched = hlo.schedule(text)
+    # --via-jit: call the jitted step (where JAX_ENABLE_PGLE profiles its
+    # first runs and recompiles); its schedule is then not the one above.
+    t_k, out = _time(step if args.via_jit else compiled,
+                     (params, state, batch), args.steps)
+    del out
+    result["variants"][args.label + name] = {
+        "options": VARIANTS[name], "step_s": t_k, "compile_s": compile_s,
+        "backward": sched.backward, "starts": sched.starts,
+        "dones": sched.dones, "kinds": sched.opcodes,
+        "started_in_backward": sched.started_in_backward(),
+        "instructions": sched.num_instructions}
+    print(f"{args.label + name:24s} {1e3 * t_k:7.1f} ms   "
+          f"collectives started in the "
+          f"backward {sched.started_in_backward()}/{len(sched.starts)}   "
+          f"backward at {sched.backward}, starts {list(sched.starts)}",
+          flush=True)
+    save()
+  if shapes and args.probe:
+    for source in ("state", "grads"):
+      t, sched = probe(mesh, loss_fn, params, batch, shapes, source,
+                       args.steps)
+      result[f"probe_{source}"] = {
+          "step_s": t, "backward": sched.backward, "starts": sched.starts,
+          "dones": sched.dones,
+          "started_in_backward": sched.started_in_backward()}
+      print(f"probe {source:6s} {1e3 * t:7.1f} ms  all-gathers started in "
+            f"the backward {sched.started_in_backward()}/{len(sched.starts)}"
+            f"  backward {sched.backward} starts {list(sched.starts)} dones "
+            f"{list(sched.dones)}", flush=True)
+    save()
+  if shapes and not args.skip_comm:
+    result["comm_s"] = comm_only(mesh, shapes, args.steps)
+    print(f"G (collectives alone) {1e3 * result['comm_s']:.1f} ms", flush=True)
+  if not args.skip_one_gpu:
+    one = [devices[0]]
+    mesh1, params1, loss1, batch1, plan1 = build(args, one)
+    step, state = sparse_step(mesh1, plan1, loss1, params1, {})
+    result["one_gpu_step_s"], _ = _time(step, (params1, state, batch1),
+                                        args.steps)
+    local = jax.device_put(params1, one[0])
+    tokens = jax.device_put(np.asarray(batch1), one[0])
+    result["forward_s"], result["backward_s"] = backward_time(
+        loss1, local, tokens, args.steps)
+    print(f"T1 {1e3 * result['one_gpu_step_s']:.1f} ms  forward "
+          f"{1e3 * result['forward_s']:.1f}  backward "
+          f"{1e3 * result['backward_s']:.1f} ms", flush=True)
+  if "comm_s" in result and "one_gpu_step_s" in result:
+    g, t1, tb = result["comm_s"], result["one_gpu_step_s"], result["backward_s"]
+    for name, v in result["variants"].items():
+      v["hidden"] = (t1 + g - v["step_s"]) / max(min(g, tb), 1e-9)
+      print(f"{name:20s} hidden {v['hidden']:.2f}")
+  save()
+  return result
+
+
+if __name__ == "__main__":
+  main()

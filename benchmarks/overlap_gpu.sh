@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The overlap study behind docs/benchmarks.md "Overlap", from the repository
+# root on a multi-GPU machine, NCCL over sockets (the commodity network the
+# papers target); results in $OUT (default out/). Each XLA flag set runs in
+# its own process (XLA_FLAGS is read once per process). One device call:
+#   bash benchmarks/overlap_gpu.sh            # ~6 minutes on 4 GPUs
+# MODE=single: the delayed step with one sparse bucket.
+# MODE=flags: the scheduler's options on the undelayed step (default, no
+# latency hiding, the speed-of-light estimator, PGLE) and the probe.
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpus.txt"
+NET=$(python -c "import jaxfuse; print(jaxfuse.xla_flags(${NET_GBYTES_S:-3}))")
+LHS=--xla_gpu_enable_latency_hiding_scheduler
+run() {  # density, label, extra args...; XLA_FLAGS from the caller
+  local d=$1 label=$2; shift 2
+  timeout ${RUN_TIMEOUT:-200} python benchmarks/overlap.py --density "$d" \
+      --label "$label" --hlo-dir "$OUT/hlo_$d" \
+      --out "$OUT/overlap_${d}_$label.json" "$@" 2>&1 \
+      | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tail -n 12 \
+      | tee "$OUT/overlap_${d}_$label.log"
+}
+case "${MODE:-delay}" in
+delay)
+  run 0.05 default_ --variants base
+  XLA_FLAGS="$NET" run 0.05 net_delayed_ --variants base --delay --skip-comm --skip-one-gpu
+  run 0.01 default_ --variants base --skip-comm --skip-one-gpu
+  XLA_FLAGS="$NET" run 0.01 net_delayed_ --variants base --delay --skip-comm --skip-one-gpu ;;
+single)
+  # Delayed, everything ready at the top: one sparse bucket (strategy single).
+  for d in 0.05 0.01; do
+    XLA_FLAGS="$NET" run $d net_delayed_single_ --variants base --delay \
+        --strategy single --skip-comm --skip-one-gpu
+  done ;;
+flags)
+  XLA_FLAGS="$LHS=false" run 0.05 nolhs_ --variants base --skip-comm --skip-one-gpu
+  XLA_FLAGS="$NET" run 0.05 net_ --variants base --skip-comm --skip-one-gpu --probe
+  JAX_ENABLE_PGLE=true JAX_PGLE_PROFILING_RUNS=3 XLA_FLAGS="$LHS=true" \
+    run 0.05 pgle_ --variants base --skip-comm --skip-one-gpu --steps 20 --via-jit
+  run 0.05 default_ --variants base --probe ;;
+esac
+gzip -f "$OUT"/hlo_*/*.txt 2>/dev/null

@@ -1,0 +1,257 @@
+"""One bucket of ``sparse_sync``, stage after stage: accumulate each state
+group's streams (momentum, decayed residual), select what each worker sends
+(``bucket_pass``) or send all (a density-1 bucket), run the bucket's
+collective, and cut the worker mean back into the bucket's leaves.
+
+Per worker k and unit (``transform.sparse_sync`` has the whole rule)::
+
+  acc_k = x_k + d·r_k ;  sent_k = top(acc_k) ;  r_k' = acc_k − sent_k + kept_k
+  out = (1/K)·Σ_k sent_k − (1/K)·Σ_k kept_k
+
+Reads the plan as compiled once (``jaxfuse.schedule``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse import _compat
+from jaxfuse import bucket_pass
+from jaxfuse import collectives
+from jaxfuse import plans as plan_lib
+from jaxfuse import schedule as schedule_lib
+from jaxfuse import stats as stats_lib
+
+
+class Rule(NamedTuple):
+  """The accumulation rule of one ``sparse_sync``."""
+  momentum: float
+  nesterov: bool
+  mask_momentum: bool
+  residual_decay: float
+
+
+class _BucketOut(NamedTuple):
+  """What one bucket's sync produces: its leaves' worker means, its state
+  groups' new residuals and velocities, its units' control and stats
+  chunks."""
+  leaves: dict
+  residuals: dict
+  velocity: dict
+  control: list
+  stats: list
+
+
+def sync_bucket(plan, sched, b, flat, residuals, velocity, ctrl, step,
+                 axis_name, rule) -> _BucketOut:
+  """One bucket: accumulate, select (or send all), collective, place."""
+  if b.kind == schedule_lib.PSUM:
+    leaves, stats = _psum_bucket(plan, b, flat, axis_name)
+    return _BucketOut(leaves, {}, {}, [], stats)
+  streams = _bucket_streams(sched, b, flat, residuals, velocity, rule)
+  if b.kind == schedule_lib.FULL:
+    dense, res, vel, stats = _full_bucket(plan, sched, b, streams, residuals,
+                                          velocity, axis_name, rule)
+    # Their thresholds are not used; kept as they were.
+    control = [(list(b.units), jax.tree.map(
+        lambda x: bucket_pass.take(x, b.units), ctrl))]
+  else:
+    dense, res, vel, control, stats = _sparse_bucket(
+        plan, sched, b, streams, residuals, velocity, ctrl, step, axis_name,
+        rule)
+  return _BucketOut(_place(plan, b, dense, flat), res, vel, control, stats)
+
+
+class _Streams(NamedTuple):
+  """Per state group of a bucket: what its rows accumulate this step, the
+  new velocity (None without momentum) and the (decayed) residual."""
+  grads: dict
+  moved: dict
+  decayed: dict
+
+
+def _bucket_streams(sched, b, flat, residuals, velocity, rule) -> _Streams:
+  grads, moved, decayed = {}, {}, {}
+  for g in b.groups:
+    x = jnp.stack([_unit_stream(sched.units[u], flat, sched.group_dtypes[g])
+                   for u in sched.groups[g]])
+    grads[g], moved[g] = _accumulate(
+        x, velocity[g] if rule.momentum else None, rule.momentum,
+        rule.nesterov)
+    decayed[g] = (residuals[g] * rule.residual_decay
+                  if rule.residual_decay != 1 else residuals[g])
+  return _Streams(grads, moved, decayed)
+
+
+def _psum_bucket(plan, b, flat, axis_name):
+  """Dense leaves: their exact worker mean, one ``pmean``. Non-float leaves
+  (float0 or ints) have no gradient to average and pass through."""
+  out = {j: flat[j] for j in b.leaves}
+  ids = [j for j in b.leaves if _compat.is_float_dtype(flat[j].dtype)]
+  for j, mean in zip(ids, collectives.psum.mean([flat[j] for j in ids],
+                                                axis_name)):
+    out[j] = mean
+  return out, stats_lib.dense_stats(plan, b.leaves, flat)
+
+
+def _full_bucket(plan, sched, b, streams, residuals, velocity, axis_name,
+                 rule):
+  """Density-1 units: every element sent with one ``pmean``; the residual
+  becomes the wire's rounding (zero where the wire is acc's dtype)."""
+  order = [u for g in b.groups for u in sched.groups[g]]
+  stats = []
+  dense, finite, roundings = _full_sync(
+      plan, [sched.units[u] for u in order],
+      [streams.grads[g][i] + streams.decayed[g][i] for g in b.groups
+       for i in range(len(sched.groups[g]))], stats, axis_name)
+  new_res, new_vel, rows = {}, {}, 0
+  for g in b.groups:
+    n = len(sched.groups[g])
+    ok = jnp.stack(finite[rows:rows + n])[:, None]
+    new_res[g] = jnp.where(ok, jnp.stack(roundings[rows:rows + n]),
+                           residuals[g])
+    if rule.momentum:
+      moved = streams.moved[g]
+      kept = jnp.zeros_like(moved) if rule.mask_momentum else moved
+      new_vel[g] = jnp.where(ok, kept, velocity[g])
+    rows += n
+  return dict(zip(order, dense)), new_res, new_vel, stats
+
+
+def _sparse_bucket(plan, sched, b, streams, residuals, velocity, ctrl, step,
+                   axis_name, rule):
+  """Selection per state group (``bucket_pass``), then the bucket's
+  collective; what the collective hands back stays owed in the residual."""
+  parts, ctrl_chunks, stats = {}, [], []
+  new_res = {g: [] for g in b.groups}
+  new_vel = {g: [] for g in b.groups}
+  for batch, out, stacked in bucket_pass.sparsify_groups(
+      sched.units, sched.groups, b.groups, streams.grads, streams.decayed,
+      ctrl, step, plan.settings):
+    g, rows, ids = batch.group, batch.rows, batch.units
+    values, residual = jax.vmap(_to_wire, in_axes=(0, 0, 0, 0, None))(
+        out.values, out.indices, out.residual, out.nonfinite,
+        batch.unit.dtype)
+    for i, u in enumerate(ids):
+      parts[u] = (values[i], out.indices[i])
+    # A non-finite step keeps the residual sparsify was given: the decayed
+    # one, so restore the old where it was decayed.
+    bad = out.nonfinite[:, None]
+    if rule.residual_decay != 1:
+      residual = jnp.where(bad, bucket_pass.rows_of(residuals[g], rows),
+                           residual)
+    new_res[g].append((rows, residual))
+    if rule.momentum:
+      m = bucket_pass.rows_of(streams.moved[g], rows)
+      kept = (jax.vmap(lambda v, i: v.at[i].set(0, mode="drop"))(
+          m, out.indices) if rule.mask_momentum else m)
+      new_vel[g].append((rows, jnp.where(
+          bad, bucket_pass.rows_of(velocity[g], rows), kept)))
+    ctrl_chunks.append((ids, out.control))
+    stats.extend(stats_lib.sparse_stats(
+        plan, [sched.units[u] for u in ids], out, stacked))
+  res = {g: _set_rows(residuals[g], new_res[g]) for g in b.groups}
+  vel = ({g: _set_rows(velocity[g], new_vel[g]) for g in b.groups}
+         if rule.momentum else {})
+  order = list(b.units)   # the bucket's layout: its ready order
+  dense, kept = collectives.get(b.collective).sync(
+      [parts[u] for u in order], [sched.units[u] for u in order],
+      axis_name, plan.settings)
+  for g in b.groups:  # dropped on the way: owed still
+    back = [kept[order.index(u)] for u in sched.groups[g]]
+    if any(x is not None for x in back):
+      res[g] = res[g] + jnp.stack([
+          jnp.zeros_like(res[g][0]) if x is None else
+          x.astype(res[g].dtype) for x in back])
+  return dict(zip(order, dense)), res, vel, ctrl_chunks, stats
+
+
+def _place(plan, b, dense, flat):
+  """Each leaf of the bucket cut from its unit's dense mean, in its shape
+  and the gradient's dtype."""
+  out = {}
+  for u, leaves in b.placement:
+    for j, start in leaves:
+      leaf = plan.leaves[j]
+      out[j] = dense[u][start:start + leaf.size].reshape(leaf.shape).astype(
+          flat[j].dtype)
+  return out
+
+
+def _accumulate(x, u, momentum, nesterov):
+  """(what the residual accumulates, new velocity) of DGC's momentum
+  correction: u' = m·u + x, adds u' (Nesterov: u' = m·(u + x), adds x + u').
+  Without momentum, x itself and no velocity."""
+  if not momentum:
+    return x, None
+  if nesterov:
+    u = momentum * (u + x)
+    return x + u, u
+  u = momentum * u + x
+  return u, u
+
+
+def _round_to(x, wire_dtype):
+  """(x rounded to ``wire_dtype`` but still in x's dtype, the same in
+  ``wire_dtype``). ``lax.reduce_precision`` rounds explicitly: XLA may drop
+  a convert round trip (``xla_allow_excess_precision``, on by default on
+  GPU), which would lose the rounding we keep."""
+  if x.dtype == jnp.dtype(wire_dtype):
+    return x, x
+  info = jnp.finfo(wire_dtype)
+  rounded = lax.reduce_precision(x, exponent_bits=info.nexp,
+                                 mantissa_bits=info.nmant)
+  return rounded, rounded.astype(wire_dtype)
+
+
+def _to_wire(values, indices, residual, nonfinite, wire_dtype):
+  """Selected values in the wire dtype, and the residual that keeps their
+  rounding: r' = acc − wire(v) at the sent slots (exact in float32 for a
+  bfloat16 wire), so nothing sent is lost to the cast."""
+  if values.dtype == jnp.dtype(wire_dtype):
+    return values, residual
+  rounded, wire = _round_to(values, wire_dtype)
+  rounding = jnp.where(nonfinite, 0, values - rounded)
+  return wire, residual.at[indices].add(rounding, mode="drop")
+
+
+def _full_sync(plan, units, accs, stat_chunks, axis_name):
+  """Density-1 units: every element sent, one ``pmean`` for the bucket.
+
+  Returns the dense means per unit, per unit whether acc was finite, and
+  the new residual: zero, or acc's rounding to the wire dtype (the unit's
+  dtype) where the residual is kept wider; appends the units' per-leaf
+  stats chunks (everything selected)."""
+  wires, roundings = [], []
+  for unit, acc in zip(units, accs):
+    rounded, wire = _round_to(acc, unit.dtype)
+    wires.append(wire)
+    roundings.append(acc - rounded)   # zero where the wire is acc's dtype
+  means = collectives.psum.mean(wires, axis_name)
+  per_leaf = {}
+  for unit, acc in zip(units, accs):
+    for j, start in zip(unit.leaves, plan_lib.leaf_offsets(plan, unit)):
+      per_leaf[j] = acc[start:start + plan.leaves[j].size]
+  stat_chunks.extend(stats_lib.dense_stats(plan, list(per_leaf), per_leaf))
+  return means, [jnp.all(jnp.isfinite(acc)) for acc in accs], roundings
+
+
+def _unit_stream(unit, flat, dtype):
+  """A unit's flat stream: its leaves' gradients concatenated, in ``dtype``."""
+  return jnp.concatenate([flat[j].reshape(-1).astype(dtype)
+                          for j in unit.leaves])
+
+
+def _set_rows(x, pieces):
+  """x with rows replaced by [(rows, values)] (no copy if one piece covers
+  every row in order)."""
+  if len(pieces) == 1 and list(pieces[0][0]) == list(range(x.shape[0])):
+    return pieces[0][1]
+  for rows, values in pieces:
+    x = x.at[np.asarray(rows)].set(values)
+  return x

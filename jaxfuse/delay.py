@@ -1,0 +1,86 @@
+"""``delayed``: apply an optimizer to the previous step's gradients, so that
+their synchronization runs while this step's forward and backward compute.
+
+Within one step a bucket's collective can only start once the backward has
+made its gradients, and XLA's scheduler, left to itself, starts the sparse
+all-gathers after the whole backward pass (docs/benchmarks.md, "Overlap").
+Handing the optimizer the gradient of step t−1 at step t makes everything
+it sends an input of the step: every collective can start at once and move
+while step t computes, the compiler can place it anywhere.
+
+Worker k, its local gradient g_k,t at step t, ``inner`` any optimizer of
+local gradients (a jaxfuse recipe)::
+
+  u_t = inner(g_{·,t−1})      (t ≥ 1; u_0 = 0 and inner's state is kept)
+  pending_k ← g_k,t           (per worker, in the gradient's dtype)
+
+The parameters' trajectory is that of ``inner`` on gradients one step old
+(a staleness of one step). What the workers owe is the inner optimizer's
+debt plus the pending gradients, (1/K)·Σ_k pending_k: a checkpoint keeps
+them, an elastic restart redistributes them like residuals. The pending
+gradients cost one gradient's memory per worker.
+
+For the collectives to start early on GPUs the scheduler must know what
+they cost: ``jaxfuse.xla_flags(network_gbytes_s=...)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxfuse import _compat
+from jaxfuse import transform
+
+
+class DelayedState(NamedTuple):
+  count: jax.Array                   # steps taken, int32 (replicated)
+  pending: transform.PerWorkerState  # the previous step's local gradients
+  inner: Any                         # the inner optimizer's state
+
+
+def _holds(x) -> bool:
+  return _compat.is_float_dtype(jnp.result_type(x))
+
+
+def delayed(inner: optax.GradientTransformation
+            ) -> optax.GradientTransformationExtraArgs:
+  """``inner`` applied to the previous step's gradients (module doc).
+
+  Use it around a whole jaxfuse recipe, ``delayed(jaxfuse.onebit_adamw(
+  plan, ...))``; its state holds per-worker gradients, so create it with
+  ``jaxfuse.init_state`` and pass ``jaxfuse.state_specs`` as usual.
+  Non-float leaves (no gradient) pass through undelayed.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    pending = jax.tree.map(
+        lambda p: jnp.zeros((1,) + jnp.shape(p), jnp.result_type(p))
+        if _holds(p) else jnp.zeros((1,), jnp.bool_), params)
+    return DelayedState(jnp.zeros((), jnp.int32),
+                        transform.PerWorkerState(pending), inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if not isinstance(state, DelayedState):
+      raise transform.SyncError(
+          f"delayed expects its DelayedState, got {type(state).__name__}; "
+          "create the state with jaxfuse.init_state(optimizer, ...).")
+    previous = jax.tree.map(
+        lambda g, p: p[0].astype(g.dtype) if _holds(g) else g,
+        updates, state.pending.inner)
+    out, new_inner = inner.update(previous, state.inner, params, **extra_args)
+    first = state.count == 0
+    out = jax.tree.map(lambda o: jnp.where(first, jnp.zeros_like(o), o), out)
+    new_inner = jax.tree.map(lambda old, new: jnp.where(first, old, new),
+                             state.inner, new_inner)
+    pending = jax.tree.map(
+        lambda g, p: g.astype(p.dtype)[None] if _holds(g) else p,
+        updates, state.pending.inner)
+    return out, DelayedState(state.count + 1,
+                             transform.PerWorkerState(pending), new_inner)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,162 @@
+"""Reading a compiled step's HLO: which values each collective waits for,
+and where the scheduler put it.
+
+``compiled.as_text()`` of a jitted step is the optimized module; on GPU its
+entry computation is listed in the order it runs (``is_scheduled=true``).
+Two questions about a sparse step are answered from it:
+
+- Buckets stay apart: the entry parameters each collective depends on
+  (``collective_inputs``). A collective that depends on another bucket's
+  leaves (a global norm, a combined collective) cannot start before that
+  bucket's gradients exist.
+- Overlap: where each async collective starts and ends relative to the
+  backward pass's instructions (``schedule``), the ops whose metadata names
+  an autodiff transpose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_PARAMETER = re.compile(r"parameter\((\d+)\)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+               "collective-permute")
+
+
+class HloError(ValueError):
+  """HLO text this module cannot read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  name: str
+  opcode: str
+  operands: tuple[str, ...]
+  parameter: int | None   # the entry parameter number, for parameter()
+  op_name: str            # the JAX op it came from (metadata), or ""
+  shape: str
+
+
+def entry_instructions(hlo_text: str) -> list[Instruction]:
+  """The entry computation's instructions, in the listed order."""
+  start = hlo_text.find("\nENTRY ")
+  if start < 0:
+    if hlo_text.startswith("ENTRY "):
+      start = 0
+    else:
+      raise HloError("no ENTRY computation in this HLO text; pass "
+                     "jax.jit(f).lower(...).compile().as_text().")
+  body = hlo_text[start:].split("\n", 2)[2] if start else \
+      hlo_text.split("\n", 1)[1]
+  out = []
+  for line in body.splitlines():
+    if line.startswith("}"):
+      break
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name, shape, opcode, rest = m.groups()
+    # Operands: up to the call's closing parenthesis (attributes follow).
+    depth, end = 1, len(rest)
+    for i, ch in enumerate(rest):
+      depth += (ch == "(") - (ch == ")")
+      if depth == 0:
+        end = i
+        break
+    param = _PARAMETER.search(opcode + "(" + rest[:end + 1])
+    op_name = _OP_NAME.search(rest)
+    out.append(Instruction(
+        name, opcode, tuple(_OPERAND.findall(rest[:end])),
+        int(param.group(1)) if opcode == "parameter" and param else None,
+        op_name.group(1) if op_name else "", shape))
+  if not out:
+    raise HloError("the ENTRY computation has no instructions I can read.")
+  return out
+
+
+def _is_collective(inst: Instruction) -> bool:
+  return any(inst.opcode == c or inst.opcode == c + "-start"
+             for c in COLLECTIVES)
+
+
+def collective_inputs(hlo_text: str) -> list[tuple[Instruction, frozenset]]:
+  """Each collective of the entry computation (its start, for async ones)
+  with the set of entry parameter numbers it depends on, in listed order."""
+  insts = entry_instructions(hlo_text)
+  by_name = {i.name: i for i in insts}
+  memo: dict[str, frozenset] = {}
+
+  def params_of(name: str) -> frozenset:
+    # Iterative post-order: programs have thousands of instructions.
+    stack = [name]
+    while stack:
+      top = stack[-1]
+      if top in memo:
+        stack.pop()
+        continue
+      inst = by_name.get(top)
+      if inst is None:
+        memo[top] = frozenset()
+        stack.pop()
+        continue
+      todo = [o for o in inst.operands if o not in memo]
+      if todo:
+        stack.extend(todo)
+        continue
+      found = set() if inst.parameter is None else {inst.parameter}
+      for o in inst.operands:
+        found |= memo[o]
+      memo[top] = frozenset(found)
+      stack.pop()
+    return memo[name]
+
+  return [(i, params_of(i.name)) for i in insts if _is_collective(i)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Positions in the entry computation's order (0-based)."""
+  num_instructions: int
+  backward: tuple[int, int] | None  # first and last backward instruction
+  starts: tuple[int, ...]           # each async collective's start
+  dones: tuple[int, ...]            # and its done (same order)
+  opcodes: tuple[str, ...]
+
+  def started_in_backward(self) -> int:
+    """How many collectives start before the backward's last instruction."""
+    if self.backward is None:
+      return 0
+    return sum(s < self.backward[1] for s in self.starts)
+
+
+def is_backward(inst: Instruction) -> bool:
+  """An instruction of the backward pass: JAX names autodiff's transposed
+  ops ``transpose(jvp(...))`` in their metadata."""
+  return "transpose(" in inst.op_name
+
+
+def schedule(hlo_text: str, opcodes=("all-gather", "all-reduce")) -> Schedule:
+  """Where the async collectives of ``opcodes`` start and finish, against the
+  backward pass, in a scheduled module (GPU)."""
+  insts = entry_instructions(hlo_text)
+  pos = {i.name: n for n, i in enumerate(insts)}
+  back = [n for n, i in enumerate(insts) if is_backward(i)]
+  starts, dones, kinds = [], [], []
+  for n, inst in enumerate(insts):
+    for c in opcodes:
+      if inst.opcode == c + "-done" and inst.operands:
+        start = pos.get(inst.operands[0])
+        if start is not None:
+          starts.append(start)
+          dones.append(n)
+          kinds.append(c)
+  order = sorted(range(len(starts)), key=starts.__getitem__)
+  return Schedule(len(insts), (back[0], back[-1]) if back else None,
+                  tuple(starts[i] for i in order),
+                  tuple(dones[i] for i in order),
+                  tuple(kinds[i] for i in order))

@@ -1,0 +1,74 @@
+"""A plan compiled once into what a sync step walks: per bucket, in the
+plan's (backward-ready) order, its kind, units, state groups and where
+each leaf sits in its unit.
+
+``sparse_sync`` reads this instead of re-deriving ``plans.units``,
+``plans.state_groups`` and leaf offsets per bucket while it traces; a
+mechanism that runs buckets elsewhere (inside the backward pass, a step
+later) reads the same object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxfuse import plans as plan_lib
+
+PSUM, FULL, SPARSE = "psum", "full", "sparse"
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketStep:
+  """One bucket of the step.
+
+  kind: ``"psum"`` (dense leaves, one ``pmean``), ``"full"`` (every unit at
+  density 1: one ``pmean`` of the accumulated streams, residual kept as
+  the wire's rounding) or ``"sparse"`` (selection, then the collective).
+  """
+  index: int
+  collective: str
+  kind: str
+  leaves: tuple[int, ...]          # leaf ids, as the plan lists them
+  units: tuple[int, ...]           # unit ids in ready order (its layout)
+  groups: tuple[int, ...]          # the state groups of its units
+  placement: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+  """Per unit of ``units``: (unit id, ((leaf id, offset in the unit), …))."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  units: tuple[plan_lib.Unit, ...]           # every unit, ``plans.units``
+  groups: tuple[tuple[int, ...], ...]        # ``plans.state_groups``
+  group_dtypes: tuple[str, ...]              # their residuals' dtype
+  group_of_unit: tuple[int, ...]
+  buckets: tuple[BucketStep, ...]
+  num_leaves: int
+
+
+def compile_plan(plan: plan_lib.Plan) -> Schedule:
+  """The plan's ``Schedule``: made once per transform, read at every trace."""
+  all_units, bucket_units = plan_lib.units(plan)
+  groups = plan_lib.state_groups(plan)
+  group_of_unit = tuple(g for g, _ in plan_lib.unit_rows(plan))
+  group_dtypes = tuple(plan_lib.state_dtype(all_units[ids[0]], plan.settings)
+                       for ids in groups)
+  steps = []
+  for i, (bucket, ids) in enumerate(zip(plan.buckets, bucket_units)):
+    if bucket.collective == "psum":
+      kind = PSUM
+    elif all(plan_lib.is_full(all_units[u]) for u in ids):
+      kind = FULL
+    else:
+      kind = SPARSE
+    placement = tuple(
+        (u, tuple(zip(all_units[u].leaves,
+                      plan_lib.leaf_offsets(plan, all_units[u]))))
+        for u in ids)
+    steps.append(BucketStep(i, bucket.collective, kind, tuple(bucket.leaves),
+                            tuple(ids),
+                            tuple(sorted({group_of_unit[u] for u in ids})),
+                            placement))
+  return Schedule(all_units, groups, group_dtypes, group_of_unit,
+                  tuple(steps), len(plan.leaves))
+
+

@@ -1,0 +1,117 @@
+"""``jaxfuse.delayed``: the inner optimizer on the previous step's
+gradients (first update zero, its state untouched), per-worker pending
+gradients that checkpoints and elastic restarts keep, and collectives that
+wait for no gradient of the step they run in."""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse import elastic
+
+from _harness import mesh_of
+from _harness import shard
+
+SHAPES = {"b": (7,), "w": (40, 30)}
+
+
+def _problem(seed, steps, k):
+  rng = np.random.default_rng(seed)
+  params = {n: rng.normal(size=s).astype(np.float32)
+            for n, s in SHAPES.items()}
+  grads = [{n: rng.normal(size=(k,) + s).astype(np.float32)
+            for n, s in SHAPES.items()} for _ in range(steps)]
+  plan = jaxfuse.plan({n: jax.ShapeDtypeStruct(s, jnp.float32)
+                       for n, s in SHAPES.items()}, density=0.05,
+                      min_sparse_size=64, estimator="topk")
+  return plan, params, grads
+
+
+def _updates(opt, mesh, params, grads):
+  state = jaxfuse.init_state(opt, params, mesh)
+  specs = jaxfuse.state_specs(state)
+
+  def local(params, state, g):
+    return opt.update(jax.tree.map(lambda x: x[0], g), state, params)
+  update = jax.jit(jax.shard_map(local, mesh=mesh,
+                                 in_specs=(P(), specs, P("data")),
+                                 out_specs=(P(), specs)))
+  x = jax.device_put(params, NamedSharding(mesh, P()))
+  out = []
+  for g in grads:
+    u, state = jax.block_until_ready(update(x, state, shard(mesh, g)))
+    out.append({n: np.asarray(v) for n, v in u.items()})
+  return out, state
+
+
+@pytest.mark.parametrize("recipe", ["sgd", "onebit_adamw"])
+def test_delayed_is_the_inner_optimizer_one_step_late(recipe):
+  mesh = mesh_of(4)
+  plan, params, grads = _problem(0, 5, 4)
+  if recipe == "sgd":
+    make = lambda: jaxfuse.sgd(plan, 0.1, 0.9, clip_norm=5.0)
+  else:   # its dense phase (the sparse one's updates are 0 until ν > 0)
+    make = lambda: jaxfuse.onebit_adamw(jaxfuse.with_density(plan, 1.0), 0.1,
+                                        clip_norm=5.0)
+  got, state = _updates(jaxfuse.delayed(make()), mesh, params, grads)
+  want, inner = _updates(make(), mesh, params, grads[:-1])
+  for n in SHAPES:
+    np.testing.assert_array_equal(got[0][n], 0)
+  assert all(np.abs(w[n]).max() > 1e-3 for w in want for n in SHAPES)
+  for t in range(1, len(grads)):
+    for n in SHAPES:
+      np.testing.assert_allclose(got[t][n], want[t - 1][n], rtol=1e-6,
+                                 atol=1e-7, err_msg=f"step {t}, leaf {n}")
+  # The inner state is the inner optimizer's after the first 4 gradients,
+  # and the last gradient waits, per worker.
+  for a, b in zip(jax.tree.leaves(state.inner), jax.tree.leaves(inner)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                               atol=1e-7)
+  for n in SHAPES:
+    np.testing.assert_array_equal(np.asarray(state.pending.inner[n]),
+                                  grads[-1][n])
+  assert int(state.count) == len(grads)
+
+
+def test_pending_gradients_are_per_worker_and_kept_on_resize():
+  mesh = mesh_of(4)
+  plan, params, grads = _problem(1, 2, 4)
+  opt = jaxfuse.delayed(jaxfuse.sgd(plan, 0.1))
+  _, state = _updates(opt, mesh, params, grads)
+  specs = jaxfuse.state_specs(state)
+  assert all(s == P("data") for s in jax.tree.leaves(
+      specs.pending, is_leaf=lambda x: isinstance(x, P)))
+  assert specs.count == P()
+  mask = jaxfuse.per_worker_mask(state)
+  before = elastic.owed(jax.device_get(state), mask)
+  after = elastic.owed(elastic.resize_tree(jax.device_get(state), mask, 2),
+                       mask)
+  for a, b in zip(before, after):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  # The pending gradients' worker mean is among what is kept.
+  pending = [np.asarray(grads[-1][n], np.float64).mean(0) for n in
+             sorted(SHAPES)]
+  assert any(any(a.shape == p.shape and np.allclose(a, p) for a in before)
+             for p in pending)
+
+
+def test_delayed_rejects_a_foreign_state():
+  plan, params, grads = _problem(2, 1, 1)
+  opt = jaxfuse.delayed(jaxfuse.sgd(plan, 0.1))
+  with pytest.raises(jaxfuse.SyncError, match="DelayedState"):
+    opt.update(params, jaxfuse.sgd(plan, 0.1).init(params), params)
+
+
+def test_xla_flags_name_the_network():
+  flags = jaxfuse.xla_flags(3.0, gpus_per_node=8)
+  assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags.split()
+  assert "nic_speed_gbps=3,gpus_per_node=8,partition_size=8" in flags
+  for bad in (0, -1.0, True, "3"):
+    with pytest.raises(ValueError, match="network_gbytes_s"):
+      jaxfuse.xla_flags(bad)
+  with pytest.raises(ValueError, match="gpus_per_node"):
+    jaxfuse.xla_flags(3.0, gpus_per_node=0)
