@@ -36,7 +36,7 @@ class Rule(NamedTuple):
   residual_decay: float
 
 
-class _BucketOut(NamedTuple):
+class BucketOut(NamedTuple):
   """What one bucket's sync produces: its leaves' worker means, its state
   groups' new residuals and velocities, its units' control and stats
   chunks."""
@@ -48,11 +48,11 @@ class _BucketOut(NamedTuple):
 
 
 def sync_bucket(plan, sched, b, flat, residuals, velocity, ctrl, step,
-                 axis_name, rule) -> _BucketOut:
+                axis_name, rule) -> BucketOut:
   """One bucket: accumulate, select (or send all), collective, place."""
   if b.kind == schedule_lib.PSUM:
     leaves, stats = _psum_bucket(plan, b, flat, axis_name)
-    return _BucketOut(leaves, {}, {}, [], stats)
+    return BucketOut(leaves, {}, {}, [], stats)
   streams = _bucket_streams(sched, b, flat, residuals, velocity, rule)
   if b.kind == schedule_lib.FULL:
     dense, res, vel, stats = _full_bucket(plan, sched, b, streams, residuals,
@@ -64,7 +64,7 @@ def sync_bucket(plan, sched, b, flat, residuals, velocity, ctrl, step,
     dense, res, vel, control, stats = _sparse_bucket(
         plan, sched, b, streams, residuals, velocity, ctrl, step, axis_name,
         rule)
-  return _BucketOut(_place(plan, b, dense, flat), res, vel, control, stats)
+  return BucketOut(_place(plan, b, dense, flat), res, vel, control, stats)
 
 
 class _Streams(NamedTuple):
