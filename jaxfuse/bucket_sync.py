@@ -23,7 +23,6 @@ import numpy as np
 from jaxfuse import _compat
 from jaxfuse import bucket_pass
 from jaxfuse import collectives
-from jaxfuse import plans as plan_lib
 from jaxfuse import schedule as schedule_lib
 from jaxfuse import stats as stats_lib
 
@@ -104,11 +103,10 @@ def _full_bucket(plan, sched, b, streams, residuals, velocity, axis_name,
   """Density-1 units: every element sent with one ``pmean``; the residual
   becomes the wire's rounding (zero where the wire is acc's dtype)."""
   order = [u for g in b.groups for u in sched.groups[g]]
-  stats = []
-  dense, finite, roundings = _full_sync(
-      plan, [sched.units[u] for u in order],
+  dense, finite, roundings, stats = _full_sync(
+      plan, dict(b.placement), order, [sched.units[u] for u in order],
       [streams.grads[g][i] + streams.decayed[g][i] for g in b.groups
-       for i in range(len(sched.groups[g]))], stats, axis_name)
+       for i in range(len(sched.groups[g]))], axis_name)
   new_res, new_vel, rows = {}, {}, 0
   for g in b.groups:
     n = len(sched.groups[g])
@@ -220,25 +218,24 @@ def _to_wire(values, indices, residual, nonfinite, wire_dtype):
   return wire, residual.at[indices].add(rounding, mode="drop")
 
 
-def _full_sync(plan, units, accs, stat_chunks, axis_name):
-  """Density-1 units: every element sent, one ``pmean`` for the bucket.
+def _full_sync(plan, placement, ids, units, accs, axis_name):
+  """Density-1 units (``ids``, with the bucket's ``placement``): every
+  element sent, one ``pmean`` for the bucket.
 
-  Returns the dense means per unit, per unit whether acc was finite, and
-  the new residual: zero, or acc's rounding to the wire dtype (the unit's
-  dtype) where the residual is kept wider; appends the units' per-leaf
-  stats chunks (everything selected)."""
+  Returns the dense means per unit, per unit whether acc was finite, the
+  new residual (zero, or acc's rounding to the wire dtype, the unit's dtype,
+  where the residual is kept wider) and the units' per-leaf stats chunks
+  (everything selected)."""
   wires, roundings = [], []
   for unit, acc in zip(units, accs):
     rounded, wire = _round_to(acc, unit.dtype)
     wires.append(wire)
     roundings.append(acc - rounded)   # zero where the wire is acc's dtype
   means = collectives.psum.mean(wires, axis_name)
-  per_leaf = {}
-  for unit, acc in zip(units, accs):
-    for j, start in zip(unit.leaves, plan_lib.leaf_offsets(plan, unit)):
-      per_leaf[j] = acc[start:start + plan.leaves[j].size]
-  stat_chunks.extend(stats_lib.dense_stats(plan, list(per_leaf), per_leaf))
-  return means, [jnp.all(jnp.isfinite(acc)) for acc in accs], roundings
+  per_leaf = {j: acc[start:start + plan.leaves[j].size]
+              for u, acc in zip(ids, accs) for j, start in placement[u]}
+  stats = stats_lib.dense_stats(plan, list(per_leaf), per_leaf)
+  return means, [jnp.all(jnp.isfinite(acc)) for acc in accs], roundings, stats
 
 
 def _unit_stream(unit, flat, dtype):

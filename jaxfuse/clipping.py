@@ -70,13 +70,16 @@ def bucket_norms(plan: plan_lib.Plan, grads) -> list[jax.Array]:
   return norms
 
 
-def _stack(norms: list[jax.Array]) -> jax.Array:
-  return jnp.stack(norms) if norms else jnp.zeros((0,), jnp.float32)
+def _recorded(norms: list[jax.Array], old: jax.Array) -> BucketClipState:
+  """The state holding this step's bucket norms (the old one where a norm
+  is not finite)."""
+  new = jnp.stack(norms) if norms else jnp.zeros((0,), jnp.float32)
+  return BucketClipState(jnp.where(jnp.isfinite(new), new, old))
 
 
 def _size_shares(plan: plan_lib.Plan) -> np.ndarray:
   sizes = np.array([sum(plan.leaves[j].size for j in b.leaves
-                        if plan_lib._is_float(plan.leaves[j].dtype))
+                        if _compat.is_float_dtype(plan.leaves[j].dtype))
                     for b in plan.buckets], np.float64)
   return np.sqrt(sizes / max(sizes.sum(), 1.0)).astype(np.float32)
 
@@ -119,9 +122,7 @@ def clip_by_bucket_norm(plan: plan_lib.Plan, max_norm: float,
       for j in bucket.leaves:
         if _compat.is_float_dtype(flat[j].dtype):
           flat[j] = (flat[j] * scale).astype(flat[j].dtype)
-    norms = _stack(norms)
-    kept = jnp.where(jnp.isfinite(norms), norms, state.norms)
-    return jax.tree.unflatten(tree, flat), BucketClipState(kept)
+    return jax.tree.unflatten(tree, flat), _recorded(norms, state.norms)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -131,5 +132,4 @@ def record_bucket_norms(plan: plan_lib.Plan, grads,
   """The state after a step that does not clip per bucket (a dense phase,
   which clips the synced mean): the norms of this step's local gradient,
   so the shares are current when bucket clipping starts."""
-  norms = _stack(bucket_norms(plan, grads))
-  return BucketClipState(jnp.where(jnp.isfinite(norms), norms, state.norms))
+  return _recorded(bucket_norms(plan, grads), state.norms)

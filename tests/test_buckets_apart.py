@@ -73,15 +73,12 @@ def _compiled_step(mesh, plan, opt, params, x):
                                in_specs=(P(), specs, P("data")),
                                out_specs=(P(), specs)),
                  keep_unused=True)
-  args = (params, state, x)
-  return step.lower(*args).compile().as_text(), args
+  return step.lower(params, state, x).compile().as_text()
 
 
-def _leaf_params(args):
-  """Entry parameter number -> leaf name, for the model's parameters (the
-  first arguments, in pytree order)."""
-  names = sorted(SHAPES)   # dicts flatten in sorted key order
-  return {i: n for i, n in enumerate(names)}
+# Entry parameter number -> leaf name: the model's parameters are the step's
+# first arguments, and dicts flatten in sorted key order.
+LEAF_OF = dict(enumerate(sorted(SHAPES)))
 
 
 @pytest.mark.parametrize("recipe", sorted(jaxfuse.RECIPES))
@@ -91,8 +88,7 @@ def test_each_collective_waits_for_its_own_leaves_only(recipe):
                       min_sparse_size=64, loss_fn=loss_fn,
                       example_args=(jnp.ones((2, 24 * len(SHAPES))),))
   assert sum(b.collective == "allgather" for b in plan.buckets) == 5
-  text, args = _compiled_step(mesh, plan, _recipe(recipe, plan), params, x)
-  leaf_of = _leaf_params(args)
+  text = _compiled_step(mesh, plan, _recipe(recipe, plan), params, x)
   bucket_of = {plan.leaves[j].path[2:-2]: b
                for b, bk in enumerate(plan.buckets) for j in bk.leaves}
   found = hlo.collective_inputs(text)
@@ -100,7 +96,7 @@ def test_each_collective_waits_for_its_own_leaves_only(recipe):
   assert len(gathers) == 5, [i.name for i, _ in found]
   seen = set()
   for inst, deps in found:
-    leaves = {leaf_of[p] for p in deps if p in leaf_of}
+    leaves = {LEAF_OF[p] for p in deps if p in LEAF_OF}
     buckets = {bucket_of[n] for n in leaves}
     assert len(buckets) == 1, (
         f"{recipe}: {inst.name} ({inst.opcode}) waits for the leaves "
@@ -116,11 +112,10 @@ def test_a_global_norm_before_the_sync_is_caught():
                       min_sparse_size=64)
   opt = optax.chain(jaxfuse.local_clip_by_global_norm(1.0),
                     jaxfuse.sgd(plan, 1e-3))
-  text, args = _compiled_step(mesh, plan, opt, params, x)
-  leaf_of = _leaf_params(args)
+  text = _compiled_step(mesh, plan, opt, params, x)
   joined = [i for i, deps in hlo.collective_inputs(text)
             if "all-gather" in i.opcode and
-            {leaf_of[p] for p in deps if p in leaf_of} == set(SHAPES)]
+            {LEAF_OF[p] for p in deps if p in LEAF_OF} == set(SHAPES)]
   assert len(joined) == 5
 
 
@@ -132,11 +127,9 @@ def test_delayed_collectives_wait_for_no_gradient_of_their_step(recipe):
   mesh, params, x = _problem(2)
   plan = jaxfuse.plan(params, density=0.1, strategy="layerwise",
                       min_sparse_size=64)
-  text, args = _compiled_step(mesh, plan,
-                              jaxfuse.delayed(_recipe(recipe, plan)),
-                              params, x)
-  leaf_of = _leaf_params(args)
+  text = _compiled_step(mesh, plan, jaxfuse.delayed(_recipe(recipe, plan)),
+                        params, x)
   found = hlo.collective_inputs(text)
   assert sum("all-gather" in i.opcode for i, _ in found) == 5
   for inst, deps in found:
-    assert not {leaf_of[p] for p in deps if p in leaf_of}, inst.name
+    assert not {LEAF_OF[p] for p in deps if p in LEAF_OF}, inst.name
