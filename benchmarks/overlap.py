@@ -106,9 +106,11 @@ def build(args, devices):
   return mesh, params, loss_fn, batch, plan
 
 
-def sparse_step(mesh, plan, loss_fn, params, options, delay=False):
+def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
+                early=False, groups=False):
   """The README recipe's sparse phase, jitted with ``options`` (``delay``:
-  under ``jaxfuse.delayed``)."""
+  under ``jaxfuse.delayed``; ``early``: the step under
+  ``jaxfuse.send_early``, with its scheduling ``groups``)."""
   opt = jaxfuse.onebit_adamw(plan, 1e-4, clip_norm=1.0, weight_decay=0.01)
   if delay:
     opt = jaxfuse.delayed(opt)
@@ -121,8 +123,10 @@ def sparse_step(mesh, plan, loss_fn, params, options, delay=False):
     updates, state = opt.update(grads, state, params)
     return (optax.apply_updates(params, updates), state,
             jax.lax.pmean(loss, AXIS))
-  step = jax.jit(jax.shard_map(local, mesh=mesh,
-                               in_specs=(P(), specs, P(AXIS)),
+  if early:
+    local = jaxfuse.send_early(local, groups=groups)
+  step = jax.jit(jax.shard_map(local,
+                               mesh=mesh, in_specs=(P(), specs, P(AXIS)),
                                out_specs=(P(), specs, P())),
                  compiler_options={**jaxfuse.xla_options(), **options})
   return step, state
@@ -235,6 +239,10 @@ def main(argv=None):
   p.add_argument("--via-jit", action="store_true")
   p.add_argument("--delay", action="store_true",
                  help="the recipe under jaxfuse.delayed")
+  p.add_argument("--send-early", action="store_true",
+                 help="the step under jaxfuse.send_early")
+  p.add_argument("--groups", action="store_true",
+                 help="with --send-early: its XLA scheduling groups")
   p.add_argument("--probe", action="store_true",
                  help="also time the scheduler probe (see probe())")
   p.add_argument("--label", default="",
@@ -254,6 +262,7 @@ def main(argv=None):
             "bucket_mb": args.bucket_mb,
             "buckets": len(plan.buckets), "variants": {},
             "date": time.strftime("%Y-%m-%d"), "delay": args.delay,
+            "send_early": args.send_early, "groups": args.groups,
             "command": " ".join(sys.argv),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(
@@ -266,7 +275,7 @@ def main(argv=None):
       print(f"{name}: skipped (budget)")
       continue
     step, state = sparse_step(mesh, plan, loss_fn, params, VARIANTS[name],
-                              args.delay)
+                              args.delay, args.send_early, args.groups)
     t0 = time.perf_counter()
     compiled = step.lower(params, state, batch).compile()
     compile_s = time.perf_counter() - t0

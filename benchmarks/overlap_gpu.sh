@@ -7,6 +7,9 @@
 # MODE=single: the delayed step with one sparse bucket.
 # MODE=flags: the scheduler's options on the undelayed step (default, no
 # latency hiding, the speed-of-light estimator, PGLE) and the probe.
+# MODE=early: the step under jaxfuse.send_early against the plain step, at
+# each of DENSITIES (default 0.05 0.01); at 0.05 also with its scheduling
+# groups and with jaxfuse.xla_flags.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -25,6 +28,15 @@ run() {  # density, label, extra args...; XLA_FLAGS from the caller
       | tee "$OUT/overlap_${d}_$label.log"
 }
 case "${MODE:-delay}" in
+early)
+  for d in ${DENSITIES:-0.05 0.01}; do
+    run $d default_ --variants base
+    run $d early_ --variants base --send-early --skip-comm --skip-one-gpu
+    if [ "$d" = 0.05 ]; then
+      run $d early_groups_ --variants base --send-early --groups --skip-comm --skip-one-gpu
+      XLA_FLAGS="$NET" run $d net_early_ --variants base --send-early --skip-comm --skip-one-gpu
+    fi
+  done ;;
 delay)
   run 0.05 default_ --variants base
   XLA_FLAGS="$NET" run 0.05 net_delayed_ --variants base --delay --skip-comm --skip-one-gpu
@@ -43,4 +55,7 @@ flags)
     run 0.05 pgle_ --variants base --skip-comm --skip-one-gpu --steps 20 --via-jit
   run 0.05 default_ --variants base --probe ;;
 esac
-gzip -f "$OUT"/hlo_*/*.txt 2>/dev/null
+# One archive: the device tool returns few files.
+tar czf "$OUT/hlo.tgz" -C "$OUT" $(cd "$OUT" && ls -d hlo_* 2>/dev/null) 2>/dev/null \
+  && rm -rf "$OUT"/hlo_*
+rm -f "$OUT"/*.log

@@ -93,10 +93,11 @@ AXIS = "data"
 
 
 def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
-                    compiler_options=None, grad_dtype=None):
+                    compiler_options=None, grad_dtype=None, send_early=False):
   """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss.
   ``grad_dtype``: differentiate a copy of the parameters in this dtype (the
-  gradients, and what the sync sends, are in it; params stay float32)."""
+  gradients, and what the sync sends, are in it; params stay float32).
+  ``send_early``: the step under ``jaxfuse.send_early``."""
   def local(params, opt_state, batch):
     # Each worker's own gradient of its own shard of the batch.
     loss, grads = jax.value_and_grad(loss_fn)(
@@ -106,7 +107,8 @@ def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
     updates, opt_state = opt.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state,
             jax.lax.pmean(loss, AXIS))
-  step = jax.shard_map(local, mesh=mesh, in_specs=(P(), opt_specs, P(AXIS)),
+  step = jax.shard_map(jaxfuse.send_early(local) if send_early else local,
+                       mesh=mesh, in_specs=(P(), opt_specs, P(AXIS)),
                        out_specs=(P(), opt_specs, P()))
   return jax.jit(step, donate_argnums=(0, 1),
                  compiler_options=compiler_options or None)
@@ -249,6 +251,10 @@ def parse_args(argv):
                  help="apply the recipe to the previous step's gradients "
                  "(jaxfuse.delayed): its communication can then overlap the "
                  "whole step; pair with XLA_FLAGS from jaxfuse.xla_flags")
+  p.add_argument("--send-early", action="store_true",
+                 help="compute each bucket's wire as soon as the backward "
+                 "has made it and issue the collectives in the plan's "
+                 "order (jaxfuse.send_early; the same results)")
   p.add_argument("--flush-every", type=int, default=0,
                  help="every N-th step sends everything (a density-1 step: "
                  "one dense all-reduce pays every residual back)")
@@ -465,7 +471,7 @@ def main(argv=None) -> dict:
       phase_id = jaxfuse.phase_index(phases, step)
       train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
                                    mesh, opt_specs, args.sync, xla_options,
-                                   grad_dtype)
+                                   grad_dtype, args.send_early)
       compile_steps.append(step)
     step_fn = train_step
     if plan is not None and args.flush_every and (
@@ -473,7 +479,7 @@ def main(argv=None) -> dict:
       if flush_step is None:
         flush_step = make_train_step(
             loss_fn, make_opt(jaxfuse.with_density(plan, 1.0)), mesh,
-            opt_specs, args.sync, xla_options, grad_dtype)
+            opt_specs, args.sync, xla_options, grad_dtype, args.send_early)
         compile_steps.append(step)
       step_fn = flush_step
     t0 = time.perf_counter()

@@ -17,6 +17,7 @@ from jaxfuse.compile_options import xla_flags
 from jaxfuse.compile_options import xla_options
 from jaxfuse.delay import DelayedState
 from jaxfuse.delay import delayed
+from jaxfuse.overlap import send_early
 from jaxfuse.plans import BucketPlan
 from jaxfuse.plans import LeafPlan
 from jaxfuse.plans import Plan
@@ -62,7 +63,8 @@ __all__ = [
     "density_warmup", "init_state", "local_adamw", "local_clip_by_global_norm",
     "local_params", "make_mesh", "onebit_adamw", "per_worker", "per_worker_mask",
     "phase_index",
-    "plan", "sgd", "sparse_sync", "state_specs", "summarize", "sync_adamw",
+    "plan", "send_early", "sgd", "sparse_sync", "state_specs", "summarize",
+    "sync_adamw",
     "sync_stats", "unit_residuals", "with_density", "xla_flags", "xla_options",
     "__version__",
 ]

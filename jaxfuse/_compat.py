@@ -121,3 +121,35 @@ def global_norm(tree):
   if tree_lib is not None and hasattr(tree_lib, "norm"):
     return tree_lib.norm(tree)
   return optax.global_norm(tree)
+
+
+def ordered_effects(effects) -> list:
+  """The effects among ``effects`` whose order the program must keep
+  (``io_callback(ordered=True)``, state); all but the collectives' named-axis
+  effects where JAX's internal registry has moved."""
+  try:
+    from jax._src import effects as effects_lib  # pylint: disable=g-import-not-at-top
+    return [e for e in effects if effects_lib.ordered_effects.contains(e)]
+  except (ImportError, AttributeError):
+    return [e for e in effects if type(e).__name__ != "NamedAxisEffect"]
+
+
+def scheduling_group(group: int | None):
+  """A context that gives the ops traced in it XLA's ``_scheduling_group_id``
+  (the latency-hiding scheduler overlaps a group's collective with the
+  group's other ops); ``None``: no annotation."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  if group is None:
+    return contextlib.nullcontext()
+  from jax.experimental import xla_metadata  # pylint: disable=g-import-not-at-top
+  return xla_metadata.set_xla_metadata(_scheduling_group_id=int(group))
+
+
+def debug_info_for(info, num_args: int, num_results: int):
+  """A jaxpr's ``DebugInfo`` for a part of it with other arguments and
+  results (unnamed); None where the type has moved."""
+  try:
+    return info._replace(arg_names=("",) * num_args,
+                         result_paths=("",) * num_results)
+  except (AttributeError, TypeError, ValueError):
+    return None

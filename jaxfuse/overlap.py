@@ -1,0 +1,223 @@
+"""``send_early``: each collective's input computed as soon as its data
+allows, the rest of the backward made to wait for it, and the collectives
+issued one after another in the traced (the plan's) order.
+
+XLA's GPU scheduler may start an async collective as soon as its input
+exists, but it decides *when that input is computed* from its own cost
+model, and it keeps one collective in flight at a time. In a sparse step
+it computes every bucket's selection after the whole backward pass, and
+it starts the loss's ``pmean`` right after the forward, where that scalar
+holds the one collective slot through the backward. ``send_early(step)``
+fixes both in the program itself, without touching the model or the
+optimizer.
+
+It traces ``step`` to a jaxpr and runs its equations in a new order. With
+c_1, …, c_n the collectives in traced order (``sparse_sync`` issues its
+buckets in the plan's backward-ready order) and w_i the input of c_i::
+
+  for i = 1 … n:
+    run every equation w_i depends on that has not run yet (traced order)
+    fence:  (w_i, L_i, _) ← optimization_barrier(w_i, L_i, out_{i−1})
+    out_i ← c_i(w_i)
+  run the equations left (traced order)
+
+L_i: the backward pass's values computed so far that a later equation
+reads (the cotangents in flight, gradients not yet sent). The backward of
+earlier layers reads the fenced L_i, so it cannot run before w_i exists,
+and c_i can start then and run beside it. out_{i−1} in the fence makes c_i
+start after c_{i−1} has finished: the collectives run in the plan's order,
+and one traced last (the loss's ``pmean``) waits for the rest. Forward
+activations, parameters and state stay out of the fences: holding them
+would make XLA materialise values it otherwise fuses into their readers.
+Each barrier is an identity: the step's outputs are bitwise unchanged.
+
+What it needs of ``step``: the collectives at the top level of its jaxpr
+(not inside a ``jax.jit`` or a loop of the step's own; ``jax.nn``'s jitted
+helpers elsewhere are fine), and a backward pass that is not one opaque
+call (``lax.scan`` over layers makes all gradients ready at once, so there
+is nothing to overlap). Steps with ordered effects (``io_callback``) run
+unchanged, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+from jax import lax
+from jax.extend import core as jex
+
+from jaxfuse import _compat
+
+# Primitives that move data between workers (names as in jaxprs).
+COLLECTIVES = frozenset({
+    "all_gather", "all_gather_invariant", "psum", "psum_invariant",
+    "psum_scatter", "reduce_scatter", "all_to_all", "ppermute", "pmax",
+    "pmin", "ragged_all_to_all"})
+
+
+def send_early(step, *, groups: bool = False):
+  """``step`` with each collective's input computed as early as its data
+  allows, everything after it fenced on it, and the collectives chained in
+  traced order (module doc). Call the result where you would call
+  ``step``: inside ``jax.shard_map``, under ``jax.jit``. Its outputs are
+  bitwise those of ``step``.
+
+  ``groups``: also put each collective and the work between its fence and
+  the next in one XLA scheduling group (``_scheduling_group_id``), which
+  asks XLA's latency-hiding scheduler to overlap exactly those.
+  """
+
+  @functools.wraps(step)
+  def wrapped(*args):
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args)
+    flat = jax.tree.leaves(args)
+    ordered = _compat.ordered_effects(closed.jaxpr.effects)
+    if ordered:
+      warnings.warn(
+          "jaxfuse.send_early: the step has ordered side effects "
+          f"({sorted(map(str, ordered))[:3]}), whose order a new equation "
+          "order could change; running it unchanged.", stacklevel=2)
+      out = jex.jaxpr_as_fun(closed)(*flat)
+    else:
+      out = run_fenced(closed, flat, groups)
+    return jax.tree.unflatten(jax.tree.structure(out_shape), out)
+
+  return wrapped
+
+
+def is_collective(eqn) -> bool:
+  """A collective primitive (not one nested inside a call)."""
+  return eqn.primitive.name in COLLECTIVES
+
+
+def is_backward(eqn) -> bool:
+  """An equation of the backward pass: autodiff names its transposed
+  equations ``transpose(jvp(...))``."""
+  return "transpose(" in str(eqn.source_info.name_stack)
+
+
+def fenced_order(jaxpr) -> tuple[list[int], list[int]]:
+  """The new equation order, and the fences: the positions in that order
+  of the collectives c_1 … c_n, each fence standing just before its
+  collective."""
+  eqns = jaxpr.eqns
+  producer = {v: n for n, e in enumerate(eqns) for v in e.outvars}
+  done: set[int] = set()
+  order: list[int] = []
+  fences: list[int] = []
+
+  def needed(atoms) -> list[int]:
+    """Equations not run yet that ``atoms`` depend on, in traced order."""
+    found, stack = set(), [a for a in atoms if isinstance(a, jex.Var)]
+    while stack:
+      n = producer.get(stack.pop())
+      if n is None or n in done or n in found:
+        continue
+      found.add(n)
+      stack.extend(a for a in eqns[n].invars if isinstance(a, jex.Var))
+    return sorted(found)
+
+  for n, eqn in enumerate(eqns):
+    if not is_collective(eqn) or n in done:
+      continue
+    before = needed(eqn.invars)
+    order.extend(before)
+    done.update(before)
+    fences.append(len(order))
+    order.append(n)
+    done.add(n)
+  order.extend(n for n in range(len(eqns)) if n not in done)
+  return order, fences
+
+
+def run_fenced(closed, args, groups: bool = False) -> list:
+  """Evaluate ``closed`` (a ClosedJaxpr) on ``args`` in ``fenced_order``,
+  with the fences of the module doc (``groups``: see ``send_early``)."""
+  jaxpr = closed.jaxpr
+  eqns = jaxpr.eqns
+  order, fences = fenced_order(jaxpr)
+  # Where each variable is last read (position in the new order; outputs:
+  # after the end): the values a fence holds back are those read later.
+  last_read: dict = {}
+  for pos, n in enumerate(order):
+    for a in eqns[n].invars:
+      if isinstance(a, jex.Var):
+        last_read[a] = pos
+  for a in jaxpr.outvars:
+    if isinstance(a, jex.Var):
+      last_read[a] = len(order)
+
+  from_backward = {v for e in eqns if is_backward(e) for v in e.outvars}
+  env = dict(zip(jaxpr.constvars, closed.consts))
+  env.update(zip(jaxpr.invars, args))
+  start, previous = 0, []
+  for k, stop in enumerate(fences + [len(order)]):
+    # Segment k: c_{k-1}, then the work up to fence k (the next block's
+    # backward and the next bucket's selection).
+    group = k - 1 if groups and 1 <= k < len(fences) else None
+    with _compat.scheduling_group(group):
+      _run_segment(jaxpr, [eqns[n] for n in order[start:stop]], env,
+                   last_read, stop)
+    if stop < len(order):
+      collective = eqns[order[stop]]
+      inputs = [a for a in collective.invars if isinstance(a, jex.Var)]
+      live = [v for v in env if v in from_backward and v not in inputs
+              and last_read.get(v, -1) >= stop]
+      _fence(env, inputs, live, [v for v in previous if v in env])
+      previous = [v for v in collective.outvars
+                  if not isinstance(v, jex.DropVar)]
+    start = stop
+  return [a.val if isinstance(a, jex.Literal) else env[a]
+          for a in jaxpr.outvars]
+
+
+def _fence(env, inputs, live, previous) -> None:
+  """Tie ``inputs`` to ``live`` and to ``previous`` (the last collective's
+  results) with barriers, in ``env``.
+
+  A barrier's outputs vary over the union of its operands' varying mesh
+  axes, so each barrier holds the live values of one such set S ⊇ A, the
+  inputs' axes, and only the one of S = A gives the inputs back (with the
+  previous results that vary over no more than A). Values that vary over
+  fewer axes than the inputs (replicated parameters) stay out: what reads
+  them along with a cotangent waits through that operand anyway."""
+  axes = frozenset().union(*(_compat.varying_axes(env[v]) for v in inputs))
+  after = [env[v] for v in previous if _compat.varying_axes(env[v]) <= axes]
+  by_axes: dict[frozenset, list] = {axes: []}
+  for v in live:
+    s = _compat.varying_axes(env[v])
+    if s >= axes:
+      by_axes.setdefault(s, []).append(v)
+  for s, group in by_axes.items():
+    if not group and not (s == axes and after):
+      continue
+    tied_in, tied, _ = lax.optimization_barrier(
+        ([env[v] for v in inputs], [env[v] for v in group],
+         after if s == axes else []))
+    env.update(zip(group, tied))
+    if s == axes:
+      env.update(zip(inputs, tied_in))
+
+
+def _run_segment(jaxpr, seg, env, last_read, stop) -> None:
+  """Run the equations ``seg`` on ``env`` (as one sub-jaxpr, so each keeps
+  its source information), adding the values read after ``stop``."""
+  if not seg:
+    return
+  defined = {v for e in seg for v in e.outvars}
+  ins, seen = [], set()
+  for e in seg:
+    for a in e.invars:
+      if isinstance(a, jex.Var) and a not in defined and a not in seen:
+        seen.add(a)
+        ins.append(a)
+  outs = [v for e in seg for v in e.outvars
+          if isinstance(v, jex.Var) and not isinstance(v, jex.DropVar)
+          and last_read.get(v, -1) >= stop]
+  sub = jex.Jaxpr([], ins, outs, seg, jaxpr.effects,
+                 _compat.debug_info_for(jaxpr.debug_info, len(ins),
+                                        len(outs)))
+  vals = jex.jaxpr_as_fun(jex.ClosedJaxpr(sub, []))(*[env[v] for v in ins])
+  env.update(zip(outs, vals))

@@ -1,0 +1,222 @@
+"""``jaxfuse.send_early``: the same results, and the program order the plan
+asks for, read from the step's jaxpr.
+
+The model is a chain of dense layers of distinct shapes, so the backward
+equation that makes each layer's gradient is known by its output shape.
+Dependencies are read from the traced step (``shard_map``'s body): XLA's
+CPU compiler drops optimization barriers before it schedules, while the
+GPU compiler keeps them through its scheduling, so the jaxpr is where the
+barriers can be checked on this machine."""
+
+import warnings
+
+import hypothesis
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import jaxfuse
+from jaxfuse import overlap
+
+from _harness import mesh_of
+
+WORKERS = 4
+
+
+def _dims(layers):
+  return [32 + 2 * i for i in range(layers + 1)]   # > 1024 elements: sparse
+
+
+def _problem(layers, seed=0):
+  rng = np.random.default_rng(seed)
+  dims = _dims(layers)
+  params = {f"l{i}": jnp.asarray(0.4 * rng.normal(size=(dims[i], dims[i + 1])),
+                                 jnp.float32) for i in range(layers)}
+  x = jnp.asarray(rng.normal(size=(2 * WORKERS, dims[0])), jnp.float32)
+
+  def loss_fn(p, x):
+    for i in range(layers):
+      x = jnp.tanh(x @ p[f"l{i}"])
+    return jnp.mean(x ** 2)
+  return params, x, loss_fn
+
+
+def _setup(layers, recipe="onebit_adamw", bucket_bytes=6000, density=0.2,
+           seed=0):
+  mesh = mesh_of(WORKERS)
+  params, x, loss_fn = _problem(layers, seed)
+  plan = jaxfuse.plan(params, density=density, strategy="size",
+                      bucket_bytes=bucket_bytes, loss_fn=loss_fn,
+                      example_args=(x[:2],), seed=0)
+  opt = jaxfuse.RECIPES[recipe](plan, 1e-2, clip_norm=1.0)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  x = jax.device_put(x, NamedSharding(mesh, P("data")))
+  state = jaxfuse.init_state(opt, params, mesh)
+  specs = jaxfuse.state_specs(state)
+
+  def local(params, state, x):
+    loss, grads = jax.value_and_grad(loss_fn)(jaxfuse.local_params(params), x)
+    updates, state = opt.update(grads, state, params)
+    return (optax.apply_updates(params, updates), state,
+            jax.lax.pmean(loss, "data"))
+
+  def wrap(fn):
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(), specs, P("data")),
+                         out_specs=(P(), specs, P()))
+  return plan, wrap, local, (params, state, x)
+
+
+def _body(wrapped, args):
+  """The equations of the shard_map body of ``wrapped`` traced on args."""
+  outer = jax.make_jaxpr(wrapped)(*args).jaxpr
+  (eqn,) = [e for e in outer.eqns if e.primitive.name == "shard_map"]
+  inner = eqn.params["jaxpr"]
+  return getattr(inner, "jaxpr", inner).eqns
+
+
+def _ancestors(eqns):
+  """For each equation index, the set of equation indices it depends on."""
+  producer = {v: n for n, e in enumerate(eqns) for v in e.outvars}
+  out = []
+  for e in eqns:
+    deps = set()
+    for a in e.invars:
+      n = producer.get(a) if isinstance(a, jax.extend.core.Var) else None
+      if n is not None:
+        deps.add(n)
+        deps |= out[n]
+    out.append(deps)
+  return out
+
+
+def _layers_of_buckets(plan):
+  return [[int(plan.leaves[j].path.strip("[']l")) for j in b.leaves]
+          for b in plan.buckets]
+
+
+def _check_order(plan, eqns, shapes):
+  """Assert: each bucket's wire is made before the backward of every later
+  bucket's layers, and the collectives run one after another in order.
+  Returns the number of (bucket, later layer) pairs checked."""
+  anc = _ancestors(eqns)
+  producer = {v: n for n, e in enumerate(eqns) for v in e.outvars}
+  gathers = [n for n, e in enumerate(eqns)
+             if e.primitive.name.startswith("all_gather")]
+  buckets = _layers_of_buckets(plan)
+  assert len(gathers) == len(buckets)
+  grad_eqns = {l: [n for n, e in enumerate(eqns) if overlap.is_backward(e)
+                   and any(tuple(v.aval.shape) in (shapes[l], shapes[l][::-1])
+                           for v in e.outvars)]
+               for l in shapes}
+  checked = 0
+  for i, g in enumerate(gathers):
+    wire = producer[eqns[g].invars[0]]
+    for later in buckets[i + 1:]:
+      for layer in later:
+        assert grad_eqns[layer], layer
+        for n in grad_eqns[layer]:
+          assert wire in anc[n], (
+              f"the backward of layer {layer} does not wait for bucket {i}")
+          checked += 1
+    if i:
+      assert gathers[i - 1] in anc[g], f"bucket {i} may start before {i - 1}"
+  psums = [n for n, e in enumerate(eqns) if e.primitive.name.startswith("psum")
+           and not e.outvars[0].aval.shape]
+  assert psums and all(gathers[-1] in anc[n] for n in psums), (
+      "the loss's pmean may start before the last bucket")
+  return checked
+
+
+@pytest.mark.parametrize("recipe", sorted(set(jaxfuse.RECIPES) - {"sgd"}))
+def test_same_results_bitwise(recipe):
+  """Two steps of each recipe (``sgd``: the property test below)."""
+  plan, wrap, local, args = _setup(3, recipe)
+  assert len(plan.buckets) >= 2
+  plain, early = jax.jit(wrap(local)), jax.jit(wrap(jaxfuse.send_early(local)))
+  a, b = args, args
+  for _ in range(2):
+    a, b = plain(a[0], a[1], args[2]), early(b[0], b[1], args[2])
+    jax.block_until_ready((a, b))
+    same = jax.tree.map(lambda u, v: bool(jnp.array_equal(u, v)), a, b)
+    assert all(jax.tree.leaves(same))
+
+
+def test_backward_waits_for_each_wire_and_collectives_chain():
+  plan, wrap, local, args = _setup(6)
+  params = args[0]
+  shapes = {int(k[1:]): tuple(v.shape) for k, v in params.items()}
+  assert len(plan.buckets) >= 3
+  checked = _check_order(plan, _body(wrap(jaxfuse.send_early(local)), args),
+                         shapes)
+  assert checked >= 6
+
+
+def test_plain_step_has_no_such_order():
+  """The control: without send_early nothing makes the backward wait for a
+  bucket's wire, so the check above fails."""
+  plan, wrap, local, args = _setup(6)
+  shapes = {int(k[1:]): tuple(v.shape) for k, v in args[0].items()}
+  with pytest.raises(AssertionError, match="does not wait"):
+    _check_order(plan, _body(wrap(local), args), shapes)
+
+
+def test_groups_annotate_each_collective_with_the_work_after_it():
+  plan, wrap, local, args = _setup(6)
+  text = jax.jit(wrap(jaxfuse.send_early(local, groups=True))).lower(
+      *args).as_text()
+  gathers = [l for l in text.splitlines() if "stablehlo.all_gather" in l]
+  assert len(gathers) == len(plan.buckets)
+  ids = [l.split('_scheduling_group_id = "')[1].split('"')[0]
+         if "_scheduling_group_id" in l else None for l in gathers]
+  assert ids == [str(i) for i in range(len(ids))]
+  # The loss's pmean comes last, with no work after it to overlap: no group.
+  (loss_sum,) = [l for l in text.splitlines() if "stablehlo.all_reduce" in l]
+  assert "_scheduling_group_id" not in loss_sum
+  dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
+  assert sum("_scheduling_group_id" in l for l in dots) >= 2 * (len(ids) - 1)
+  plain = jax.jit(wrap(jaxfuse.send_early(local))).lower(*args).as_text()
+  assert "_scheduling_group_id" not in plain
+
+
+def test_ordered_effects_run_unchanged_with_a_warning():
+  mesh = mesh_of(WORKERS)
+  seen = []
+
+  def step(x):
+    jax.experimental.io_callback(lambda v: seen.append(float(v[0])) or v,
+                                 jax.ShapeDtypeStruct((1,), jnp.float32),
+                                 x[:1], ordered=True)
+    return jax.lax.psum(x * 2.0, "data")
+  x = jax.device_put(jnp.arange(2.0 * WORKERS),
+                     NamedSharding(mesh, P("data")))
+  fn = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+                                       out_specs=P()))
+  with pytest.warns(UserWarning, match="ordered side effects"):
+    out = fn(jaxfuse.send_early(step))(x)
+  np.testing.assert_array_equal(out, fn(step)(x))
+
+
+@hypothesis.settings(max_examples=3, deadline=None)
+@hypothesis.given(layers=st.integers(2, 4),
+                  bucket_bytes=st.sampled_from([6000, 12000]),
+                  density=st.sampled_from([0.1, 0.3]),
+                  seed=st.integers(0, 3))
+def test_property_identity_and_order(layers, bucket_bytes, density, seed):
+  """For any chain, bucket size and density: the same step, bitwise, with
+  every bucket's wire ahead of the later buckets' backward."""
+  plan, wrap, local, args = _setup(layers, "sgd", bucket_bytes, density,
+                                   seed)
+  hypothesis.assume(len(plan.buckets) >= 2)
+  early = jaxfuse.send_early(local)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")      # no fallback warning on a plain step
+    a, b = jax.jit(wrap(local))(*args), jax.jit(wrap(early))(*args)
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda u, v: bool(jnp.array_equal(u, v)), a, b)))
+  shapes = {int(k[1:]): tuple(v.shape) for k, v in args[0].items()}
+  _check_order(plan, _body(wrap(early), args), shapes)
