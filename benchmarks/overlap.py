@@ -107,10 +107,10 @@ def build(args, devices):
 
 
 def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
-                early=False, groups=False):
+                early=False, groups=False, window=None):
   """The README recipe's sparse phase, jitted with ``options`` (``delay``:
   under ``jaxfuse.delayed``; ``early``: the step under
-  ``jaxfuse.send_early``, with its scheduling ``groups``)."""
+  ``jaxfuse.send_early`` with ``groups`` and ``window``)."""
   opt = jaxfuse.onebit_adamw(plan, 1e-4, clip_norm=1.0, weight_decay=0.01)
   if delay:
     opt = jaxfuse.delayed(opt)
@@ -124,7 +124,7 @@ def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
     return (optax.apply_updates(params, updates), state,
             jax.lax.pmean(loss, AXIS))
   if early:
-    local = jaxfuse.send_early(local, groups=groups)
+    local = jaxfuse.send_early(local, groups=groups, window=window)
   step = jax.jit(jax.shard_map(local,
                                mesh=mesh, in_specs=(P(), specs, P(AXIS)),
                                out_specs=(P(), specs, P())),
@@ -243,6 +243,9 @@ def main(argv=None):
                  help="the step under jaxfuse.send_early")
   p.add_argument("--groups", action="store_true",
                  help="with --send-early: its XLA scheduling groups")
+  p.add_argument("--window", type=int,
+                 help="with --send-early: each collective ends within the "
+                 "backward of this many buckets after it")
   p.add_argument("--probe", action="store_true",
                  help="also time the scheduler probe (see probe())")
   p.add_argument("--label", default="",
@@ -263,6 +266,7 @@ def main(argv=None):
             "buckets": len(plan.buckets), "variants": {},
             "date": time.strftime("%Y-%m-%d"), "delay": args.delay,
             "send_early": args.send_early, "groups": args.groups,
+            "window": args.window,
             "command": " ".join(sys.argv),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(
@@ -275,7 +279,8 @@ def main(argv=None):
       print(f"{name}: skipped (budget)")
       continue
     step, state = sparse_step(mesh, plan, loss_fn, params, VARIANTS[name],
-                              args.delay, args.send_early, args.groups)
+                              args.delay, args.send_early, args.groups,
+                              args.window)
     t0 = time.perf_counter()
     compiled = step.lower(params, state, batch).compile()
     compile_s = time.perf_counter() - t0

@@ -8,8 +8,8 @@
 # MODE=flags: the scheduler's options on the undelayed step (default, no
 # latency hiding, the speed-of-light estimator, PGLE) and the probe.
 # MODE=early: the step under jaxfuse.send_early against the plain step, at
-# each of DENSITIES (default 0.05 0.01); at 0.05 also with its scheduling
-# groups and with jaxfuse.xla_flags.
+# each of DENSITIES (default 0.05 0.01; one density per call keeps a call
+# under 10 minutes), with and without window=1 and jaxfuse.xla_flags.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -32,9 +32,11 @@ early)
   for d in ${DENSITIES:-0.05 0.01}; do
     run $d default_ --variants base
     run $d early_ --variants base --send-early --skip-comm --skip-one-gpu
+    XLA_FLAGS="$NET" run $d net_early_w1_ --variants base --send-early \
+        --window 1 --skip-comm --skip-one-gpu
     if [ "$d" = 0.05 ]; then
-      run $d early_groups_ --variants base --send-early --groups --skip-comm --skip-one-gpu
       XLA_FLAGS="$NET" run $d net_early_ --variants base --send-early --skip-comm --skip-one-gpu
+      run $d early_w1_ --variants base --send-early --window 1 --skip-comm --skip-one-gpu
     fi
   done ;;
 delay)

@@ -17,16 +17,18 @@ buckets in the plan's backward-ready order) and w_i the input of c_i::
 
   for i = 1 … n:
     run every equation w_i depends on that has not run yet (traced order)
-    fence:  (w_i, L_i, _) ← optimization_barrier(w_i, L_i, out_{i−1})
+    fence:  (_, L_i) ← optimization_barrier(w_i, L_i)
+            (w_i, _) ← optimization_barrier(w_i, out_{i−1})
     out_i ← c_i(w_i)
   run the equations left (traced order)
 
 L_i: the backward pass's values computed so far that a later equation
 reads (the cotangents in flight, gradients not yet sent). The backward of
 earlier layers reads the fenced L_i, so it cannot run before w_i exists,
-and c_i can start then and run beside it. out_{i−1} in the fence makes c_i
-start after c_{i−1} has finished: the collectives run in the plan's order,
-and one traced last (the loss's ``pmean``) waits for the rest. Forward
+and c_i can start then and run beside it. The second barrier makes c_i
+start after c_{i−1} has finished, and nothing else: the collectives run in
+the plan's order, and one traced last (the loss's ``pmean``) waits for the
+rest instead of holding the collective stream through the backward. Forward
 activations, parameters and state stay out of the fences: holding them
 would make XLA materialise values it otherwise fuses into their readers.
 Each barrier is an identity: the step's outputs are bitwise unchanged.
@@ -57,7 +59,7 @@ COLLECTIVES = frozenset({
     "pmin", "ragged_all_to_all"})
 
 
-def send_early(step, *, groups: bool = False):
+def send_early(step, *, groups: bool = False, window: int | None = None):
   """``step`` with each collective's input computed as early as its data
   allows, everything after it fenced on it, and the collectives chained in
   traced order (module doc). Call the result where you would call
@@ -67,12 +69,21 @@ def send_early(step, *, groups: bool = False):
   ``groups``: also put each collective and the work between its fence and
   the next in one XLA scheduling group (``_scheduling_group_id``), which
   asks XLA's latency-hiding scheduler to overlap exactly those.
+
+  ``window`` w: also make the backward after fence i + w wait for c_i's
+  result, so c_i must run within the backward of the w buckets after it
+  (XLA otherwise leaves every collective's end at the end of the step,
+  where one at a time they queue up). None: no such bound.
   """
+  if window is not None and not (isinstance(window, int) and window >= 1):
+    raise ValueError(f"send_early: window={window!r} must be an integer "
+                     ">= 1 (buckets) or None.")
 
   @functools.wraps(step)
-  def wrapped(*args):
-    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args)
-    flat = jax.tree.leaves(args)
+  def wrapped(*args, **kwargs):
+    closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args,
+                                                                **kwargs)
+    flat = jax.tree.leaves((args, kwargs))
     ordered = _compat.ordered_effects(closed.jaxpr.effects)
     if ordered:
       warnings.warn(
@@ -81,7 +92,7 @@ def send_early(step, *, groups: bool = False):
           "order could change; running it unchanged.", stacklevel=2)
       out = jex.jaxpr_as_fun(closed)(*flat)
     else:
-      out = run_fenced(closed, flat, groups)
+      out = run_fenced(closed, flat, groups, window)
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
   return wrapped
@@ -132,9 +143,11 @@ def fenced_order(jaxpr) -> tuple[list[int], list[int]]:
   return order, fences
 
 
-def run_fenced(closed, args, groups: bool = False) -> list:
+def run_fenced(closed, args, groups: bool = False,
+               window: int | None = None) -> list:
   """Evaluate ``closed`` (a ClosedJaxpr) on ``args`` in ``fenced_order``,
-  with the fences of the module doc (``groups``: see ``send_early``)."""
+  with the fences of the module doc (``groups``, ``window``: see
+  ``send_early``)."""
   jaxpr = closed.jaxpr
   eqns = jaxpr.eqns
   order, fences = fenced_order(jaxpr)
@@ -152,7 +165,7 @@ def run_fenced(closed, args, groups: bool = False) -> list:
   from_backward = {v for e in eqns if is_backward(e) for v in e.outvars}
   env = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, args))
-  start, previous = 0, []
+  start, results = 0, []   # results: each collective's outputs, in order
   for k, stop in enumerate(fences + [len(order)]):
     # Segment k: c_{k-1}, then the work up to fence k (the next block's
     # backward and the next bucket's selection).
@@ -165,40 +178,45 @@ def run_fenced(closed, args, groups: bool = False) -> list:
       inputs = [a for a in collective.invars if isinstance(a, jex.Var)]
       live = [v for v in env if v in from_backward and v not in inputs
               and last_read.get(v, -1) >= stop]
-      _fence(env, inputs, live, [v for v in previous if v in env])
-      previous = [v for v in collective.outvars
-                  if not isinstance(v, jex.DropVar)]
+      previous = results[-1] if results else []
+      held = (results[k - window] if window and k >= window else [])
+      _fence(env, inputs, live, [v for v in previous if v in env],
+             [v for v in held if v in env])
+      results.append([v for v in collective.outvars
+                      if not isinstance(v, jex.DropVar)])
     start = stop
   return [a.val if isinstance(a, jex.Literal) else env[a]
           for a in jaxpr.outvars]
 
 
-def _fence(env, inputs, live, previous) -> None:
-  """Tie ``inputs`` to ``live`` and to ``previous`` (the last collective's
-  results) with barriers, in ``env``.
+def _fence(env, inputs, live, previous, held=()) -> None:
+  """In ``env``: tie ``live`` to ``inputs`` (and to ``held``, results of an
+  earlier collective), and ``inputs`` to ``previous`` (the last
+  collective's results), with barriers. Two kinds of barrier, so that the
+  backward waits for the inputs but not for the previous collective.
 
   A barrier's outputs vary over the union of its operands' varying mesh
-  axes, so each barrier holds the live values of one such set S ⊇ A, the
-  inputs' axes, and only the one of S = A gives the inputs back (with the
-  previous results that vary over no more than A). Values that vary over
+  axes, so each barrier on live values holds those of one such set S ⊇ A,
+  the inputs' axes, and only values varying over no more than its own
+  outputs go in as operands whose outputs are dropped. Values varying over
   fewer axes than the inputs (replicated parameters) stay out: what reads
   them along with a cotangent waits through that operand anyway."""
   axes = frozenset().union(*(_compat.varying_axes(env[v]) for v in inputs))
-  after = [env[v] for v in previous if _compat.varying_axes(env[v]) <= axes]
-  by_axes: dict[frozenset, list] = {axes: []}
+  ins = [env[v] for v in inputs]
+  by_axes: dict[frozenset, list] = {}
   for v in live:
     s = _compat.varying_axes(env[v])
     if s >= axes:
       by_axes.setdefault(s, []).append(v)
   for s, group in by_axes.items():
-    if not group and not (s == axes and after):
-      continue
-    tied_in, tied, _ = lax.optimization_barrier(
-        ([env[v] for v in inputs], [env[v] for v in group],
-         after if s == axes else []))
+    wait = [env[v] for v in held if _compat.varying_axes(env[v]) <= s]
+    _, tied, _ = lax.optimization_barrier(
+        (ins, [env[v] for v in group], wait))
     env.update(zip(group, tied))
-    if s == axes:
-      env.update(zip(inputs, tied_in))
+  after = [env[v] for v in previous if _compat.varying_axes(env[v]) <= axes]
+  if after:
+    tied_in, _ = lax.optimization_barrier((ins, after))
+    env.update(zip(inputs, tied_in))
 
 
 def _run_segment(jaxpr, seg, env, last_read, stop) -> None:

@@ -99,9 +99,10 @@ def _layers_of_buckets(plan):
           for b in plan.buckets]
 
 
-def _check_order(plan, eqns, shapes):
+def _check_order(plan, eqns, shapes, window=None):
   """Assert: each bucket's wire is made before the backward of every later
-  bucket's layers, and the collectives run one after another in order.
+  bucket's layers, the collectives run one after another in order, and the
+  backward waits for a collective's result only ``window`` buckets later.
   Returns the number of (bucket, later layer) pairs checked."""
   anc = _ancestors(eqns)
   producer = {v: n for n, e in enumerate(eqns) for v in e.outvars}
@@ -116,12 +117,18 @@ def _check_order(plan, eqns, shapes):
   checked = 0
   for i, g in enumerate(gathers):
     wire = producer[eqns[g].invars[0]]
-    for later in buckets[i + 1:]:
+    if eqns[wire].primitive.name == "optimization_barrier":   # the chain's
+      wire = producer[eqns[wire].invars[0]]
+    for j, later in enumerate(buckets[i + 1:], i + 1):
       for layer in later:
         assert grad_eqns[layer], layer
         for n in grad_eqns[layer]:
           assert wire in anc[n], (
               f"the backward of layer {layer} does not wait for bucket {i}")
+          waits = g in anc[n]
+          assert waits == (window is not None and j >= i + window + 1), (
+              f"layer {layer}'s backward waits for bucket {i}'s result: "
+              f"{waits}")
           checked += 1
     if i:
       assert gathers[i - 1] in anc[g], f"bucket {i} may start before {i - 1}"
@@ -154,6 +161,16 @@ def test_backward_waits_for_each_wire_and_collectives_chain():
   checked = _check_order(plan, _body(wrap(jaxfuse.send_early(local)), args),
                          shapes)
   assert checked >= 6
+
+
+def test_window_bounds_where_each_collective_ends():
+  plan, wrap, local, args = _setup(6)
+  shapes = {int(k[1:]): tuple(v.shape) for k, v in args[0].items()}
+  assert _check_order(
+      plan, _body(wrap(jaxfuse.send_early(local, window=1)), args),
+      shapes, window=1) >= 6
+  with pytest.raises(ValueError, match="window=0"):
+    jaxfuse.send_early(local, window=0)
 
 
 def test_plain_step_has_no_such_order():
