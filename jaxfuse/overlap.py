@@ -64,11 +64,13 @@ def send_early(step, *, groups: bool = False, window: int | None = None):
   allows, everything after it fenced on it, and the collectives chained in
   traced order (module doc). Call the result where you would call
   ``step``: inside ``jax.shard_map``, under ``jax.jit``. Its outputs are
-  bitwise those of ``step``.
+  bitwise those of ``step``. Experimental: the order is tested; what it
+  saves on GPUs is still being measured (docs/benchmarks.md, "Overlap").
 
   ``groups``: also put each collective and the work between its fence and
   the next in one XLA scheduling group (``_scheduling_group_id``), which
-  asks XLA's latency-hiding scheduler to overlap exactly those.
+  asks XLA's latency-hiding scheduler to overlap exactly those (so far XLA
+  answered "not overlapped" and made the collectives synchronous).
 
   ``window`` w: also make the backward after fence i + w wait for c_i's
   result, so c_i must run within the backward of the w buckets after it
