@@ -1,18 +1,26 @@
 """The measured timeline (``jaxfuse.planning.trace``) on a hand-written trace
 whose busy, overlapped and hidden times are worked out below by hand; its
-errors; and a real CPU profile."""
+errors; a real CPU profile; and ``jaxfuse show --measured``."""
 
 import gzip
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+import jaxfuse
+from jaxfuse.planning import cli
 from jaxfuse.planning import trace
 
+from _harness import cpu_env
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 US = 1e-6  # the trace's unit, in seconds
 
 GPU0, GPU1, HOST = 1, 2, 701
@@ -259,3 +267,70 @@ def test_a_real_cpu_profile_has_no_device_events(tmp_path):
   with pytest.raises(trace.TraceError, match="no GPU device events.*"
                      "/host:CPU"):
     trace.read_trace(tmp_path)
+
+
+@pytest.fixture
+def plan_and_costs(tmp_path):
+  from jaxfuse.planning.costs import Costs, LinearCost
+  plan = jaxfuse.plan([jax.ShapeDtypeStruct((n,), "float32")
+                       for n in (40000, 300, 90000)], strategy="layerwise")
+  plan.save(tmp_path / "plan.json")
+  Costs({"allgather": LinearCost(1e-5, 1e-9), "psum": LinearCost(1e-5, 2e-9)},
+        LinearCost(1e-6, 1e-9), (1e-4,) * 3, overlap=0.5,
+        forward=1e-4).save(tmp_path / "costs.json")
+  return str(tmp_path / "plan.json"), str(tmp_path / "costs.json")
+
+
+def test_show_measured_draws_and_prints(tmp_path, log_dir, plan_and_costs,
+                                        capsys):
+  plan, costs = plan_and_costs
+  both, alone = tmp_path / "both.png", tmp_path / "alone.png"
+  assert cli.main(["show", plan, "--measured", str(log_dir), "--costs",
+                   costs, "-o", str(both)]) == 0
+  out = capsys.readouterr().out
+  assert "/device:GPU:0, 2 steps marked 'train'" in out
+  table = {l.split()[0]: l.split() for l in out.splitlines() if l.strip()}
+  assert table["0"] == ["0", "0.600", "0.550", "0.250", "0.200", "0.050",
+                        "80%"]
+  assert table["1"] == ["1", "0.500", "0.300", "0.200", "0.000", "0.200",
+                        "0%"]
+  assert table["sum"][-1] == "44%"  # 200 / 450
+  assert "measured hidden 44%" in out and "(step 1 drawn)" in out
+  assert "simulated" in out
+  assert cli.main(["show", plan, "--measured", str(log_dir), "--step", "0",
+                   "-o", str(alone)]) == 0
+  assert "(step 0 drawn)" in capsys.readouterr().out
+  for png in (both, alone):
+    data = png.read_bytes()
+    assert data[:8] == PNG_SIGNATURE and len(data) > 10_000
+  # both charts in one figure: taller than the measured one alone
+  height = lambda p: int.from_bytes(p.read_bytes()[20:24], "big")
+  assert height(both) > 1.5 * height(alone)
+
+
+def test_show_measured_errors(tmp_path, log_dir, plan_and_costs, capsys):
+  plan, _ = plan_and_costs
+  for argv, message in (
+      (["--measured", str(tmp_path / "nope")], "--measured: "),
+      (["--measured", str(log_dir), "--device", "4"], "no /device:GPU:4"),
+      (["--measured", str(log_dir), "--step", "9"], "no step 9"),
+      (["--step", "1"], "add --measured"),
+      (["-o", str(tmp_path / "x.png")], "or --measured TRACE")):
+    assert cli.main(["show", plan, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_show_measured_without_a_chart_needs_no_matplotlib(log_dir,
+                                                           plan_and_costs):
+  """Reading a trace and printing its table import no plotting library."""
+  plan, _ = plan_and_costs
+  code = ("import sys; from jaxfuse.planning import cli; "
+          f"code = cli.main(['show', {plan!r}, '--measured', "
+          f"{str(log_dir)!r}]); "
+          "assert 'matplotlib' not in sys.modules, 'matplotlib imported'; "
+          "sys.exit(code)")
+  r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cpu_env(1),
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr
+  assert "measured hidden 44%" in r.stdout

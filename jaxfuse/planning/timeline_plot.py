@@ -1,4 +1,5 @@
-"""A Gantt chart of one simulated step (``jaxfuse show plan.json -o x.png``).
+"""A Gantt chart of one simulated step (``jaxfuse show plan.json -o x.png``),
+and of one measured step (``--measured TRACE``, from ``planning.trace``).
 
 Two rows, time in ms from the start of the forward pass:
 
@@ -7,6 +8,11 @@ Two rows, time in ms from the start of the forward pass:
   link     each bucket's collective (its bucket's colour; psum hatched),
            and the pause the overlap budget η forces, if any
 
+Measured, the same two rows from the step's first kernel: its compute
+kernels, its NCCL kernels (all-reduces hatched), and the overlapped time
+shaded. ``plot_measured`` puts the simulated chart above the measured one
+on a shared time axis.
+
 matplotlib is imported only here and only when drawing (``pip install
 matplotlib``); no pyplot, so no GUI backend or global state is touched.
 """
@@ -14,6 +20,7 @@ matplotlib``); no pyplot, so no GUI backend or global state is touched.
 from __future__ import annotations
 
 import os
+import re
 
 from jaxfuse import plans as plan_lib
 from jaxfuse.planning import simulate as simulate_lib
@@ -134,6 +141,76 @@ def plot_timeline(plan: plan_lib.Plan, timeline: simulate_lib.Timeline,
   Figure = _matplotlib()[0]
   fig = Figure(figsize=(11, 3.2), layout="constrained")
   draw_timeline(fig.subplots(), plan, timeline, title=title)
+  if path is not None:
+    fig.savefig(path, dpi=120)
+  return fig
+
+
+_OVERLAP = "#c8e6c9"
+_NCCL_NAME = re.compile(r"(allreduce|allgather|reducescatter|sendrecv|"
+                        r"broadcast|reduce|alltoall)", re.IGNORECASE)
+
+
+def _collective(name: str) -> str:
+  """'ncclDevKernel_AllGather_RING_LL(...)' -> 'AllGather' (else 'nccl')."""
+  m = _NCCL_NAME.search(name)
+  return m.group(1) if m else "nccl"
+
+
+def draw_measured(ax, step, *, span_ms: float | None = None,
+                  title: str | None = None, device: str = "GPU"):
+  """Draw a measured step (``jaxfuse.planning.trace.MeasuredStep``) on
+  ``ax`` like ``draw_timeline``: compute kernels on one row, NCCL kernels
+  (all-reduces hatched, like psum) on the link row, and the overlapped time
+  C ∩ L shaded across both."""
+  Patch = _matplotlib()[1]
+  palette = _palette()
+  span = span_ms or max(step.span, 1e-12) * MS
+  for start, end in step.overlaps:
+    ax.axvspan(start * MS, end * MS, color=_OVERLAP, zorder=0, linewidth=0)
+  for row, start, end, name in step.kernels:
+    if row == "compute":
+      _bar(ax, row, start, end, facecolor=palette[0], edgecolor="white",
+           linewidth=0.3)
+    else:
+      kind = _collective(name)
+      _bar(ax, row, start, end, facecolor=palette[1], edgecolor="black",
+           linewidth=0.4,
+           hatch="//" if kind.lower() == "allreduce" else None)
+      _label(ax, row, start, end, kind, span)
+  handles = [Patch(facecolor=palette[0], label="compute kernels"),
+             Patch(facecolor=palette[1], edgecolor="black",
+                   label="NCCL kernels"),
+             Patch(facecolor=palette[1], edgecolor="black", hatch="//",
+                   label="NCCL all-reduce"),
+             Patch(facecolor=_OVERLAP, label="overlapped (compute ∩ link)")]
+  which = "" if step.step_num is None else f" step {step.step_num}"
+  _frame(ax, span, handles, title or (
+      f"measured on {device}{which}: span {step.span * MS:.3g} ms, link "
+      f"busy {step.link_busy * MS:.3g} ms, {100 * step.hidden:.0f}% hidden "
+      f"(overlapped {step.overlapped * MS:.3g} ms)"))
+
+
+def plot_measured(step, path: str | os.PathLike | None = None, *,
+                  plan: plan_lib.Plan | None = None,
+                  timeline: simulate_lib.Timeline | None = None,
+                  device: str = "GPU", title: str | None = None):
+  """Draw a measured step; with ``plan`` and ``timeline`` (its simulation)
+  the simulated chart above it on a shared time axis.
+
+  Saves to ``path`` when given; returns the matplotlib ``Figure``.
+  """
+  Figure = _matplotlib()[0]
+  if timeline is None:
+    fig = Figure(figsize=(11, 3.2), layout="constrained")
+    draw_measured(fig.subplots(), step, device=device, title=title)
+  else:
+    fig = Figure(figsize=(11, 6.2), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    span = max(timeline.iteration, step.span, 1e-12) * MS
+    draw_timeline(top, plan, timeline, span_ms=span)
+    draw_measured(bottom, step, span_ms=span, device=device, title=title)
+    top.tick_params(labelbottom=True)
   if path is not None:
     fig.savefig(path, dpi=120)
   return fig
