@@ -158,7 +158,7 @@ class MeasuredTrace:
             "steps": [s.to_dict() for s in self.steps]}
 
 
-# --- interval arithmetic ---------------------------------------------------------
+# --- interval arithmetic ------------------------------------------------------
 
 def union(intervals) -> list[Interval]:
   """The disjoint, sorted intervals covering the same time as ``intervals``."""
@@ -192,7 +192,7 @@ def length(intervals) -> float:
   return sum(end - start for start, end in union(intervals))
 
 
-def measure(kernels, *, step_num=None, origin=0.0, wall=None) -> MeasuredStep:
+def measure(kernels, *, step_num=None, wall=None) -> MeasuredStep:
   """A ``MeasuredStep`` from (row, start_s, end_s, name) on one clock:
   shifted so that the first kernel starts at 0, and summarized."""
   kernels = sorted(kernels, key=lambda k: (k[1], k[2]))
@@ -204,10 +204,10 @@ def measure(kernels, *, step_num=None, origin=0.0, wall=None) -> MeasuredStep:
   overlaps = intersection(compute, link)
   span = max((e for _, _, e, _ in kernels), default=0.0)
   return MeasuredStep(kernels, tuple(overlaps), length(compute), length(link),
-                      length(overlaps), span, step_num, origin + t0, wall)
+                      length(overlaps), span, step_num, t0, wall)
 
 
-# --- reading the file ----------------------------------------------------------------
+# --- reading the file ---------------------------------------------------------
 
 def find_trace_file(path: str | os.PathLike) -> pathlib.Path:
   """``path`` itself if a file; for a directory, the newest
@@ -271,9 +271,56 @@ def _interval(e) -> Interval | None:
   return start, start + dur
 
 
-def _gpu_ordinal(process_name: str) -> int | None:
-  m = _GPU.search(process_name)
-  return int(m.group(1)) if m else None
+def _gpus(processes, file) -> dict[int, tuple[object, str]]:
+  """{ordinal: (pid, "/device:GPU:N")} of the trace's GPU processes."""
+  gpus = {}
+  for pid, name in processes.items():
+    m = _GPU.search(name)
+    if m:
+      gpus.setdefault(int(m.group(1)), (pid, m.group(0)))
+  if not gpus:
+    found = ", ".join(sorted(set(processes.values()))) or "none"
+    raise TraceError(
+        f"{file}: no GPU device events (processes in the trace: {found}). "
+        "A CPU trace has none: XLA:CPU runs on host threads. Profile the "
+        "step on GPUs (a CUDA jaxlib with CUPTI) to see its kernels.")
+  return gpus
+
+
+def _stream_kernels(events, threads, pid) -> list[Kernel]:
+  """(row, start_s, end_s, name) of the complete events on process
+  ``pid``'s "Stream #…" threads; NCCL's are the link's."""
+  kernels = []
+  for e in events:
+    span = _interval(e) if e.get("pid") == pid else None
+    if span is not None and threads.get((pid, e.get("tid")), "").startswith(
+        _STREAM):
+      name = str(e.get("name", ""))
+      kernels.append((LINK if "nccl" in name.lower() else COMPUTE, *span,
+                      name))
+  return kernels
+
+
+def _step_markers(events, device_pids, step_name) -> list[tuple[Interval,
+                                                                 dict]]:
+  """((start_s, end_s), event) of each host event with a ``step_num``
+  argument (named ``step_name`` if given), by start."""
+  markers = []
+  for e in events:
+    if (e.get("pid") in device_pids or "step_num" not in (e.get("args") or {})
+        or step_name is not None and e.get("name") != step_name):
+      continue
+    span = _interval(e)
+    if span is not None:
+      markers.append((span, e))
+  return sorted(markers, key=lambda m: m[0])
+
+
+def _step_num(event) -> int | None:
+  try:
+    return int(event["args"]["step_num"])
+  except (KeyError, TypeError, ValueError):
+    return None
 
 
 def read_trace(path: str | os.PathLike, *, device: int | None = None,
@@ -286,63 +333,36 @@ def read_trace(path: str | os.PathLike, *, device: int | None = None,
   file = find_trace_file(path)
   events = load_events(file)
   processes, threads = _names(events)
-  gpus = {}
-  for pid, name in processes.items():
-    ordinal = _gpu_ordinal(name)
-    if ordinal is not None:
-      gpus.setdefault(ordinal, (pid, _GPU.search(name).group(0)))
-  if not gpus:
-    found = ", ".join(sorted(set(processes.values()))) or "none"
-    raise TraceError(
-        f"{file}: no GPU device events (processes in the trace: {found}). "
-        "A CPU trace has none: XLA:CPU runs on host threads. Profile the "
-        "step on GPUs (a CUDA jaxlib with CUPTI) to see its kernels.")
+  gpus = _gpus(processes, file)
   ordinal = min(gpus) if device is None else device
   if ordinal not in gpus:
     raise TraceError(f"{file}: no /device:GPU:{ordinal}; the trace has "
                      f"{', '.join(gpus[g][1] for g in sorted(gpus))}.")
   pid, device_name = gpus[ordinal]
-  kernels = []
-  for e in events:
-    span = _interval(e) if e.get("pid") == pid else None
-    if span is None or not threads.get((pid, e.get("tid")), "").startswith(
-        _STREAM):
-      continue
-    name = str(e.get("name", ""))
-    kernels.append((LINK if "nccl" in name.lower() else COMPUTE, *span, name))
+  kernels = _stream_kernels(events, threads, pid)
   if not kernels:
     raise TraceError(
         f"{file}: {device_name} has no kernel events on its streams (no "
         f"'{_STREAM}…' rows with events). Was CUPTI available when it was "
         "recorded? Run the step inside the jax.profiler.trace block.")
 
-  gpu_pids = {p for p, _ in gpus.values()}
-  markers = []  # ((start_s, end_s), event) of each host step marker
-  for e in events:
-    if (e.get("pid") in gpu_pids or "step_num" not in (e.get("args") or {})
-        or step_name is not None and e.get("name") != step_name):
-      continue
-    span = _interval(e)
-    if span is not None:
-      markers.append((span, e))
-  markers.sort(key=lambda m: m[0])
+  markers = _step_markers(events, {p for p, _ in gpus.values()}, step_name)
+  if not markers and step_name is not None:
+    raise TraceError(f"{file}: no step markers named {step_name!r}; wrap "
+                     f"each step in jax.profiler.StepTraceAnnotation("
+                     f"{step_name!r}, step_num=i), or name none to read the "
+                     "whole trace as one step.")
   if not markers:
-    if step_name is not None:
-      raise TraceError(f"{file}: no step markers named {step_name!r}; wrap "
-                       f"each step in jax.profiler.StepTraceAnnotation("
-                       f"{step_name!r}, step_num=i), or name none to read the "
-                       "whole trace as one step.")
     steps = (measure(kernels),)
   else:
     groups = [[] for _ in markers]
-    for k in kernels:
-      for i, ((start, end), _) in enumerate(markers):
-        if start <= k[1] < end:
-          groups[i].append(k)
-          break
-    steps = tuple(
-        measure(g, step_num=_step_num(e), wall=end - start)
-        for g, ((start, end), e) in zip(groups, markers) if g)
+    for k in kernels:  # the first marker whose host interval holds its start
+      i = next((i for i, ((start, end), _) in enumerate(markers)
+                if start <= k[1] < end), None)
+      if i is not None:
+        groups[i].append(k)
+    steps = tuple(measure(g, step_num=_step_num(e), wall=end - start)
+                  for g, ((start, end), e) in zip(groups, markers) if g)
     if not steps:
       raise TraceError(
           f"{file}: none of the {len(markers)} step markers holds a kernel of "
@@ -352,10 +372,3 @@ def read_trace(path: str | os.PathLike, *, device: int | None = None,
   names = tuple(sorted({str(e.get("name")) for _, e in markers}))
   return MeasuredTrace(str(file), device_name,
                        tuple(gpus[g][1] for g in sorted(gpus)), steps, names)
-
-
-def _step_num(event) -> int | None:
-  try:
-    return int(event["args"]["step_num"])
-  except (KeyError, TypeError, ValueError):
-    return None
