@@ -13,6 +13,12 @@ on the same GPUs and one of them:
 
   hidden = (T₁ + G − T_K) / min(G, T_b)   (1: all the overlap there can be)
 
+With --trace-dir DIR, each variant's next 3 steps are also profiled
+(``jax.profiler.trace(DIR/<variant>, create_perfetto_trace=True)``, each step
+in a ``StepTraceAnnotation("train", step_num=i)`` and blocked on); the JSON
+gets the trace's path and its measured overlap (``jaxfuse.planning.trace``),
+and ``jaxfuse show plan.json --measured DIR/<variant>`` draws it.
+
 Prints a table and writes JSON (and each variant's HLO with --hlo-dir)::
 
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket \\
@@ -44,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfuse
 from jaxfuse.planning import hlo
+from jaxfuse.planning import trace as trace_lib
 from lm_model import build_model
 from lm_model import make_loss
 from lm_model import PRESETS
@@ -84,6 +91,35 @@ def _time(fn, args, steps, carry=True):
     out = jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
   return float(np.median(times)), out
+
+
+TRACE_STEPS = 3
+
+
+def capture_trace(fn, args, log_dir, steps=TRACE_STEPS):
+  """Profile ``steps`` train steps of ``fn`` (outputs 0 and 1 fed back as
+  inputs 0 and 1) into ``log_dir``, each in a StepTraceAnnotation("train",
+  step_num=i) and waited for inside it, so its kernels fall within its step
+  marker. Returns the perfetto_trace.json.gz written."""
+  with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+    for i in range(steps):
+      with jax.profiler.StepTraceAnnotation("train", step_num=i):
+        out = jax.block_until_ready(fn(*args))
+      args = (out[0], out[1]) + tuple(args[2:])
+  return trace_lib.find_trace_file(log_dir)
+
+
+def measured_overlap(path) -> dict:
+  """The trace's totals over its steps (seconds, hidden share), or the
+  reason it has none (e.g. a CPU run: no GPU kernels)."""
+  try:
+    measured = trace_lib.read_trace(path)
+  except trace_lib.TraceError as e:
+    return {"error": str(e)}
+  return {"device": measured.device, "steps": len(measured.steps),
+          "hidden": measured.hidden,
+          **{f: measured.total(f) for f in ("span", "compute_busy",
+                                            "link_busy", "overlapped")}}
 
 
 def build(args, devices):
@@ -254,6 +290,9 @@ def main(argv=None):
   p.add_argument("--budget-s", type=float, default=520,
                  help="start no variant after this many seconds")
   p.add_argument("--hlo-dir")
+  p.add_argument("--trace-dir",
+                 help=f"profile {TRACE_STEPS} steps of each variant into "
+                      "TRACE_DIR/<variant> (jax.profiler, perfetto JSON)")
   p.add_argument("--out")
   args = p.parse_args(argv)
   t_start = time.perf_counter()
@@ -293,10 +332,9 @@ def main(argv=None):
     sched = hlo.schedule(text)
     # --via-jit: call the jitted step (where JAX_ENABLE_PGLE profiles its
     # first runs and recompiles); its schedule is then not the one above.
-    t_k, out = _time(step if args.via_jit else compiled,
-                     (params, state, batch), args.steps)
-    del out
-    result["variants"][args.label + name] = {
+    fn = step if args.via_jit else compiled
+    t_k, out = _time(fn, (params, state, batch), args.steps)
+    variant = result["variants"][args.label + name] = {
         "options": VARIANTS[name], "step_s": t_k, "compile_s": compile_s,
         "backward": sched.backward, "starts": sched.starts,
         "dones": sched.dones, "kinds": sched.opcodes,
@@ -307,6 +345,16 @@ def main(argv=None):
           f"backward {sched.started_in_backward()}/{len(sched.starts)}   "
           f"backward at {sched.backward}, starts {list(sched.starts)}",
           flush=True)
+    if args.trace_dir:
+      path = capture_trace(fn, (out[0], out[1], batch),
+                           pathlib.Path(args.trace_dir, args.label + name))
+      variant["trace"] = str(path)
+      variant["measured"] = measured_overlap(path)
+      m = variant["measured"]
+      print(f"{'':24s} " + (m["error"] if "error" in m else
+                            f"{path}: measured {100 * m['hidden']:.0f}% of "
+                            "the link time hidden"), flush=True)
+    del out
     save()
   if shapes and args.probe:
     for source in ("state", "grads"):

@@ -3,7 +3,9 @@
 costs (the cost model) ← profiling (measures it), simulate (the timeline
 objective) ← optimal (exact grouping) ← strategies (the papers' groupings)
 ← planner (the ``jaxfuse.plan`` front door) ← cli, timeline_plot. ordering
-reads the backward-ready order from the gradient's jaxpr. Nothing here runs
-inside the train step; the step wing (transform, sparsify, fusion,
-collectives, kernels) never imports this package.
+reads the backward-ready order from the gradient's jaxpr; trace reads a
+measured step (its kernels, their overlap) from a jax.profiler trace, the
+counterpart of simulate. Nothing here runs inside the train step; the step
+wing (transform, sparsify, fusion, collectives, kernels) never imports this
+package.
 """

@@ -4,6 +4,7 @@
   jaxfuse plan MODULE:FUNCTION [--density 0.01] [--strategy auto]
                [--costs costs.json] [-o plan.json]
   jaxfuse show plan.json [--costs costs.json] [-o timeline.png]
+  jaxfuse show plan.json --measured TRACE [--costs costs.json] [-o out.png]
 
 MODULE:FUNCTION names a function taking no arguments that returns either the
 parameter pytree, or a tuple ``(loss_fn, params, *example_args)``: a model
@@ -340,13 +341,61 @@ def plan_table(plan, timeline=None) -> str:
   return "\n".join(_table(rows, right))
 
 
+def measured_table(measured) -> str:
+  """One row per measured step (and the sum over steps), times in ms:
+  busy = |∪ kernels| per row, overlapped = |compute ∩ link|, hidden =
+  overlapped / link busy."""
+  ms = lambda s: f"{s * 1e3:.3f}"
+  rows = [["step", "span ms", "compute busy", "link busy", "overlapped",
+           "exposed", "hidden"]]
+  for s in measured.steps:
+    rows.append(["all" if s.step_num is None else str(s.step_num),
+                 ms(s.span), ms(s.compute_busy), ms(s.link_busy),
+                 ms(s.overlapped), ms(s.exposed), f"{100 * s.hidden:.0f}%"])
+  if len(measured.steps) > 1:
+    rows.append(["sum"] + [ms(measured.total(f)) for f in (
+        "span", "compute_busy", "link_busy", "overlapped", "exposed")] +
+                [f"{100 * measured.hidden:.0f}%"])
+  return "\n".join(_table(rows, [False] + [True] * 6))
+
+
+def _read_measured(args):
+  from jaxfuse.planning import trace  # pylint: disable=g-import-not-at-top
+  try:
+    measured = trace.read_trace(args.measured, device=args.device)
+    return measured, measured.step(args.step)
+  except trace.TraceError as e:
+    raise UsageError(f"--measured: {e}") from e
+
+
+def _show_measured(measured, step, timeline) -> None:
+  steps = "one step (no step markers)" if not measured.markers else (
+      f"{len(measured.steps)} steps marked {', '.join(measured.markers)!r}")
+  print(f"measured {measured.path}: {measured.device}, {steps}")
+  print(measured_table(measured))
+  drawn = "" if step.step_num is None else f" (step {step.step_num} drawn)"
+  line = (f"measured hidden {100 * measured.hidden:.0f}% of the link time "
+          f"(NCCL kernels) behind compute kernels{drawn}")
+  if timeline is not None:
+    line += f"; simulated {100 * timeline.overlap_ratio:.0f}%"
+  print(line)
+
+
 def cmd_show(args) -> int:
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
   plan = _load_plan(args.plan)
   costs = _load_costs(args.costs) if args.costs else None
-  if args.output and costs is None:
+  if args.output and costs is None and not args.measured:
     raise UsageError("show -o needs --costs costs.json (from `jaxfuse "
-                     "profile`): the timeline comes from the cost model.")
+                     "profile`), or --measured TRACE (from jax.profiler."
+                     "trace): the timeline comes from the cost model or a "
+                     "profile.")
+  if (args.step is not None or args.device is not None) and not args.measured:
+    raise UsageError("--step and --device choose what --measured TRACE "
+                     "shows; add --measured.")
+  measured = step = None
+  if args.measured:
+    measured, step = _read_measured(args)
   note = None
   timeline = None
   if costs is not None:
@@ -379,10 +428,17 @@ def cmd_show(args) -> int:
           f"{_ms(costs.comm_time('psum', dense))}")
     if note:
       print(note)
+  if measured is not None:
+    _show_measured(measured, step, timeline)
   if args.output:
     from jaxfuse.planning import timeline_plot  # pylint: disable=g-import-not-at-top
     try:
-      timeline_plot.plot_timeline(plan, timeline, args.output)
+      if measured is None:
+        timeline_plot.plot_timeline(plan, timeline, args.output)
+      else:
+        timeline_plot.plot_measured(step, args.output, plan=plan,
+                                    timeline=timeline,
+                                    device=measured.device)
     except ImportError as e:
       raise UsageError(str(e)) from e
     except (OSError, ValueError) as e:
@@ -401,7 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
       "this machine, make a plan for a model, and look at it.\n\n"
       "  jaxfuse profile -o costs.json --model mymodel:make\n"
       "  jaxfuse plan mymodel:make --costs costs.json -o plan.json\n"
-      "  jaxfuse show plan.json --costs costs.json -o timeline.png\n\n"
+      "  jaxfuse show plan.json --costs costs.json -o timeline.png\n"
+      "  jaxfuse show plan.json --measured LOG_DIR --costs costs.json -o "
+      "both.png\n\n"
       "MODULE:FUNCTION: a function of no arguments returning the params, or "
       "(loss_fn, params, *example_args). Details: docs/cli.md."))
   p.add_argument("--version", action="version",
@@ -502,12 +560,27 @@ def build_parser() -> argparse.ArgumentParser:
           "wire bytes). With --costs also the simulated step: when each "
           "bucket is ready and communicated, the predicted step time and "
           "how much communication is hidden; with -o a Gantt chart of it "
-          "(needs matplotlib)."))
+          "(needs matplotlib). With --measured, the same from a GPU profile "
+          "(jax.profiler.trace(LOG_DIR, create_perfetto_trace=True), each "
+          "step in a jax.profiler.StepTraceAnnotation and blocked on): per "
+          "step the compute and NCCL kernels' busy time, their overlap and "
+          "the share of link time hidden; with -o its chart, below the "
+          "simulated one when --costs is given."))
   sh.add_argument("plan", metavar="PLAN.json", help="a plan file")
   sh.add_argument("--costs", metavar="COSTS.json",
                   help="costs from `jaxfuse profile` to simulate the step")
   sh.add_argument("-o", "--output", metavar="TIMELINE.png",
-                  help="draw the simulated timeline here (png, svg, pdf)")
+                  help="draw the simulated and/or measured timeline here "
+                  "(png, svg, pdf)")
+  sh.add_argument("--measured", metavar="TRACE",
+                  help="a jax.profiler trace: its perfetto_trace.json.gz "
+                  "(or .json), or a directory holding one (the newest)")
+  sh.add_argument("--step", type=int, metavar="N",
+                  help="with --measured: draw the step with step_num N "
+                  "(default: the step of median span)")
+  sh.add_argument("--device", type=int, metavar="N",
+                  help="with --measured: read /device:GPU:N (default: the "
+                  "lowest)")
   sh.set_defaults(run=cmd_show)
   return p
 
