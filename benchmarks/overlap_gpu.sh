@@ -36,9 +36,9 @@ case "${MODE:-delay}" in
 early)
   # In order of promise, so that DEADLINE_S cuts the least useful.
   for d in ${DENSITIES:-0.05}; do
-    run $d default_ --variants base
+    run $d default_ --variants base --trace-dir "$OUT/trace_default"
     XLA_FLAGS="$NET" run $d net_early_w1_ --variants base --send-early \
-        --window 1 --skip-comm --skip-one-gpu
+        --window 1 --skip-comm --skip-one-gpu --trace-dir "$OUT/trace_early"
     run $d early_ --variants base --send-early --skip-comm --skip-one-gpu
     XLA_FLAGS="$NET" run $d net_early_ --variants base --send-early --skip-comm --skip-one-gpu
     XLA_FLAGS="$NET" run $d net_early_w1_groups_ --variants base --send-early \
@@ -63,7 +63,15 @@ flags)
     run 0.05 pgle_ --variants base --skip-comm --skip-one-gpu --steps 20 --via-jit
   run 0.05 default_ --variants base --probe ;;
 esac
-# One archive: the device tool returns few files.
-tar czf "$OUT/hlo.tgz" -C "$OUT" $(cd "$OUT" && ls -d hlo_* 2>/dev/null) 2>/dev/null \
-  && rm -rf "$OUT"/hlo_*
-rm -f "$OUT"/*.log
+# Few files back from a device call: each profile as one file, the rest in
+# one archive.
+for t in "$OUT"/trace_*; do
+  [ -d "$t" ] || continue
+  f=$(find "$t" -name perfetto_trace.json.gz | head -n 1)
+  [ -n "$f" ] && cp "$f" "$t.json.gz"
+  rm -rf "$t"
+done
+(cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude 'trace_*' \
+   $(ls | grep -v '^trace_\|^results.tgz$') && \
+   find . -mindepth 1 -maxdepth 1 ! -name results.tgz ! -name 'trace_*' \
+     ! -name gpus.txt -exec rm -rf {} +)
