@@ -42,6 +42,7 @@ import numpy as np
 from jaxfuse import elastic
 from jaxfuse import phases
 from jaxfuse import plans as plan_lib
+from jaxfuse import schedule as schedule_lib
 from jaxfuse import transform
 
 STATE, PLAN, EXTRA = "state", "plan", "extra"
@@ -176,7 +177,7 @@ def _has_sync_state(tree) -> bool:
 def _per_unit(tree, plan):
   """``tree`` with each ``SparseSyncState``'s residuals and velocity as
   jaxfuse 0.1 kept them: one (K, n) array per unit (shapes only)."""
-  unit_rows = plan_lib.unit_rows(plan)
+  group_of_unit = schedule_lib.compile_plan(plan).group_of_unit
 
   def rows(sharding):         # the group's sharding, on its leading axis
     if isinstance(sharding, jax.sharding.NamedSharding):
@@ -188,7 +189,7 @@ def _per_unit(tree, plan):
     return jax.ShapeDtypeStruct((a.shape[0],) + tuple(a.shape[2:]), a.dtype,
                                 sharding=rows(getattr(a, "sharding", None)))
 
-  split = lambda arrays: tuple(unit_like(arrays[g]) for g, _ in unit_rows)
+  split = lambda arrays: tuple(unit_like(arrays[g]) for g in group_of_unit)
 
   return jax.tree.map(
       lambda x: x._replace(residuals=split(x.residuals),
@@ -199,7 +200,7 @@ def _per_unit(tree, plan):
 def _grouped(tree, plan, stack):
   """Inverse of ``_per_unit`` on arrays: per-unit (K, n) arrays stacked
   into one (K, G, n) array per state group."""
-  groups = plan_lib.state_groups(plan)
+  groups = schedule_lib.compile_plan(plan).groups
   join = lambda arrays: tuple(stack([arrays[u] for u in ids], axis=1)
                               for ids in groups) if arrays else ()
   return jax.tree.map(

@@ -24,6 +24,7 @@ import dataclasses
 from typing import Sequence
 
 from jaxfuse import plans as plan_lib
+from jaxfuse import schedule as schedule_lib
 
 DGC_RAMP = (0.25, 0.0625, 0.015625, 0.004)
 
@@ -64,9 +65,10 @@ def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
 def _layout(plan: plan_lib.Plan):
   """What must not change between phases: units (without capacity or
   density), buckets, modes, dtypes, settings."""
-  units, per_bucket = plan_lib.units(plan)
-  return ([(u.leaves, u.size, u.dtype, u.estimator) for u in units],
-          per_bucket, [(l.path, l.shape, l.dtype, l.mode) for l in plan.leaves],
+  sched = schedule_lib.compile_plan(plan)
+  return ([(u.leaves, u.size, u.dtype, u.estimator) for u in sched.units],
+          tuple(b.units for b in sched.buckets),
+          [(l.path, l.shape, l.dtype, l.mode) for l in plan.leaves],
           [(b.leaves, b.collective, b.sparsify) for b in plan.buckets],
           plan.settings)
 

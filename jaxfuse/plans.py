@@ -13,6 +13,8 @@ JSON only, never pickle: a plan file from elsewhere cannot run code.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import os
 from typing import Any, Mapping
@@ -378,7 +380,13 @@ def state_groups(plan: Plan) -> tuple[tuple[int, ...], ...]:
   density warm-up (``with_density``) has the same groups and its state
   carries over. Stored together, a group's rows go through the selection
   as one batch with no copy in or out."""
-  all_units, per_bucket = units(plan)
+  return group_units(*units(plan))
+
+
+def group_units(all_units: tuple[Unit, ...],
+                per_bucket: tuple[tuple[int, ...], ...]
+                ) -> tuple[tuple[int, ...], ...]:
+  """``state_groups`` of the units ``units(plan)`` returned."""
   out = []
   for ids in per_bucket:
     keys = {}
@@ -400,7 +408,12 @@ def state_dtype(unit: Unit, settings: Settings) -> str:
   the gradient's, or at least float32."""
   if settings.residual_dtype == "gradient":
     return unit.dtype
-  return str(np.dtype(jax.numpy.promote_types(unit.dtype, np.float32)))
+  return _at_least_float32(unit.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _at_least_float32(dtype: str) -> str:
+  return str(np.dtype(jax.numpy.promote_types(dtype, np.float32)))
 
 
 def is_full(unit: Unit) -> bool:
@@ -411,7 +424,7 @@ def is_full(unit: Unit) -> bool:
 def leaf_offsets(plan: Plan, unit: Unit) -> tuple[int, ...]:
   """Start of each of the unit's leaves inside its flat concatenation."""
   sizes = [plan.leaves[j].size for j in unit.leaves]
-  return tuple(int(x) for x in np.cumsum([0] + sizes[:-1]))
+  return tuple(itertools.accumulate(sizes[:-1], initial=0))
 
 
 def num_words(count: int, dtype) -> int:

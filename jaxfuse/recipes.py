@@ -49,6 +49,7 @@ import optax
 from jaxfuse import _compat
 from jaxfuse import clipping
 from jaxfuse import plans as plan_lib
+from jaxfuse import schedule as schedule_lib
 from jaxfuse import transform
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
@@ -184,8 +185,8 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   """
   _check_betas(b1=b1, b2=b2)
   _check_clip(clip_norm)
-  all_units, _ = plan_lib.units(plan)
-  dense_phase = all(plan_lib.is_full(u) for u in all_units)
+  dense_phase = all(b.kind != schedule_lib.SPARSE
+                    for b in schedule_lib.compile_plan(plan).buckets)
   sync = transform.sparse_sync(plan, axis_name)
   mean_clip = (optax.clip_by_global_norm(clip_norm) if clip_norm
                else optax.identity())

@@ -5,7 +5,9 @@ each leaf sits in its unit.
 ``sparse_sync`` reads this instead of re-deriving ``plans.units``,
 ``plans.state_groups`` and leaf offsets per bucket while it traces; a
 mechanism that runs buckets elsewhere (inside the backward pass, a step
-later) reads the same object.
+later) reads the same object, and so do the wire accounting
+(``collectives.bucket_steps``), the simulator, the planner, the warm-up
+phases' layout check and the checkpoint's per-unit view.
 """
 
 from __future__ import annotations
@@ -44,16 +46,21 @@ class Schedule:
   buckets: tuple[BucketStep, ...]
   num_leaves: int
 
+  def bucket_units(self, b: BucketStep) -> tuple[plan_lib.Unit, ...]:
+    """The units of bucket ``b``, in its ready order."""
+    return tuple(self.units[u] for u in b.units)
+
 
 def compile_plan(plan: plan_lib.Plan) -> Schedule:
   """The plan's ``Schedule``: made once per transform, read at every trace."""
-  all_units, bucket_units = plan_lib.units(plan)
-  groups = plan_lib.state_groups(plan)
-  group_of_unit = tuple(g for g, _ in plan_lib.unit_rows(plan))
+  all_units, per_bucket = plan_lib.units(plan)
+  groups = plan_lib.group_units(all_units, per_bucket)
+  group_of = {u: g for g, ids in enumerate(groups) for u in ids}
+  group_of_unit = tuple(group_of[u] for u in range(len(all_units)))
   group_dtypes = tuple(plan_lib.state_dtype(all_units[ids[0]], plan.settings)
                        for ids in groups)
   steps = []
-  for i, (bucket, ids) in enumerate(zip(plan.buckets, bucket_units)):
+  for i, (bucket, ids) in enumerate(zip(plan.buckets, per_bucket)):
     if bucket.collective == "psum":
       kind = PSUM
     elif all(plan_lib.is_full(all_units[u]) for u in ids):

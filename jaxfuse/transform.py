@@ -150,7 +150,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     sizes = (tuple(_compat.axis_size(a) for a in axis_name)
              if isinstance(axis_name, tuple) else None)
     wire_bytes = sum(w.sent for w in collectives.bucket_wire(
-        plan, num_workers, sizes))
+        plan, num_workers, sizes, sched=sched))
     rule = bucket_sync.Rule(momentum, nesterov, mask_momentum, residual_decay)
     step = state.step[0]
     ctrl = jax.tree.map(lambda x: x[0], state.control)

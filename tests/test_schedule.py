@@ -69,3 +69,20 @@ def test_a_dense_phase_is_full_with_the_same_layout():
   assert sparse.group_dtypes == dense.group_dtypes == tuple(
       "float32" for _ in sparse.groups)
   assert len(plan_lib.units(plan)[0]) == len(sparse.units)
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "single", "size", "behind"])
+def test_the_schedule_agrees_with_the_plans_views(strategy):
+  plan = _plan(strategy, **({"bucket_bytes": 4096}
+                            if strategy in ("size", "behind") else {}))
+  sched = schedule.compile_plan(plan)
+  all_units, per_bucket = plan_lib.units(plan)
+  assert sched.units == all_units
+  assert tuple(b.units for b in sched.buckets) == per_bucket
+  assert sched.groups == plan_lib.state_groups(plan)
+  assert sched.group_of_unit == tuple(g for g, _ in plan_lib.unit_rows(plan))
+  for b, ids in zip(sched.buckets, per_bucket):
+    assert sched.bucket_units(b) == tuple(all_units[u] for u in ids)
+    for u, leaves in b.placement:
+      assert tuple(o for _, o in leaves) == plan_lib.leaf_offsets(
+          plan, all_units[u])

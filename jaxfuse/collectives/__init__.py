@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from jaxfuse import plans as plan_lib
+from jaxfuse import schedule as schedule_lib
 from jaxfuse.collectives import base
 from jaxfuse.collectives import hier
 from jaxfuse.collectives.allgather import AllGather
@@ -41,35 +42,40 @@ def get(name: str) -> Scheme:
   return SCHEMES[name]
 
 
-def bucket_steps(plan: plan_lib.Plan, num_workers: int
+def bucket_steps(plan: plan_lib.Plan, num_workers: int, *,
+                 sched: schedule_lib.Schedule | None = None
                  ) -> list[tuple[Step, ...]]:
   """Per bucket, the primitives its scheme puts on the wire for K workers
-  (a density-1 sparse bucket goes through one all-reduce, like dense)."""
-  all_units, per_bucket = plan_lib.units(plan)
+  (a density-1 sparse bucket goes through one all-reduce, like dense).
+  ``sched``: the plan already compiled (``schedule.compile_plan(plan)``)."""
+  if sched is None:
+    sched = schedule_lib.compile_plan(plan)
   out = []
-  for b, unit_ids in zip(plan.buckets, per_bucket):
-    units = [all_units[u] for u in unit_ids]
-    if b.collective == "psum" or all(plan_lib.is_full(u) for u in units):
+  for b in sched.buckets:
+    if b.kind == schedule_lib.SPARSE:
+      out.append(get(b.collective).steps(sched.bucket_units(b), num_workers,
+                                         plan.settings))
+    else:
       leaves = [(plan.leaves[j].size, plan.leaves[j].dtype) for j in b.leaves]
       out.append(SCHEMES["psum"].steps(leaves, num_workers, plan.settings))
-    else:
-      out.append(get(b.collective).steps(units, num_workers, plan.settings))
   return out
 
 
 def bucket_wire(plan: plan_lib.Plan, num_workers: int,
-                mesh_sizes: tuple[int, ...] | None = None) -> list[Wire]:
+                mesh_sizes: tuple[int, ...] | None = None, *,
+                sched: schedule_lib.Schedule | None = None) -> list[Wire]:
   """Per bucket, bytes one worker sends and receives per step on K workers;
   with ``mesh_sizes`` (H, L) of a (host, local) mesh a ``"hier"`` bucket
   counts its host steps on H and its local steps on L."""
-  all_units, per_bucket = plan_lib.units(plan)
+  if sched is None:
+    sched = schedule_lib.compile_plan(plan)
   out = []
-  for b, ids, steps in zip(plan.buckets, per_bucket,
-                           bucket_steps(plan, num_workers)):
-    units = [all_units[u] for u in ids]
-    if (b.collective == "hier" and mesh_sizes and len(mesh_sizes) == 2 and
-        not all(plan_lib.is_full(u) for u in units)):
-      out.append(hier.mesh_wire(units, *mesh_sizes, plan.settings))
+  for b, steps in zip(sched.buckets,
+                      bucket_steps(plan, num_workers, sched=sched)):
+    if (b.collective == "hier" and b.kind == schedule_lib.SPARSE and
+        mesh_sizes and len(mesh_sizes) == 2):
+      out.append(hier.mesh_wire(sched.bucket_units(b), *mesh_sizes,
+                                plan.settings))
     else:
       out.append(base.wire(steps, num_workers))
   return out

@@ -41,6 +41,7 @@ from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning import grouping
 from jaxfuse.planning import ordering
 from jaxfuse import plans as plan_lib
+from jaxfuse import schedule as schedule_lib
 from jaxfuse.planning import simulate as simulate_lib
 from jaxfuse.planning import strategies
 from jaxfuse.version import __version__
@@ -228,13 +229,12 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
   simulated step is non-decreasing in every bucket's time, so with the
   grouping fixed this choice is optimal. Returns the plan and, per bucket,
   {scheme: seconds} (empty for dense buckets)."""
-  all_units, per_bucket = plan_lib.units(plan)
+  sched = schedule_lib.compile_plan(plan)
   buckets, report = [], []
-  for b, ids in zip(plan.buckets, per_bucket):
+  for b, step in zip(plan.buckets, sched.buckets):
     times = {}
-    if b.collective != "psum" and not all(plan_lib.is_full(all_units[u])
-                                          for u in ids):
-      units = [all_units[u] for u in ids]
+    if step.kind == schedule_lib.SPARSE:
+      units = sched.bucket_units(step)
       for name in AUTO_COLLECTIVES:
         scheme = collectives.get(name)
         try:

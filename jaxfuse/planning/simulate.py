@@ -47,6 +47,7 @@ import math
 
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
+from jaxfuse import schedule as schedule_lib
 from jaxfuse.planning import costs as costs_lib
 
 
@@ -111,12 +112,15 @@ class Timeline:
     return out
 
 
-def compression_times(plan: plan_lib.Plan,
-                      costs: costs_lib.Costs) -> list[float]:
-  """Per bucket: Σ over its selection units of compress.time(unit.size)."""
-  units, per_bucket = plan_lib.units(plan)
-  return [sum(costs.compress.time(units[u].size) for u in ids)
-          for ids in per_bucket]
+def compression_times(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
+                      sched: schedule_lib.Schedule | None = None
+                      ) -> list[float]:
+  """Per bucket: Σ over its selection units of compress.time(unit.size).
+  ``sched``: the plan already compiled (``schedule.compile_plan(plan)``)."""
+  if sched is None:
+    sched = schedule_lib.compile_plan(plan)
+  return [sum(costs.compress.time(u.size) for u in sched.bucket_units(b))
+          for b in sched.buckets]
 
 
 def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
@@ -129,35 +133,36 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
   """
   costs.check(len(plan.leaves))
   k = costs.workers if num_workers is None else num_workers
+  sched = schedule_lib.compile_plan(plan)
   wire = plan_lib.bucket_payload_bytes(plan)
-  compress = compression_times(plan, costs)
+  compress = compression_times(plan, costs, sched=sched)
 
   # Compute stream: forward, then each bucket's leaves and its compression.
   t = costs.forward
   leaf_times = [None] * len(plan.leaves)
   marks = []  # per bucket (ready, compress_end)
-  for b, h in zip(plan.buckets, compress):
+  for b, h in zip(sched.buckets, compress):
     for j in b.leaves:
       leaf_times[j] = (t, t + costs.backward[j])
       t += costs.backward[j]
     ready = t
-    if b.collective != "psum":
+    if b.kind != schedule_lib.PSUM:
       t += h
     marks.append((ready, t))
   compute_end = t
   backward = math.fsum(costs.backward)
-  compression = math.fsum(h for b, h in zip(plan.buckets, compress)
-                          if b.collective != "psum")
+  compression = math.fsum(h for b, h in zip(sched.buckets, compress)
+                          if b.kind != schedule_lib.PSUM)
 
   # Link: ideal WFBP order until the η budget of busy-during-compute is used.
   durations = [costs.steps_time(steps, k)
-               for steps in collectives.bucket_steps(plan, k)]
+               for steps in collectives.bucket_steps(plan, k, sched=sched)]
   total = math.fsum(durations)
   budget = costs.overlap * total
   slack = 1e-12 * total  # rounding of the sums must not start a pause at η = 1
   busy, free, pause = 0.0, costs.forward, None
   buckets = []
-  for b, n, g, (ready, compressed) in zip(plan.buckets, wire, durations,
+  for b, n, g, (ready, compressed) in zip(sched.buckets, wire, durations,
                                           marks):
     start = max(compressed, free)
     if pause is None and start < compute_end:
