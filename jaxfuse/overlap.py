@@ -94,6 +94,15 @@ def send_early(step, *, groups: bool = False, window: int | None = None):
           "order could change; running it unchanged.", stacklevel=2)
       out = jex.jaxpr_as_fun(closed)(*flat)
     else:
+      if not any(is_collective(e) for e in closed.jaxpr.eqns):
+        nested = nested_collectives(closed.jaxpr)
+        if nested:
+          warnings.warn(
+              "jaxfuse.send_early: the step's collectives sit inside "
+              f"{', '.join(sorted(nested))} calls, where it cannot reorder "
+              "them; nothing was changed. Call the optimizer's update "
+              "directly in the step (not under its own jax.jit).",
+              stacklevel=2)
       out = run_fenced(closed, flat, groups, window)
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
@@ -103,6 +112,17 @@ def send_early(step, *, groups: bool = False, window: int | None = None):
 def is_collective(eqn) -> bool:
   """A collective primitive (not one nested inside a call)."""
   return eqn.primitive.name in COLLECTIVES
+
+
+def nested_collectives(jaxpr) -> set[str]:
+  """Names of the top-level equations (``jit``, ``cond``, …) whose inner
+  jaxprs hold a collective."""
+  def holds(inner) -> bool:
+    inner = getattr(inner, "jaxpr", inner)
+    return any(is_collective(e) or any(
+        holds(j) for j in jex.jaxprs_in_params(e.params)) for e in inner.eqns)
+  return {e.primitive.name for e in jaxpr.eqns
+          if any(holds(j) for j in jex.jaxprs_in_params(e.params))}
 
 
 def is_backward(eqn) -> bool:

@@ -218,6 +218,18 @@ def test_ordered_effects_run_unchanged_with_a_warning():
   np.testing.assert_array_equal(out, fn(step)(x))
 
 
+def test_collectives_inside_a_jit_warn_and_change_nothing():
+  mesh = mesh_of(WORKERS)
+  x = jax.device_put(jnp.arange(2.0 * WORKERS),
+                     NamedSharding(mesh, P("data")))
+  inner = jax.jit(lambda v: jax.lax.psum(v * 2.0, "data"))
+  fn = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+                                       out_specs=P()))
+  with pytest.warns(UserWarning, match=r"inside p?jit calls"):
+    out = fn(jaxfuse.send_early(inner))(x)
+  np.testing.assert_array_equal(out, fn(inner)(x))
+
+
 @hypothesis.settings(max_examples=3, deadline=None)
 @hypothesis.given(layers=st.integers(2, 4),
                   bucket_bytes=st.sampled_from([6000, 12000]),
