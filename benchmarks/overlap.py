@@ -143,10 +143,11 @@ def build(args, devices):
 
 
 def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
-                early=False, groups=False, window=None):
+                early=False, groups=False, window=None, start_early=False):
   """The README recipe's sparse phase, jitted with ``options`` (``delay``:
   under ``jaxfuse.delayed``; ``early``: the step under
-  ``jaxfuse.send_early`` with ``groups`` and ``window``)."""
+  ``jaxfuse.send_early`` with ``groups``, ``window`` and
+  ``start_early``)."""
   opt = jaxfuse.onebit_adamw(plan, 1e-4, clip_norm=1.0, weight_decay=0.01)
   if delay:
     opt = jaxfuse.delayed(opt)
@@ -160,7 +161,8 @@ def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
     return (optax.apply_updates(params, updates), state,
             jax.lax.pmean(loss, AXIS))
   if early:
-    local = jaxfuse.send_early(local, groups=groups, window=window)
+    local = jaxfuse.send_early(local, groups=groups, window=window,
+                               start_early=start_early)
   step = jax.jit(jax.shard_map(local,
                                mesh=mesh, in_specs=(P(), specs, P(AXIS)),
                                out_specs=(P(), specs, P())),
@@ -282,6 +284,9 @@ def main(argv=None):
   p.add_argument("--window", type=int,
                  help="with --send-early: each collective ends within the "
                  "backward of this many buckets after it")
+  p.add_argument("--start-early", action="store_true",
+                 help="with --send-early: XLA's force_delay_async hint on "
+                 "each collective")
   p.add_argument("--probe", action="store_true",
                  help="also time the scheduler probe (see probe())")
   p.add_argument("--label", default="",
@@ -305,7 +310,7 @@ def main(argv=None):
             "buckets": len(plan.buckets), "variants": {},
             "date": time.strftime("%Y-%m-%d"), "delay": args.delay,
             "send_early": args.send_early, "groups": args.groups,
-            "window": args.window,
+            "window": args.window, "start_early": args.start_early,
             "command": " ".join(sys.argv),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(
@@ -319,7 +324,7 @@ def main(argv=None):
       continue
     step, state = sparse_step(mesh, plan, loss_fn, params, VARIANTS[name],
                               args.delay, args.send_early, args.groups,
-                              args.window)
+                              args.window, args.start_early)
     t0 = time.perf_counter()
     compiled = step.lower(params, state, batch).compile()
     compile_s = time.perf_counter() - t0

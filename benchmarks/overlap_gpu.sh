@@ -9,7 +9,8 @@
 # latency hiding, the speed-of-light estimator, PGLE) and the probe.
 # MODE=early: the step under jaxfuse.send_early against the plain step, at
 # each of DENSITIES (default 0.05; one density per call keeps a call under
-# 10 minutes), with and without window=1, groups and jaxfuse.xla_flags.
+# 10 minutes), with and without window=1, start_early, groups and
+# jaxfuse.xla_flags.
 # No run starts after DEADLINE_S seconds (default 480).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -35,15 +36,15 @@ run() {  # density, label, extra args...; XLA_FLAGS from the caller
 case "${MODE:-delay}" in
 early)
   # In order of promise, so that DEADLINE_S cuts the least useful.
+  E="--variants base --send-early --skip-comm --skip-one-gpu"
   for d in ${DENSITIES:-0.05}; do
     run $d default_ --variants base --trace-dir "$OUT/trace_default"
-    XLA_FLAGS="$NET" run $d net_early_w1_ --variants base --send-early \
-        --window 1 --skip-comm --skip-one-gpu --trace-dir "$OUT/trace_early"
-    run $d early_ --variants base --send-early --skip-comm --skip-one-gpu
-    XLA_FLAGS="$NET" run $d net_early_ --variants base --send-early --skip-comm --skip-one-gpu
-    XLA_FLAGS="$NET" run $d net_early_w1_groups_ --variants base --send-early \
-        --window 1 --groups --skip-comm --skip-one-gpu
-    run $d early_w1_ --variants base --send-early --window 1 --skip-comm --skip-one-gpu
+    XLA_FLAGS="$NET" run $d net_early_w1_hint_ $E --window 1 --start-early \
+        --trace-dir "$OUT/trace_early"
+    XLA_FLAGS="$NET" run $d net_early_w1_ $E --window 1
+    run $d early_w1_hint_ $E --window 1 --start-early
+    run $d early_ $E
+    XLA_FLAGS="$NET" run $d net_early_w1_groups_ $E --window 1 --groups
   done ;;
 delay)
   run 0.05 default_ --variants base

@@ -134,15 +134,22 @@ def ordered_effects(effects) -> list:
     return [e for e in effects if type(e).__name__ != "NamedAxisEffect"]
 
 
-def scheduling_group(group: int | None):
-  """A context that gives the ops traced in it XLA's ``_scheduling_group_id``
-  (the latency-hiding scheduler overlaps a group's collective with the
-  group's other ops); ``None``: no annotation."""
+def xla_hints(group: int | None = None, start_early: bool = False):
+  """A context that gives the ops traced in it XLA frontend attributes:
+  ``_scheduling_group_id`` (the latency-hiding scheduler overlaps a group's
+  collective with the group's other ops) and, with ``start_early``,
+  ``scheduler_hint=force_delay_async`` (an async collective starts as early
+  and ends as late as it can). Nothing given: no annotation."""
   import contextlib  # pylint: disable=g-import-not-at-top
-  if group is None:
+  attrs = {}
+  if group is not None:
+    attrs["_scheduling_group_id"] = int(group)
+  if start_early:
+    attrs["scheduler_hint"] = "force_delay_async"
+  if not attrs:
     return contextlib.nullcontext()
   from jax.experimental import xla_metadata  # pylint: disable=g-import-not-at-top
-  return xla_metadata.set_xla_metadata(_scheduling_group_id=int(group))
+  return xla_metadata.set_xla_metadata(**attrs)
 
 
 def debug_info_for(info, num_args: int, num_results: int):

@@ -59,7 +59,8 @@ COLLECTIVES = frozenset({
     "pmin", "ragged_all_to_all"})
 
 
-def send_early(step, *, groups: bool = False, window: int | None = None):
+def send_early(step, *, groups: bool = False, window: int | None = None,
+               start_early: bool = False):
   """``step`` with each collective's input computed as early as its data
   allows, everything after it fenced on it, and the collectives chained in
   traced order (module doc). Call the result where you would call
@@ -76,6 +77,11 @@ def send_early(step, *, groups: bool = False, window: int | None = None):
   result, so c_i must run within the backward of the w buckets after it
   (XLA otherwise leaves every collective's end at the end of the step,
   where one at a time they queue up). None: no such bound.
+
+  ``start_early``: mark each collective ``scheduler_hint=force_delay_async``,
+  which tells XLA's latency-hiding scheduler to start it as early and end
+  it as late as its dependencies allow, whatever its cost model says
+  (with ``window``, the end is bounded by the fence w buckets on).
   """
   if window is not None and not (isinstance(window, int) and window >= 1):
     raise ValueError(f"send_early: window={window!r} must be an integer "
@@ -103,7 +109,7 @@ def send_early(step, *, groups: bool = False, window: int | None = None):
               "them; nothing was changed. Call the optimizer's update "
               "directly in the step (not under its own jax.jit).",
               stacklevel=2)
-      out = run_fenced(closed, flat, groups, window)
+      out = run_fenced(closed, flat, groups, window, start_early)
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
   return wrapped
@@ -166,10 +172,10 @@ def fenced_order(jaxpr) -> tuple[list[int], list[int]]:
 
 
 def run_fenced(closed, args, groups: bool = False,
-               window: int | None = None) -> list:
+               window: int | None = None, start_early: bool = False) -> list:
   """Evaluate ``closed`` (a ClosedJaxpr) on ``args`` in ``fenced_order``,
-  with the fences of the module doc (``groups``, ``window``: see
-  ``send_early``)."""
+  with the fences of the module doc (``groups``, ``window``,
+  ``start_early``: see ``send_early``)."""
   jaxpr = closed.jaxpr
   eqns = jaxpr.eqns
   order, fences = fenced_order(jaxpr)
@@ -188,25 +194,30 @@ def run_fenced(closed, args, groups: bool = False,
   env = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, args))
   start, results = 0, []   # results: each collective's outputs, in order
+  last = len(fences) - 1
   for k, stop in enumerate(fences + [len(order)]):
-    # Segment k: c_{k-1}, then the work up to fence k (the next block's
-    # backward and the next bucket's selection).
-    group = k - 1 if groups and 1 <= k < len(fences) else None
-    with _compat.scheduling_group(group):
+    # The work after c_{k-1} up to fence k (the next block's backward and
+    # the next bucket's selection): c_{k-1}'s scheduling group.
+    with _compat.xla_hints(group=k - 1 if groups and 1 <= k <= last
+                           else None):
       _run_segment(jaxpr, [eqns[n] for n in order[start:stop]], env,
                    last_read, stop)
-    if stop < len(order):
-      collective = eqns[order[stop]]
-      inputs = [a for a in collective.invars if isinstance(a, jex.Var)]
-      live = [v for v in env if v in from_backward and v not in inputs
-              and last_read.get(v, -1) >= stop]
-      previous = results[-1] if results else []
-      held = (results[k - window] if window and k >= window else [])
-      _fence(env, inputs, live, [v for v in previous if v in env],
-             [v for v in held if v in env])
-      results.append([v for v in collective.outvars
-                      if not isinstance(v, jex.DropVar)])
-    start = stop
+    if stop == len(order):
+      break
+    collective = eqns[order[stop]]
+    inputs = [a for a in collective.invars if isinstance(a, jex.Var)]
+    live = [v for v in env if v in from_backward and v not in inputs
+            and last_read.get(v, -1) >= stop]
+    previous = results[-1] if results else []
+    held = (results[k - window] if window and k >= window else [])
+    _fence(env, inputs, live, [v for v in previous if v in env],
+           [v for v in held if v in env])
+    with _compat.xla_hints(group=k if groups and k < last else None,
+                           start_early=start_early):
+      _run_segment(jaxpr, [collective], env, last_read, stop + 1)
+    results.append([v for v in collective.outvars
+                    if not isinstance(v, jex.DropVar)])
+    start = stop + 1
   return [a.val if isinstance(a, jex.Literal) else env[a]
           for a in jaxpr.outvars]
 

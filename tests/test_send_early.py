@@ -200,6 +200,20 @@ def test_groups_annotate_each_collective_with_the_work_after_it():
   assert "_scheduling_group_id" not in plain
 
 
+def test_start_early_marks_the_collectives_only():
+  plan, wrap, local, args = _setup(4)
+  lines = jax.jit(wrap(jaxfuse.send_early(local, start_early=True))).lower(
+      *args).as_text().splitlines()
+  hint = 'scheduler_hint = "force_delay_async"'
+  gathers = [l for l in lines if "stablehlo.all_gather" in l]
+  assert len(gathers) == len(plan.buckets)
+  assert all(hint in l for l in gathers)
+  # The loss's pmean: a region op, its attributes on its closing line.
+  assert any(l.strip().startswith("})") and hint in l for l in lines)
+  for op in ("dot_general", "concatenate", "tanh", "optimization_barrier"):
+    assert not any(f"stablehlo.{op}" in l and hint in l for l in lines), op
+
+
 def test_ordered_effects_run_unchanged_with_a_warning():
   mesh = mesh_of(WORKERS)
   seen = []
