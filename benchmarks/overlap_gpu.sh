@@ -9,7 +9,7 @@
 # latency hiding, the speed-of-light estimator, PGLE) and the probe.
 # MODE=early: the step under jaxfuse.send_early against the plain step, at
 # each of DENSITIES (default 0.05; one density per call keeps a call under
-# 10 minutes), with and without window=1, start_early, groups and
+# 10 minutes): window 1 and 2, with and without start_early and
 # jaxfuse.xla_flags.
 # No run starts after DEADLINE_S seconds (default 480).
 set -uo pipefail
@@ -41,10 +41,10 @@ early)
     run $d default_ --variants base --trace-dir "$OUT/trace_default"
     XLA_FLAGS="$NET" run $d net_early_w1_hint_ $E --window 1 --start-early \
         --trace-dir "$OUT/trace_early"
-    XLA_FLAGS="$NET" run $d net_early_w1_ $E --window 1
     run $d early_w1_hint_ $E --window 1 --start-early
+    XLA_FLAGS="$NET" run $d net_early_w2_hint_ $E --window 2 --start-early
+    run $d early_w1_ $E --window 1
     run $d early_ $E
-    XLA_FLAGS="$NET" run $d net_early_w1_groups_ $E --window 1 --groups
   done ;;
 delay)
   run 0.05 default_ --variants base

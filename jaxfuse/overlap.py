@@ -59,6 +59,10 @@ COLLECTIVES = frozenset({
     "pmin", "ragged_all_to_all"})
 
 
+# Primitives whose backward equations mark progress through the backward.
+HEAVY = frozenset({"dot_general", "conv_general_dilated"})
+
+
 def send_early(step, *, groups: bool = False, window: int | None = None,
                start_early: bool = False):
   """``step`` with each collective's input computed as early as its data
@@ -73,10 +77,12 @@ def send_early(step, *, groups: bool = False, window: int | None = None,
   asks XLA's latency-hiding scheduler to overlap exactly those (so far XLA
   answered "not overlapped" and made the collectives synchronous).
 
-  ``window`` w: also make the backward after fence i + w wait for c_i's
-  result, so c_i must run within the backward of the w buckets after it
-  (XLA otherwise leaves every collective's end at the end of the step,
-  where one at a time they queue up). None: no such bound.
+  ``window`` w: also make the backward w points on wait for c_i's result,
+  so c_i must run within the backward of the w buckets after it (XLA
+  otherwise leaves every collective's end at the end of the step, where
+  one at a time they queue up). A point is a fence with backward matrix
+  products since the fence before (``window_fences``): a small dense
+  bucket right after a sparse one does not count. None: no such bound.
 
   ``start_early``: mark each collective ``scheduler_hint=force_delay_async``,
   which tells XLA's latency-hiding scheduler to start it as early and end
@@ -171,6 +177,37 @@ def fenced_order(jaxpr) -> tuple[list[int], list[int]]:
   return order, fences
 
 
+def window_fences(eqns, order, fences, window: int | None) -> list:
+  """For each collective c_i, the fence whose backward waits for its
+  result (None: none): the first fence k > i that is ``window`` points of
+  the backward further on. A point is where the backward has done more
+  heavy work (matrix products, convolutions) than at the fence before, so
+  collectives whose fences no such work separates (a small dense bucket
+  just after a sparse one) share a point and count once::
+
+    done_k = #{backward heavy equations before fence k}
+    point_k = #{j ≤ k : done_j > done_{j−1}}
+    tie_at(i) = min{k > i : point_k ≥ point_i + window}
+
+  Models without heavy equations count every backward equation."""
+  if window is None:
+    return [None] * len(fences)
+  backward = [is_backward(eqns[n]) for n in order]
+  heavy = [b and eqns[n].primitive.name in HEAVY
+           for b, n in zip(backward, order)]
+  counted = heavy if any(heavy) else backward
+  points, done, previous = [], 0, None
+  for k, stop in enumerate(fences):
+    done_k = sum(counted[:stop])
+    if previous is None or done_k > previous:
+      done += 1
+    points.append(done)
+    previous = done_k
+  return [next((k for k in range(i + 1, len(fences))
+                if points[k] >= points[i] + window), None)
+          for i in range(len(fences))]
+
+
 def run_fenced(closed, args, groups: bool = False,
                window: int | None = None, start_early: bool = False) -> list:
   """Evaluate ``closed`` (a ClosedJaxpr) on ``args`` in ``fenced_order``,
@@ -191,6 +228,7 @@ def run_fenced(closed, args, groups: bool = False,
       last_read[a] = len(order)
 
   from_backward = {v for e in eqns if is_backward(e) for v in e.outvars}
+  tie_at = window_fences(eqns, order, fences, window)
   env = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, args))
   start, results = 0, []   # results: each collective's outputs, in order
@@ -209,7 +247,7 @@ def run_fenced(closed, args, groups: bool = False,
     live = [v for v in env if v in from_backward and v not in inputs
             and last_read.get(v, -1) >= stop]
     previous = results[-1] if results else []
-    held = (results[k - window] if window and k >= window else [])
+    held = [v for i in range(k) if tie_at[i] == k for v in results[i]]
     _fence(env, inputs, live, [v for v in previous if v in env],
            [v for v in held if v in env])
     with _compat.xla_hints(group=k if groups and k < last else None,

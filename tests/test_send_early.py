@@ -32,24 +32,30 @@ def _dims(layers):
   return [32 + 2 * i for i in range(layers + 1)]   # > 1024 elements: sparse
 
 
-def _problem(layers, seed=0):
+def _problem(layers, seed=0, biases=False):
+  """A tanh chain; with ``biases`` each layer is {"w", "b"} and the plan
+  puts each small (dense) bias in a bucket of its own after its layer's."""
   rng = np.random.default_rng(seed)
   dims = _dims(layers)
   params = {f"l{i}": jnp.asarray(0.4 * rng.normal(size=(dims[i], dims[i + 1])),
                                  jnp.float32) for i in range(layers)}
+  if biases:
+    params = {k: {"w": w, "b": jnp.full(w.shape[1:], 0.1)}
+              for k, w in params.items()}
   x = jnp.asarray(rng.normal(size=(2 * WORKERS, dims[0])), jnp.float32)
 
   def loss_fn(p, x):
     for i in range(layers):
-      x = jnp.tanh(x @ p[f"l{i}"])
+      x = (jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]) if biases
+           else jnp.tanh(x @ p[f"l{i}"]))
     return jnp.mean(x ** 2)
   return params, x, loss_fn
 
 
 def _setup(layers, recipe="onebit_adamw", bucket_bytes=6000, density=0.2,
-           seed=0):
+           seed=0, biases=False):
   mesh = mesh_of(WORKERS)
-  params, x, loss_fn = _problem(layers, seed)
+  params, x, loss_fn = _problem(layers, seed, biases)
   plan = jaxfuse.plan(params, density=density, strategy="size",
                       bucket_bytes=bucket_bytes, loss_fn=loss_fn,
                       example_args=(x[:2],), seed=0)
@@ -171,6 +177,39 @@ def test_window_bounds_where_each_collective_ends():
       shapes, window=1) >= 6
   with pytest.raises(ValueError, match="window=0"):
     jaxfuse.send_early(local, window=0)
+
+
+def test_window_counts_points_of_the_backward_not_small_buckets():
+  """Each layer's bias goes in a dense bucket (psum) right after its
+  weight's sparse one, with no matrix product between their fences. With
+  window=1, the backward of the next layer must not wait for either
+  (it is what their collectives overlap); from the layer after, it must.
+  Counting every collective would make the next layer's backward wait for
+  the weight's all-gather, leaving nothing to overlap it with."""
+  plan, wrap, local, args = _setup(4, bucket_bytes=2000, biases=True)
+  kinds = [("w" if "'w'" in plan.leaves[b.leaves[0]].path else "b",
+            int(plan.leaves[b.leaves[0]].path[3]))
+           for b in plan.buckets]
+  assert kinds == [(k, l) for l in (3, 2, 1, 0) for k in "wb"], kinds
+  eqns = _body(wrap(jaxfuse.send_early(local, window=1)), args)
+  anc = _ancestors(eqns)
+  collectives = [n for n, e in enumerate(eqns) if overlap.is_collective(e)
+                 and e.outvars[0].aval.shape][:len(kinds)]
+  products = {l: [n for n, e in enumerate(eqns) if overlap.is_backward(e)
+                  and e.primitive.name == "dot_general"
+                  and any(tuple(v.aval.shape) in (s, s[::-1])
+                          for v in e.outvars)]
+              for l, s in ((l, tuple(args[0][f"l{l}"]["w"].shape))
+                           for l in range(4))}
+  checked = 0
+  for c, (_, layer) in zip(collectives, kinds):
+    for later in range(layer):
+      for n in products[later]:
+        assert (c in anc[n]) == (later <= layer - 2), (
+            f"layer {later}'s backward waits for the bucket of layer "
+            f"{layer}: {c in anc[n]}")
+        checked += 1
+  assert checked >= 12
 
 
 def test_plain_step_has_no_such_order():
