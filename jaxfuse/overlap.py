@@ -18,17 +18,20 @@ buckets in the plan's backward-ready order) and w_i the input of c_i::
   for i = 1 … n:
     run every equation w_i depends on that has not run yet (traced order)
     fence:  (_, L_i) ← optimization_barrier(w_i, L_i)
-            (w_i, _) ← optimization_barrier(w_i, out_{i−1})
+            (w_i, _) ← optimization_barrier(w_i, out_j for j in after(i))
     out_i ← c_i(w_i)
   run the equations left (traced order)
 
 L_i: the backward pass's values computed so far that a later equation
 reads (the cotangents in flight, gradients not yet sent). The backward of
 earlier layers reads the fenced L_i, so it cannot run before w_i exists,
-and c_i can start then and run beside it. The second barrier makes c_i
-start after c_{i−1} has finished, and nothing else: the collectives run in
-the plan's order, and one traced last (the loss's ``pmean``) waits for the
-rest instead of holding the collective stream through the backward. Forward
+and c_i can start then and run beside it. The second barrier orders the
+collectives by *points* of the backward (``fence_points``: fences with
+matrix products between them): those of one point (a sparse bucket and
+the small dense bucket of the same layers) run side by side, each point's
+after the point before, in the plan's order; one not fed by the backward
+(the loss's ``pmean``, traced last) waits for the rest instead of holding
+the collective stream through the backward. Forward
 activations, parameters and state stay out of the fences: holding them
 would make XLA materialise values it otherwise fuses into their readers.
 Each barrier is an identity: the step's outputs are bitwise unchanged.
@@ -81,7 +84,7 @@ def send_early(step, *, groups: bool = False, window: int | None = None,
   so c_i must run within the backward of the w buckets after it (XLA
   otherwise leaves every collective's end at the end of the step, where
   one at a time they queue up). A point is a fence with backward matrix
-  products since the fence before (``window_fences``): a small dense
+  products since the fence before (``fence_points``): a small dense
   bucket right after a sparse one does not count. None: no such bound.
 
   ``start_early``: mark each collective ``scheduler_hint=force_delay_async``,
@@ -177,35 +180,61 @@ def fenced_order(jaxpr) -> tuple[list[int], list[int]]:
   return order, fences
 
 
-def window_fences(eqns, order, fences, window: int | None) -> list:
-  """For each collective c_i, the fence whose backward waits for its
-  result (None: none): the first fence k > i that is ``window`` points of
-  the backward further on. A point is where the backward has done more
-  heavy work (matrix products, convolutions) than at the fence before, so
-  collectives whose fences no such work separates (a small dense bucket
-  just after a sparse one) share a point and count once::
+def fence_points(eqns, order, fences) -> list[int]:
+  """Each fence's point of the backward: it moves on at a fence with
+  backward heavy work (matrix products, convolutions) since the fence
+  before, so collectives whose fences no such work separates (a small
+  dense bucket just after a sparse one) share a point::
 
     done_k = #{backward heavy equations before fence k}
     point_k = #{j ≤ k : done_j > done_{j−1}}
-    tie_at(i) = min{k > i : point_k ≥ point_i + window}
 
   Models without heavy equations count every backward equation."""
-  if window is None:
-    return [None] * len(fences)
   backward = [is_backward(eqns[n]) for n in order]
   heavy = [b and eqns[n].primitive.name in HEAVY
            for b, n in zip(backward, order)]
   counted = heavy if any(heavy) else backward
-  points, done, previous = [], 0, None
-  for k, stop in enumerate(fences):
-    done_k = sum(counted[:stop])
-    if previous is None or done_k > previous:
-      done += 1
-    points.append(done)
-    previous = done_k
-  return [next((k for k in range(i + 1, len(fences))
-                if points[k] >= points[i] + window), None)
-          for i in range(len(fences))]
+  points, point, previous = [], 0, None
+  for stop in fences:
+    done = sum(counted[:stop])
+    if previous is None or done > previous:
+      point += 1
+    points.append(point)
+    previous = done
+  return points
+
+
+def waits(eqns, order, fences, window: int | None):
+  """For each collective c_k: the earlier collectives whose results its
+  input waits for (``after``), and the earlier collectives whose results
+  the backward from its fence on waits for (``held``)::
+
+    after(k) = {j < k : point_j = max{point_i < point_k}}
+               for c_k fed by the backward; {j < k : point_j = the last
+               point before c_k} for the others (the loss's pmean)
+    held(k)  = {j < k : k = min{k' > j : point_k' ≥ point_j + window}}
+
+  So the collectives of one point run side by side, each point's after the
+  point before, and what does not come from the backward after the rest."""
+  points = fence_points(eqns, order, fences)
+  tainted: set = set()
+  for e in eqns:
+    if is_backward(e) or any(isinstance(a, jex.Var) and a in tainted
+                             for a in e.invars):
+      tainted.update(e.outvars)
+  fed = [any(isinstance(a, jex.Var) and a in tainted
+             for a in eqns[order[f]].invars) for f in fences]
+  after = []
+  for k, p in enumerate(points):
+    below = [points[j] for j in range(k) if points[j] < p or not fed[k]]
+    after.append([j for j in range(k) if below and points[j] == max(below)])
+  tie_at = [None] * len(fences)
+  if window is not None:
+    tie_at = [next((k for k in range(j + 1, len(fences))
+                    if points[k] >= points[j] + window), None)
+              for j in range(len(fences))]
+  held = [[j for j in range(k) if tie_at[j] == k] for k in range(len(fences))]
+  return after, held
 
 
 def run_fenced(closed, args, groups: bool = False,
@@ -228,7 +257,7 @@ def run_fenced(closed, args, groups: bool = False,
       last_read[a] = len(order)
 
   from_backward = {v for e in eqns if is_backward(e) for v in e.outvars}
-  tie_at = window_fences(eqns, order, fences, window)
+  after, held = waits(eqns, order, fences, window)
   env = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, args))
   start, results = 0, []   # results: each collective's outputs, in order
@@ -246,10 +275,9 @@ def run_fenced(closed, args, groups: bool = False,
     inputs = [a for a in collective.invars if isinstance(a, jex.Var)]
     live = [v for v in env if v in from_backward and v not in inputs
             and last_read.get(v, -1) >= stop]
-    previous = results[-1] if results else []
-    held = [v for i in range(k) if tie_at[i] == k for v in results[i]]
-    _fence(env, inputs, live, [v for v in previous if v in env],
-           [v for v in held if v in env])
+    previous = [v for j in after[k] for v in results[j] if v in env]
+    wait = [v for j in held[k] for v in results[j] if v in env]
+    _fence(env, inputs, live, previous, wait)
     with _compat.xla_hints(group=k if groups and k < last else None,
                            start_early=start_early):
       _run_segment(jaxpr, [collective], env, last_read, stop + 1)

@@ -179,13 +179,14 @@ def test_window_bounds_where_each_collective_ends():
     jaxfuse.send_early(local, window=0)
 
 
-def test_window_counts_points_of_the_backward_not_small_buckets():
+def test_window_and_chain_count_points_of_the_backward():
   """Each layer's bias goes in a dense bucket (psum) right after its
   weight's sparse one, with no matrix product between their fences. With
   window=1, the backward of the next layer must not wait for either
   (it is what their collectives overlap); from the layer after, it must.
-  Counting every collective would make the next layer's backward wait for
-  the weight's all-gather, leaving nothing to overlap it with."""
+  Counting every collective, or chaining the psum after the all-gather,
+  would make the all-gather end before the next layer's backward, leaving
+  nothing to overlap it with."""
   plan, wrap, local, args = _setup(4, bucket_bytes=2000, biases=True)
   kinds = [("w" if "'w'" in plan.leaves[b.leaves[0]].path else "b",
             int(plan.leaves[b.leaves[0]].path[3]))
@@ -210,6 +211,14 @@ def test_window_counts_points_of_the_backward_not_small_buckets():
             f"{layer}: {c in anc[n]}")
         checked += 1
   assert checked >= 12
+  # The chain goes by points: a layer's two buckets run side by side, each
+  # after both buckets of the layer before; the loss's pmean after all.
+  for i, (c, (_, layer)) in enumerate(zip(collectives, kinds)):
+    for d, (_, other) in zip(collectives[:i], kinds[:i]):
+      assert (d in anc[c]) == (other > layer), (i, other, layer)
+  loss = [n for n, e in enumerate(eqns) if overlap.is_collective(e)
+          and not e.outvars[0].aval.shape]
+  assert loss and all(c in anc[n] for n in loss for c in collectives)
 
 
 def test_plain_step_has_no_such_order():
