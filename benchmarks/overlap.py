@@ -143,11 +143,10 @@ def build(args, devices):
 
 
 def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
-                early=False, groups=False, window=None, start_early=False):
+                early=False, window=1, start_early=True):
   """The README recipe's sparse phase, jitted with ``options`` (``delay``:
   under ``jaxfuse.delayed``; ``early``: the step under
-  ``jaxfuse.send_early`` with ``groups``, ``window`` and
-  ``start_early``)."""
+  ``jaxfuse.send_early`` with ``window`` and ``start_early``)."""
   opt = jaxfuse.onebit_adamw(plan, 1e-4, clip_norm=1.0, weight_decay=0.01)
   if delay:
     opt = jaxfuse.delayed(opt)
@@ -161,7 +160,7 @@ def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
     return (optax.apply_updates(params, updates), state,
             jax.lax.pmean(loss, AXIS))
   if early:
-    local = jaxfuse.send_early(local, groups=groups, window=window,
+    local = jaxfuse.send_early(local, window=window,
                                start_early=start_early)
   step = jax.jit(jax.shard_map(local,
                                mesh=mesh, in_specs=(P(), specs, P(AXIS)),
@@ -279,14 +278,13 @@ def main(argv=None):
                  help="the recipe under jaxfuse.delayed")
   p.add_argument("--send-early", action="store_true",
                  help="the step under jaxfuse.send_early")
-  p.add_argument("--groups", action="store_true",
-                 help="with --send-early: its XLA scheduling groups")
-  p.add_argument("--window", type=int,
+  p.add_argument("--window", type=int, default=1,
                  help="with --send-early: each collective ends within the "
-                 "backward of this many buckets after it")
-  p.add_argument("--start-early", action="store_true",
-                 help="with --send-early: XLA's force_delay_async hint on "
-                 "each collective")
+                 "backward of this many buckets after it (0: unbounded)")
+  p.add_argument("--no-start-early", dest="start_early",
+                 action="store_false",
+                 help="with --send-early: without XLA's force_delay_async "
+                 "hint on each collective")
   p.add_argument("--probe", action="store_true",
                  help="also time the scheduler probe (see probe())")
   p.add_argument("--label", default="",
@@ -309,8 +307,7 @@ def main(argv=None):
             "bucket_mb": args.bucket_mb,
             "buckets": len(plan.buckets), "variants": {},
             "date": time.strftime("%Y-%m-%d"), "delay": args.delay,
-            "send_early": args.send_early, "groups": args.groups,
-            "window": args.window, "start_early": args.start_early,
+            "send_early": args.send_early, "window": args.window, "start_early": args.start_early,
             "command": " ".join(sys.argv),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(
@@ -323,8 +320,8 @@ def main(argv=None):
       print(f"{name}: skipped (budget)")
       continue
     step, state = sparse_step(mesh, plan, loss_fn, params, VARIANTS[name],
-                              args.delay, args.send_early, args.groups,
-                              args.window, args.start_early)
+                              args.delay, args.send_early,
+                              args.window or None, args.start_early)
     t0 = time.perf_counter()
     compiled = step.lower(params, state, batch).compile()
     compile_s = time.perf_counter() - t0

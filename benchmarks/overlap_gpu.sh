@@ -7,10 +7,10 @@
 # MODE=single: the delayed step with one sparse bucket.
 # MODE=flags: the scheduler's options on the undelayed step (default, no
 # latency hiding, the speed-of-light estimator, PGLE) and the probe.
-# MODE=early: the step under jaxfuse.send_early against the plain step, at
-# each of DENSITIES (default 0.05; one density per call keeps a call under
-# 10 minutes): window 1 and 2, with and without start_early and
-# jaxfuse.xla_flags.
+# MODE=early: the step under jaxfuse.send_early (window 1, start_early)
+# with jaxfuse.xla_flags against the plain step, at each of DENSITIES
+# (default 0.05; one density per call keeps a call under 10 minutes); then
+# the plain step with the flags, window 2, no flags, no start_early.
 # No run starts after DEADLINE_S seconds (default 480).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -39,12 +39,12 @@ early)
   E="--variants base --send-early --skip-comm --skip-one-gpu"
   for d in ${DENSITIES:-0.05}; do
     run $d default_ --variants base --trace-dir "$OUT/trace_default"
-    XLA_FLAGS="$NET" run $d net_early_w1_hint_ $E --window 1 --start-early \
-        --trace-dir "$OUT/trace_early"
-    run $d early_w1_hint_ $E --window 1 --start-early
-    XLA_FLAGS="$NET" run $d net_early_w2_hint_ $E --window 2 --start-early
-    run $d early_w1_ $E --window 1
+    XLA_FLAGS="$NET" run $d net_early_ $E --trace-dir "$OUT/trace_early"
+    XLA_FLAGS="$NET" run $d net_plain_ --variants base --skip-comm \
+        --skip-one-gpu
+    XLA_FLAGS="$NET" run $d net_early_w2_ $E --window 2
     run $d early_ $E
+    XLA_FLAGS="$NET" run $d net_early_nohint_ $E --no-start-early
   done ;;
 delay)
   run 0.05 default_ --variants base

@@ -253,8 +253,14 @@ def parse_args(argv):
                  "whole step; pair with XLA_FLAGS from jaxfuse.xla_flags")
   p.add_argument("--send-early", action="store_true",
                  help="compute each bucket's wire as soon as the backward "
-                 "has made it and issue the collectives in the plan's "
-                 "order (jaxfuse.send_early; the same results)")
+                 "has made it and send it while the backward goes on "
+                 "(jaxfuse.send_early; the same results); on GPUs pair "
+                 "with --network-gbytes-s")
+  p.add_argument("--network-gbytes-s", type=float,
+                 help="GB/s between workers (about 3 for NCCL over 25-30 "
+                 "Gbit/s Ethernet): appends jaxfuse.xla_flags(...) to "
+                 "XLA_FLAGS, so XLA's GPU scheduler knows what a "
+                 "collective costs")
   p.add_argument("--flush-every", type=int, default=0,
                  help="every N-th step sends everything (a density-1 step: "
                  "one dense all-reduce pays every residual back)")
@@ -340,11 +346,17 @@ def parse_args(argv):
             "the steps)")
   if args.delay and args.sync == "dense":
     p.error("--delay delays a jaxfuse recipe; --sync dense has none")
+  if args.network_gbytes_s is not None and not args.network_gbytes_s > 0:
+    p.error(f"--network-gbytes-s {args.network_gbytes_s:g}: give the "
+            "network's bandwidth in GB/s, a number > 0")
   return args
 
 
 def main(argv=None) -> dict:
   args = parse_args(sys.argv[1:] if argv is None else argv)
+  if args.network_gbytes_s:   # before JAX starts its GPU backend
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
+                               jaxfuse.xla_flags(args.network_gbytes_s))
   init_distributed(args)
   say = print if jax.process_index() == 0 else lambda *a, **k: None
   xla_options = {**({} if args.xla_defaults else jaxfuse.xla_options()),

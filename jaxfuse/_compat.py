@@ -134,22 +134,15 @@ def ordered_effects(effects) -> list:
     return [e for e in effects if type(e).__name__ != "NamedAxisEffect"]
 
 
-def xla_hints(group: int | None = None, start_early: bool = False):
-  """A context that gives the ops traced in it XLA frontend attributes:
-  ``_scheduling_group_id`` (the latency-hiding scheduler overlaps a group's
-  collective with the group's other ops) and, with ``start_early``,
-  ``scheduler_hint=force_delay_async`` (an async collective starts as early
-  and ends as late as it can). Nothing given: no annotation."""
+def xla_hints(start_early: bool = False):
+  """A context that gives the ops traced in it, with ``start_early``, the
+  XLA frontend attribute ``scheduler_hint=force_delay_async`` (an async
+  collective starts as early and ends as late as it can); otherwise none."""
   import contextlib  # pylint: disable=g-import-not-at-top
-  attrs = {}
-  if group is not None:
-    attrs["_scheduling_group_id"] = int(group)
-  if start_early:
-    attrs["scheduler_hint"] = "force_delay_async"
-  if not attrs:
+  if not start_early:
     return contextlib.nullcontext()
   from jax.experimental import xla_metadata  # pylint: disable=g-import-not-at-top
-  return xla_metadata.set_xla_metadata(**attrs)
+  return xla_metadata.set_xla_metadata(scheduler_hint="force_delay_async")
 
 
 def debug_info_for(info, num_args: int, num_results: int):

@@ -15,6 +15,8 @@ with them and 59.9–61.6 ms without; the same model trained dense went from
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -50,8 +52,9 @@ def xla_flags(network_gbytes_s: float, *, gpus_per_node: int = 1) -> str:
   XLA reads ``XLA_FLAGS`` once, when JAX starts its GPU backend: set it
   before the first JAX computation, e.g. ``os.environ["XLA_FLAGS"] += " " +
   jaxfuse.xla_flags(3.0)`` at the top of the training script, or export it.
-  Pair it with ``jaxfuse.delayed``: within one step the sparse collectives
-  cannot start before the backward has made their gradients.
+  Pair it with ``jaxfuse.send_early`` (or ``jaxfuse.delayed``): XLA can
+  only start a collective once its input exists, and the plain step makes
+  the sparse buckets' inputs after the whole backward.
   """
   if not (isinstance(network_gbytes_s, (int, float)) and
           not isinstance(network_gbytes_s, bool) and network_gbytes_s > 0):
@@ -65,3 +68,13 @@ def xla_flags(network_gbytes_s: float, *, gpus_per_node: int = 1) -> str:
   return ("--xla_gpu_enable_latency_hiding_scheduler=true "
           "--xla_gpu_enable_analytical_sol_latency_estimator=true "
           f"--xla_gpu_analytical_latency_estimator_options={options}")
+
+
+_SOL_ESTIMATOR = "--xla_gpu_enable_analytical_sol_latency_estimator=true"
+
+
+def network_flags_set(flags: str | None = None) -> bool:
+  """Whether ``flags`` (default: this process's ``XLA_FLAGS``) switch on
+  the speed-of-light estimator that ``xla_flags`` sets."""
+  flags = os.environ.get("XLA_FLAGS", "") if flags is None else flags
+  return _SOL_ESTIMATOR in flags.split()

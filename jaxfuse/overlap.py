@@ -54,6 +54,7 @@ from jax import lax
 from jax.extend import core as jex
 
 from jaxfuse import _compat
+from jaxfuse import compile_options
 
 # Primitives that move data between workers (names as in jaxprs).
 COLLECTIVES = frozenset({
@@ -66,35 +67,32 @@ COLLECTIVES = frozenset({
 HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 
 
-def send_early(step, *, groups: bool = False, window: int | None = None,
-               start_early: bool = False):
+def send_early(step, *, window: int | None = 1, start_early: bool = True):
   """``step`` with each collective's input computed as early as its data
-  allows, everything after it fenced on it, and the collectives chained in
-  traced order (module doc). Call the result where you would call
-  ``step``: inside ``jax.shard_map``, under ``jax.jit``. Its outputs are
-  bitwise those of ``step``. Experimental: the order is tested; what it
-  saves on GPUs is still being measured (docs/benchmarks.md, "Overlap").
+  allows, the backward after it fenced on it, and the collectives chained
+  by points of the backward (module doc). Call the result where you would
+  call ``step``: inside ``jax.shard_map``, under ``jax.jit``. Its outputs
+  are bitwise those of ``step``. On GPU, set ``XLA_FLAGS`` to
+  ``jaxfuse.xla_flags(network GB/s)`` before JAX starts: with XLA's
+  default cost model the fenced step measured slower than the plain one
+  (a warning says so). Measured: docs/benchmarks.md, "Overlap".
 
-  ``groups``: also put each collective and the work between its fence and
-  the next in one XLA scheduling group (``_scheduling_group_id``), which
-  asks XLA's latency-hiding scheduler to overlap exactly those (so far XLA
-  answered "not overlapped" and made the collectives synchronous).
-
-  ``window`` w: also make the backward w points on wait for c_i's result,
-  so c_i must run within the backward of the w buckets after it (XLA
-  otherwise leaves every collective's end at the end of the step, where
-  one at a time they queue up). A point is a fence with backward matrix
-  products since the fence before (``fence_points``): a small dense
+  ``window`` w (default 1): make the backward w points on wait for c_i's
+  result, so c_i must end within the backward of the w buckets after it
+  (unbounded, XLA leaves every collective's end at the end of the step,
+  where one at a time they queue up). A point is a fence with backward
+  matrix products since the fence before (``fence_points``): a small dense
   bucket right after a sparse one does not count. None: no such bound.
 
-  ``start_early``: mark each collective ``scheduler_hint=force_delay_async``,
-  which tells XLA's latency-hiding scheduler to start it as early and end
-  it as late as its dependencies allow, whatever its cost model says
-  (with ``window``, the end is bounded by the fence w buckets on).
+  ``start_early`` (default True): mark each collective
+  ``scheduler_hint=force_delay_async``, which tells XLA's latency-hiding
+  scheduler to start it as early and end it as late as its dependencies
+  allow, whatever its cost model says.
   """
-  if window is not None and not (isinstance(window, int) and window >= 1):
+  if window is not None and (isinstance(window, bool) or
+                             not isinstance(window, int) or window < 1):
     raise ValueError(f"send_early: window={window!r} must be an integer "
-                     ">= 1 (buckets) or None.")
+                     ">= 1 (points of the backward) or None.")
 
   @functools.wraps(step)
   def wrapped(*args, **kwargs):
@@ -118,7 +116,16 @@ def send_early(step, *, groups: bool = False, window: int | None = None,
               "them; nothing was changed. Call the optimizer's update "
               "directly in the step (not under its own jax.jit).",
               stacklevel=2)
-      out = run_fenced(closed, flat, groups, window, start_early)
+      if (jax.default_backend() in ("gpu", "cuda", "rocm")
+          and not compile_options.network_flags_set()):
+        warnings.warn(
+            "jaxfuse.send_early on GPU without jaxfuse.xla_flags in "
+            "XLA_FLAGS: XLA's default cost model takes the network for "
+            "NVLink and places the collectives where they cannot hide "
+            "(measured slower than the plain step). Set os.environ"
+            "['XLA_FLAGS'] = jaxfuse.xla_flags(network GB/s) before JAX "
+            "starts.", stacklevel=2)
+      out = run_fenced(closed, flat, window, start_early)
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
 
   return wrapped
@@ -237,11 +244,11 @@ def waits(eqns, order, fences, window: int | None):
   return after, held
 
 
-def run_fenced(closed, args, groups: bool = False,
-               window: int | None = None, start_early: bool = False) -> list:
+def run_fenced(closed, args, window: int | None = 1,
+               start_early: bool = True) -> list:
   """Evaluate ``closed`` (a ClosedJaxpr) on ``args`` in ``fenced_order``,
-  with the fences of the module doc (``groups``, ``window``,
-  ``start_early``: see ``send_early``)."""
+  with the fences of the module doc (``window``, ``start_early``: see
+  ``send_early``)."""
   jaxpr = closed.jaxpr
   eqns = jaxpr.eqns
   order, fences = fenced_order(jaxpr)
@@ -261,14 +268,9 @@ def run_fenced(closed, args, groups: bool = False,
   env = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, args))
   start, results = 0, []   # results: each collective's outputs, in order
-  last = len(fences) - 1
   for k, stop in enumerate(fences + [len(order)]):
-    # The work after c_{k-1} up to fence k (the next block's backward and
-    # the next bucket's selection): c_{k-1}'s scheduling group.
-    with _compat.xla_hints(group=k - 1 if groups and 1 <= k <= last
-                           else None):
-      _run_segment(jaxpr, [eqns[n] for n in order[start:stop]], env,
-                   last_read, stop)
+    _run_segment(jaxpr, [eqns[n] for n in order[start:stop]], env,
+                 last_read, stop)
     if stop == len(order):
       break
     collective = eqns[order[stop]]
@@ -278,8 +280,7 @@ def run_fenced(closed, args, groups: bool = False,
     previous = [v for j in after[k] for v in results[j] if v in env]
     wait = [v for j in held[k] for v in results[j] if v in env]
     _fence(env, inputs, live, previous, wait)
-    with _compat.xla_hints(group=k if groups and k < last else None,
-                           start_early=start_early):
+    with _compat.xla_hints(start_early=start_early):
       _run_segment(jaxpr, [collective], env, last_read, stop + 1)
     results.append([v for v in collective.outvars
                     if not isinstance(v, jex.DropVar)])

@@ -164,19 +164,22 @@ def test_backward_waits_for_each_wire_and_collectives_chain():
   params = args[0]
   shapes = {int(k[1:]): tuple(v.shape) for k, v in params.items()}
   assert len(plan.buckets) >= 3
-  checked = _check_order(plan, _body(wrap(jaxfuse.send_early(local)), args),
-                         shapes)
+  checked = _check_order(
+      plan, _body(wrap(jaxfuse.send_early(local, window=None)), args), shapes)
   assert checked >= 6
 
 
-def test_window_bounds_where_each_collective_ends():
+@pytest.mark.parametrize("window", [1, 2])
+def test_window_bounds_where_each_collective_ends(window):
   plan, wrap, local, args = _setup(6)
   shapes = {int(k[1:]): tuple(v.shape) for k, v in args[0].items()}
-  assert _check_order(
-      plan, _body(wrap(jaxfuse.send_early(local, window=1)), args),
-      shapes, window=1) >= 6
-  with pytest.raises(ValueError, match="window=0"):
-    jaxfuse.send_early(local, window=0)
+  early = (jaxfuse.send_early(local) if window == 1    # the default
+           else jaxfuse.send_early(local, window=window))
+  assert _check_order(plan, _body(wrap(early), args), shapes,
+                      window=window) >= 6
+  for bad in (0, True, 1.5):
+    with pytest.raises(ValueError, match=f"window={bad!r}"):
+      jaxfuse.send_early(local, window=bad)
 
 
 def test_window_and_chain_count_points_of_the_backward():
@@ -230,24 +233,6 @@ def test_plain_step_has_no_such_order():
     _check_order(plan, _body(wrap(local), args), shapes)
 
 
-def test_groups_annotate_each_collective_with_the_work_after_it():
-  plan, wrap, local, args = _setup(6)
-  text = jax.jit(wrap(jaxfuse.send_early(local, groups=True))).lower(
-      *args).as_text()
-  gathers = [l for l in text.splitlines() if "stablehlo.all_gather" in l]
-  assert len(gathers) == len(plan.buckets)
-  ids = [l.split('_scheduling_group_id = "')[1].split('"')[0]
-         if "_scheduling_group_id" in l else None for l in gathers]
-  assert ids == [str(i) for i in range(len(ids))]
-  # The loss's pmean comes last, with no work after it to overlap: no group.
-  (loss_sum,) = [l for l in text.splitlines() if "stablehlo.all_reduce" in l]
-  assert "_scheduling_group_id" not in loss_sum
-  dots = [l for l in text.splitlines() if "stablehlo.dot_general" in l]
-  assert sum("_scheduling_group_id" in l for l in dots) >= 2 * (len(ids) - 1)
-  plain = jax.jit(wrap(jaxfuse.send_early(local))).lower(*args).as_text()
-  assert "_scheduling_group_id" not in plain
-
-
 def test_start_early_marks_the_collectives_only():
   plan, wrap, local, args = _setup(4)
   lines = jax.jit(wrap(jaxfuse.send_early(local, start_early=True))).lower(
@@ -260,6 +245,39 @@ def test_start_early_marks_the_collectives_only():
   assert any(l.strip().startswith("})") and hint in l for l in lines)
   for op in ("dot_general", "concatenate", "tanh", "optimization_barrier"):
     assert not any(f"stablehlo.{op}" in l and hint in l for l in lines), op
+  assert all(hint in l for l in jax.jit(wrap(jaxfuse.send_early(local))).lower(
+      *args).as_text().splitlines() if "stablehlo.all_gather" in l)
+  off = jax.jit(wrap(jaxfuse.send_early(local, start_early=False))).lower(
+      *args).as_text()
+  assert hint not in off
+
+
+def _psum_step():
+  mesh = mesh_of(WORKERS)
+  x = jax.device_put(jnp.arange(2.0 * WORKERS),
+                     NamedSharding(mesh, P("data")))
+  fn = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+                                       out_specs=P()))
+  return (lambda v: jax.lax.psum(v * 2.0, "data")), x, fn
+
+
+def test_warns_on_gpu_without_the_network_flags(monkeypatch):
+  step, x, fn = _psum_step()
+  monkeypatch.setattr(overlap.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler"
+                     "=true")
+  with pytest.warns(UserWarning, match=r"jaxfuse.xla_flags\(network GB/s\)"):
+    out = fn(jaxfuse.send_early(step))(x)
+  np.testing.assert_array_equal(out, fn(step)(x))
+  monkeypatch.setenv("XLA_FLAGS", "--foo=1 " + jaxfuse.xla_flags(3.0))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fn(jaxfuse.send_early(step))(x)
+  monkeypatch.setattr(overlap.jax, "default_backend", lambda: "cpu")
+  monkeypatch.delenv("XLA_FLAGS")
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fn(jaxfuse.send_early(step))(x)
 
 
 def test_ordered_effects_run_unchanged_with_a_warning():
@@ -281,12 +299,8 @@ def test_ordered_effects_run_unchanged_with_a_warning():
 
 
 def test_collectives_inside_a_jit_warn_and_change_nothing():
-  mesh = mesh_of(WORKERS)
-  x = jax.device_put(jnp.arange(2.0 * WORKERS),
-                     NamedSharding(mesh, P("data")))
-  inner = jax.jit(lambda v: jax.lax.psum(v * 2.0, "data"))
-  fn = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
-                                       out_specs=P()))
+  step, x, fn = _psum_step()
+  inner = jax.jit(step)
   with pytest.warns(UserWarning, match=r"inside p?jit calls"):
     out = fn(jaxfuse.send_early(inner))(x)
   np.testing.assert_array_equal(out, fn(inner)(x))
@@ -299,7 +313,8 @@ def test_collectives_inside_a_jit_warn_and_change_nothing():
                   seed=st.integers(0, 3))
 def test_property_identity_and_order(layers, bucket_bytes, density, seed):
   """For any chain, bucket size and density: the same step, bitwise, with
-  every bucket's wire ahead of the later buckets' backward."""
+  every bucket's wire ahead of the later buckets' backward, and each
+  bucket's result needed one bucket on (the default window)."""
   plan, wrap, local, args = _setup(layers, "sgd", bucket_bytes, density,
                                    seed)
   hypothesis.assume(len(plan.buckets) >= 2)
@@ -310,4 +325,4 @@ def test_property_identity_and_order(layers, bucket_bytes, density, seed):
   assert all(jax.tree.leaves(jax.tree.map(
       lambda u, v: bool(jnp.array_equal(u, v)), a, b)))
   shapes = {int(k[1:]): tuple(v.shape) for k, v in args[0].items()}
-  _check_order(plan, _body(wrap(early), args), shapes)
+  _check_order(plan, _body(wrap(early), args), shapes, window=1)
