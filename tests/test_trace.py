@@ -334,3 +334,46 @@ def test_show_measured_without_a_chart_needs_no_matplotlib(log_dir,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr
   assert "measured hidden 44%" in r.stdout
+
+
+DATA = REPO / "tests" / "data"
+
+
+def _raw_nccl_kernels(path):
+  """Independently of ``trace``: (ts, dur, name) of GPU 0's NCCL kernels
+  and the step markers' (ts, dur), straight from the JSON."""
+  events = json.load(gzip.open(path))["traceEvents"]
+  gpu0 = {e["pid"] for e in events if e.get("name") == "process_name"
+          and e["args"]["name"] == "/device:GPU:0"}
+  nccl = [(e["ts"], e["dur"], e["name"]) for e in events
+          if e.get("ph") == "X" and e["pid"] in gpu0 and "nccl" in e["name"]]
+  steps = sorted((e["ts"], e["dur"]) for e in events
+                 if "step_num" in (e.get("args") or {}))
+  return nccl, steps
+
+
+@pytest.mark.parametrize("name, gathers, reduces, hidden", [
+    ("send_early", 5, 0, (0.75, 1.0)), ("default", 5, 1, (0.0, 0.1))])
+def test_a_real_gpu_trace(name, gathers, reduces, hidden):
+  """Profiles of gpt2-small's sparse step on 2 × H200 over sockets (3 steps,
+  trimmed to GPU 0 and the step markers; benchmarks/results/
+  overlap_2026-11-28). Their compiled programs hold 5 sparse all-gathers,
+  and the plain step one all-reduce (its dense psums, combined); under
+  send_early those psums are fused kernels, not NCCL. Its schedule starts
+  the all-gathers inside the backward, the plain one after it."""
+  path = DATA / f"trace_{name}_gpt2_2xH200_socket.json.gz"
+  measured = trace.read_trace(path)
+  assert measured.device == "/device:GPU:0"
+  assert [s.step_num for s in measured.steps] == [0, 1, 2]
+  nccl, markers = _raw_nccl_kernels(path)
+  for s, (t0, dur) in zip(measured.steps, markers):
+    link = [k for k in s.kernels if k[0] == trace.LINK]
+    assert sum("AllGather" in k[3] for k in link) == gathers
+    assert sum("AllReduce" in k[3] for k in link) == reduces
+    raw = [n for n in nccl if t0 <= n[0] <= t0 + dur]
+    assert len(raw) == len(link)
+    # One NCCL stream, kernels one after another: busy = Σ durations.
+    assert s.link_busy == pytest.approx(sum(n[1] for n in raw) * US,
+                                        rel=1e-6)
+    assert hidden[0] <= s.hidden <= hidden[1]
+    assert s.overlapped <= min(s.link_busy, s.compute_busy)
