@@ -368,7 +368,7 @@ def _read_measured(args):
     raise UsageError(f"--measured: {e}") from e
 
 
-def _show_measured(measured, step, timeline) -> None:
+def _show_measured(measured, step, timeline, resimulate=None) -> None:
   steps = "one step (no step markers)" if not measured.markers else (
       f"{len(measured.steps)} steps marked {', '.join(measured.markers)!r}")
   print(f"measured {measured.path}: {measured.device}, {steps}")
@@ -378,6 +378,8 @@ def _show_measured(measured, step, timeline) -> None:
           f"(NCCL kernels) behind compute kernels{drawn}")
   if timeline is not None:
     line += f"; simulated {100 * timeline.overlap_ratio:.0f}%"
+    line += (f"\nwith η = {measured.hidden:.2f} (this trace's) the simulator "
+             f"predicts a step of {_ms(resimulate(measured.hidden))}")
   print(line)
 
 
@@ -429,7 +431,8 @@ def cmd_show(args) -> int:
     if note:
       print(note)
   if measured is not None:
-    _show_measured(measured, step, timeline)
+    _show_measured(measured, step, timeline, lambda eta: simulate.simulate(
+        plan, costs.replace(overlap=eta)).iteration)
   if args.output:
     from jaxfuse.planning import timeline_plot  # pylint: disable=g-import-not-at-top
     try:
