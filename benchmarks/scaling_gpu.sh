@@ -20,7 +20,9 @@
 #            spardl and auto at 0.01 and 0.001 (ONLY=0.01 or 0.001: one)
 #   conv8    (every GPU a worker) dense, onebit_adamw+warm and its spardl
 #            variant to 1000 steps over sockets (RECIPES=… to pick; one
-#            recipe per call where 1000 steps take over 3 minutes)
+#            recipe per call where 1000 steps take over 3 minutes; e.g.
+#            RECIPES=onebit_adamw+warm+early+net for the step under
+#            jaxfuse.send_early with jaxfuse.xla_flags(3), and dense+net)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
