@@ -16,14 +16,15 @@ recipe and dense get the same learning-rate grid; the best value of each
   # tables and a PNG from a results file (also written by each study)
   python benchmarks/convergence.py report results/conv_tiny.json
 
-Recipes for ``lm`` (``name[+warm][+flushN][+delay][+early][+net]``): ``dense`` (AdamW
+Recipes for ``lm`` (``name[+warm][+flushN][+delay][+early][+net][+bf16wire]``): ``dense`` (AdamW
 after a pmean), every name of ``jaxfuse.RECIPES``; ``+warm`` adds DGC's
 density ramp (``--warm-steps`` per density), ``+flushN`` a density-1 step
 every N steps (``train_lm --flush-every``), ``+delay`` the recipe on the
 previous step's gradients (``jaxfuse.delayed``, ``train_lm --delay``),
 ``+early`` the step under ``jaxfuse.send_early`` (``train_lm --send-early``),
 ``+net`` XLA told the network's 3 GB/s (``train_lm --network-gbytes-s 3``,
-``jaxfuse.xla_flags``; for dense too); ``onebit_adamw`` always gets a dense warm-up
+``jaxfuse.xla_flags``; for dense too), ``+bf16wire`` the dense warm-up on a
+bfloat16 wire (``train_lm --dense-wire bfloat16``); ``onebit_adamw`` always gets a dense warm-up
 of ``--dense-fraction`` of the steps. Wall time: each run's measured step
 times, compilation and evaluation excluded (each phase's first step counts
 as that phase's median step); time to dense's quality: the wall time at the
@@ -94,9 +95,11 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
       cmd += ["--send-early"]
     elif part == "net":
       cmd += ["--network-gbytes-s", "3"]
+    elif part == "bf16wire":
+      cmd += ["--dense-wire", "bfloat16"]
     else:
       raise SystemExit(f"recipe {recipe!r}: suffixes are +warm, +flushN, "
-                       "+zen, +spardl, +delay, +early, +net")
+                       "+zen, +spardl, +delay, +early, +net, +bf16wire")
   cmd += ["--warmup-steps", str(warm), "--dense-warmup",
           str(max(1, int(args.dense_fraction * args.steps))
               if name == "onebit_adamw" else 0)]

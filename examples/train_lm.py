@@ -244,6 +244,10 @@ def parse_args(argv):
                  "the steps for onebit_adamw, else 0")
   p.add_argument("--warmup-densities", type=_densities,
                  help="comma-separated warm-up densities instead of DGC's")
+  p.add_argument("--dense-wire", default="gradient",
+                 choices=["gradient", "bfloat16", "float16"],
+                 help="the dense warm-up's wire dtype: bfloat16 halves its "
+                 "bytes, each worker's rounding kept in its residual")
   p.add_argument("--dense-warmup", type=int,
                  help="dense steps first (onebit_adamw needs them; default "
                  "25%% of the steps for it, else 0)")
@@ -438,7 +442,7 @@ def main(argv=None) -> dict:
     say(plan.summary())
     phases = jaxfuse.density_warmup(
         plan, steps=args.warmup_steps, densities=args.warmup_densities,
-        dense_steps=args.dense_warmup)
+        dense_steps=args.dense_warmup, dense_wire=args.dense_wire)
     if len(phases) > 1:
       say("warm-up: " + ", ".join(
           f"steps {p.start}-{p.stop or steps} density "

@@ -23,6 +23,7 @@ import numpy as np
 from jaxfuse import _compat
 from jaxfuse import bucket_pass
 from jaxfuse import collectives
+from jaxfuse import plans as plan_lib
 from jaxfuse import schedule as schedule_lib
 from jaxfuse import stats as stats_lib
 
@@ -223,12 +224,14 @@ def _full_sync(plan, placement, ids, units, accs, axis_name):
   element sent, one ``pmean`` for the bucket.
 
   Returns the dense means per unit, per unit whether acc was finite, the
-  new residual (zero, or acc's rounding to the wire dtype, the unit's dtype,
-  where the residual is kept wider) and the units' per-leaf stats chunks
+  new residual (zero, or acc's rounding to the wire dtype:
+  ``plans.full_wire_dtype``, the unit's unless ``Settings.full_wire`` is
+  narrower, where the residual is kept wider) and the units' per-leaf stats chunks
   (everything selected)."""
   wires, roundings = [], []
   for unit, acc in zip(units, accs):
-    rounded, wire = _round_to(acc, unit.dtype)
+    rounded, wire = _round_to(acc, plan_lib.full_wire_dtype(unit,
+                                                           plan.settings))
     wires.append(wire)
     roundings.append(acc - rounded)   # zero where the wire is acc's dtype
   means = collectives.psum.mean(wires, axis_name)

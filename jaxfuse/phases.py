@@ -64,13 +64,13 @@ def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
 
 def _layout(plan: plan_lib.Plan):
   """What must not change between phases: units (without capacity or
-  density), buckets, modes, dtypes, settings."""
+  density), buckets, modes, dtypes, settings (but ``full_wire``)."""
   sched = schedule_lib.compile_plan(plan)
   return ([(u.leaves, u.size, u.dtype, u.estimator) for u in sched.units],
           tuple(b.units for b in sched.buckets),
           [(l.path, l.shape, l.dtype, l.mode) for l in plan.leaves],
           [(b.leaves, b.collective, b.sparsify) for b in plan.buckets],
-          plan.settings)
+          dataclasses.replace(plan.settings, full_wire="gradient"))
 
 
 _LAYOUT_PARTS = ("selection units", "buckets' units", "leaves", "buckets",
@@ -120,7 +120,8 @@ def check_phases(phases: Sequence[Phase]) -> None:
 
 def density_warmup(plan: plan_lib.Plan, *, steps: int,
                    densities: Sequence[float] | None = None,
-                   dense_steps: int = 0) -> tuple[Phase, ...]:
+                   dense_steps: int = 0, dense_wire: str = "gradient"
+                   ) -> tuple[Phase, ...]:
   """Phases: ``dense_steps`` dense, then ``steps`` at each warm-up density,
   then ``plan`` to the end.
 
@@ -130,7 +131,14 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int,
     densities: the ramp; default DGC's (25 %, 6.25 %, 1.56 %, 0.4 %), only
       the values above the plan's largest sparse density.
     dense_steps: dense steps first (1-bit Adam's warm-up).
+    dense_wire: the dense steps' wire dtype (``Settings.full_wire``):
+      ``"bfloat16"`` halves their bytes, each worker's rounding carried in
+      its residual to the next step.
   """
+  if dense_wire not in plan_lib.FULL_WIRES:
+    raise plan_lib.PlanError(
+        f"density_warmup: dense_wire={dense_wire!r}; use one of "
+        f"{', '.join(map(repr, plan_lib.FULL_WIRES))}.")
   for name, value in (("steps", steps), ("dense_steps", dense_steps)):
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
       raise plan_lib.PlanError(f"density_warmup: {name}={value!r} must be an "
@@ -148,7 +156,11 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int,
       (d, steps) for d in densities]
   phases, start = [], 0
   for density, length in schedule:
-    phases.append(Phase(start, start + length, with_density(plan, density)))
+    phase_plan = with_density(plan, density)
+    if density == 1.0 and dense_wire != plan.settings.full_wire:
+      phase_plan = dataclasses.replace(phase_plan, settings=dataclasses.replace(
+          plan.settings, full_wire=dense_wire))
+    phases.append(Phase(start, start + length, phase_plan))
     start += length
   phases.append(Phase(start, None, plan))
   check_phases(phases)

@@ -31,6 +31,7 @@ MODES = ("sparse", "dense")
 ESTIMATORS = ("topk", "dgc", "gaussian", "redsync", "sidco")
 SPARSE_COLLECTIVES = ("allgather", "zen", "spardl", "hier")  # jaxfuse.collectives
 RESIDUAL_DTYPES = ("float32", "gradient")  # Settings.residual_dtype
+FULL_WIRES = ("gradient", "bfloat16", "float16")  # Settings.full_wire
 COLLECTIVES = SPARSE_COLLECTIVES + ("psum",)
 SPARSIFY = ("ahead", "behind")
 MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
@@ -121,6 +122,12 @@ class Settings:
     instead of rounding away; what goes on the wire stays in the gradient
     dtype, and its rounding error stays in the residual. ``"gradient"``:
     the gradient's own dtype (half the state memory for bfloat16, lossy).
+  full_wire: dtype in which density-1 units (a dense warm-up phase) go on
+    the wire: ``"gradient"`` (default, the gradient's), or ``"bfloat16"`` /
+    ``"float16"`` for float32 gradients, which halves the phase's bytes
+    (PyTorch DDP's compression hook). Each worker's rounding stays in its
+    residual, sent with the next step: x_t + r_t = wire_t + r_{t+1}, so
+    only the reduction's own rounding is lost. Phases may differ in it.
   """
   headroom: float = 1.5
   min_sparse_size: int = 1024
@@ -135,6 +142,7 @@ class Settings:
   hier_inner: str = "allgather"
   spardl_block: float = 2.0
   residual_dtype: str = "float32"
+  full_wire: str = "gradient"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +273,9 @@ def check_plan(plan: Plan) -> None:
   if s.hier_inner not in ("allgather", "zen", "spardl"):
     raise PlanError(f"settings.hier_inner={s.hier_inner!r}; use one of "
                     "('allgather', 'zen', 'spardl').")
+  if s.full_wire not in FULL_WIRES:
+    raise PlanError(f"settings.full_wire={s.full_wire!r}; use one of "
+                    f"{', '.join(map(repr, FULL_WIRES))}.")
   if s.residual_dtype not in RESIDUAL_DTYPES:
     raise PlanError(f"settings.residual_dtype={s.residual_dtype!r}; use one "
                     f"of {RESIDUAL_DTYPES}.")
@@ -416,6 +427,16 @@ def _at_least_float32(dtype: str) -> str:
   return str(np.dtype(jax.numpy.promote_types(dtype, np.float32)))
 
 
+def full_wire_dtype(unit: Unit, settings: Settings) -> str:
+  """dtype of a density-1 unit on the wire (``Settings.full_wire``): the
+  gradient's, or the narrower of it and ``full_wire``."""
+  if settings.full_wire == "gradient":
+    return unit.dtype
+  wide = np.dtype(unit.dtype).itemsize > np.dtype(
+      jax.numpy.dtype(settings.full_wire)).itemsize
+  return settings.full_wire if wide else unit.dtype
+
+
 def is_full(unit: Unit) -> bool:
   """Density 1: every element is sent (a dense warm-up phase)."""
   return unit.density >= 1.0
@@ -447,11 +468,14 @@ def bucket_payload_bytes(plan: Plan) -> list[int]:
   all_units, per_bucket = units(plan)
   out = []
   for b, unit_ids in zip(plan.buckets, per_bucket):
-    if b.collective == "psum" or all(is_full(all_units[u])
-                                     for u in unit_ids):
+    if b.collective == "psum":
       out.append(sum(plan.leaves[j].size *
                      np.dtype(plan.leaves[j].dtype).itemsize
                      for j in b.leaves))
+    elif all(is_full(all_units[u]) for u in unit_ids):
+      out.append(sum(all_units[u].size * np.dtype(
+          full_wire_dtype(all_units[u], plan.settings)).itemsize
+                     for u in unit_ids))
     else:
       out.append(sum(payload_bytes(all_units[u]) for u in unit_ids))
   return out

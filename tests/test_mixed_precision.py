@@ -143,3 +143,83 @@ def test_recipe_moments_are_float32_for_bfloat16_gradients(mesh):
   for g, mu in zip(grads, state[1].inner.mu):
     want = np.float32(1 - 0.9) * np.asarray(g, np.float32)
     np.testing.assert_allclose(np.asarray(mu), want, rtol=1e-6)
+
+
+# --- float32 gradients, a dense phase on a bfloat16 wire ----------------------
+
+def _dense_phase(dense_wire):
+  plan = list_plan(SHAPES, density=0.01, min_sparse_size=64,
+                   strategy="layerwise")
+  phases = jaxfuse.density_warmup(plan, steps=0, dense_steps=3,
+                                  dense_wire=dense_wire)
+  return phases[0].plan, phases
+
+
+def _float32_grads(step):
+  return [np.asarray(g, np.float32) * np.float32(1 + 1 / 3)
+          for g in _grads(step)]   # not bfloat16-representable
+
+
+def test_dense_phase_on_a_bfloat16_wire_carries_its_rounding(mesh):
+  """Each worker sends bf16(acc) and keeps acc − bf16(acc), exactly, in its
+  float32 residual: x_t + r_t = sent_t + r_{t+1}, so nothing but the
+  reduction's own rounding is lost."""
+  dense, _ = _dense_phase("bfloat16")
+  leaf_of = [u.leaves[0] for u in plan_lib.units(dense)[0]]
+  state = init(dense, mesh)
+  for step in range(3):
+    grads = _float32_grads(step)
+    old = [np.asarray(r) for r in jaxfuse.unit_residuals(dense, state)]
+    synced, state = sync(dense, mesh, grads, state)
+    new = [np.asarray(r) for r in jaxfuse.unit_residuals(dense, state)]
+    for j, r0, r1 in zip(leaf_of, old, new):
+      acc = grads[j].reshape(K, -1) + r0
+      sent = acc - r1
+      np.testing.assert_array_equal(sent, _bf16(acc))
+      assert (r1 != 0).mean() > 0.5 and np.abs(r1).max() > 0
+      np.testing.assert_allclose(np.asarray(synced[j], np.float32).ravel(),
+                                 sent.astype(np.float64).mean(0),
+                                 rtol=2**-7, atol=1e-30)
+      assert str(synced[j].dtype) == "float32"
+
+
+def test_dense_wire_halves_the_bytes_and_the_all_reduce(mesh):
+  exact, _ = _dense_phase("gradient")
+  half, phases = _dense_phase("bfloat16")
+  assert half.settings.full_wire == "bfloat16"
+  assert phases[-1].plan.settings.full_wire == "gradient"  # sparse: as given
+  assert 2 * half.bytes_per_worker() == exact.bytes_per_worker()
+  def reduced_types(plan):
+    tx = jaxfuse.sparse_sync(plan)
+    state = init(plan, mesh)
+    from _harness import sharded_update  # pylint: disable=g-import-not-at-top
+    text = jax.jit(sharded_update(tx, mesh, jaxfuse.state_specs(state))).lower(
+        shard(mesh, [np.zeros((K,) + s, np.float32) for s in SHAPES]),
+        state).as_text()
+    lines = text.splitlines()
+    # A region op: its types are on the line closing its region.
+    starts = [i for i, l in enumerate(lines) if "stablehlo.all_reduce" in l]
+    return [next(l for l in lines[i:] if l.strip().startswith("})")).split(
+        "->")[-1].strip() for i in starts]
+  assert reduced_types(half) == ["tensor<3072xbf16>", "tensor<4096xbf16>"]
+  assert reduced_types(exact) == ["tensor<3072xf32>", "tensor<4096xf32>"]
+
+
+def test_dense_wire_is_checked_saved_and_not_part_of_the_layout():
+  from jaxfuse import phases as phases_lib  # pylint: disable=g-import-not-at-top
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  plan = list_plan(SHAPES)
+  with pytest.raises(plan_lib.PlanError, match="full_wire='int8'"):
+    dataclasses.replace(plan, settings=dataclasses.replace(
+        plan.settings, full_wire="int8"))
+  with pytest.raises(plan_lib.PlanError, match="dense_wire='fp8'"):
+    _dense_phase("fp8")
+  half, phases = _dense_phase("bfloat16")
+  assert phases_lib.layout_difference(phases[-1].plan, half) is None
+  assert jaxfuse.Plan.from_json(half.to_json()).settings.full_wire == (
+      "bfloat16")
+  import json  # pylint: disable=g-import-not-at-top
+  body = json.loads(half.to_json())
+  del body["settings"]["full_wire"]          # a plan saved before the field
+  assert jaxfuse.Plan.from_json(json.dumps(body)).settings.full_wire == (
+      "gradient")

@@ -55,6 +55,10 @@ def bucket_steps(plan: plan_lib.Plan, num_workers: int, *,
     if b.kind == schedule_lib.SPARSE:
       out.append(get(b.collective).steps(sched.bucket_units(b), num_workers,
                                          plan.settings))
+    elif b.kind == schedule_lib.FULL:
+      leaves = [(u.size, plan_lib.full_wire_dtype(u, plan.settings))
+                for u in sched.bucket_units(b)]
+      out.append(SCHEMES["psum"].steps(leaves, num_workers, plan.settings))
     else:
       leaves = [(plan.leaves[j].size, plan.leaves[j].dtype) for j in b.leaves]
       out.append(SCHEMES["psum"].steps(leaves, num_workers, plan.settings))
