@@ -248,6 +248,13 @@ def parse_args(argv):
                  choices=["gradient", "bfloat16", "float16"],
                  help="the dense warm-up's wire dtype: bfloat16 halves its "
                  "bytes, each worker's rounding kept in its residual")
+  p.add_argument("--dense-settle", type=float,
+                 help="end onebit_adamw's dense warm-up early, once its "
+                 "second moment moves less than this (relative L1, e.g. "
+                 "0.05) over --dense-settle-every steps "
+                 "(jaxfuse.second_moment_change); --dense-warmup is then "
+                 "the longest it may last")
+  p.add_argument("--dense-settle-every", type=int, default=25)
   p.add_argument("--dense-warmup", type=int,
                  help="dense steps first (onebit_adamw needs them; default "
                  "25%% of the steps for it, else 0)")
@@ -350,6 +357,17 @@ def parse_args(argv):
             "the steps)")
   if args.delay and args.sync == "dense":
     p.error("--delay delays a jaxfuse recipe; --sync dense has none")
+  if args.dense_settle is not None:
+    if not (args.optimizer == "onebit_adamw" and args.sync != "dense"):
+      p.error("--dense-settle ends onebit_adamw's dense warm-up; give "
+              "--optimizer onebit_adamw (and a jaxfuse --sync)")
+    if not args.dense_settle > 0 or args.dense_settle_every < 1:
+      p.error("--dense-settle needs a tolerance > 0 and "
+              "--dense-settle-every >= 1")
+    if args.checkpoint_dir:
+      p.error("--dense-settle with --checkpoint-dir: a resumed run could "
+              "not know where the dense phase ended; give a fixed "
+              "--dense-warmup instead")
   if args.network_gbytes_s is not None and not args.network_gbytes_s > 0:
     p.error(f"--network-gbytes-s {args.network_gbytes_s:g}: give the "
             "network's bandwidth in GB/s, a number > 0")
@@ -482,6 +500,7 @@ def main(argv=None) -> dict:
   batch = first_batch
   phase_id, train_step = -1, None
   flush_step = None  # a density-1 step: pays every residual back
+  settle_prev = None  # --dense-settle: the last second moment looked at
   for step in range(start, steps):
     if jaxfuse.phase_index(phases, step) != phase_id:
       phase_id = jaxfuse.phase_index(phases, step)
@@ -504,6 +523,19 @@ def main(argv=None) -> dict:
     step_times.append(time.perf_counter() - t0)
     losses.append(loss)
     phase_of_step.append(-1 if step_fn is flush_step else phase_id)
+    if (args.dense_settle and phase_id == 0 and phases[0].stop
+        and (step + 1) % args.dense_settle_every == 0):
+      settle_now = jaxfuse.second_moment(opt_state)
+      if settle_prev is not None and step + 1 < phases[0].stop:
+        change = jaxfuse.second_moment_change(settle_prev, settle_now)
+        if change < args.dense_settle:   # replicated: every host agrees
+          phases = jaxfuse.density_warmup(
+              plan, steps=args.warmup_steps,
+              densities=args.warmup_densities, dense_steps=step + 1,
+              dense_wire=args.dense_wire)
+          say(f"dense phase ends at step {step + 1}: the second moment "
+              f"moved {change:.3g} in {args.dense_settle_every} steps")
+      settle_prev = settle_now
     rng_state = rng.bit_generator.state  # before the next batch: resume point
     if step + 1 < steps:  # the next batch, prepared outside the timed region
       batch = draw(rng, train)

@@ -36,6 +36,8 @@ from jaxfuse.recipes import demo
 from jaxfuse.recipes import local_adamw
 from jaxfuse.recipes import local_clip_by_global_norm
 from jaxfuse.recipes import onebit_adamw
+from jaxfuse.recipes import second_moment
+from jaxfuse.recipes import second_moment_change
 from jaxfuse.recipes import sgd
 from jaxfuse.recipes import sync_adamw
 from jaxfuse.transform import SparseSyncState
@@ -63,7 +65,7 @@ __all__ = [
     "density_warmup", "init_state", "local_adamw", "local_clip_by_global_norm",
     "local_params", "make_mesh", "onebit_adamw", "per_worker", "per_worker_mask",
     "phase_index",
-    "plan", "send_early", "sgd", "sparse_sync", "state_specs", "summarize",
+    "plan", "second_moment", "second_moment_change", "send_early", "sgd", "sparse_sync", "state_specs", "summarize",
     "sync_adamw",
     "sync_stats", "unit_residuals", "with_density", "xla_flags", "xla_options",
     "__version__",

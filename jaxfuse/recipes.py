@@ -44,6 +44,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxfuse import _compat
@@ -234,6 +235,38 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 
   return optax.chain(optax.GradientTransformationExtraArgs(init_fn, update_fn),
                      _tail(learning_rate, weight_decay, mask))
+
+
+def second_moment(state: Any, b2: float = 0.999) -> list:
+  """``onebit_adamw``'s bias-corrected second moment, v̂ = ν / (1 −
+  b2^nu_count), as host arrays (float64), from the one ``OnebitState``
+  anywhere inside an optimizer state. ν is replicated (the dense phase
+  updates it from the synced gradient), so every worker and host reads the
+  same values. Raises ``SyncError`` when ``state`` holds no such state."""
+  _check_betas(b2=b2)
+  ones = [x for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, OnebitState))
+          if isinstance(x, OnebitState)]
+  if len(ones) != 1:
+    raise transform.SyncError(
+        f"second_moment: the state holds {len(ones)} onebit_adamw states; "
+        "pass the optimizer state of a run with one onebit_adamw.")
+  count = int(jax.device_get(ones[0].nu_count))
+  scale = 1.0 / (1.0 - b2 ** max(count, 1))
+  return [np.asarray(jax.device_get(v), np.float64) * scale
+          for v in jax.tree.leaves(ones[0].nu)]
+
+
+def second_moment_change(before: list, now: list) -> float:
+  """How much the second moment moved (``second_moment`` of two states)::
+
+    change = ‖v̂_now − v̂_before‖₁ / ‖v̂_now‖₁
+
+  A run may end its dense phase once the change over N steps falls below a
+  tolerance: the settling that 0/1 Adam's variance freezing relies on."""
+  moved = sum(np.abs(a - b).sum() for a, b in zip(before, now))
+  size = sum(np.abs(b).sum() for b in now)
+  return float(moved / size) if size > 0 else float("inf")
 
 
 def _record_bucket_norms(plan, grads, state: transform.PerWorkerState):

@@ -470,3 +470,29 @@ def test_sgd_recipe_converges_where_momentum_after_sync_diverges(mesh):
   # Momentum after the sync multiplies the bursts error feedback releases.
   assert not np.isfinite(naive[-1]) or naive[-1] > 100 * start, naive[::10]
   assert recipe[-1] < 1e-3 * start, recipe[::10]
+
+
+def test_second_moment_is_bias_corrected_and_its_change_relative():
+  """v̂ = ν / (1 − b2^nu_count), found inside a nested optimizer state;
+  change = ‖v̂_now − v̂_before‖₁ / ‖v̂_now‖₁, worked by hand."""
+  params = {"a": jnp.zeros((3,)), "b": jnp.zeros((2, 2))}
+  plan = jaxfuse.plan(params, density=1.0)
+  opt = jaxfuse.onebit_adamw(plan, 1e-3)
+  (state,) = [s for s in opt.init(params)
+               if isinstance(s, jaxfuse.recipes.OnebitState)]
+  nu = {"a": jnp.array([1.0, 2.0, 3.0]), "b": jnp.full((2, 2), 0.5)}
+  before = state._replace(nu=nu, nu_count=jnp.array(1, jnp.int32))
+  now = state._replace(nu=jax.tree.map(lambda x: 2 * x, nu),
+                       nu_count=jnp.array(2, jnp.int32))
+  b2 = 0.5   # so that the corrections are simple: 1/(1-0.5), 1/(1-0.25)
+  v_before = jaxfuse.second_moment(("outer", [before]), b2=b2)
+  v_now = jaxfuse.second_moment(now, b2=b2)
+  np.testing.assert_allclose(v_before[0], [2.0, 4.0, 6.0])
+  np.testing.assert_allclose(v_now[0], np.array([2.0, 4.0, 6.0]) / 0.75)
+  # each element of v̂_now is 4/3 of v̂_before's: change = (1 − 3/4) = 1/4
+  assert jaxfuse.second_moment_change(v_before, v_now) == pytest.approx(0.25)
+  assert jaxfuse.second_moment_change(v_now, v_now) == 0.0
+  with pytest.raises(jaxfuse.SyncError, match="0 onebit_adamw states"):
+    jaxfuse.second_moment(jaxfuse.sgd(plan, 0.1).init(params))
+  with pytest.raises(jaxfuse.SyncError, match="b2=1"):
+    jaxfuse.second_moment(now, b2=1)
