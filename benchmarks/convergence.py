@@ -73,7 +73,8 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
          "--preset", args.preset, "--steps", str(args.steps), "--lr", str(lr),
          "--seed", str(args.seed), "--eval-every", str(args.eval_every),
          "--eval-batches", str(args.eval_batches), "--log-every", "50",
-         "--density", str(args.density), "--estimator", args.estimator]
+         "--density", str(args.density), "--estimator", args.estimator,
+         "--corpus-mb", f"{args.corpus_mb:g}"]
   if args.devices:
     cmd += ["--devices", str(args.devices)]
   if args.cpu_devices:
@@ -486,6 +487,10 @@ def main(argv=None):
                   help="per-recipe grids, e.g. demo=1e-4,3e-4,1e-3;sgd=0.1,0.3,1")
   lm.add_argument("--density", type=float, default=0.01)
   lm.add_argument("--estimator", default="dgc")
+  lm.add_argument("--corpus-mb", type=float, default=32,
+                  help="corpus to read (train_lm --corpus-mb; 32 takes the "
+                  "whole standard library, about 30 MiB, more than a "
+                  "1000-step gpt2-small run reads, so no epoch repeats)")
   lm.add_argument("--warm-steps", type=int, default=50)
   lm.add_argument("--dense-fraction", type=float, default=0.25)
   lm.add_argument("--eval-every", type=int, default=250)
