@@ -20,10 +20,16 @@ NUM_WORKERS = int(os.environ.get("JAXFUSE_TEST_WORKERS") or (
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def cpu_env(num_devices: int = 8) -> dict[str, str]:
+def cpu_env(num_devices: int = 8,
+            compile_cache: str | os.PathLike | None = None) -> dict[str, str]:
   """Environment of a child process on ``num_devices`` CPU devices (the
   reference path, no accelerator memory) whatever this test run uses, with
-  the repository first on its path."""
+  the repository first on its path.
+
+  ``compile_cache``: a directory for JAX's persistent compilation cache, every
+  executable written to it: child processes that compile the same programs
+  (a run and its resumed twin) compile each once. Give each test run its own
+  (the ``compile_cache`` fixture) so every run still compiles everything."""
   env = dict(os.environ)
   flags = [f for f in env.pop("XLA_FLAGS", "").split()
            if "xla_force_host_platform_device_count" not in f]
@@ -37,6 +43,10 @@ def cpu_env(num_devices: int = 8) -> dict[str, str]:
           f"--xla_force_host_platform_device_count={num_devices}"]),
       PYTHONPATH=os.pathsep.join([str(REPO)] + [
           p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  if compile_cache is not None:
+    env.update(JAX_COMPILATION_CACHE_DIR=str(compile_cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return env
 
 
