@@ -1,6 +1,7 @@
 """Shared test helpers: run sparse_sync on given per-worker gradients."""
 
 import functools
+import math
 import os
 import pathlib
 
@@ -48,6 +49,24 @@ def cpu_env(num_devices: int = 8,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return env
+
+
+@functools.lru_cache(maxsize=None)
+def _flat_normal(size: int):
+  return jax.jit(lambda key: jax.random.normal(key, (size,)))
+
+
+def random_normal(key, shape) -> np.ndarray:
+  """``jax.random.normal(key, shape)`` (float32) bit for bit, as numpy,
+  compiled once per power-of-two size rather than once per shape (each
+  compile of the generator costs ~0.5 s on CPU): with partitionable
+  threefry an element's bits depend only on the key and its flat index."""
+  shape = tuple(shape)
+  if not jax.config.jax_threefry_partitionable:
+    return np.asarray(jax.random.normal(key, shape))
+  n = math.prod(shape)
+  size = max(1024, 1 << max(n - 1, 0).bit_length())
+  return np.asarray(_flat_normal(size)(key))[:n].reshape(shape)
 
 
 def mesh_of(k: int, **kwargs):
