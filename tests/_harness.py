@@ -1,6 +1,7 @@
 """Shared test helpers: run sparse_sync on given per-worker gradients."""
 
 import functools
+import math
 import os
 import pathlib
 
@@ -20,10 +21,16 @@ NUM_WORKERS = int(os.environ.get("JAXFUSE_TEST_WORKERS") or (
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def cpu_env(num_devices: int = 8) -> dict[str, str]:
+def cpu_env(num_devices: int = 8,
+            compile_cache: str | os.PathLike | None = None) -> dict[str, str]:
   """Environment of a child process on ``num_devices`` CPU devices (the
   reference path, no accelerator memory) whatever this test run uses, with
-  the repository first on its path."""
+  the repository first on its path.
+
+  ``compile_cache``: a directory for JAX's persistent compilation cache, every
+  executable written to it: child processes that compile the same programs
+  (a run and its resumed twin) compile each once. Give each test run its own
+  (the ``compile_cache`` fixture) so every run still compiles everything."""
   env = dict(os.environ)
   flags = [f for f in env.pop("XLA_FLAGS", "").split()
            if "xla_force_host_platform_device_count" not in f]
@@ -37,7 +44,29 @@ def cpu_env(num_devices: int = 8) -> dict[str, str]:
           f"--xla_force_host_platform_device_count={num_devices}"]),
       PYTHONPATH=os.pathsep.join([str(REPO)] + [
           p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  if compile_cache is not None:
+    env.update(JAX_COMPILATION_CACHE_DIR=str(compile_cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return env
+
+
+@functools.lru_cache(maxsize=None)
+def _flat_normal(size: int):
+  return jax.jit(lambda key: jax.random.normal(key, (size,)))
+
+
+def random_normal(key, shape) -> np.ndarray:
+  """``jax.random.normal(key, shape)`` (float32) bit for bit, as numpy,
+  compiled once per power-of-two size rather than once per shape (each
+  compile of the generator costs ~0.5 s on CPU): with partitionable
+  threefry an element's bits depend only on the key and its flat index."""
+  shape = tuple(shape)
+  if not jax.config.jax_threefry_partitionable:
+    return np.asarray(jax.random.normal(key, shape))
+  n = math.prod(shape)
+  size = max(1024, 1 << max(n - 1, 0).bit_length())
+  return np.asarray(_flat_normal(size)(key))[:n].reshape(shape)
 
 
 def mesh_of(k: int, **kwargs):

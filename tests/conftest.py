@@ -38,6 +38,14 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+  """A persistent compilation cache for this run's child processes (see
+  ``_harness.cpu_env``): new each run, so each program is still compiled once
+  per run; a resumed run loads what its straight twin compiled."""
+  return tmp_path_factory.mktemp("jax_compile_cache")
+
+
+@pytest.fixture(scope="session")
 def mesh():
   assert len(jax.devices()) >= NUM_WORKERS, jax.devices()
   return jaxfuse.make_mesh(NUM_WORKERS)

@@ -49,15 +49,18 @@ def test_bucket_equals_each_unit_alone(estimator, monkeypatch):
       bucket_pass.sparsify_groups(all_units, groups, gids, *args,
                                   settings=plan.settings))])(
                                       grads, residuals, ctrl, step)
+  # One jitted sparsify_unit per (capacity, density, estimator): the units
+  # of a repeated shape share its compile.
+  unit_step = functools.lru_cache(maxsize=None)(
+      lambda capacity, density, estimator: jax.jit(functools.partial(
+          sparsify.sparsify_unit, capacity=capacity, density=density,
+          estimator=estimator, settings=plan.settings)))
   seen = set()
   for batch, (out, stacked) in zip(
       bucket_pass.batches(all_units, groups, gids), got, strict=True):
     for i, (row, u) in enumerate(zip(batch.rows, batch.units)):
       unit = all_units[u]
-      want = jax.jit(functools.partial(
-          sparsify.sparsify_unit, capacity=unit.capacity,
-          density=unit.density, estimator=unit.estimator,
-          settings=plan.settings))(
+      want = unit_step(unit.capacity, unit.density, unit.estimator)(
               grads[batch.group][row], residuals[batch.group][row],
               jax.tree.map(lambda x: x[u], ctrl), step,
               sparsify.salt(plan.settings.seed, step, u))

@@ -20,21 +20,22 @@ from _harness import NUM_WORKERS as K
 WORKER = pathlib.Path(__file__).with_name("_checkpoint_worker.py")
 
 
-def _run(*args):
-  env = cpu_env(8)
+def _run(compile_cache, *args):
+  env = cpu_env(8, compile_cache)
   r = subprocess.run([sys.executable, str(WORKER), *map(str, args)],
                      capture_output=True, text=True, env=env, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
 
 
-def test_resume_in_a_fresh_process_is_bitwise_the_straight_run(tmp_path):
+def test_resume_in_a_fresh_process_is_bitwise_the_straight_run(
+    tmp_path, compile_cache):
   """0→6 straight (saving at 3) vs restore 3 in a new process → 6: every
   leaf of params and optimizer state (residuals, controller, per-worker
   moments, stats) bitwise equal."""
-  _run("--dir", tmp_path / "ck", "--stop", 6, "--save-at", 3, "--out",
-       tmp_path / "straight.npz")
-  _run("--dir", tmp_path / "ck", "--start", 3, "--stop", 6, "--resume",
-       "--out", tmp_path / "resumed.npz")
+  _run(compile_cache, "--dir", tmp_path / "ck", "--stop", 6, "--save-at", 3,
+       "--out", tmp_path / "straight.npz")
+  _run(compile_cache, "--dir", tmp_path / "ck", "--start", 3, "--stop", 6,
+       "--resume", "--out", tmp_path / "resumed.npz")
   a, b = np.load(tmp_path / "straight.npz"), np.load(tmp_path / "resumed.npz")
   assert sorted(a.files) == sorted(b.files)
   for k in a.files:
@@ -119,26 +120,29 @@ EXAMPLE_ARGS = ["--preset", "tiny", "--steps", "12", "--cpu-devices", "8",
                 "--corpus-mb", "1", "--checkpoint-every", "6"]
 
 
-def _example(tmp_path, name, *extra):
+def _example(tmp_path, compile_cache, name, *extra):
+  """The example's command and environment; the three runs share one
+  compilation cache (each program is compiled by the first, straight run)."""
   cmd = [sys.executable, str(EXAMPLE), *EXAMPLE_ARGS, "--json-out",
          str(tmp_path / f"{name}.json"), *map(str, extra)]
-  env = cpu_env(8)
+  env = cpu_env(8, compile_cache)
   return cmd, env
 
 
 @pytest.mark.example
-def test_example_killed_after_a_save_resumes_bitwise(tmp_path):
+def test_example_killed_after_a_save_resumes_bitwise(tmp_path, compile_cache):
   """train_lm: an uninterrupted run vs one SIGKILLed right after its step-6
   save and restarted with --resume: steps 7..12 and the final validation
   loss are bitwise the same (params, optimizer state and data position
   all come back)."""
   import json  # pylint: disable=g-import-not-at-top
-  cmd, env = _example(tmp_path, "straight", "--checkpoint-dir",
+  cmd, env = _example(tmp_path, compile_cache, "straight", "--checkpoint-dir",
                       tmp_path / "a")
   r = subprocess.run(cmd, capture_output=True, text=True, env=env,
                      timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
-  cmd, env = _example(tmp_path, "killed", "--checkpoint-dir", tmp_path / "b")
+  cmd, env = _example(tmp_path, compile_cache, "killed", "--checkpoint-dir",
+                      tmp_path / "b")
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True, env=env)
   for line in proc.stdout:
@@ -147,7 +151,7 @@ def test_example_killed_after_a_save_resumes_bitwise(tmp_path):
       break
   proc.wait(timeout=60)
   assert proc.returncode != 0 and not (tmp_path / "killed.json").exists()
-  cmd, env = _example(tmp_path, "resumed", "--checkpoint-dir",
+  cmd, env = _example(tmp_path, compile_cache, "resumed", "--checkpoint-dir",
                       tmp_path / "b", "--resume")
   r = subprocess.run(cmd, capture_output=True, text=True, env=env,
                      timeout=300)

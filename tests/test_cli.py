@@ -60,10 +60,10 @@ def workdir(tmp_path_factory):
   return d
 
 
-def run(workdir, *args):
+def run(workdir, *args, compile_cache=None):
   return subprocess.run([sys.executable, "-m", "jaxfuse", *args], cwd=workdir,
-                        env=cpu_env(8), capture_output=True, text=True,
-                        timeout=300)
+                        env=cpu_env(8, compile_cache), capture_output=True,
+                        text=True, timeout=300)
 
 
 def test_profile_plan_show_end_to_end(workdir):
@@ -246,16 +246,17 @@ def test_console_script_and_test_extra_are_declared():
 
 @pytest.mark.example
 @pytest.mark.second
-def test_example_lm_profile_auto_plan_show_and_train(tmp_path):
+def test_example_lm_profile_auto_plan_show_and_train(tmp_path, compile_cache):
   """The README's workflow on the example LM: profile it, plan with "auto"
-  from those costs, draw the plan, and train two steps with it."""
+  from those costs, draw the plan, and train two steps with it. (The steps
+  share a compilation cache: what one compiled, the next loads.)"""
   target = f"{REPO / 'examples' / 'lm_model.py'}:tiny"
   r = run(tmp_path, "profile", "--model", target, "--sizes", "4K", "256K",
           "--compress-sizes", "1K", "64K", "--repeats", "2", "--chain", "2",
-          "-q", "-o", "costs.json")
+          "-q", "-o", "costs.json", compile_cache=compile_cache)
   assert r.returncode == 0, r.stderr
   r = run(tmp_path, "plan", target, "--strategy", "auto", "--costs",
-          "costs.json", "-o", "plan.json")
+          "costs.json", "-o", "plan.json", compile_cache=compile_cache)
   assert r.returncode == 0, r.stderr
   plan = jaxfuse.Plan.load(tmp_path / "plan.json")
   sys.path.insert(0, str(REPO / "examples"))
@@ -271,10 +272,10 @@ def test_example_lm_profile_auto_plan_show_and_train(tmp_path):
   assert plan.provenance["predicted_iteration"] <= (
       min(auto["candidates"].values()) * (1 + 1e-12))
   r = run(tmp_path, "show", "plan.json", "--costs", "costs.json", "-o",
-          "timeline.png")
+          "timeline.png", compile_cache=compile_cache)
   assert r.returncode == 0, r.stderr
   assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG_SIGNATURE
-  env = cpu_env(8)
+  env = cpu_env(8, compile_cache)
   out = subprocess.run(
       [sys.executable, str(REPO / "examples" / "train_lm.py"), "--plan",
        "plan.json", "--steps", "2", "--eval-batches", "0",

@@ -18,14 +18,15 @@ import jaxfuse
 from jaxfuse import plans as plan_lib
 
 from _harness import assert_replicas_identical
-from _harness import init, list_plan, shard, sharded_update, sync
+from _harness import init, list_plan, random_normal, shard, sharded_update
+from _harness import sync
 from _harness import NUM_WORKERS as K
 
 
 def _worker_grads(key, shapes, scales=None):
   keys = jax.random.split(key, len(shapes))
   scales = scales or [1.0] * len(shapes)
-  return [s * jax.random.normal(k, (K,) + tuple(shape))
+  return [np.float32(s) * random_normal(k, (K,) + tuple(shape))
           for k, shape, s in zip(keys, shapes, scales)]
 
 

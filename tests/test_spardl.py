@@ -20,7 +20,8 @@ from jaxfuse.collectives import base
 from jaxfuse.collectives import spardl
 
 from _harness import assert_replicas_identical
-from _harness import init, list_plan, mesh_of, per_device, sync
+from _harness import init, list_plan, mesh_of, per_device, random_normal
+from _harness import sync
 
 
 # --- the send schedule --------------------------------------------------------
@@ -91,7 +92,7 @@ def _random_steps(plan, mesh, k, shapes, seed, steps=2):
   key = jax.random.PRNGKey(seed)
   for _ in range(steps):
     key, sub = jax.random.split(key)
-    grads = [jax.random.normal(kk, (k,) + s)
+    grads = [random_normal(kk, (k,) + s)
              for kk, s in zip(jax.random.split(sub, len(shapes)), shapes)]
     old = _residual_sums(plan, state)
     synced, state = sync(plan, mesh, grads, state)

@@ -97,10 +97,14 @@ def _density_run(mesh, grad_fn, estimator, n=20000, density=0.01, steps=40):
   return np.array(counts), plan.leaves[0]
 
 
+# The gradients of step t are a pure function of (t, n): drawn once per test
+# run and shared by the estimators (Student-t sampling costs ~0.3 s a step).
+@functools.lru_cache(maxsize=None)
 def _gaussian(t, n=20000):
   return jax.random.normal(jax.random.PRNGKey(t), (K, n))
 
 
+@functools.lru_cache(maxsize=None)
 def _heavy(t, n=20000):
   return jax.random.t(jax.random.PRNGKey(t), 2.0, (K, n))
 
@@ -236,11 +240,20 @@ def test_per_leaf_stats_match_what_was_sent(mesh, strategy, shapes):
 
 # --- "topk": the sampled bracket and the shared pass --------------------------
 
-def _topk(grad, residual, capacity, density=0.01, seed=3):
-  """(τ, result, offset) of one ``"topk"`` unit step with salt ``seed``."""
-  fn = jax.jit(functools.partial(
+@functools.lru_cache(maxsize=None)
+def _topk_fn(capacity, density, margin):
+  """The jitted ``"topk"`` unit step, one per (capacity, density) and
+  ``sparsify.TOPK_MARGIN`` (read when it is traced): examples that share
+  them share one compile."""
+  del margin  # part of the key only
+  return jax.jit(functools.partial(
       sparsify.sparsify_unit, capacity=capacity, density=density,
       estimator="topk", settings=jaxfuse.Settings()))
+
+
+def _topk(grad, residual, capacity, density=0.01, seed=3):
+  """(τ, result, offset) of one ``"topk"`` unit step with salt ``seed``."""
+  fn = _topk_fn(capacity, density, sparsify.TOPK_MARGIN)
   ctrl = jax.tree.map(lambda x: x[0], sparsify.initial_control(1))
   salt = jnp.uint32(seed)
   out = fn(jnp.asarray(grad), jnp.asarray(residual), ctrl, jnp.int32(1),
