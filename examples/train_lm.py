@@ -528,13 +528,15 @@ def main(argv=None) -> dict:
       settle_now = jaxfuse.second_moment(opt_state)
       if settle_prev is not None and step + 1 < phases[0].stop:
         change = jaxfuse.second_moment_change(settle_prev, settle_now)
+        say(f"step {step + 1}: the second moment moved {change:.3g} in "
+            f"{args.dense_settle_every} steps (--dense-settle "
+            f"{args.dense_settle:g})")
         if change < args.dense_settle:   # replicated: every host agrees
           phases = jaxfuse.density_warmup(
               plan, steps=args.warmup_steps,
               densities=args.warmup_densities, dense_steps=step + 1,
               dense_wire=args.dense_wire)
-          say(f"dense phase ends at step {step + 1}: the second moment "
-              f"moved {change:.3g} in {args.dense_settle_every} steps")
+          say(f"dense phase ends at step {step + 1}")
       settle_prev = settle_now
     rng_state = rng.bit_generator.state  # before the next batch: resume point
     if step + 1 < steps:  # the next batch, prepared outside the timed region
