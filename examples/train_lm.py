@@ -245,7 +245,7 @@ def parse_args(argv):
   p.add_argument("--warmup-densities", type=_densities,
                  help="comma-separated warm-up densities instead of DGC's")
   p.add_argument("--dense-wire", default="gradient",
-                 choices=["gradient", "bfloat16", "float16"],
+                 choices=["gradient", "bfloat16"],
                  help="the dense warm-up's wire dtype: bfloat16 halves its "
                  "bytes, each worker's rounding kept in its residual")
   p.add_argument("--dense-settle", type=float,

@@ -224,10 +224,10 @@ def _full_sync(plan, placement, ids, units, accs, axis_name):
   element sent, one ``pmean`` for the bucket.
 
   Returns the dense means per unit, per unit whether acc was finite, the
-  new residual (zero, or acc's rounding to the wire dtype:
-  ``plans.full_wire_dtype``, the unit's unless ``Settings.full_wire`` is
-  narrower, where the residual is kept wider) and the units' per-leaf stats chunks
-  (everything selected)."""
+  new residual (zero, or acc's rounding to the wire dtype where the
+  residual is kept wider; the wire dtype is ``plans.full_wire_dtype``: the
+  unit's, unless ``Settings.full_wire`` is narrower) and the units'
+  per-leaf stats chunks (everything selected)."""
   wires, roundings = [], []
   for unit, acc in zip(units, accs):
     rounded, wire = _round_to(acc, plan_lib.full_wire_dtype(unit,

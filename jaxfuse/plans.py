@@ -31,7 +31,7 @@ MODES = ("sparse", "dense")
 ESTIMATORS = ("topk", "dgc", "gaussian", "redsync", "sidco")
 SPARSE_COLLECTIVES = ("allgather", "zen", "spardl", "hier")  # jaxfuse.collectives
 RESIDUAL_DTYPES = ("float32", "gradient")  # Settings.residual_dtype
-FULL_WIRES = ("gradient", "bfloat16", "float16")  # Settings.full_wire
+FULL_WIRES = ("gradient", "bfloat16")  # Settings.full_wire
 COLLECTIVES = SPARSE_COLLECTIVES + ("psum",)
 SPARSIFY = ("ahead", "behind")
 MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
@@ -123,11 +123,12 @@ class Settings:
     dtype, and its rounding error stays in the residual. ``"gradient"``:
     the gradient's own dtype (half the state memory for bfloat16, lossy).
   full_wire: dtype in which density-1 units (a dense warm-up phase) go on
-    the wire: ``"gradient"`` (default, the gradient's), or ``"bfloat16"`` /
-    ``"float16"`` for float32 gradients, which halves the phase's bytes
-    (PyTorch DDP's compression hook). Each worker's rounding stays in its
-    residual, sent with the next step: x_t + r_t = wire_t + r_{t+1}, so
-    only the reduction's own rounding is lost. Phases may differ in it.
+    the wire: ``"gradient"`` (default, the gradient's), or ``"bfloat16"``
+    for float32 gradients, which halves the phase's bytes (PyTorch DDP's
+    compression hook; bfloat16 keeps float32's range, so nothing
+    overflows). Each worker's rounding stays in its residual, sent with
+    the next step: x_t + r_t = wire_t + r_{t+1}, so only the reduction's
+    own rounding is lost. Phases may differ in it.
   """
   headroom: float = 1.5
   min_sparse_size: int = 1024
