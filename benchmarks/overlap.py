@@ -307,7 +307,8 @@ def main(argv=None):
             "bucket_mb": args.bucket_mb,
             "buckets": len(plan.buckets), "variants": {},
             "date": time.strftime("%Y-%m-%d"), "delay": args.delay,
-            "send_early": args.send_early, "window": args.window, "start_early": args.start_early,
+            "send_early": args.send_early, "window": args.window,
+            "start_early": args.start_early,
             "command": " ".join(sys.argv),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(

@@ -254,7 +254,8 @@ def parse_args(argv):
                  "0.05) over --dense-settle-every steps "
                  "(jaxfuse.second_moment_change); --dense-warmup is then "
                  "the longest it may last")
-  p.add_argument("--dense-settle-every", type=int, default=25)
+  p.add_argument("--dense-settle-every", type=int, default=25,
+                 help="steps between --dense-settle's checks")
   p.add_argument("--dense-warmup", type=int,
                  help="dense steps first (onebit_adamw needs them; default "
                  "25%% of the steps for it, else 0)")
