@@ -32,10 +32,14 @@ def xla_options(platform: str | None = None) -> dict[str, str]:
   Returns:
     A new dict, safe to update with options of your own.
   """
-  platform = platform or jax.default_backend()
-  if platform in _GPU_PLATFORMS:
+  if on_gpu(platform):
     return {"xla_gpu_enable_command_buffer": ""}
   return {}
+
+
+def on_gpu(platform: str | None = None) -> bool:
+  """Whether ``platform`` (default: JAX's default backend) is a GPU."""
+  return (platform or jax.default_backend()) in _GPU_PLATFORMS
 
 
 def xla_flags(network_gbytes_s: float, *, gpus_per_node: int = 1) -> str:

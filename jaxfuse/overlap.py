@@ -49,6 +49,7 @@ unchanged, with a warning.
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 
 import jax
@@ -118,8 +119,7 @@ def send_early(step, *, window: int | None = 1, start_early: bool = True):
               "them; nothing was changed. Call the optimizer's update "
               "directly in the step (not under its own jax.jit).",
               stacklevel=2)
-      if (jax.default_backend() in ("gpu", "cuda", "rocm")
-          and not compile_options.network_flags_set()):
+      if compile_options.on_gpu() and not compile_options.network_flags_set():
         warnings.warn(
             "jaxfuse.send_early on GPU without jaxfuse.xla_flags in "
             "XLA_FLAGS: XLA's default cost model takes the network for "
@@ -202,14 +202,12 @@ def fence_points(eqns, order, fences) -> list[int]:
   backward = [is_backward(eqns[n]) for n in order]
   heavy = [b and eqns[n].primitive.name in HEAVY
            for b, n in zip(backward, order)]
-  counted = heavy if any(heavy) else backward
-  points, point, previous = [], 0, None
-  for stop in fences:
-    done = sum(counted[:stop])
-    if previous is None or done > previous:
+  done = [0, *itertools.accumulate(heavy if any(heavy) else backward)]
+  points, point = [], 0
+  for k, stop in enumerate(fences):
+    if k == 0 or done[stop] > done[fences[k - 1]]:
       point += 1
     points.append(point)
-    previous = done
   return points
 
 

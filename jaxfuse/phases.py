@@ -157,7 +157,7 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int,
   phases, start = [], 0
   for density, length in schedule:
     phase_plan = with_density(plan, density)
-    if density == 1.0 and dense_wire != plan.settings.full_wire:
+    if density == 1.0:
       phase_plan = dataclasses.replace(phase_plan, settings=dataclasses.replace(
           plan.settings, full_wire=dense_wire))
     phases.append(Phase(start, start + length, phase_plan))

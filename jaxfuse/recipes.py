@@ -176,9 +176,10 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   Its plan decides the stage: a density-1 plan (``with_density(plan, 1)``,
   the dense phase of ``density_warmup(plan, dense_steps=...)``) is exact
   Adam (on a bfloat16 ``dense_wire``, Adam on the rounded mean, each
-  worker's rounding carried to the next step) and updates v; any other plan sparsifies the momentum with error
-  feedback and keeps v frozen. Train at least one dense step first (v = 0
-  would make the first sparse steps huge); the update is zero until then.
+  worker's rounding carried to the next step) and updates v; any other
+  plan sparsifies the momentum with error feedback and keeps v frozen.
+  Train at least one dense step first (v = 0 would make the first sparse
+  steps huge); the update is zero until then.
   ``clip_norm`` clips the mean gradient in the dense phase (exactly dense
   AdamW's clip, after the sync) and, in the others, each worker's gradient
   per bucket at its share of clip_norm·√K (``jaxfuse.clipping``: no bucket
