@@ -152,7 +152,27 @@ def _planning_inputs(args):
   return costs_lib.Costs.load(args.costs), params, loss_fn, tokens
 
 
+def _predict(row: dict, predicted, eta: float) -> None:
+  """Set ``row``'s simulated figures (at overlap ``eta``) and its error."""
+  row.update(predicted_s=predicted.iteration,
+             predicted_compute_s=predicted.compute_end,
+             predicted_communication_s=predicted.communication,
+             predicted_overlap=predicted.overlap_ratio, predicted_eta=eta)
+  if row.get("measured_s"):
+    row["prediction_error"] = row["predicted_s"] / row["measured_s"] - 1
+
+
 def cmd_measure(args) -> list[dict]:
+  if args.overlap == "measured" and not (args.one_worker and args.sizes_mb):
+    raise SystemExit("--overlap measured needs --one-worker and a size plan "
+                     "(--sizes-mb), whose step gives the η.")
+  if args.overlap not in (None, "measured"):
+    try:
+      if not 0.0 <= float(args.overlap) <= 1.0:
+        raise ValueError
+    except ValueError:
+      raise SystemExit(f"--overlap {args.overlap!r}: a number in [0, 1] or "
+                       "'measured'.") from None
   costs, params, loss_fn, tokens = _planning_inputs(args)
   import jaxfuse  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
@@ -164,10 +184,15 @@ def cmd_measure(args) -> list[dict]:
     env = _env(args.transport)
     flag_args = [a for f in FLAG_SETS[args.flags].split()
                  for a in ("--xla-option", f.removeprefix("--"))]
+  if args.overlap not in (None, "measured"):
+    costs = costs.replace(overlap=float(args.overlap))
+    base["costs"] = costs
+  plans, eta_measured = [], False
   with tempfile.TemporaryDirectory() as tmp:
     for name, strategy, options in _configs(args):
       plan = jaxfuse.plan(params, **{**base, **options,
                                      "strategy": strategy or "single"})
+      plans.append(plan)
       predicted = simulate.simulate(plan, costs)
       if strategy is None:
         extra = ["--sync", "dense"]
@@ -179,28 +204,24 @@ def cmd_measure(args) -> list[dict]:
       row = {"plan": name, "buckets": len(plan.buckets),
              "collectives": sorted({b.collective for b in plan.buckets}),
              "wire_bytes": plan.bytes_per_worker(),
-             "predicted_s": predicted.iteration,
-             "predicted_compute_s": predicted.compute_end,
-             "predicted_communication_s": predicted.communication,
-             "predicted_overlap": predicted.overlap_ratio,
              "measured_s": run.get("steady_step_time_s"),
              "measured_mean_s": run.get("mean_step_time_s"),
              "phase_steps": run.get("phase_steps"),
              "error": run.get("error"),
              "winner": plan.provenance.get("auto", {}).get("winner")}
+      _predict(row, predicted, costs.overlap)
       if "config" in run:          # where the run trained (this process plans)
         row["devices"] = (f"{run['config']['num_devices']} x "
                           f"{run['config'].get('device_kind', '?')}")
-      if row["measured_s"]:
-        row["prediction_error"] = row["predicted_s"] / row["measured_s"] - 1
       line = (f"   {name:22} {row['buckets']:3d} buckets  "
               f"{row['wire_bytes'] / 2**20:8.2f} MiB  predicted "
               f"{1e3 * row['predicted_s']:7.1f} ms  measured "
               + (f"{1e3 * row['measured_s']:7.1f} ms  error "
                  f"{100 * row['prediction_error']:+5.1f} %"
                  if row["measured_s"] else "failed"))
-      if args.one_worker and row["measured_s"] and set(
-          row["collectives"]) <= {"psum", "allgather"}:
+      if (args.one_worker and row["measured_s"] and strategy in
+          (None, "size") and set(row["collectives"]) <= {"psum",
+                                                          "allgather"}):
         # The same per-worker work on one device: no communication, so the
         # measured overlap is η = (T₁ + G − T_K) / G, G the simulated link
         # time (a schemes' plans for K workers do not run on one).
@@ -216,6 +237,24 @@ def cmd_measure(args) -> list[dict]:
                    f"  η {row['measured_overlap']:.2f}")
       rows.append(row)
       print(line, flush=True)
+      if (args.overlap == "measured" and strategy == "size" and
+          row.get("measured_overlap") is not None and not eta_measured):
+        # Plan and predict everything from here on, and re-predict what
+        # ran, with the η this step measured (the overlap of the step as
+        # it is compiled, e.g. under --send-early).
+        eta = min(max(row["measured_overlap"], 0.0), 1.0)
+        costs = base["costs"] = costs.replace(overlap=eta)
+        eta_measured = True
+        print(f"   planning and predicting with the measured η = {eta:.2f}",
+              flush=True)
+  if eta_measured:
+    print(f"re-predicted at η = {costs.overlap:.2f}:", flush=True)
+    for row, plan in zip(rows, plans):
+      _predict(row, simulate.simulate(plan, costs), costs.overlap)
+      if row["measured_s"]:
+        print(f"   {row['plan']:22} predicted {1e3 * row['predicted_s']:7.1f}"
+              f" ms  measured {1e3 * row['measured_s']:7.1f} ms  error "
+              f"{100 * row['prediction_error']:+5.1f} %", flush=True)
   dense = next((r for r in rows if r["plan"] == "dense" and r["measured_s"]),
                None)
   for r in rows:
@@ -342,6 +381,12 @@ def main(argv=None):
                  help="also run dense and allgather plans on one device "
                  "(same per-worker batch) for the measured overlap η")
   m.add_argument("--strategies", nargs="*", default=["auto"])
+  m.add_argument("--overlap", default=None, metavar="ETA|measured",
+                 help="plan and predict with this overlap η instead of the "
+                 "costs file's; 'measured': the η the first size plan's "
+                 "step measured (needs --one-worker), for the plans after "
+                 "it and the predictions of all (the overlap of the step as "
+                 "compiled, e.g. with --train-args '--send-early')")
   m.add_argument("--flags", default="default", choices=sorted(FLAG_SETS))
   m.add_argument("--flags-via", default="env", choices=("env", "jit"),
                  help="apply --flags through XLA_FLAGS (every program) or "

@@ -162,6 +162,32 @@ def test_costs_without_backward_are_shown_as_communication_only(
   assert t.iteration == pytest.approx(2e-3 + t.compression + t.communication)
 
 
+def test_plan_overlap_replaces_the_costs_eta(workdir, capsys, monkeypatch,
+                                             tmp_path):
+  """--overlap ETA plans and predicts with η = ETA (the costs' is 0.5), and
+  asks for --costs without which it means nothing."""
+  monkeypatch.chdir(workdir)
+  hand_costs(NUM_LEAVES).save(tmp_path / "c.json")
+  predicted = {}
+  for eta in ("0", "1"):
+    out = tmp_path / f"p{eta}.json"
+    assert cli.main(["plan", "tinymodel:make", "--strategy", "mgwfbp",
+                     "--costs", str(tmp_path / "c.json"), "--overlap", eta,
+                     "-o", str(out)]) == 0
+    plan = jaxfuse.Plan.load(out)
+    expected = simulate(plan, hand_costs(NUM_LEAVES).replace(
+        overlap=float(eta))).iteration
+    predicted[eta] = plan.provenance["predicted_iteration"]
+    assert predicted[eta] == pytest.approx(expected, rel=1e-9)
+  assert predicted["1"] < predicted["0"]   # more of the link hidden
+  capsys.readouterr()
+  assert "give --costs" in error_of(capsys, "plan", "tinymodel:make",
+                                    "--overlap", "0.5")
+  assert cli.main(["plan", "tinymodel:make", "--costs",
+                   str(tmp_path / "c.json"), "--overlap", "1.5"]) == 2
+  assert "must be a number in [0, 1]" in capsys.readouterr().err
+
+
 def error_of(capsys, *argv) -> str:
   assert cli.main(list(argv)) == 2
   err = capsys.readouterr().err

@@ -71,13 +71,14 @@ def _positive_int(text: str) -> int:
   return value
 
 
-def _unit_float(text: str) -> float:
+def _unit_float(text: str, low_open: bool = True) -> float:
   try:
     value = float(text)
   except ValueError:
     value = math.nan
-  if not 0 < value <= 1:
-    raise argparse.ArgumentTypeError(f"{text!r} must be a number in (0, 1]")
+  if not (0 < value <= 1 if low_open else 0 <= value <= 1):
+    raise argparse.ArgumentTypeError(
+        f"{text!r} must be a number in {'(' if low_open else '['}0, 1]")
   return value
 
 
@@ -253,11 +254,16 @@ def cmd_plan(args) -> int:
   kwargs = {k: getattr(args, k) for k in PLAN_OPTIONS
             if getattr(args, k) is not None}
   costs = None
+  if args.overlap is not None and not args.costs:
+    raise UsageError("--overlap replaces the costs' η: give --costs "
+                     "COSTS.json too.")
   if args.costs:
     if "costs" not in inspect.signature(jaxfuse.plan).parameters:
       raise UsageError("--costs: this jaxfuse's plan() takes no costs yet; "
                        "update jaxfuse or leave --costs out.")
     costs = _load_costs(args.costs)
+    if args.overlap is not None:
+      costs = costs.replace(overlap=args.overlap)
     kwargs["costs"] = costs
     if "strategy" not in kwargs and "auto" in _strategies():
       kwargs["strategy"] = "auto"
@@ -535,6 +541,12 @@ def build_parser() -> argparse.ArgumentParser:
   pl.add_argument("--costs", metavar="COSTS.json",
                   help="costs from `jaxfuse profile --model` for this model "
                   "(needed by the cost-model strategies)")
+  pl.add_argument("--overlap", metavar="ETA",
+                  type=lambda t: _unit_float(t, low_open=False),
+                  help="plan for this overlap η in [0, 1] instead of the "
+                  "costs' (profiled on the plain step): the share of link "
+                  "time hidden behind compute that `jaxfuse show --measured "
+                  "TRACE` reports for your step, e.g. under send_early")
   pl.add_argument("--density", type=_unit_float,
                   help="share of each sparse leaf sent per step, in (0, 1]")
   pl.add_argument("--strategy", help="how to cut the leaves into buckets: "
