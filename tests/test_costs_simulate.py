@@ -64,6 +64,39 @@ def _fig3(backward_lm1):
   return simulate(wfbp, costs), simulate(merged, costs)
 
 
+def test_a_bucket_is_ready_when_its_last_leaf_is_in_the_backward_order():
+  """Buckets do not reorder the model's backward. One sparse bucket {S1,
+  S2} and one dense {D1, D2} (``single``), the backward making S2, D1, S1,
+  D2: the sparse bucket is ready after three leaves, not after its own
+  two (what the bucket order S1, S2, D1, D2 would say)."""
+  s1, s2, d1, d2 = 0, 1, 2, 3
+  leaves = [sparse(s1, 1000, 10), sparse(s2, 1000, 10), dense(d1, 10),
+            dense(d2, 10)]
+  plan = make_plan(leaves, [[s1, s2], [d1, d2]])
+  backward = [1.0, 2.0, 4.0, 8.0]
+  costs = make_costs(backward, ag=(1.0, 0.0), ps=(1.0, 0.0),
+                     compress=(0.5, 0.0), forward=3.0)
+  order = (s2, d1, s1, d2)
+  t = simulate(plan, costs, order=order)
+  ready_s = 3 + 2 + 4 + 1                  # forward, S2, D1, S1
+  sparse_b, dense_b = t.buckets
+  assert (sparse_b.ready, sparse_b.compress_end) == approx((ready_s,
+                                                            ready_s + 1.0))
+  assert t.leaves[d2] == approx((ready_s + 1.0, ready_s + 9.0))  # after it
+  assert dense_b.ready == approx(ready_s + 9.0)
+  assert t.iteration == approx(ready_s + 9.0 + 1.0)  # the psum, last
+  # the order recorded in the provenance is the default; a bad one falls
+  # back to the bucket order (S1, S2, then the dense leaves)
+  recorded = plan_lib.Plan(plan.leaves, plan.buckets, plan.settings,
+                           {"backward_order": list(order)})
+  assert simulate(recorded, costs) == t
+  stale = plan_lib.Plan(plan.leaves, plan.buckets, plan.settings,
+                        {"backward_order": [0, 1, 2]})
+  assert simulate(stale, costs).buckets[0].ready == approx(3 + 1 + 2)
+  with pytest.raises(ValueError, match="each of the 4 leaf ids once"):
+    simulate(plan, costs, order=(0, 1, 2, 2))
+
+
 def test_fig3_merging_pays_when_q2_holds():
   # Layer l-1 computed over [4, 7]: τ_b^(l-1) + t_b^(l-1) = 7 < τ_c^(l) + a = 9
   # (Q2), and 7 < τ_c^(l) + t_c^(l) = 11 (Q1 false).

@@ -110,6 +110,18 @@ def test_ready_order_follows_the_backward_pass(jit_loss):
   assert plan.provenance["ready_order"] == "reverse_pytree"
 
 
+def test_plan_records_the_backward_order_that_buckets_hide():
+  """``single`` lists its sparse bucket first, so its ready_order is not
+  the backward's; the plan keeps the backward's (what ``simulate`` uses)."""
+  params = _three_layer_params()
+  plan = jaxfuse.plan(params, strategy="single", loss_fn=_three_layer_loss,
+                      example_args=(jnp.ones((3, 4)),), min_sparse_size=200)
+  names = lambda ids: [plan.leaves[i].path for i in ids]
+  assert names(plan.ready_order) == ["['c_mid']", "['a_out']", "['b_in']"]
+  assert names(plan.provenance["backward_order"]) == [
+      "['a_out']", "['c_mid']", "['b_in']"]
+
+
 # --- JSON ------------------------------------------------------------------------
 
 def test_json_round_trip(tmp_path):

@@ -14,9 +14,12 @@ positions p in ready order, backward b_p, compression h_p (sparse leaves:
 ``costs.compress.time(size)``, one unit per leaf), wire bytes w_p, and a
 group [a..j] starting on the compute stream at P_a = Σ_{p<a} (b_p + h_p):
 
-  sparse bucket ready  r_s = P_a + Σ_{sparse p in [a..j]} (b_p + h_p)
-  dense bucket ready   r_d = P_{j+1}     (the dense leaves follow the
-                                          sparse bucket's compression)
+  sparse bucket ready  r_s = P_{s+1}, s the group's last sparse position
+                       (the backward keeps the model's order; the bucket
+                       is compressed once its last leaf exists)
+  dense bucket ready   r_d = P_{j+1}     (or earlier, where the group ends
+                                          sparse: it waits behind the
+                                          sparse bucket on the link anyway)
   link                 E ← max(r_s, E) + g_ag(Σ sparse w);
                        E ← max(r_d, E) + g_ps(Σ dense w)
   iteration            forward + max(E_final, P_N + (1 − η)·G)
@@ -124,6 +127,9 @@ def plan_from_groups(base: plan_lib.Plan, groups: Sequence[Sequence[int]], *,
                                         headroom=base.settings.headroom)
   prov = dict(base.provenance)
   prov["strategy"] = strategy
+  made = [i for group in groups for i in group]
+  if sorted(made) == list(range(len(leaves))):   # groups in ready order
+    prov["backward_order"] = made
   prov.update(provenance or {})
   return plan_lib.Plan(leaves, buckets, base.settings, prov)
 
@@ -160,14 +166,14 @@ class GroupingProblem:
                 order: Sequence[int] | None = None) -> "GroupingProblem":
     """``order`` (leaf ids, backward-ready) defaults to ``plan.ready_order``.
 
-    Within a mixed bucket pair the plan lists sparse leaves before dense
-    ones, so the true order survives in ``plan.ready_order`` only for plans
-    without mixed groups (e.g. ``strategy="layerwise"``); pass ``order`` to
-    be exact.
+    Default: ``simulate.backward_order(plan)``, the order ``jaxfuse.plan``
+    recorded (within a mixed bucket pair the plan lists sparse leaves
+    before dense ones, so ``plan.ready_order`` is the true order only for
+    plans without mixed groups).
     """
     costs.check(len(plan.leaves))
-    order = tuple(int(i) for i in (plan.ready_order if order is None
-                                   else order))
+    order = tuple(int(i) for i in (simulate_lib.backward_order(plan)
+                                   if order is None else order))
     if sorted(order) != list(range(len(plan.leaves))):
       raise plan_lib.PlanError(f"order must list each of the "
                                f"{len(plan.leaves)} leaf ids once.")
@@ -211,7 +217,11 @@ class GroupingProblem:
                  for b, h, x in zip(self.backward, self.compress, s)),
           sw=cum(w if x else 0 for w, x in zip(self.wire, s)),
           dw=cum(0 if x else w for w, x in zip(self.wire, s)),
-          ns=cum(1 if x else 0 for x in s), n=n)
+          ns=cum(1 if x else 0 for x in s), n=n,
+          # after_sparse[t]: 1 + the last sparse position below t (0: none)
+          after_sparse=list(itertools.accumulate(
+              (p + 1 if x else 0 for p, x in enumerate(s)), max,
+              initial=0)))
       object.__setattr__(self, "_t", t)
     return t
 
@@ -247,7 +257,7 @@ def _group(t, ag, ps, a, j, link):
   comm = 0.0
   if nsp:
     g = ag.alpha + ag.beta * (t["sw"][j + 1] - t["sw"][a])
-    ready = pos[a] + (t["sb"][j + 1] - t["sb"][a])
+    ready = pos[t["after_sparse"][j + 1]]
     link = (ready if ready > link else link) + g
     comm += g
   if nsp < j + 1 - a:
@@ -308,6 +318,7 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
   t = problem._tables()  # pylint: disable=protected-access
   n = t["n"]
   pos, sb = np.asarray(t["pos"]), np.asarray(t["sb"])
+  after_sparse = np.asarray(t["after_sparse"])
   sw, dw = np.asarray(t["sw"], np.float64), np.asarray(t["dw"], np.float64)
   ns = np.asarray(t["ns"])
   ag, ps = problem.allgather, problem.psum
@@ -335,8 +346,7 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
   # reach[k]: the final link time of any completion from position k is at
   # least compute + last, and at least P_k − SB_k + max_{q >= k} (SB_{q+1} +
   # rest[q]): a bucket holding a leaf at q or later is ready no earlier than
-  # P_k + SB(k..q) (dense leaves may all come later), and every byte from q
-  # on goes after it.
+  # P_{q+1} >= P_k + SB(k..q), and every byte from q on goes after it.
   tail = np.maximum.accumulate((sb[1:] + rest[:n])[::-1])[::-1]
   reach = np.append(np.maximum(compute + last, pos[:n] - sb[:n] + tail),
                     compute + last)
@@ -366,7 +376,8 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
   for tpos in range(1, n + 1):
     j = tpos - 1
     kk, link, comm = live["k"], live["link"], live["comm"]
-    ready = pos[kk] + (sb[tpos] - sb[kk])  # the group's sparse bucket
+    # the group's sparse bucket (P_K where it has no sparse leaf yet)
+    ready = pos[np.maximum(after_sparse[tpos], kk)]
     if prune_bound:
       # Every group [K..j'], j' >= j, sends its first bucket no earlier than
       # max(link, ready), and all bytes from K after it: dead for good.
@@ -433,7 +444,7 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
     nsp = ns[n] - ns[tpos]
     e = link2
     if nsp:
-      e = np.maximum(pos[tpos] + (sb[n] - sb[tpos]), e) + (
+      e = np.maximum(pos[after_sparse[n]], e) + (
           ag.alpha + ag.beta * (sw[n] - sw[tpos]))
     if n - tpos - nsp:
       e = np.maximum(compute, e) + (ps.alpha + ps.beta * (dw[n] - dw[tpos]))
@@ -517,7 +528,8 @@ def brute_force_grouping(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
   if not exact:
     return brute_force(problem)
   score = lambda cuts: simulate_lib.simulate(
-      plan_from_groups(plan, problem.groups(cuts)), costs).iteration
+      plan_from_groups(plan, problem.groups(cuts)), costs,
+      order=problem.order).iteration
   return brute_force(problem, score)
 
 

@@ -193,7 +193,7 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
   costs = _load_costs(costs, strategy, len(leaves))
   provenance = {
       "strategy": strategy, "jaxfuse_version": __version__,
-      "ready_order": source,
+      "ready_order": source, "backward_order": list(order),
       "parameters": {"density": density, "estimator": estimator,
                      "collective": collective,
                      "num_buckets": num_buckets, "bucket_bytes": bucket_bytes},
@@ -317,7 +317,7 @@ def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
     buckets = grouping.buckets_from_groups(ls, groups, behind=False,
                                   headroom=settings.headroom)
     return simulate_lib.simulate(plan_lib.Plan(ls, buckets, settings),
-                                 costs).iteration
+                                 costs, order=order).iteration
 
   times, best = {}, None
   for name, ls, groups in cands:

@@ -4,13 +4,16 @@ This is the objective every planner optimizes and the picture every plot
 draws. All times are in seconds from the start of the forward pass.
 
 Compute stream (one, in order). The forward pass takes ``costs.forward``.
-Then the backward pass computes the leaves in the plan's backward-ready
-order (``plan.ready_order``: bucket after bucket), each taking
-``costs.backward[leaf]``. Right after a sparse bucket's
-last leaf is produced, the bucket is sparsified on the same stream (it
+Then the backward pass computes the leaves in the model's backward-ready
+order (``backward_order``: the one ``jaxfuse.plan`` found and kept in the
+plan's provenance; else ``plan.ready_order``, bucket after bucket), each
+taking ``costs.backward[leaf]``: the buckets do not reorder the model's
+backward, so a bucket is ready when the last of its leaves in that order
+is. Right after that, the bucket is sparsified on the same stream (it
 shares the GPU, so it delays the later backward work): the sum over its
-selection units (``plan_lib.units``) of ``costs.compress.time(unit.size)``.
-A dense (``"psum"``) bucket has no compression. The compute stream ends at
+selection units (``plan_lib.units``) of ``costs.compress.time(unit.size)``
+(buckets ready at the same leaf in plan order). A dense (``"psum"``)
+bucket has no compression. The compute stream ends at
 ``compute_end = forward + Σ backward + Σ compression``.
 
 Link (one; collectives never run at the same time, so the contention γ of
@@ -123,10 +126,24 @@ def compression_times(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
           for b in sched.buckets]
 
 
+def backward_order(plan: plan_lib.Plan) -> tuple[int, ...]:
+  """The order the model's backward makes the leaves in: the plan's
+  ``provenance["backward_order"]`` when it holds each leaf id once (what
+  ``jaxfuse.plan`` records), else ``plan.ready_order``."""
+  order = plan.provenance.get("backward_order")
+  n = len(plan.leaves)
+  if (isinstance(order, (list, tuple)) and len(order) == n and
+      all(isinstance(i, int) for i in order) and sorted(order) == list(range(n))):
+    return tuple(order)
+  return plan.ready_order
+
+
 def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
-             num_workers: int | None = None) -> Timeline:
+             num_workers: int | None = None, *,
+             order: tuple[int, ...] | None = None) -> Timeline:
   """The timeline of one training step of ``plan`` under ``costs`` on K =
-  ``num_workers`` workers (default ``costs.workers``).
+  ``num_workers`` workers (default ``costs.workers``); ``order``: the
+  backward's leaf order (default ``backward_order(plan)``).
 
   See the module docstring for the model. Raises ``CostsError`` when the
   costs do not have one backward time per leaf of the plan.
@@ -136,19 +153,29 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
   sched = schedule_lib.compile_plan(plan)
   wire = plan_lib.bucket_payload_bytes(plan)
   compress = compression_times(plan, costs, sched=sched)
+  order = backward_order(plan) if order is None else tuple(order)
+  if sorted(order) != list(range(len(plan.leaves))):
+    raise ValueError(f"order must list each of the {len(plan.leaves)} leaf "
+                     "ids once.")
 
-  # Compute stream: forward, then each bucket's leaves and its compression.
+  # Compute stream: forward, then the leaves in backward order; each bucket
+  # is compressed once its last leaf in that order is made.
+  position = {leaf: p for p, leaf in enumerate(order)}
+  done_at = [[] for _ in order]          # per position: buckets it completes
+  for i, b in enumerate(sched.buckets):
+    if b.leaves:
+      done_at[max(position[j] for j in b.leaves)].append(i)
   t = costs.forward
   leaf_times = [None] * len(plan.leaves)
-  marks = []  # per bucket (ready, compress_end)
-  for b, h in zip(sched.buckets, compress):
-    for j in b.leaves:
-      leaf_times[j] = (t, t + costs.backward[j])
-      t += costs.backward[j]
-    ready = t
-    if b.kind != schedule_lib.PSUM:
-      t += h
-    marks.append((ready, t))
+  marks = [(t, t)] * len(sched.buckets)  # per bucket (ready, compress_end)
+  for p, j in enumerate(order):
+    leaf_times[j] = (t, t + costs.backward[j])
+    t += costs.backward[j]
+    for i in done_at[p]:
+      ready = t
+      if sched.buckets[i].kind != schedule_lib.PSUM:
+        t += compress[i]
+      marks[i] = (ready, t)
   compute_end = t
   backward = math.fsum(costs.backward)
   compression = math.fsum(h for b, h in zip(sched.buckets, compress)
