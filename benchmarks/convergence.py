@@ -390,7 +390,9 @@ def report_lm(data, plot_path=None):
   runs = data["runs"]
   recipes = list(dict.fromkeys(r["recipe"] for r in runs))
   best = {r: _best(runs, r, "final_val_loss") for r in recipes}
-  dense = best.get("dense")
+  # the baseline: "dense", else the first dense variant (e.g. dense+net)
+  dense = best.get("dense") or next(
+      (best[r] for r in recipes if r.split("+")[0] == "dense"), None)
   horizons = [h for h in HORIZONS if h <= data["steps"]]
   head = (f"{'recipe':>22s} {'best lr':>8s} " +
           " ".join(f"{'val@' + str(h):>9s}" for h in horizons) +

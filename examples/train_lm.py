@@ -241,7 +241,9 @@ def parse_args(argv):
   p.add_argument("--warmup-steps", type=int,
                  help="steps at each warm-up density (DGC's ramp 25%%, "
                  "6.25%%, 1.56%%, 0.4%% above --density); default 5%% of "
-                 "the steps for onebit_adamw, else 0")
+                 "the steps for onebit_adamw, else 0. A density whose "
+                 "all-gather moves at least the dense step's bytes on this "
+                 "mesh runs dense (on --dense-wire) instead")
   p.add_argument("--warmup-densities", type=_densities,
                  help="comma-separated warm-up densities instead of DGC's")
   p.add_argument("--dense-wire", default="gradient",
@@ -461,7 +463,8 @@ def main(argv=None) -> dict:
     say(plan.summary())
     phases = jaxfuse.density_warmup(
         plan, steps=args.warmup_steps, densities=args.warmup_densities,
-        dense_steps=args.dense_warmup, dense_wire=args.dense_wire)
+        dense_steps=args.dense_warmup, dense_wire=args.dense_wire,
+        num_workers=k)
     if len(phases) > 1:
       say("warm-up: " + ", ".join(
           f"steps {p.start}-{p.stop or steps} density "
@@ -536,8 +539,8 @@ def main(argv=None) -> dict:
           phases = jaxfuse.density_warmup(
               plan, steps=args.warmup_steps,
               densities=args.warmup_densities, dense_steps=step + 1,
-              dense_wire=args.dense_wire)
-          say(f"dense phase ends at step {step + 1}")
+              dense_wire=args.dense_wire, num_workers=k)
+          say(f"dense phase ends at step {phases[0].stop}")
       settle_prev = settle_now
     rng_state = rng.bit_generator.state  # before the next batch: resume point
     if step + 1 < steps:  # the next batch, prepared outside the timed region

@@ -236,6 +236,35 @@ def test_check_phases_names_the_phase_and_field():
     jaxfuse.check_phases([])
 
 
+@pytest.mark.parametrize("workers,wire,folded", [
+    (1, "gradient", []),                 # nothing on the wire
+    (2, "gradient", []),                 # K·ρ·headroom = 0.75 < 1
+    (2, "bfloat16", [0.25]),             # 0.75 >= 0.5: bf16 halves dense
+    (4, "gradient", [0.25]),             # 1.5 >= 1; 0.0625: 0.375 < 1
+    (8, "bfloat16", [0.25, 0.0625]),     # 0.75 >= 0.5; 0.015625: 0.19
+])
+def test_density_warmup_runs_dense_where_sparse_moves_more(workers, wire,
+                                                            folded):
+  """On K workers an all-gather at density ρ (value and index, 8 bytes a
+  slot, headroom 1.5) receives (K−1)·8·1.5·ρ·n bytes; the ring all-reduce
+  2(K−1)/K·(4 or 2)·n. Where the first is not smaller the warm-up density
+  runs dense, on the dense wire, and the dense phase grows by its steps."""
+  plan = list_plan([(1 << 20,)], density=0.01, min_sparse_size=64)
+  phases = jaxfuse.density_warmup(plan, steps=10, dense_steps=5,
+                                  dense_wire=wire, num_workers=workers)
+  dense = 5 + 10 * len(folded)
+  ramp = [d for d in jaxfuse.phases.DGC_RAMP if d > 0.01 and d not in folded]
+  assert [(p.start, p.stop) for p in phases] == (
+      [(0, dense)] + [(dense + 10 * i, dense + 10 * (i + 1))
+                      for i in range(len(ramp))]
+      + [(dense + 10 * len(ramp), None)])
+  assert [p.plan.leaves[0].density for p in phases] == [1.0, *ramp, 0.01]
+  assert phases[0].plan.settings.full_wire == wire
+  assert all(p.plan.settings.full_wire == "gradient" for p in phases[1:])
+  with pytest.raises(jaxfuse.PlanError, match="num_workers=0"):
+    jaxfuse.density_warmup(plan, steps=10, num_workers=0)
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(steps=-1), "steps=-1"),
     (dict(steps=1.5), "steps=1.5"),

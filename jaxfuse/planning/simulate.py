@@ -133,7 +133,8 @@ def backward_order(plan: plan_lib.Plan) -> tuple[int, ...]:
   order = plan.provenance.get("backward_order")
   n = len(plan.leaves)
   if (isinstance(order, (list, tuple)) and len(order) == n and
-      all(isinstance(i, int) for i in order) and sorted(order) == list(range(n))):
+      all(isinstance(i, int) for i in order) and
+      sorted(order) == list(range(n))):
     return tuple(order)
   return plan.ready_order
 
