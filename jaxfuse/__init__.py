@@ -7,6 +7,7 @@
     ...                                  # steps phase.start .. phase.stop
 """
 
+from jaxfuse import _deprecated
 from jaxfuse import checkpoint
 from jaxfuse import clipping
 from jaxfuse import collectives
@@ -71,3 +72,13 @@ __all__ = [
     "sync_stats", "unit_residuals", "with_density", "xla_flags", "xla_options",
     "__version__",
 ]
+
+_deprecated.install()
+
+
+def __getattr__(name: str):
+  """0.1's ``jaxfuse.costs``, ``jaxfuse.simulate``, ... (moved to
+  ``jaxfuse.planning`` in 0.2) with a DeprecationWarning; removed in 0.4."""
+  if name in _deprecated.MOVED_MODULES:
+    return _deprecated.moved_module(name)
+  raise AttributeError(f"module 'jaxfuse' has no attribute {name!r}")

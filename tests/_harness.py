@@ -83,15 +83,39 @@ def shard(mesh, tree):
   return jax.device_put(tree, NamedSharding(mesh, P("data")))
 
 
+# XLA options for programs compiled once and run once or twice (a property
+# test's many one-off steps), CPU only: the legacy fusion emitters and LLVM
+# at -O0 compile such a step about 3x faster (2.2 -> 0.7 s for three sparse
+# leaves on 8 CPU devices). The HLO and XLA's HLO passes are the same; only
+# the machine code is less optimized.
+_FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False,
+                 "xla_backend_optimization_level": 0}
+
+
+@functools.cache
+def fast_compile_options() -> tuple[tuple[str, object], ...]:
+  """``_FAST_COMPILE`` as a hashable tuple on CPU, where this XLA knows them
+  (a trivial program tried once); else () (the default compile)."""
+  if jax.devices()[0].platform != "cpu":
+    return ()
+  try:
+    jax.jit(lambda x: x + 1, compiler_options=_FAST_COMPILE).lower(
+        np.float32(0)).compile()
+  except Exception:  # pylint: disable=broad-except  # an unknown option
+    return ()
+  return tuple(sorted(_FAST_COMPILE.items()))
+
+
 @functools.lru_cache(maxsize=None)
-def _sync_fn(plan_json, mesh):
+def _sync_fn(plan_json, mesh, options=()):
   plan = jaxfuse.Plan.from_json(plan_json)
   tx = jaxfuse.sparse_sync(plan)
   params = jax.tree.unflatten(
       jax.tree.structure([0] * len(plan.leaves)),
       [jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.leaves])
   specs = jaxfuse.state_specs(jax.eval_shape(tx.init, params))
-  return jax.jit(sharded_update(tx, mesh, specs))
+  return jax.jit(sharded_update(tx, mesh, specs),
+                 compiler_options=dict(options) or None)
 
 
 def sharded_update(tx, mesh, specs, local_grads=None):
@@ -107,13 +131,19 @@ def sharded_update(tx, mesh, specs, local_grads=None):
 
 def init(plan, mesh):
   """Sharded sparse_sync state for a plan whose leaves are a flat list."""
-  params = [jnp.zeros(l.shape, l.dtype) for l in plan.leaves]
+  params = [np.zeros(l.shape, jnp.dtype(l.dtype)) for l in plan.leaves]
   return jaxfuse.init_state(jaxfuse.sparse_sync(plan), params, mesh)
 
 
-def sync(plan, mesh, grads, state):
-  """grads: list of (K, *shape) arrays, one per plan leaf -> (synced, state)."""
-  return _sync_fn(plan.to_json(), mesh)(shard(mesh, list(grads)), state)
+def sync(plan, mesh, grads, state, *, fast_compile: bool = False):
+  """grads: list of (K, *shape) arrays, one per plan leaf -> (synced, state).
+
+  The step is compiled once per plan and mesh; ``fast_compile``: with
+  ``fast_compile_options()`` (for plans that run only a step or two).
+  """
+  options = fast_compile_options() if fast_compile else ()
+  return _sync_fn(plan.to_json(), mesh, options)(shard(mesh, list(grads)),
+                                                  state)
 
 
 def list_plan(shapes, dtype="float32", **kwargs):

@@ -71,7 +71,7 @@ def test_sparse_path_at_full_capacity_equals_pmean(mesh):
 
 # 2. Conservation --------------------------------------------------------------
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(shapes=st.lists(st.one_of(  # repeated shapes run as one vmap
     st.sampled_from([(32, 40), (1300,)]),
     st.tuples(st.integers(1, 40), st.integers(1, 70))), min_size=1, max_size=5),
@@ -82,7 +82,13 @@ def test_sparse_path_at_full_capacity_equals_pmean(mesh):
                                  "behind"]),
        seed=st.integers(0, 2**16))
 def test_conservation(mesh, shapes, density, estimator, strategy, seed):
-  """Σ_k sent_k + Σ_k r'_k = Σ_k (g_k + r_k), over two steps."""
+  """Σ_k sent_k + Σ_k r'_k = Σ_k (g_k + r_k), over two steps.
+
+  Each example's plan is new, so its step is compiled for two runs: with
+  ``fast_compile`` (same HLO, XLA:CPU's quicker codegen), which makes an
+  example about 2x cheaper than the default compile (3.5 -> 1.6 s on
+  8 CPU devices, two cores).
+  """
   plan = list_plan(shapes, density=density, estimator=estimator,
                    strategy=strategy, min_sparse_size=64, num_buckets=2,
                    bucket_bytes=4000)
@@ -94,7 +100,7 @@ def test_conservation(mesh, shapes, density, estimator, strategy, seed):
     grads = _worker_grads(sub, shapes)
     old = [np.asarray(r, np.float64).sum(0)
            for r in jaxfuse.unit_residuals(plan, state)]
-    synced, state = sync(plan, mesh, grads, state)
+    synced, state = sync(plan, mesh, grads, state, fast_compile=True)
     new = [np.asarray(r, np.float64).sum(0)
            for r in jaxfuse.unit_residuals(plan, state)]
     dense = {i for i, l in enumerate(plan.leaves) if l.mode == "dense"}

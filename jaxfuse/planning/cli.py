@@ -16,155 +16,39 @@ Bad arguments, files or model functions give a one-line message on stderr
 and exit status 2 (``--debug`` shows the traceback instead). Also runs as
 ``python -m jaxfuse``. The file formats and the profiling method:
 docs/cli.md.
+
+Here: the parser, ``main``, ``profile`` and ``plan``; ``show`` and its tables
+in ``cli_show``; arguments, model functions and files in ``cli_io``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import inspect
-import math
-import os
-import re
 import sys
-from typing import Any, Sequence
+from typing import Sequence
+
+from jaxfuse.planning.cli_io import Parser
+from jaxfuse.planning.cli_io import UsageError
+from jaxfuse.planning.cli_io import load_costs
+from jaxfuse.planning.cli_io import load_model
+from jaxfuse.planning.cli_io import ms
+from jaxfuse.planning.cli_io import parse_size
+from jaxfuse.planning.cli_io import positive_int
+from jaxfuse.planning.cli_io import save
+from jaxfuse.planning.cli_io import unit_float
+from jaxfuse.planning.cli_show import cmd_show
+from jaxfuse.planning.cli_show import measured_table
+from jaxfuse.planning.cli_show import plan_table
+
+# UsageError, parse_size, load_model, plan_table, measured_table and cmd_show
+# are re-exported: cli was one module up to 0.2.
+__all__ = ["EXIT_USAGE", "PLAN_OPTIONS", "UsageError", "build_parser",
+           "cmd_plan", "cmd_profile", "cmd_show", "format_costs",
+           "load_model", "main", "measured_table", "parse_size",
+           "plan_table"]
 
 EXIT_USAGE = 2
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-class UsageError(Exception):
-  """A problem with the user's input: printed as one line, exit status 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-  """argparse, but errors are one line (and raise, so ``main`` decides)."""
-
-  def error(self, message):
-    raise UsageError(f"{self.prog}: error: {message} (see {self.prog} "
-                     "--help)")
-
-
-# --- argument helpers ------------------------------------------------------------
-
-def parse_size(text: str) -> int:
-  """'4096', '64K', '1M', '2MiB', '1.5G' -> bytes or elements (powers of 2)."""
-  m = _SIZE.match(str(text))
-  if not m:
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not a size; write e.g. 4096, 64K, 1M or 2MiB")
-  scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2).lower()]
-  value = float(m.group(1)) * scale
-  if value < 1 or value != int(value):
-    raise argparse.ArgumentTypeError(f"{text!r} must be a whole number >= 1")
-  return int(value)
-
-
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    value = 0
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
-  return value
-
-
-def _unit_float(text: str, low_open: bool = True) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    value = math.nan
-  if not (0 < value <= 1 if low_open else 0 <= value <= 1):
-    raise argparse.ArgumentTypeError(
-        f"{text!r} must be a number in {'(' if low_open else '['}0, 1]")
-  return value
-
-
-def load_model(spec: str) -> tuple[Any, Any, tuple]:
-  """MODULE:FUNCTION -> (loss_fn or None, params, example_args)."""
-  module_name, sep, func_name = spec.rpartition(":")
-  if not sep or not module_name or not func_name:
-    raise UsageError(f"{spec!r} is not MODULE:FUNCTION (e.g. mymodel:make, "
-                     "or path/to/model.py:make).")
-  if module_name.endswith(".py") or os.sep in module_name:
-    if not os.path.isfile(module_name):
-      raise UsageError(f"{spec}: no such file {module_name!r}.")
-    name = "_jaxfuse_model_" + re.sub(r"\W", "_", os.path.basename(
-        module_name)[:-3])
-    loader = importlib.util.spec_from_file_location(name, module_name)
-    module = importlib.util.module_from_spec(loader)
-    sys.modules[name] = module
-    try:
-      loader.loader.exec_module(module)
-    except Exception as e:  # the user's code: report it in one line
-      raise UsageError(f"{spec}: importing {module_name} raised "
-                       f"{type(e).__name__}: {e}") from e
-  else:
-    if os.getcwd() not in sys.path and "" not in sys.path:
-      sys.path.insert(0, os.getcwd())
-    try:
-      module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-      raise UsageError(f"{spec}: cannot import module {module_name!r} ({e}); "
-                       "run from the directory that holds it, or give the "
-                       ".py file's path.") from e
-    except Exception as e:
-      raise UsageError(f"{spec}: importing {module_name!r} raised "
-                       f"{type(e).__name__}: {e}") from e
-  func = getattr(module, func_name, None)
-  if func is None:
-    raise UsageError(f"{spec}: module {module_name!r} has no attribute "
-                     f"{func_name!r}.")
-  if not callable(func):
-    raise UsageError(f"{spec}: {func_name!r} is a {type(func).__name__}, not "
-                     "a function.")
-  try:
-    out = func()
-  except Exception as e:
-    raise UsageError(f"{spec}() raised {type(e).__name__}: {e}") from e
-  if isinstance(out, tuple) and len(out) >= 2 and callable(out[0]):
-    loss_fn, params, *args = out
-  else:
-    loss_fn, params, args = None, out, ()
-  import jax  # pylint: disable=g-import-not-at-top
-  if not jax.tree.leaves(params):
-    raise UsageError(f"{spec}() returned no arrays; return the params pytree "
-                     "or (loss_fn, params, *example_args).")
-  return loss_fn, params, tuple(args)
-
-
-def _load(cls, path: str, what: str):
-  """``cls.load(path)`` with one-line errors (PlanError and CostsError are
-  ValueErrors)."""
-  try:
-    return cls.load(path)
-  except OSError as e:
-    raise UsageError(f"cannot read {what} {path!r}: {e.strerror or e}.") from e
-  except (ValueError, TypeError) as e:
-    raise UsageError(f"{path}: {e}") from e
-
-
-def _load_plan(path: str):
-  from jaxfuse import plans  # pylint: disable=g-import-not-at-top
-  return _load(plans.Plan, path, "plan")
-
-
-def _load_costs(path: str):
-  from jaxfuse.planning import costs  # pylint: disable=g-import-not-at-top
-  return _load(costs.Costs, path, "costs")
-
-
-def _save(obj, path: str, what: str) -> None:
-  try:
-    obj.save(path)
-  except OSError as e:
-    raise UsageError(f"cannot write {what} {path!r}: {e.strerror or e}.") from e
-
-
-def _ms(seconds: float) -> str:
-  return f"{seconds * 1e3:.3f} ms"
 
 
 # --- profile ------------------------------------------------------------------------
@@ -182,8 +66,8 @@ def format_costs(costs) -> str:
   lines.append(f"  contention γ = {costs.contention:.3f}, overlap η = "
                f"{costs.overlap:.3f}")
   if costs.backward:
-    lines.append(f"  forward {_ms(costs.forward)}, backward "
-                 f"{_ms(sum(costs.backward))} over {len(costs.backward)} "
+    lines.append(f"  forward {ms(costs.forward)}, backward "
+                 f"{ms(sum(costs.backward))} over {len(costs.backward)} "
                  "leaves")
   else:
     lines.append("  no model: no forward/backward times (profile with "
@@ -230,7 +114,7 @@ def cmd_profile(args) -> int:
         progress=None if args.quiet else profiling.text_progress())
   except profiling.ProfileError as e:
     raise UsageError(str(e)) from e
-  _save(costs, args.output, "costs")
+  save(costs, args.output, "costs")
   print(f"saved {args.output}\n{format_costs(costs)}")
   return 0
 
@@ -261,7 +145,7 @@ def cmd_plan(args) -> int:
     if "costs" not in inspect.signature(jaxfuse.plan).parameters:
       raise UsageError("--costs: this jaxfuse's plan() takes no costs yet; "
                        "update jaxfuse or leave --costs out.")
-    costs = _load_costs(args.costs)
+    costs = load_costs(args.costs)
     if args.overlap is not None:
       costs = costs.replace(overlap=args.overlap)
     kwargs["costs"] = costs
@@ -274,7 +158,7 @@ def cmd_plan(args) -> int:
     plan = jaxfuse.plan(params, **kwargs)
   except (ValueError, TypeError) as e:  # PlanError, CostsError
     raise UsageError(f"plan: {e}") from e
-  _save(plan, args.output, "plan")
+  save(plan, args.output, "plan")
   sparse = sum(l.mode == "sparse" for l in plan.leaves)
   wire, dense = plan.bytes_per_worker(), plan.dense_bytes()
   print(f"saved {args.output}: {len(plan.leaves)} leaves ({sparse} sparse), "
@@ -286,182 +170,19 @@ def cmd_plan(args) -> int:
   if costs is not None and len(costs.backward) == len(plan.leaves):
     t = simulate.simulate(plan, costs)
     winner = plan.provenance.get("auto", {}).get("winner")
-    print(f"  predicted step {_ms(t.iteration)}, communication "
-          f"{_ms(t.communication)} ({100 * t.overlap_ratio:.0f}% hidden)" +
+    print(f"  predicted step {ms(t.iteration)}, communication "
+          f"{ms(t.communication)} ({100 * t.overlap_ratio:.0f}% hidden)" +
           (f"; auto chose {winner}" if winner else ""))
   print(f"  see it with: jaxfuse show {args.output}" +
         (f" --costs {args.costs}" if args.costs else ""))
   return 0
-
-
-# --- show -------------------------------------------------------------------------------
-
-def _table(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
-  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-  return ["  ".join(cell.rjust(w) if r else cell.ljust(w)
-                    for cell, w, r in zip(row, widths, right)).rstrip()
-          for row in rows]
-
-
-def _short(path: str, width: int = 28) -> str:
-  return path if len(path) <= width else "…" + path[-(width - 1):]
-
-
-def plan_table(plan, timeline=None) -> str:
-  """One row per bucket (and totals); with a timeline, its times in ms."""
-  from jaxfuse import plans as plan_lib  # pylint: disable=g-import-not-at-top
-  wire = plan_lib.bucket_payload_bytes(plan)
-  header = ["bucket", "collective", "leaves", "elements", "capacity",
-            "wire bytes"]
-  if timeline is not None:
-    header += ["ready ms", "comm ms", "comm start", "comm end"]
-  header += ["first … last leaf (ready order)"]
-  rows = [header]
-  for i, (b, w) in enumerate(zip(plan.buckets, wire)):
-    elements = sum(plan.leaves[j].size for j in b.leaves)
-    if b.collective == "psum":
-      kind, capacity = "psum", "dense"
-    else:
-      kind = f"allgather/{b.sparsify}"
-      capacity = (b.capacity if b.sparsify == "behind" else
-                  sum(plan.leaves[j].capacity for j in b.leaves))
-      capacity = f"{capacity:,}"
-    row = [f"b{i}", kind, str(len(b.leaves)), f"{elements:,}", capacity,
-           f"{w:,}"]
-    if timeline is not None:
-      t = timeline.buckets[i]
-      row += [f"{t.ready * 1e3:.3f}", f"{(t.comm_end - t.comm_start) * 1e3:.3f}",
-              f"{t.comm_start * 1e3:.3f}", f"{t.comm_end * 1e3:.3f}"]
-    first, last = plan.leaves[b.leaves[0]].path, plan.leaves[b.leaves[-1]].path
-    row.append(_short(first) + ("" if len(b.leaves) == 1 else
-                                f" … {_short(last)}"))
-    rows.append(row)
-  total = ["total", "", str(len(plan.leaves)),
-           f"{sum(l.size for l in plan.leaves):,}",
-           f"{sum(l.capacity for l in plan.leaves if l.mode == 'sparse'):,}",
-           f"{sum(wire):,}"]
-  if timeline is not None:
-    total += ["", f"{timeline.communication * 1e3:.3f}", "", ""]
-  rows.append(total + [""])
-  right = [False, False] + [True] * (len(header) - 3) + [False]
-  return "\n".join(_table(rows, right))
-
-
-def measured_table(measured) -> str:
-  """One row per measured step (and the sum over steps), times in ms:
-  busy = |∪ kernels| per row, overlapped = |compute ∩ link|, hidden =
-  overlapped / link busy."""
-  ms = lambda s: f"{s * 1e3:.3f}"
-  rows = [["step", "span ms", "compute busy", "link busy", "overlapped",
-           "exposed", "hidden"]]
-  for s in measured.steps:
-    rows.append(["all" if s.step_num is None else str(s.step_num),
-                 ms(s.span), ms(s.compute_busy), ms(s.link_busy),
-                 ms(s.overlapped), ms(s.exposed), f"{100 * s.hidden:.0f}%"])
-  if len(measured.steps) > 1:
-    rows.append(["sum"] + [ms(measured.total(f)) for f in (
-        "span", "compute_busy", "link_busy", "overlapped", "exposed")] +
-                [f"{100 * measured.hidden:.0f}%"])
-  return "\n".join(_table(rows, [False] + [True] * 6))
-
-
-def _read_measured(args):
-  from jaxfuse.planning import trace  # pylint: disable=g-import-not-at-top
-  try:
-    measured = trace.read_trace(args.measured, device=args.device)
-    return measured, measured.step(args.step)
-  except trace.TraceError as e:
-    raise UsageError(f"--measured: {e}") from e
-
-
-def _show_measured(measured, step, timeline, resimulate=None) -> None:
-  steps = "one step (no step markers)" if not measured.markers else (
-      f"{len(measured.steps)} steps marked {', '.join(measured.markers)!r}")
-  print(f"measured {measured.path}: {measured.device}, {steps}")
-  print(measured_table(measured))
-  drawn = "" if step.step_num is None else f" (step {step.step_num} drawn)"
-  line = (f"measured hidden {100 * measured.hidden:.0f}% of the link time "
-          f"(NCCL kernels) behind compute kernels{drawn}")
-  if timeline is not None:
-    line += f"; simulated {100 * timeline.overlap_ratio:.0f}%"
-    line += (f"\nwith η = {measured.hidden:.2f} (this trace's) the simulator "
-             f"predicts a step of {_ms(resimulate(measured.hidden))}")
-  print(line)
-
-
-def cmd_show(args) -> int:
-  from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
-  plan = _load_plan(args.plan)
-  costs = _load_costs(args.costs) if args.costs else None
-  if args.output and costs is None and not args.measured:
-    raise UsageError("show -o needs --costs costs.json (from `jaxfuse "
-                     "profile`), or --measured TRACE (from jax.profiler."
-                     "trace): the timeline comes from the cost model or a "
-                     "profile.")
-  if (args.step is not None or args.device is not None) and not args.measured:
-    raise UsageError("--step and --device choose what --measured TRACE "
-                     "shows; add --measured.")
-  measured = step = None
-  if args.measured:
-    measured, step = _read_measured(args)
-  note = None
-  timeline = None
-  if costs is not None:
-    if not costs.backward:
-      costs = costs.replace(backward=(0.0,) * len(plan.leaves))
-      note = ("(the costs have no backward times, so compute is not "
-              "modelled; profile with --model for the overlap)")
-    try:
-      timeline = simulate.simulate(plan, costs)
-    except ValueError as e:  # CostsError
-      raise UsageError(f"{args.costs}: {e}") from e
-  sparse = sum(l.mode == "sparse" for l in plan.leaves)
-  prov = plan.provenance
-  print(f"{args.plan}: {len(plan.leaves)} leaves ({sparse} sparse, "
-        f"{len(plan.leaves) - sparse} dense), {len(plan.buckets)} buckets, "
-        f"strategy {prov.get('strategy', '?')}, ready order from "
-        f"{prov.get('ready_order', '?')}")
-  print(plan_table(plan, timeline))
-  wire, dense = plan.bytes_per_worker(), plan.dense_bytes()
-  print(f"wire bytes per worker {wire:,} of {dense:,} dense "
-        f"({100 * wire / max(dense, 1):.2f}%)")
-  if timeline is not None:
-    t = timeline
-    print(f"predicted step {_ms(t.iteration)} = forward {_ms(t.forward)} + "
-          f"backward {_ms(t.backward)} + compression {_ms(t.compression)} + "
-          f"exposed communication {_ms(t.non_overlapped)}")
-    print(f"communication {_ms(t.communication)}, hidden {_ms(t.hidden)} "
-          f"({100 * t.overlap_ratio:.0f}% overlap; η = {costs.overlap:.2f}); "
-          f"a dense all-reduce of every gradient: "
-          f"{_ms(costs.comm_time('psum', dense))}")
-    if note:
-      print(note)
-  if measured is not None:
-    _show_measured(measured, step, timeline, lambda eta: simulate.simulate(
-        plan, costs.replace(overlap=eta)).iteration)
-  if args.output:
-    from jaxfuse.planning import timeline_plot  # pylint: disable=g-import-not-at-top
-    try:
-      if measured is None:
-        timeline_plot.plot_timeline(plan, timeline, args.output)
-      else:
-        timeline_plot.plot_measured(step, args.output, plan=plan,
-                                    timeline=timeline,
-                                    device=measured.device)
-    except ImportError as e:
-      raise UsageError(str(e)) from e
-    except (OSError, ValueError) as e:
-      raise UsageError(f"cannot write {args.output!r}: {e}") from e
-    print(f"saved {args.output}")
-  return 0
-
 
 # --- the parser ------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
   from jaxfuse.version import __version__  # pylint: disable=g-import-not-at-top
   fmt = argparse.RawDescriptionHelpFormatter
-  p = _Parser(prog="jaxfuse", formatter_class=fmt, description=(
+  p = Parser(prog="jaxfuse", formatter_class=fmt, description=(
       "Sparse, fused gradient synchronization for JAX: measure the costs of "
       "this machine, make a plan for a model, and look at it.\n\n"
       "  jaxfuse profile -o costs.json --model mymodel:make\n"
@@ -499,24 +220,24 @@ def build_parser() -> argparse.ArgumentParser:
   pr.add_argument("--compress-sizes", nargs="+", type=parse_size,
                   metavar="SIZE", help="compression sizes in elements "
                   "(default: 4K..256K on CPU, 4K..16M elsewhere)")
-  pr.add_argument("--repeats", type=_positive_int, default=5,
+  pr.add_argument("--repeats", type=positive_int, default=5,
                   help="timed runs per point; the median is kept "
                   "(default: %(default)s)")
-  pr.add_argument("--warmup", type=_positive_int, default=2,
+  pr.add_argument("--warmup", type=positive_int, default=2,
                   help="untimed runs first, compilation included "
                   "(default: %(default)s)")
-  pr.add_argument("--chain", type=_positive_int, default=4,
+  pr.add_argument("--chain", type=positive_int, default=4,
                   help="dependent collectives per timed run, so dispatch is "
                   "not counted as latency (default: %(default)s)")
   pr.add_argument("--estimator", default="dgc",
                   help="threshold estimator timed for compression "
                   "(default: %(default)s)")
-  pr.add_argument("--density", type=_unit_float, default=0.01,
+  pr.add_argument("--density", type=unit_float, default=0.01,
                   help="density of the timed compression (default: "
                   "%(default)s)")
-  pr.add_argument("--devices", type=_positive_int,
+  pr.add_argument("--devices", type=positive_int,
                   help="mesh size (default: every device)")
-  pr.add_argument("--cpu-devices", type=_positive_int,
+  pr.add_argument("--cpu-devices", type=positive_int,
                   help="simulate this many CPU devices (like "
                   "JAX_NUM_CPU_DEVICES)")
   pr.add_argument("-q", "--quiet", action="store_true",
@@ -542,29 +263,29 @@ def build_parser() -> argparse.ArgumentParser:
                   help="costs from `jaxfuse profile --model` for this model "
                   "(needed by the cost-model strategies)")
   pl.add_argument("--overlap", metavar="ETA",
-                  type=lambda t: _unit_float(t, low_open=False),
+                  type=lambda t: unit_float(t, low_open=False),
                   help="plan for this overlap η in [0, 1] instead of the "
                   "costs' (profiled on the plain step): the share of link "
                   "time hidden behind compute that `jaxfuse show --measured "
                   "TRACE` reports for your step, e.g. under send_early")
-  pl.add_argument("--density", type=_unit_float,
+  pl.add_argument("--density", type=unit_float,
                   help="share of each sparse leaf sent per step, in (0, 1]")
   pl.add_argument("--strategy", help="how to cut the leaves into buckets: "
                   + ", ".join(_strategies()))
   pl.add_argument("--estimator", help="threshold estimator: topk, dgc, "
                   "gaussian, redsync, sidco")
-  pl.add_argument("--num-buckets", type=_positive_int,
+  pl.add_argument("--num-buckets", type=positive_int,
                   help="buckets of the aligned strategy")
   pl.add_argument("--bucket-bytes", type=parse_size,
                   help="dense bytes per bucket of the size strategy, e.g. 25M")
   pl.add_argument("--headroom", type=float,
                   help="capacity over target count, >= 1")
-  pl.add_argument("--min-sparse-size", type=_positive_int,
+  pl.add_argument("--min-sparse-size", type=positive_int,
                   help="leaves with fewer elements go dense")
   pl.add_argument("--collective",
                   help="sparse buckets' scheme: allgather, zen, spardl, hier "
                   "(with --costs, auto picks one per bucket)")
-  pl.add_argument("--workers", dest="num_workers", type=_positive_int,
+  pl.add_argument("--workers", dest="num_workers", type=positive_int,
                   help="K to plan for (default: the costs' device count)")
   pl.set_defaults(run=cmd_plan)
 

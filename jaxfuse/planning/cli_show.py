@@ -1,0 +1,177 @@
+"""``jaxfuse show``: a plan's buckets, its simulated step and a measured one.
+
+  jaxfuse show plan.json [--costs costs.json] [-o timeline.png]
+  jaxfuse show plan.json --measured TRACE [--costs costs.json] [-o out.png]
+
+The tables (``plan_table``, ``measured_table``) and the command; its
+arguments are declared with the others in ``cli.build_parser``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from jaxfuse.planning.cli_io import UsageError
+from jaxfuse.planning.cli_io import load_costs
+from jaxfuse.planning.cli_io import load_plan
+from jaxfuse.planning.cli_io import ms
+
+
+def _table(rows: Sequence[Sequence[str]], right: Sequence[bool]) -> list[str]:
+  widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+  return ["  ".join(cell.rjust(w) if r else cell.ljust(w)
+                    for cell, w, r in zip(row, widths, right)).rstrip()
+          for row in rows]
+
+
+def _short(path: str, width: int = 28) -> str:
+  return path if len(path) <= width else "…" + path[-(width - 1):]
+
+
+def plan_table(plan, timeline=None) -> str:
+  """One row per bucket (and totals); with a timeline, its times in ms."""
+  from jaxfuse import plans as plan_lib  # pylint: disable=g-import-not-at-top
+  wire = plan_lib.bucket_payload_bytes(plan)
+  header = ["bucket", "collective", "leaves", "elements", "capacity",
+            "wire bytes"]
+  if timeline is not None:
+    header += ["ready ms", "comm ms", "comm start", "comm end"]
+  header += ["first … last leaf (ready order)"]
+  rows = [header]
+  for i, (b, w) in enumerate(zip(plan.buckets, wire)):
+    elements = sum(plan.leaves[j].size for j in b.leaves)
+    if b.collective == "psum":
+      kind, capacity = "psum", "dense"
+    else:
+      kind = f"allgather/{b.sparsify}"
+      capacity = (b.capacity if b.sparsify == "behind" else
+                  sum(plan.leaves[j].capacity for j in b.leaves))
+      capacity = f"{capacity:,}"
+    row = [f"b{i}", kind, str(len(b.leaves)), f"{elements:,}", capacity,
+           f"{w:,}"]
+    if timeline is not None:
+      t = timeline.buckets[i]
+      row += [f"{t.ready * 1e3:.3f}", f"{(t.comm_end - t.comm_start) * 1e3:.3f}",
+              f"{t.comm_start * 1e3:.3f}", f"{t.comm_end * 1e3:.3f}"]
+    first, last = plan.leaves[b.leaves[0]].path, plan.leaves[b.leaves[-1]].path
+    row.append(_short(first) + ("" if len(b.leaves) == 1 else
+                                f" … {_short(last)}"))
+    rows.append(row)
+  total = ["total", "", str(len(plan.leaves)),
+           f"{sum(l.size for l in plan.leaves):,}",
+           f"{sum(l.capacity for l in plan.leaves if l.mode == 'sparse'):,}",
+           f"{sum(wire):,}"]
+  if timeline is not None:
+    total += ["", f"{timeline.communication * 1e3:.3f}", "", ""]
+  rows.append(total + [""])
+  right = [False, False] + [True] * (len(header) - 3) + [False]
+  return "\n".join(_table(rows, right))
+
+
+def measured_table(measured) -> str:
+  """One row per measured step (and the sum over steps), times in ms:
+  busy = |∪ kernels| per row, overlapped = |compute ∩ link|, hidden =
+  overlapped / link busy."""
+  cell = lambda s: f"{s * 1e3:.3f}"
+  rows = [["step", "span cell", "compute busy", "link busy", "overlapped",
+           "exposed", "hidden"]]
+  for s in measured.steps:
+    rows.append(["all" if s.step_num is None else str(s.step_num),
+                 cell(s.span), cell(s.compute_busy), cell(s.link_busy),
+                 cell(s.overlapped), cell(s.exposed), f"{100 * s.hidden:.0f}%"])
+  if len(measured.steps) > 1:
+    rows.append(["sum"] + [cell(measured.total(f)) for f in (
+        "span", "compute_busy", "link_busy", "overlapped", "exposed")] +
+                [f"{100 * measured.hidden:.0f}%"])
+  return "\n".join(_table(rows, [False] + [True] * 6))
+
+
+def _read_measured(args):
+  from jaxfuse.planning import trace  # pylint: disable=g-import-not-at-top
+  try:
+    measured = trace.read_trace(args.measured, device=args.device)
+    return measured, measured.step(args.step)
+  except trace.TraceError as e:
+    raise UsageError(f"--measured: {e}") from e
+
+
+def _show_measured(measured, step, timeline, resimulate=None) -> None:
+  steps = "one step (no step markers)" if not measured.markers else (
+      f"{len(measured.steps)} steps marked {', '.join(measured.markers)!r}")
+  print(f"measured {measured.path}: {measured.device}, {steps}")
+  print(measured_table(measured))
+  drawn = "" if step.step_num is None else f" (step {step.step_num} drawn)"
+  line = (f"measured hidden {100 * measured.hidden:.0f}% of the link time "
+          f"(NCCL kernels) behind compute kernels{drawn}")
+  if timeline is not None:
+    line += f"; simulated {100 * timeline.overlap_ratio:.0f}%"
+    line += (f"\nwith η = {measured.hidden:.2f} (this trace's) the simulator "
+             f"predicts a step of {ms(resimulate(measured.hidden))}")
+  print(line)
+
+
+def cmd_show(args) -> int:
+  from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
+  plan = load_plan(args.plan)
+  costs = load_costs(args.costs) if args.costs else None
+  if args.output and costs is None and not args.measured:
+    raise UsageError("show -o needs --costs costs.json (from `jaxfuse "
+                     "profile`), or --measured TRACE (from jax.profiler."
+                     "trace): the timeline comes from the cost model or a "
+                     "profile.")
+  if (args.step is not None or args.device is not None) and not args.measured:
+    raise UsageError("--step and --device choose what --measured TRACE "
+                     "shows; add --measured.")
+  measured = step = None
+  if args.measured:
+    measured, step = _read_measured(args)
+  note = None
+  timeline = None
+  if costs is not None:
+    if not costs.backward:
+      costs = costs.replace(backward=(0.0,) * len(plan.leaves))
+      note = ("(the costs have no backward times, so compute is not "
+              "modelled; profile with --model for the overlap)")
+    try:
+      timeline = simulate.simulate(plan, costs)
+    except ValueError as e:  # CostsError
+      raise UsageError(f"{args.costs}: {e}") from e
+  sparse = sum(l.mode == "sparse" for l in plan.leaves)
+  prov = plan.provenance
+  print(f"{args.plan}: {len(plan.leaves)} leaves ({sparse} sparse, "
+        f"{len(plan.leaves) - sparse} dense), {len(plan.buckets)} buckets, "
+        f"strategy {prov.get('strategy', '?')}, ready order from "
+        f"{prov.get('ready_order', '?')}")
+  print(plan_table(plan, timeline))
+  wire, dense = plan.bytes_per_worker(), plan.dense_bytes()
+  print(f"wire bytes per worker {wire:,} of {dense:,} dense "
+        f"({100 * wire / max(dense, 1):.2f}%)")
+  if timeline is not None:
+    t = timeline
+    print(f"predicted step {ms(t.iteration)} = forward {ms(t.forward)} + "
+          f"backward {ms(t.backward)} + compression {ms(t.compression)} + "
+          f"exposed communication {ms(t.non_overlapped)}")
+    print(f"communication {ms(t.communication)}, hidden {ms(t.hidden)} "
+          f"({100 * t.overlap_ratio:.0f}% overlap; η = {costs.overlap:.2f}); "
+          f"a dense all-reduce of every gradient: "
+          f"{ms(costs.comm_time('psum', dense))}")
+    if note:
+      print(note)
+  if measured is not None:
+    _show_measured(measured, step, timeline, lambda eta: simulate.simulate(
+        plan, costs.replace(overlap=eta)).iteration)
+  if args.output:
+    from jaxfuse.planning import timeline_plot  # pylint: disable=g-import-not-at-top
+    try:
+      if measured is None:
+        timeline_plot.plot_timeline(plan, timeline, args.output)
+      else:
+        timeline_plot.plot_measured(step, args.output, plan=plan,
+                                    timeline=timeline,
+                                    device=measured.device)
+    except ImportError as e:
+      raise UsageError(str(e)) from e
+    except (OSError, ValueError) as e:
+      raise UsageError(f"cannot write {args.output!r}: {e}") from e
+    print(f"saved {args.output}")
+  return 0
