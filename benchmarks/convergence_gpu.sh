@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU runs behind docs/convergence.md (2026-11-26, 2 x H200), as they
-# were made, from the repository root on the GPU machine; results go to
-# $OUT (and out/ for the NVLink grid the socket runs read their rates from).
+# gpt2-small to 1000 steps on 2 GPUs of one host, dense against the README
+# recipe (docs/convergence.md, 2 x H200): run from the repository root;
+# results go to $OUT (and out/ for the NVLink grid the socket runs read
+# their rates from). Usage: bash benchmarks/convergence_gpu.sh MODE:
 #   nvlink  gpt2-small lr grid (dense, onebit_adamw+warm), 4 runs at a time
 #   socket  dense and onebit_adamw+warm at the grid's best rates, NCCL socket
 #   onegpu  one-GPU runs (one per GPU, two rates) and the +flush50 variant

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU checks of issue 12 (run on a GPU machine from the repository root;
-# writes logs and JSON under ${OUT:-/tmp/gpu_checks}):
+# Correctness and precision checks on the GPUs of this machine
+# (docs/benchmarks.md "Test suite on GPUs", "Checkpoints and mixed
+# precision"); run from the repository root; writes logs and JSON under
+# ${OUT:-/tmp/gpu_checks}:
 #   suite   the test suite on the GPUs present, compiled kernels
 #   resume  gpt2-small: 100 steps straight (saving at 50) vs 50 + resumed 50
 #           (bitwise only with XLA_FLAGS=--xla_gpu_deterministic_ops=true:

@@ -5,9 +5,9 @@ For each n × density: acc ~ N(0, 1) (float32 unless --dtype), τ the
 
   pallas   jaxfuse.kernels.selection.select_pallas (both passes)
   count    its pass 1 and glue only (the count output alone: XLA drops pass 2)
-  ref      jaxfuse.reference.select (cumsum + scatter in XLA)
-  nonzero  |acc| ≥ τ then jnp.nonzero(size=capacity) and a gather (the
-           plain-XLA compaction the issue measured)
+  ref      jaxfuse.kernels.reference.select (cumsum + scatter in XLA)
+  nonzero  |acc| ≥ τ then jnp.nonzero(size=capacity) and a gather (a
+           plain-XLA compaction)
   top_k    jax.lax.top_k(|acc|, capacity)
   read     jnp.sum(jnp.abs(acc)): one plain read of acc, the bandwidth floor
   kth      jaxfuse.kernels.threshold.kth_largest_magnitude, k = ⌈ρ·n⌉ (exact

@@ -6,7 +6,7 @@ row: DGC's sample (s = 1 % of n), and for ``"topk"`` its bracket sample
 gpt2-small bucket at density 0.01 (``aligned``, 4 buckets; rows grouped by
 shape as the state groups are)::
 
-  sort     lax.top_k per group (before issue 13's second part)
+  sort     lax.top_k per group (what the CPU path still does)
   xla      ``radix_select.radix_rows``, all rows in one call (8 reductions)
 
 (A Pallas kernel with a program per row, a bit per round, measured

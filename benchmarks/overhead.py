@@ -1,8 +1,8 @@
 """jaxfuse's cost over dense on one device: step time, compile time, bytes.
 
 With one worker nothing is averaged and no network is involved, so what a
-``sparse_sync`` step costs over a dense one is the sparsification alone
-(issue 13). For a preset of ``examples/lm_model.py`` this builds the train
+``sparse_sync`` step costs over a dense one is the sparsification alone.
+For a preset of ``examples/lm_model.py`` this builds the train
 step of ``examples/train_lm.py`` with the README's default recipe
 (``onebit_adamw``, in its sparse phase) and with dense
 AdamW (``pmean`` + ``optax.adamw``), both with ``jaxfuse.xla_options()``,

@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# The overlap study behind docs/benchmarks.md "Overlap", from the repository
-# root on a multi-GPU machine, NCCL over sockets (the commodity network the
-# papers target); results in $OUT (default out/). Each XLA flag set runs in
-# its own process (XLA_FLAGS is read once per process). One device call:
-#   bash benchmarks/overlap_gpu.sh            # ~6 minutes on 4 GPUs
+# How much of gpt2-small's sparse communication a step hides
+# (docs/benchmarks.md "Overlap"): the README recipe's sparse phase, plan
+# size 64 MiB, on every GPU of one host, NCCL over sockets (a commodity-
+# network stand-in). Run from the repository root; results in $OUT (default
+# out/). Each XLA flag set runs in its own process (XLA_FLAGS is read once
+# per process). Each run prints the step time of its variants, the one-GPU
+# step T1 and the collectives alone G where timed, and where the compiled
+# schedule starts each collective:
+#   bash benchmarks/overlap_gpu.sh            # MODE=delay, ~6 minutes on 4 GPUs
+# MODE=delay (default): the plain step against jaxfuse.delayed with
+# jaxfuse.xla_flags, at densities 0.05 and 0.01.
 # MODE=single: the delayed step with one sparse bucket.
 # MODE=flags: the scheduler's options on the undelayed step (default, no
 # latency hiding, the speed-of-light estimator, PGLE) and the probe.
 # MODE=early: the step under jaxfuse.send_early (window 1, start_early)
 # with jaxfuse.xla_flags against the plain step, at each of DENSITIES
-# (default 0.05; one density per call keeps a call under 10 minutes); then
-# the plain step with the flags, window 2, no flags, no start_early.
+# (default 0.05; no variant starts after DEADLINE_S, so under about
+# 10 minutes), with jax.profiler
+# traces of both for `jaxfuse show PLAN --measured TRACE`; then the plain
+# step with the flags, window 2, no flags, no start_early.
 # No run starts after DEADLINE_S seconds (default 480).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -64,8 +72,8 @@ flags)
     run 0.05 pgle_ --variants base --skip-comm --skip-one-gpu --steps 20 --via-jit
   run 0.05 default_ --variants base --probe ;;
 esac
-# Few files back from a device call: each profile as one file, the rest in
-# one archive.
+# Leave each profile as one file (trace_*.json.gz) and the rest in one
+# archive (results.tgz).
 for t in "$OUT"/trace_*; do
   [ -d "$t" ] || continue
   f=$(find "$t" -name perfetto_trace.json.gz | head -n 1)

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The 2-GPU runs behind docs/benchmarks.md "Scaling on 2 GPUs (issue 14)", as
-# they were made, from the repository root on a 2-GPU machine; results go to
-# $OUT (default out/). One mode per device call (each under 10 minutes):
+# Throughput, planner accuracy and convergence of gpt2-small on several GPUs
+# of one host (docs/benchmarks.md "Throughput and scaling", "Planner
+# accuracy"). Run from the repository root; results go to $OUT (default
+# out/). `socket` means NCCL over TCP on loopback (a commodity-network
+# stand-in), `nvlink` NCCL's defaults. Usage: bash benchmarks/scaling_gpu.sh
+# MODE, one of (each under about 10 minutes on 2 GPUs):
 #   conv     socket: dense and the README's recipe (onebit_adamw, dense
-#            quarter, DGC's ramp, density 0.05) to 1000 steps, at the rates
-#            the NVLink grid chose (docs/convergence.md), one run at a time
+#            quarter, DGC's ramp, density 0.05) to 1000 steps at lr 3e-4,
+#            one run at a time: time to dense's quality (docs/convergence.md)
 #   socket   socket: profile the costs on this mesh, then plans measured
 #            against the simulator: dense, size 64 MiB and auto at 0.05
 #            (dense and size also on one GPU, for the measured overlap η),
@@ -13,14 +16,15 @@
 #            and auto at 0.05 and 0.01; then (socket) size 64 MiB at 0.05
 #            with XLA's latency-hiding scheduler, and with it and no
 #            combining (the predictions there use the NVLink costs: ignore)
-#   recal    both profiles again (compression timed as the bucket's whole
-#            sparse work), then socket dense and size 64 MiB at 0.05 / 0.01
-#            and NVLink size 64 MiB and auto at 0.05 against them
+#   recal    both profiles (socket and NVLink), then socket dense and size
+#            64 MiB at 0.05 / 0.01 and NVLink size 64 MiB and auto at 0.05,
+#            each against the simulator's prediction from those profiles
 #   multi    (4 or 8 GPUs) socket profile, then dense, allgather / zen /
-#            spardl and auto at 0.01 and 0.001 (ONLY=0.01 or 0.001: one)
+#            spardl and auto at 0.01 and 0.001 (ONLY=0.01 or 0.001: one
+#            density; both take about 11 minutes)
 #   conv8    (every GPU a worker) dense, onebit_adamw+warm and its spardl
-#            variant to 1000 steps over sockets (RECIPES=… to pick; one
-#            recipe per call where 1000 steps take over 3 minutes; e.g.
+#            variant to 1000 steps over sockets (RECIPES=… to pick; about
+#            5 minutes per recipe on 4 GPUs; e.g.
 #            RECIPES=onebit_adamw+warm+early+net for the step under
 #            jaxfuse.send_early with jaxfuse.xla_flags(3), and dense+net)
 set -uo pipefail
@@ -61,15 +65,14 @@ nvlink)
       --densities 0.05 0.01 --strategies auto --run-timeout 120 \
       2>&1 | tee "$OUT/measure_nvlink.log"
   for flags in lhs lhs+nocombine; do
-    name=${flags//+/_}   # the device tool returns no file with a + in its name
+    name=${flags//+/_}   # file names without a plus sign
     $MEASURE --out "$OUT/measure_socket_$name.json" measure --transport socket \
         --costs "$OUT/costs_nvlink.json" --steps 10 --sizes-mb 64 \
         --densities 0.05 --strategies --no-dense --flags $flags --flags-via jit \
         --run-timeout 100 2>&1 | tee "$OUT/measure_socket_$name.log"
   done ;;
 recal)
-  # After profiling's compression became the bucket's whole sparse work:
-  # both profiles again, and plans measured against them on this machine.
+  # Both profiles, and plans measured against them on this machine.
   for t in socket nvlink; do
     ( time env $([ $t = socket ] && echo $SOCKET) python -m jaxfuse profile \
         --model examples/lm_model.py:gpt2_small -q -o "$OUT/costs2_$t.json" \
@@ -85,9 +88,9 @@ recal)
       --densities 0.05 --strategies auto --no-dense --run-timeout 100 \
       2>&1 | grep -v "^==" | tee "$OUT/measure2_nvlink.log" ;;
 multi)
-  # Issue 14 items 3 (4 or 8 GPUs, whatever this machine has): the socket
-  # profile, then dense and each scheme at 0.01 and 0.001, and auto. About
-  # 11 runs of about a minute: split over two calls with ONLY=0.01|0.001.
+  # 4 or 8 GPUs (every GPU of this machine): the socket profile, then dense
+  # and each scheme at 0.01 and 0.001, and auto. About 11 runs of about a
+  # minute; ONLY=0.01|0.001 runs one density.
   export $SOCKET
   [ -f "$OUT/costs_multi.json" ] || python -m jaxfuse profile \
       --model examples/lm_model.py:gpt2_small -q -o "$OUT/costs_multi.json" \
@@ -100,8 +103,8 @@ multi)
         2>&1 | grep -v "^==" | tee "$OUT/measure_multi_$d.log"
   done ;;
 conv8)
-  # Issue 14 item 4: every GPU a worker, dense against the README's recipe and
-  # its SparDL variant (RECIPES to pick), 1000 steps, socket.
+  # Every GPU a worker: dense against the README's recipe and its SparDL
+  # variant (RECIPES to pick), 1000 steps, socket: time to dense's quality.
   export $SOCKET
   python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 \
       --eval-every 50 --eval-batches 8 \
