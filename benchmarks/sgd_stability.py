@@ -13,6 +13,7 @@ each horizon, or "diverged". Dense is ``optax.sgd`` on the workers' mean
 gradient, the others ``jaxfuse.sgd`` on one ``single`` plan per density::
 
   python benchmarks/sgd_stability.py --densities 0.1 0.01 --out sgd.json
+  python benchmarks/sgd_stability.py --residual-decays 1 0.9 0.8 --out d.json
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def main(argv=None):
   p.add_argument("--fractions", type=float, nargs="+",
                  default=[1 / 10, 1 / 20, 1 / 40, 1 / 80, 1 / 160],
                  help="learning rates as fractions of 2(1+m)/L")
+  p.add_argument("--residual-decays", type=float, nargs="+", default=[1.0],
+                 help="jaxfuse.sgd residual_decay values to run (1: full "
+                 "error feedback)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out")
   args = p.parse_args(argv)
@@ -120,16 +124,18 @@ def main(argv=None):
                             args.workers * args.batch * 4, args.seed)
   limit = 2 * (1 + args.momentum) / lipschitz
   horizons = sorted({args.steps // 4, args.steps // 2, args.steps})
-  runs = [("dense", None, False)] + [
-      (f"jaxfuse.sgd ρ={d:g}" + (" mask" if mask else ""), d, mask)
-      for d in args.densities for mask in (False, True)]
+  runs = [("dense", None, False, 1.0)] + [
+      (f"jaxfuse.sgd ρ={d:g}" + (" mask" if mask else "") +
+       (f" decay {decay:g}" if decay != 1 else ""), d, mask, decay)
+      for d in args.densities for decay in args.residual_decays
+      for mask in (False, True)]
   result = {"args": vars(args), "limit": limit, "horizons": horizons,
             "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "date": time.strftime("%Y-%m-%d"), "runs": []}
   print(f"{args.workers} workers, d={args.dim}, κ={args.condition:g}, "
         f"m={args.momentum}, limit 2(1+m)/L = {limit:.3g}; full-data loss at "
         f"steps {horizons}")
-  for name, density, mask in runs:
+  for name, density, mask, decay in runs:
     for frac in args.fractions:
       lr = frac * limit
       if density is None:
@@ -138,10 +144,11 @@ def main(argv=None):
         plan = jaxfuse.plan({"w": jax.ShapeDtypeStruct((args.dim,), "float32")},
                             density=density, strategy="single", seed=0)
         opt = jaxfuse.sgd(plan, lr, momentum=args.momentum,
-                          mask_momentum=mask)
+                          mask_momentum=mask, residual_decay=decay)
       losses = run(opt, a, b, mesh, dense=density is None, steps=args.steps,
                    batch=args.batch, horizons=set(horizons), seed=args.seed)
       result["runs"].append({"name": name, "density": density, "mask": mask,
+                             "residual_decay": decay,
                              "fraction": frac, "lr": lr,
                              "loss": {str(h): losses.get(h) for h in horizons}})
       cells = " ".join(f"{losses[h]:9.4g}" if losses[h] != float("inf")

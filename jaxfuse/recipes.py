@@ -109,6 +109,7 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
         momentum: float = 0.9, *, nesterov: bool = False,
         mask_momentum: bool = False, clip_norm: float | None = None,
         weight_decay: float = 0.0, mask: Any = None,
+        residual_decay: float = 1.0,
         axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
   """SGD with DGC's momentum correction and factor masking (module doc).
 
@@ -117,6 +118,11 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   bursts error feedback releases a second time and diverges. Leaves the plan
   syncs dense get ordinary momentum after their exact mean (the same as
   momentum on each worker, the mean being linear).
+
+  ``residual_decay`` d (``sparse_sync``): r ← d·r before the next step's
+  velocity is added, so a coordinate holds at most about 1/(1 − d) steps of
+  velocity instead of about 1/ρ, and its release stays a stable step at a
+  rate tuned for dense (docs/convergence.md, "SGD with momentum").
   """
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
@@ -124,7 +130,8 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   return optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, momentum=momentum,
-                            nesterov=nesterov, mask_momentum=mask_momentum),
+                            nesterov=nesterov, mask_momentum=mask_momentum,
+                            residual_decay=residual_decay),
       optax.masked(optax.trace(momentum, nesterov), dense_mask)
       if momentum and any(dense) else optax.identity(),
       _tail(learning_rate, weight_decay, mask))
