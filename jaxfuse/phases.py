@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
 from jaxfuse import schedule as schedule_lib
 
@@ -124,7 +125,6 @@ def wire_received(plan: plan_lib.Plan, num_workers: int) -> int:
   about K·ρ·headroom·(value + index bytes)/(2·wire bytes) times what the
   dense ring all-reduce moves, so on many workers a high warm-up density
   costs more than dense."""
-  from jaxfuse import collectives  # pylint: disable=g-import-not-at-top
   return sum(w.received for w in collectives.bucket_wire(plan, num_workers))
 
 
