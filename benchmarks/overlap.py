@@ -265,7 +265,10 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="gpt2-small", choices=sorted(PRESETS))
   p.add_argument("--density", type=float, default=0.05)
-  p.add_argument("--strategy", default="size", choices=("size", "single"))
+  p.add_argument("--strategy", default="size",
+                 choices=("size", "single", "aligned"),
+                 help="the plan's strategy (aligned: 4 buckets, what "
+                 "examples/train_lm.py uses by default)")
   p.add_argument("--bucket-mb", type=float, default=64,
                  help="bucket size of --strategy size")
   p.add_argument("--steps", type=int, default=15)
