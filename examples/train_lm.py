@@ -223,6 +223,20 @@ def _densities(text):
         f"{text!r}: give densities like 0.25,0.0625") from None
 
 
+def _counts(text):
+  """"50" -> 50 (steps at every warm-up density); "50,50,150" -> one
+  count per --warmup-densities entry."""
+  try:
+    counts = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    counts = []
+  if not counts or min(counts) < 0:
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: give a step count like 50, or one per warm-up density "
+        "like 50,50,150")
+  return counts[0] if len(counts) == 1 and "," not in text else counts
+
+
 def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--sync", choices=("dense", "jaxfuse", "behind"),
@@ -238,10 +252,11 @@ def parse_args(argv):
                  "momentum for sgd)")
   p.add_argument("--momentum", type=float,
                  help="momentum of sgd (default 0.9) and demo (0.999)")
-  p.add_argument("--warmup-steps", type=int,
+  p.add_argument("--warmup-steps", type=_counts,
                  help="steps at each warm-up density (DGC's ramp 25%%, "
                  "6.25%%, 1.56%%, 0.4%% above --density); default 5%% of "
-                 "the steps for onebit_adamw, else 0. A density whose "
+                 "the steps for onebit_adamw, else 0; or one count per "
+                 "--warmup-densities entry, e.g. 50,50,150. A density whose "
                  "all-gather moves at least the dense step's bytes on this "
                  "mesh runs dense (on --dense-wire) instead")
   p.add_argument("--warmup-densities", type=_densities,
@@ -371,6 +386,11 @@ def parse_args(argv):
       p.error("--dense-settle with --checkpoint-dir: a resumed run could "
               "not know where the dense phase ended; give a fixed "
               "--dense-warmup instead")
+  if isinstance(args.warmup_steps, list) and (
+      args.warmup_densities is None or
+      len(args.warmup_densities) != len(args.warmup_steps)):
+    p.error(f"--warmup-steps {','.join(map(str, args.warmup_steps))}: one "
+            "count per --warmup-densities entry; give as many densities")
   if args.network_gbytes_s is not None and not args.network_gbytes_s > 0:
     p.error(f"--network-gbytes-s {args.network_gbytes_s:g}: give the "
             "network's bandwidth in GB/s, a number > 0")

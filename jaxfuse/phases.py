@@ -128,7 +128,7 @@ def wire_received(plan: plan_lib.Plan, num_workers: int) -> int:
   return sum(w.received for w in collectives.bucket_wire(plan, num_workers))
 
 
-def density_warmup(plan: plan_lib.Plan, *, steps: int,
+def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
                    densities: Sequence[float] | None = None,
                    dense_steps: int = 0, dense_wire: str = "gradient",
                    num_workers: int | None = None) -> tuple[Phase, ...]:
@@ -137,7 +137,10 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int,
 
   Args:
     plan: the plan to end with (its densities are the final ones).
-    steps: steps per warm-up density (0: none).
+    steps: steps per warm-up density (0: none), or one count per density
+      of ``densities`` (e.g. ``densities=[0.25, 0.05], steps=[50, 150]``:
+      hold a higher density longer before the plan's, a ramp that lowers
+      ρ as training settles).
     densities: the ramp; default DGC's (25 %, 6.25 %, 1.56 %, 0.4 %), only
       the values above the plan's largest sparse density.
     dense_steps: dense steps first (1-bit Adam's warm-up).
@@ -159,8 +162,19 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int,
     raise plan_lib.PlanError(
         f"density_warmup: dense_wire={dense_wire!r}; use one of "
         f"{', '.join(map(repr, plan_lib.FULL_WIRES))}.")
-  for name, value in (("steps", steps), ("dense_steps", dense_steps)):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+  is_count = lambda v: isinstance(v, int) and not isinstance(v, bool)
+  per_density = not is_count(steps)
+  if per_density:
+    counts = list(steps) if isinstance(steps, (list, tuple)) else None
+    if (counts is None or densities is None or
+        len(counts) != len(densities) or
+        not all(is_count(c) and c >= 1 for c in counts)):
+      raise plan_lib.PlanError(
+          f"density_warmup: steps={steps!r}: give one integer >= 1 per "
+          "density of densities= (or one integer for all).")
+  for name, value in (("steps", 0 if per_density else steps),
+                      ("dense_steps", dense_steps)):
+    if not is_count(value) or value < 0:
       raise plan_lib.PlanError(f"density_warmup: {name}={value!r} must be an "
                                "integer >= 0.")
   final = max([l.density for l in plan.leaves if l.mode == "sparse"] +
@@ -172,18 +186,20 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int,
   if densities and not steps:
     raise plan_lib.PlanError("density_warmup: densities given with steps=0; "
                              "give steps per warm-up density.")
+  ramp = list(zip(densities, counts if per_density
+                  else [steps] * len(densities)))
   def dense_plan():
     return dataclasses.replace(with_density(plan, 1.0),
                                settings=dataclasses.replace(
                                    plan.settings, full_wire=dense_wire))
-  if num_workers is not None and num_workers > 1 and densities:
+  if num_workers is not None and num_workers > 1 and ramp:
     dense_bytes = wire_received(dense_plan(), num_workers)
-    costly = [d for d in densities if d < 1.0 and
-              wire_received(with_density(plan, d), num_workers) >= dense_bytes]
-    dense_steps += steps * len(costly)
-    densities = [d for d in densities if d not in costly]
-  schedule = ([(1.0, dense_steps)] if dense_steps else []) + [
-      (d, steps) for d in densities]
+    costly = [d < 1.0 and wire_received(with_density(plan, d),
+                                        num_workers) >= dense_bytes
+              for d, _ in ramp]
+    dense_steps += sum(n for (_, n), c in zip(ramp, costly) if c)
+    ramp = [r for r, c in zip(ramp, costly) if not c]
+  schedule = ([(1.0, dense_steps)] if dense_steps else []) + ramp
   phases, start = [], 0
   for density, length in schedule:
     phase_plan = dense_plan() if density == 1.0 else with_density(plan, density)

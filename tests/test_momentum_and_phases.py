@@ -265,6 +265,28 @@ def test_density_warmup_runs_dense_where_sparse_moves_more(workers, wire,
     jaxfuse.density_warmup(plan, steps=10, num_workers=0)
 
 
+def test_density_warmup_takes_a_step_count_per_density():
+  """steps=[...]: each density its own length (a ramp that holds 0.05 for
+  longer before the plan's 0.01); folded densities add their own count."""
+  plan = list_plan([(1 << 20,)], density=0.01, min_sparse_size=64)
+  phases = jaxfuse.density_warmup(plan, densities=[0.25, 0.05],
+                                  steps=[10, 30], dense_steps=5)
+  assert [(p.start, p.stop) for p in phases] == [(0, 5), (5, 15), (15, 45),
+                                                  (45, None)]
+  assert [p.plan.leaves[0].density for p in phases] == [1.0, 0.25, 0.05, 0.01]
+  # on 4 workers 0.25 moves more than dense: its 10 steps join the dense 5
+  folded = jaxfuse.density_warmup(plan, densities=[0.25, 0.05],
+                                  steps=[10, 30], dense_steps=5,
+                                  num_workers=4)
+  assert [(p.start, p.stop) for p in folded] == [(0, 15), (15, 45),
+                                                  (45, None)]
+  for bad in ([10], [10, 0], (10, 2.5), "10"):
+    with pytest.raises(jaxfuse.PlanError, match="one integer >= 1 per"):
+      jaxfuse.density_warmup(plan, densities=[0.25, 0.05], steps=bad)
+  with pytest.raises(jaxfuse.PlanError, match="one integer >= 1 per"):
+    jaxfuse.density_warmup(plan, steps=[10, 30])   # no densities to pair
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(steps=-1), "steps=-1"),
     (dict(steps=1.5), "steps=1.5"),
