@@ -8,6 +8,7 @@ CPU compiler drops optimization barriers before it schedules, while the
 GPU compiler keeps them through its scheduling, so the jaxpr is where the
 barriers can be checked on this machine."""
 
+import functools
 import warnings
 
 import hypothesis
@@ -23,6 +24,7 @@ import pytest
 import jaxfuse
 from jaxfuse import overlap
 
+from _harness import fast_compile_options
 from _harness import mesh_of
 
 WORKERS = 4
@@ -321,7 +323,10 @@ def test_property_identity_and_order(layers, bucket_bytes, density, seed):
   early = jaxfuse.send_early(local)
   with warnings.catch_warnings():
     warnings.simplefilter("error")      # no fallback warning on a plain step
-    a, b = jax.jit(wrap(local))(*args), jax.jit(wrap(early))(*args)
+    # both compiled alike, with XLA:CPU's quicker codegen (the same HLO)
+    options = dict(fast_compile_options()) or None
+    jit = functools.partial(jax.jit, compiler_options=options)
+    a, b = jit(wrap(local))(*args), jit(wrap(early))(*args)
   assert all(jax.tree.leaves(jax.tree.map(
       lambda u, v: bool(jnp.array_equal(u, v)), a, b)))
   shapes = {int(k[1:]): tuple(v.shape) for k, v in args[0].items()}
