@@ -152,6 +152,20 @@ def _planning_inputs(args):
   return costs_lib.Costs.load(args.costs), params, loss_fn, tokens
 
 
+def _overlap_arg(text: str):
+  """--overlap: 'measured', or η as a float in [0, 1]."""
+  if text == "measured":
+    return text
+  try:
+    eta = float(text)
+  except ValueError:
+    eta = -1.0
+  if not 0.0 <= eta <= 1.0:
+    raise argparse.ArgumentTypeError(f"{text!r}: a number in [0, 1] or "
+                                     "'measured'")
+  return eta
+
+
 def _predict(row: dict, predicted, eta: float) -> None:
   """Set ``row``'s simulated figures (at overlap ``eta``) and its error."""
   row.update(predicted_s=predicted.iteration,
@@ -166,13 +180,6 @@ def cmd_measure(args) -> list[dict]:
   if args.overlap == "measured" and not (args.one_worker and args.sizes_mb):
     raise SystemExit("--overlap measured needs --one-worker and a size plan "
                      "(--sizes-mb), whose step gives the η.")
-  if args.overlap not in (None, "measured"):
-    try:
-      if not 0.0 <= float(args.overlap) <= 1.0:
-        raise ValueError
-    except ValueError:
-      raise SystemExit(f"--overlap {args.overlap!r}: a number in [0, 1] or "
-                       "'measured'.") from None
   costs, params, loss_fn, tokens = _planning_inputs(args)
   import jaxfuse  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
@@ -184,9 +191,8 @@ def cmd_measure(args) -> list[dict]:
     env = _env(args.transport)
     flag_args = [a for f in FLAG_SETS[args.flags].split()
                  for a in ("--xla-option", f.removeprefix("--"))]
-  if args.overlap not in (None, "measured"):
-    costs = costs.replace(overlap=float(args.overlap))
-    base["costs"] = costs
+  if isinstance(args.overlap, float):
+    costs = base["costs"] = costs.replace(overlap=args.overlap)
   plans, eta_measured = [], False
   with tempfile.TemporaryDirectory() as tmp:
     for name, strategy, options in _configs(args):
@@ -381,7 +387,8 @@ def main(argv=None):
                  help="also run dense and allgather plans on one device "
                  "(same per-worker batch) for the measured overlap η")
   m.add_argument("--strategies", nargs="*", default=["auto"])
-  m.add_argument("--overlap", default=None, metavar="ETA|measured",
+  m.add_argument("--overlap", type=_overlap_arg, default=None,
+                 metavar="ETA|measured",
                  help="plan and predict with this overlap η instead of the "
                  "costs file's; 'measured': the η the first size plan's "
                  "step measured (needs --one-worker), for the plans after "
