@@ -47,6 +47,11 @@ def leaf_paths(tree) -> list[str]:
           for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def is_leaf_order(order, num_leaves: int) -> bool:
+  """Whether ``order`` lists each leaf id 0 … num_leaves − 1 exactly once."""
+  return sorted(order) == list(range(num_leaves))
+
+
 def capacity_for(density: float, size: int, headroom: float) -> int:
   """c = min(n, ⌈ρ·n·headroom⌉), at least 1."""
   return max(1, min(size, math.ceil(density * size * headroom)))
@@ -339,7 +344,7 @@ def check_plan(plan: Plan) -> None:
         raise PlanError(f"{where}: capacity={b.capacity!r} must be in "
                         f"[1, {size}].")
     seen.extend(b.leaves)
-  if sorted(seen) != list(range(len(plan.leaves))):
+  if not is_leaf_order(seen, len(plan.leaves)):
     raise PlanError("every leaf must be in exactly one bucket; got leaf ids "
                     f"{sorted(seen)} for {len(plan.leaves)} leaves.")
 

@@ -128,7 +128,7 @@ def plan_from_groups(base: plan_lib.Plan, groups: Sequence[Sequence[int]], *,
   prov = dict(base.provenance)
   prov["strategy"] = strategy
   made = [i for group in groups for i in group]
-  if sorted(made) == list(range(len(leaves))):   # groups in ready order
+  if plan_lib.is_leaf_order(made, len(leaves)):   # groups in ready order
     prov["backward_order"] = made
   prov.update(provenance or {})
   return plan_lib.Plan(leaves, buckets, base.settings, prov)
@@ -174,7 +174,7 @@ class GroupingProblem:
     costs.check(len(plan.leaves))
     order = tuple(int(i) for i in (simulate_lib.backward_order(plan)
                                    if order is None else order))
-    if sorted(order) != list(range(len(plan.leaves))):
+    if not plan_lib.is_leaf_order(order, len(plan.leaves)):
       raise plan_lib.PlanError(f"order must list each of the "
                                f"{len(plan.leaves)} leaf ids once.")
     leaves = [plan.leaves[i] for i in order]

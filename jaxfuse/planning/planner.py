@@ -182,7 +182,7 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
 
   if ready_order is not None:
     order, source = [int(i) for i in ready_order], "given"
-    if sorted(order) != list(range(len(leaves))):
+    if not plan_lib.is_leaf_order(order, len(leaves)):
       raise plan_lib.PlanError(
           f"ready_order must list each of the {len(leaves)} leaf ids once.")
   elif loss_fn is not None:

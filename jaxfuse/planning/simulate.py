@@ -134,7 +134,7 @@ def backward_order(plan: plan_lib.Plan) -> tuple[int, ...]:
   n = len(plan.leaves)
   if (isinstance(order, (list, tuple)) and len(order) == n and
       all(isinstance(i, int) for i in order) and
-      sorted(order) == list(range(n))):
+      plan_lib.is_leaf_order(order, n)):
     return tuple(order)
   return plan.ready_order
 
@@ -155,7 +155,7 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
   wire = plan_lib.bucket_payload_bytes(plan)
   compress = compression_times(plan, costs, sched=sched)
   order = backward_order(plan) if order is None else tuple(order)
-  if sorted(order) != list(range(len(plan.leaves))):
+  if not plan_lib.is_leaf_order(order, len(plan.leaves)):
     raise ValueError(f"order must list each of the {len(plan.leaves)} leaf "
                      "ids once.")
 
