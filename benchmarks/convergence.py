@@ -351,8 +351,15 @@ def report_lsq(data):
 
 # --- report ---------------------------------------------------------------------
 
-def _best(runs, recipe, key):
-  ok = [r for r in runs if r["recipe"] == recipe and not r.get("failed")
+def _label(run, density) -> str:
+  """A run's recipe, with ``@ρ`` where it trained at another density than
+  the file's (results merged from several calls)."""
+  rho = run.get("config", {}).get("density", density)
+  return run["recipe"] + ("" if rho == density else f"@{rho:g}")
+
+
+def _best(runs, recipe, key, density=None):
+  ok = [r for r in runs if _label(r, density) == recipe and not r.get("failed")
         and r[key] is not None and r[key] == r[key]]
   return min(ok, key=lambda r: r[key]) if ok else None
 
@@ -392,8 +399,9 @@ def _wall(run):
 def report_lm(data, plot_path=None):
   import numpy as np  # pylint: disable=g-import-not-at-top
   runs = data["runs"]
-  recipes = list(dict.fromkeys(r["recipe"] for r in runs))
-  best = {r: _best(runs, r, "final_val_loss") for r in recipes}
+  recipes = list(dict.fromkeys(_label(r, data["density"]) for r in runs))
+  best = {r: _best(runs, r, "final_val_loss", data["density"])
+          for r in recipes}
   # the baseline: "dense", else the first dense variant (e.g. dense+net)
   dense = best.get("dense") or next(
       (best[r] for r in recipes if r.split("+")[0] == "dense"), None)
@@ -421,7 +429,7 @@ def report_lm(data, plot_path=None):
         f"{reach if reach is not None else 'never':>15} {when:>14s}")
   grid = ["", "every run (final validation loss):"]
   for r in runs:
-    grid.append(f"  {r['recipe']:>22s} lr={r['lr']:<8g} " + (
+    grid.append(f"  {_label(r, data['density']):>22s} lr={r['lr']:<8g} " + (
         "FAILED" if r.get("failed") else f"{r['final_val_loss']:.4f}"))
   text = "\n".join(lines + grid)
   if plot_path:

@@ -27,6 +27,12 @@
 #            5 minutes per recipe on 4 GPUs; e.g.
 #            RECIPES=onebit_adamw+warm+early+net for the step under
 #            jaxfuse.send_early with jaxfuse.xla_flags(3), and dense+net)
+#   early    socket: profile the costs on this mesh, then the planner's
+#            plans at 0.05 (size 64 MiB, aligned, auto, single, cupcake,
+#            safusion) trained under jaxfuse.send_early with
+#            jaxfuse.xla_flags(3), predicted at the overlap η that the size
+#            plan measures against its one-GPU step; then size 64 MiB and
+#            aligned without send_early (about 9 minutes on 4 GPUs)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -111,6 +117,21 @@ conv8)
       --recipes ${RECIPES:-dense,onebit_adamw+warm,onebit_adamw+warm+spardl} \
       --density 0.05 --lrs 3e-4 --parallel 1 --timeout 590 \
       --out "$OUT/conv8.json" --plot "$OUT/conv8.png" 2>&1 | tee "$OUT/conv8.log" ;;
+early)
+  export $SOCKET
+  [ -f "$OUT/costs_early.json" ] || ( time python -m jaxfuse profile \
+      --model examples/lm_model.py:gpt2_small -q -o "$OUT/costs_early.json" \
+      ) 2>&1 | tail -n 12
+  $MEASURE --out "$OUT/measure_early.json" measure --transport socket \
+      --costs "$OUT/costs_early.json" --steps 10 --sizes-mb 64 \
+      --densities 0.05 --strategies aligned auto single cupcake safusion \
+      --one-worker --overlap measured --no-dense --run-timeout 100 \
+      --train-args "--dense-warmup 1 --warmup-steps 0 --send-early --network-gbytes-s 3" \
+      2>&1 | grep -v "^==" | tee "$OUT/measure_early.log"
+  $MEASURE --out "$OUT/measure_plain.json" measure --transport socket \
+      --costs "$OUT/costs_early.json" --steps 10 --sizes-mb 64 \
+      --densities 0.05 --strategies aligned --no-dense --run-timeout 100 \
+      2>&1 | grep -v "^==" | tee "$OUT/measure_plain.log" ;;
 *)
-  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8" >&2; exit 2 ;;
+  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|early" >&2; exit 2 ;;
 esac

@@ -29,8 +29,9 @@ reads (the cotangents in flight, gradients not yet sent). The backward of
 earlier layers reads the fenced L_i, so it cannot run before w_i exists,
 and c_i can start then and run beside it. The second barrier orders the
 collectives by *points* of the backward (``fence_points``: fences with
-matrix products between them): those of one point (a sparse bucket and
-the small dense bucket of the same layers) run side by side, each point's
+a good share of the backward's matrix products between them): those of
+one point (a sparse bucket and the small dense bucket of the same layers)
+run side by side, each point's
 after the point before, in the plan's order; one not fed by the backward
 (the loss's ``pmean``, traced last) waits for the rest instead of holding
 the collective stream through the backward. Forward activations,
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import warnings
 
 import jax
@@ -69,6 +71,10 @@ COLLECTIVES = frozenset({
 # Primitives whose backward equations mark progress through the backward.
 HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 
+# Share of the typical backward work between fences that opens a new point
+# (``fence_points``).
+MERGE = 0.25
+
 
 def send_early(step, *, window: int | None = 1, start_early: bool = True):
   """``step`` with each collective's input computed as early as its data
@@ -83,9 +89,10 @@ def send_early(step, *, window: int | None = 1, start_early: bool = True):
   ``window`` w (default 1): make the backward w points on wait for c_i's
   result, so c_i must end within the backward of the w buckets after it
   (unbounded, XLA leaves every collective's end at the end of the step,
-  where one at a time they queue up). A point is a fence with backward
-  matrix products since the fence before (``fence_points``): a small dense
-  bucket right after a sparse one does not count. None: no such bound.
+  where one at a time they queue up). A point is a fence with at least a
+  quarter of the typical backward work between fences since the point
+  before (``fence_points``): a small dense bucket right after a sparse
+  one does not count. None: no such bound.
 
   ``start_early`` (default True): mark each collective
   ``scheduler_hint=force_delay_async``, which tells XLA's latency-hiding
@@ -189,24 +196,53 @@ def fenced_order(jaxpr) -> tuple[list[int], list[int]]:
   return order, fences
 
 
-def fence_points(eqns, order, fences) -> list[int]:
-  """Each fence's point of the backward: it moves on at a fence with
-  backward heavy work (matrix products, convolutions) since the fence
-  before, so collectives whose fences no such work separates (a small
-  dense bucket just after a sparse one) share a point::
+def work(eqn) -> float:
+  """Multiply-adds of a heavy equation (0 for the others):
+  ``dot_general`` out·Π(contracting dims); a convolution out·(kernel size
+  per output feature)."""
+  name = eqn.primitive.name
+  if name not in HEAVY:
+    return 0.0
+  out = math.prod(eqn.outvars[0].aval.shape)
+  if name == "dot_general":
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    return float(out * math.prod(lhs[d] for d in contract))
+  rhs = eqn.invars[1].aval.shape
+  features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
+  return float(out * math.prod(rhs) / max(features, 1))
 
-    done_k = #{backward heavy equations before fence k}
-    point_k = #{j ≤ k : done_j > done_{j−1}}
 
-  Models without heavy equations count every backward equation."""
+def fence_points(eqns, order, fences, merge: float = MERGE) -> list[int]:
+  """Each fence's point of the backward. With W_k the backward's heavy work
+  (``work``: matrix products, convolutions) before fence k, g_k = W_k −
+  W_{k−1} the work between fences, and ĝ their work-weighted median (the
+  g at which the gaps ≥ g hold half the work), a fence opens a new point
+  when the work since its point opened reaches ``merge``·ĝ::
+
+    point_k = point_{k−1} + [W_k − W_{open(k−1)} ≥ merge·ĝ]
+
+  So collectives whose fences only a little work separates share a point:
+  a small dense bucket right after a sparse one, or one whose leaves (a
+  LayerNorm's, say) need a few more products than the sparse bucket's.
+  Models without heavy equations count every backward equation as 1."""
   backward = [is_backward(eqns[n]) for n in order]
-  heavy = [b and eqns[n].primitive.name in HEAVY
-           for b, n in zip(backward, order)]
-  done = [0, *itertools.accumulate(heavy if any(heavy) else backward)]
-  points, point = [], 0
-  for k, stop in enumerate(fences):
-    if k == 0 or done[stop] > done[fences[k - 1]]:
-      point += 1
+  heavy = [work(eqns[n]) if b else 0.0 for b, n in zip(backward, order)]
+  if not any(heavy):
+    heavy = [float(b) for b in backward]
+  done = [0.0, *itertools.accumulate(heavy)]
+  at = [done[stop] for stop in fences]
+  gaps = sorted((b - a for a, b in zip([0.0, *at], at)), reverse=True)
+  half, typical = sum(gaps) / 2, 0.0
+  for g in gaps:             # the work-weighted median
+    typical = g
+    half -= g
+    if half <= 0:
+      break
+  points, point, opened = [], 0, None
+  for w in at:
+    if opened is None or w - opened >= merge * typical and w > opened:
+      point, opened = point + 1, w
     points.append(point)
   return points
 

@@ -34,9 +34,11 @@ def _dims(layers):
   return [32 + 2 * i for i in range(layers + 1)]   # > 1024 elements: sparse
 
 
-def _problem(layers, seed=0, biases=False):
+def _problem(layers, seed=0, biases=False, scales=False):
   """A tanh chain; with ``biases`` each layer is {"w", "b"} and the plan
-  puts each small (dense) bias in a bucket of its own after its layer's."""
+  puts each small (dense) bias in a bucket of its own after its layer's.
+  With ``scales``, "b" scales the layer's input instead (as a LayerNorm's
+  scale does): its gradient needs the product x̄ = ȳ·wᵀ past w's."""
   rng = np.random.default_rng(seed)
   dims = _dims(layers)
   params = {f"l{i}": jnp.asarray(0.4 * rng.normal(size=(dims[i], dims[i + 1])),
@@ -44,23 +46,34 @@ def _problem(layers, seed=0, biases=False):
   if biases:
     params = {k: {"w": w, "b": jnp.full(w.shape[1:], 0.1)}
               for k, w in params.items()}
+  if scales:
+    params = {k: {"w": w, "b": jnp.full(w.shape[:1], 1.1)}
+              for k, w in params.items()}
   x = jnp.asarray(rng.normal(size=(2 * WORKERS, dims[0])), jnp.float32)
 
   def loss_fn(p, x):
     for i in range(layers):
-      x = (jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]) if biases
-           else jnp.tanh(x @ p[f"l{i}"]))
+      if biases:
+        x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+      elif scales:
+        x = jnp.tanh((x * p[f"l{i}"]["b"]) @ p[f"l{i}"]["w"])
+      else:
+        x = jnp.tanh(x @ p[f"l{i}"])
     return jnp.mean(x ** 2)
   return params, x, loss_fn
 
 
 def _setup(layers, recipe="onebit_adamw", bucket_bytes=6000, density=0.2,
-           seed=0, biases=False):
+           seed=0, biases=False, scales=False, num_buckets=None):
+  """``num_buckets``: plan ``aligned`` with that many groups, else
+  ``size`` with ``bucket_bytes``."""
   mesh = mesh_of(WORKERS)
-  params, x, loss_fn = _problem(layers, seed, biases)
-  plan = jaxfuse.plan(params, density=density, strategy="size",
-                      bucket_bytes=bucket_bytes, loss_fn=loss_fn,
-                      example_args=(x[:2],), seed=0)
+  params, x, loss_fn = _problem(layers, seed, biases, scales)
+  grouping = (dict(strategy="size", bucket_bytes=bucket_bytes)
+              if num_buckets is None else
+              dict(strategy="aligned", num_buckets=num_buckets))
+  plan = jaxfuse.plan(params, density=density, loss_fn=loss_fn,
+                      example_args=(x[:2],), seed=0, **grouping)
   opt = jaxfuse.RECIPES[recipe](plan, 1e-2, clip_norm=1.0)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   x = jax.device_put(x, NamedSharding(mesh, P("data")))
@@ -224,6 +237,38 @@ def test_window_and_chain_count_points_of_the_backward():
   loss = [n for n, e in enumerate(eqns) if overlap.is_collective(e)
           and not e.outvars[0].aval.shape]
   assert loss and all(c in anc[n] for n in loss for c in collectives)
+
+
+def test_a_small_bucket_a_few_products_late_shares_the_point():
+  """Two groups of four layers (``aligned``): each a sparse bucket of
+  weights and a dense one of input scales, whose gradients need one more
+  product (the input's) than the weights'. That product is a seventh of
+  the group's backward, so both buckets of a group share a point: with
+  window=1 the next group's backward runs beside both collectives, and
+  only what follows its own fence waits for them. Giving the scales' bucket
+  a point of its own would make the whole next group wait (no overlap)."""
+  plan, wrap, local, args = _setup(8, num_buckets=2, scales=True)
+  groups = [(b.collective, sorted(int(plan.leaves[j].path[3])
+                                  for j in b.leaves)) for b in plan.buckets]
+  assert groups == [("allgather", [4, 5, 6, 7]), ("psum", [4, 5, 6, 7]),
+                    ("allgather", [0, 1, 2, 3]), ("psum", [0, 1, 2, 3])]
+  eqns = _body(wrap(jaxfuse.send_early(local, window=1)), args)
+  anc = _ancestors(eqns)
+  first = [n for n, e in enumerate(eqns) if overlap.is_collective(e)
+           and e.outvars[0].aval.shape][:2]
+  shapes = [tuple(args[0][f"l{l}"]["w"].shape) for l in range(4)]
+  weight_grads = [n for n, e in enumerate(eqns) if overlap.is_backward(e)
+                  and e.primitive.name == "dot_general"
+                  and any(tuple(v.aval.shape) in (s, s[::-1])
+                          for v in e.outvars for s in shapes)]
+  assert len(weight_grads) == 4
+  assert not any(c in anc[n] for n in weight_grads for c in first)
+  # The window still holds: the second group's dense bucket (its input
+  # product comes after the group's fence) waits for both.
+  last_psum = [n for n, e in enumerate(eqns) if overlap.is_collective(e)
+               and e.primitive.name.startswith("psum")
+               and e.outvars[0].aval.shape][-1]
+  assert all(c in anc[last_psum] for c in first)
 
 
 def test_plain_step_has_no_such_order():
