@@ -31,8 +31,9 @@
 #            plans at 0.05 (size 64 MiB, aligned, auto, single, cupcake,
 #            safusion) trained under jaxfuse.send_early with
 #            jaxfuse.xla_flags(3), predicted at the overlap η that the size
-#            plan measures against its one-GPU step; then size 64 MiB and
-#            aligned without send_early (about 9 minutes on 4 GPUs)
+#            plan measures against its one-GPU step (about 10 minutes on
+#            4 GPUs; STRATEGIES="aligned auto" e.g. to fit a shorter
+#            limit; PLAIN=1 then runs size 64 MiB and aligned without it)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -124,14 +125,17 @@ early)
       ) 2>&1 | tail -n 12
   $MEASURE --out "$OUT/measure_early.json" measure --transport socket \
       --costs "$OUT/costs_early.json" --steps 10 --sizes-mb 64 \
-      --densities 0.05 --strategies aligned auto single cupcake safusion \
-      --one-worker --overlap measured --no-dense --run-timeout 100 \
+      --densities 0.05 --one-worker --overlap measured --no-dense \
+      --strategies ${STRATEGIES:-aligned auto single cupcake safusion} \
+      --run-timeout ${RUN_TIMEOUT:-150} \
       --train-args "--dense-warmup 1 --warmup-steps 0 --send-early --network-gbytes-s 3" \
       2>&1 | grep -v "^==" | tee "$OUT/measure_early.log"
-  $MEASURE --out "$OUT/measure_plain.json" measure --transport socket \
-      --costs "$OUT/costs_early.json" --steps 10 --sizes-mb 64 \
-      --densities 0.05 --strategies aligned --no-dense --run-timeout 100 \
-      2>&1 | grep -v "^==" | tee "$OUT/measure_plain.log" ;;
+  if [ "${PLAIN:-0}" = 1 ]; then
+    $MEASURE --out "$OUT/measure_plain.json" measure --transport socket \
+        --costs "$OUT/costs_early.json" --steps 10 --sizes-mb 64 \
+        --densities 0.05 --strategies aligned --no-dense --run-timeout 100 \
+        2>&1 | grep -v "^==" | tee "$OUT/measure_plain.log"
+  fi ;;
 *)
   echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|early" >&2; exit 2 ;;
 esac
