@@ -68,14 +68,18 @@ def lm_gradients():
   rng = np.random.default_rng(0)
   params = model.init(jax.random.PRNGKey(0),
                       lm_model.sample_batch(rng, train, 1, 64)[:, :-1])["params"]
-  grad_fn = jax.jit(jax.grad(lm_model.make_loss(model)))
+  grad = jax.grad(lm_model.make_loss(model))
+  grad_fn = jax.jit(grad)
   leaves = jax.tree.leaves(params)
   big = max(range(len(leaves)), key=lambda i: leaves[i].size)
+  # every worker's gradient on its own batch, in one call
+  worker_grads = jax.jit(jax.vmap(
+      lambda p, b: jax.tree.leaves(grad(p, b))[big].reshape(-1),
+      in_axes=(None, 0)))
   out = []
   for _ in range(6):
-    grads = [jax.tree.leaves(grad_fn(params, lm_model.sample_batch(
-        rng, train, 4, 64)))[big].reshape(-1) for _ in range(NUM_WORKERS)]
-    out.append(jax.numpy.stack(grads))
+    out.append(worker_grads(params, np.stack([lm_model.sample_batch(
+        rng, train, 4, 64) for _ in range(NUM_WORKERS)])))
     params = jax.tree.map(lambda p, g: p - 0.5 * g, params,
                           grad_fn(params, lm_model.sample_batch(rng, train, 32,
                                                                 64)))

@@ -95,7 +95,7 @@ def _random_steps(plan, mesh, k, shapes, seed, steps=2):
     grads = [random_normal(kk, (k,) + s)
              for kk, s in zip(jax.random.split(sub, len(shapes)), shapes)]
     old = _residual_sums(plan, state)
-    synced, state = sync(plan, mesh, grads, state)
+    synced, state = sync(plan, mesh, grads, state, fast_compile=True)
     _conserved(plan, k, grads, old, synced, state)
     assert_replicas_identical(synced)
     yield synced
@@ -134,7 +134,7 @@ def test_sync_conserves_is_identical_and_lossless_when_it_fits(
   offs = np.cumsum([0] + [math.prod(s) for s in shapes])
   grads = [flat[:, a:b].reshape((k,) + s)
            for a, b, s in zip(offs[:-1], offs[1:], shapes)]
-  got, state = sync(plan, mesh, grads, init(plan, mesh))
+  got, state = sync(plan, mesh, grads, init(plan, mesh), fast_compile=True)
   for a, g in zip(got, grads):
     np.testing.assert_allclose(np.asarray(a), np.asarray(g).sum(0) / k,
                                rtol=1e-6)  # XLA may multiply by 1/K
@@ -142,7 +142,8 @@ def test_sync_conserves_is_identical_and_lossless_when_it_fits(
     lossless = list_plan(shapes, density=0.05, collective="allgather",
                          estimator="topk", min_sparse_size=100,
                          strategy="single")
-    want, _ = sync(lossless, mesh, grads, init(lossless, mesh))
+    want, _ = sync(lossless, mesh, grads, init(lossless, mesh),
+                   fast_compile=True)
     for a, b in zip(got, want):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert all(np.all(np.asarray(r) == 0) for r in state.residuals)
@@ -150,7 +151,7 @@ def test_sync_conserves_is_identical_and_lossless_when_it_fits(
   # A NaN on one worker: non-finite everywhere, no residual poisoned.
   grads = [np.array(g) for g in grads]
   grads[0][1].flat[3] = np.nan
-  got, state = sync(plan, mesh, grads, state)
+  got, state = sync(plan, mesh, grads, state, fast_compile=True)
   assert all(np.isnan(c).any() for c in per_device(got[0]))
   assert all(np.all(np.isfinite(np.asarray(r))) for r in state.residuals)
 

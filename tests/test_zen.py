@@ -22,6 +22,7 @@ from jaxfuse.collectives import zen as zen_lib
 from jaxfuse.kernels import hash_partition as hp
 
 from _harness import assert_replicas_identical
+from _harness import fast_compile_options
 from _harness import NUM_WORKERS, init, list_plan, mesh_of, shard, sync
 
 SHAPES = [(64, 64)]               # the mesh tests: one unit, N = 4096
@@ -65,7 +66,7 @@ def _run(plan, mesh, k, steps, seed, shared=0.0, shapes=SHAPES):
   for t in range(steps):
     grads = _grads(k, shapes, seed + t, shared)
     old = [np.asarray(r) for r in jaxfuse.unit_residuals(plan, state)]
-    synced, state = sync(plan, mesh, grads, state)
+    synced, state = sync(plan, mesh, grads, state, fast_compile=True)
     _check_conservation(plan, grads, old, synced, state, k)
     assert_replicas_identical(synced, k)
     out.append((synced, state))
@@ -137,7 +138,8 @@ def _direct(k, sizes, caps, table, union):
     out = collectives.get("zen").sync(parts, units, "data", settings)
     return out.means, [x[None] for x in out.kept]
   return mesh, jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
-                                     out_specs=(P(), P("data"))))
+                                     out_specs=(P(), P("data"))),
+                       compiler_options=dict(fast_compile_options()) or None)
 
 
 def _run_direct(k, table, union, parts):
