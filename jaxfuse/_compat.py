@@ -73,6 +73,27 @@ def varying_axes(x) -> frozenset:
   return frozenset(vma)
 
 
+def vary_alike(*xs):
+  """Cast xs to vary over the union of their varying manual (shard_map) axes;
+  a no-op outside shard_map."""
+  mats = [getattr(jax.typeof(x), "mat", None) for x in xs]
+  if any(m is None for m in mats):
+    return xs
+  axes = frozenset().union(*(m.varying for m in mats))
+  return tuple(
+      lax.pcast(x, tuple(sorted(axes - m.varying)), to="varying")
+      if axes - m.varying else x for x, m in zip(xs, mats))
+
+
+def kernel_output(like):
+  """``(shape, dtype) -> ShapeDtypeStruct`` for a ``pallas_call``'s outputs
+  that vary over the manual (shard_map) axes ``like`` varies over: under
+  shard_map's ``check_vma`` an output without that type is rejected."""
+  mat = getattr(jax.typeof(like), "mat", None)
+  return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
+                                                   manual_axis_type=mat)
+
+
 def axis_size(axis_name) -> int | None:
   """Size of a bound mesh axis (a tuple: the product), or ``None`` when
   ``axis_name`` is not bound."""

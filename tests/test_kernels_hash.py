@@ -318,6 +318,70 @@ def test_kernel_lowers_to_triton_ir():
   assert "custom_call" in text
 
 
+def _per_worker(fn, mesh, check_vma):
+  """(K, num) indices, one row per worker -> fn's HashPartition per worker,
+  stacked (under shard_map)."""
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  def local(idx):
+    return jax.tree.map(lambda x: x[None], fn(idx[0]))
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"),
+                               out_specs=P("data"), check_vma=check_vma))
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_inside_shard_map():
+  """Per worker, the reference's rows as sets and its counts. Compiled (on
+  a GPU) under check_vma=True, where the kernel's outputs must carry the
+  indices' varying axes; the Pallas interpreter (here) needs
+  check_vma=False, and says so."""
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = jaxfuse.make_mesh()
+  k, n = mesh.devices.size, 4
+  rng = np.random.default_rng(7)
+  idx = jax.device_put(np.stack([rng.choice(G, 300, replace=False)
+                                 for _ in range(k)]).astype(np.int32),
+                       NamedSharding(mesh, P("data")))
+  kernel = lambda i: hp.hash_partition_pallas(
+      i, n, G, block_size=128 if ON_GPU else 16, interpret=not ON_GPU)
+  got = _per_worker(kernel, mesh, check_vma=ON_GPU)(idx)
+  want = _per_worker(lambda i: hp.hash_partition_reference(i, n, G), mesh,
+                     check_vma=True)(idx)
+  np.testing.assert_array_equal(np.asarray(hp.extract(got.table)),
+                                np.asarray(hp.extract(want.table)))
+  for field in ("counts", "overflowed", "stored"):
+    np.testing.assert_array_equal(np.asarray(getattr(got, field)),
+                                  np.asarray(getattr(want, field)))
+  if not ON_GPU:
+    with pytest.raises(NotImplementedError, match="check_vma=False"):
+      _per_worker(kernel, mesh, check_vma=True)(idx)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_kernel_lowers_inside_shard_map():
+  """Under shard_map with check_vma=True the kernel's pallas_call is typed
+  (varying as the indices) and goes through the Triton lowering, no GPU
+  needed where this JAX lowers for CUDA without one."""
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  from jax import export  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = jaxfuse.make_mesh()
+  k = mesh.devices.size
+  fn = _per_worker(lambda i: hp.hash_partition_pallas(i, 8, 10**6), mesh,
+                   check_vma=True)
+  spec = jax.ShapeDtypeStruct((k, 1000), jnp.int32,
+                              sharding=NamedSharding(mesh, P("data")))
+  try:
+    exported = export.export(fn, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(spec)
+  except RuntimeError as e:
+    if "GPU" not in str(e):
+      raise
+    pytest.skip(f"this JAX cannot lower for CUDA without a GPU: {e}")
+  assert exported.mlir_module().count("xla.gpu.triton") == 1
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the compiled Triton kernel")
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 @pytest.mark.parametrize("num,n,r1,r2,k", [

@@ -264,13 +264,10 @@ def _compact_rows(table, size: int, push: int):
 
 
 def _hash(indices, lay: Layout, num_workers: int, seed: int):
-  """Alg. 1: the Pallas kernel on GPU, else the jnp reference. Inside
-  shard_map with check_vma the kernel's pallas_call (its outputs carry no
-  varying axes) is rejected by JAX 0.10-0.12, so there, until
-  ``hash_partition._pallas`` types them as ``selection`` does, the
-  reference runs (same rows as sets, same ``stored``)."""
-  pallas = (kernels.backend() == "pallas" and jax.default_backend() == "gpu"
-            and not _compat.varying_axes(indices))
+  """Alg. 1: the Pallas kernel on GPU (inside shard_map too: its outputs
+  vary as the indices do), else the jnp reference (the same rows as sets,
+  the same ``stored``)."""
+  pallas = kernels.backend() == "pallas" and jax.default_backend() == "gpu"
   return hp.hash_partition(indices, num_workers, lay.size, r1=lay.r1,
                            r2=lay.r2, seed=seed,
                            backend="pallas" if pallas else "reference")

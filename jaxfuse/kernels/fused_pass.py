@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxfuse import _compat
 from jaxfuse.kernels import reference
 from jaxfuse.kernels import selection as sel
 from jaxfuse.kernels.compare import comparison_threshold
@@ -174,15 +175,13 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
   offset = jnp.asarray(offset, jnp.int32)
   if n < block:                      # one short block: padded with zeros
     x, r = (jnp.pad(a, (0, block - n)) for a in (x, r))
-  x, r, taus, offset = sel.vary_alike(x, r, taus, offset)
-  mat = getattr(jax.typeof(x), "mat", None)
-  if interpret and mat is not None and mat.varying:
+  x, r, taus, offset = _compat.vary_alike(x, r, taus, offset)
+  if interpret and _compat.varying_axes(x):
     raise NotImplementedError(
         "sparsify_pass_pallas(interpret=True) inside shard_map needs "
         "check_vma=False (the Pallas interpreter of JAX 0.10-0.12); off GPU "
         "use sparsify_pass_reference.")
-  out = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
-                                                  manual_axis_type=mat)
+  out = _compat.kernel_output(x)
   whole = pl.BlockSpec()
   stage_spec = pl.BlockSpec((stage,), lambda b: (b,))
   per_block = lambda dtype: out((padded_blocks,), dtype)

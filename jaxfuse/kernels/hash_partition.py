@@ -78,6 +78,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse import _compat
+
 __all__ = [
     "HashPartition", "default_sizes", "extract", "hash_partition",
     "hash_partition_pallas", "hash_partition_reference", "imbalance_ratio",
@@ -427,6 +429,14 @@ def _pallas(indices, cfg: _Config, block: int, interpret: bool,
   # and a counter stays below 2^24 because N <= 2^24.
   claim = jnp.zeros((n * r1 + 1,), jnp.float32)
   counter = jnp.zeros((n + 1,), jnp.float32)      # [n]: scratch
+  # Inside shard_map (check_vma): operands and outputs vary as the indices.
+  idx, table, claim, counter = _compat.vary_alike(idx, table, claim, counter)
+  if interpret and _compat.varying_axes(idx):
+    raise NotImplementedError(
+        "hash_partition_pallas(interpret=True) inside shard_map needs "
+        "check_vma=False (the Pallas interpreter of JAX 0.10-0.12); off GPU "
+        "use hash_partition_reference.")
+  out = _compat.kernel_output(idx)
   kernel = functools.partial(_hash_kernel, cfg=cfg, block=block, n_pad=n_pad,
                              use_masks=not interpret)
   params = {}
@@ -435,10 +445,8 @@ def _pallas(indices, cfg: _Config, block: int, interpret: bool,
   table, _, counter, stored = pl.pallas_call(
       kernel,
       grid=(num_blocks,),
-      out_shape=(jax.ShapeDtypeStruct(table.shape, jnp.int32),
-                 jax.ShapeDtypeStruct(claim.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(counter.shape, jnp.float32),
-                 jax.ShapeDtypeStruct((padded,), jnp.int32)),
+      out_shape=(out(table.shape, jnp.int32), out(claim.shape, jnp.float32),
+                 out(counter.shape, jnp.float32), out((padded,), jnp.int32)),
       input_output_aliases={1: 0, 2: 1, 3: 2},
       interpret=interpret,
       name="zen_hierarchical_hash",

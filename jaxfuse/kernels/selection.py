@@ -65,6 +65,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxfuse import _compat
 from jaxfuse.kernels import reference
 from jaxfuse.kernels.compare import comparison_threshold
 
@@ -379,18 +380,6 @@ def write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
     lax.fori_loop(0, fill_per_program // fill_tile, fill, 0)
 
 
-def vary_alike(*xs):
-  """Cast xs to vary over the union of their varying manual (shard_map) axes;
-  a no-op outside shard_map."""
-  mats = [getattr(jax.typeof(x), "mat", None) for x in xs]
-  if any(m is None for m in mats):
-    return xs
-  axes = frozenset().union(*(m.varying for m in mats))
-  return tuple(
-      lax.pcast(x, tuple(sorted(axes - m.varying)), to="varying")
-      if axes - m.varying else x for x, m in zip(xs, mats))
-
-
 def _is_pow2(v: int) -> bool:
   return v >= 1 and (v & (v - 1)) == 0
 
@@ -450,16 +439,14 @@ def _run(acc, taus, capacity, offset, *, band, block, tile, stage, num_warps,
 
   # Inside shard_map (check_vma): every kernel operand and output varies over
   # the union of the mesh axes that acc, tau and offset vary over.
-  acc_k, taus, offset = vary_alike(acc_k, taus, offset)
-  mat = getattr(jax.typeof(acc_k), "mat", None)
-  if interpret and mat is not None and mat.varying:
+  acc_k, taus, offset = _compat.vary_alike(acc_k, taus, offset)
+  if interpret and _compat.varying_axes(acc_k):
     raise NotImplementedError(
         "select_pallas(interpret=True) inside shard_map needs "
         "check_vma=False: the Pallas interpreter of JAX 0.10-0.12 fails on "
         "operands that vary over manual axes. Off GPU, use "
         "jaxfuse.kernels.reference.select (the reference) instead.")
-  out = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
-                                                  manual_axis_type=mat)
+  out = _compat.kernel_output(acc_k)
 
   counts_shape = out((padded_blocks,), jnp.int32)
   bits, counts, staged_v, staged_i, *above = pl.pallas_call(
