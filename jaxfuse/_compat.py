@@ -85,13 +85,21 @@ def vary_alike(*xs):
       if axes - m.varying else x for x, m in zip(xs, mats))
 
 
-def kernel_output(like):
-  """``(shape, dtype) -> ShapeDtypeStruct`` for a ``pallas_call``'s outputs
-  that vary over the manual (shard_map) axes ``like`` varies over: under
-  shard_map's ``check_vma`` an output without that type is rejected."""
-  mat = getattr(jax.typeof(like), "mat", None)
-  return lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
-                                                   manual_axis_type=mat)
+def kernel_operands(*xs, interpret: bool, kernel: str, reference: str):
+  """A ``pallas_call``'s operands made to vary alike (``vary_alike``), and
+  ``(shape, dtype) -> ShapeDtypeStruct`` for its outputs, which vary as
+  they do: under shard_map's ``check_vma`` untyped outputs are rejected.
+  The Pallas interpreter of JAX 0.10-0.12 fails on varying operands, so
+  ``interpret`` there is an error naming ``reference``."""
+  xs = vary_alike(*xs)
+  if interpret and varying_axes(xs[0]):
+    raise NotImplementedError(
+        f"{kernel}(interpret=True) inside shard_map needs check_vma=False "
+        "(the Pallas interpreter of JAX 0.10-0.12 fails on operands that "
+        f"vary over manual axes); off GPU use {reference} instead.")
+  mat = getattr(jax.typeof(xs[0]), "mat", None)
+  return xs, lambda shape, dtype: jax.ShapeDtypeStruct(
+      shape, dtype, manual_axis_type=mat)
 
 
 def axis_size(axis_name) -> int | None:

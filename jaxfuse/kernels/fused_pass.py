@@ -175,13 +175,9 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
   offset = jnp.asarray(offset, jnp.int32)
   if n < block:                      # one short block: padded with zeros
     x, r = (jnp.pad(a, (0, block - n)) for a in (x, r))
-  x, r, taus, offset = _compat.vary_alike(x, r, taus, offset)
-  if interpret and _compat.varying_axes(x):
-    raise NotImplementedError(
-        "sparsify_pass_pallas(interpret=True) inside shard_map needs "
-        "check_vma=False (the Pallas interpreter of JAX 0.10-0.12); off GPU "
-        "use sparsify_pass_reference.")
-  out = _compat.kernel_output(x)
+  (x, r, taus, offset), out = _compat.kernel_operands(
+      x, r, taus, offset, interpret=interpret, kernel="sparsify_pass_pallas",
+      reference="sparsify_pass_reference")
   whole = pl.BlockSpec()
   stage_spec = pl.BlockSpec((stage,), lambda b: (b,))
   per_block = lambda dtype: out((padded_blocks,), dtype)

@@ -430,13 +430,9 @@ def _pallas(indices, cfg: _Config, block: int, interpret: bool,
   claim = jnp.zeros((n * r1 + 1,), jnp.float32)
   counter = jnp.zeros((n + 1,), jnp.float32)      # [n]: scratch
   # Inside shard_map (check_vma): operands and outputs vary as the indices.
-  idx, table, claim, counter = _compat.vary_alike(idx, table, claim, counter)
-  if interpret and _compat.varying_axes(idx):
-    raise NotImplementedError(
-        "hash_partition_pallas(interpret=True) inside shard_map needs "
-        "check_vma=False (the Pallas interpreter of JAX 0.10-0.12); off GPU "
-        "use hash_partition_reference.")
-  out = _compat.kernel_output(idx)
+  (idx, table, claim, counter), out = _compat.kernel_operands(
+      idx, table, claim, counter, interpret=interpret,
+      kernel="hash_partition_pallas", reference="hash_partition_reference")
   kernel = functools.partial(_hash_kernel, cfg=cfg, block=block, n_pad=n_pad,
                              use_masks=not interpret)
   params = {}

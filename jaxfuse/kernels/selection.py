@@ -439,14 +439,9 @@ def _run(acc, taus, capacity, offset, *, band, block, tile, stage, num_warps,
 
   # Inside shard_map (check_vma): every kernel operand and output varies over
   # the union of the mesh axes that acc, tau and offset vary over.
-  acc_k, taus, offset = _compat.vary_alike(acc_k, taus, offset)
-  if interpret and _compat.varying_axes(acc_k):
-    raise NotImplementedError(
-        "select_pallas(interpret=True) inside shard_map needs "
-        "check_vma=False: the Pallas interpreter of JAX 0.10-0.12 fails on "
-        "operands that vary over manual axes. Off GPU, use "
-        "jaxfuse.kernels.reference.select (the reference) instead.")
-  out = _compat.kernel_output(acc_k)
+  (acc_k, taus, offset), out = _compat.kernel_operands(
+      acc_k, taus, offset, interpret=interpret, kernel="select_pallas",
+      reference="jaxfuse.kernels.reference.select")
 
   counts_shape = out((padded_blocks,), jnp.int32)
   bits, counts, staged_v, staged_i, *above = pl.pallas_call(
