@@ -274,6 +274,23 @@ def test_a_small_bucket_a_few_products_late_shares_the_point():
   assert all(c in anc[last_psum] for c in first)
 
 
+def test_work_counts_multiply_adds():
+  """A product's multiply-adds: out · contracted size; a convolution's:
+  out · (input features · kernel window); anything else: none."""
+  def eqn(fn, *shapes):
+    (e,) = [e for e in jax.make_jaxpr(fn)(*[jnp.ones(s) for s in shapes])
+            .jaxpr.eqns if e.primitive.name in overlap.HEAVY]
+    return e
+  assert overlap.work(eqn(jnp.matmul, (3, 4), (4, 5))) == 3 * 5 * 4
+  assert overlap.work(eqn(lambda a, b: jnp.einsum("bij,bjk->bik", a, b),
+                          (2, 3, 4), (2, 4, 5))) == 2 * 3 * 5 * 4
+  conv = eqn(lambda x, w: jax.lax.conv(x, w, (1, 1), "VALID"),
+             (1, 2, 8, 8), (6, 2, 3, 3))
+  assert overlap.work(conv) == (1 * 6 * 6 * 6) * (2 * 3 * 3)
+  (tanh,) = jax.make_jaxpr(jnp.tanh)(jnp.ones(3)).jaxpr.eqns
+  assert overlap.work(tanh) == 0
+
+
 def test_plain_step_has_no_such_order():
   """The control: without send_early nothing makes the backward wait for a
   bucket's wire, so the check above fails."""
