@@ -27,6 +27,13 @@
 #            5 minutes per recipe on 4 GPUs; e.g.
 #            RECIPES=onebit_adamw+warm+early+net for the step under
 #            jaxfuse.send_early with jaxfuse.xla_flags(3), and dense+net)
+#   readme   (every GPU a worker) socket: dense AdamW, then the README
+#            recipe (onebit_adamw, bfloat16 dense phase, DGC's ramp folded
+#            by num_workers, size 64 MiB plan, send_early, xla_flags(3)) at
+#            each of DENSITIES (default 0.05) and DENSE_FRACTIONS (default
+#            0.15), 1000 steps, lr 3e-4: one JSON per run (dense about 4.5
+#            minutes on 4 GPUs, each recipe run about 4); SKIP_DENSE=1
+#            reuses the dense run of an earlier call on this machine
 #   early    socket: profile the costs on this mesh, then the planner's
 #            plans at 0.05 (size 64 MiB, aligned, auto, single, cupcake,
 #            safusion) trained under jaxfuse.send_early with
@@ -118,6 +125,19 @@ conv8)
       --recipes ${RECIPES:-dense,onebit_adamw+warm,onebit_adamw+warm+spardl} \
       --density 0.05 --lrs 3e-4 --parallel 1 --timeout 590 \
       --out "$OUT/conv8.json" --plot "$OUT/conv8.png" 2>&1 | tee "$OUT/conv8.log" ;;
+readme)
+  export $SOCKET
+  C="python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 --eval-every 50 --eval-batches 8 --lrs 3e-4"
+  [ "${SKIP_DENSE:-0}" = 1 ] || $C --density 0.05 --recipes dense+net \
+      --out "$OUT/readme_dense.json" 2>&1 | tail -n 3
+  for d in ${DENSITIES:-0.05}; do
+    for f in ${DENSE_FRACTIONS:-0.15}; do
+      $C --density $d --dense-fraction $f \
+          --recipes onebit_adamw+warm+bf16wire+early+net \
+          --extra="--strategy size --bucket-bytes 67108864" \
+          --out "$OUT/readme_rho${d}_dense${f}.json" 2>&1 | tail -n 3
+    done
+  done ;;
 early)
   export $SOCKET
   [ -f "$OUT/costs_early.json" ] || ( time python -m jaxfuse profile \
@@ -137,5 +157,5 @@ early)
         2>&1 | grep -v "^==" | tee "$OUT/measure_plain.log"
   fi ;;
 *)
-  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|early" >&2; exit 2 ;;
+  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|readme|early" >&2; exit 2 ;;
 esac
