@@ -106,6 +106,12 @@ def fast_compile_options() -> tuple[tuple[str, object], ...]:
   return tuple(sorted(_FAST_COMPILE.items()))
 
 
+def fast_jit(fn):
+  """``jax.jit(fn)`` compiled with ``fast_compile_options()`` (for programs
+  run once or twice; the default compile off CPU)."""
+  return jax.jit(fn, compiler_options=dict(fast_compile_options()) or None)
+
+
 @functools.lru_cache(maxsize=None)
 def _sync_fn(plan_json, mesh, options=()):
   plan = jaxfuse.Plan.from_json(plan_json)

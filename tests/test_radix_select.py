@@ -4,14 +4,13 @@ method off GPU is the sort itself, so the radix is asked for by name)."""
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxfuse import radix_select
 
-from _harness import fast_compile_options
+from _harness import fast_jit
 
 _KINDS = {
     "normal": lambda rng, shape: np.abs(rng.normal(size=shape)),
@@ -37,10 +36,8 @@ def test_kth_largest_rows_is_the_sorted_kth(widths, kind, zeros, data):
       a[1, :2] = np.inf
     rows.append(a)
     ranks.append(data.draw(st.integers(1, w)))
-  got = jax.jit(lambda r: radix_select.kth_largest_rows(
-      r, ranks, method="radix"),   # one-off programs: the quicker codegen
-                compiler_options=dict(fast_compile_options()) or None)(
-                    [jnp.asarray(a) for a in rows])
+  got = fast_jit(lambda r: radix_select.kth_largest_rows(   # one-off
+      r, ranks, method="radix"))([jnp.asarray(a) for a in rows])
   for a, k, g in zip(rows, ranks, got):
     want = -np.sort(-a, axis=1)[:, k - 1]
     np.testing.assert_array_equal(np.asarray(g).view(np.uint32),

@@ -8,7 +8,6 @@ CPU compiler drops optimization barriers before it schedules, while the
 GPU compiler keeps them through its scheduling, so the jaxpr is where the
 barriers can be checked on this machine."""
 
-import functools
 import warnings
 
 import hypothesis
@@ -24,7 +23,7 @@ import pytest
 import jaxfuse
 from jaxfuse import overlap
 
-from _harness import fast_compile_options
+from _harness import fast_jit
 from _harness import mesh_of
 
 WORKERS = 4
@@ -166,9 +165,8 @@ def test_same_results_bitwise(recipe):
   plan, wrap, local, args = _setup(2, recipe, bucket_bytes=2000)
   assert len(plan.buckets) >= 2
   # both compiled alike, with XLA:CPU's quicker codegen (the same HLO)
-  jit = functools.partial(jax.jit,
-                          compiler_options=dict(fast_compile_options()) or None)
-  plain, early = jit(wrap(local)), jit(wrap(jaxfuse.send_early(local)))
+  plain = fast_jit(wrap(local))
+  early = fast_jit(wrap(jaxfuse.send_early(local)))
   a, b = args, args
   for _ in range(2):
     a, b = plain(a[0], a[1], args[2]), early(b[0], b[1], args[2])
@@ -389,9 +387,7 @@ def test_property_identity_and_order(layers, bucket_bytes, density, seed):
   with warnings.catch_warnings():
     warnings.simplefilter("error")      # no fallback warning on a plain step
     # both compiled alike, with XLA:CPU's quicker codegen (the same HLO)
-    options = dict(fast_compile_options()) or None
-    jit = functools.partial(jax.jit, compiler_options=options)
-    a, b = jit(wrap(local))(*args), jit(wrap(early))(*args)
+    a, b = fast_jit(wrap(local))(*args), fast_jit(wrap(early))(*args)
   assert all(jax.tree.leaves(jax.tree.map(
       lambda u, v: bool(jnp.array_equal(u, v)), a, b)))
   shapes = {int(k[1:]): tuple(v.shape) for k, v in args[0].items()}

@@ -22,7 +22,7 @@ from jaxfuse.collectives import zen as zen_lib
 from jaxfuse.kernels import hash_partition as hp
 
 from _harness import assert_replicas_identical
-from _harness import fast_compile_options
+from _harness import fast_jit
 from _harness import NUM_WORKERS, init, list_plan, mesh_of, shard, sync
 
 SHAPES = [(64, 64)]               # the mesh tests: one unit, N = 4096
@@ -137,9 +137,8 @@ def _direct(k, sizes, caps, table, union):
     parts = [(xs[2 * i][0], xs[2 * i + 1][0]) for i in range(len(units))]
     out = collectives.get("zen").sync(parts, units, "data", settings)
     return out.means, [x[None] for x in out.kept]
-  return mesh, jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
-                                     out_specs=(P(), P("data"))),
-                       compiler_options=dict(fast_compile_options()) or None)
+  return mesh, fast_jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+                                      out_specs=(P(), P("data"))))
 
 
 def _run_direct(k, table, union, parts):
