@@ -132,7 +132,7 @@ def backward_order(plan: plan_lib.Plan) -> tuple[int, ...]:
   ``jaxfuse.plan`` records), else ``plan.ready_order``."""
   order = plan.provenance.get("backward_order")
   n = len(plan.leaves)
-  if (isinstance(order, (list, tuple)) and len(order) == n and
+  if (isinstance(order, (list, tuple)) and
       all(isinstance(i, int) for i in order) and
       plan_lib.is_leaf_order(order, n)):
     return tuple(order)
