@@ -40,7 +40,8 @@
 #            jaxfuse.xla_flags(3), predicted at the overlap η that the size
 #            plan measures against its one-GPU step (about 10 minutes on
 #            4 GPUs; STRATEGIES="aligned auto" e.g. to fit a shorter
-#            limit; PLAIN=1 then runs size 64 MiB and aligned without it)
+#            limit, DENSITIES="0.05 0.01", STEPS=30; PLAIN=1 then runs
+#            size 64 MiB and aligned without it)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -144,8 +145,8 @@ early)
       --model examples/lm_model.py:gpt2_small -q -o "$OUT/costs_early.json" \
       ) 2>&1 | tail -n 12
   $MEASURE --out "$OUT/measure_early.json" measure --transport socket \
-      --costs "$OUT/costs_early.json" --steps 10 --sizes-mb 64 \
-      --densities 0.05 --one-worker --overlap measured --no-dense \
+      --costs "$OUT/costs_early.json" --steps ${STEPS:-10} --sizes-mb 64 \
+      --densities ${DENSITIES:-0.05} --one-worker --overlap measured --no-dense \
       --strategies ${STRATEGIES:-aligned auto single cupcake safusion} \
       --run-timeout ${RUN_TIMEOUT:-150} \
       --train-args "--dense-warmup 1 --warmup-steps 0 --send-early --network-gbytes-s 3" \
