@@ -6,6 +6,7 @@ and varying-manual-axes typing all exist there).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
@@ -83,6 +84,17 @@ def vary_alike(*xs):
   return tuple(
       lax.pcast(x, tuple(sorted(axes - m.varying)), to="varying")
       if axes - m.varying else x for x, m in zip(xs, mats))
+
+
+@functools.cache
+def pallas_triton():
+  """``jax.experimental.pallas.triton``, or None where this JAX no longer
+  ships Pallas's Triton backend (deprecated in JAX 0.12)."""
+  try:
+    from jax.experimental.pallas import triton  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return triton
 
 
 def kernel_operands(*xs, interpret: bool, kernel: str, reference: str):

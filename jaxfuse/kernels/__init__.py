@@ -3,6 +3,7 @@
 Every kernel has a pure-jnp reference with the same semantics. Dispatch:
 
   JAXFUSE_KERNELS=auto       (default) Pallas on GPU, the reference elsewhere
+                             and on a JAX without Pallas's Triton backend
   JAXFUSE_KERNELS=pallas     always Pallas (off GPU: Pallas interpret mode, slow,
                              and not inside shard_map with check_vma=True)
   JAXFUSE_KERNELS=reference  never Pallas
@@ -14,9 +15,11 @@ choice is made when a function is traced, so jitted functions keep theirs).
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 
+from jaxfuse import _compat
 from jaxfuse.kernels import reference
 
 BACKENDS = ("auto", "pallas", "reference")
@@ -31,13 +34,48 @@ def set_backend(name: str) -> None:
   _backend = name
 
 
+class KernelError(RuntimeError):
+  """Pallas kernels asked for where this JAX cannot run them."""
+
+
 def backend() -> str:
-  """The backend in force now: ``"pallas"`` or ``"reference"``."""
+  """The backend in force now: ``"pallas"`` or ``"reference"``.
+
+  The kernels are written for Pallas's Triton backend (deprecated in JAX
+  0.12). On a JAX without it, ``"auto"`` takes the reference, with one
+  warning on GPUs, and ``"pallas"`` is a ``KernelError``."""
   if _backend not in BACKENDS:
     raise ValueError(f"JAXFUSE_KERNELS={_backend!r}; use one of {BACKENDS}.")
+  has_triton = _compat.pallas_triton() is not None
   if _backend == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if jax.default_backend() != "gpu":
+      return "reference"
+    if not has_triton:
+      _warn_no_triton()
+      return "reference"
+    return "pallas"
+  if _backend == "pallas" and not has_triton:
+    raise KernelError(
+        f"JAXFUSE_KERNELS=pallas: JAX {jax.__version__} has no Pallas "
+        "Triton backend (jax.experimental.pallas.triton), which jaxfuse's "
+        "kernels are written for. Use JAXFUSE_KERNELS=auto or reference "
+        "(the XLA reference: the same results, bit for bit, a little "
+        "slower on GPUs).")
   return _backend
+
+
+_warned = False
+
+
+def _warn_no_triton() -> None:
+  global _warned
+  if not _warned:
+    _warned = True
+    warnings.warn(
+        f"jaxfuse: JAX {jax.__version__} has no Pallas Triton backend; "
+        "the GPU kernels fall back to their XLA reference (the same "
+        "results, bit for bit; on gpt2-small about 2 ms a step slower).",
+        RuntimeWarning, stacklevel=3)
 
 
 def select(acc, tau, capacity: int, offset):

@@ -35,12 +35,13 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jaxfuse import _compat
 from jaxfuse.kernels import reference
 from jaxfuse.kernels import selection as sel
 from jaxfuse.kernels.compare import comparison_threshold
+
+plgpu = _compat.pallas_triton()  # None: this JAX has no Triton backend
 
 
 class PassResult(NamedTuple):

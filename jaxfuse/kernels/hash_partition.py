@@ -340,7 +340,7 @@ def _hash_kernel(idx_ref, table_in, claim_in, counter_in,
   """One program places `block` consecutive input slots."""
   del table_in, claim_in, counter_in   # aliased to the outputs
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import triton as plt  # pylint: disable=g-import-not-at-top
+  plt = _compat.pallas_triton()
 
   n, g, r1, r2 = cfg.num_partitions, cfg.tensor_size, cfg.r1, cfg.r2
   width = r1 + r2
@@ -411,7 +411,7 @@ def _hash_kernel(idx_ref, table_in, claim_in, counter_in,
 def _pallas(indices, cfg: _Config, block: int, interpret: bool,
             num_warps: int) -> HashPartition:
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  from jax.experimental.pallas import triton as plt  # pylint: disable=g-import-not-at-top
+  plt = _compat.pallas_triton()
 
   n, g, r1, r2 = cfg.num_partitions, cfg.tensor_size, cfg.r1, cfg.r2
   num = indices.shape[0]
@@ -509,8 +509,10 @@ def hash_partition(indices, num_partitions: int, tensor_size: int, *,
     raise ValueError(
         f"backend={backend!r}: pick 'auto', 'pallas' or 'reference'")
   if backend == "auto":
+    from jaxfuse import kernels  # pylint: disable=g-import-not-at-top
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    backend = "pallas" if on_gpu else "reference"
+    backend = "pallas" if on_gpu and kernels.backend() == "pallas" else (
+        "reference")
   if backend == "pallas":
     return hash_partition_pallas(indices, num_partitions, tensor_size,
                                  **kwargs)
