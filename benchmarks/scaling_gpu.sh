@@ -33,7 +33,9 @@
 #            each of DENSITIES (default 0.05) and DENSE_FRACTIONS (default
 #            0.15), 1000 steps, lr 3e-4: one JSON per run (dense about 4.5
 #            minutes on 4 GPUs, each recipe run about 4); SKIP_DENSE=1
-#            reuses the dense run of an earlier call on this machine
+#            reuses the dense run of an earlier call on this machine;
+#            RAMP="0.0625" replaces DGC's ramp densities (e.g. to leave
+#            out the 25 % that num_workers folds into the dense phase)
 #   early    socket: profile the costs on this mesh, then the planner's
 #            plans at 0.05 (size 64 MiB, aligned, auto, single, cupcake,
 #            safusion) trained under jaxfuse.send_early with
@@ -135,8 +137,8 @@ readme)
     for f in ${DENSE_FRACTIONS:-0.15}; do
       $C --density $d --dense-fraction $f \
           --recipes onebit_adamw+warm+bf16wire+early+net \
-          --extra="--strategy size --bucket-bytes 67108864" \
-          --out "$OUT/readme_rho${d}_dense${f}.json" 2>&1 | tail -n 3
+          --extra="--strategy size --bucket-bytes 67108864${RAMP:+ --warmup-densities $RAMP}" \
+          --out "$OUT/readme_rho${d}_dense${f}${RAMP:+_ramp$RAMP}.json" 2>&1 | tail -n 3
     done
   done ;;
 early)
