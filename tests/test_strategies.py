@@ -373,3 +373,23 @@ def test_auto_on_314_leaves_is_fast():
   auto = make(sizes, list(range(314))[::-1], costs, "auto")
   assert time.perf_counter() - start < 5.0
   assert math.isfinite(auto.provenance["predicted_iteration"])
+
+
+def test_default_strategy_is_aligned_and_single_on_one_worker():
+  """Nothing to overlap on one worker: the default there is one sparse
+  bucket; a strategy asked for is kept."""
+  params = [jax.ShapeDtypeStruct((4096,), "float32") for _ in range(8)]
+  def sparse_buckets(p):
+    return [b for b in p.buckets if b.collective != "psum"]
+  default = jaxfuse.plan(params, density=0.05)
+  assert default.provenance["strategy"] == "aligned"
+  assert len(sparse_buckets(default)) == 4          # num_buckets' default
+  for k in (2, 8):
+    assert jaxfuse.plan(params, density=0.05, num_workers=k).provenance[
+        "strategy"] == "aligned"
+  one = jaxfuse.plan(params, density=0.05, num_workers=1)
+  assert one.provenance["strategy"] == "single"
+  assert [len(b.leaves) for b in sparse_buckets(one)] == [8]
+  asked = jaxfuse.plan(params, density=0.05, num_workers=1,
+                       strategy="aligned")
+  assert len(sparse_buckets(asked)) == 4

@@ -84,7 +84,7 @@ def _groups(strategy, order, nbytes, num_buckets, bucket_bytes, *,
   return groups + ([current] if current else [])
 
 
-def plan(params, *, density: float = 0.01, strategy: str = "aligned",
+def plan(params, *, density: float = 0.01, strategy: str | None = None,
          estimator: str = "dgc", num_buckets: int = 4,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, headroom: float = 1.5,
          min_sparse_size: int = 1024, refresh: int = 1, feedback: bool = True,
@@ -104,7 +104,9 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
     density: share ρ of each sparse leaf to send per step, in (0, 1]; 1 means
       every leaf dense.
     strategy: one of ``STRATEGIES`` or ``COST_STRATEGIES`` (module
-      docstring).
+      docstring). Default ``"aligned"``; with ``num_workers=1``
+      ``"single"``: one worker has no communication to hide, and one
+      sparse bucket runs the fewest kernels.
     estimator: threshold estimator, one of ``plan.ESTIMATORS``.
     num_buckets: M for ``"aligned"`` (and the start of ``"safusion"``).
     bucket_bytes: dense bytes per bucket for ``"size"`` and ``"behind"``.
@@ -130,6 +132,8 @@ def plan(params, *, density: float = 0.01, strategy: str = "aligned",
       ``COST_STRATEGIES``; with any strategy it adds the simulated step time
       to ``plan.provenance["predicted_iteration"]``.
   """
+  if strategy is None:
+    strategy = "single" if num_workers == 1 else "aligned"
   if strategy not in STRATEGIES + COST_STRATEGIES:
     raise plan_lib.PlanError(f"strategy={strategy!r}; use one of "
                              f"{STRATEGIES + COST_STRATEGIES}.")
