@@ -111,6 +111,11 @@ def main(argv=None):
   p.add_argument("--residual-decays", type=float, nargs="+", default=[1.0],
                  help="jaxfuse.sgd residual_decay values to run (1: full "
                  "error feedback)")
+  p.add_argument("--nesterov", action="store_true",
+                 help="Nesterov momentum, for jaxfuse.sgd and for a second "
+                 "dense run (the first dense run stays heavy ball)")
+  p.add_argument("--no-mask", action="store_true",
+                 help="leave out the mask_momentum=True runs")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out")
   args = p.parse_args(argv)
@@ -124,31 +129,36 @@ def main(argv=None):
                             args.workers * args.batch * 4, args.seed)
   limit = 2 * (1 + args.momentum) / lipschitz
   horizons = sorted({args.steps // 4, args.steps // 2, args.steps})
-  runs = [("dense", None, False, 1.0)] + [
-      (f"jaxfuse.sgd ρ={d:g}" + (" mask" if mask else "") +
-       (f" decay {decay:g}" if decay != 1 else ""), d, mask, decay)
+  nest = " nesterov" if args.nesterov else ""
+  runs = [("dense", None, False, 1.0, False)] + (
+      [("dense nesterov", None, False, 1.0, True)] if args.nesterov else []
+  ) + [
+      (f"jaxfuse.sgd ρ={d:g}" + nest + (" mask" if mask else "") +
+       (f" decay {decay:g}" if decay != 1 else ""), d, mask, decay,
+       args.nesterov)
       for d in args.densities for decay in args.residual_decays
-      for mask in (False, True)]
+      for mask in ((False,) if args.no_mask else (False, True))]
   result = {"args": vars(args), "limit": limit, "horizons": horizons,
             "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "date": time.strftime("%Y-%m-%d"), "runs": []}
   print(f"{args.workers} workers, d={args.dim}, κ={args.condition:g}, "
         f"m={args.momentum}, limit 2(1+m)/L = {limit:.3g}; full-data loss at "
         f"steps {horizons}")
-  for name, density, mask, decay in runs:
+  for name, density, mask, decay, nesterov in runs:
     for frac in args.fractions:
       lr = frac * limit
       if density is None:
-        opt = optax.sgd(lr, args.momentum)
+        opt = optax.sgd(lr, args.momentum, nesterov=nesterov)
       else:
         plan = jaxfuse.plan({"w": jax.ShapeDtypeStruct((args.dim,), "float32")},
                             density=density, strategy="single", seed=0)
         opt = jaxfuse.sgd(plan, lr, momentum=args.momentum,
-                          mask_momentum=mask, residual_decay=decay)
+                          nesterov=nesterov, mask_momentum=mask,
+                          residual_decay=decay)
       losses = run(opt, a, b, mesh, dense=density is None, steps=args.steps,
                    batch=args.batch, horizons=set(horizons), seed=args.seed)
       result["runs"].append({"name": name, "density": density, "mask": mask,
-                             "residual_decay": decay,
+                             "residual_decay": decay, "nesterov": nesterov,
                              "fraction": frac, "lr": lr,
                              "loss": {str(h): losses.get(h) for h in horizons}})
       cells = " ".join(f"{losses[h]:9.4g}" if losses[h] != float("inf")
