@@ -17,14 +17,18 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import pathlib
 import sys
-import time
 
-import jax
-from jax import lax
-import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # pylint: disable=wrong-import-position
+from jax import lax  # pylint: disable=wrong-import-position
+import jax.numpy as jnp  # pylint: disable=wrong-import-position
+from jax.experimental import pallas as pl  # pylint: disable=wrong-import-position
+from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=wrong-import-position
+
+from benchmarks import kernels as kernels_bench  # pylint: disable=wrong-import-position
 
 
 def _kernel(body, out, grid, names, interpret):
@@ -108,18 +112,6 @@ def pass1_xla(x, r, tau, block: int, words: bool):
   return tuple(out)
 
 
-def _time(f, *args, reps=20):
-  jax.block_until_ready(f(*args))
-  best = []
-  for _ in range(3):
-    t = time.perf_counter()
-    for _ in range(reps):
-      o = f(*args)
-    jax.block_until_ready(o)
-    best.append((time.perf_counter() - t) / reps)
-  return min(best)
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--sizes", type=int, nargs="+", default=[1 << 16])
@@ -150,7 +142,7 @@ def main(argv=None):
       for name, f, args in (("mosaic", mosaic, (x, r, tau, a.block, a.words,
                                                 False)),
                             ("xla", ref, (x, r, tau, a.block, a.words))):
-        s = _time(f, *args)
+        _, s, _ = kernels_bench._time(f, args, 20)  # back-to-back mean
         row[f"{name}_ms"] = 1e3 * s
         row[f"{name}_tb_s"] = gb / s / 1e3
     rows.append(row)
