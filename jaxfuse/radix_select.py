@@ -41,12 +41,13 @@ def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int],
   there).
 
   ``method``: ``"radix"`` (one computation for all of them) or ``"sort"``
-  (``lax.top_k`` per array). Default: radix where the Pallas kernels run
-  (``jaxfuse.kernels.backend()``, GPUs), sort elsewhere: on a CPU the
-  sort is about as fast and compiles in a sixth of the time (0.05 s
-  against 0.31 s for a gpt2-small bucket's DGC samples). Both are exact,
-  so they agree bit for bit."""
-  method = method or ("radix" if kernels.backend() == "pallas" else "sort")
+  (``lax.top_k`` per array). Default: radix on GPUs and wherever the
+  Pallas kernels run (``jaxfuse.kernels.backend()``; radix itself is
+  plain JAX), sort elsewhere: on a CPU the sort is about as fast and
+  compiles in a sixth of the time (0.05 s against 0.31 s for a gpt2-small
+  bucket's DGC samples). Both are exact, so they agree bit for bit."""
+  method = method or ("radix" if kernels.backend() == "pallas" or
+                      jax.default_backend() == "gpu" else "sort")
   if method not in ("radix", "sort"):
     raise ValueError(f"method={method!r}; use 'radix' or 'sort'.")
   if len(rows) != len(ranks):

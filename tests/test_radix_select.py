@@ -53,3 +53,24 @@ def test_kth_largest_rows_rejects_bad_ranks():
     radix_select.kth_largest_rows([jnp.ones((1, 5))] * 2, [1])
   with pytest.raises(ValueError, match="use 'radix' or 'sort'"):
     radix_select.kth_largest_rows([jnp.ones((1, 5))], [1], method="heap")
+
+
+@pytest.mark.parametrize("platform,kernels_backend,method", [
+    ("cpu", "reference", "sort"), ("gpu", "pallas", "radix"),
+    ("gpu", "reference", "radix"),     # a JAX without Pallas's Triton
+])
+def test_default_method_follows_the_platform(monkeypatch, platform,
+                                             kernels_backend, method):
+  """Radix on GPUs whether or not the Pallas kernels run (it is plain JAX);
+  the sort on CPUs."""
+  used = []
+  monkeypatch.setattr(radix_select.jax, "default_backend", lambda: platform)
+  monkeypatch.setattr(radix_select.kernels, "backend",
+                      lambda: kernels_backend)
+  top_k = radix_select.lax.top_k
+  monkeypatch.setattr(radix_select.lax, "top_k",
+                      lambda *a: used.append("sort") or top_k(*a))
+  rows = jnp.asarray(np.arange(12, dtype=np.float32).reshape(2, 6))
+  got = radix_select.kth_largest_rows([rows], [2])
+  assert (used == ["sort"]) == (method == "sort")
+  assert np.asarray(got[0]).tolist() == [4.0, 10.0]

@@ -74,7 +74,8 @@ def _warn_no_triton() -> None:
     warnings.warn(
         f"jaxfuse: JAX {jax.__version__} has no Pallas Triton backend; "
         "the GPU kernels fall back to their XLA reference (the same "
-        "results, bit for bit; on gpt2-small about 2 ms a step slower).",
+        "results, bit for bit; on gpt2-small up to about 2 ms a step "
+        "slower).",
         RuntimeWarning, stacklevel=3)
 
 
