@@ -209,7 +209,7 @@ def lsq_problem(d: int = 2048, rows: int = 4096, cond: float = 1e3,
 def train_small(problem, recipe: str, density: float, lr: float, steps: int,
                 num_workers: int, batch: int | None, warm_steps: int = 0,
                 momentum: float = 0.9, seed: int = 0, log_every: int = 10,
-                residual_decay: float = 1.0):
+                residual_decay: float = 1.0, nesterov: bool = False):
   """Train a small problem with SGD(momentum): dense (pmean first, then
   optax.sgd), ``naive`` (sparse_sync, then optax.sgd), ``sgd`` (jaxfuse.sgd,
   with DGC's density ramp of ``warm_steps`` per density) or ``sgd_masked``
@@ -233,7 +233,7 @@ def train_small(problem, recipe: str, density: float, lr: float, steps: int,
     if recipe == "naive":
       return optax.chain(jaxfuse.sparse_sync(p), optax.sgd(lr, momentum))
     return jaxfuse.sgd(p, lr, momentum, mask_momentum=recipe == "sgd_masked",
-                       residual_decay=residual_decay)
+                       residual_decay=residual_decay, nesterov=nesterov)
 
   phases = (jaxfuse.density_warmup(plan, steps=warm_steps)
             if recipe.startswith("sgd") else (jaxfuse.Phase(0, None, plan),))
@@ -292,13 +292,14 @@ def run_classifier(args) -> dict:
         runs.append(train_small(problem, recipe, density, lr, args.steps,
                                 args.workers, args.batch, warm_steps=warm,
                                 seed=args.seed,
-                                residual_decay=args.residual_decay))
+                                residual_decay=args.residual_decay,
+                                nesterov=args.nesterov))
         print(f"density {density:<6g} lr {lr:<6g} {recipe:>10s} warm {warm}: "
               f"final train "
               f"loss {runs[-1]['final_train_loss']:.4f}", flush=True)
   return {"study": "classifier", "workers": args.workers, "batch": args.batch,
           "steps": args.steps, "residual_decay": args.residual_decay,
-          "runs": runs}
+          "nesterov": args.nesterov, "runs": runs}
 
 
 def run_lsq(args) -> dict:
@@ -532,6 +533,9 @@ def main(argv=None):
       q.add_argument("--residual-decay", type=float, default=1.0,
                      help="jaxfuse.sgd's residual_decay (1: full error "
                      "feedback)")
+      q.add_argument("--nesterov", action="store_true",
+                     help="jaxfuse.sgd with nesterov=True (dense stays "
+                     "heavy ball)")
     else:
       q.add_argument("--cond", type=float, default=1e3)
   rep = sub.add_parser("report")
