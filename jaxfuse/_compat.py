@@ -97,6 +97,19 @@ def pallas_triton():
   return triton
 
 
+def triton_params(kernel: str, num_warps: int):
+  """``CompilerParams(num_warps=...)`` of Pallas's Triton backend, or an
+  ImportError naming ``kernel`` and the fix where this JAX has none."""
+  triton = pallas_triton()
+  if triton is None:
+    raise ImportError(
+        f"{kernel}: JAX {jax.__version__} has no Pallas Triton backend "
+        "(jax.experimental.pallas.triton); call jaxfuse.kernels' dispatch "
+        "with JAXFUSE_KERNELS=auto or reference, which runs the XLA "
+        "reference (the same results, bit for bit).")
+  return triton.CompilerParams(num_warps=num_warps)
+
+
 def kernel_operands(*xs, interpret: bool, kernel: str, reference: str):
   """A ``pallas_call``'s operands made to vary alike (``vary_alike``), and
   ``(shape, dtype) -> ShapeDtypeStruct`` for its outputs, which vary as

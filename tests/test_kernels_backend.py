@@ -47,6 +47,26 @@ def test_forced_pallas_is_an_error_naming_the_switch(no_triton):
     kernels.backend()
 
 
+@pytest.mark.parametrize("kernel", ["select_pallas", "sparsify_pass_pallas",
+                                    "hash_partition_pallas"])
+def test_calling_a_kernel_directly_names_it_and_the_fix(no_triton, kernel):
+  from jaxfuse.kernels import fused_pass  # pylint: disable=g-import-not-at-top
+  from jaxfuse.kernels import hash_partition as hp  # pylint: disable=g-import-not-at-top
+  from jaxfuse.kernels import selection  # pylint: disable=g-import-not-at-top
+  # Shapes no other test uses, so no jit cache holds a traced kernel.
+  x = np.linspace(-1, 1, 233, dtype=np.float32)
+  call = {
+      "select_pallas": lambda: selection.select_pallas(
+          x, 0.5, 7, 0, interpret=True),
+      "sparsify_pass_pallas": lambda: fused_pass.sparsify_pass_pallas(
+          x, np.zeros_like(x), 0.5, 7, 0, interpret=True),
+      "hash_partition_pallas": lambda: hp.hash_partition_pallas(
+          np.arange(11, dtype=np.int32) * 5, 3, 97, interpret=True),
+  }[kernel]
+  with pytest.raises(ImportError, match=f"{kernel}: JAX .* no Pallas Triton"):
+    call()
+
+
 def test_with_triton_the_switch_is_unchanged(monkeypatch):
   if _compat.pallas_triton() is None:
     pytest.skip("this JAX has no Pallas Triton backend")

@@ -172,7 +172,8 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
   scan_chunk = min(sel.MAX_SCAN_CHUNK, pl.next_power_of_2(num_blocks))
   padded_blocks = pl.cdiv(num_blocks, scan_chunk) * scan_chunk
   fill_per_program = pl.next_power_of_2(pl.cdiv(capacity, num_blocks))
-  params = plgpu.CompilerParams(num_warps=num_warps or sel.DEFAULT_NUM_WARPS)
+  params = _compat.triton_params("sparsify_pass_pallas",
+                                 num_warps or sel.DEFAULT_NUM_WARPS)
   offset = jnp.asarray(offset, jnp.int32)
   if n < block:                      # one short block: padded with zeros
     x, r = (jnp.pad(a, (0, block - n)) for a in (x, r))

@@ -411,7 +411,6 @@ def _hash_kernel(idx_ref, table_in, claim_in, counter_in,
 def _pallas(indices, cfg: _Config, block: int, interpret: bool,
             num_warps: int) -> HashPartition:
   from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
-  plt = _compat.pallas_triton()
 
   n, g, r1, r2 = cfg.num_partitions, cfg.tensor_size, cfg.r1, cfg.r2
   num = indices.shape[0]
@@ -435,9 +434,8 @@ def _pallas(indices, cfg: _Config, block: int, interpret: bool,
       kernel="hash_partition_pallas", reference="hash_partition_reference")
   kernel = functools.partial(_hash_kernel, cfg=cfg, block=block, n_pad=n_pad,
                              use_masks=not interpret)
-  params = {}
-  if not interpret:
-    params["compiler_params"] = plt.CompilerParams(num_warps=num_warps)
+  compiler_params = _compat.triton_params("hash_partition_pallas", num_warps)
+  params = {} if interpret else {"compiler_params": compiler_params}
   table, _, counter, stored = pl.pallas_call(
       kernel,
       grid=(num_blocks,),

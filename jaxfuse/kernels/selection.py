@@ -428,7 +428,8 @@ def _run(acc, taus, capacity, offset, *, band, block, tile, stage, num_warps,
   padded_blocks = pl.cdiv(num_blocks, scan_chunk) * scan_chunk
   # Sentinel slots per program: a power of two, so a multiple of the fill tile.
   fill_per_program = pl.next_power_of_2(pl.cdiv(capacity, num_blocks))
-  params = plgpu.CompilerParams(num_warps=num_warps or DEFAULT_NUM_WARPS)
+  params = _compat.triton_params("select_pallas",
+                                 num_warps or DEFAULT_NUM_WARPS)
 
   offset = jnp.asarray(offset, jnp.int32)
   # The kernels read acc whole (tiles by pl.ds); a single short block is
