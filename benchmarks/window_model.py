@@ -1,0 +1,144 @@
+"""A ``send_early`` timeline model, against measured steps.
+
+``jaxfuse.planning.simulate`` calibrates how much communication hides with
+one number, η. Under ``jaxfuse.send_early(step, window=w)`` the mechanism
+is known instead: the link runs the buckets in plan order as soon as each
+is compressed (ideal WFBP), and at the fence of the first bucket of each
+point p of the backward the compute stream waits until every collective
+of the points ≤ p − w has ended. With t the compute stream's clock::
+
+  t += backward up to bucket i's last leaf (+ its compression)
+  comm_i = [max(t, end_{i−1}), that + d_i)
+  if i opens point p:  t = max(t, max{end_j : point_j ≤ p − w})
+  step = max(t + the rest of the backward, end_last)
+
+Points come from ``send_early``'s rule (``overlap.fence_points``) with
+backward time standing in for matrix-product work. This prints, per plan
+of a ``benchmarks/planner.py measure`` result, the measured step, the η
+model at the η that result used, and this model::
+
+  python benchmarks/window_model.py \\
+      --costs benchmarks/results/planner_early_4xH200_socket_2026-11-28/costs_early.json \\
+      --measure benchmarks/results/planner_early_4xH200_socket_2026-11-28/measure_early.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+import jax  # pylint: disable=wrong-import-position
+
+jax.config.update("jax_platforms", "cpu")
+
+import jaxfuse  # pylint: disable=wrong-import-position
+from jaxfuse import collectives  # pylint: disable=wrong-import-position
+from jaxfuse import schedule as schedule_lib  # pylint: disable=wrong-import-position
+from jaxfuse.planning import costs as costs_lib  # pylint: disable=wrong-import-position
+from jaxfuse.planning import ordering  # pylint: disable=wrong-import-position
+from jaxfuse.planning import simulate  # pylint: disable=wrong-import-position
+import lm_model  # pylint: disable=wrong-import-position
+
+MERGE = 0.25   # as jaxfuse.overlap.MERGE
+
+
+def points(done: list[float], merge: float = MERGE) -> list[int]:
+  """``overlap.fence_points``' rule on the backward done at each fence."""
+  gaps = sorted((b - a for a, b in zip([0.0, *done], done)), reverse=True)
+  half, typical = sum(gaps) / 2, 0.0
+  for g in gaps:
+    typical, half = g, half - g
+    if half <= 0:
+      break
+  out, point, opened = [], 0, None
+  for w in done:
+    if opened is None or (w - opened >= merge * typical and w > opened):
+      point, opened = point + 1, w
+    out.append(point)
+  return out
+
+
+def window_step(plan, costs, window: int = 1) -> float:
+  """The step time under ``send_early(step, window)`` (module doc)."""
+  sched = schedule_lib.compile_plan(plan)
+  compress = simulate.compression_times(plan, costs, sched=sched)
+  order = simulate.backward_order(plan)
+  position = {leaf: p for p, leaf in enumerate(order)}
+  durations = [costs.steps_time(s, costs.workers)
+               for s in collectives.bucket_steps(plan, costs.workers,
+                                                 sched=sched)]
+  done = [0.0]
+  for leaf in order:
+    done.append(done[-1] + costs.backward[leaf])
+  last = [max(position[j] for j in b.leaves) for b in sched.buckets]
+  ready_order = sorted(range(len(last)), key=lambda i: (last[i], i))
+  point = dict(zip(ready_order, points([done[last[i] + 1]
+                                        for i in ready_order])))
+  t, made, free, end, opened = costs.forward, 0, costs.forward, {}, set()
+  for i in ready_order:
+    t += done[last[i] + 1] - done[made]
+    made = last[i] + 1
+    if sched.buckets[i].kind != schedule_lib.PSUM:
+      t += compress[i]
+    end[i] = free = max(t, free) + durations[i]
+    if point[i] not in opened:
+      opened.add(point[i])
+      held = [end[j] for j in end if point[j] <= point[i] - window]
+      t = max([t, *held])
+  return max(t + done[-1] - done[made], free)
+
+
+STRATEGIES = {"size": "size", "aligned": "aligned", "auto": "auto",
+              "single": "single", "cupcake": "cupcake",
+              "safusion": "safusion"}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--costs", required=True)
+  p.add_argument("--measure", required=True,
+                 help="a benchmarks/planner.py measure JSON")
+  p.add_argument("--model", default="gpt2_small")
+  p.add_argument("--window", type=int, default=1)
+  p.add_argument("--out")
+  a = p.parse_args(argv)
+  measured = json.loads(pathlib.Path(a.measure).read_text())
+  loss_fn, params, tokens = getattr(lm_model, a.model)()
+  order = ordering.ready_order(loss_fn, params, tokens)
+  rows = []
+  print(f"{'plan':22s} {'measured':>9s} {'η model':>16s} {'window model':>16s}")
+  for row in measured["rows"]:
+    name = row["plan"]
+    strategy = STRATEGIES.get(name.split()[0])
+    if strategy is None or not row.get("measured_s"):
+      continue
+    density = float(name.split("@")[1]) if "@" in name else (
+        measured["meta"]["args"]["densities"][0])
+    costs = costs_lib.Costs.load(a.costs).replace(
+        overlap=row["predicted_eta"])
+    options = dict(bucket_bytes=int(name.split()[1]) * 2**20) if (
+        strategy == "size") else {}
+    plan = jaxfuse.plan(params, density=density, strategy=strategy,
+                        costs=costs, ready_order=order, **options)
+    eta = simulate.simulate(plan, costs).iteration
+    win = window_step(plan, costs, a.window)
+    got = row["measured_s"]
+    rows.append(dict(plan=name, measured_s=got, eta_model_s=eta,
+                     window_model_s=win, eta=row["predicted_eta"]))
+    print(f"{name:22s} {1e3 * got:7.1f}ms {1e3 * eta:7.1f}ms "
+          f"({eta / got - 1:+6.1%}) {1e3 * win:7.1f}ms ({win / got - 1:+6.1%})",
+          flush=True)
+  if a.out:
+    pathlib.Path(a.out).write_text(json.dumps(dict(
+        costs=a.costs, measure=a.measure, window=a.window, rows=rows),
+                                              indent=1))
+
+
+if __name__ == "__main__":
+  main()
