@@ -12,7 +12,7 @@ of the points ≤ p − w has ended. With t the compute stream's clock::
   if i opens point p:  t = max(t, max{end_j : point_j ≤ p − w})
   step = max(t + the rest of the backward, end_last)
 
-Points come from ``send_early``'s rule (``overlap.fence_points``) with
+Points come from ``send_early``'s rule (``overlap.points_of_work``) with
 backward time standing in for matrix-product work. This prints, per plan
 of a ``benchmarks/planner.py measure`` result, the measured step, the η
 model at the η that result used, and this model::
@@ -39,29 +39,12 @@ jax.config.update("jax_platforms", "cpu")
 
 import jaxfuse  # pylint: disable=wrong-import-position
 from jaxfuse import collectives  # pylint: disable=wrong-import-position
+from jaxfuse import overlap  # pylint: disable=wrong-import-position
 from jaxfuse import schedule as schedule_lib  # pylint: disable=wrong-import-position
 from jaxfuse.planning import costs as costs_lib  # pylint: disable=wrong-import-position
 from jaxfuse.planning import ordering  # pylint: disable=wrong-import-position
 from jaxfuse.planning import simulate  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
-
-MERGE = 0.25   # as jaxfuse.overlap.MERGE
-
-
-def points(done: list[float], merge: float = MERGE) -> list[int]:
-  """``overlap.fence_points``' rule on the backward done at each fence."""
-  gaps = sorted((b - a for a, b in zip([0.0, *done], done)), reverse=True)
-  half, typical = sum(gaps) / 2, 0.0
-  for g in gaps:
-    typical, half = g, half - g
-    if half <= 0:
-      break
-  out, point, opened = [], 0, None
-  for w in done:
-    if opened is None or (w - opened >= merge * typical and w > opened):
-      point, opened = point + 1, w
-    out.append(point)
-  return out
 
 
 def window_step(plan, costs, window: int = 1) -> float:
@@ -78,8 +61,8 @@ def window_step(plan, costs, window: int = 1) -> float:
     done.append(done[-1] + costs.backward[leaf])
   last = [max(position[j] for j in b.leaves) for b in sched.buckets]
   ready_order = sorted(range(len(last)), key=lambda i: (last[i], i))
-  point = dict(zip(ready_order, points([done[last[i] + 1]
-                                        for i in ready_order])))
+  point = dict(zip(ready_order, overlap.points_of_work(
+      [done[last[i] + 1] for i in ready_order])))
   t, made, free, end, opened = costs.forward, 0, costs.forward, {}, set()
   for i in ready_order:
     t += done[last[i] + 1] - done[made]
@@ -94,11 +77,6 @@ def window_step(plan, costs, window: int = 1) -> float:
   return max(t + done[-1] - done[made], free)
 
 
-STRATEGIES = {"size": "size", "aligned": "aligned", "auto": "auto",
-              "single": "single", "cupcake": "cupcake",
-              "safusion": "safusion"}
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--costs", required=True)
@@ -109,19 +87,20 @@ def main(argv=None):
   p.add_argument("--out")
   a = p.parse_args(argv)
   measured = json.loads(pathlib.Path(a.measure).read_text())
+  profiled = costs_lib.Costs.load(a.costs)
   loss_fn, params, tokens = getattr(lm_model, a.model)()
   order = ordering.ready_order(loss_fn, params, tokens)
   rows = []
   print(f"{'plan':22s} {'measured':>9s} {'η model':>16s} {'window model':>16s}")
   for row in measured["rows"]:
     name = row["plan"]
-    strategy = STRATEGIES.get(name.split()[0])
-    if strategy is None or not row.get("measured_s"):
+    strategy = name.split()[0]
+    if (strategy not in jaxfuse.STRATEGIES + jaxfuse.COST_STRATEGIES
+        or not row.get("measured_s")):
       continue
     density = float(name.split("@")[1]) if "@" in name else (
         measured["meta"]["args"]["densities"][0])
-    costs = costs_lib.Costs.load(a.costs).replace(
-        overlap=row["predicted_eta"])
+    costs = profiled.replace(overlap=row["predicted_eta"])
     options = dict(bucket_bytes=int(name.split()[1]) * 2**20) if (
         strategy == "size") else {}
     plan = jaxfuse.plan(params, density=density, strategy=strategy,

@@ -231,7 +231,12 @@ def fence_points(eqns, order, fences, merge: float = MERGE) -> list[int]:
   if not any(heavy):
     heavy = [float(b) for b in backward]
   done = [0.0, *itertools.accumulate(heavy)]
-  at = [done[stop] for stop in fences]
+  return points_of_work([done[stop] for stop in fences], merge)
+
+
+def points_of_work(at, merge: float = MERGE) -> list[int]:
+  """``fence_points``' rule on W_k = ``at[k]``, the work done before each
+  fence (non-decreasing)."""
   gaps = sorted((b - a for a, b in zip([0.0, *at], at)), reverse=True)
   half, typical = sum(gaps) / 2, 0.0
   for g in gaps:             # the work-weighted median
