@@ -60,7 +60,6 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import fusion
-from jaxfuse import kernels
 from jaxfuse import plans as plan_lib
 from jaxfuse.collectives import base
 from jaxfuse.kernels import hash_partition as hp
@@ -264,13 +263,11 @@ def _compact_rows(table, size: int, push: int):
 
 
 def _hash(indices, lay: Layout, num_workers: int, seed: int):
-  """Alg. 1: the Pallas kernel on GPU (inside shard_map too: its outputs
-  vary as the indices do), else the jnp reference (the same rows as sets,
-  the same ``stored``)."""
-  pallas = kernels.backend() == "pallas" and jax.default_backend() == "gpu"
+  """Alg. 1: the Pallas kernel on GPU where ``jaxfuse.kernels`` runs Pallas
+  (inside shard_map too: its outputs vary as the indices do), else the jnp
+  reference (the same rows as sets, the same ``stored``)."""
   return hp.hash_partition(indices, num_workers, lay.size, r1=lay.r1,
-                           r2=lay.r2, seed=seed,
-                           backend="pallas" if pallas else "reference")
+                           r2=lay.r2, seed=seed, backend="auto")
 
 
 # --- the scheme -------------------------------------------------------------------
