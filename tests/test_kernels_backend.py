@@ -6,6 +6,7 @@ importable and its results unchanged, on the XLA reference."""
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -30,13 +31,13 @@ def test_auto_on_gpu_falls_back_with_one_warning(no_triton, monkeypatch):
   kernels.set_backend("auto")
   with pytest.warns(RuntimeWarning, match="no Pallas Triton backend"):
     assert kernels.backend() == "reference"
-  with warnings_as_errors():
+  with warnings.catch_warnings(action="error"):
     assert kernels.backend() == "reference"   # warned once only
 
 
 def test_auto_off_gpu_is_silent(no_triton):
   kernels.set_backend("auto")
-  with warnings_as_errors():
+  with warnings.catch_warnings(action="error"):
     assert kernels.backend() == "reference"
 
 
@@ -131,17 +132,3 @@ def test_imports_and_trains_where_the_module_is_gone(tmp_path):
   kept[hits[:64]] = 0
   assert np.frombuffer(bytes.fromhex(residual), np.float32).tolist() == (
       kept.tolist())
-
-
-class warnings_as_errors:  # pylint: disable=invalid-name
-  """Any warning inside is an error."""
-
-  def __enter__(self):
-    import warnings  # pylint: disable=g-import-not-at-top
-    self._ctx = warnings.catch_warnings()
-    self._ctx.__enter__()
-    warnings.simplefilter("error")
-
-  def __exit__(self, *exc):
-    return self._ctx.__exit__(*exc)
-
