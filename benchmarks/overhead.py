@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding  # pylint: disable=wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
 
 import jaxfuse  # pylint: disable=wrong-import-position
+from jaxfuse import bucket_sync  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
 from train_lm import make_train_step  # pylint: disable=wrong-import-position
 
@@ -74,6 +75,7 @@ def gpu_kernels(trace_dir: str, steps: int, timeline: str | None = None
   if not files:
     return {}
   by_name = collections.Counter()
+  launches = collections.Counter()
   events = []
   for plane in ProfileData.from_file(files[0]).planes:
     if not plane.name.startswith("/device:GPU:0"):
@@ -83,6 +85,7 @@ def gpu_kernels(trace_dir: str, steps: int, timeline: str | None = None
         continue
       for event in line.events:
         by_name[event.name] += event.duration_ns
+        launches[event.name] += 1
         events.append((event.start_ns, event.duration_ns, event.name))
   events.sort()
   if timeline:
@@ -101,7 +104,8 @@ def gpu_kernels(trace_dir: str, steps: int, timeline: str | None = None
           "idle_ms_per_step": idle / steps / 1e6,
           "idle_after_us": {k: v / steps / 1e3
                             for k, v in gaps.most_common(15)},
-          "by_name_us": {k: v / steps / 1e3 for k, v in by_name.items()}}
+          "by_name_us": {k: v / steps / 1e3 for k, v in by_name.items()},
+          "by_name_launches": {k: v / steps for k, v in launches.items()}}
 
 
 def run(sync, estimator, args, model_parts, mesh, options) -> dict:
@@ -130,6 +134,7 @@ def run(sync, estimator, args, model_parts, mesh, options) -> dict:
   compiled = lowered.compile()
   compile_s = time.perf_counter() - t0
   if args.hlo_dir:
+    pathlib.Path(args.hlo_dir).mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.hlo_dir, f"{sync}_{estimator}.hlo.txt").write_text(
         compiled.as_text())
   cost = compiled.cost_analysis()
@@ -193,11 +198,18 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--xla-defaults", action="store_true",
                  help="compile without jaxfuse.xla_options()")
   p.add_argument("--top", type=int, default=0)
-  p.add_argument("--hlo-dir", help="also write each step's compiled HLO here")
+  p.add_argument("--stack", default="concatenate",
+                 choices=bucket_sync.STACK_METHODS,
+                 help="how a state group's streams are stacked "
+                 "(jaxfuse.bucket_sync.stack_method)")
+  p.add_argument("--hlo-dir", help="also write each step's compiled HLO "
+                 "here (benchmarks/kernel_sources.py attributes its "
+                 "kernels to source lines)")
   p.add_argument("--timeline", help="path prefix for the profiled kernels")
   p.add_argument("--out", help="JSON file to write")
   args = p.parse_args(argv)
   jaxfuse.kernels.set_backend(args.kernels)
+  bucket_sync.stack_method = args.stack
   mesh = jaxfuse.make_mesh(args.devices, AXIS)
   preset = lm_model.PRESETS[args.preset]
   model = lm_model.build_model(args.preset)

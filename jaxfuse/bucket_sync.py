@@ -67,6 +67,31 @@ def sync_bucket(plan, sched, b, flat, residuals, velocity, ctrl, step,
   return BucketOut(_place(plan, b, dense, flat), res, vel, control, stats)
 
 
+# How a state group's streams become its (G, n) rows (set before tracing):
+# "concatenate", one concatenate whose kernel (on GPUs) reads every row's
+# producer per element, or "in_place", each row's producer writing its row
+# of a zeroed buffer (a dynamic_update_slice each). The same values.
+STACK_METHODS = ("concatenate", "in_place")
+stack_method = "concatenate"
+
+
+def stack_rows(rows):
+  """jnp.stack(rows) for flat rows of one shape and dtype, by
+  ``stack_method``."""
+  if stack_method not in STACK_METHODS:
+    raise ValueError(f"bucket_sync.stack_method={stack_method!r}; use one "
+                     f"of {STACK_METHODS}.")
+  if stack_method == "concatenate" or len(rows) == 1:
+    return jnp.stack(rows)
+  out = jnp.zeros((len(rows),) + rows[0].shape, rows[0].dtype)
+  axes = set().union(*[_compat.varying_axes(r) for r in rows])
+  if axes:                      # inside shard_map: the rows' type
+    out = _compat.to_varying(out, tuple(sorted(axes)))
+  for i, row in enumerate(rows):
+    out = lax.dynamic_update_slice(out, row[None], (i,) + (0,) * row.ndim)
+  return out
+
+
 class _Streams(NamedTuple):
   """Per state group of a bucket: what its rows accumulate this step, the
   new velocity (None without momentum) and the (decayed) residual."""
@@ -78,8 +103,8 @@ class _Streams(NamedTuple):
 def _bucket_streams(sched, b, flat, residuals, velocity, rule) -> _Streams:
   grads, moved, decayed = {}, {}, {}
   for g in b.groups:
-    x = jnp.stack([_unit_stream(sched.units[u], flat, sched.group_dtypes[g])
-                   for u in sched.groups[g]])
+    x = stack_rows([_unit_stream(sched.units[u], flat, sched.group_dtypes[g])
+                    for u in sched.groups[g]])
     grads[g], moved[g] = _accumulate(
         x, velocity[g] if rule.momentum else None, rule.momentum,
         rule.nesterov)
