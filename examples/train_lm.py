@@ -66,7 +66,6 @@ if __name__ == "__main__":
   _cpu_devices_env(sys.argv[1:])
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import argparse
 import dataclasses
 import functools
 import json
@@ -88,6 +87,8 @@ from lm_model import make_loss
 from lm_model import PRESETS
 from lm_model import sample_starts
 from lm_model import windows
+from train_lm_args import parse_args
+from train_lm_args import parse_xla_options
 
 AXIS = "data"
 
@@ -157,35 +158,6 @@ def scalar(x) -> float:
   return float(np.asarray(x.addressable_data(0)))
 
 
-def parse_xla_options(items) -> dict:
-  """["name=value", ...] -> XLA compile options (ints, floats, true/false),
-  checked by compiling a trivial function with them."""
-  options = {}
-  for item in items or ():
-    name, sep, value = item.partition("=")
-    if not sep or not name:
-      raise SystemExit(f"--xla-option {item!r}: use NAME=VALUE, e.g. "
-                       "xla_gpu_all_reduce_combine_threshold_bytes=0")
-    low = value.lower()
-    if low in ("true", "false"):
-      options[name] = low == "true"
-    else:
-      try:
-        options[name] = int(value)
-      except ValueError:
-        try:
-          options[name] = float(value)
-        except ValueError:
-          options[name] = value
-  if options:
-    try:
-      jax.jit(lambda: 0, compiler_options=options).lower().compile()
-    except Exception as e:  # pylint: disable=broad-except
-      raise SystemExit(f"--xla-option: XLA rejects {options}: "
-                       f"{str(e).splitlines()[0]}") from None
-  return options
-
-
 def make_optimizer(args, schedule, decay_mask, plan):
   """The update rule of ``--optimizer``; ``plan`` None: its dense twin
   (the gradients are ``pmean``ed first: AdamW, or SGD with momentum)."""
@@ -213,188 +185,6 @@ def make_eval_step(loss_fn, mesh):
     return jax.lax.pmean(loss_fn(params, batch), AXIS)
   return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)),
                                out_specs=P()))
-
-
-def _densities(text):
-  try:
-    return [float(x) for x in text.split(",") if x.strip()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        f"{text!r}: give densities like 0.25,0.0625") from None
-
-
-def _counts(text):
-  """"50" -> 50 (steps at every warm-up density); "50,50,150" -> one
-  count per --warmup-densities entry."""
-  try:
-    counts = [int(x) for x in text.split(",") if x.strip()]
-  except ValueError:
-    counts = []
-  if not counts or min(counts) < 0:
-    raise argparse.ArgumentTypeError(
-        f"{text!r}: give a step count like 50, or one per warm-up density "
-        "like 50,50,150")
-  return counts[0] if len(counts) == 1 and "," not in text else counts
-
-
-def parse_args(argv):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--sync", choices=("dense", "jaxfuse", "behind"),
-                 default="jaxfuse")
-  p.add_argument("--density", type=float, default=0.05,
-                 help="fraction of each gradient sent (after the warm-up); "
-                 "0.05 with onebit_adamw reached dense's validation loss on "
-                 "gpt2-small, 0.01 was 3-13 %% behind (docs/convergence.md)")
-  p.add_argument("--optimizer", choices=sorted(jaxfuse.RECIPES),
-                 default="onebit_adamw",
-                 help="the update rule (jaxfuse.RECIPES; docs/convergence.md)"
-                 "; with --sync dense its dense twin (AdamW, or SGD with "
-                 "momentum for sgd)")
-  p.add_argument("--momentum", type=float,
-                 help="momentum of sgd (default 0.9) and demo (0.999)")
-  p.add_argument("--warmup-steps", type=_counts,
-                 help="steps at each warm-up density (DGC's ramp 25%%, "
-                 "6.25%%, 1.56%%, 0.4%% above --density); default 5%% of "
-                 "the steps for onebit_adamw, else 0; or one count per "
-                 "--warmup-densities entry, e.g. 50,50,150. A density whose "
-                 "all-gather moves at least the dense step's bytes on this "
-                 "mesh runs dense (on --dense-wire) instead")
-  p.add_argument("--warmup-densities", type=_densities,
-                 help="comma-separated warm-up densities instead of DGC's")
-  p.add_argument("--dense-wire", default="gradient",
-                 choices=["gradient", "bfloat16"],
-                 help="the dense warm-up's wire dtype: bfloat16 halves its "
-                 "bytes, each worker's rounding kept in its residual")
-  p.add_argument("--dense-settle", type=float,
-                 help="end onebit_adamw's dense warm-up early, once its "
-                 "second moment moves less than this (relative L1, e.g. "
-                 "0.05) over --dense-settle-every steps "
-                 "(jaxfuse.second_moment_change); --dense-warmup is then "
-                 "the longest it may last")
-  p.add_argument("--dense-settle-every", type=int, default=25,
-                 help="steps between --dense-settle's checks")
-  p.add_argument("--dense-warmup", type=int,
-                 help="dense steps first (onebit_adamw needs them; default "
-                 "25%% of the steps for it, else 0)")
-  p.add_argument("--delay", action="store_true",
-                 help="apply the recipe to the previous step's gradients "
-                 "(jaxfuse.delayed): its communication can then overlap the "
-                 "whole step; pair with XLA_FLAGS from jaxfuse.xla_flags")
-  p.add_argument("--send-early", action="store_true",
-                 help="compute each bucket's wire as soon as the backward "
-                 "has made it and send it while the backward goes on "
-                 "(jaxfuse.send_early; the same results); on GPUs pair "
-                 "with --network-gbytes-s")
-  p.add_argument("--network-gbytes-s", type=float,
-                 help="GB/s between workers (about 3 for NCCL over 25-30 "
-                 "Gbit/s Ethernet): appends jaxfuse.xla_flags(...) to "
-                 "XLA_FLAGS, so XLA's GPU scheduler knows what a "
-                 "collective costs")
-  p.add_argument("--flush-every", type=int, default=0,
-                 help="every N-th step sends everything (a density-1 step: "
-                 "one dense all-reduce pays every residual back)")
-  p.add_argument("--eval-every", type=int, default=0,
-                 help="validation loss every N steps too (0: at the end)")
-  p.add_argument("--strategy", default="aligned",
-                 choices=[s for s in jaxfuse.STRATEGIES + jaxfuse.COST_STRATEGIES
-                          if s != "behind"],
-                 help="plan strategy for --sync jaxfuse (the cost-model ones "
-                 "need --costs)")
-  p.add_argument("--costs", help="costs JSON from `jaxfuse profile`")
-  p.add_argument("--collective", default="allgather",
-                 choices=["allgather", "zen", "spardl"],
-                 help="the sparse buckets' scheme (jaxfuse.collectives)")
-  p.add_argument("--spardl-block", type=float, default=2.0,
-                 help="spardl: slots per block over the balanced share C/K")
-  p.add_argument("--num-buckets", type=int, default=4,
-                 help="buckets for --strategy aligned/safusion")
-  p.add_argument("--bucket-bytes", type=int,
-                 help="dense bytes per bucket for --strategy size")
-  p.add_argument("--plan", help="a plan JSON (`jaxfuse plan`) to use instead "
-                 "of making one; implies --sync jaxfuse")
-  p.add_argument("--estimator", default="dgc", choices=jaxfuse.plans.ESTIMATORS)
-  p.add_argument("--kernels", default="auto", choices=jaxfuse.kernels.BACKENDS,
-                 help="selection kernels: Pallas on GPU (auto), or force one")
-  p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-  p.add_argument("--steps", type=int, help="default: the preset's")
-  p.add_argument("--batch-size", type=int,
-                 help="global batch; default: the preset's")
-  p.add_argument("--seq-len", type=int, help="default: the preset's")
-  p.add_argument("--lr", type=float, help="peak learning rate")
-  p.add_argument("--weight-decay", type=float, default=0.01)
-  p.add_argument("--clip", type=float, default=1.0,
-                 help="global-norm clip (0: off): of the mean gradient for "
-                 "--sync dense, of each worker's for the recipes, at "
-                 "clip x sqrt(workers) (jaxfuse.local_clip_by_global_norm)")
-  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                 help="compute dtype (parameters stay float32)")
-  p.add_argument("--grad-dtype", choices=("float32", "bfloat16"),
-                 default="float32",
-                 help="gradient dtype: bfloat16 differentiates a bfloat16 "
-                 "copy of the float32 parameters, so the sync (dense or "
-                 "sparse) moves bfloat16")
-  p.add_argument("--residual-dtype", choices=jaxfuse.plans.RESIDUAL_DTYPES,
-                 default="float32",
-                 help="jaxfuse residuals of bfloat16 gradients: float32, or "
-                 "the gradient's dtype (Settings.residual_dtype)")
-  p.add_argument("--devices", type=int, help="default: all")
-  p.add_argument("--cpu-devices", type=int, default=8,
-                 help="simulated CPU devices; read before jax is imported, "
-                 "so only when run as a script")
-  p.add_argument("--log-every", type=int, default=25)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--eval-batches", type=int, default=8)
-  p.add_argument("--corpus-mb", type=float, default=8.0)
-  p.add_argument("--xla-option", action="append", metavar="NAME=VALUE",
-                 help="XLA compile option for the train step (repeatable), "
-                 "e.g. xla_gpu_all_reduce_combine_threshold_bytes=0 "
-                 "(docs/benchmarks.md: the overlap study); added to "
-                 "jaxfuse.xla_options()")
-  p.add_argument("--xla-defaults", action="store_true",
-                 help="compile the train step without jaxfuse.xla_options() "
-                 "(on GPU: keep XLA's command buffers)")
-  p.add_argument("--checkpoint-dir",
-                 help="save the train state here (jaxfuse.checkpoint, orbax)")
-  p.add_argument("--checkpoint-every", type=int, default=0,
-                 help="save every N steps (0: at the end only)")
-  p.add_argument("--resume", action="store_true",
-                 help="continue from the latest checkpoint in "
-                 "--checkpoint-dir (same flags as the run that saved it)")
-  p.add_argument("--json-out", help="results JSON (written by process 0)")
-  p.add_argument("--coordinator", metavar="HOST:PORT",
-                 help="jax.distributed: process 0's address (with "
-                 "--num-processes and --process-id; SLURM and Open MPI need "
-                 "none of the three)")
-  p.add_argument("--num-processes", type=int)
-  p.add_argument("--process-id", type=int)
-  args = p.parse_args(argv)
-  if args.optimizer == "onebit_adamw" and args.sync != "dense" and (
-      args.dense_warmup == 0):
-    p.error("--optimizer onebit_adamw freezes Adam's second moment after a "
-            "dense warm-up: give --dense-warmup N (1-bit Adam: 15-25%% of "
-            "the steps)")
-  if args.delay and args.sync == "dense":
-    p.error("--delay delays a jaxfuse recipe; --sync dense has none")
-  if args.dense_settle is not None:
-    if not (args.optimizer == "onebit_adamw" and args.sync != "dense"):
-      p.error("--dense-settle ends onebit_adamw's dense warm-up; give "
-              "--optimizer onebit_adamw (and a jaxfuse --sync)")
-    if not args.dense_settle > 0 or args.dense_settle_every < 1:
-      p.error("--dense-settle needs a tolerance > 0 and "
-              "--dense-settle-every >= 1")
-    if args.checkpoint_dir:
-      p.error("--dense-settle with --checkpoint-dir: a resumed run could "
-              "not know where the dense phase ended; give a fixed "
-              "--dense-warmup instead")
-  if isinstance(args.warmup_steps, list) and (
-      args.warmup_densities is None or
-      len(args.warmup_densities) != len(args.warmup_steps)):
-    p.error(f"--warmup-steps {','.join(map(str, args.warmup_steps))}: one "
-            "count per --warmup-densities entry; give as many densities")
-  if args.network_gbytes_s is not None and not args.network_gbytes_s > 0:
-    p.error(f"--network-gbytes-s {args.network_gbytes_s:g}: give the "
-            "network's bandwidth in GB/s, a number > 0")
-  return args
 
 
 def main(argv=None) -> dict:
