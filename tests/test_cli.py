@@ -70,7 +70,7 @@ def test_profile_plan_show_end_to_end(workdir):
   # profile: a tiny sweep, with the model
   # sizes far apart, so that β > 0 stands out of a loaded machine's noise:
   # compressing 1M elements takes ~20 ms on a CPU, 1K ~0.1 ms (64K, ~1 ms,
-  # was within a loaded CI machine's jitter)
+  # is within a loaded CI machine's jitter)
   r = run(workdir, "profile", "--model", "tinymodel:make", "--sizes", "4K",
           "4M", "--compress-sizes", "1K", "1M", "--repeats", "3",
           "--chain", "2", "-o", "costs.json")
