@@ -1,12 +1,15 @@
 """Fusion: a bucket's selection units into one statically shaped wire buffer.
 
 A sparse bucket (its units: ``plans.units``) becomes ONE uint32 buffer per
-worker::
+worker, its units' slots group by group (units of one size, capacity and
+dtype)::
 
-  words = [ bits(v_1) ‖ bits(idx_1) ‖ bits(v_2) ‖ bits(idx_2) ‖ … ]
+  words = [ bits(V_1) ‖ bits(I_1) ‖ bits(V_2) ‖ bits(I_2) ‖ … ]
 
-(values keep their dtype's bits, 16-bit values two to a word), so a single
-``all_gather`` moves it. A dense bucket becomes one flat array per dtype, all
+with V_g, I_g the (G, c) values and indices of group g's units (values keep
+their dtype's bits, 16-bit values two to a word, each row whole words), so
+a single ``all_gather`` moves it and each group unpacks with one bitcast
+(``pack_groups``; ``pack_sparse`` packs unit by unit). A dense bucket becomes one flat array per dtype, all
 reduced by a single multi-operand ``psum``.
 """
 
@@ -29,15 +32,17 @@ _UINT = {1: jnp.uint8, 2: jnp.uint16}
 # --- words: any dtype <-> uint32 ---------------------------------------------
 
 def to_words(x: jax.Array) -> jax.Array:
-  """Bits of a flat array as uint32 words (zero padded to whole words)."""
+  """Bits of an array's last axis as uint32 words, (..., n) -> (..., W)
+  (each row zero padded to whole words)."""
   itemsize = np.dtype(x.dtype).itemsize
+  lead = x.shape[:-1]
   if itemsize >= 4:
-    return lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    return lax.bitcast_convert_type(x, jnp.uint32).reshape(*lead, -1)
   per_word = 4 // itemsize
   # Move bits as unsigned ints: float ops (pad) could canonicalize NaNs.
   x = lax.bitcast_convert_type(x, _UINT[itemsize])
-  x = jnp.pad(x, (0, -x.size % per_word)).reshape(-1, per_word)
-  return lax.bitcast_convert_type(x, jnp.uint32)
+  x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, -x.shape[-1] % per_word)])
+  return lax.bitcast_convert_type(x.reshape(*lead, -1, per_word), jnp.uint32)
 
 
 def from_words(words: jax.Array, dtype, count: int) -> jax.Array:
@@ -58,6 +63,47 @@ def unit_words(unit: Unit) -> tuple[int, int]:
   """Words of the unit's values and of its indices."""
   return num_words(unit.capacity, unit.dtype), num_words(unit.capacity,
                                                          INDEX_DTYPE)
+
+
+def shape_groups(units) -> list[list[int]]:
+  """Positions of the units that share (size, capacity, dtype), group by
+  group in order of first appearance."""
+  groups = {}
+  for n, u in enumerate(units):
+    groups.setdefault((u.size, u.capacity, jnp.dtype(u.dtype)), []).append(n)
+  return list(groups.values())
+
+
+def pack_groups(parts, units) -> jax.Array:
+  """[(values, indices), …] per unit -> one flat uint32 buffer, group by
+  group (``shape_groups``): [bits(V_g) ‖ bits(I_g)] with V_g, I_g the
+  group's (G, c) slots (each row whole words). The same words as
+  ``pack_sparse`` in another order; one bitcast per group, not per unit."""
+  words = []
+  for members in shape_groups(units):
+    for k in (0, 1):
+      words.append(to_words(jnp.stack([parts[n][k] for n in members]))
+                   .reshape(-1))
+  return jnp.concatenate(words)
+
+
+def unpack_groups(words: jax.Array, units) -> list:
+  """Inverse of ``pack_groups`` on (..., W) words: per group (its unit
+  positions, values (..., G, c), indices (..., G, c))."""
+  out, start = [], 0
+  lead = words.shape[:-1]
+  for members in shape_groups(units):
+    u = units[members[0]]
+    g = len(members)
+    nv, ni = unit_words(u)
+    v = from_words(words[..., start:start + g * nv].reshape(*lead, g, nv),
+                   u.dtype, u.capacity)
+    start += g * nv
+    i = from_words(words[..., start:start + g * ni].reshape(*lead, g, ni),
+                   INDEX_DTYPE, u.capacity)
+    start += g * ni
+    out.append((members, v, i))
+  return out
 
 
 def pack_sparse(parts) -> jax.Array:

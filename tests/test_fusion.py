@@ -41,3 +41,54 @@ def test_sparse_buffer_round_trip_with_leading_worker_axis():
     for k in range(2):
       np.testing.assert_array_equal(np.asarray(v2[k]), np.asarray(v))
       np.testing.assert_array_equal(np.asarray(i2[k]), np.asarray(i))
+
+
+@settings(max_examples=30, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), rows=st.integers(1, 4),
+       count=st.integers(1, 9), seed=st.integers(0, 1000))
+def test_words_of_rows_are_each_rows_words(dtype, rows, count, seed):
+  rng = np.random.default_rng(seed)
+  bits = rng.integers(0, 2**8, size=rows * count * jnp.dtype(dtype).itemsize,
+                      dtype=np.uint8)
+  x = jnp.asarray(bits.view(jnp.dtype(dtype)).reshape(rows, count))
+  words = fusion.to_words(x)
+  assert words.shape == (rows, plan_lib.num_words(count, dtype))
+  for r in range(rows):
+    np.testing.assert_array_equal(np.asarray(words[r]),
+                                  np.asarray(fusion.to_words(x[r])))
+  back = fusion.from_words(words, dtype, count)
+  np.testing.assert_array_equal(np.asarray(back).view(np.uint8).reshape(-1),
+                                bits)
+
+
+@settings(max_examples=25, deadline=None)
+@given(kinds=st.lists(st.sampled_from([(100, 5, "float32"), (100, 5, "bfloat16"),
+                                       (100, 3, "float32"), (40, 5, "float16")]),
+                      min_size=1, max_size=7),
+       seed=st.integers(0, 1000))
+def test_groups_pack_every_units_slots_and_give_them_back(kinds, seed):
+  rng = np.random.default_rng(seed)
+  units = [plan_lib.Unit((n,), size, cap, 0.05, "dgc", dtype)
+           for n, (size, cap, dtype) in enumerate(kinds)]
+  parts = [(jnp.asarray(rng.standard_normal(u.capacity).astype(u.dtype)),
+            jnp.asarray(rng.integers(0, u.size + 1, u.capacity), jnp.int32))
+           for u in units]
+  words = fusion.pack_groups(parts, units)
+  # as many words as packing unit by unit, in one buffer
+  assert words.shape == fusion.pack_sparse(parts).shape
+  gathered = jnp.stack([words, words[::-1], words])[::2]   # (K=2, W)
+  seen = []
+  for members, values, indices in fusion.unpack_groups(gathered, units):
+    assert {(units[n].size, units[n].capacity, units[n].dtype)
+            for n in members} == {kinds[members[0]]}
+    assert values.shape == indices.shape == (2, len(members),
+                                             units[members[0]].capacity)
+    for row, n in enumerate(members):
+      for k in range(2):
+        np.testing.assert_array_equal(
+            np.asarray(values[k, row]).view(np.uint8),
+            np.asarray(parts[n][0]).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(indices[k, row]),
+                                      np.asarray(parts[n][1]))
+    seen += members
+  assert sorted(seen) == list(range(len(units)))

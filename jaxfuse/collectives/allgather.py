@@ -1,8 +1,9 @@
 """``"allgather"``: every worker's packed slots to every worker (AGsparse).
 
-One ``all_gather`` of the bucket's packed buffer (K, W), then each unit is
-decoded by adding the K workers' (value, index) slots into a dense vector in
-rank order and dividing by K::
+One ``all_gather`` of the bucket's packed buffer (K, W)
+(``fusion.pack_groups``: units of one shape side by side), then each unit
+is decoded by adding the K workers' (value, index) slots into a dense
+vector in rank order and dividing by K (a group's units in one vmap)::
 
   ĝ = (1/K) · Σ_k scatter(idx_k, v_k)
 
@@ -15,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from jaxfuse import _compat
 from jaxfuse import fusion
@@ -30,20 +30,13 @@ class AllGather(base.AnyMesh):
 
   def sync(self, parts, units, axis_name, settings) -> base.Synced:
     del settings
-    gathered = _compat.all_gather_invariant(fusion.pack_sparse(parts),
-                                            axis_name)
-    slots = fusion.unpack_sparse(gathered, units)
-    groups = {}  # units of one shape decode as one vmap
-    for n, u in enumerate(units):
-      groups.setdefault((u.size, u.capacity, u.dtype), []).append(n)
+    gathered = _compat.all_gather_invariant(
+        fusion.pack_groups(parts, units), axis_name)
     out = [None] * len(units)
-    for (size, _, _), members in groups.items():
-      if len(members) == 1:
-        out[members[0]] = base.decode(*slots[members[0]], size)
-        continue
-      dense = jax.vmap(base.decode, in_axes=(0, 0, None))(
-          jnp.stack([slots[n][0] for n in members]),
-          jnp.stack([slots[n][1] for n in members]), size)
+    # units of one shape travel and decode together: (K, G, c) slots
+    for members, values, indices in fusion.unpack_groups(gathered, units):
+      dense = jax.vmap(base.decode, in_axes=(1, 1, None))(
+          values, indices, units[members[0]].size)
       for i, n in enumerate(members):
         out[n] = dense[i]
     return base.Synced(out, [None] * len(units))
