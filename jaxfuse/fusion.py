@@ -9,8 +9,9 @@ dtype)::
 with V_g, I_g the (G, c) values and indices of group g's units (values keep
 their dtype's bits, 16-bit values two to a word, each row whole words), so
 a single ``all_gather`` moves it and each group unpacks with one bitcast
-(``pack_groups``; ``pack_sparse`` packs unit by unit). A dense bucket becomes one flat array per dtype, all
-reduced by a single multi-operand ``psum``.
+(``pack_groups``; ``pack_sparse`` packs unit by unit). A dense bucket
+becomes one flat array per dtype, all reduced by a single multi-operand
+``psum``.
 """
 
 from __future__ import annotations
