@@ -9,7 +9,12 @@
 #           docs/benchmarks.md)
 #   bf16    gpt2-small: float32 vs bfloat16 gradients (float32 / bfloat16
 #           residual), onebit_adamw, equal steps, step times
-# usage: bash benchmarks/gpu_checks.sh suite|resume|bf16 [steps]
+#   kernels the kernel tests with the compiled kernels, then the one-GPU
+#           overhead of a `single` plan (dgc, topk) with each group's rows
+#           stacked by one concatenate and in place (overhead.py --stack),
+#           and the sparse step's kernels per source line
+#           (kernel_sources.py); one GPU, about 8 minutes
+# usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels [steps]
 set -uo pipefail
 out="${OUT:-/tmp/gpu_checks}"; mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -52,5 +57,26 @@ PY
       lm "${common[@]}" "$@" --json-out "$out/bf16_$name.json" \
         > "$out/bf16_$name.log" 2>&1
       grep summary "$out/bf16_$name.log" | sed "s/^/$name: /"
+    done ;;
+  kernels)
+    JAX_PLATFORMS=cuda,cpu JAXFUSE_TEST_GPU=1 JAXFUSE_KERNELS=pallas \
+      python -m pytest -q -p no:cacheprovider -rfEs tests/test_kernels_hash.py \
+      tests/test_zen.py tests/test_kernels_select.py \
+      tests/test_kernels_fused_pass.py tests/test_kernels_backend.py \
+      > "$out/kernel_tests.log" 2>&1
+    echo "kernel tests rc=$?"; tail -n 3 "$out/kernel_tests.log"
+    for stack in concatenate in_place; do
+      python benchmarks/overhead.py --preset gpt2-small --estimators dgc topk \
+        --strategy single --steps "${2:-60}" --stack "$stack" \
+        --hlo-dir "$out/hlo_$stack" --out "$out/overhead_$stack.json" \
+        > "$out/overhead_$stack.log" 2>&1
+      echo "stack=$stack rc=$?"; tail -n 4 "$out/overhead_$stack.log"
+      for e in dgc topk; do
+        python benchmarks/kernel_sources.py "$out/hlo_$stack/dense_None.hlo.txt" \
+          "$out/hlo_$stack/jaxfuse_$e.hlo.txt" --overhead \
+          "$out/overhead_$stack.json" --row "$e" --top 30 \
+          --out "$out/kernel_sources_${stack}_$e.json" \
+          > "$out/kernel_sources_${stack}_$e.txt" 2>&1
+      done
     done ;;
 esac

@@ -152,13 +152,18 @@ def profile_by_source(text: str, launches: dict[str, float],
                       micros: dict[str, float], package: str = "jaxfuse"
                       ) -> dict[str, tuple[float, float]]:
   """Profiled GPU kernels per source line: (launches, µs) per step, from
-  per-kernel-name counts and times (``overhead.gpu_kernels``). Kernels
-  named after no instruction (cuBLAS, memsets) go under their own name."""
+  per-kernel-name counts and times (``overhead.gpu_kernels``). A Pallas
+  kernel is named after its ``pallas_call`` (``jaxfuse_sparsify_pass1__3``:
+  under "jaxfuse/ Pallas jaxfuse_sparsify_pass1"); other kernels named
+  after no instruction (cuBLAS, memsets) go under their own name."""
   sources = {k.replace(".", "_"): s
              for k, s in kernel_sources(text, package).items()}
   out = collections.defaultdict(lambda: [0.0, 0.0])
   for name, us in micros.items():
-    row = out[sources.get(name, name)]
+    key = sources.get(name, name)
+    if name not in sources and name.startswith(package + "_"):
+      key = f"{package}/ Pallas " + re.sub(r"__\d+$", "", name)
+    row = out[key]
     row[0] += launches.get(name, 0.0)
     row[1] += us
   return {k: (v[0], v[1]) for k, v in out.items()}

@@ -132,9 +132,13 @@ def test_profile_times_go_to_their_lines(ks):
   second = by_line[f"pkgx/ops.py:{SORT_LINES[1]} (two_kernels)"][0]
   # a GPU trace names kernels after instructions, "." written as "_"
   gpu = lambda n: n.replace(".", "_")
+  pallas = ("pkgx_pass1", "pkgx_pass1__3")  # a pallas_call's kernels
   prof = kernel_sources.profile_by_source(
-      text, {gpu(first): 2.0, gpu(second): 1.0, "Memset": 1.0},
-      {gpu(first): 10.0, gpu(second): 4.0, "Memset": 0.5}, "pkgx")
+      text, {gpu(first): 2.0, gpu(second): 1.0, "Memset": 1.0,
+             pallas[0]: 1.0, pallas[1]: 1.0},
+      {gpu(first): 10.0, gpu(second): 4.0, "Memset": 0.5, pallas[0]: 3.0,
+       pallas[1]: 2.0}, "pkgx")
   assert prof[f"pkgx/ops.py:{SORT_LINES[0]} (two_kernels)"] == (2.0, 10.0)
   assert prof[f"pkgx/ops.py:{SORT_LINES[1]} (two_kernels)"] == (1.0, 4.0)
   assert prof["Memset"] == (1.0, 0.5)
+  assert prof["pkgx/ Pallas pkgx_pass1"] == (2.0, 5.0)
