@@ -66,17 +66,18 @@ PY
       > "$out/kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -n 3 "$out/kernel_tests.log"
     for stack in concatenate in_place; do
-      python benchmarks/overhead.py --preset gpt2-small --estimators dgc topk \
-        --strategy single --steps "${2:-60}" --stack "$stack" \
-        --hlo-dir "$out/hlo_$stack" --out "$out/overhead_$stack.json" \
-        > "$out/overhead_$stack.log" 2>&1
-      echo "stack=$stack rc=$?"; tail -n 4 "$out/overhead_$stack.log"
-      for e in dgc topk; do
-        python benchmarks/kernel_sources.py "$out/hlo_$stack/dense_None.hlo.txt" \
-          "$out/hlo_$stack/jaxfuse_$e.hlo.txt" --overhead \
-          "$out/overhead_$stack.json" --row "$e" --top 30 \
-          --out "$out/kernel_sources_${stack}_$e.json" \
-          > "$out/kernel_sources_${stack}_$e.txt" 2>&1
+      for e in dgc topk; do      # one estimator per process, as published
+        run="${stack}_$e"
+        python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
+          --strategy single --steps "${2:-60}" --stack "$stack" \
+          --hlo-dir "$out/hlo_$run" --out "$out/overhead_$run.json" \
+          > "$out/overhead_$run.log" 2>&1
+        echo "$run rc=$?"; tail -n 3 "$out/overhead_$run.log"
+        python benchmarks/kernel_sources.py "$out/hlo_$run/dense_None.hlo.txt" \
+          "$out/hlo_$run/jaxfuse_$e.hlo.txt" --overhead \
+          "$out/overhead_$run.json" --top 30 \
+          --out "$out/kernel_sources_$run.json" \
+          > "$out/kernel_sources_$run.txt" 2>&1
       done
     done ;;
 esac
