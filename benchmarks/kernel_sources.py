@@ -173,11 +173,12 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("baseline", help="HLO text of the baseline (dense) step")
   p.add_argument("program", help="HLO text of the step to attribute")
-  p.add_argument("--package", default="jaxfuse")
+  p.add_argument("--package", default="jaxfuse",
+                 help="attribute to the innermost frame in this package")
   p.add_argument("--overhead", help="overhead.py JSON of the same run")
   p.add_argument("--row", help="its row's estimator (default: the first "
                  "jaxfuse row)")
-  p.add_argument("--top", type=int, default=40)
+  p.add_argument("--top", type=int, default=40, help="rows to print")
   p.add_argument("--out", help="JSON file to write")
   args = p.parse_args(argv)
   base = pathlib.Path(args.baseline).read_text()
