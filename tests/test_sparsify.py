@@ -48,6 +48,20 @@ def test_select_writes_candidates_in_rotated_order(data, n, capacity, quantile):
   np.testing.assert_array_equal(values[len(expect):], 0)
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 200), density=st.floats(0, 1), seed=st.integers(0, 99))
+def test_inclusive_count_is_the_running_count(n, density, seed):
+  mask = np.random.default_rng(seed).random(n) < density
+  got = jax.jit(reference.inclusive_count)(mask)
+  assert got.dtype == jnp.int32
+  np.testing.assert_array_equal(np.asarray(got), np.cumsum(mask))
+  # per row under vmap (how a state group runs)
+  rows = np.stack([mask, mask[::-1]])
+  np.testing.assert_array_equal(
+      np.asarray(jax.vmap(reference.inclusive_count)(rows)),
+      np.cumsum(rows, axis=1))
+
+
 def _unit_loop(grad_fn, steps, *, capacity, density, estimator, settings_,
                threshold=None, n):
   step_fn = jax.jit(functools.partial(
