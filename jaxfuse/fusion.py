@@ -9,7 +9,7 @@ dtype)::
 with V_g, I_g the (G, c) values and indices of group g's units (values keep
 their dtype's bits, 16-bit values two to a word, each row whole words), so
 a single ``all_gather`` moves it and each group unpacks with one bitcast
-(``pack_groups``; ``pack_sparse`` packs unit by unit). A dense bucket
+(``pack_groups``). A dense bucket
 becomes one flat array per dtype, all reduced by a single multi-operand
 ``psum``.
 """
@@ -78,8 +78,8 @@ def shape_groups(units) -> list[list[int]]:
 def pack_groups(parts, units) -> jax.Array:
   """[(values, indices), …] per unit -> one flat uint32 buffer, group by
   group (``shape_groups``): [bits(V_g) ‖ bits(I_g)] with V_g, I_g the
-  group's (G, c) slots (each row whole words). The same words as
-  ``pack_sparse`` in another order; one bitcast per group, not per unit."""
+  group's (G, c) slots (each row whole words): ``plans.payload_bytes``
+  per unit, one bitcast per group."""
   words = []
   for members in shape_groups(units):
     for k in (0, 1):
@@ -104,25 +104,6 @@ def unpack_groups(words: jax.Array, units) -> list:
                    INDEX_DTYPE, u.capacity)
     start += g * ni
     out.append((members, v, i))
-  return out
-
-
-def pack_sparse(parts) -> jax.Array:
-  """[(values, indices), …] -> one flat uint32 buffer."""
-  return jnp.concatenate([w for v, i in parts for w in (to_words(v),
-                                                         to_words(i))])
-
-
-def unpack_sparse(words: jax.Array, bucket_units) -> list:
-  """(..., W) words -> [(values (..., c), indices (..., c)), …]."""
-  out, start = [], 0
-  for u in bucket_units:
-    nv, ni = unit_words(u)
-    v = from_words(words[..., start:start + nv], u.dtype, u.capacity)
-    i = from_words(words[..., start + nv:start + nv + ni], INDEX_DTYPE,
-                   u.capacity)
-    out.append((v, i))
-    start += nv + ni
   return out
 
 

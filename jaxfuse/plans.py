@@ -461,7 +461,7 @@ def num_words(count: int, dtype) -> int:
 
 def payload_bytes(unit: Unit) -> int:
   """Bytes of one worker's slots of a unit: c values and c int32 indices,
-  each padded to whole uint32 words (``fusion.pack_sparse``)."""
+  each padded to whole uint32 words (``fusion.pack_groups``)."""
   return 4 * (num_words(unit.capacity, unit.dtype) +
               num_words(unit.capacity, np.int32))
 

@@ -34,13 +34,15 @@ def test_sparse_buffer_round_trip_with_leading_worker_axis():
             jnp.array([1, 7, 99, 100, 100], jnp.int32)),
            (jnp.array([1.5, -2, 3], jnp.bfloat16),
             jnp.array([49, 0, 50], jnp.int32))]
-  words = fusion.pack_sparse(parts)
+  words = fusion.pack_groups(parts, units)
   assert words.shape == (5 + 5 + 2 + 3,)
   stacked = jnp.stack([words, words])  # as all_gather returns it: (K, W)
-  for (v, i), (v2, i2) in zip(parts, fusion.unpack_sparse(stacked, units)):
+  groups = fusion.unpack_groups(stacked, units)
+  assert [members for members, _, _ in groups] == [[0], [1]]
+  for (v, i), (_, v2, i2) in zip(parts, groups):
     for k in range(2):
-      np.testing.assert_array_equal(np.asarray(v2[k]), np.asarray(v))
-      np.testing.assert_array_equal(np.asarray(i2[k]), np.asarray(i))
+      np.testing.assert_array_equal(np.asarray(v2[k, 0]), np.asarray(v))
+      np.testing.assert_array_equal(np.asarray(i2[k, 0]), np.asarray(i))
 
 
 @settings(max_examples=30, deadline=None)
@@ -74,8 +76,8 @@ def test_groups_pack_every_units_slots_and_give_them_back(kinds, seed):
             jnp.asarray(rng.integers(0, u.size + 1, u.capacity), jnp.int32))
            for u in units]
   words = fusion.pack_groups(parts, units)
-  # as many words as packing unit by unit, in one buffer
-  assert words.shape == fusion.pack_sparse(parts).shape
+  # each unit's payload, in one buffer
+  assert words.shape == (sum(plan_lib.payload_bytes(u) for u in units) // 4,)
   gathered = jnp.stack([words, words[::-1], words])[::2]   # (K=2, W)
   seen = []
   for members, values, indices in fusion.unpack_groups(gathered, units):

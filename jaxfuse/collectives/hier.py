@@ -102,10 +102,10 @@ class Hier:
     if settings.hier_inner == "allgather":                          # 4
       # Built in rather than inner.sync: one division by K = H·L, the
       # rounding of a flat "allgather".
-      rows = _compat.all_gather_invariant(fusion.pack_sparse([(sent, pick)]),
-                                          host)
-      ((rv, ri),) = fusion.unpack_sparse(rows, [unit])
-      mean, back = base.decode(rv, ri, s, hosts * size), None
+      rows = _compat.all_gather_invariant(
+          fusion.pack_groups([(sent, pick)], [unit]), host)
+      ((_, rv, ri),) = fusion.unpack_groups(rows, [unit])   # (H, 1, c)
+      mean, back = base.decode(rv[:, 0], ri[:, 0], s, hosts * size), None
     else:
       out = inner.sync([(sent, pick)], [unit], host, settings)
       mean = (out.means[0].astype(acc) / size).astype(dtype)
