@@ -65,8 +65,8 @@ PY
       tests/test_kernels_fused_pass.py tests/test_kernels_backend.py \
       > "$out/kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -n 3 "$out/kernel_tests.log"
-    for stack in concatenate in_place; do
-      for e in dgc topk; do      # one estimator per process, as published
+    for e in dgc topk; do        # one estimator per process, as published
+      for stack in concatenate in_place; do
         run="${stack}_$e"
         python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
           --strategy single --steps "${2:-60}" --stack "$stack" \
