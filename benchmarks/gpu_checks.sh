@@ -15,6 +15,8 @@
 #           and the sparse step's kernels per source line
 #           (kernel_sources.py); one GPU, about 8 minutes
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels [steps]
+# PACK=FILE.tar.gz packs everything written into one archive at the end (a
+# device call hands back only a few files: OUT=/tmp/k PACK=$OUT/k.tar.gz).
 set -uo pipefail
 out="${OUT:-/tmp/gpu_checks}"; mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -81,3 +83,4 @@ PY
       done
     done ;;
 esac
+if [ -n "${PACK:-}" ]; then tar -czf "$PACK" -C "$out" . && echo "packed $PACK"; fi
