@@ -11,7 +11,8 @@
 #           residual), onebit_adamw, equal steps, step times
 #   kernels the kernel tests with the compiled kernels, then the one-GPU
 #           overhead of a `single` plan (dgc, topk) with each group's rows
-#           stacked by one concatenate and in place (overhead.py --stack),
+#           stacked by one concatenate and by nested ones of at most four
+#           operands (overhead.py --stack),
 #           and the sparse step's kernels per source line
 #           (kernel_sources.py); one GPU, about 8 minutes
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels [steps]
@@ -68,7 +69,7 @@ PY
       > "$out/kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -n 3 "$out/kernel_tests.log"
     for e in dgc topk; do        # one estimator per process, as published
-      for stack in concatenate in_place; do
+      for stack in concatenate tree; do
         run="${stack}_$e"
         python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
           --strategy single --steps "${2:-60}" --stack "$stack" \

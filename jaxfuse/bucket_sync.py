@@ -68,10 +68,15 @@ def sync_bucket(plan, sched, b, flat, residuals, velocity, ctrl, step,
 
 
 # How a state group's streams become its (G, n) rows (set before tracing):
-# "concatenate", one concatenate whose kernel (on GPUs) reads every row's
-# producer per element, or "in_place", each row's producer writing its row
-# of a zeroed buffer (a dynamic_update_slice each). The same values.
-STACK_METHODS = ("concatenate", "in_place")
+# "concatenate", one concatenate of all G rows, or "tree", concatenates of at
+# most ``TREE_FANIN`` operands, nested (an optimization barrier keeps XLA
+# from flattening them back into one). XLA's GPU concatenate emitter takes
+# at most four operands; a wider concatenate goes to its loop emitter, which
+# picks the operand per element (0.85 TB/s on an H200, a quarter of its
+# bandwidth: docs/benchmarks.md, "Overhead on one GPU"). The same values
+# either way.
+STACK_METHODS = ("concatenate", "tree")
+TREE_FANIN = 4
 stack_method = "concatenate"
 
 
@@ -81,15 +86,14 @@ def stack_rows(rows):
   if stack_method not in STACK_METHODS:
     raise ValueError(f"bucket_sync.stack_method={stack_method!r}; use one "
                      f"of {STACK_METHODS}.")
-  if stack_method == "concatenate" or len(rows) == 1:
+  if stack_method == "concatenate" or len(rows) <= TREE_FANIN:
     return jnp.stack(rows)
-  out = jnp.zeros((len(rows),) + rows[0].shape, rows[0].dtype)
-  axes = set().union(*[_compat.varying_axes(r) for r in rows])
-  if axes:                      # inside shard_map: the rows' type
-    out = _compat.to_varying(out, tuple(sorted(axes)))
-  for i, row in enumerate(rows):
-    out = lax.dynamic_update_slice(out, row[None], (i,) + (0,) * row.ndim)
-  return out
+  parts = [row[None] for row in rows]
+  while len(parts) > TREE_FANIN:   # ceil(G / 4) parts, then ceil(G / 16), …
+    parts = lax.optimization_barrier([
+        jnp.concatenate(parts[i:i + TREE_FANIN])
+        for i in range(0, len(parts), TREE_FANIN)])
+  return jnp.concatenate(parts)
 
 
 class _Streams(NamedTuple):
