@@ -36,6 +36,12 @@
 #            reuses the dense run of an earlier call on this machine;
 #            RAMP="0.0625" replaces DGC's ramp densities (e.g. to leave
 #            out the 25 % that num_workers folds into the dense phase)
+#   one      (one GPU) the strict quality check: dense AdamW and the README
+#            recipe (bfloat16 dense phase, size 64 MiB plan) with each
+#            dense phase of FRACTIONS (default "0.15 0.10") and each ramp
+#            of RAMPS (default "dgc 0.0625": DGC's, or 6.25 % alone), 1000
+#            steps, all side by side on GPU 0 (so their step times are not
+#            comparable; about 6 minutes for five runs)
 #   early    socket: profile the costs on this mesh, then the planner's
 #            plans at 0.05 (size 64 MiB, aligned, auto, single, cupcake,
 #            safusion) trained under jaxfuse.send_early with
@@ -141,6 +147,22 @@ readme)
           --out "$OUT/readme_rho${d}_dense${f}${RAMP:+_ramp$RAMP}.json" 2>&1 | tail -n 3
     done
   done ;;
+one)
+  # one JSON per run in $OUT, the logs packed into one_logs.tgz
+  C="python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 --eval-every 50 --eval-batches 8 --lrs 3e-4 --devices 1 --density 0.05 --timeout 560"
+  logs=$(mktemp -d)
+  $C --recipes dense --out "$OUT/one_dense.json" > "$logs/one_dense.log" 2>&1 &
+  for f in ${FRACTIONS:-0.15 0.10}; do
+    for r in ${RAMPS:-dgc 0.0625}; do
+      ramp=$([ "$r" = dgc ] || echo " --warmup-densities $r")
+      $C --recipes onebit_adamw+warm+bf16wire --dense-fraction $f \
+          --extra="--strategy size --bucket-bytes 67108864$ramp" \
+          --out "$OUT/one_f${f}_ramp_$r.json" > "$logs/one_f${f}_ramp_$r.log" 2>&1 &
+    done
+  done
+  wait
+  tail -n 2 "$logs"/one_*.log
+  tar -czf "$OUT/one_logs.tgz" -C "$logs" . ;;
 early)
   export $SOCKET
   [ -f "$OUT/costs_early.json" ] || ( time python -m jaxfuse profile \
@@ -160,5 +182,5 @@ early)
         2>&1 | grep -v "^==" | tee "$OUT/measure_plain.log"
   fi ;;
 *)
-  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|readme|early" >&2; exit 2 ;;
+  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|readme|one|early" >&2; exit 2 ;;
 esac
