@@ -312,6 +312,8 @@ def test_example_lm_profile_auto_plan_show_and_train(tmp_path, compile_cache):
       capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "parameters bitwise identical on all 8 devices: True" in out.stdout
+  # two steps leave onebit_adamw one dense step: the run says what follows
+  assert "warning: a dense warm-up of 1 step(s)" in out.stdout
   # and the README's demo path: a plan made inside train_lm (one step)
   demo = subprocess.run(
       [sys.executable, str(REPO / "examples" / "train_lm.py"), "--steps", "1",
