@@ -1,4 +1,4 @@
-"""A ``send_early`` timeline model, against measured steps.
+"""``send_early`` timeline models, against measured steps.
 
 ``jaxfuse.planning.simulate`` calibrates how much communication hides with
 one number, η. Under ``jaxfuse.send_early(step, window=w)`` the mechanism
@@ -20,6 +20,18 @@ model at the η that result used, and this model::
   python benchmarks/window_model.py \\
       --costs benchmarks/results/planner_early_4xH200_socket_2026-11-28/costs_early.json \\
       --measure benchmarks/results/planner_early_4xH200_socket_2026-11-28/measure_early.json
+
+and a third model, the *share* model: XLA keeps a share η' of the saving
+that the ideal WFBP schedule would make over no overlap at all::
+
+  step = (1 − η')·T_none + η'·T_ideal = compute + G − η'·H
+
+(H: the communication the ideal schedule hides, T_ideal and T_none the
+simulator at η = 1 and 0). The η model instead caps what hides at η·G
+whatever the plan, so plans that hide the same in the ideal schedule up
+to its cap tie. η' is fitted per density on the ``size`` plan's step and
+its one-GPU step T₁: η' = (T₁ + G − T_K) / H; "share, T₁" also takes the
+compute from T₁ instead of the profile.
 """
 
 from __future__ import annotations
@@ -90,8 +102,9 @@ def main(argv=None):
   profiled = costs_lib.Costs.load(a.costs)
   loss_fn, params, tokens = getattr(lm_model, a.model)()
   order = ordering.ready_order(loss_fn, params, tokens)
-  rows = []
-  print(f"{'plan':22s} {'measured':>9s} {'η model':>16s} {'window model':>16s}")
+  rows, share = [], {}
+  print(f"{'plan':22s} {'measured':>9s} {'η model':>16s} {'window model':>16s}"
+        f" {'share model':>16s} {'share, T₁':>16s}")
   for row in measured["rows"]:
     name = row["plan"]
     strategy = name.split()[0]
@@ -108,11 +121,24 @@ def main(argv=None):
     eta = simulate.simulate(plan, costs).iteration
     win = window_step(plan, costs, a.window)
     got = row["measured_s"]
+    ideal = simulate.simulate(plan, costs.replace(overlap=1.0))
+    hidden = ideal.hidden
+    if strategy == "size" and row.get("measured_one_worker_s"):
+      t1 = row["measured_one_worker_s"]    # fits η' for this density
+      share[density] = (t1, (t1 + ideal.communication - got) / hidden)
+    t1, kept = share.get(density, (None, None))
+    shared = (None if kept is None else
+              ideal.compute_end + ideal.communication - kept * hidden)
+    shared_t1 = (None if kept is None else
+                 t1 + ideal.communication - kept * hidden)
     rows.append(dict(plan=name, measured_s=got, eta_model_s=eta,
-                     window_model_s=win, eta=row["predicted_eta"]))
-    print(f"{name:22s} {1e3 * got:7.1f}ms {1e3 * eta:7.1f}ms "
-          f"({eta / got - 1:+6.1%}) {1e3 * win:7.1f}ms ({win / got - 1:+6.1%})",
-          flush=True)
+                     window_model_s=win, eta=row["predicted_eta"],
+                     share_model_s=shared, share_t1_model_s=shared_t1,
+                     share=kept))
+    fmt = lambda x: (f"{1e3 * x:7.1f}ms ({x / got - 1:+6.1%})" if x
+                     else f"{'-':>16s}")
+    print(f"{name:22s} {1e3 * got:7.1f}ms {fmt(eta)} {fmt(win)} "
+          f"{fmt(shared)} {fmt(shared_t1)}", flush=True)
   if a.out:
     pathlib.Path(a.out).write_text(json.dumps(dict(
         costs=a.costs, measure=a.measure, window=a.window, rows=rows),
