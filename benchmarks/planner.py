@@ -229,16 +229,18 @@ def cmd_measure(args) -> list[dict]:
           (None, "size") and set(row["collectives"]) <= {"psum",
                                                           "allgather"}):
         # The same per-worker work on one device: no communication, so the
-        # measured overlap is η = (T₁ + G − T_K) / G, G the simulated link
-        # time (a schemes' plans for K workers do not run on one).
+        # measured overlap is η = (T₁ + G − T_K) / H, G the simulated link
+        # time and H what the ideal schedule hides of it (simulate's η; a
+        # schemes' plans for K workers do not run on one).
         per_worker = run["config"]["batch_size"] // run["config"]["num_devices"]
         alone = _train(args, extra + flag_args + [
             "--devices", "1", "--batch-size", str(per_worker)], env)
         row["measured_one_worker_s"] = alone.get("steady_step_time_s")
         g = predicted.communication
-        if row["measured_one_worker_s"] and g > 0:
+        hidden = simulate.simulate(plan, costs.replace(overlap=1.0)).hidden
+        if row["measured_one_worker_s"] and hidden > 0:
           row["measured_overlap"] = (row["measured_one_worker_s"] + g -
-                                     row["measured_s"]) / g
+                                     row["measured_s"]) / hidden
           line += (f"  one worker {1e3 * row['measured_one_worker_s']:.1f} ms"
                    f"  η {row['measured_overlap']:.2f}")
       rows.append(row)

@@ -14,24 +14,29 @@ of the points ≤ p − w has ended. With t the compute stream's clock::
 
 Points come from ``send_early``'s rule (``overlap.points_of_work``) with
 backward time standing in for matrix-product work. This prints, per plan
-of a ``benchmarks/planner.py measure`` result, the measured step, the η
-model at the η that result used, and this model::
+of a ``benchmarks/planner.py measure`` result, the measured step, this
+model::
 
   python benchmarks/window_model.py \\
       --costs benchmarks/results/planner_early_4xH200_socket_2026-11-28/costs_early.json \\
       --measure benchmarks/results/planner_early_4xH200_socket_2026-11-28/measure_early.json
 
-and a third model, the *share* model: XLA keeps a share η' of the saving
-that the ideal WFBP schedule would make over no overlap at all::
+and the simulator itself (``jaxfuse.planning.simulate``: XLA keeps a share
+η of what the ideal WFBP schedule hides, H)::
 
-  step = (1 − η')·T_none + η'·T_ideal = compute + G − η'·H
+  step = (1 − η)·T_none + η·T_ideal = compute + G − η·H
 
-(H: the communication the ideal schedule hides, T_ideal and T_none the
-simulator at η = 1 and 0). The η model instead caps what hides at η·G
-whatever the plan, so plans that hide the same in the ideal schedule up
-to its cap tie. η' is fitted per density on the ``size`` plan's step and
-its one-GPU step T₁: η' = (T₁ + G − T_K) / H; "share, T₁" also takes the
-compute from T₁ instead of the profile.
+against the cap model the simulator had before, which let the link be busy
+for at most η·G before the compute ends whatever the plan (so plans that
+could all hide more than that tie)::
+
+  step = max(T_ideal, compute + (1 − η)·G)
+
+The cap model's η is the one the measure run used, (T₁ + G − T_K) / G on
+its ``size`` plan; the share model's is fitted per density on the same
+step, (T₁ + G − T_K) / H. "share, T₁" also takes the compute from T₁
+instead of the profile. A plan that the planner now builds differently
+from the one measured (a cost strategy) is skipped.
 """
 
 from __future__ import annotations
@@ -103,7 +108,7 @@ def main(argv=None):
   loss_fn, params, tokens = getattr(lm_model, a.model)()
   order = ordering.ready_order(loss_fn, params, tokens)
   rows, share = [], {}
-  print(f"{'plan':22s} {'measured':>9s} {'η model':>16s} {'window model':>16s}"
+  print(f"{'plan':22s} {'measured':>9s} {'cap model':>16s} {'window model':>16s}"
         f" {'share model':>16s} {'share, T₁':>16s}")
   for row in measured["rows"]:
     name = row["plan"]
@@ -118,26 +123,29 @@ def main(argv=None):
         strategy == "size") else {}
     plan = jaxfuse.plan(params, density=density, strategy=strategy,
                         costs=costs, ready_order=order, **options)
-    eta = simulate.simulate(plan, costs).iteration
-    win = window_step(plan, costs, a.window)
+    if len(plan.buckets) != row["buckets"]:
+      print(f"{name:22s} skipped: planned now with {len(plan.buckets)} "
+            f"buckets, measured with {row['buckets']}")
+      continue
     got = row["measured_s"]
     ideal = simulate.simulate(plan, costs.replace(overlap=1.0))
-    hidden = ideal.hidden
+    g, hidden = ideal.communication, ideal.hidden
+    cap = max(ideal.iteration, ideal.compute_end + (1 - costs.overlap) * g)
+    win = window_step(plan, costs, a.window)
     if strategy == "size" and row.get("measured_one_worker_s"):
-      t1 = row["measured_one_worker_s"]    # fits η' for this density
-      share[density] = (t1, (t1 + ideal.communication - got) / hidden)
-    t1, kept = share.get(density, (None, None))
-    shared = (None if kept is None else
-              ideal.compute_end + ideal.communication - kept * hidden)
-    shared_t1 = (None if kept is None else
-                 t1 + ideal.communication - kept * hidden)
-    rows.append(dict(plan=name, measured_s=got, eta_model_s=eta,
-                     window_model_s=win, eta=row["predicted_eta"],
+      t1 = row["measured_one_worker_s"]    # fits η for this density
+      share[density] = (t1, min(1.0, max(0.0, (t1 + g - got) / hidden)))
+    t1, eta = share.get(density, (None, None))
+    shared = (None if eta is None else
+              simulate.simulate(plan, costs.replace(overlap=eta)).iteration)
+    shared_t1 = None if eta is None else t1 + g - eta * hidden
+    rows.append(dict(plan=name, measured_s=got, cap_model_s=cap,
+                     cap_eta=costs.overlap, window_model_s=win,
                      share_model_s=shared, share_t1_model_s=shared_t1,
-                     share=kept))
+                     share_eta=eta))
     fmt = lambda x: (f"{1e3 * x:7.1f}ms ({x / got - 1:+6.1%})" if x
                      else f"{'-':>16s}")
-    print(f"{name:22s} {1e3 * got:7.1f}ms {fmt(eta)} {fmt(win)} "
+    print(f"{name:22s} {1e3 * got:7.1f}ms {fmt(cap)} {fmt(win)} "
           f"{fmt(shared)} {fmt(shared_t1)}", flush=True)
   if a.out:
     pathlib.Path(a.out).write_text(json.dumps(dict(

@@ -73,6 +73,10 @@ def test_overlap_and_contention_formulas():
   assert profiling.overlap_factor(10.0, 10.0, 10.0) == 1.0
   assert profiling.overlap_factor(10.0, 10.0, 25.0) == 0.0
   assert profiling.overlap_factor(10.0, 0.0, 10.0) == 1.0
+  # a share of what could hide: the shorter of the two
+  assert profiling.overlap_factor(10.0, 20.0, 25.0) == pytest.approx(0.5)
+  assert profiling.overlap_factor(20.0, 10.0, 25.0) == pytest.approx(0.5)
+  assert profiling.overlap_factor(10.0, 20.0, 20.0) == 1.0
   # γ = (T₂ − α)/(T₁ − α), clipped to [1, 2]
   assert profiling.contention_factor(3.0, 4.5, 1.0) == pytest.approx(1.75)
   assert profiling.contention_factor(3.0, 9.0, 1.0) == 2.0

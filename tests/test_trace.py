@@ -297,11 +297,17 @@ def test_show_measured_draws_and_prints(tmp_path, log_dir, plan_and_costs,
   assert table["sum"][-1] == "44%"  # 200 / 450
   assert "measured hidden 44%" in out and "(step 1 drawn)" in out
   assert "simulated" in out
-  # The simulator again at the trace's η = 200/450 (the costs say 0.5).
+  # The simulator again at the trace's η: 200/450 of the link time hid,
+  # a share 200/450 · G / H of what the ideal schedule hides (the costs say
+  # 0.5).
   from jaxfuse.planning import costs as costs_lib, simulate
-  again = simulate.simulate(jaxfuse.Plan.load(plan), costs_lib.Costs.load(
-      costs).replace(overlap=200 / 450)).iteration
-  assert (f"with η = 0.44 (this trace's) the simulator predicts a step of "
+  plan_, costs_ = jaxfuse.Plan.load(plan), costs_lib.Costs.load(costs)
+  ideal = simulate.simulate(plan_, costs_.replace(overlap=1.0))
+  eta = min(1.0, 200 / 450 * ideal.communication / ideal.hidden)
+  assert 0 < eta <= 1 and ideal.hidden < ideal.communication
+  again = simulate.simulate(plan_, costs_.replace(overlap=eta)).iteration
+  assert (f"with η = {eta:.2f} (this trace's share of what the ideal "
+          f"schedule hides) the simulator predicts a step of "
           f"{again * 1e3:.3f} ms") in out
   assert cli.main(["show", plan, "--measured", str(log_dir), "--step", "0",
                    "-o", str(alone)]) == 0

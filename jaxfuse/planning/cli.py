@@ -265,9 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
   pl.add_argument("--overlap", metavar="ETA",
                   type=lambda t: unit_float(t, low_open=False),
                   help="plan for this overlap η in [0, 1] instead of the "
-                  "costs' (profiled on the plain step): the share of link "
-                  "time hidden behind compute that `jaxfuse show --measured "
-                  "TRACE` reports for your step, e.g. under send_early")
+                  "costs' (profiled on the plain step): the share of what "
+                  "the ideal schedule would hide that your step hides, e.g. "
+                  "under send_early (`jaxfuse show --measured TRACE`)")
   pl.add_argument("--density", type=unit_float,
                   help="share of each sparse leaf sent per step, in (0, 1]")
   pl.add_argument("--strategy", help="how to cut the leaves into buckets: "

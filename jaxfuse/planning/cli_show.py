@@ -105,9 +105,20 @@ def _show_measured(measured, step, timeline, resimulate=None) -> None:
           f"(NCCL kernels) behind compute kernels{drawn}")
   if timeline is not None:
     line += f"; simulated {100 * timeline.overlap_ratio:.0f}%"
-    line += (f"\nwith η = {measured.hidden:.2f} (this trace's) the simulator "
-             f"predicts a step of {ms(resimulate(measured.hidden))}")
+    eta = trace_eta(measured.hidden, resimulate(1.0))
+    line += (f"\nwith η = {eta:.2f} (this trace's share of what the ideal "
+             f"schedule hides) the simulator predicts a step of "
+             f"{ms(resimulate(eta).iteration)}")
   print(line)
+
+
+def trace_eta(hidden_share: float, ideal) -> float:
+  """``simulate``'s η from a trace's hidden share of the link time: what
+  hid (share·G) over what the ideal schedule ``ideal`` hides, in [0, 1]."""
+  if ideal.hidden <= 0:
+    return 1.0
+  return min(1.0, max(0.0, hidden_share * ideal.communication /
+                      ideal.hidden))
 
 
 def cmd_show(args) -> int:
@@ -159,7 +170,7 @@ def cmd_show(args) -> int:
       print(note)
   if measured is not None:
     _show_measured(measured, step, timeline, lambda eta: simulate.simulate(
-        plan, costs.replace(overlap=eta)).iteration)
+        plan, costs.replace(overlap=eta)))
   if args.output:
     from jaxfuse.planning import timeline_plot  # pylint: disable=g-import-not-at-top
     try:

@@ -10,10 +10,9 @@ operation whose time depends on a size is a straight line::
 the measured per-leaf backward compute
 times (in the plan's leaf order, i.e. pytree order), the forward time, the
 contention factor γ of ASC-WFBP §III (each of two simultaneous collectives
-moves its bytes γ times slower) and the overlap η: the share of the
-communication that XLA really hides behind backward compute (1 is the ideal
-WFBP of the papers; measured ≈ 0.25 on 2×H200 over NCCL's socket
-transport). ``jaxfuse.planning.simulate`` turns a plan and these costs into a
+moves its bytes γ times slower) and the overlap η: the share of what the
+ideal WFBP schedule of the papers would hide that XLA really hides behind
+backward compute (1 is that ideal; ``simulate`` has the rule). ``jaxfuse.planning.simulate`` turns a plan and these costs into a
 timeline.
 
 Other worker counts K (``primitive_time``). Each measured line is read as
@@ -156,8 +155,9 @@ class Costs:
   backward: backward compute time of each leaf, in the plan's leaf order
     (pytree order; the same length as ``plan.leaves``).
   contention: γ >= 1, slow-down of each of two simultaneous collectives.
-  overlap: η in [0, 1], the share of communication XLA can hide behind
-    backward compute (``simulate`` says exactly how it is applied).
+  overlap: η in [0, 1], the share of what the ideal schedule hides that
+    XLA hides behind backward compute (``simulate`` says exactly how it is
+    applied).
   forward: forward compute time.
   workers: K₀, the devices the collective lines were measured on (≥ 2).
   provenance: free-form notes (devices, date, how measured); JSON values.

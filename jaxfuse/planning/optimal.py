@@ -22,9 +22,10 @@ group [a..j] starting on the compute stream at P_a = Σ_{p<a} (b_p + h_p):
                                           sparse bucket on the link anyway)
   link                 E ← max(r_s, E) + g_ag(Σ sparse w);
                        E ← max(r_d, E) + g_ps(Σ dense w)
-  iteration            forward + max(E_final, P_N + (1 − η)·G)
+  iteration            forward + (1 − η)·(P_N + G) + η·max(E_final, P_N)
 
-(G: total communication, η: ``costs.overlap``; see ``jaxfuse.planning.simulate``).
+(G: total communication, η: ``costs.overlap``: the iteration is (1 − η)·(no
+overlap) + η·(the ideal schedule); see ``jaxfuse.planning.simulate``).
 P_a at a group boundary does not depend on the grouping: the compute time
 of a group is its backward plus one compression per sparse leaf.
 
@@ -246,7 +247,14 @@ class GroupingProblem:
       link, g = _group(t, self.allgather, self.psum, a, j, link)
       comm += g
       a = j + 1
-    return self.forward + max(link, t["pos"][n] + (1 - self.overlap) * comm)
+    return self.forward + _objective(t["pos"][n], link, comm, self.overlap)
+
+
+def _objective(compute, link, comm, eta):
+  """Iteration time after the forward: (1 − η)·(compute + comm) +
+  η·max(link, compute), for a final link time ``link`` and communication
+  ``comm`` (numbers or numpy arrays). Non-decreasing in link and comm."""
+  return (1 - eta) * (compute + comm) + eta * np.maximum(link, compute)
 
 
 def _group(t, ag, ps, a, j, link):
@@ -322,7 +330,7 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
   sw, dw = np.asarray(t["sw"], np.float64), np.asarray(t["dw"], np.float64)
   ns = np.asarray(t["ns"])
   ag, ps = problem.allgather, problem.psum
-  keep, fwd = 1.0 - problem.overlap, problem.forward
+  eta, fwd = problem.overlap, problem.forward
   compute = float(pos[n])
   sparse = np.asarray(problem.sparse, bool)
 
@@ -333,9 +341,6 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
   rest = (np.where(has_s, ag.alpha + ag.beta * (sw[n] - sw), 0.0) +
           np.where(has_d, ps.alpha + ps.beta * (dw[n] - dw), 0.0))
   wire = np.asarray(problem.wire, np.float64)
-  # most[i]: most communication of positions i.. (every leaf on its own).
-  one = np.where(sparse, ag.alpha + ag.beta * wire, ps.alpha + ps.beta * wire)
-  most = np.append(np.cumsum(one[::-1])[::-1], 0.0)
   # The last bucket is ready exactly when the compute stream ends.
   if sparse[-1]:
     last = ag.alpha + ag.beta * wire[-1]
@@ -381,7 +386,8 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
     if prune_bound:
       # Every group [K..j'], j' >= j, sends its first bucket no earlier than
       # max(link, ready), and all bytes from K after it: dead for good.
-      alive = np.maximum(link, ready) + rest[kk] < room
+      alive = _objective(compute, np.maximum(link, ready) + rest[kk],
+                         comm + rest[kk], eta) < room
       if not alive.all():
         live = {key: v[alive] for key, v in live.items()}
         kk, link, comm, ready = kk[alive], link[alive], comm[alive], \
@@ -406,31 +412,23 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
     link2 = np.where(nd > 0, np.maximum(pos[tpos], link2) + g_d, link2)
     comm2 = comm + (g_s + g_d)
     if tpos == n:
-      time = np.maximum(link2, compute + keep * comm2)
+      time = _objective(compute, link2, comm2, eta)
       i = int(np.argmin(time))
       if time[i] < room:
         room, best_cuts = float(time[i]), _path(parent, cut, ids[i], j)
       break
     if prune_bound:
-      ok = ((link2 + rest[tpos] < room) &
-            (compute + keep * (comm2 + rest[tpos]) < room))
-      if reach[tpos] >= room:
-        ok[:] = False
+      ok = _objective(compute, np.maximum(link2 + rest[tpos], reach[tpos]),
+                      comm2 + rest[tpos], eta) < room
       link2, comm2, child_min, ids = (link2[ok], comm2[ok], child_min[ok],
                                       ids[ok])
     if not len(link2):
       continue
     if prune_states and len(link2) > 1:
-      if keep > 0:
-        # A label whose η term stays under a lower bound of B's final link
-        # time, even with every later leaf in a bucket of its own, is no
-        # worse than B whatever its communication so far.
-        enough = (np.maximum(link2 + rest[tpos], reach[tpos]) - compute) / \
-            keep - most[tpos]
-        keep_ = _front(link2, comm2, child_min, enough)
-      else:
-        keep_ = _front(link2, np.zeros_like(comm2), child_min,
-                       np.zeros_like(comm2))
+      # The objective grows with the link time and the communication (at
+      # η = 1 the communication does not enter).
+      keep_ = _front(link2, comm2 if eta < 1 else np.zeros_like(comm2),
+                     child_min, np.full_like(comm2, -np.inf))
       link2, comm2, child_min, ids = (link2[keep_], comm2[keep_],
                                       child_min[keep_], ids[keep_])
     # New labels start their next group at tpos.
@@ -448,7 +446,7 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
           ag.alpha + ag.beta * (sw[n] - sw[tpos]))
     if n - tpos - nsp:
       e = np.maximum(compute, e) + (ps.alpha + ps.beta * (dw[n] - dw[tpos]))
-    time = np.maximum(e, compute + keep * (comm2 + rest[tpos]))
+    time = _objective(compute, e, comm2 + rest[tpos], eta)
     i = int(np.argmin(time))
     if time[i] < room:
       room, best_cuts = float(time[i]), _path(parent, cut, int(new_ids[i]),

@@ -189,10 +189,13 @@ def contention_factor(t_one: float, t_two: float, alpha: float) -> float:
 
 
 def overlap_factor(t_backward: float, t_comm: float, t_both: float) -> float:
-  """η = (T_bwd + T_comm − T_both)/T_comm in [0, 1] (1 when T_comm ≤ 0)."""
-  if t_comm <= 0:
+  """η = (T_bwd + T_comm − T_both) / min(T_bwd, T_comm) in [0, 1]: what
+  hid, as a share of what an ideal overlap could hide (``simulate``'s η; 1
+  when there is nothing to hide)."""
+  ideal = min(t_backward, t_comm)
+  if ideal <= 0:
     return 1.0
-  return float(min(1.0, max(0.0, (t_backward + t_comm - t_both) / t_comm)))
+  return float(min(1.0, max(0.0, (t_backward + t_comm - t_both) / ideal)))
 
 
 def measure_contention(mesh, nbytes: int, alpha: float, *, chain: int = 4,

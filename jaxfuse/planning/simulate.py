@@ -26,21 +26,24 @@ to the costs' ``workers``; at K₀ an all_gather or psum bucket takes exactly
 its measured line).
 
 Overlap calibration (η = ``costs.overlap``). XLA does not hide as much as the
-ideal schedule: measured, only about a quarter of the communication. The rule
-used here: *the link may be busy for at most η·G seconds before the compute
-stream ends* (G = total communication time). It follows the ideal schedule
-until it has spent that budget; then the bucket on the link pauses until
-``compute_end`` and everything left follows back to back. Hence
+ideal schedule. The rule used here: *XLA keeps a share η of what the ideal
+schedule hides*, H (the ideal link's busy time before the compute stream
+ends): the link may be busy for at most η·H seconds before ``compute_end``.
+It follows the ideal schedule until it has spent that budget; then the
+bucket on the link pauses until ``compute_end`` and everything left follows
+back to back. Hence
 
-  hidden = min(hidden in the ideal schedule, η·G)
-  iteration = forward + max(ideal_comm_end − forward,
-                            Σ backward + Σ compression + (1 − η)·G)
+  hidden = η·H
+  iteration = compute_end + G − η·H = (1 − η)·T_none + η·T_ideal
 
-so η = 1 gives the ideal WFBP timeline, η = 0 gives no overlap (iteration =
-forward + backward + compression + all communication), and whenever the
-ideal schedule could hide everything, the simulated overlap ratio is exactly
-η (which is how η is calibrated from one measurement). The iteration time is
-non-decreasing in every time, byte count, α and β, and non-increasing in η.
+(T_none = compute_end + G, no overlap; T_ideal the ideal WFBP iteration):
+η = 1 gives the ideal timeline, η = 0 no overlap, and a plan whose ideal
+schedule hides less (a large last bucket, ready only when the backward
+ends) is slower at every η < 1. Whenever the ideal schedule could hide
+everything, the simulated overlap ratio is exactly η. The iteration time
+is non-decreasing in every time, byte count, α and β, and non-increasing
+in η. (Measured against cap-style models: docs/benchmarks.md, "A share of
+the ideal saving instead of a cap".)
 """
 
 from __future__ import annotations
@@ -186,7 +189,8 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
   durations = [costs.steps_time(steps, k)
                for steps in collectives.bucket_steps(plan, k, sched=sched)]
   total = math.fsum(durations)
-  budget = costs.overlap * total
+  budget = costs.overlap * _ideal_hidden(costs.forward, durations, marks,
+                                         compute_end)
   slack = 1e-12 * total  # rounding of the sums must not start a pause at η = 1
   busy, free, pause = 0.0, costs.forward, None
   buckets = []
@@ -211,3 +215,15 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
   iteration = max(compute_end, free)
   return Timeline(tuple(leaf_times), tuple(buckets), costs.forward, backward,
                   compression, compute_end, total, iteration, pause)
+
+
+def _ideal_hidden(start, durations, marks, compute_end) -> float:
+  """H: how long the ideal WFBP link (each bucket in plan order at
+  max(its compression end, the previous bucket's end)) is busy before
+  ``compute_end``."""
+  free, hidden = start, 0.0
+  for g, (_, compressed) in zip(durations, marks):
+    begin = max(compressed, free)
+    free = begin + g
+    hidden += max(0.0, min(free, compute_end) - begin)
+  return hidden
