@@ -33,14 +33,16 @@ The two prunings of Algorithm 1, adapted to this model and proven safe in
 it (``prune_bound`` / ``prune_dominance`` turn them off, for tests):
 
 1. Bound (Cupcake insight #1, Eq. 4, lines 19-23): the optimistic outcome
-   of a branch whose next group is [k..j] is the largest of: the link time
-   after that group plus the rest's least communication (its bytes at β and
-   one α per collective still needed; "the rest as one group, sent right
-   after"); P_N plus the cheapest possible last bucket (no communication
-   overhead but the last); P_k − SB_k + max_{q>=k} (SB_{q+1} + rest_q) (a
-   bucket with a leaf at q or later is ready no earlier than P_k +
-   SB(k..q), and all bytes from q on follow it); and the η term P_N + (1 −
-   η)·(G so far + the rest's least communication). A branch whose optimistic
+   of a branch whose next group is [k..j] is the objective at a lower bound
+   of each of its two arguments (it grows with both). The final link time
+   is at least the largest of: the link time after that group plus the
+   rest's least communication (its bytes at β and one α per collective
+   still needed; "the rest as one group, sent right after"); P_N plus the
+   cheapest possible last bucket (no communication overhead but the last);
+   P_k − SB_k + max_{q>=k} (SB_{q+1} + rest_q) (a bucket with a leaf at q
+   or later is ready no earlier than P_k + SB(k..q), and all bytes from q
+   on follow it). G is at least G so far plus the rest's least
+   communication. A branch whose optimistic
    outcome is no better than the best grouping found is cut; since the first
    of these only grows with j once the group's ready time passes the link
    time, the scan over j stops there. The best of a few equal-count
@@ -68,9 +70,7 @@ it (``prune_bound`` / ``prune_dominance`` turn them off, for tests):
    groupings are visited by the position where their next group starts, in
    increasing order (a breadth-first form of Algorithm 1's recursion), so
    all those reaching k are known before any is extended; one no better in
-   all three than another is dropped (G counts only where the η term could
-   still decide: not when P_N + (1 − η)·(G + every later leaf in a bucket of
-   its own) stays below a lower bound of the other's final link time). At
+   all three than another is dropped (G does not count at η = 1). At
    each position the candidate groups of all live partial groupings are
    evaluated at once with numpy.
 
