@@ -78,9 +78,9 @@ Each pruning keeps an optimal grouping (tested against brute force and
 against the search with each pruning off). With 3 alone the search is an
 exact dynamic program; 1 and 2 make it fast. Measured on synthetic
 ResNet-101-like models (a third of the leaves sparse) over a range of
-compute/communication ratios and η: 314 leaves 10-100 ms, 1000 leaves
-0.03-0.8 s; the slow cases are those where many groupings come within
-0.1% of the optimum.
+compute/communication ratios and η: 314 leaves about 50 ms, 1000 leaves
+about 0.25 s (benchmarks/planner.py timing); the slow cases are those where
+many groupings come within 0.1% of the optimum.
 """
 
 from __future__ import annotations
