@@ -176,6 +176,33 @@ def _predict(row: dict, predicted, eta: float) -> None:
     row["prediction_error"] = row["predicted_s"] / row["measured_s"] - 1
 
 
+def _predict_from_one_worker(rows, plans, costs) -> None:
+  """Each measured plan predicted with its density's one-GPU step T₁ as the
+  compute stream and η fitted on that density's ``size`` plan:
+  T₁ + G − η·H (``simulate``'s rule; G, H: the plan's communication and
+  what the ideal schedule hides of it). Sets ``predicted_t1_s``."""
+  from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
+  density = lambda row: row["plan"].partition("@")[2]
+  fits = {}
+  for row in rows:
+    if row["plan"].startswith("size") and row.get("measured_overlap") is not None:
+      fits.setdefault(density(row), (row["measured_one_worker_s"], min(
+          max(row["measured_overlap"], 0.0), 1.0)))
+  if not fits:
+    return
+  print("with T₁ as the compute and η fitted per density:", flush=True)
+  for row, plan in zip(rows, plans):
+    if density(row) not in fits or not row["measured_s"]:
+      continue
+    t1, eta = fits[density(row)]
+    ideal = simulate.simulate(plan, costs.replace(overlap=1.0))
+    row["predicted_t1_s"] = t1 + ideal.communication - eta * ideal.hidden
+    print(f"   {row['plan']:22} predicted {1e3 * row['predicted_t1_s']:7.1f}"
+          f" ms  measured {1e3 * row['measured_s']:7.1f} ms  error "
+          f"{100 * (row['predicted_t1_s'] / row['measured_s'] - 1):+5.1f} %"
+          f"  (η {eta:.2f})", flush=True)
+
+
 def cmd_measure(args) -> list[dict]:
   if args.overlap == "measured" and not (args.one_worker and args.sizes_mb):
     raise SystemExit("--overlap measured needs --one-worker and a size plan "
@@ -263,6 +290,7 @@ def cmd_measure(args) -> list[dict]:
         print(f"   {row['plan']:22} predicted {1e3 * row['predicted_s']:7.1f}"
               f" ms  measured {1e3 * row['measured_s']:7.1f} ms  error "
               f"{100 * row['prediction_error']:+5.1f} %", flush=True)
+  _predict_from_one_worker(rows, plans, costs)
   dense = next((r for r in rows if r["plan"] == "dense" and r["measured_s"]),
                None)
   for r in rows:
