@@ -220,7 +220,7 @@ def cmd_measure(args) -> list[dict]:
                  for a in ("--xla-option", f.removeprefix("--"))]
   if isinstance(args.overlap, float):
     costs = base["costs"] = costs.replace(overlap=args.overlap)
-  plans, eta_measured = [], False
+  plans, eta_measured = [], {}   # η measured per density
   with tempfile.TemporaryDirectory() as tmp:
     for name, strategy, options in _configs(args):
       plan = jaxfuse.plan(params, **{**base, **options,
@@ -272,20 +272,25 @@ def cmd_measure(args) -> list[dict]:
                    f"  η {row['measured_overlap']:.2f}")
       rows.append(row)
       print(line, flush=True)
+      density = options.get("density")
       if (args.overlap == "measured" and strategy == "size" and
-          row.get("measured_overlap") is not None and not eta_measured):
-        # Plan and predict everything from here on, and re-predict what
-        # ran, with the η this step measured (the overlap of the step as
-        # it is compiled, e.g. under --send-early).
+          row.get("measured_overlap") is not None and
+          density not in eta_measured):
+        # Plan and predict the rest of this density, and re-predict what
+        # ran at it, with the η this step measured (the overlap of the
+        # step as it is compiled, e.g. under --send-early).
         eta = min(max(row["measured_overlap"], 0.0), 1.0)
         costs = base["costs"] = costs.replace(overlap=eta)
-        eta_measured = True
+        eta_measured[density] = eta
         print(f"   planning and predicting with the measured η = {eta:.2f}",
               flush=True)
   if eta_measured:
-    print(f"re-predicted at η = {costs.overlap:.2f}:", flush=True)
-    for row, plan in zip(rows, plans):
-      _predict(row, simulate.simulate(plan, costs), costs.overlap)
+    print("re-predicted at the measured η ("
+          + ", ".join(f"{e:.2f} at {d:g}" for d, e in eta_measured.items())
+          + "):", flush=True)
+    for row, plan, (_, _, options) in zip(rows, plans, _configs(args)):
+      eta = eta_measured.get(options.get("density"), costs.overlap)
+      _predict(row, simulate.simulate(plan, costs.replace(overlap=eta)), eta)
       if row["measured_s"]:
         print(f"   {row['plan']:22} predicted {1e3 * row['predicted_s']:7.1f}"
               f" ms  measured {1e3 * row['measured_s']:7.1f} ms  error "
