@@ -428,7 +428,7 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
       # The objective grows with the link time and the communication (at
       # η = 1 the communication does not enter).
       keep_ = _front(link2, comm2 if eta < 1 else np.zeros_like(comm2),
-                     child_min, np.full_like(comm2, -np.inf))
+                     child_min)
       link2, comm2, child_min, ids = (link2[keep_], comm2[keep_],
                                       child_min[keep_], ids[keep_])
     # New labels start their next group at tpos.
@@ -474,16 +474,12 @@ def _limits(k, link, minend, pos, run, prune_dominance):
   return lo, jstar
 
 
-def _front(link, comm, minend, enough):
-  """Mask of the labels no other label dominates.
-
-  A dominates B when link_A <= link_B, minend_A <= minend_B and comm_A <=
-  max(comm_B, enough_B), where ``enough_B`` is a communication so far below
-  which the η term cannot decide any completion of B (it is transitive).
-  """
+def _front(link, comm, minend):
+  """Mask of the labels no other label dominates: A dominates B when
+  link_A <= link_B, minend_A <= minend_B and comm_A <= comm_B."""
   order = np.lexsort((minend, comm, link))
   comm, minend = comm[order], minend[order]
-  limit = np.maximum(comm, enough[order])
+  limit = comm
 
   def undominated(comm, minend, limit, m):
     # Exclusive running minimum of comm over earlier labels with minend <= m.
