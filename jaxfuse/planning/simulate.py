@@ -189,41 +189,43 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
   durations = [costs.steps_time(steps, k)
                for steps in collectives.bucket_steps(plan, k, sched=sched)]
   total = math.fsum(durations)
-  budget = costs.overlap * _ideal_hidden(costs.forward, durations, marks,
-                                         compute_end)
   slack = 1e-12 * total  # rounding of the sums must not start a pause at η = 1
-  busy, free, pause = 0.0, costs.forward, None
-  buckets = []
-  for b, n, g, (ready, compressed) in zip(sched.buckets, wire, durations,
-                                          marks):
-    start = max(compressed, free)
-    if pause is None and start < compute_end:
-      before = min(start + g, compute_end) - start
-      if busy + before > budget + slack:
-        ran = max(0.0, budget - busy)
-        pause = (start + ran, compute_end)
-        if ran <= 0:
-          start = compute_end
-        end, busy = compute_end + (g - ran), budget
-      else:
-        end, busy = start + g, busy + before
-    else:
-      end = start + g
-    free = end
-    buckets.append(BucketTimes(ready, ready, compressed, start, end,
-                               b.collective, int(n)))
+  compressed = [c for _, c in marks]
+  _, ideal_hidden, _ = _link(costs.forward, durations, compressed,
+                             compute_end, math.inf, slack)
+  spans, _, pause = _link(costs.forward, durations, compressed, compute_end,
+                          costs.overlap * ideal_hidden, slack)
+  buckets = [BucketTimes(ready, ready, done, start, end, b.collective, int(n))
+             for b, n, (ready, done), (start, end) in zip(
+                 sched.buckets, wire, marks, spans)]
+  free = spans[-1][1] if spans else costs.forward
   iteration = max(compute_end, free)
   return Timeline(tuple(leaf_times), tuple(buckets), costs.forward, backward,
                   compression, compute_end, total, iteration, pause)
 
 
-def _ideal_hidden(start, durations, marks, compute_end) -> float:
-  """H: how long the ideal WFBP link (each bucket in plan order at
-  max(its compression end, the previous bucket's end)) is busy before
-  ``compute_end``."""
-  free, hidden = start, 0.0
-  for g, (_, compressed) in zip(durations, marks):
-    begin = max(compressed, free)
-    free = begin + g
-    hidden += max(0.0, min(free, compute_end) - begin)
-  return hidden
+def _link(start, durations, compressed, compute_end, budget, slack):
+  """The link's (start, end) per bucket, its busy time before
+  ``compute_end`` and its pause: buckets in plan order, each at max(its
+  compression end, the previous bucket's end) (the ideal WFBP schedule)
+  until the link has been busy ``budget`` seconds before ``compute_end``;
+  then it pauses until ``compute_end`` and the rest follows back to back.
+  With an infinite budget: the ideal schedule, whose busy time is H."""
+  busy, free, pause, spans = 0.0, start, None, []
+  for g, done in zip(durations, compressed):
+    begin = max(done, free)
+    if pause is None and begin < compute_end:
+      before = min(begin + g, compute_end) - begin
+      if busy + before > budget + slack:
+        ran = max(0.0, budget - busy)
+        pause = (begin + ran, compute_end)
+        if ran <= 0:
+          begin = compute_end
+        end, busy = compute_end + (g - ran), budget
+      else:
+        end, busy = begin + g, busy + before
+    else:
+      end = begin + g
+    free = end
+    spans.append((begin, end))
+  return spans, busy, pause
