@@ -479,23 +479,22 @@ def _front(link, comm, minend):
   link_A <= link_B, minend_A <= minend_B and comm_A <= comm_B."""
   order = np.lexsort((minend, comm, link))
   comm, minend = comm[order], minend[order]
-  limit = comm
 
-  def undominated(comm, minend, limit, m):
+  def undominated(comm, minend, m):
     # Exclusive running minimum of comm over earlier labels with minend <= m.
     c = np.where(minend <= m, comm, np.inf)
     before = np.minimum.accumulate(np.concatenate([[np.inf], c[:-1]]))
-    return ~(before <= limit)
+    return ~(before <= comm)
 
   # Unconstrained labels (minend 0) first: they dominate most. What they
   # dominate cannot dominate anything they do not (transitivity).
-  kept = undominated(comm, minend, limit, 0)
+  kept = undominated(comm, minend, 0)
   sub = np.flatnonzero(kept)
   if len(sub) > 1:
-    c, e, l = comm[sub], minend[sub], limit[sub]
+    c, e = comm[sub], minend[sub]
     ok = np.ones(len(sub), bool)
     for m in np.unique(e[e > 0]):
-      ok &= (e != m) | undominated(c, e, l, m)
+      ok &= (e != m) | undominated(c, e, m)
     kept[sub] = ok
   out = np.zeros(len(order), bool)
   out[order[kept]] = True
