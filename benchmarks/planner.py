@@ -176,25 +176,24 @@ def _predict(row: dict, predicted, eta: float) -> None:
     row["prediction_error"] = row["predicted_s"] / row["measured_s"] - 1
 
 
-def _predict_from_one_worker(rows, plans, costs) -> None:
+def _predict_from_one_worker(rows, plans, densities, costs) -> None:
   """Each measured plan predicted with its density's one-GPU step T₁ as the
   compute stream and η fitted on that density's ``size`` plan:
   T₁ + G − η·H (``simulate``'s rule; G, H: the plan's communication and
   what the ideal schedule hides of it). Sets ``predicted_t1_s``."""
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
-  density = lambda row: row["plan"].partition("@")[2]
   fits = {}
-  for row in rows:
+  for row, density in zip(rows, densities):
     if row["plan"].startswith("size") and row.get("measured_overlap") is not None:
-      fits.setdefault(density(row), (row["measured_one_worker_s"], min(
+      fits.setdefault(density, (row["measured_one_worker_s"], min(
           max(row["measured_overlap"], 0.0), 1.0)))
   if not fits:
     return
   print("with T₁ as the compute and η fitted per density:", flush=True)
-  for row, plan in zip(rows, plans):
-    if density(row) not in fits or not row["measured_s"]:
+  for row, plan, density in zip(rows, plans, densities):
+    if density not in fits or not row["measured_s"]:
       continue
-    t1, eta = fits[density(row)]
+    t1, eta = fits[density]
     ideal = simulate.simulate(plan, costs.replace(overlap=1.0))
     row["predicted_t1_s"] = t1 + ideal.communication - eta * ideal.hidden
     print(f"   {row['plan']:22} predicted {1e3 * row['predicted_t1_s']:7.1f}"
@@ -220,12 +219,13 @@ def cmd_measure(args) -> list[dict]:
                  for a in ("--xla-option", f.removeprefix("--"))]
   if isinstance(args.overlap, float):
     costs = base["costs"] = costs.replace(overlap=args.overlap)
-  plans, eta_measured = [], {}   # η measured per density
+  plans, densities, eta_measured = [], [], {}   # η measured per density
   with tempfile.TemporaryDirectory() as tmp:
     for name, strategy, options in _configs(args):
       plan = jaxfuse.plan(params, **{**base, **options,
                                      "strategy": strategy or "single"})
       plans.append(plan)
+      densities.append(options["density"])
       predicted = simulate.simulate(plan, costs)
       if strategy is None:
         extra = ["--sync", "dense"]
@@ -272,7 +272,7 @@ def cmd_measure(args) -> list[dict]:
                    f"  η {row['measured_overlap']:.2f}")
       rows.append(row)
       print(line, flush=True)
-      density = options.get("density")
+      density = options["density"]
       if (args.overlap == "measured" and strategy == "size" and
           row.get("measured_overlap") is not None and
           density not in eta_measured):
@@ -288,14 +288,14 @@ def cmd_measure(args) -> list[dict]:
     print("re-predicted at the measured η ("
           + ", ".join(f"{e:.2f} at {d:g}" for d, e in eta_measured.items())
           + "):", flush=True)
-    for row, plan, (_, _, options) in zip(rows, plans, _configs(args)):
-      eta = eta_measured.get(options.get("density"), costs.overlap)
+    for row, plan, density in zip(rows, plans, densities):
+      eta = eta_measured.get(density, costs.overlap)
       _predict(row, simulate.simulate(plan, costs.replace(overlap=eta)), eta)
       if row["measured_s"]:
         print(f"   {row['plan']:22} predicted {1e3 * row['predicted_s']:7.1f}"
               f" ms  measured {1e3 * row['measured_s']:7.1f} ms  error "
               f"{100 * row['prediction_error']:+5.1f} %", flush=True)
-  _predict_from_one_worker(rows, plans, costs)
+  _predict_from_one_worker(rows, plans, densities, costs)
   dense = next((r for r in rows if r["plan"] == "dense" and r["measured_s"]),
                None)
   for r in rows:
