@@ -28,14 +28,14 @@
 #            RECIPES=onebit_adamw+warm+early+net for the step under
 #            jaxfuse.send_early with jaxfuse.xla_flags(3), and dense+net)
 #   readme   (every GPU a worker) socket: dense AdamW, then the README
-#            recipe (onebit_adamw, bfloat16 dense phase, DGC's ramp folded
-#            by num_workers, size 64 MiB plan, send_early, xla_flags(3)) at
-#            each of DENSITIES (default 0.05) and DENSE_FRACTIONS (default
-#            0.15), 1000 steps, lr 3e-4: one JSON per run (dense about 4.5
-#            minutes on 4 GPUs, each recipe run about 4); SKIP_DENSE=1
-#            reuses the dense run of an earlier call on this machine;
-#            RAMP="0.0625" replaces DGC's ramp densities (e.g. to leave
-#            out the 25 % that num_workers folds into the dense phase)
+#            recipe (onebit_adamw, bfloat16 dense phase, then 6.25 % for
+#            5 % of the steps, size 64 MiB plan, send_early, xla_flags(3))
+#            at each of DENSITIES (default 0.05) and DENSE_FRACTIONS
+#            (default 0.10), 1000 steps, lr 3e-4: one JSON per run (dense
+#            about 4.5 minutes on 4 GPUs, each recipe run about 4);
+#            SKIP_DENSE=1 reuses the dense run of an earlier call on this
+#            machine; RAMP sets the warm-up densities (default 0.0625;
+#            RAMP=dgc: DGC's ramp, folded by num_workers)
 #   one      (one GPU) the strict quality check: dense AdamW and the README
 #            recipe (bfloat16 dense phase, size 64 MiB plan) with each
 #            dense phase of FRACTIONS (default "0.15 0.10") and each ramp
@@ -105,11 +105,11 @@ recal)
   $MEASURE --out "$OUT/measure2_socket.json" measure --transport socket \
       --costs "$OUT/costs2_socket.json" --steps 10 --sizes-mb 64 \
       --densities 0.05 0.01 --strategies --run-timeout 100 \
-      2>&1 | grep -v "^==" | tee "$OUT/measure2_socket.log"
+      2>&1 | grep --line-buffered -v "^==" | tee "$OUT/measure2_socket.log"
   $MEASURE --out "$OUT/measure2_nvlink.json" measure --transport nvlink \
       --costs "$OUT/costs2_nvlink.json" --steps 10 --sizes-mb 64 \
       --densities 0.05 --strategies auto --no-dense --run-timeout 100 \
-      2>&1 | grep -v "^==" | tee "$OUT/measure2_nvlink.log" ;;
+      2>&1 | grep --line-buffered -v "^==" | tee "$OUT/measure2_nvlink.log" ;;
 multi)
   # 4 or 8 GPUs (every GPU of this machine): the socket profile, then dense
   # and each scheme at 0.01 and 0.001, and auto. About 11 runs of about a
@@ -123,7 +123,7 @@ multi)
         --costs "$OUT/costs_multi.json" --steps 10 --sizes-mb 64 \
         --densities $d --collectives allgather zen spardl --strategies auto \
         $([ "$d" = 0.001 ] && echo --no-dense) --run-timeout 150 \
-        2>&1 | grep -v "^==" | tee "$OUT/measure_multi_$d.log"
+        2>&1 | grep --line-buffered -v "^==" | tee "$OUT/measure_multi_$d.log"
   done ;;
 conv8)
   # Every GPU a worker: dense against the README's recipe and its SparDL
@@ -137,10 +137,11 @@ conv8)
 readme)
   export $SOCKET
   C="python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 --eval-every 50 --eval-batches 8 --lrs 3e-4"
+  RAMP=${RAMP-0.0625}; [ "$RAMP" = dgc ] && RAMP=
   [ "${SKIP_DENSE:-0}" = 1 ] || $C --density 0.05 --recipes dense+net \
       --out "$OUT/readme_dense.json" 2>&1 | tail -n 3
   for d in ${DENSITIES:-0.05}; do
-    for f in ${DENSE_FRACTIONS:-0.15}; do
+    for f in ${DENSE_FRACTIONS:-0.10}; do
       $C --density $d --dense-fraction $f \
           --recipes onebit_adamw+warm+bf16wire+early+net \
           --extra="--strategy size --bucket-bytes 67108864${RAMP:+ --warmup-densities $RAMP}" \
@@ -174,12 +175,12 @@ early)
       --strategies ${STRATEGIES:-aligned auto single cupcake safusion} \
       --run-timeout ${RUN_TIMEOUT:-150} \
       --train-args "--dense-warmup 1 --warmup-steps 0 --send-early --network-gbytes-s 3" \
-      2>&1 | grep -v "^==" | tee "$OUT/measure_early.log"
+      2>&1 | grep --line-buffered -v "^==" | tee "$OUT/measure_early.log"
   if [ "${PLAIN:-0}" = 1 ]; then
     $MEASURE --out "$OUT/measure_plain.json" measure --transport socket \
         --costs "$OUT/costs_early.json" --steps 10 --sizes-mb 64 \
         --densities 0.05 --strategies aligned --no-dense --run-timeout 100 \
-        2>&1 | grep -v "^==" | tee "$OUT/measure_plain.log"
+        2>&1 | grep --line-buffered -v "^==" | tee "$OUT/measure_plain.log"
   fi ;;
 *)
   echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|readme|one|early" >&2; exit 2 ;;

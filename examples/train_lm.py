@@ -209,8 +209,9 @@ def main(argv=None) -> dict:
     say(f"warning: a dense warm-up of {args.dense_warmup} step(s). "
         "onebit_adamw freezes Adam's second moment v after it, and a "
         "coordinate whose gradient was zero in every dense step keeps "
-        "v = 0 and later steps by m / eps; the loss can blow up. 1-bit Adam "
-        "warms up 15-25 % of the steps (--dense-warmup, --steps).")
+        "v = 0 and later steps by m / eps; the loss can blow up. The README "
+        "recipe warms up 10 % of the steps, 1-bit Adam 15-25 % "
+        "(--dense-warmup, --steps).")
   if args.warmup_steps is None:   # then DGC's ramp, 5 % of steps a density
     args.warmup_steps = steps // 20 if onebit else 0
   batch_size = (args.batch_size or preset.get("batch")

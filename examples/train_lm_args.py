@@ -202,8 +202,8 @@ def parse_args(argv):
   if args.optimizer == "onebit_adamw" and args.sync != "dense" and (
       args.dense_warmup == 0):
     p.error("--optimizer onebit_adamw freezes Adam's second moment after a "
-            "dense warm-up: give --dense-warmup N (1-bit Adam: 15-25%% of "
-            "the steps)")
+            "dense warm-up: give --dense-warmup N (the README recipe: 10%% "
+            "of the steps; 1-bit Adam: 15-25%%)")
   if args.delay and args.sync == "dense":
     p.error("--delay delays a jaxfuse recipe; --sync dense has none")
   if args.dense_settle is not None:
