@@ -195,7 +195,7 @@ def _predict_from_one_worker(rows, plans, densities, costs) -> None:
       continue
     t1, eta = fits[density]
     ideal = simulate.simulate(plan, costs.replace(overlap=1.0))
-    row["predicted_t1_s"] = t1 + ideal.communication - eta * ideal.hidden
+    row["predicted_t1_s"] = simulate.step_at(t1, eta, ideal)
     print(f"   {row['plan']:22} predicted {1e3 * row['predicted_t1_s']:7.1f}"
           f" ms  measured {1e3 * row['measured_s']:7.1f} ms  error "
           f"{100 * (row['predicted_t1_s'] / row['measured_s'] - 1):+5.1f} %"
@@ -262,14 +262,14 @@ def cmd_measure(args) -> list[dict]:
         per_worker = run["config"]["batch_size"] // run["config"]["num_devices"]
         alone = _train(args, extra + flag_args + [
             "--devices", "1", "--batch-size", str(per_worker)], env)
-        row["measured_one_worker_s"] = alone.get("steady_step_time_s")
-        g = predicted.communication
-        hidden = simulate.simulate(plan, costs.replace(overlap=1.0)).hidden
-        if row["measured_one_worker_s"] and hidden > 0:
-          row["measured_overlap"] = (row["measured_one_worker_s"] + g -
-                                     row["measured_s"]) / hidden
-          line += (f"  one worker {1e3 * row['measured_one_worker_s']:.1f} ms"
-                   f"  η {row['measured_overlap']:.2f}")
+        row["measured_one_worker_s"] = t1 = alone.get("steady_step_time_s")
+        ideal = simulate.simulate(plan, costs.replace(overlap=1.0))
+        eta = (simulate.eta_from_hidden(
+            t1 + ideal.communication - row["measured_s"], ideal)
+               if t1 else None)
+        if eta is not None:
+          row["measured_overlap"] = eta
+          line += f"  one worker {1e3 * t1:.1f} ms  η {eta:.2f}"
       rows.append(row)
       print(line, flush=True)
       density = options["density"]

@@ -129,16 +129,18 @@ def main(argv=None):
       continue
     got = row["measured_s"]
     ideal = simulate.simulate(plan, costs.replace(overlap=1.0))
-    g, hidden = ideal.communication, ideal.hidden
-    cap = max(ideal.iteration, ideal.compute_end + (1 - costs.overlap) * g)
+    cap = max(ideal.iteration,
+              ideal.compute_end + (1 - costs.overlap) * ideal.communication)
     win = window_step(plan, costs, a.window)
     if strategy == "size" and row.get("measured_one_worker_s"):
       t1 = row["measured_one_worker_s"]    # fits η for this density
-      share[density] = (t1, min(1.0, max(0.0, (t1 + g - got) / hidden)))
+      eta = simulate.eta_from_hidden(t1 + ideal.communication - got, ideal)
+      if eta is not None:
+        share[density] = (t1, min(1.0, max(0.0, eta)))
     t1, eta = share.get(density, (None, None))
     shared = (None if eta is None else
               simulate.simulate(plan, costs.replace(overlap=eta)).iteration)
-    shared_t1 = None if eta is None else t1 + g - eta * hidden
+    shared_t1 = None if eta is None else simulate.step_at(t1, eta, ideal)
     rows.append(dict(plan=name, measured_s=got, cap_model_s=cap,
                      cap_eta=costs.overlap, window_model_s=win,
                      share_model_s=shared, share_t1_model_s=shared_t1,

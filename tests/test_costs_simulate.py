@@ -15,6 +15,7 @@ from jaxfuse.planning.costs import Costs
 from jaxfuse.planning.costs import CostsError
 from jaxfuse.planning.costs import LinearCost
 from jaxfuse.planning.simulate import simulate
+from jaxfuse.planning import simulate as sim
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-12)
 
@@ -474,3 +475,18 @@ def test_contention_penalty_is_asc_wfbp_eq13():
       0.5 * 0.01 * 400 / 2)
   with pytest.raises(CostsError, match="offset"):
     costs_lib.contention_penalty(line, 1.5, 400, 6.0)
+
+
+def test_eta_from_a_measured_step_and_back():
+  # _four_layers: compute 77 ms, G = 108 ms, the ideal schedule hides
+  # H = 108 − 50.25 = 57.75 ms. A step of 150 ms against 77 ms alone hid
+  # 77 + 108 − 150 = 35 ms: η = 35/57.75; the rule then gives the step back.
+  ideal = _four_layers(1.0)
+  eta = sim.eta_from_hidden(0.077 + 0.108 - 0.150, ideal)
+  assert eta == approx(0.035 / 0.05775)
+  assert sim.step_at(0.077, eta, ideal) == approx(0.150)
+  assert _four_layers(eta).iteration == approx(0.150)
+  # Unclamped: hiding more than the ideal schedule gives η > 1.
+  assert sim.eta_from_hidden(0.06, ideal) == approx(0.06 / 0.05775)
+  # A schedule that hides nothing has no η.
+  assert sim.eta_from_hidden(0.01, _four_layers(0.0)) is None

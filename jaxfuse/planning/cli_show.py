@@ -115,10 +115,9 @@ def _show_measured(measured, step, timeline, resimulate=None) -> None:
 def trace_eta(hidden_share: float, ideal) -> float:
   """``simulate``'s η from a trace's hidden share of the link time: what
   hid (share·G) over what the ideal schedule ``ideal`` hides, in [0, 1]."""
-  if ideal.hidden <= 0:
-    return 1.0
-  return min(1.0, max(0.0, hidden_share * ideal.communication /
-                      ideal.hidden))
+  from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
+  eta = simulate.eta_from_hidden(hidden_share * ideal.communication, ideal)
+  return 1.0 if eta is None else min(1.0, max(0.0, eta))
 
 
 def cmd_show(args) -> int:

@@ -118,6 +118,24 @@ class Timeline:
     return out
 
 
+def eta_from_hidden(hidden_time: float, ideal: Timeline) -> float | None:
+  """The overlap η that hides ``hidden_time`` seconds of communication:
+  hidden_time / H, H what ``ideal`` (the plan simulated at η = 1) hides;
+  None if that hides nothing. Not clamped to [0, 1]: a measured step may
+  hide more or less than the rule allows. From a step T_K measured
+  against the same per-worker work alone T₁: hidden_time = T₁ + G − T_K;
+  from a trace's hidden share s of the link time: s·G."""
+  if ideal.hidden <= 0:
+    return None
+  return hidden_time / ideal.hidden
+
+
+def step_at(compute: float, eta: float, ideal: Timeline) -> float:
+  """The rule's step with ``compute`` as the compute stream (e.g. a
+  measured one-GPU step T₁): compute + G − η·H, G and H from ``ideal``."""
+  return compute + ideal.communication - eta * ideal.hidden
+
+
 def compression_times(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
                       sched: schedule_lib.Schedule | None = None
                       ) -> list[float]:
