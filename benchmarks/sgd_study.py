@@ -43,6 +43,8 @@ METHODS = {
     "clipc": "ef, then each |r'_i| ≤ c·rms(u') (cut dropped); opt c",
     "autod": "ef with d(t) = 1 while ‖r‖ ≤ c·‖u'‖, else (c·‖u'‖/‖r‖)^p "
              "(a growth-triggered decay); opts c, p",
+    "automask": "ef with momentum factor masking only on the workers whose "
+                "residual has grown: u'=0 where sent while ‖r'‖ > c·‖u'‖; opt c",
     "gclip": "DGC local gradient clipping: g scaled so ‖g‖ ≤ c·‖ḡ‖ "
              "(ḡ: an EMA of the worker's own ‖g‖); opt c",
     "local": "ef with the gradient taken at the worker's local model "
@@ -234,6 +236,8 @@ def simulate(name, opts, a, b, idx, lr, m, rho, dense_traj=None):
       r = jnp.clip(r, -cap, cap)
     if mask:
       u = jnp.where(sel, 0, u)
+    elif name == "automask":
+      u = jnp.where(sel & (norm(r) > c * norm(u)), 0, u)
     out = sent.mean(0)
     w = w - lr * out
     return (w, u, r, gbar, t + 1, chat), (full_loss(w), full_loss(w - lr * r.mean(0)))
