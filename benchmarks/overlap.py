@@ -134,6 +134,8 @@ def build(args, devices):
   tokens = np.random.default_rng(0).integers(
       0, 256, size=(per_worker * k, seq + 1), dtype=np.int32)
   batch = jax.device_put(tokens, NamedSharding(mesh, P(AXIS)))
+  if args.plan:      # e.g. a cost strategy's plan, made where its costs are
+    return mesh, params, loss_fn, batch, jaxfuse.Plan.load(args.plan)
   sizing = ({"bucket_bytes": int(args.bucket_mb * 2**20)}
             if args.strategy == "size" else {})
   plan = jaxfuse.plan(params, density=args.density, strategy=args.strategy,
@@ -269,6 +271,9 @@ def main(argv=None):
                  choices=("size", "single", "aligned"),
                  help="the plan's strategy (aligned: 4 buckets, what "
                  "examples/train_lm.py uses by default)")
+  p.add_argument("--plan", help="a saved plan (plan.save) to run instead "
+                 "of --strategy (its density is the plan's; give the same "
+                 "--density for the file names)")
   p.add_argument("--bucket-mb", type=float, default=64,
                  help="bucket size of --strategy size")
   p.add_argument("--steps", type=int, default=15)
@@ -307,6 +312,7 @@ def main(argv=None):
   result = {"device": devices[0].device_kind, "num_devices": len(devices),
             "jax": jax.__version__, "preset": args.preset,
             "density": args.density, "strategy": args.strategy,
+            "plan_file": args.plan,
             "bucket_mb": args.bucket_mb,
             "buckets": len(plan.buckets), "variants": {},
             "date": time.strftime("%Y-%m-%d"), "delay": args.delay,

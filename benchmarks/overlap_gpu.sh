@@ -20,7 +20,8 @@
 # traces of both for `jaxfuse show PLAN --measured TRACE`; then the plain
 # step with the flags, window 2, no flags, no start_early.
 # No run starts after DEADLINE_S seconds (default 480). STRATEGY=aligned
-# (or single) plans the step as that strategy instead of size 64 MiB.
+# (or single) plans the step as that strategy instead of size 64 MiB;
+# PLAN=FILE runs a saved plan (e.g. a cost strategy's, planned elsewhere).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -37,7 +38,7 @@ run() {  # density, label, extra args...; XLA_FLAGS from the caller
     echo "$label ($d): skipped, past DEADLINE_S"; return 0
   fi
   timeout ${RUN_TIMEOUT:-200} python benchmarks/overlap.py --density "$d" \
-      --label "$label" --hlo-dir "$OUT/hlo_$d" ${STRATEGY:+--strategy $STRATEGY} \
+      --label "$label" --hlo-dir "$OUT/hlo_$d" ${STRATEGY:+--strategy $STRATEGY} ${PLAN:+--plan $PLAN} \
       --out "$OUT/overlap_${d}_$label.json" "$@" 2>&1 \
       | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tail -n 12 \
       | tee "$OUT/overlap_${d}_$label.log"
