@@ -50,6 +50,12 @@
 #            4 GPUs; STRATEGIES="aligned auto" e.g. to fit a shorter
 #            limit, DENSITIES="0.05 0.01", STEPS=30; PLAIN=1 then runs
 #            size 64 MiB and aligned without it)
+#   procs    socket: the README recipe's sparse step (size 64 MiB plan,
+#            send_early, xla_flags(3), ρ = 0.05) from one process driving
+#            every GPU, then from one process per GPU under jax.distributed
+#            on localhost (the same global batch): how much of the step is
+#            the host launching kernels for several GPUs (STEPS, default
+#            30; about 3 minutes on 4 GPUs)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -182,6 +188,33 @@ early)
         --densities 0.05 --strategies aligned --no-dense --run-timeout 100 \
         2>&1 | grep --line-buffered -v "^==" | tee "$OUT/measure_plain.log"
   fi ;;
+procs)
+  export $SOCKET
+  A="--preset gpt2-small --steps ${STEPS:-30} --log-every 10 --density 0.05
+     --optimizer onebit_adamw --dense-warmup 1 --warmup-steps 0 --send-early
+     --network-gbytes-s 3 --strategy size --bucket-bytes 67108864"
+  n=$(nvidia-smi -L | wc -l)
+  timeout 280 python examples/train_lm.py $A --json-out "$OUT/procs_1.json" \
+      > "$OUT/procs_1.log" 2>&1
+  port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+  for ((i = 0; i < n; i++)); do
+    CUDA_VISIBLE_DEVICES=$i timeout 280 python examples/train_lm.py $A \
+        --coordinator "localhost:$port" --num-processes $n --process-id $i \
+        --json-out "$OUT/procs_$n.json" > "$OUT/procs_${n}_$i.log" 2>&1 &
+  done
+  wait
+  python - "$OUT" $n <<'PY'
+import json, pathlib, sys
+out, n = pathlib.Path(sys.argv[1]), sys.argv[2]
+for name, label in (("procs_1", "one process, every GPU"),
+                    (f"procs_{n}", f"{n} processes, one GPU each")):
+  f = out / f"{name}.json"
+  r = json.loads(f.read_text()) if f.exists() else {}
+  t = r.get("steady_step_time_s")
+  print(f"{label:28s} " + (f"{1e3 * t:.1f} ms a sparse step" if t else
+                            f"failed (see {name}*.log)"))
+PY
+  ;;
 *)
-  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|readme|one|early" >&2; exit 2 ;;
+  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|readme|one|early|procs" >&2; exit 2 ;;
 esac
