@@ -55,7 +55,8 @@
 #            every GPU, then from one process per GPU under jax.distributed
 #            on localhost (the same global batch): how much of the step is
 #            the host launching kernels for several GPUs (STEPS, default
-#            30; about 3 minutes on 4 GPUs)
+#            30; about 3 minutes on 4 GPUs; EXTRA="--xla-defaults" keeps
+#            XLA's command buffers on)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -192,7 +193,7 @@ procs)
   export $SOCKET
   A="--preset gpt2-small --steps ${STEPS:-30} --log-every 10 --density 0.05
      --optimizer onebit_adamw --dense-warmup 1 --warmup-steps 0 --send-early
-     --network-gbytes-s 3 --strategy size --bucket-bytes 67108864"
+     --network-gbytes-s 3 --strategy size --bucket-bytes 67108864 ${EXTRA:-}"
   n=$(nvidia-smi -L | wc -l)
   timeout 280 python examples/train_lm.py $A --json-out "$OUT/procs_1.json" \
       > "$OUT/procs_1.log" 2>&1
