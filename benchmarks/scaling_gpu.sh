@@ -66,12 +66,13 @@ export JAX_COMPILATION_CACHE_DIR=$PWD/out/jaxcache
 SOCKET="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpus.txt"
 MEASURE="python benchmarks/planner.py"
+# gpt2-small's 1000-step convergence runs: the same data, seed, rate, eval
+CONV="python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 --eval-every 50 --eval-batches 8 --lrs 3e-4"
 case "$1" in
 conv)
   export $SOCKET
-  python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 \
-      --eval-every 50 --eval-batches 8 --recipes dense,onebit_adamw+warm \
-      --density 0.05 --lrs 3e-4 --parallel 1 --timeout 290 \
+  $CONV --recipes dense,onebit_adamw+warm \
+      --density 0.05 --parallel 1 --timeout 290 \
       --out "$OUT/conv_socket.json" --plot "$OUT/conv_socket.png" 2>&1 | tee "$OUT/conv.log" ;;
 socket)
   export $SOCKET
@@ -136,20 +137,17 @@ conv8)
   # Every GPU a worker: dense against the README's recipe and its SparDL
   # variant (RECIPES to pick), 1000 steps, socket: time to dense's quality.
   export $SOCKET
-  python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 \
-      --eval-every 50 --eval-batches 8 \
-      --recipes ${RECIPES:-dense,onebit_adamw+warm,onebit_adamw+warm+spardl} \
-      --density 0.05 --lrs 3e-4 --parallel 1 --timeout 590 \
+  $CONV --recipes ${RECIPES:-dense,onebit_adamw+warm,onebit_adamw+warm+spardl} \
+      --density 0.05 --parallel 1 --timeout 590 \
       --out "$OUT/conv8.json" --plot "$OUT/conv8.png" 2>&1 | tee "$OUT/conv8.log" ;;
 readme)
   export $SOCKET
-  C="python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 --eval-every 50 --eval-batches 8 --lrs 3e-4"
   RAMP=${RAMP-0.0625}; [ "$RAMP" = dgc ] && RAMP=
-  [ "${SKIP_DENSE:-0}" = 1 ] || $C --density 0.05 --recipes dense+net \
+  [ "${SKIP_DENSE:-0}" = 1 ] || $CONV --density 0.05 --recipes dense+net \
       --out "$OUT/readme_dense.json" 2>&1 | tail -n 3
   for d in ${DENSITIES:-0.05}; do
     for f in ${DENSE_FRACTIONS:-0.10}; do
-      $C --density $d --dense-fraction $f \
+      $CONV --density $d --dense-fraction $f \
           --recipes onebit_adamw+warm+bf16wire+early+net \
           --extra="--strategy size --bucket-bytes 67108864${RAMP:+ --warmup-densities $RAMP}" \
           --out "$OUT/readme_rho${d}_dense${f}${RAMP:+_ramp$RAMP}.json" 2>&1 | tail -n 3
@@ -157,7 +155,7 @@ readme)
   done ;;
 one)
   # one JSON per run in $OUT, the logs packed into one_logs.tgz
-  C="python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 --eval-every 50 --eval-batches 8 --lrs 3e-4 --devices 1 --density 0.05 --timeout 560"
+  C="$CONV --devices 1 --density 0.05 --timeout 560"
   logs=$(mktemp -d)
   $C --recipes dense --out "$OUT/one_dense.json" > "$logs/one_dense.log" 2>&1 &
   for f in ${FRACTIONS:-0.15 0.10}; do
