@@ -184,7 +184,8 @@ def _predict_from_one_worker(rows, plans, densities, costs) -> None:
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
   fits = {}
   for row, density in zip(rows, densities):
-    if row["plan"].startswith("size") and row.get("measured_overlap") is not None:
+    if (row["plan"].startswith("size") and
+        row.get("measured_overlap") is not None):
       fits.setdefault(density, (row["measured_one_worker_s"], min(
           max(row["measured_overlap"], 0.0), 1.0)))
   if not fits:

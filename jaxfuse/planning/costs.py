@@ -12,8 +12,8 @@ times (in the plan's leaf order, i.e. pytree order), the forward time, the
 contention factor γ of ASC-WFBP §III (each of two simultaneous collectives
 moves its bytes γ times slower) and the overlap η: the share of what the
 ideal WFBP schedule of the papers would hide that XLA really hides behind
-backward compute (1 is that ideal; ``simulate`` has the rule). ``jaxfuse.planning.simulate`` turns a plan and these costs into a
-timeline.
+backward compute (1 is that ideal; ``simulate`` has the rule).
+``jaxfuse.planning.simulate`` turns a plan and these costs into a timeline.
 
 Other worker counts K (``primitive_time``). Each measured line is read as
 its ring algorithm on K₀ workers, which gives a per-message link cost
