@@ -10,11 +10,9 @@
 #   bf16    gpt2-small: float32 vs bfloat16 gradients (float32 / bfloat16
 #           residual), onebit_adamw, equal steps, step times
 #   kernels the kernel tests with the compiled kernels, then the one-GPU
-#           overhead of a `single` plan (dgc, topk) with each group's rows
-#           stacked by one concatenate and by nested ones of at most four
-#           operands (overhead.py --stack),
-#           and the sparse step's kernels per source line
-#           (kernel_sources.py); one GPU, about 8 minutes
+#           overhead of a `single` plan (dgc, topk) and the sparse step's
+#           kernels per source line (kernel_sources.py); one GPU, about
+#           5 minutes
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels [steps]
 # PACK=FILE.tar.gz packs everything written into one archive at the end (a
 # device call hands back only a few files: OUT=/tmp/k PACK=$OUT/k.tar.gz).
@@ -69,19 +67,14 @@ PY
       > "$out/kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -n 3 "$out/kernel_tests.log"
     for e in dgc topk; do        # one estimator per process, as published
-      for stack in concatenate tree; do
-        run="${stack}_$e"
-        python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
-          --strategy single --steps "${2:-60}" --stack "$stack" \
-          --hlo-dir "$out/hlo_$run" --out "$out/overhead_$run.json" \
-          > "$out/overhead_$run.log" 2>&1
-        echo "$run rc=$?"; tail -n 3 "$out/overhead_$run.log"
-        python benchmarks/kernel_sources.py "$out/hlo_$run/dense_None.hlo.txt" \
-          "$out/hlo_$run/jaxfuse_$e.hlo.txt" --overhead \
-          "$out/overhead_$run.json" --top 30 \
-          --out "$out/kernel_sources_$run.json" \
-          > "$out/kernel_sources_$run.txt" 2>&1
-      done
+      python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
+        --strategy single --steps "${2:-60}" --hlo-dir "$out/hlo_$e" \
+        --out "$out/overhead_$e.json" > "$out/overhead_$e.log" 2>&1
+      echo "$e rc=$?"; tail -n 3 "$out/overhead_$e.log"
+      python benchmarks/kernel_sources.py "$out/hlo_$e/dense_None.hlo.txt" \
+        "$out/hlo_$e/jaxfuse_$e.hlo.txt" --overhead "$out/overhead_$e.json" \
+        --top 30 --out "$out/kernel_sources_$e.json" \
+        > "$out/kernel_sources_$e.txt" 2>&1
     done ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -czf "$PACK" -C "$out" . && echo "packed $PACK"; fi

@@ -56,7 +56,6 @@ from jax.sharding import NamedSharding  # pylint: disable=wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
 
 import jaxfuse  # pylint: disable=wrong-import-position
-from jaxfuse import bucket_sync  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
 from train_lm import make_train_step  # pylint: disable=wrong-import-position
 
@@ -198,10 +197,6 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--xla-defaults", action="store_true",
                  help="compile without jaxfuse.xla_options()")
   p.add_argument("--top", type=int, default=0)
-  p.add_argument("--stack", default="concatenate",
-                 choices=bucket_sync.STACK_METHODS,
-                 help="how a state group's streams are stacked "
-                 "(jaxfuse.bucket_sync.stack_method)")
   p.add_argument("--hlo-dir", help="also write each step's compiled HLO "
                  "here (benchmarks/kernel_sources.py attributes its "
                  "kernels to source lines)")
@@ -209,7 +204,6 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--out", help="JSON file to write")
   args = p.parse_args(argv)
   jaxfuse.kernels.set_backend(args.kernels)
-  bucket_sync.stack_method = args.stack
   mesh = jaxfuse.make_mesh(args.devices, AXIS)
   preset = lm_model.PRESETS[args.preset]
   model = lm_model.build_model(args.preset)

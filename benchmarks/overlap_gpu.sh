@@ -19,6 +19,10 @@
 # 10 minutes), with jax.profiler
 # traces of both for `jaxfuse show PLAN --measured TRACE`; then the plain
 # step with the flags, window 2, no flags, no start_early.
+# MODE=plans: the step under jaxfuse.send_early with the flags, traced,
+# for size 64 MiB and then each saved plan of PLANS (space-separated
+# files, e.g. a cost strategy's plans), at DENSITIES (default 0.05),
+# after the plain step (T1 and G).
 # No run starts after DEADLINE_S seconds (default 480). STRATEGY=aligned
 # (or single) plans the step as that strategy instead of size 64 MiB;
 # PLAN=FILE runs a saved plan (e.g. a cost strategy's, planned elsewhere).
@@ -55,6 +59,17 @@ early)
     XLA_FLAGS="$NET" run $d net_early_w2_ $E --window 2
     run $d early_ $E
     XLA_FLAGS="$NET" run $d net_early_nohint_ $E --no-start-early
+  done ;;
+plans)
+  E="--variants base --send-early --skip-comm --skip-one-gpu"
+  for d in ${DENSITIES:-0.05}; do
+    run $d default_ --variants base
+    XLA_FLAGS="$NET" run $d net_early_size_ $E --trace-dir "$OUT/trace_early_size"
+    for p in ${PLANS:-}; do
+      name=$(basename "$p" .json); name=${name%%_*}
+      XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_" $E \
+          --trace-dir "$OUT/trace_early_$name"
+    done
   done ;;
 delay)
   run 0.05 default_ --variants base

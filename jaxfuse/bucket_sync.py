@@ -67,33 +67,16 @@ def sync_bucket(plan, sched, b, flat, residuals, velocity, ctrl, step,
   return BucketOut(_place(plan, b, dense, flat), res, vel, control, stats)
 
 
-# How a state group's streams become its (G, n) rows (set before tracing):
-# "concatenate", one concatenate of all G rows, or "tree", concatenates of at
-# most ``TREE_FANIN`` operands, nested (an optimization barrier keeps XLA
-# from flattening them back into one). XLA's GPU concatenate emitter takes
-# at most four operands; a wider concatenate goes to its loop emitter, which
-# picks the operand per element (0.85 TB/s on an H200, a quarter of its
-# bandwidth: docs/benchmarks.md, "Overhead on one GPU"). The same values
-# either way.
-STACK_METHODS = ("concatenate", "tree")
-TREE_FANIN = 4
-stack_method = "concatenate"
-
-
 def stack_rows(rows):
-  """jnp.stack(rows) for flat rows of one shape and dtype, by
-  ``stack_method``."""
-  if stack_method not in STACK_METHODS:
-    raise ValueError(f"bucket_sync.stack_method={stack_method!r}; use one "
-                     f"of {STACK_METHODS}.")
-  if stack_method == "concatenate" or len(rows) <= TREE_FANIN:
-    return jnp.stack(rows)
-  parts = [row[None] for row in rows]
-  while len(parts) > TREE_FANIN:   # ceil(G / 4) parts, then ceil(G / 16), …
-    parts = lax.optimization_barrier([
-        jnp.concatenate(parts[i:i + TREE_FANIN])
-        for i in range(0, len(parts), TREE_FANIN)])
-  return jnp.concatenate(parts)
+  """jnp.stack(rows) for flat rows of one shape and dtype: one concatenate.
+
+  XLA's GPU concatenate emitter takes at most four operands, so a state
+  group of more rows goes to its loop emitter (about a quarter of an
+  H200's bandwidth: docs/benchmarks.md, "Overhead on one GPU"). Nested
+  concatenates of at most four, each level behind an optimization
+  barrier, measured slower on an H200 (1.9 against 1.0 ms a step for
+  gpt2-small's groups), and so did writing the rows in place."""
+  return jnp.stack(rows)
 
 
 class _Streams(NamedTuple):

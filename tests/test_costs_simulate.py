@@ -41,10 +41,10 @@ def make_plan(leaves, buckets):
 
 
 def make_costs(backward, ag=(0.0, 0.0), ps=(0.0, 0.0), compress=(0.0, 0.0),
-               overlap=1.0, forward=0.0, contention=1.0):
+               overlap=1.0, forward=0.0, contention=1.0, bucket=0.0):
   return Costs({"allgather": LinearCost(*ag), "psum": LinearCost(*ps)},
                LinearCost(*compress), tuple(backward), contention=contention,
-               overlap=overlap, forward=forward)
+               overlap=overlap, forward=forward, bucket=bucket)
 
 
 # --- hand-computed timelines --------------------------------------------------
@@ -160,6 +160,22 @@ def test_compression_runs_on_the_compute_stream():
   json.dumps(t.to_dict())  # plain data
 
 
+def test_each_sparse_bucket_pays_the_bucket_cost_on_the_link():
+  # The plan above with 0.2 per sparse bucket: the allgathers take 2.3 and
+  # 1.5; the psum pays nothing.
+  leaves = [sparse(0, 1000, 10), sparse(1, 2000, 20), dense(2, 5)]
+  costs = make_costs([1.0, 2.0, 0.25], ag=(0.5, 0.01), ps=(0.25, 0.05),
+                     compress=(0.5, 0.001), forward=1.0, bucket=0.2)
+  t = simulate(make_plan(leaves, [[1], [0], [2]]), costs)
+  assert [(b.comm_start, b.comm_end) for b in t.buckets] == [
+      approx((5.5, 7.8)), approx((8.0, 9.5)), approx((9.5, 10.75))]
+  assert t.compute_end == approx(8.25) and t.iteration == approx(10.75)
+  assert t.communication == approx(2.3 + 1.5 + 1.25)
+  # One sparse bucket instead of two pays it once: [8, 8 + 0.7 + 2.4].
+  one = simulate(make_plan(leaves, [[1, 0], [2]]), costs)
+  assert one.buckets[0].comm_end == approx(11.1)
+
+
 def _four_layers(overlap):
   """Backward 4 × 19.25 ms = 77 ms, each layer's psum 27 ms (108 ms in all):
   the scale of the issue's 2×H200 measurement."""
@@ -251,7 +267,8 @@ def instances(draw, max_leaves=7):
   line = st.tuples(time, st.one_of(st.just(0.0), st.floats(1e-12, 1e-6)))
   costs = make_costs([draw(time) for _ in range(n)], ag=draw(line),
                      ps=draw(line), compress=draw(line),
-                     overlap=draw(st.floats(0, 1)), forward=draw(time))
+                     overlap=draw(st.floats(0, 1)), forward=draw(time),
+                     bucket=draw(st.sampled_from([0.0, 1e-3])))
   return make_plan(leaves, buckets), costs
 
 
@@ -274,6 +291,15 @@ def test_costlier_lines_never_help(inst, which, field, factor, extra):
   else:
     costs2 = costs.replace(collectives=dict(costs.collectives, **{which: more}))
   assert _no_less(simulate(plan, costs2).iteration, before)
+
+
+@settings(max_examples=40, deadline=None)
+@given(instances(), st.floats(0, 1e-3))
+def test_a_costlier_bucket_never_helps(inst, extra):
+  plan, costs = inst
+  before = simulate(plan, costs).iteration
+  more = costs.replace(bucket=costs.bucket + extra)
+  assert _no_less(simulate(plan, more).iteration, before)
 
 
 @settings(max_examples=60, deadline=None)
@@ -332,7 +358,8 @@ def test_more_overlap_never_hurts(inst, eta1, eta2):
 @given(instances(max_leaves=6), st.data())
 def test_merging_two_back_to_back_buckets_saves_one_alpha(inst, data):
   # With no compute, every bucket is ready at once and the link is the whole
-  # story: merging two neighbouring buckets of one collective saves its α.
+  # story: merging two neighbouring buckets of one collective saves its α
+  # (and, for sparse buckets, one bucket cost).
   plan, costs = inst
   costs = costs.replace(backward=[0.0] * len(plan.leaves),
                         compress=LinearCost(0.0, 0.0))
@@ -346,7 +373,9 @@ def test_merging_two_back_to_back_buckets_saves_one_alpha(inst, data):
       b[i], leaves=b[i].leaves + b[i + 1].leaves),) + b[i + 2:])
   saved = (simulate(plan, costs).iteration -
            simulate(merged, costs).iteration)
-  assert saved == approx(costs.collectives[b[i].collective].alpha)
+  per_bucket = costs.bucket if b[i].collective == "allgather" else 0.0
+  assert saved == approx(costs.collectives[b[i].collective].alpha +
+                         per_bucket)
 
 
 @settings(max_examples=40, deadline=None)
@@ -385,7 +414,16 @@ def test_costs_json_round_trip(tmp_path):
   back = Costs.load(tmp_path / "c.json")
   assert back == costs and back.collectives["psum"] == LinearCost(3e-5, 1e-9)
   body = json.loads(costs.to_json())
-  assert body["format"] == "jaxfuse.costs" and body["version"] == 1
+  assert body["format"] == "jaxfuse.costs" and body["version"] == 2
+  with_bucket = costs.replace(bucket=3e-4)
+  assert Costs.from_json(with_bucket.to_json()).bucket == 3e-4
+
+
+def test_a_version_1_costs_file_reads_with_no_bucket_cost():
+  body = json.loads(_costs().replace(bucket=5e-4).to_json())
+  del body["bucket"]
+  body["version"] = 1
+  assert Costs.from_json(json.dumps(body)) == _costs()
 
 
 def test_costs_are_immutable():
@@ -413,7 +451,7 @@ def _edit(**changes):
     (_edit(format="jaxfuse.plan"), "'format'"),
     (_edit(version="1"), "'version'"),
     (_edit(version=0), "'version'"),
-    (_edit(version=2), "newer"),
+    (_edit(version=3), "newer"),
     (_edit(backward=KeyError), "'backward'"),
     (_edit(collectives=KeyError), "'collectives'"),
     (_edit(compress=KeyError), "'compress'"),
@@ -431,6 +469,7 @@ def _edit(**changes):
     (_edit(overlap=1.5), "overlap"),
     (_edit(contention=0.5), "contention"),
     (_edit(forward=None), "forward"),
+    (_edit(bucket=-1e-3), "bucket"),
     (_edit(provenance=[1]), "provenance"),
 ])
 def test_bad_costs_files_say_which_field(text, field):

@@ -35,7 +35,8 @@ def test_auto_on_gpu_falls_back_with_one_warning(no_triton, monkeypatch):
     assert kernels.backend() == "reference"   # warned once only
 
 
-def test_auto_off_gpu_is_silent(no_triton):
+def test_auto_off_gpu_is_silent(no_triton, monkeypatch):
+  monkeypatch.setattr(kernels.jax, "default_backend", lambda: "cpu")
   kernels.set_backend("auto")
   with warnings.catch_warnings(action="error"):
     assert kernels.backend() == "reference"

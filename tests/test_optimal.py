@@ -55,7 +55,8 @@ def instances(draw, max_leaves=14):
       LinearCost(draw(u) * 2e-4, draw(u) * 1e-9),
       tuple(draw(u) * compute for _ in range(n)),
       overlap=draw(st.sampled_from([0.0, 0.25, 0.6, 1.0])),
-      forward=draw(u) * 1e-2)
+      forward=draw(u) * 1e-2,
+      bucket=draw(st.sampled_from([0.0, 1e-4, 1e-3])))
   return layerwise(leaves, order), costs
 
 

@@ -56,6 +56,50 @@ def test_compress_time_grows_with_size():
   assert costs_lib.fit_linear(*zip(*points)).beta > 0
 
 
+def test_bucket_cost_is_the_time_per_extra_bucket_past_its_alpha(
+    mesh, monkeypatch):
+  """One bucket of 8 units in 1.0 ms, 8 buckets of one unit in 2.4 ms:
+  7 more buckets at 0.2 ms each, 0.05 ms of it the all_gather's α."""
+  runs = []
+
+  def fake(mesh_, sizes, strategy, **kw):
+    runs.append((strategy, list(sizes)))
+    return {"single": 1.0e-3, "layerwise": 2.4e-3}[strategy]
+  monkeypatch.setattr(profiling, "_time_sparse_step", fake)
+  c, raw = profiling.measure_bucket_cost(mesh, 0.05e-3, units=8,
+                                         elements=4096)
+  assert runs == [("single", [4096] * 8), ("layerwise", [4096] * 8)]
+  assert c == pytest.approx(0.15e-3)
+  assert raw["one_bucket"] == 1.0e-3 and raw["bucket_per_unit"] == 2.4e-3
+  # Timing noise below α gives 0, never a negative cost.
+  assert profiling.measure_bucket_cost(mesh, 0.5e-3)[0] == 0.0
+  with pytest.raises(profiling.ProfileError, match="units=1"):
+    profiling.measure_bucket_cost(mesh, 0.0, units=1)
+
+
+def test_the_bucket_step_runs_the_plans_it_compares(mesh):
+  """The timed programs: every leaf sparse, one bucket against one per
+  leaf, on the whole mesh."""
+  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
+  made = []
+  real_plan = planner.plan
+
+  def spy(*a, **kw):
+    made.append(real_plan(*a, **kw))
+    return made[-1]
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(planner, "plan", spy)
+    for strategy in ("single", "layerwise"):
+      t = profiling._time_sparse_step(  # pylint: disable=protected-access
+          mesh, [4096] * 3, strategy, estimator="dgc", density=0.01,
+          headroom=1.5, repeats=1, warmup=0)
+      assert t > 0
+  one, each = made
+  assert all(l.mode == "sparse" for l in one.leaves + each.leaves)
+  assert [b.collective for b in one.buckets] == ["allgather"]
+  assert [b.collective for b in each.buckets] == ["allgather"] * 3
+
+
 def test_collective_chain_moves_the_data(mesh):
   """The timed program is the real collective: all_gather returns the last
   worker's block, psum the sum over the K workers."""
@@ -184,6 +228,7 @@ def test_profile_without_model_and_progress(mesh):
   assert 1 <= costs.contention <= 2 and 0 <= costs.overlap <= 1
   assert costs.provenance["overlap"]["model"] == "synthetic MLP"
   assert costs.provenance["devices"]["mesh"] == {"data": mesh.size}
+  assert costs.bucket >= 0 and costs.provenance["bucket"]["units"] == 8
   assert costs_lib.Costs.from_json(costs.to_json()) == costs
   lines = out.getvalue().splitlines()
   assert lines[0].startswith("[") and "0/" in lines[0]

@@ -7,7 +7,10 @@ operation whose time depends on a size is a straight line::
   sparsifying one unit of x elements         h(x) = α_h + β_h·x
 
 (one line per collective kind, measured on ``workers`` = K₀ devices), plus
-the measured per-leaf backward compute
+the time ``bucket`` a step spends on each sparse bucket beyond those lines
+(launching its kernels on every device, its batched selection, packing and
+decoding: a plan of many small buckets pays it many times), the measured
+per-leaf backward compute
 times (in the plan's leaf order, i.e. pytree order), the forward time, the
 contention factor γ of ASC-WFBP §III (each of two simultaneous collectives
 moves its bytes γ times slower) and the overlap η: the share of what the
@@ -48,7 +51,7 @@ import numpy as np
 from jaxfuse import _jsonfile
 
 FORMAT = "jaxfuse.costs"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2 added ``bucket`` (a version-1 file reads as 0)
 COLLECTIVES = ("allgather", "psum")       # required lines
 OPTIONAL_COLLECTIVES = ("alltoall", "ppermute")
 MEASURABLE = COLLECTIVES + OPTIONAL_COLLECTIVES
@@ -161,6 +164,9 @@ class Costs:
   forward: forward compute time.
   workers: K₀, the devices the collective lines were measured on (≥ 2).
   provenance: free-form notes (devices, date, how measured); JSON values.
+  bucket: seconds per sparse bucket beyond its units' ``compress`` and its
+    scheme's collective lines; ``simulate`` adds it to the bucket's time on
+    the link, so it acts as a larger α there (0: not measured).
   """
   collectives: Mapping[str, LinearCost]
   compress: LinearCost
@@ -170,6 +176,7 @@ class Costs:
   forward: float = 0.0
   provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   workers: int = 2
+  bucket: float = 0.0
 
   def __post_init__(self):
     if not isinstance(self.collectives, Mapping):
@@ -203,6 +210,7 @@ class Costs:
     object.__setattr__(self, "overlap",
                        _number("overlap", self.overlap, high=1.0))
     object.__setattr__(self, "forward", _number("forward", self.forward))
+    object.__setattr__(self, "bucket", _number("bucket", self.bucket))
     object.__setattr__(self, "provenance", dict(self.provenance))
 
   def comm_time(self, collective: str, nbytes: float) -> float:
@@ -261,6 +269,7 @@ class Costs:
         "overlap": self.overlap,
         "forward": self.forward,
         "workers": self.workers,
+        "bucket": self.bucket,
         "provenance": dict(self.provenance),
     }, fmt=FORMAT, version=FORMAT_VERSION)
 
@@ -269,7 +278,8 @@ class Costs:
     body = _jsonfile.read(text, fmt=FORMAT, max_version=FORMAT_VERSION,
                           error=CostsError, what="jaxfuse costs file")
     known = {"format", "version", "collectives", "compress", "backward",
-             "contention", "overlap", "forward", "provenance", "workers"}
+             "contention", "overlap", "forward", "provenance", "workers",
+             "bucket"}
     unknown = sorted(set(body) - known)
     if unknown:
       raise CostsError(f"costs JSON has unknown field(s) {unknown}; the file "
@@ -307,7 +317,8 @@ class Costs:
                  contention=body.get("contention", 1.0),
                  overlap=body.get("overlap", 1.0),
                  forward=body.get("forward", 0.0), provenance=provenance,
-                 workers=body.get("workers", _measured_workers(provenance)))
+                 workers=body.get("workers", _measured_workers(provenance)),
+                 bucket=body.get("bucket", 0.0))
     except CostsError as e:
       raise CostsError(f"costs JSON: {e}") from None
 

@@ -24,6 +24,9 @@ group [a..j] starting on the compute stream at P_a = Σ_{p<a} (b_p + h_p):
                        E ← max(r_d, E) + g_ps(Σ dense w)
   iteration            forward + (1 − η)·(P_N + G) + η·max(E_final, P_N)
 
+(g_ag: the all_gather line with ``costs.bucket`` added to its α, as
+``simulate`` adds it to each sparse bucket.)
+
 (G: total communication, η: ``costs.overlap``: the iteration is (1 − η)·(no
 overlap) + η·(the ideal schedule); see ``jaxfuse.planning.simulate``).
 P_a at a group boundary does not depend on the grouping: the compute time
@@ -185,7 +188,7 @@ class GroupingProblem:
                tuple(costs.compress.time(l.size) if s else 0.0
                      for l, s in zip(leaves, sparse)),
                tuple(_leaf_wire_bytes(l) for l in leaves),
-               costs.collectives["allgather"], costs.collectives["psum"],
+               _sparse_line(costs), costs.collectives["psum"],
                costs.forward, costs.overlap)
 
   def __post_init__(self):
@@ -248,6 +251,13 @@ class GroupingProblem:
       comm += g
       a = j + 1
     return self.forward + _objective(t["pos"][n], link, comm, self.overlap)
+
+
+def _sparse_line(costs: costs_lib.Costs) -> costs_lib.LinearCost:
+  """A sparse bucket's time on the link: the all_gather line with
+  ``costs.bucket`` added to its α (as ``simulate`` adds it per bucket)."""
+  ag = costs.collectives["allgather"]
+  return costs_lib.LinearCost(ag.alpha + costs.bucket, ag.beta)
 
 
 def _objective(compute, link, comm, eta):

@@ -15,6 +15,9 @@ Every time below is the median of ``repeats`` runs after ``warmup`` runs
                elements on a one-device mesh, per unit (the estimator,
                density and headroom a plan would use), fitted
                h(x) = α_h + β_h·x.
+  bucket       the same update on the whole mesh for ``u`` units as one
+               bucket and as u buckets: the time per extra sparse bucket
+               beyond its all_gather's α (``measure_bucket_cost``).
   contention   γ (ASC-WFBP Eq. 9): two independent psums of m bytes at once
                take T₂ = α + γ·β·m, one takes T₁ = α + β·m, so
                γ = (T₂ − α) / (T₁ − α), clipped to [1, 2] (2: XLA ran them
@@ -81,8 +84,9 @@ __all__ = [
     "analyze_backward", "collective_chain", "contention_factor",
     "default_compress_sizes", "default_sizes", "derive_backward",
     "equation_work", "human_bytes", "machine_rates", "measure_collective",
-    "measure_compress", "measure_contention", "measure_forward_backward",
-    "measure_overlap", "overlap_factor", "profile", "scale_shares",
+    "measure_bucket_cost", "measure_compress", "measure_contention",
+    "measure_forward_backward", "measure_overlap", "overlap_factor",
+    "profile", "scale_shares",
     "synthetic_model", "text_progress", "time_call", "time_calls",
     "validate_backward",
 ]
@@ -231,8 +235,6 @@ def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
   measured a path steps no longer run: α = 0.26–0.31 ms per unit on
   2 × H200, against 0.12–0.14 ms this way; docs/benchmarks.md.)
   """
-  from jaxfuse import transform  # pylint: disable=g-import-not-at-top
-  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
   if estimator not in plan_lib.ESTIMATORS:
     raise ProfileError(f"estimator={estimator!r}; use one of "
                        f"{plan_lib.ESTIMATORS}.")
@@ -243,22 +245,60 @@ def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
     n = int(n)
     if progress:
       progress(f"compress {n:,} elements")
-    rng = np.random.default_rng(n)
-    grads = [jax.device_put(rng.standard_normal(n, np.float32), device)
-             for _ in range(chain)]
-    plan = planner.plan(grads, density=density, strategy="single",
-                        estimator=estimator, headroom=headroom,
-                        min_sparse_size=1)
-    opt = transform.sparse_sync(plan)
-    state = transform.init_state(opt, grads, mesh)
-    specs = transform.state_specs(state)
-    step = _jit(jax.shard_map(
-        lambda g, s: opt.update(_compat.to_varying(g, "data"), s),
-        mesh=mesh, in_specs=(P(), specs),
-        out_specs=(P(), specs)))
-    t = time_call(step, grads, state, warmup=warmup, repeats=repeats)
+    t = _time_sparse_step(mesh, [n] * chain, "single", estimator=estimator,
+                          density=density, headroom=headroom,
+                          repeats=repeats, warmup=warmup)
     out.append((n, t / chain))
   return out
+
+
+def measure_bucket_cost(mesh, alpha: float, *, units: int = 8,
+                        elements: int = 2**16, estimator: str = "dgc",
+                        density: float = 0.01, headroom: float = 1.5,
+                        repeats: int = 5, warmup: int = 2,
+                        axis_name: str = "data") -> tuple[float, dict]:
+  """(c, raw): what a step spends per sparse bucket beyond its units'
+  compression and its all_gather's line (``Costs.bucket``).
+
+  ``sparse_sync``'s update of ``units`` float32 leaves of ``elements`` each
+  on ``mesh``, once as one sparse bucket (t₁) and once as one bucket per
+  leaf (t_u): the same units, bytes and compression, u − 1 more buckets,
+  each with its own all_gather of α = ``alpha`` (the fitted line's, on this
+  mesh). c = max(0, (t_u − t₁) / (u − 1) − α): launching a bucket's kernels
+  on every device, its batched selection, packing and decoding.
+  """
+  if units < 2:
+    raise ProfileError(f"units={units} must be >= 2 (one bucket against "
+                       "several).")
+  kw = dict(estimator=estimator, density=density, headroom=headroom,
+            repeats=repeats, warmup=warmup, axis_name=axis_name)
+  one = _time_sparse_step(mesh, [elements] * units, "single", **kw)
+  each = _time_sparse_step(mesh, [elements] * units, "layerwise", **kw)
+  c = max(0.0, (each - one) / (units - 1) - alpha)
+  return c, {"units": units, "elements": elements, "one_bucket": one,
+             "bucket_per_unit": each, "allgather_alpha": alpha}
+
+
+def _time_sparse_step(mesh, sizes, strategy, *, estimator, density, headroom,
+                      repeats, warmup, axis_name="data") -> float:
+  """Seconds of one ``sparse_sync`` update of float32 leaves of ``sizes``
+  (standard normal, the same on every device of ``mesh``), planned as
+  ``strategy`` with every leaf sparse."""
+  from jaxfuse import transform  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(sum(sizes))
+  grads = [jax.device_put(rng.standard_normal(n, np.float32),
+                          NamedSharding(mesh, P())) for n in sizes]
+  plan = planner.plan(grads, density=density, strategy=strategy,
+                      estimator=estimator, headroom=headroom,
+                      min_sparse_size=1)
+  opt = transform.sparse_sync(plan, axis_name=axis_name)
+  state = transform.init_state(opt, grads, mesh, axis_name=axis_name)
+  specs = transform.state_specs(state, axis_name)
+  step = _jit(jax.shard_map(
+      lambda g, s: opt.update(_compat.to_varying(g, axis_name), s),
+      mesh=mesh, in_specs=(P(), specs), out_specs=(P(), specs)))
+  return time_call(step, grads, state, warmup=warmup, repeats=repeats)
 
 
 # --- overlap --------------------------------------------------------------------
@@ -341,7 +381,7 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
       raise ProfileError(f"{name}={list(sweep)} needs at least two distinct "
                          "sizes >= 1 (one size cannot separate α from β).")
   timing = dict(repeats=repeats, warmup=warmup)
-  total = (len(costs_lib.MEASURABLE) * len(sizes) + len(compress_sizes) + 2 +
+  total = (len(costs_lib.MEASURABLE) * len(sizes) + len(compress_sizes) + 3 +
            (2 if loss_fn else 0))
   done = [0]
 
@@ -360,6 +400,11 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
       compress_sizes, estimator=estimator, density=density,
       headroom=headroom, chain=chain, progress=step, **timing)
   compress = costs_lib.fit_linear(*zip(*samples["compress"]))
+
+  step("bucket cost: one sparse bucket against one per unit")
+  bucket, bucket_raw = measure_bucket_cost(
+      mesh, collectives["allgather"].alpha, estimator=estimator,
+      density=density, headroom=headroom, axis_name=axis_name, **timing)
 
   step(f"contention: two psums of {human_bytes(max(sizes))}")
   gamma, contention_raw = measure_contention(
@@ -415,9 +460,10 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
       "samples": {k: [[int(x), float(t)] for x, t in v]
                   for k, v in samples.items()},
       "contention": contention_raw, "overlap": overlap_raw,
+      "bucket": bucket_raw,
   }
   if backward_raw:
     provenance["backward"] = backward_raw
   return costs_lib.Costs(collectives, compress, backward, contention=gamma,
                          overlap=eta, forward=forward, provenance=provenance,
-                         workers=max(2, mesh.shape[axis_name]))
+                         workers=max(2, mesh.shape[axis_name]), bucket=bucket)

@@ -23,7 +23,9 @@ Fig. 1b) bucket i starts at max(its compression end, end of bucket i-1) and
 lasts the time of its scheme's wire steps on K workers,
 ``costs.steps_time(collectives.bucket_steps(plan, K)[i], K)`` (K defaults
 to the costs' ``workers``; at K₀ an all_gather or psum bucket takes exactly
-its measured line).
+its measured line), plus ``costs.bucket`` for a sparse bucket (what a step
+spends per sparse bucket beyond those lines: it acts as a larger α, so a
+plan of many small buckets pays it many times).
 
 Overlap calibration (η = ``costs.overlap``). XLA does not hide as much as the
 ideal schedule. The rule used here: *XLA keeps a share η of what the ideal
@@ -204,8 +206,10 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
                           if b.kind != schedule_lib.PSUM)
 
   # Link: ideal WFBP order until the η budget of busy-during-compute is used.
-  durations = [costs.steps_time(steps, k)
-               for steps in collectives.bucket_steps(plan, k, sched=sched)]
+  durations = [costs.steps_time(steps, k) +
+               (costs.bucket if b.kind != schedule_lib.PSUM else 0.0)
+               for b, steps in zip(sched.buckets, collectives.bucket_steps(
+                   plan, k, sched=sched))]
   total = math.fsum(durations)
   slack = 1e-12 * total  # rounding of the sums must not start a pause at η = 1
   compressed = [c for _, c in marks]
