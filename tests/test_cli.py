@@ -77,9 +77,9 @@ def test_profile_plan_show_end_to_end(workdir):
   assert r.returncode == 0, r.stderr
   assert "profiling on 8 x cpu" in r.stderr
   bars = [l for l in r.stderr.splitlines() if l.startswith("[")]
-  # 4 collectives x 2 sizes, 2 compress sizes, bucket, γ, η, forward,
-  # backward
-  assert bars[-1] == "[" + "#" * 24 + "] 15/15 done", bars[-1]
+  # 4 collectives x 2 sizes, 2 compress sizes, bucket, schemes, γ, η,
+  # forward, backward
+  assert bars[-1] == "[" + "#" * 24 + "] 16/16 done", bars[-1]
   costs = Costs.load(workdir / "costs.json")
   assert set(costs.collectives) == {"allgather", "psum", "alltoall",
                                     "ppermute"}

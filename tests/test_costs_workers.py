@@ -106,3 +106,45 @@ def test_auto_picks_each_sparse_buckets_collective_for_k():
     for b, times in zip(plan.buckets, chosen):
       if times:
         assert b.collective == min(times, key=times.get) == want, times
+
+
+def test_a_schemes_measured_compute_can_change_autos_choice():
+  """On 64 workers SparDL's wire steps win; with SparDL and ZEN charged
+  1 s of compute per bucket, allgather wins, and the simulated step counts
+  that second on the compute stream."""
+  params = [jax.ShapeDtypeStruct((256, 256), "float32") for _ in range(3)]
+  base = Costs({"allgather": LinearCost(1e-5, 1e-9),
+                "psum": LinearCost(1e-5, 1e-9)}, LinearCost(0.0, 0.0),
+               (1e-4,) * 3, overlap=0.0, workers=2)
+  slow = base.replace(schemes={"spardl": LinearCost(1.0, 0.0),
+                               "zen": LinearCost(1.0, 0.0)})
+  for costs, want in ((base, "spardl"), (slow, "allgather")):
+    plan = jaxfuse.plan(params, density=0.01, strategy="auto", costs=costs,
+                        num_workers=64)
+    sparse = [b.collective for b in plan.buckets if b.collective != "psum"]
+    assert sparse and set(sparse) == {want}
+  forced = jaxfuse.plan(params, density=0.01, strategy="single",
+                        costs=base, num_workers=64, collective="spardl")
+  gap = (simulate(forced, slow, 64).compute_end -
+         simulate(forced, base, 64).compute_end)
+  assert gap == pytest.approx(1.0)
+  assert slow.scheme_time("allgather", 10**6) == 0.0
+  assert slow.replace(schemes={}).scheme_time("zen", 10**6) == 0.0
+
+
+def test_costs_json_keeps_scheme_lines_and_checks_their_names():
+  costs = _costs(workers=4).replace(
+      schemes={"zen": LinearCost(1e-4, 2e-9)}, bucket=2e-4)
+  back = Costs.from_json(costs.to_json())
+  assert back == costs and back.scheme_time("zen", 1000) == pytest.approx(
+      1e-4 + 2e-6)
+  body = json.loads(costs.to_json())
+  body["schemes"]["allgather"] = {"alpha": 0, "beta": 0}
+  with pytest.raises(CostsError, match="'schemes'"):
+    Costs.from_json(json.dumps(body))
+  body["schemes"] = {"zen": {"alpha": -1, "beta": 0}}
+  with pytest.raises(CostsError, match="schemes.zen"):
+    Costs.from_json(json.dumps(body))
+  with pytest.raises(CostsError, match="schemes="):
+    _costs().replace(schemes={"psum": LinearCost(0, 0)})
+

@@ -64,7 +64,7 @@ def test_bucket_cost_is_the_time_per_extra_bucket_past_its_alpha(
 
   def fake(mesh_, sizes, strategy, **kw):
     runs.append((strategy, list(sizes)))
-    return {"single": 1.0e-3, "layerwise": 2.4e-3}[strategy]
+    return {"single": 1.0e-3, "layerwise": 2.4e-3}[strategy], None
   monkeypatch.setattr(profiling, "_time_sparse_step", fake)
   c, raw = profiling.measure_bucket_cost(mesh, 0.05e-3, units=8,
                                          elements=4096)
@@ -90,14 +90,44 @@ def test_the_bucket_step_runs_the_plans_it_compares(mesh):
   with pytest.MonkeyPatch.context() as m:
     m.setattr(planner, "plan", spy)
     for strategy in ("single", "layerwise"):
-      t = profiling._time_sparse_step(  # pylint: disable=protected-access
+      t, plan = profiling._time_sparse_step(  # pylint: disable=protected-access
           mesh, [4096] * 3, strategy, estimator="dgc", density=0.01,
           headroom=1.5, repeats=1, warmup=0)
-      assert t > 0
+      assert t > 0 and plan is made[-1]
   one, each = made
   assert all(l.mode == "sparse" for l in one.leaves + each.leaves)
   assert [b.collective for b in one.buckets] == ["allgather"]
   assert [b.collective for b in each.buckets] == ["allgather"] * 3
+
+
+def test_scheme_cost_is_its_time_over_allgather_past_the_wire(
+    mesh, monkeypatch):
+  """With free collective lines the wire steps cost nothing, so e is the
+  scheme's step less all_gather's: at 4 units of 2^14 (984 slots) zen
+  adds 1 ms, at 2^17 (7868 slots) 3 ms: e(c) = α + β·c through both."""
+  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
+
+  def fake(mesh_, sizes, strategy, collective="allgather", **kw):
+    del mesh_, kw
+    plan = planner.plan([jax.ShapeDtypeStruct((n,), "float32")
+                         for n in sizes], density=0.01, strategy=strategy,
+                        headroom=1.5, min_sparse_size=1,
+                        collective=collective)
+    extra = {"allgather": 0.0, "zen": 1e-3 if sizes[0] == 2**14 else 3e-3,
+             "spardl": 0.0}[collective]
+    return 5e-3 + extra, plan
+  monkeypatch.setattr(profiling, "_time_sparse_step", fake)
+  free = costs_lib.Costs({"allgather": costs_lib.LinearCost(0, 0),
+                          "psum": costs_lib.LinearCost(0, 0)},
+                         costs_lib.LinearCost(0, 0), (), workers=mesh.size)
+  fits, raw = profiling.measure_scheme_costs(mesh, free,
+                                             sizes=(2**14, 2**17))
+  slots = [c for c, *_ in raw["points"]["zen"]]
+  assert slots == [4 * 246, 4 * 1967]   # ⌈0.01 · 1.5 · n⌉ per leaf
+  beta = 2e-3 / (slots[1] - slots[0])
+  assert fits["zen"].beta == pytest.approx(beta)
+  assert fits["zen"].alpha == pytest.approx(1e-3 - beta * slots[0])
+  assert fits["spardl"].time(10**5) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_collective_chain_moves_the_data(mesh):
@@ -229,6 +259,7 @@ def test_profile_without_model_and_progress(mesh):
   assert costs.provenance["overlap"]["model"] == "synthetic MLP"
   assert costs.provenance["devices"]["mesh"] == {"data": mesh.size}
   assert costs.bucket >= 0 and costs.provenance["bucket"]["units"] == 8
+  assert set(costs.schemes) == {"zen", "spardl"}   # what 8 devices can run
   assert costs_lib.Costs.from_json(costs.to_json()) == costs
   lines = out.getvalue().splitlines()
   assert lines[0].startswith("[") and "0/" in lines[0]

@@ -39,13 +39,14 @@ PLANNING_MODULES = [
 # split into included (both were one module up to 0.2).
 PROFILING = [
     "ATTRIBUTIONS", "BackwardAnalysis", "DEFAULT_COMPRESS_SIZES",
-    "DEFAULT_SIZES", "FREE_PRIMITIVES", "ProfileError", "Progress",
+    "DEFAULT_SCHEME_SIZES", "DEFAULT_SIZES", "FREE_PRIMITIVES",
+    "ProfileError", "Progress",
     "analyze_backward", "collective_chain", "contention_factor",
     "default_compress_sizes", "default_sizes", "derive_backward",
     "equation_work", "human_bytes", "machine_rates", "measure_collective",
     "measure_bucket_cost", "measure_compress", "measure_contention",
-    "measure_forward_backward",
-    "measure_overlap", "overlap_factor", "profile", "scale_shares",
+    "measure_forward_backward", "measure_overlap", "measure_scheme_costs",
+    "overlap_factor", "profile", "scale_shares",
     "synthetic_model", "text_progress", "time_call", "time_calls",
     "validate_backward",
 ]

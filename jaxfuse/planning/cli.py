@@ -64,6 +64,8 @@ def format_costs(costs) -> str:
            for name, c in costs.collectives.items()]
   lines.append(f"  compress  {line(costs.compress, 'element')}")
   lines.append(f"  bucket    {costs.bucket * 1e6:.3g} µs per sparse bucket")
+  lines += [f"  {name:9s} compute {line(c, 'slot')}"
+            for name, c in costs.schemes.items()]
   lines.append(f"  contention γ = {costs.contention:.3f}, overlap η = "
                f"{costs.overlap:.3f}")
   if costs.backward:

@@ -9,7 +9,12 @@ operation whose time depends on a size is a straight line::
 (one line per collective kind, measured on ``workers`` = K₀ devices), plus
 the time ``bucket`` a step spends on each sparse bucket beyond those lines
 (launching its kernels on every device, its batched selection, packing and
-decoding: a plan of many small buckets pays it many times), the measured
+decoding: a plan of many small buckets pays it many times), per sparse
+scheme other than all_gather the compute it adds to a bucket of c slots::
+
+  a scheme's encoding and decoding          e_s(c) = α_s + β_s·c
+
+(``schemes``; e.g. ZEN's hash partition and scatter), the measured
 per-leaf backward compute
 times (in the plan's leaf order, i.e. pytree order), the forward time, the
 contention factor γ of ASC-WFBP §III (each of two simultaneous collectives
@@ -51,10 +56,14 @@ import numpy as np
 from jaxfuse import _jsonfile
 
 FORMAT = "jaxfuse.costs"
-FORMAT_VERSION = 2   # 2 added ``bucket`` (a version-1 file reads as 0)
+FORMAT_VERSION = 2   # 2 added ``bucket`` and ``schemes`` (a version-1
+                     # file reads as 0 and none)
 COLLECTIVES = ("allgather", "psum")       # required lines
 OPTIONAL_COLLECTIVES = ("alltoall", "ppermute")
 MEASURABLE = COLLECTIVES + OPTIONAL_COLLECTIVES
+# The sparse schemes whose compute ``schemes`` may hold (all_gather's is in
+# ``compress``); the names of plans.SPARSE_COLLECTIVES.
+SCHEMES = ("zen", "spardl", "hier")
 # A scheme's wire primitives (collectives.base.PRIMITIVES) -> the line used.
 PRIMITIVE_LINE = {"allgather": "allgather", "allreduce": "psum",
                   "alltoall": "alltoall", "ppermute": "ppermute"}
@@ -167,6 +176,10 @@ class Costs:
   bucket: seconds per sparse bucket beyond its units' ``compress`` and its
     scheme's collective lines; ``simulate`` adds it to the bucket's time on
     the link, so it acts as a larger α there (0: not measured).
+  schemes: {scheme: LinearCost} for schemes of ``SCHEMES``: what a sparse
+    bucket of c slots computes more under that scheme than under
+    all_gather, beyond the difference of their wire steps; ``simulate``
+    adds it to the bucket's compression (missing: 0).
   """
   collectives: Mapping[str, LinearCost]
   compress: LinearCost
@@ -177,6 +190,7 @@ class Costs:
   provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   workers: int = 2
   bucket: float = 0.0
+  schemes: Mapping[str, LinearCost] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     if not isinstance(self.collectives, Mapping):
@@ -211,11 +225,25 @@ class Costs:
                        _number("overlap", self.overlap, high=1.0))
     object.__setattr__(self, "forward", _number("forward", self.forward))
     object.__setattr__(self, "bucket", _number("bucket", self.bucket))
+    if not isinstance(self.schemes, Mapping) or not set(
+        self.schemes) <= set(SCHEMES) or not all(
+            isinstance(c, LinearCost) for c in self.schemes.values()):
+      raise CostsError(f"schemes={dict(self.schemes)!r} must map schemes of "
+                       f"{SCHEMES} to a LinearCost each.")
+    object.__setattr__(self, "schemes", types.MappingProxyType(
+        {name: self.schemes[name] for name in SCHEMES
+         if name in self.schemes}))
     object.__setattr__(self, "provenance", dict(self.provenance))
 
   def comm_time(self, collective: str, nbytes: float) -> float:
     """One measured collective on ``workers`` devices."""
     return self.collectives[collective].time(nbytes)
+
+  def scheme_time(self, scheme: str, slots: float) -> float:
+    """e_s(slots): the compute a sparse bucket of ``slots`` slots adds under
+    ``scheme`` over all_gather (0 for all_gather and unmeasured schemes)."""
+    line = self.schemes.get(scheme)
+    return line.time(slots) if line else 0.0
 
   def primitive_time(self, primitive: str, nbytes: float,
                      num_workers: int | None = None) -> float:
@@ -270,6 +298,7 @@ class Costs:
         "forward": self.forward,
         "workers": self.workers,
         "bucket": self.bucket,
+        "schemes": {n: c.to_dict() for n, c in self.schemes.items()},
         "provenance": dict(self.provenance),
     }, fmt=FORMAT, version=FORMAT_VERSION)
 
@@ -279,7 +308,7 @@ class Costs:
                           error=CostsError, what="jaxfuse costs file")
     known = {"format", "version", "collectives", "compress", "backward",
              "contention", "overlap", "forward", "provenance", "workers",
-             "bucket"}
+             "bucket", "schemes"}
     unknown = sorted(set(body) - known)
     if unknown:
       raise CostsError(f"costs JSON has unknown field(s) {unknown}; the file "
@@ -306,6 +335,11 @@ class Costs:
                        f"{list(OPTIONAL_COLLECTIVES)}.")
     collectives = {n: line(f"collectives.{n}", coll[n]) for n in coll}
     compress = line("compress", body["compress"])
+    schemes = body.get("schemes", {})
+    if not isinstance(schemes, dict) or not set(schemes) <= set(SCHEMES):
+      raise CostsError(f"costs field 'schemes' must be an object with keys "
+                       f"among {list(SCHEMES)}; got {schemes!r}.")
+    schemes = {n: line(f"schemes.{n}", schemes[n]) for n in schemes}
     if not isinstance(body["backward"], list):
       raise CostsError("costs field 'backward' must be a list of per-leaf "
                        "times.")
@@ -318,7 +352,7 @@ class Costs:
                  overlap=body.get("overlap", 1.0),
                  forward=body.get("forward", 0.0), provenance=provenance,
                  workers=body.get("workers", _measured_workers(provenance)),
-                 bucket=body.get("bucket", 0.0))
+                 bucket=body.get("bucket", 0.0), schemes=schemes)
     except CostsError as e:
       raise CostsError(f"costs JSON: {e}") from None
 

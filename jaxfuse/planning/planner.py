@@ -229,9 +229,11 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
 def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
                      num_workers: int) -> tuple[plan_lib.Plan, list]:
   """Each sparse bucket moved by the scheme of ``AUTO_COLLECTIVES`` whose
-  wire steps take least time on K workers (``costs.steps_time``). The
-  simulated step is non-decreasing in every bucket's time, so with the
-  grouping fixed this choice is optimal. Returns the plan and, per bucket,
+  wire steps and extra compute take least time on K workers
+  (``costs.steps_time`` + ``costs.scheme_time``). The simulated step is
+  non-decreasing in every bucket's link and compute time, so with the
+  grouping fixed this is optimal where one scheme is cheapest in both;
+  else it takes the least sum. Returns the plan and, per bucket,
   {scheme: seconds} (empty for dense buckets)."""
   sched = schedule_lib.compile_plan(plan)
   buckets, report = [], []
@@ -246,7 +248,8 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
           steps = scheme.steps(units, num_workers, plan.settings)
         except collectives.SchemeError:
           continue  # cannot run on K workers (e.g. SparDL's teams)
-        times[name] = costs.steps_time(steps, num_workers)
+        times[name] = costs.steps_time(steps, num_workers) + \
+            costs.scheme_time(name, sum(u.capacity for u in units))
       b = dataclasses.replace(b, collective=min(times, key=times.get))
     buckets.append(b)
     report.append(times)

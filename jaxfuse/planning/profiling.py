@@ -18,6 +18,10 @@ Every time below is the median of ``repeats`` runs after ``warmup`` runs
   bucket       the same update on the whole mesh for ``u`` units as one
                bucket and as u buckets: the time per extra sparse bucket
                beyond its all_gather's α (``measure_bucket_cost``).
+  schemes      one bucket moved by each of ``auto``'s other schemes against
+               all_gather, less the difference of their wire steps: the
+               scheme's compute per bucket of c slots, fitted
+               e_s(c) = α_s + β_s·c (``measure_scheme_costs``).
   contention   γ (ASC-WFBP Eq. 9): two independent psums of m bytes at once
                take T₂ = α + γ·β·m, one takes T₁ = α + β·m, so
                γ = (T₂ − α) / (T₁ − α), clipped to [1, 2] (2: XLA ran them
@@ -80,13 +84,14 @@ from jaxfuse.planning.timing import time_calls
 
 __all__ = [
     "ATTRIBUTIONS", "BackwardAnalysis", "DEFAULT_COMPRESS_SIZES",
-    "DEFAULT_SIZES", "FREE_PRIMITIVES", "ProfileError", "Progress",
+    "DEFAULT_SCHEME_SIZES", "DEFAULT_SIZES", "FREE_PRIMITIVES",
+    "ProfileError", "Progress",
     "analyze_backward", "collective_chain", "contention_factor",
     "default_compress_sizes", "default_sizes", "derive_backward",
     "equation_work", "human_bytes", "machine_rates", "measure_collective",
     "measure_bucket_cost", "measure_compress", "measure_contention",
-    "measure_forward_backward", "measure_overlap", "overlap_factor",
-    "profile", "scale_shares",
+    "measure_forward_backward", "measure_overlap", "measure_scheme_costs",
+    "overlap_factor", "profile", "scale_shares",
     "synthetic_model", "text_progress", "time_call", "time_calls",
     "validate_backward",
 ]
@@ -102,6 +107,8 @@ DEFAULT_COMPRESS_SIZES = {
     "cpu": (2**12, 2**15, 2**18),
     "other": (2**12, 2**15, 2**18, 2**21, 2**24),
 }
+# Elements per leaf of the schemes' buckets (``measure_scheme_costs``).
+DEFAULT_SCHEME_SIZES = {"cpu": (2**14, 2**17), "other": (2**18, 2**22)}
 
 
 def _platform_key() -> str:
@@ -245,9 +252,10 @@ def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
     n = int(n)
     if progress:
       progress(f"compress {n:,} elements")
-    t = _time_sparse_step(mesh, [n] * chain, "single", estimator=estimator,
-                          density=density, headroom=headroom,
-                          repeats=repeats, warmup=warmup)
+    t, _ = _time_sparse_step(mesh, [n] * chain, "single",
+                             estimator=estimator, density=density,
+                             headroom=headroom, repeats=repeats,
+                             warmup=warmup)
     out.append((n, t / chain))
   return out
 
@@ -272,18 +280,68 @@ def measure_bucket_cost(mesh, alpha: float, *, units: int = 8,
                        "several).")
   kw = dict(estimator=estimator, density=density, headroom=headroom,
             repeats=repeats, warmup=warmup, axis_name=axis_name)
-  one = _time_sparse_step(mesh, [elements] * units, "single", **kw)
-  each = _time_sparse_step(mesh, [elements] * units, "layerwise", **kw)
+  one, _ = _time_sparse_step(mesh, [elements] * units, "single", **kw)
+  each, _ = _time_sparse_step(mesh, [elements] * units, "layerwise", **kw)
   c = max(0.0, (each - one) / (units - 1) - alpha)
   return c, {"units": units, "elements": elements, "one_bucket": one,
              "bucket_per_unit": each, "allgather_alpha": alpha}
 
 
+def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
+                         sizes: Sequence[int] | None = None,
+                         units: int = 4, estimator: str = "dgc",
+                         density: float = 0.01, headroom: float = 1.5,
+                         repeats: int = 5, warmup: int = 2,
+                         axis_name: str = "data"
+                         ) -> tuple[dict[str, costs_lib.LinearCost], dict]:
+  """({scheme: e_s}, raw): the compute each sparse scheme of ``auto``'s
+  other than all_gather adds to a bucket (``Costs.schemes``).
+
+  For each x of ``sizes``: one sparse bucket of ``units`` float32 leaves
+  of x elements on ``mesh``, moved by all_gather (t_ag) and by the scheme
+  (t_s). e = t_s − t_ag − (its wire steps − all_gather's, from ``lines``'
+  collective lines) at c = the bucket's slots; fitted e_s(c) = α_s + β_s·c
+  (α, β ≥ 0). A scheme that cannot run on this mesh is left out.
+  ``sizes`` defaults to ``DEFAULT_SCHEME_SIZES`` of the platform.
+  """
+  from jaxfuse import collectives  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
+  k = mesh.shape[axis_name]
+  sizes = sizes or DEFAULT_SCHEME_SIZES[_platform_key()]
+  kw = dict(estimator=estimator, density=density, headroom=headroom,
+            repeats=repeats, warmup=warmup, axis_name=axis_name)
+
+  def wire(plan):
+    return math.fsum(lines.steps_time(s, k)
+                     for s in collectives.bucket_steps(plan, k))
+  points, raw = {}, {"units": units, "points": {}}
+  for x in sizes:
+    t_ag, plan_ag = _time_sparse_step(mesh, [int(x)] * units, "single", **kw)
+    slots = sum(l.capacity for l in plan_ag.leaves)
+    for name in planner.AUTO_COLLECTIVES:
+      if name == "allgather":
+        continue
+      try:
+        collectives.get(name).check("profile", k, plan_ag.settings)
+      except collectives.SchemeError:
+        continue
+      t_s, plan_s = _time_sparse_step(mesh, [int(x)] * units, "single",
+                                      collective=name, **kw)
+      e = t_s - t_ag - (wire(plan_s) - wire(plan_ag))
+      points.setdefault(name, []).append((slots, e))
+      raw["points"].setdefault(name, []).append([slots, t_s, t_ag, e])
+  fits = {name: costs_lib.fit_linear(*zip(*pts))
+          for name, pts in points.items() if len({c for c, _ in pts}) > 1}
+  return fits, raw
+
+
 def _time_sparse_step(mesh, sizes, strategy, *, estimator, density, headroom,
-                      repeats, warmup, axis_name="data") -> float:
-  """Seconds of one ``sparse_sync`` update of float32 leaves of ``sizes``
-  (standard normal, the same on every device of ``mesh``), planned as
-  ``strategy`` with every leaf sparse."""
+                      repeats, warmup, axis_name="data",
+                      collective="allgather"):
+  """(seconds, plan) of one ``sparse_sync`` update of float32 leaves of
+  ``sizes`` (standard normal, the same on every device of ``mesh``),
+  planned as ``strategy`` with every leaf sparse and moved by
+  ``collective``."""
   from jaxfuse import transform  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(sum(sizes))
@@ -291,14 +349,14 @@ def _time_sparse_step(mesh, sizes, strategy, *, estimator, density, headroom,
                           NamedSharding(mesh, P())) for n in sizes]
   plan = planner.plan(grads, density=density, strategy=strategy,
                       estimator=estimator, headroom=headroom,
-                      min_sparse_size=1)
+                      min_sparse_size=1, collective=collective)
   opt = transform.sparse_sync(plan, axis_name=axis_name)
   state = transform.init_state(opt, grads, mesh, axis_name=axis_name)
   specs = transform.state_specs(state, axis_name)
   step = _jit(jax.shard_map(
       lambda g, s: opt.update(_compat.to_varying(g, axis_name), s),
       mesh=mesh, in_specs=(P(), specs), out_specs=(P(), specs)))
-  return time_call(step, grads, state, warmup=warmup, repeats=repeats)
+  return time_call(step, grads, state, warmup=warmup, repeats=repeats), plan
 
 
 # --- overlap --------------------------------------------------------------------
@@ -381,7 +439,7 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
       raise ProfileError(f"{name}={list(sweep)} needs at least two distinct "
                          "sizes >= 1 (one size cannot separate α from β).")
   timing = dict(repeats=repeats, warmup=warmup)
-  total = (len(costs_lib.MEASURABLE) * len(sizes) + len(compress_sizes) + 3 +
+  total = (len(costs_lib.MEASURABLE) * len(sizes) + len(compress_sizes) + 4 +
            (2 if loss_fn else 0))
   done = [0]
 
@@ -405,6 +463,12 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
   bucket, bucket_raw = measure_bucket_cost(
       mesh, collectives["allgather"].alpha, estimator=estimator,
       density=density, headroom=headroom, axis_name=axis_name, **timing)
+  step("schemes: one bucket moved by each scheme against all_gather")
+  schemes, schemes_raw = measure_scheme_costs(
+      mesh, costs_lib.Costs(collectives, compress, (),
+                            workers=max(2, mesh.shape[axis_name])),
+      estimator=estimator, density=density, headroom=headroom,
+      axis_name=axis_name, **timing)
 
   step(f"contention: two psums of {human_bytes(max(sizes))}")
   gamma, contention_raw = measure_contention(
@@ -460,10 +524,11 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
       "samples": {k: [[int(x), float(t)] for x, t in v]
                   for k, v in samples.items()},
       "contention": contention_raw, "overlap": overlap_raw,
-      "bucket": bucket_raw,
+      "bucket": bucket_raw, "schemes": schemes_raw,
   }
   if backward_raw:
     provenance["backward"] = backward_raw
   return costs_lib.Costs(collectives, compress, backward, contention=gamma,
                          overlap=eta, forward=forward, provenance=provenance,
-                         workers=max(2, mesh.shape[axis_name]), bucket=bucket)
+                         workers=max(2, mesh.shape[axis_name]), bucket=bucket,
+                         schemes=schemes)

@@ -11,9 +11,10 @@ taking ``costs.backward[leaf]``: the buckets do not reorder the model's
 backward, so a bucket is ready when the last of its leaves in that order
 is. Right after that, the bucket is sparsified on the same stream (it
 shares the GPU, so it delays the later backward work): the sum over its
-selection units (``plan_lib.units``) of ``costs.compress.time(unit.size)``
-(buckets ready at the same leaf in plan order). A dense (``"psum"``)
-bucket has no compression. The compute stream ends at
+selection units (``plan_lib.units``) of ``costs.compress.time(unit.size)``,
+plus its scheme's extra compute ``costs.scheme_time(scheme, Σ capacity)``
+(0 for all_gather; buckets ready at the same leaf in plan order). A dense
+(``"psum"``) bucket has no compression. The compute stream ends at
 ``compute_end = forward + Σ backward + Σ compression``.
 
 Link (one; collectives never run at the same time, so the contention γ of
@@ -141,12 +142,18 @@ def step_at(compute: float, eta: float, ideal: Timeline) -> float:
 def compression_times(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
                       sched: schedule_lib.Schedule | None = None
                       ) -> list[float]:
-  """Per bucket: Σ over its selection units of compress.time(unit.size).
+  """Per bucket: Σ over its selection units of compress.time(unit.size),
+  plus ``costs.scheme_time`` of its scheme for its slots (Σ capacity).
   ``sched``: the plan already compiled (``schedule.compile_plan(plan)``)."""
   if sched is None:
     sched = schedule_lib.compile_plan(plan)
-  return [sum(costs.compress.time(u.size) for u in sched.bucket_units(b))
-          for b in sched.buckets]
+  out = []
+  for b in sched.buckets:
+    units = sched.bucket_units(b)
+    extra = costs.scheme_time(b.collective, sum(
+        u.capacity for u in units)) if b.kind == schedule_lib.SPARSE else 0.0
+    out.append(sum(costs.compress.time(u.size) for u in units) + extra)
+  return out
 
 
 def backward_order(plan: plan_lib.Plan) -> tuple[int, ...]:
