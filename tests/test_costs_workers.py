@@ -147,4 +147,6 @@ def test_costs_json_keeps_scheme_lines_and_checks_their_names():
     Costs.from_json(json.dumps(body))
   with pytest.raises(CostsError, match="schemes="):
     _costs().replace(schemes={"psum": LinearCost(0, 0)})
+  with pytest.raises(CostsError, match="schemes=5"):
+    _costs().replace(schemes=5)
 

@@ -128,6 +128,8 @@ def test_scheme_cost_is_its_time_over_allgather_past_the_wire(
   assert fits["zen"].beta == pytest.approx(beta)
   assert fits["zen"].alpha == pytest.approx(1e-3 - beta * slots[0])
   assert fits["spardl"].time(10**5) == pytest.approx(0.0, abs=1e-12)
+  with pytest.raises(profiling.ProfileError, match="two distinct"):
+    profiling.measure_scheme_costs(mesh, free, sizes=(2**14, 2**14))
 
 
 def test_collective_chain_moves_the_data(mesh):

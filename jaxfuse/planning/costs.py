@@ -228,7 +228,7 @@ class Costs:
     if not isinstance(self.schemes, Mapping) or not set(
         self.schemes) <= set(SCHEMES) or not all(
             isinstance(c, LinearCost) for c in self.schemes.values()):
-      raise CostsError(f"schemes={dict(self.schemes)!r} must map schemes of "
+      raise CostsError(f"schemes={self.schemes!r} must map schemes of "
                        f"{SCHEMES} to a LinearCost each.")
     object.__setattr__(self, "schemes", types.MappingProxyType(
         {name: self.schemes[name] for name in SCHEMES

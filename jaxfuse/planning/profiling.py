@@ -307,7 +307,11 @@ def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
   from jaxfuse import collectives  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
   k = mesh.shape[axis_name]
-  sizes = sizes or DEFAULT_SCHEME_SIZES[_platform_key()]
+  sizes = tuple(int(x) for x in (sizes or
+                                 DEFAULT_SCHEME_SIZES[_platform_key()]))
+  if len(set(sizes)) < 2 or min(sizes) < 1:
+    raise ProfileError(f"sizes={list(sizes)} needs at least two distinct "
+                       "sizes >= 1 (one size cannot separate α from β).")
   kw = dict(estimator=estimator, density=density, headroom=headroom,
             repeats=repeats, warmup=warmup, axis_name=axis_name)
 

@@ -214,7 +214,7 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
 
   # Link: ideal WFBP order until the η budget of busy-during-compute is used.
   durations = [costs.steps_time(steps, k) +
-               (costs.bucket if b.kind != schedule_lib.PSUM else 0.0)
+               (costs.bucket if b.kind == schedule_lib.SPARSE else 0.0)
                for b, steps in zip(sched.buckets, collectives.bucket_steps(
                    plan, k, sched=sched))]
   total = math.fsum(durations)
