@@ -12,7 +12,9 @@
 #   kernels the kernel tests with the compiled kernels, then the one-GPU
 #           overhead of a `single` plan (dgc, topk) and the sparse step's
 #           kernels per source line (kernel_sources.py); one GPU, about
-#           5 minutes
+#           5 minutes. CHUNKS="4 1 0" runs dgc with each rows-per-chunk of
+#           the fused pass's streams (overhead.py --rows-per-chunk; about
+#           2 minutes more each)
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels [steps]
 # PACK=FILE.tar.gz packs everything written into one archive at the end (a
 # device call hands back only a few files: OUT=/tmp/k PACK=$OUT/k.tar.gz).
@@ -66,15 +68,22 @@ PY
       tests/test_kernels_fused_pass.py tests/test_kernels_backend.py \
       > "$out/kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -n 3 "$out/kernel_tests.log"
-    for e in dgc topk; do        # one estimator per process, as published
+    runs=""                      # one estimator per process, as published
+    for c in ${CHUNKS:-default}; do runs="$runs dgc:$c"; done
+    for run in $runs topk; do
+      e=${run%%:*}; c=${run#*:}; [ "$c" = "$run" ] && c=default
+      name=$e; extra=()
+      if [ "$c" != default ]; then name="${e}_chunk$c"; extra=(--rows-per-chunk "$c"); fi
       python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
-        --strategy single --steps "${2:-60}" --hlo-dir "$out/hlo_$e" \
-        --out "$out/overhead_$e.json" > "$out/overhead_$e.log" 2>&1
-      echo "$e rc=$?"; tail -n 3 "$out/overhead_$e.log"
-      python benchmarks/kernel_sources.py "$out/hlo_$e/dense_None.hlo.txt" \
-        "$out/hlo_$e/jaxfuse_$e.hlo.txt" --overhead "$out/overhead_$e.json" \
-        --top 30 --out "$out/kernel_sources_$e.json" \
-        > "$out/kernel_sources_$e.txt" 2>&1
+        --strategy single --steps "${2:-60}" "${extra[@]}" \
+        --hlo-dir "$out/hlo_$name" \
+        --out "$out/overhead_$name.json" > "$out/overhead_$name.log" 2>&1
+      echo "$name rc=$?"; tail -n 3 "$out/overhead_$name.log"
+      python benchmarks/kernel_sources.py "$out/hlo_$name/dense_None.hlo.txt" \
+        "$out/hlo_$name/jaxfuse_$e.hlo.txt" \
+        --overhead "$out/overhead_$name.json" \
+        --top 30 --out "$out/kernel_sources_$name.json" \
+        > "$out/kernel_sources_$name.txt" 2>&1
     done ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -czf "$PACK" -C "$out" . && echo "packed $PACK"; fi

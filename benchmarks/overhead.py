@@ -56,6 +56,7 @@ from jax.sharding import NamedSharding  # pylint: disable=wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
 
 import jaxfuse  # pylint: disable=wrong-import-position
+from jaxfuse import bucket_pass  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
 from train_lm import make_train_step  # pylint: disable=wrong-import-position
 
@@ -197,6 +198,11 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--xla-defaults", action="store_true",
                  help="compile without jaxfuse.xla_options()")
   p.add_argument("--top", type=int, default=0)
+  p.add_argument("--rows-per-chunk", type=int,
+                 default=bucket_pass.ROWS_PER_CHUNK,
+                 help="rows of a state group's streams stacked together for "
+                 "the fused pass (jaxfuse.bucket_pass.ROWS_PER_CHUNK; 1: "
+                 "each row read where it is, 0: the whole group)")
   p.add_argument("--hlo-dir", help="also write each step's compiled HLO "
                  "here (benchmarks/kernel_sources.py attributes its "
                  "kernels to source lines)")
@@ -204,6 +210,7 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--out", help="JSON file to write")
   args = p.parse_args(argv)
   jaxfuse.kernels.set_backend(args.kernels)
+  bucket_pass.ROWS_PER_CHUNK = args.rows_per_chunk
   mesh = jaxfuse.make_mesh(args.devices, AXIS)
   preset = lm_model.PRESETS[args.preset]
   model = lm_model.build_model(args.preset)

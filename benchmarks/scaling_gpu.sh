@@ -57,6 +57,12 @@
 #            the host launching kernels for several GPUs (STEPS, default
 #            30; about 3 minutes on 4 GPUs; EXTRA="--xla-defaults" keeps
 #            XLA's command buffers on)
+#   procsdiag  socket: where one process per GPU under jax.distributed
+#            stops, 4 steps logged each: VARIANTS (default "plain early":
+#            the plain step without XLA's network flags, then the procs
+#            step), each cut at DIAG_TIMEOUT s (default 150) with SIGABRT,
+#            so Python's faulthandler prints every thread's stack to the
+#            logs; NCCL_DEBUG=WARN (about 5 minutes on 4 GPUs)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -213,6 +219,30 @@ for name, label in (("procs_1", "one process, every GPU"),
   print(f"{label:28s} " + (f"{1e3 * t:.1f} ms a sparse step" if t else
                             f"failed (see {name}*.log)"))
 PY
+  ;;
+procsdiag)
+  export $SOCKET NCCL_DEBUG=WARN
+  n=$(nvidia-smi -L | wc -l)
+  base="--preset ${PRESET:-gpt2-small} --steps 4 --log-every 1 --density 0.05
+     --optimizer onebit_adamw --dense-warmup 1 --warmup-steps 0
+     --strategy size --bucket-bytes 67108864"
+  for v in ${VARIANTS:-plain early}; do
+    case $v in
+      plain) A="$base" ;;
+      early) A="$base --send-early --network-gbytes-s 3" ;;
+      *) echo "VARIANTS: plain or early, not $v"; exit 2 ;;
+    esac
+    port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+    for ((i = 0; i < n; i++)); do
+      CUDA_VISIBLE_DEVICES=$i timeout -s ABRT ${DIAG_TIMEOUT:-150} \
+          python -X faulthandler examples/train_lm.py $A \
+          --coordinator "localhost:$port" --num-processes $n --process-id $i \
+          > "$OUT/diag_${v}_$i.log" 2>&1 &
+    done
+    wait
+    echo "== $v: the last lines of process 0"
+    grep -v "^ *$" "$OUT/diag_${v}_0.log" | grep -v "Gloo" | tail -n 40
+  done
   ;;
 *)
   echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|readme|one|early|procs" >&2; exit 2 ;;

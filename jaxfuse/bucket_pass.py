@@ -9,7 +9,8 @@ reductions instead of a sort per group)::
 
   1. per batch: the sampled |acc| (``sparsify.sample_magnitudes``)
   2. the bucket: their k-th largest (DGC's estimate, topk's bracket τ_lo)
-  3. per batch: the fused pass (``sparsify.unit_pass``)
+  3. per batch: τ (``sparsify.unit_threshold``) and the fused pass of all
+     its rows (``kernels.sparsify_pass_rows``)
   4. the bucket: the k-th largest of topk's staged slots; per batch
      ``sparsify.topk_finish``
   5. per batch: controller and checks (``sparsify.unit_result``)
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse import kernels
 from jaxfuse import plans as plan_lib
 from jaxfuse import radix_select
 from jaxfuse import sparsify
@@ -46,8 +48,45 @@ def take(x, ids):
 
 
 def rows_of(x, rows):
-  """x[rows] for static row ids (the array itself when they are all)."""
+  """x[rows] for static row ids (the array itself when they are all); a
+  list of rows gives the list of those rows."""
+  if not isinstance(x, jax.Array):
+    return [x[i] for i in rows]
   return x if list(rows) == list(range(x.shape[0])) else take(x, rows)
+
+
+# Rows of a batch's streams stacked together for the fused pass, which
+# reads each chunk where it is (``kernels.sparsify_pass_rows``). XLA's GPU
+# concatenate emitter takes at most four operands; a larger stack goes to
+# its loop emitter, at about a quarter of the card's bandwidth
+# (docs/benchmarks.md, "Overhead on one GPU"). None: the whole batch.
+ROWS_PER_CHUNK: int | None = 4
+
+
+def stacked(x):
+  """A batch's streams as one (G, n) array (a list of rows is stacked)."""
+  return x if isinstance(x, jax.Array) else jnp.stack(x)
+
+
+def chunked(x, per: int | None = None):
+  """A batch's streams for the fused pass: a (G, n) array as it is; a list
+  of rows stacked ``per`` rows at a time (default ``ROWS_PER_CHUNK``)."""
+  per = ROWS_PER_CHUNK if per is None else per
+  if isinstance(x, jax.Array) or per == 1:
+    return x
+  if not per:
+    return jnp.stack(x)
+  return [jnp.stack(x[i:i + per]) for i in range(0, len(x), per)]
+
+
+def _sample(x, r, salts, spec):
+  """``sample_magnitudes`` of every row. A list of rows is sampled row by
+  row, so no (G, n) stack of the streams is made for it."""
+  if isinstance(x, jax.Array):
+    return jax.vmap(sparsify.sample_magnitudes, in_axes=(0, 0, 0, None))(
+        x, r, salts, spec)
+  return jnp.stack([sparsify.sample_magnitudes(row, r[i], salts[i], spec)
+                    for i, row in enumerate(x)])
 
 
 def batches(all_units: Sequence[plan_lib.Unit], groups: Sequence[list[int]],
@@ -71,8 +110,9 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
                     settings):
   """``sparsify_unit`` over every row of state groups ``gids`` (one bucket).
 
-  grads, residuals: per group, (G, n) streams and (decayed) residuals;
-  ctrl: per unit ``Control`` arrays. Returns [(batch, batched
+  grads, residuals: per group, (G, n) streams (or a list of the G flat
+  streams: the fused pass then reads each where it is) and (decayed)
+  residuals; ctrl: per unit ``Control`` arrays. Returns [(batch, batched
   ``UnitResult``, the rows' streams)].
   """
   todo = batches(all_units, groups, gids)
@@ -85,16 +125,20 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
 
   specs = [sparsify.sample_spec(b.unit.size, **k) for b, k in zip(todo, kw)]
   sampled = [i for i, s in enumerate(specs) if s is not None]
-  estimate = dict(zip(sampled, _kth([
-      jax.vmap(sparsify.sample_magnitudes, in_axes=(0, 0, 0, None))(
-          x[i], r[i], salts[i], specs[i]) for i in sampled],
+  estimate = dict(zip(sampled, _kth(
+      [_sample(x[i], r[i], salts[i], specs[i]) for i in sampled],
       [specs[i].rank for i in sampled])))
 
-  passes = [jax.vmap(functools.partial(
-      sparsify.unit_pass, capacity=b.unit.capacity, **kw[i]),
-      in_axes=(0, 0, 0, None, 0, 0))(x[i], r[i], c[i], step, salts[i],
-                                     estimate.get(i))
-            for i, b in enumerate(todo)]
+  passes = []
+  for i, b in enumerate(todo):
+    # (Only the estimators without a sample read the stack: XLA drops it
+    # for the others.)
+    tau, offset = jax.vmap(functools.partial(
+        sparsify.unit_threshold, **kw[i]), in_axes=(0, 0, 0, None, 0, 0))(
+            stacked(x[i]), r[i], c[i], step, salts[i], estimate.get(i))
+    passes.append((tau, kernels.sparsify_pass_rows(
+        chunked(x[i]), r[i], tau, sparsify.pass_capacity(
+            b.unit.size, capacity=b.unit.capacity, **kw[i]), offset)))
 
   staged = [i for i, b in enumerate(todo)
             if sparsify.needs_topk_finish(b.unit.size, **kw[i])]
@@ -109,7 +153,8 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
         density=b.unit.density, n=b.unit.size))(*passes[i], kth)
 
   return [(b, jax.vmap(functools.partial(sparsify.unit_result, **kw[i]))(
-      x[i], r[i], c[i], *passes[i]), x[i]) for i, b in enumerate(todo)]
+      stacked(x[i]), r[i], c[i], *passes[i]), x[i])
+          for i, b in enumerate(todo)]
 
 
 def _kth(rows, ranks):

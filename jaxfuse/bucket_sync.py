@@ -75,13 +75,17 @@ def stack_rows(rows):
   H200's bandwidth: docs/benchmarks.md, "Overhead on one GPU"). Nested
   concatenates of at most four, each level behind an optimization
   barrier, measured slower on an H200 (1.9 against 1.0 ms a step for
-  gpt2-small's groups), and so did writing the rows in place."""
+  gpt2-small's groups), and so did writing the rows in place. Only the
+  momentum rule stacks (its velocity is stacked state); without momentum
+  the fused pass reads the rows where they are."""
   return jnp.stack(rows)
 
 
 class _Streams(NamedTuple):
-  """Per state group of a bucket: what its rows accumulate this step, the
-  new velocity (None without momentum) and the (decayed) residual."""
+  """Per state group of a bucket: what its rows accumulate this step (a
+  list of flat rows without momentum, which the fused pass reads where
+  they are; the (G, n) stack with it), the new velocity (None without
+  momentum) and the (decayed) residual."""
   grads: dict
   moved: dict
   decayed: dict
@@ -90,11 +94,13 @@ class _Streams(NamedTuple):
 def _bucket_streams(sched, b, flat, residuals, velocity, rule) -> _Streams:
   grads, moved, decayed = {}, {}, {}
   for g in b.groups:
-    x = stack_rows([_unit_stream(sched.units[u], flat, sched.group_dtypes[g])
-                    for u in sched.groups[g]])
-    grads[g], moved[g] = _accumulate(
-        x, velocity[g] if rule.momentum else None, rule.momentum,
-        rule.nesterov)
+    rows = [_unit_stream(sched.units[u], flat, sched.group_dtypes[g])
+            for u in sched.groups[g]]
+    if rule.momentum:
+      grads[g], moved[g] = _accumulate(stack_rows(rows), velocity[g],
+                                       rule.momentum, rule.nesterov)
+    else:
+      grads[g], moved[g] = rows, None
     decayed[g] = (residuals[g] * rule.residual_decay
                   if rule.residual_decay != 1 else residuals[g])
   return _Streams(grads, moved, decayed)
@@ -197,9 +203,7 @@ def _place(plan, b, dense, flat):
 def _accumulate(x, u, momentum, nesterov):
   """(what the residual accumulates, new velocity) of DGC's momentum
   correction: u' = m·u + x, adds u' (Nesterov: u' = m·(u + x), adds x + u').
-  Without momentum, x itself and no velocity."""
-  if not momentum:
-    return x, None
+  """
   if nesterov:
     u = momentum * (u + x)
     return x + u, u

@@ -240,37 +240,51 @@ def topk_bracket(k: int, n: int) -> tuple[int, int, int]:
                                           1024)
 
 
-def unit_pass(grad, residual, ctrl_unit: Control, step, salt_, estimate, *,
-              capacity: int, density: float, estimator: str, settings):
-  """(τ, ``kernels.sparsify_pass`` result) of one unit, one step.
+def pass_capacity(n: int, *, capacity: int, density: float, estimator: str,
+                  settings) -> int:
+  """The slots of ``unit_pass``'s pass: the unit's c, or for ``"topk"``
+  with a drawn sample the bracket's C (``topk_bracket``)."""
+  if estimator != "topk" or sample_spec(n, density=density,
+                                        estimator=estimator,
+                                        settings=settings).whole:
+    return capacity
+  return topk_bracket(target_count(density, n), n)[2]
+
+
+def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
+                   estimate, *, density: float, estimator: str, settings):
+  """(τ, rotation offset) of ``unit_pass``'s pass.
 
   ``estimate``: the k-th largest of the unit's ``sample_spec`` (None where
-  that is None). For ``"topk"`` with a drawn sample, τ is the bracket τ_lo
-  and the pass has ``topk_bracket``'s C slots; ``topk_finish`` completes
-  it.
+  that is None). For ``"topk"`` τ is that estimate (the bracket τ_lo);
+  otherwise the scaled estimate, a fresh estimate or the kept τ.
   """
-  n = grad.size
-  offset = uniform_index(hash32(salt_), 0, n)
+  offset = uniform_index(hash32(salt_), 0, grad.size)
   if estimator == "topk":
-    spec = sample_spec(n, density=density, estimator=estimator,
-                       settings=settings)
-    wide = (capacity if spec.whole else
-            topk_bracket(target_count(density, n), n)[2])
-    return estimate, kernels.sparsify_pass(grad, residual, estimate, wide,
-                                           offset)
+    return estimate, offset
   scale = jnp.exp(ctrl_unit.log_scale)
   if estimate is not None:
-    tau = (estimate * scale).astype(jnp.float32)
-  else:
-    fresh = lambda: (estimate_threshold(
-        grad, residual, estimator=estimator, density=density, salt_=salt_,
-        settings=settings) * scale).astype(jnp.float32)
-    if settings.refresh == 1:
-      tau = fresh()
-    else:
-      tau = lax.cond(step % settings.refresh == 0, fresh,
-                     lambda: ctrl_unit.threshold)
-  return tau, kernels.sparsify_pass(grad, residual, tau, capacity, offset)
+    return (estimate * scale).astype(jnp.float32), offset
+  fresh = lambda: (estimate_threshold(
+      grad, residual, estimator=estimator, density=density, salt_=salt_,
+      settings=settings) * scale).astype(jnp.float32)
+  if settings.refresh == 1:
+    return fresh(), offset
+  return lax.cond(step % settings.refresh == 0, fresh,
+                  lambda: ctrl_unit.threshold), offset
+
+
+def unit_pass(grad, residual, ctrl_unit: Control, step, salt_, estimate, *,
+              capacity: int, density: float, estimator: str, settings):
+  """(τ, ``kernels.sparsify_pass`` result) of one unit, one step: τ and
+  the offset of ``unit_threshold``, ``pass_capacity`` slots. For
+  ``"topk"`` with a drawn sample ``topk_finish`` completes it."""
+  kw = dict(density=density, estimator=estimator, settings=settings)
+  tau, offset = unit_threshold(grad, residual, ctrl_unit, step, salt_,
+                               estimate, **kw)
+  return tau, kernels.sparsify_pass(
+      grad, residual, tau, pass_capacity(grad.size, capacity=capacity, **kw),
+      offset)
 
 
 def needs_topk_finish(n: int, *, density: float, estimator: str,

@@ -10,6 +10,7 @@ interpreter of JAX 0.10-0.12 fails on varying operands); with
 """
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
+from jaxfuse import bucket_pass
 from jaxfuse import kernels
 
 from _harness import list_plan, mesh_of, shard
@@ -59,7 +61,9 @@ def _bits(tree):
     ("dgc", "layerwise", SHAPES),
     # A unit large enough for topk's sampled bracket (topk_bracket).
     ("topk", "layerwise", [(40, 50), (120_000,), (300,)]),
-    ("redsync", "behind", SHAPES)])
+    ("redsync", "behind", SHAPES),
+    # A state group of 6 rows: the pass reads chunks of 4 and 2.
+    ("dgc", "single", [(40, 50)] * 6 + [(300,)])])
 def test_pallas_equals_reference(estimator, strategy, shapes):
   plan = list_plan(shapes, density=0.05, estimator=estimator,
                    strategy=strategy, min_sparse_size=64)
@@ -73,3 +77,36 @@ def test_pallas_equals_reference(estimator, strategy, shapes):
   for t, (g, w) in enumerate(zip(got, want)):
     assert _bits(g) == _bits(w), f"step {t}"
   assert any(np.isnan(x).any() for x in want[1][0])  # the NaN is visible
+
+
+@pytest.mark.parametrize("momentum,per,want", [
+    (0.0, 4, {"4", "2"}), (0.0, 1, set()), (0.9, 4, {"6"})])
+def test_the_pass_reads_a_groups_streams_in_chunks(momentum, per, want,
+                                                   monkeypatch):
+  """Without momentum the compiled step stacks a state group's 6 streams
+  at most ``ROWS_PER_CHUNK`` rows at a time (4 and 2; none with 1): the
+  fused pass reads each chunk where it is. With DGC's momentum the stream
+  is m·u + x over the stacked velocity, which is stacked state, so the
+  whole stack of 6 stays."""
+  monkeypatch.setattr(bucket_pass, "ROWS_PER_CHUNK", per)
+  shapes = [(40, 50)] * 6 + [(300,)]
+  plan = list_plan(shapes, density=0.05, estimator="dgc", strategy="single",
+                   min_sparse_size=64)
+  mesh = mesh_of(1)
+  tx = jaxfuse.sparse_sync(plan, momentum=momentum)
+  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape) for l in plan.leaves],
+                             mesh)
+  specs = jaxfuse.state_specs(state)
+  kernels.set_backend("pallas")
+  try:
+    step = jax.jit(jax.shard_map(
+        lambda g, s: tx.update([x[0] for x in g], s), mesh=mesh,
+        in_specs=(P("data"), specs), out_specs=(P(), specs),
+        check_vma=ON_GPU))
+    hlo = step.lower(shard(mesh, [np.ones((1,) + s, np.float32)
+                                  for s in shapes]), state).compile().as_text()
+  finally:
+    kernels.set_backend("auto")
+  stacks = {m.group(1) for m in re.finditer(
+      r"= f32\[(\d+),2000\]\S* concatenate\(", hlo)}
+  assert stacks == want, stacks

@@ -16,6 +16,13 @@ import pytest
 
 from jaxfuse.kernels import fused_pass as sp
 
+try:
+  from hypothesis import given
+  from hypothesis import settings
+  from hypothesis import strategies as st
+except ImportError:  # pragma: no cover - hypothesis is a test dependency
+  given = None
+
 ON_GPU = (os.environ.get("JAXFUSE_TEST_GPU") == "1"
           and jax.default_backend() == "gpu")
 
@@ -116,3 +123,102 @@ def test_large_units_on_gpu(n):
   x, r = _stream(rng, n), _stream(rng, n, zeros=0.9)
   for tau, capacity in ((2.5, n // 100), (2.0, n // 1000)):
     _check(x, r, jnp.float32(tau), capacity, n // 3)
+
+
+# --- G units at once, their streams read where they are ------------------------
+
+def _check_rows(xs, r, taus, capacity, offsets, **kw):
+  got = sp.sparsify_pass_rows_pallas(xs, r, taus, capacity, offsets,
+                                     interpret=not ON_GPU, **kw)
+  x = jnp.concatenate([c.reshape(-1, c.shape[-1]) for c in xs])
+  want = jax.vmap(lambda x, r_, t, o: sp.sparsify_pass_reference(
+      x, r_, t, capacity, o))(x, r, taus, offsets)
+  for name, g, w in zip(sp.PassResult._fields, got, want):
+    g, w = np.asarray(g), np.asarray(w)
+    assert (g.dtype, g.shape) == (w.dtype, w.shape), name
+    np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
+  return want
+
+
+@pytest.mark.parametrize("n,block", [(1000, 128), (600, 256), (100, None)])
+def test_rows_equal_each_row_alone(n, block):
+  """Row i's program reads xs[i] (a switch on the program id): each row's
+  result is its own pass's, whatever the other rows hold; one row is
+  non-finite, one all zero, one with nothing past τ."""
+  rng = np.random.default_rng(n)
+  xs = [_stream(rng, n) for _ in range(4)]
+  xs[1] = xs[1].at[n // 2].set(jnp.nan)
+  xs[3] = jnp.zeros((n,), jnp.float32)
+  r = jnp.stack([_stream(rng, n, zeros=0.5) for _ in range(3)]
+                + [jnp.zeros((n,), jnp.float32)])
+  taus = jnp.array([1.0, 1.5, 50.0, 0.5], jnp.float32)
+  offsets = jnp.array([0, n // 3, n - 1, 7], jnp.int32)
+  want = _check_rows(xs, r, taus, 24, offsets, block=block,
+                     tile=None if block is None else 64)
+  assert list(np.asarray(want.finite)) == [True, False, True, True]
+  assert list(np.asarray(want.nonzero)) == [True, True, True, False]
+  assert int(want.count[2]) == 0 and int(want.indices[2, 0]) < n
+
+
+def test_rows_in_chunks_equal_each_row_alone():
+  """Row g is row g mod R of chunk g div R: five rows as chunks of 2, 2, 1
+  (the padded short block too)."""
+  for n, block in ((900, 128), (70, None)):
+    rng = np.random.default_rng(n)
+    x = jnp.stack([_stream(rng, n) for _ in range(5)])
+    r = jnp.stack([_stream(rng, n, zeros=0.5) for _ in range(5)])
+    taus = jnp.array([0.5, 1.0, 1.5, 2.0, 2.5], jnp.float32)
+    offsets = jnp.array([0, 1, n // 2, n - 1, 3], jnp.int32)
+    _check_rows([x[0:2], x[2:4], x[4]], r, taus, 16, offsets, block=block,
+                tile=None if block is None else 64)
+
+
+def test_rows_of_a_stack_and_bad_operands():
+  rng = np.random.default_rng(3)
+  x = jnp.stack([_stream(rng, 500) for _ in range(2)])
+  r = jnp.stack([_stream(rng, 500) for _ in range(2)])
+  taus, offsets = jnp.array([1.0, 2.0], jnp.float32), jnp.array([4, 400])
+  got = sp.sparsify_pass_rows_pallas(x, r, taus, 16, offsets, block=128,
+                                     tile=64, interpret=not ON_GPU)
+  want = sp.sparsify_pass_rows_reference(list(x), r, taus, 16, offsets)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+  with pytest.raises(ValueError, match=r"\(3, n\) for 3 rows"):
+    sp.sparsify_pass_rows_pallas([x[0]] * 3, r, taus, 8, offsets,
+                                 interpret=True)
+  with pytest.raises(ValueError, match="float32"):
+    sp.sparsify_pass_rows_pallas([x[0].astype(jnp.bfloat16)] * 2, r, taus,
+                                 8, offsets, interpret=True)
+  with pytest.raises(ValueError, match="same number of rows"):
+    sp.sparsify_pass_rows_pallas([x[:1], x], jnp.concatenate([r, r[:1]]),
+                                 jnp.ones((3,)), 8, jnp.zeros((3,), int),
+                                 interpret=True)
+
+
+def test_rows_pass_stacks_nothing():
+  """No (G, n) array of the streams is built: pass 1 takes the G rows as
+  operands (the jaxpr has no concatenate), and the G rows take three
+  kernels in all, not three each."""
+  xs = [jnp.ones((1000,), jnp.float32)] * 3
+  jaxpr = str(jax.make_jaxpr(lambda xs, r: sp.sparsify_pass_rows_pallas(
+      xs, r, jnp.ones((3,)), 8, jnp.zeros((3,), jnp.int32), block=128,
+      tile=64, interpret=True))(xs, jnp.zeros((3, 1000))))
+  assert "concatenate" not in jaxpr
+  assert jaxpr.count("pallas_call[") == 3
+
+
+if given is not None:
+
+  @settings(max_examples=8, deadline=None)
+  @given(rows=st.integers(1, 5), per=st.integers(1, 5),
+         n=st.sampled_from([37, 300]), seed=st.integers(0, 2**16))
+  def test_any_chunking_of_the_rows_gives_each_rows_pass(rows, per, n, seed):
+    """However the G streams are cut into chunks of R rows, row g's result
+    is the pass of row g alone."""
+    rng = np.random.default_rng(seed)
+    x = jnp.stack([_stream(rng, n) for _ in range(rows)])
+    r = jnp.stack([_stream(rng, n, zeros=0.5) for _ in range(rows)])
+    taus = jnp.asarray(rng.uniform(0.0, 2.5, rows), jnp.float32)
+    offsets = jnp.asarray(rng.integers(0, n, rows), jnp.int32)
+    _check_rows([x[i:i + per] for i in range(0, rows, per)], r, taus, 12,
+                offsets, block=64, tile=32)

@@ -101,6 +101,23 @@ def sparsify_pass(x, r, tau, capacity: int, offset):
   return fused_pass.sparsify_pass_reference(x, r, tau, capacity, offset)
 
 
+def sparsify_pass_rows(xs, r, taus, capacity: int, offsets):
+  """``sparsify_pass`` of G units of one length at once: x is ``xs`` (a
+  (G, n) array, or flat rows and (rows, n) chunks in row order, which the
+  Pallas kernels read where they are), x_i its row i, r_i = ``r[i]``, τ_i
+  = ``taus[i]``, o_i = ``offsets[i]``; a ``PassResult`` with a leading axis
+  of G (``fused_pass.sparsify_pass_rows_reference``)."""
+  from jaxfuse.kernels import fused_pass  # pylint: disable=g-import-not-at-top
+  f32 = jax.numpy.dtype("float32")
+  dtypes = {x.dtype for x in ([xs] if isinstance(xs, jax.Array) else xs)}
+  if backend() == "pallas" and dtypes == {r.dtype} == {f32}:
+    return fused_pass.sparsify_pass_rows_pallas(
+        xs, r, taus, capacity, offsets,
+        interpret=jax.default_backend() != "gpu")
+  return fused_pass.sparsify_pass_rows_reference(xs, r, taus, capacity,
+                                                 offsets)
+
+
 def kth_largest_magnitude(x, k: int):
   """Exact k-th largest |x| (``threshold.kth_largest_magnitude``: a sampled
   bracket, the band kernel, a sort of the band). On the Pallas backend from

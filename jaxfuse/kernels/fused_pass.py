@@ -78,16 +78,33 @@ def sparsify_pass_reference(x, r, tau, capacity: int, offset) -> PassResult:
                     jnp.any(x != 0))
 
 
-def _mask_kernel(tau_ref, x_ref, r_ref, bits_ref, cnt_ref, si_ref, acc_ref,
-                 old_ref, bmax_ref, bpos_ref, bfin_ref, bnz_ref, *, n, block,
-                 tile, stage, interpret):
+def _mask_kernel(tau_ref, *refs, chunks, n, block, tile, stage, interpret):
   """Pass 1 of ``selection.mask_kernel`` on acc = x + r, with the block's
   summaries (module docstring). acc goes over r in place (``acc_ref`` is
   r's buffer) and r to ``old_ref``; the staged candidates are positions
   only (pass 2 reads their values from acc), so nothing here reads memory
-  this pass has written."""
-  b = pl.program_id(0)
-  tau = tau_ref[0]
+  this pass has written.
+
+  ``chunks=None``: one unit, grid (blocks,), refs (x, r, outputs…).
+  ``chunks=(C, R)``: G units, grid (G, blocks), refs (x_0 … x_{C−1}, r,
+  outputs…): the streams come in C flat arrays of R rows each (the last
+  may hold fewer), and row g is row g mod R of x_{g div R}
+  (``selection.Switched``), read where it is; r and the outputs are row
+  g of their stacks (their BlockSpecs squeeze the row)."""
+  if chunks is None:
+    x_ref, r_ref = refs[:2]
+    refs = refs[2:]
+    b, tau = pl.program_id(0), tau_ref[0]
+  else:
+    count, per = chunks
+    g = pl.program_id(0)
+    size = refs[count].shape[0]
+    x_ref = sel.Switched(g // per, (g % per) * size, refs[:count], size)
+    r_ref = refs[count]
+    refs = refs[count + 1:]
+    b, tau = pl.program_id(1), tau_ref[g]
+  (bits_ref, cnt_ref, si_ref, acc_ref, old_ref, bmax_ref, bpos_ref, bfin_ref,
+   bnz_ref) = refs
   rows = tile // sel.WORD
   shift = lax.broadcasted_iota(jnp.int32, (rows, sel.WORD), 1)
   row = lax.broadcasted_iota(jnp.int32, (rows,), 0)
@@ -147,6 +164,106 @@ def _mask_kernel(tau_ref, x_ref, r_ref, bits_ref, cnt_ref, si_ref, acc_ref,
 _STATIC = ("capacity", "block", "tile", "stage", "num_warps", "interpret")
 
 
+class _Config(NamedTuple):
+  """The kernels' static shapes for units of n elements."""
+  n: int
+  capacity: int
+  block: int
+  tile: int
+  stage: int
+  num_blocks: int
+  padded_blocks: int
+  scan_chunk: int
+  fill_per_program: int
+  params: object
+  interpret: bool
+
+  @property
+  def size(self):      # the arrays' length: n, or one padded block
+    return max(self.n, self.block)
+
+  def pass1_outputs(self, out, dtype):
+    per_block = lambda t: out((self.padded_blocks,), t)
+    return (out((self.num_blocks * self.block // sel.WORD,), jnp.int32),
+            per_block(jnp.int32), out((self.num_blocks * self.stage,),
+                                      jnp.int32),
+            out((self.size,), dtype), out((self.size,), dtype),
+            per_block(jnp.float32), per_block(jnp.int32),
+            per_block(jnp.int32), per_block(jnp.int32))
+
+
+def _config(x, capacity, block, tile, stage, num_warps, interpret):
+  n = x.shape[-1]
+  block, tile, stage = sel.config(n, capacity, block, tile, stage)
+  num_blocks = pl.cdiv(n, block)
+  scan_chunk = min(sel.MAX_SCAN_CHUNK, pl.next_power_of_2(num_blocks))
+  return _Config(
+      n, capacity, block, tile, stage, num_blocks,
+      pl.cdiv(num_blocks, scan_chunk) * scan_chunk, scan_chunk,
+      pl.next_power_of_2(pl.cdiv(capacity, num_blocks)),
+      _compat.triton_params("sparsify_pass_pallas",
+                            num_warps or sel.DEFAULT_NUM_WARPS), interpret)
+
+
+def _check_operands(xs, r):
+  for x in xs:
+    sel.check_acc(x)
+    if x.shape != r.shape[-1:] or x.dtype != jnp.float32 or \
+        r.dtype != x.dtype:
+      raise ValueError(f"x and r must be float32 of one length, got "
+                       f"{x.dtype}{list(x.shape)} and {r.dtype}"
+                       f"{list(r.shape)}")
+
+
+def _pad(a, cfg):
+  """a with its last axis padded with zeros to one block if n < block."""
+  if cfg.n >= cfg.block:
+    return a
+  return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, cfg.block - cfg.n)])
+
+
+def _mask_kernel_for(cfg, chunks):
+  return functools.partial(_mask_kernel, chunks=chunks, n=cfg.n,
+                           block=cfg.block, tile=cfg.tile, stage=cfg.stage,
+                           interpret=cfg.interpret)
+
+
+def _finish(cfg, out, offset, pass1) -> PassResult:
+  """The scan and pass 2 of one unit from pass 1's outputs."""
+  bits, counts, staged_i, acc, old, bmax, bpos, bfin, bnz = pass1
+  whole = pl.BlockSpec()
+  stage_spec = pl.BlockSpec((cfg.stage,), lambda b: (b,))
+  start, scal = pl.pallas_call(
+      functools.partial(sel.scan_kernel, n=cfg.n, block=cfg.block,
+                        num_blocks=cfg.num_blocks, chunk=cfg.scan_chunk),
+      out_shape=(out((cfg.padded_blocks,), jnp.int32), out((8,), jnp.int32)),
+      grid=(1,), in_specs=[whole] * 7, out_specs=(whole, whole),
+      compiler_params=cfg.params, interpret=cfg.interpret,
+      name="jaxfuse_sparsify_scan",
+  )(jnp.reshape(offset, (1,)), counts, bits, bmax, bpos, bfin, bnz)
+  values, indices, residual = pl.pallas_call(
+      functools.partial(sel.write_kernel, n=cfg.n, block=cfg.block,
+                        words_per_step=min(cfg.block // sel.WORD,
+                                           sel.MAX_WORDS_PER_STEP),
+                        stage=cfg.stage, capacity=cfg.capacity,
+                        fill_per_program=cfg.fill_per_program,
+                        interpret=cfg.interpret, tile=cfg.tile),
+      out_shape=(out((cfg.capacity,), acc.dtype),
+                 out((cfg.capacity,), jnp.int32), out(acc.shape, acc.dtype)),
+      grid=(cfg.num_blocks,),
+      in_specs=[whole] * 5 + [stage_spec] * 2 + [whole],
+      out_specs=(whole, whole, whole),
+      input_output_aliases={4: 2},
+      compiler_params=cfg.params, interpret=cfg.interpret,
+      name="jaxfuse_sparsify_pass2",
+  )(scal, counts, start, bits, acc, staged_i, staged_i, old)
+  finite = scal[3] > 0
+  values, indices, count = nonfinite_slots(values, indices, scal[2], finite,
+                                            cfg.n)
+  return PassResult(values, indices, count, residual[:cfg.n], finite,
+                    scal[6] > 0)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
                          offset, *, block: int | None = None,
@@ -160,74 +277,107 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
   a bfloat16 x + r in float32 before comparing it, each in its own places,
   so a narrower acc could differ from the reference near τ.)
   """
-  sel.check_acc(x)
-  if r.shape != x.shape or x.dtype != jnp.float32 or r.dtype != x.dtype:
-    raise ValueError(f"x and r must be float32 of one shape, got "
-                     f"{x.dtype}{list(x.shape)} and {r.dtype}{list(r.shape)}")
-  n = x.shape[0]
-  block, tile, stage = sel.config(n, capacity, block, tile, stage)
+  _check_operands([x], r)
+  if r.ndim != 1:
+    raise ValueError(f"r must be flat, got shape {list(r.shape)}")
+  cfg = _config(x, capacity, block, tile, stage, num_warps, interpret)
   taus = jnp.reshape(comparison_threshold(x.dtype, tau), (1,))
-  num_blocks = pl.cdiv(n, block)
-  words_per_block = block // sel.WORD
-  scan_chunk = min(sel.MAX_SCAN_CHUNK, pl.next_power_of_2(num_blocks))
-  padded_blocks = pl.cdiv(num_blocks, scan_chunk) * scan_chunk
-  fill_per_program = pl.next_power_of_2(pl.cdiv(capacity, num_blocks))
-  params = _compat.triton_params("sparsify_pass_pallas",
-                                 num_warps or sel.DEFAULT_NUM_WARPS)
   offset = jnp.asarray(offset, jnp.int32)
-  if n < block:                      # one short block: padded with zeros
-    x, r = (jnp.pad(a, (0, block - n)) for a in (x, r))
   (x, r, taus, offset), out = _compat.kernel_operands(
-      x, r, taus, offset, interpret=interpret, kernel="sparsify_pass_pallas",
-      reference="sparsify_pass_reference")
+      _pad(x, cfg), _pad(r, cfg), taus, offset, interpret=interpret,
+      kernel="sparsify_pass_pallas", reference="sparsify_pass_reference")
   whole = pl.BlockSpec()
-  stage_spec = pl.BlockSpec((stage,), lambda b: (b,))
-  per_block = lambda dtype: out((padded_blocks,), dtype)
   # Pass 1 writes acc over r (aliased: the residual stays in its buffer,
   # which the caller may have donated) and keeps r in ``old`` for a
   # non-finite step.
-  bits, counts, staged_i, acc, old, bmax, bpos, bfin, bnz = (
-      pl.pallas_call(
-          functools.partial(_mask_kernel, n=n, block=block, tile=tile,
-                            stage=stage, interpret=interpret),
-          out_shape=(out((num_blocks * words_per_block,), jnp.int32),
-                     per_block(jnp.int32),
-                     out((num_blocks * stage,), jnp.int32),
-                     out(x.shape, x.dtype), out(x.shape, x.dtype),
-                     per_block(jnp.float32), per_block(jnp.int32),
-                     per_block(jnp.int32), per_block(jnp.int32)),
-          grid=(num_blocks,),
-          in_specs=[whole] * 3,
-          out_specs=(whole, whole, stage_spec) + (whole,) * 6,
-          input_output_aliases={2: 3},
-          compiler_params=params, interpret=interpret,
-          name="jaxfuse_sparsify_pass1")(taus, x, r))
-  start, scal = pl.pallas_call(
-      functools.partial(sel.scan_kernel, n=n, block=block,
-                        num_blocks=num_blocks, chunk=scan_chunk),
-      out_shape=(out((padded_blocks,), jnp.int32), out((8,), jnp.int32)),
-      grid=(1,), in_specs=[whole] * 7, out_specs=(whole, whole),
-      compiler_params=params, interpret=interpret,
-      name="jaxfuse_sparsify_scan",
-  )(jnp.reshape(offset, (1,)), counts, bits, bmax, bpos, bfin, bnz)
-  values, indices, residual = pl.pallas_call(
-      functools.partial(sel.write_kernel, n=n, block=block,
-                        words_per_step=min(words_per_block,
-                                           sel.MAX_WORDS_PER_STEP),
-                        stage=stage, capacity=capacity,
-                        fill_per_program=fill_per_program,
-                        interpret=interpret, tile=tile),
-      out_shape=(out((capacity,), x.dtype), out((capacity,), jnp.int32),
-                 out(x.shape, x.dtype)),
-      grid=(num_blocks,),
-      in_specs=[whole] * 5 + [stage_spec] * 2 + [whole],
-      out_specs=(whole, whole, whole),
-      input_output_aliases={4: 2},
-      compiler_params=params, interpret=interpret,
-      name="jaxfuse_sparsify_pass2",
-  )(scal, counts, start, bits, acc, staged_i, staged_i, old)
-  finite = scal[3] > 0
-  values, indices, count = nonfinite_slots(values, indices, scal[2], finite,
-                                            n)
-  return PassResult(values, indices, count, residual[:n], finite,
-                    scal[6] > 0)
+  pass1 = pl.pallas_call(
+      _mask_kernel_for(cfg, None),
+      out_shape=cfg.pass1_outputs(out, x.dtype),
+      grid=(cfg.num_blocks,),
+      in_specs=[whole] * 3,
+      out_specs=(whole, whole, pl.BlockSpec((cfg.stage,), lambda b: (b,)))
+      + (whole,) * 6,
+      input_output_aliases={2: 3},
+      compiler_params=cfg.params, interpret=interpret,
+      name="jaxfuse_sparsify_pass1")(taus, x, r)
+  return _finish(cfg, out, offset, pass1)
+
+
+def stream_chunks(xs) -> list:
+  """``xs`` as a list of (rows, n) chunks: a (G, n) array is one chunk, a
+  flat array one row."""
+  if isinstance(xs, jax.Array):
+    xs = [xs]
+  return [x[None] if x.ndim == 1 else x for x in xs]
+
+
+def sparsify_pass_rows_reference(xs, r, taus, capacity: int,
+                                 offsets) -> PassResult:
+  """``sparsify_pass_reference`` of every row: x is ``xs`` (a (G, n)
+  array, or a sequence of flat rows and (rows, n) chunks, in row order),
+  x_i its row i, r_i = ``r[i]``."""
+  x = jnp.concatenate(stream_chunks(xs))
+  return jax.vmap(lambda x_, r_, t, o: sparsify_pass_reference(
+      x_, r_, t, capacity, o))(x, r, taus, offsets)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
+                              offsets, *, block: int | None = None,
+                              tile: int | None = None,
+                              stage: int | None = None,
+                              num_warps: int | None = None,
+                              interpret: bool = False) -> PassResult:
+  """``sparsify_pass_rows_reference`` in three Pallas kernels, bit for bit.
+
+  ``xs``: the G streams of n float32 elements, as one (G, n) array or as
+  chunks of R rows each (flat rows: R = 1; the last chunk may hold fewer),
+  read where they are: pass 1's program for row g loads row g mod R of
+  chunk g div R, so no (G, n) stack is made. r: (G, n) float32; taus,
+  offsets: (G,). Pass 1 is one kernel over all rows (grid G × blocks); the
+  scan and pass 2 run per row (vmapped: one kernel each over the rows).
+  """
+  chunks = stream_chunks(xs)
+  if any(c.ndim != 2 for c in chunks):
+    raise ValueError(f"xs must be flat rows or (rows, n) chunks, got shapes "
+                     f"{[list(c.shape) for c in chunks]}")
+  _check_operands([jax.ShapeDtypeStruct(c.shape[1:], c.dtype)
+                   for c in chunks], r)
+  per = chunks[0].shape[0]
+  rows = sum(c.shape[0] for c in chunks)
+  if any(c.shape[0] != per for c in chunks[:-1]) or chunks[-1].shape[0] > per:
+    raise ValueError(f"every chunk but the last must hold the same number "
+                     f"of rows, and the last no more; got "
+                     f"{[c.shape[0] for c in chunks]}")
+  if r.shape != (rows, chunks[0].shape[1]):
+    raise ValueError(f"r must be ({rows}, n) for {rows} rows, got "
+                     f"shape {list(r.shape)}")
+  cfg = _config(chunks[0], capacity, block, tile, stage, num_warps,
+                interpret)
+  taus = jax.vmap(functools.partial(comparison_threshold, chunks[0].dtype))(
+      jnp.reshape(jnp.asarray(taus), (rows,)))
+  offsets = jnp.reshape(jnp.asarray(offsets, jnp.int32), (rows,))
+  (r, taus, offsets, *chunks), out = _compat.kernel_operands(
+      _pad(r, cfg), taus, offsets,
+      *(jnp.reshape(_pad(c, cfg), (-1,)) for c in chunks),
+      interpret=interpret, kernel="sparsify_pass_rows_pallas",
+      reference="sparsify_pass_rows_reference")
+  whole = pl.BlockSpec()
+  row_of = lambda shape: pl.BlockSpec((None,) + shape,
+                                      lambda g, b: (g,) + (0,) * len(shape))
+  outs = cfg.pass1_outputs(lambda shape, dtype: out((rows,) + shape, dtype),
+                           r.dtype)
+  specs = tuple(row_of(o.shape[1:]) for o in outs)
+  specs = specs[:2] + (pl.BlockSpec((None, cfg.stage),
+                                    lambda g, b: (g, b)),) + specs[3:]
+  count = len(chunks)
+  pass1 = pl.pallas_call(
+      _mask_kernel_for(cfg, (count, per)),
+      out_shape=outs,
+      grid=(rows, cfg.num_blocks),
+      in_specs=[whole] * (1 + count) + [row_of((cfg.size,))],
+      out_specs=specs,
+      input_output_aliases={1 + count: 3},
+      compiler_params=cfg.params, interpret=interpret,
+      name="jaxfuse_sparsify_rows_pass1")(taus, *chunks, r)
+  return jax.vmap(lambda o, *p: _finish(cfg, out, o, p))(offsets, *pass1)

@@ -58,6 +58,7 @@ is exact. NaN never passes; +inf passes any finite τ; τ = +inf keeps only
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -102,14 +103,41 @@ def popcount(w):
   return lax.population_count(w)
 
 
+class Switched(NamedTuple):
+  """A row of ``size`` elements inside one of several flat arrays: a tile
+  at ``start`` loads ``refs[index][base + start:…]`` (``index`` and
+  ``base`` follow from a program id, so every lane of the program takes
+  the same branch of the switch)."""
+  index: jax.Array
+  base: jax.Array
+  refs: tuple
+  size: int
+
+  @property
+  def shape(self):
+    return (self.size,)
+
+
+def load_tile(ref, start, tile, mask=None):
+  """``ref[start:start + tile]`` (lanes off ``mask`` unread), ``ref`` a
+  ref or a ``Switched``."""
+  if isinstance(ref, Switched):
+    return lax.switch(ref.index, [
+        functools.partial(load_tile, r, ref.base + start, tile, mask)
+        for r in ref.refs])
+  view = ref.at[pl.ds(start, tile)]
+  return view[...] if mask is None else plgpu.load(view, mask=mask)
+
+
 def for_each_tile(acc_ref, b, n, block, tile, body, carry):
   """carry = body(t, x, bounded_pos, carry) over the tiles of block b.
 
   ``acc_ref`` is the whole array (or a tuple of arrays of one length: x is
-  then the tuple of their tiles). Full blocks load without a mask (so the
-  loads vectorize whatever n is) and pass ``bounded_pos=None``; only the last
-  block, if partial, masks and passes the positions. With several tiles, the
-  load of tile t+1 is issued before the work on tile t.
+  then the tuple of their tiles; any of them may be a ``Switched``). Full
+  blocks load without a mask (so the loads vectorize whatever n is) and
+  pass ``bounded_pos=None``; only the last block, if partial, masks and
+  passes the positions. With several tiles, the load of tile t+1 is issued
+  before the work on tile t.
   """
   refs = acc_ref if isinstance(acc_ref, tuple) else (acc_ref,)
   ntiles = block // tile
@@ -118,8 +146,8 @@ def for_each_tile(acc_ref, b, n, block, tile, body, carry):
   def run(masked):
     def load(t):
       pos = b * block + t * tile + lanes
-      at = lambda ref: ref.at[pl.ds(b * block + t * tile, tile)]
-      xs = tuple(plgpu.load(at(r), mask=pos < n) if masked else at(r)[...]
+      start = b * block + t * tile
+      xs = tuple(load_tile(r, start, tile, pos < n if masked else None)
                  for r in refs)
       return (xs if isinstance(acc_ref, tuple) else xs[0],
               pos if masked else None)
