@@ -59,8 +59,8 @@ def rows_of(x, rows):
 # reads each chunk where it is (``kernels.sparsify_pass_rows``). XLA's GPU
 # concatenate emitter takes at most four operands; a larger stack goes to
 # its loop emitter, at about a quarter of the card's bandwidth
-# (docs/benchmarks.md, "Overhead on one GPU"). None: the whole batch.
-ROWS_PER_CHUNK: int | None = 4
+# (docs/benchmarks.md, "Overhead on one GPU"). 0: the whole batch at once.
+ROWS_PER_CHUNK = 4
 
 
 def stacked(x):
@@ -70,23 +70,28 @@ def stacked(x):
 
 def chunked(x, per: int | None = None):
   """A batch's streams for the fused pass: a (G, n) array as it is; a list
-  of rows stacked ``per`` rows at a time (default ``ROWS_PER_CHUNK``)."""
+  of rows as (R, n) chunks of ``per`` rows (default ``ROWS_PER_CHUNK``;
+  the last may hold fewer; 0: one chunk of all)."""
   per = ROWS_PER_CHUNK if per is None else per
-  if isinstance(x, jax.Array) or per == 1:
+  if isinstance(x, jax.Array):
     return x
-  if not per:
-    return jnp.stack(x)
-  return [jnp.stack(x[i:i + per]) for i in range(0, len(x), per)]
+  per = per or len(x)
+  return [x[i][None] if per == 1 else jnp.stack(x[i:i + per])
+          for i in range(0, len(x), per)]
 
 
 def _sample(x, r, salts, spec):
-  """``sample_magnitudes`` of every row. A list of rows is sampled row by
-  row, so no (G, n) stack of the streams is made for it."""
+  """``sample_magnitudes`` of every row: of a (G, n) array, or of the
+  chunks the fused pass reads (no other stack of the streams is made)."""
+  sample = jax.vmap(sparsify.sample_magnitudes, in_axes=(0, 0, 0, None))
   if isinstance(x, jax.Array):
-    return jax.vmap(sparsify.sample_magnitudes, in_axes=(0, 0, 0, None))(
-        x, r, salts, spec)
-  return jnp.stack([sparsify.sample_magnitudes(row, r[i], salts[i], spec)
-                    for i, row in enumerate(x)])
+    return sample(x, r, salts, spec)
+  out, start = [], 0
+  for chunk in x:
+    rows = slice(start, start + chunk.shape[0])
+    out.append(sample(chunk, r[rows], salts[rows], spec))
+    start = rows.stop
+  return jnp.concatenate(out)
 
 
 def batches(all_units: Sequence[plan_lib.Unit], groups: Sequence[list[int]],
@@ -123,10 +128,11 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
   c = [jax.tree.map(lambda a, b=b: take(a, b.units), ctrl) for b in todo]
   salts = [sparsify.salt(settings.seed, step, b.units) for b in todo]
 
+  chunks = [chunked(a) for a in x]   # what the fused pass reads
   specs = [sparsify.sample_spec(b.unit.size, **k) for b, k in zip(todo, kw)]
   sampled = [i for i, s in enumerate(specs) if s is not None]
   estimate = dict(zip(sampled, _kth(
-      [_sample(x[i], r[i], salts[i], specs[i]) for i in sampled],
+      [_sample(chunks[i], r[i], salts[i], specs[i]) for i in sampled],
       [specs[i].rank for i in sampled])))
 
   passes = []
@@ -137,7 +143,7 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
         sparsify.unit_threshold, **kw[i]), in_axes=(0, 0, 0, None, 0, 0))(
             stacked(x[i]), r[i], c[i], step, salts[i], estimate.get(i))
     passes.append((tau, kernels.sparsify_pass_rows(
-        chunked(x[i]), r[i], tau, sparsify.pass_capacity(
+        chunks[i], r[i], tau, sparsify.pass_capacity(
             b.unit.size, capacity=b.unit.capacity, **kw[i]), offset)))
 
   staged = [i for i, b in enumerate(todo)

@@ -330,3 +330,22 @@ def test_example_lm_profile_auto_plan_show_and_train(tmp_path, compile_cache):
   assert bad.returncode != 0
   assert "--xla-option: XLA rejects" in bad.stderr
   assert "no_such_xla_option" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_profile_summary_says_what_was_not_measured():
+  """A costs file from before the bucket and scheme costs were profiled
+  reads them as 0: the summary says they were not measured, not "0 µs"."""
+  line = LinearCost(1e-5, 1e-9)
+  old = Costs({"allgather": line, "psum": line}, line, ())
+  text = cli.format_costs(old)
+  assert "bucket    not measured" in text and "per sparse bucket" not in text
+  assert "zen, spardl, hier compute not measured" in text
+  new = old.replace(bucket=2.5e-4, schemes={"zen": LinearCost(0.0, 1e-9)},
+                    provenance={"bucket": {}})
+  text = cli.format_costs(new)
+  assert "bucket    250 µs per sparse bucket" in text
+  assert "zen       compute α = 0 µs" in text
+  assert "spardl, hier compute not measured" in text
+  # Measured as 0 (timing noise below α) is a measurement: shown as such.
+  assert "bucket    0 µs per sparse bucket" in cli.format_costs(
+      old.replace(provenance={"bucket": {}}))

@@ -80,7 +80,8 @@ def test_pallas_equals_reference(estimator, strategy, shapes):
 
 
 @pytest.mark.parametrize("momentum,per,want", [
-    (0.0, 4, {"4", "2"}), (0.0, 1, set()), (0.9, 4, {"6"})])
+    (0.0, 4, {"4", "2"}), (0.0, 1, set()), (0.0, 0, {"6"}),
+    (0.9, 4, {"6"})])
 def test_the_pass_reads_a_groups_streams_in_chunks(momentum, per, want,
                                                    monkeypatch):
   """Without momentum the compiled step stacks a state group's 6 streams

@@ -63,9 +63,19 @@ def format_costs(costs) -> str:
   lines = [f"  {name:9s} {line(c, 'byte')}"
            for name, c in costs.collectives.items()]
   lines.append(f"  compress  {line(costs.compress, 'element')}")
-  lines.append(f"  bucket    {costs.bucket * 1e6:.3g} µs per sparse bucket")
+  # A costs file from before these were profiled reads them as 0: say so.
+  if costs.bucket or "bucket" in costs.provenance:
+    lines.append(f"  bucket    {costs.bucket * 1e6:.3g} µs per sparse bucket")
+  else:
+    lines.append("  bucket    not measured (taken as 0; `jaxfuse profile` "
+                 "measures it)")
   lines += [f"  {name:9s} compute {line(c, 'slot')}"
             for name, c in costs.schemes.items()]
+  from jaxfuse.planning.costs import SCHEMES  # pylint: disable=g-import-not-at-top
+  unmeasured = [s for s in SCHEMES if s not in costs.schemes]
+  if unmeasured:
+    lines.append(f"  {', '.join(unmeasured)} compute not measured (taken "
+                 "as 0 beyond their wire steps)")
   lines.append(f"  contention γ = {costs.contention:.3f}, overlap η = "
                f"{costs.overlap:.3f}")
   if costs.backward:
