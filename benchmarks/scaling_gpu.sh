@@ -5,8 +5,9 @@
 # out/). `socket` means NCCL over TCP on loopback (a commodity-network
 # stand-in), `nvlink` NCCL's defaults. Usage: bash benchmarks/scaling_gpu.sh
 # MODE, one of (each under about 10 minutes on 2 GPUs):
-#   conv     socket: dense and the README's recipe (onebit_adamw, dense
-#            quarter, DGC's ramp, density 0.05) to 1000 steps at lr 3e-4,
+#   conv     socket: dense and onebit_adamw with a dense quarter on a
+#            float32 wire and DGC's ramp (density 0.05, `aligned` plan) to
+#            1000 steps at lr 3e-4,
 #            one run at a time: time to dense's quality (docs/convergence.md)
 #   socket   socket: profile the costs on this mesh, then plans measured
 #            against the simulator: dense, size 64 MiB and auto at 0.05

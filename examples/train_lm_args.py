@@ -155,8 +155,10 @@ def parse_args(argv):
   p.add_argument("--weight-decay", type=float, default=0.01)
   p.add_argument("--clip", type=float, default=1.0,
                  help="global-norm clip (0: off): of the mean gradient for "
-                 "--sync dense, of each worker's for the recipes, at "
-                 "clip x sqrt(workers) (jaxfuse.local_clip_by_global_norm)")
+                 "--sync dense; the recipes' clip_norm otherwise (each "
+                 "worker's gradient per bucket at its share of clip x "
+                 "sqrt(workers), jaxfuse.clipping; onebit_adamw's dense "
+                 "phase clips the mean)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="compute dtype (parameters stay float32)")
   p.add_argument("--grad-dtype", choices=("float32", "bfloat16"),
