@@ -325,3 +325,26 @@ def test_example_under_jax_distributed_resumes_bitwise(tmp_path):
   assert resumed["losses"] == straight["losses"][3:]
   assert resumed["final_val_loss"] == straight["final_val_loss"]
   assert resumed["losses"][-1] < straight["losses"][0]
+
+
+# --- profiled costs: one set for every process -----------------------------------
+
+@pytest.mark.multiprocess
+def test_profiled_costs_are_process_0s_on_every_process(tmp_path):
+  """Each process fits its own costs (its own clock); planning from them
+  could compile different programs per process. ``same_on_every_process``
+  (what ``profile`` returns) hands every process process 0's, whole
+  (non-ASCII provenance included)."""
+  worker = pathlib.Path(__file__).resolve().parent / "_costs_worker.py"
+
+  def command(pid, num_processes, port, out):
+    return [sys.executable, str(worker), "--process-id", str(pid),
+            "--num-processes", str(num_processes), "--port", str(port),
+            "--out", str(out)]
+  outs = _launch(NUM_PROCESSES, tmp_path, "costs", command)
+  from jaxfuse.planning.costs import Costs  # pylint: disable=g-import-not-at-top
+  got = [Costs.from_json(o.read_text()) for o in outs]
+  assert got[0] == got[1]
+  assert got[1].provenance == {"process": 0, "note": "ü"}
+  assert got[1].collectives["psum"].alpha == 1e-6
+  assert got[1].bucket == 1e-4 and got[1].backward == (1e-3,)

@@ -46,7 +46,7 @@ PROFILING = [
     "equation_work", "human_bytes", "machine_rates", "measure_collective",
     "measure_bucket_cost", "measure_compress", "measure_contention",
     "measure_forward_backward", "measure_overlap", "measure_scheme_costs",
-    "overlap_factor", "profile", "scale_shares",
+    "overlap_factor", "profile", "same_on_every_process", "scale_shares",
     "synthetic_model", "text_progress", "time_call", "time_calls",
     "validate_backward",
 ]

@@ -91,7 +91,7 @@ __all__ = [
     "equation_work", "human_bytes", "machine_rates", "measure_collective",
     "measure_bucket_cost", "measure_compress", "measure_contention",
     "measure_forward_backward", "measure_overlap", "measure_scheme_costs",
-    "overlap_factor", "profile", "scale_shares",
+    "overlap_factor", "profile", "same_on_every_process", "scale_shares",
     "synthetic_model", "text_progress", "time_call", "time_calls",
     "validate_backward",
 ]
@@ -532,7 +532,27 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
   }
   if backward_raw:
     provenance["backward"] = backward_raw
-  return costs_lib.Costs(collectives, compress, backward, contention=gamma,
-                         overlap=eta, forward=forward, provenance=provenance,
-                         workers=max(2, mesh.shape[axis_name]), bucket=bucket,
-                         schemes=schemes)
+  return same_on_every_process(costs_lib.Costs(
+      collectives, compress, backward, contention=gamma, overlap=eta,
+      forward=forward, provenance=provenance,
+      workers=max(2, mesh.shape[axis_name]), bucket=bucket, schemes=schemes))
+
+
+def same_on_every_process(costs: costs_lib.Costs) -> costs_lib.Costs:
+  """Process 0's ``costs`` on every process of a ``jax.distributed`` job
+  (one process: ``costs`` itself); every process must call it.
+
+  Each process times with its own clock, so its fits differ a little, and
+  cost-strategy plans made from different costs can differ: the processes
+  would then compile programs whose collectives never match (a hang, not
+  an error). ``profile`` returns this, so all processes plan alike."""
+  if jax.process_count() == 1:
+    return costs
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  text = costs.to_json().encode() if jax.process_index() == 0 else b""
+  size = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
+  buf = np.zeros(size, np.uint8)
+  if jax.process_index() == 0:
+    buf[:] = np.frombuffer(text, np.uint8)
+  buf = np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8)
+  return costs_lib.Costs.from_json(buf.tobytes().decode())
