@@ -12,7 +12,9 @@
 #   kernels the kernel tests with the compiled kernels, then the one-GPU
 #           overhead of a `single` plan (dgc, topk) and the sparse step's
 #           kernels per source line (kernel_sources.py); one GPU, about
-#           5 minutes. CHUNKS="4 1 0" runs dgc with each rows-per-chunk of
+#           5 minutes; also whether Triton and XLA round 1-bit Adam's
+#           stream β·m + (1 − β)·g alike (blend_probe.py). CHUNKS="4 1 0"
+#           runs dgc with each rows-per-chunk of
 #           the fused pass's streams (overhead.py --rows-per-chunk; about
 #           2 minutes more each)
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels [steps]
@@ -68,6 +70,9 @@ PY
       tests/test_kernels_fused_pass.py tests/test_kernels_backend.py \
       > "$out/kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -n 3 "$out/kernel_tests.log"
+    python benchmarks/blend_probe.py --out "$out/blend_probe.json" \
+      > "$out/blend_probe.log" 2>&1
+    echo "blend probe rc=$?"; tail -n 5 "$out/blend_probe.log"
     runs=""                      # one estimator per process, as published
     for c in ${CHUNKS:-default}; do runs="$runs dgc:$c"; done
     for run in $runs topk; do
