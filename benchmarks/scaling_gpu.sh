@@ -50,7 +50,9 @@
 #            plan measures against its one-GPU step (about 10 minutes on
 #            4 GPUs; STRATEGIES="aligned auto" e.g. to fit a shorter
 #            limit, DENSITIES="0.05 0.01", STEPS=30; PLAIN=1 then runs
-#            size 64 MiB and aligned without it)
+#            size 64 MiB and aligned without it; a costs_early.json
+#            already in OUT is reused, and PROFILE_ONLY=1 stops after
+#            writing it, to split the mode over two calls)
 #   procs    socket: the README recipe's sparse step (size 64 MiB plan,
 #            send_early, xla_flags(3), ρ = 0.05) from one process driving
 #            every GPU, then from one process per GPU under jax.distributed
@@ -181,6 +183,7 @@ early)
   [ -f "$OUT/costs_early.json" ] || ( time python -m jaxfuse profile \
       --model examples/lm_model.py:gpt2_small -q -o "$OUT/costs_early.json" \
       ) 2>&1 | tail -n 12
+  [ "${PROFILE_ONLY:-0}" = 1 ] && exit 0
   $MEASURE --out "$OUT/measure_early.json" measure --transport socket \
       --costs "$OUT/costs_early.json" --steps ${STEPS:-10} --sizes-mb 64 \
       --densities ${DENSITIES:-0.05} --one-worker --overlap measured --no-dense \
