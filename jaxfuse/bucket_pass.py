@@ -80,18 +80,20 @@ def chunked(x, per: int | None = None):
           for i in range(0, len(x), per)]
 
 
-def _sample(x, r, salts, spec):
-  """``sample_magnitudes`` of every row: of a (G, n) array, or of the
-  chunks the fused pass reads (no other stack of the streams is made)."""
-  sample = jax.vmap(sparsify.sample_magnitudes, in_axes=(0, 0, 0, None))
+def by_chunk(fn, x, *rowwise):
+  """``fn(x, *rowwise)`` for a (G, n) array x; for chunks, ``fn`` of each
+  chunk with its rows of ``rowwise`` (pytrees of arrays with a leading
+  axis of G, or None), concatenated: nothing reads a stack of the whole
+  batch's streams. ``fn`` works row by row (vmapped), so both agree."""
   if isinstance(x, jax.Array):
-    return sample(x, r, salts, spec)
-  out, start = [], 0
+    return fn(x, *rowwise)
+  outs, start = [], 0
   for chunk in x:
     rows = slice(start, start + chunk.shape[0])
-    out.append(sample(chunk, r[rows], salts[rows], spec))
     start = rows.stop
-  return jnp.concatenate(out)
+    outs.append(fn(chunk, *jax.tree.map(lambda a, rows=rows: a[rows],
+                                        rowwise)))
+  return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outs)
 
 
 def batches(all_units: Sequence[plan_lib.Unit], groups: Sequence[list[int]],
@@ -131,17 +133,19 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
   chunks = [chunked(a) for a in x]   # what the fused pass reads
   specs = [sparsify.sample_spec(b.unit.size, **k) for b, k in zip(todo, kw)]
   sampled = [i for i, s in enumerate(specs) if s is not None]
+  sample = jax.vmap(sparsify.sample_magnitudes, in_axes=(0, 0, 0, None))
   estimate = dict(zip(sampled, _kth(
-      [_sample(chunks[i], r[i], salts[i], specs[i]) for i in sampled],
+      [by_chunk(lambda x_, r_, s_, i=i: sample(x_, r_, s_, specs[i]),
+                chunks[i], r[i], salts[i]) for i in sampled],
       [specs[i].rank for i in sampled])))
 
   passes = []
   for i, b in enumerate(todo):
-    # (Only the estimators without a sample read the stack: XLA drops it
-    # for the others.)
-    tau, offset = jax.vmap(functools.partial(
-        sparsify.unit_threshold, **kw[i]), in_axes=(0, 0, 0, None, 0, 0))(
-            stacked(x[i]), r[i], c[i], step, salts[i], estimate.get(i))
+    threshold = jax.vmap(functools.partial(sparsify.unit_threshold, **kw[i]),
+                         in_axes=(0, 0, 0, None, 0, 0))
+    tau, offset = by_chunk(
+        lambda x_, r_, c_, s_, e_, f=threshold: f(x_, r_, c_, step, s_, e_),
+        chunks[i], r[i], c[i], salts[i], estimate.get(i))
     passes.append((tau, kernels.sparsify_pass_rows(
         chunks[i], r[i], tau, sparsify.pass_capacity(
             b.unit.size, capacity=b.unit.capacity, **kw[i]), offset)))

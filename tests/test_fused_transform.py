@@ -79,20 +79,22 @@ def test_pallas_equals_reference(estimator, strategy, shapes):
   assert any(np.isnan(x).any() for x in want[1][0])  # the NaN is visible
 
 
-@pytest.mark.parametrize("momentum,per,want", [
-    (0.0, 4, {"4", "2"}), (0.0, 1, set()), (0.0, 0, {"6"}),
-    (0.9, 4, {"6"})])
-def test_the_pass_reads_a_groups_streams_in_chunks(momentum, per, want,
-                                                   monkeypatch):
+@pytest.mark.parametrize("estimator,momentum,per,want", [
+    ("dgc", 0.0, 4, {"4", "2"}), ("dgc", 0.0, 1, set()),
+    ("dgc", 0.0, 0, {"6"}), ("redsync", 0.0, 4, {"4", "2"}),
+    ("dgc", 0.9, 4, {"6"})])
+def test_the_pass_reads_a_groups_streams_in_chunks(estimator, momentum, per,
+                                                   want, monkeypatch):
   """Without momentum the compiled step stacks a state group's 6 streams
   at most ``ROWS_PER_CHUNK`` rows at a time (4 and 2; none with 1): the
-  fused pass reads each chunk where it is. With DGC's momentum the stream
+  fused pass, DGC's sample and an estimator that reads all of acc
+  (redsync) read each chunk where it is. With DGC's momentum the stream
   is m·u + x over the stacked velocity, which is stacked state, so the
   whole stack of 6 stays."""
   monkeypatch.setattr(bucket_pass, "ROWS_PER_CHUNK", per)
   shapes = [(40, 50)] * 6 + [(300,)]
-  plan = list_plan(shapes, density=0.05, estimator="dgc", strategy="single",
-                   min_sparse_size=64)
+  plan = list_plan(shapes, density=0.05, estimator=estimator,
+                   strategy="single", min_sparse_size=64)
   mesh = mesh_of(1)
   tx = jaxfuse.sparse_sync(plan, momentum=momentum)
   state = jaxfuse.init_state(tx, [jnp.zeros(l.shape) for l in plan.leaves],
