@@ -68,14 +68,13 @@ def stacked(x):
   return x if isinstance(x, jax.Array) else jnp.stack(x)
 
 
-def chunked(x, per: int | None = None):
+def chunked(x):
   """A batch's streams for the fused pass: a (G, n) array as it is; a list
-  of rows as (R, n) chunks of ``per`` rows (default ``ROWS_PER_CHUNK``;
-  the last may hold fewer; 0: one chunk of all)."""
-  per = ROWS_PER_CHUNK if per is None else per
+  of rows as (R, n) chunks of ``ROWS_PER_CHUNK`` rows (the last may hold
+  fewer; 0: one chunk of all)."""
   if isinstance(x, jax.Array):
     return x
-  per = per or len(x)
+  per = ROWS_PER_CHUNK or len(x)
   return [x[i][None] if per == 1 else jnp.stack(x[i:i + per])
           for i in range(0, len(x), per)]
 

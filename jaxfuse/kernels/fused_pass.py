@@ -80,29 +80,22 @@ def sparsify_pass_reference(x, r, tau, capacity: int, offset) -> PassResult:
 
 def _mask_kernel(tau_ref, *refs, chunks, n, block, tile, stage, interpret):
   """Pass 1 of ``selection.mask_kernel`` on acc = x + r, with the block's
-  summaries (module docstring). acc goes over r in place (``acc_ref`` is
-  r's buffer) and r to ``old_ref``; the staged candidates are positions
-  only (pass 2 reads their values from acc), so nothing here reads memory
-  this pass has written.
-
-  ``chunks=None``: one unit, grid (blocks,), refs (x, r, outputs…).
-  ``chunks=(C, R)``: G units, grid (G, blocks), refs (x_0 … x_{C−1}, r,
-  outputs…): the streams come in C flat arrays of R rows each (the last
-  may hold fewer), and row g is row g mod R of x_{g div R}
-  (``selection.Switched``), read where it is; r and the outputs are row
-  g of their stacks (their BlockSpecs squeeze the row)."""
-  if chunks is None:
-    x_ref, r_ref = refs[:2]
-    refs = refs[2:]
-    b, tau = pl.program_id(0), tau_ref[0]
-  else:
-    count, per = chunks
-    g = pl.program_id(0)
-    size = refs[count].shape[0]
-    x_ref = sel.Switched(g // per, (g % per) * size, refs[:count], size)
-    r_ref = refs[count]
-    refs = refs[count + 1:]
-    b, tau = pl.program_id(1), tau_ref[g]
+  summaries (module docstring), for G units: grid (G, blocks), refs (x_0 …
+  x_{C−1}, r, outputs…) with ``chunks`` = (C, R). The streams come in C
+  flat arrays of R rows each (the last may hold fewer), and row g is row
+  g mod R of x_{g div R} (``selection.Switched``), read where it is; r and
+  the outputs are row g of their stacks (their BlockSpecs squeeze the
+  row). acc goes over r in place (``acc_ref`` is r's buffer) and r to
+  ``old_ref``; the staged candidates are positions only (pass 2 reads
+  their values from acc), so nothing here reads memory this pass has
+  written."""
+  count, per = chunks
+  g = pl.program_id(0)
+  size = refs[count].shape[0]
+  x_ref = sel.Switched(g // per, (g % per) * size, refs[:count], size)
+  r_ref = refs[count]
+  refs = refs[count + 1:]
+  b, tau = pl.program_id(1), tau_ref[g]
   (bits_ref, cnt_ref, si_ref, acc_ref, old_ref, bmax_ref, bpos_ref, bfin_ref,
    bnz_ref) = refs
   rows = tile // sel.WORD
@@ -270,7 +263,8 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
                          tile: int | None = None, stage: int | None = None,
                          num_warps: int | None = None,
                          interpret: bool = False) -> PassResult:
-  """``sparsify_pass_reference`` as three Pallas kernels, bit for bit.
+  """``sparsify_pass_reference`` as three Pallas kernels, bit for bit: the
+  pass of ``sparsify_pass_rows_pallas`` with one row.
 
   x, r: flat float32, n elements; the other arguments as
   ``selection.select_pallas``. (float32 only: XLA and Triton may both keep
@@ -280,27 +274,13 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
   _check_operands([x], r)
   if r.ndim != 1:
     raise ValueError(f"r must be flat, got shape {list(r.shape)}")
-  cfg = _config(x, capacity, block, tile, stage, num_warps, interpret)
-  taus = jnp.reshape(comparison_threshold(x.dtype, tau), (1,))
-  offset = jnp.asarray(offset, jnp.int32)
-  (x, r, taus, offset), out = _compat.kernel_operands(
-      _pad(x, cfg), _pad(r, cfg), taus, offset, interpret=interpret,
-      kernel="sparsify_pass_pallas", reference="sparsify_pass_reference")
-  whole = pl.BlockSpec()
-  # Pass 1 writes acc over r (aliased: the residual stays in its buffer,
-  # which the caller may have donated) and keeps r in ``old`` for a
-  # non-finite step.
-  pass1 = pl.pallas_call(
-      _mask_kernel_for(cfg, None),
-      out_shape=cfg.pass1_outputs(out, x.dtype),
-      grid=(cfg.num_blocks,),
-      in_specs=[whole] * 3,
-      out_specs=(whole, whole, pl.BlockSpec((cfg.stage,), lambda b: (b,)))
-      + (whole,) * 6,
-      input_output_aliases={2: 3},
-      compiler_params=cfg.params, interpret=interpret,
-      name="jaxfuse_sparsify_pass1")(taus, x, r)
-  return _finish(cfg, out, offset, pass1)
+  out = _rows_pass(
+      [x[None]], r[None], jnp.reshape(jnp.asarray(tau), (1,)),
+      jnp.reshape(jnp.asarray(offset, jnp.int32), (1,)), capacity,
+      block=block, tile=tile, stage=stage, num_warps=num_warps,
+      interpret=interpret,
+      names=("sparsify_pass_pallas", "sparsify_pass_reference"))
+  return jax.tree.map(lambda a: a[0], out)
 
 
 def stream_chunks(xs) -> list:
@@ -343,6 +323,16 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
                      f"{[list(c.shape) for c in chunks]}")
   _check_operands([jax.ShapeDtypeStruct(c.shape[1:], c.dtype)
                    for c in chunks], r)
+  return _rows_pass(
+      chunks, r, taus, offsets, capacity, block=block, tile=tile,
+      stage=stage, num_warps=num_warps, interpret=interpret,
+      names=("sparsify_pass_rows_pallas", "sparsify_pass_rows_reference"))
+
+
+def _rows_pass(chunks, r, taus, offsets, capacity, *, block, tile, stage,
+               num_warps, interpret, names) -> PassResult:
+  """The three kernels for checked (rows, n) ``chunks`` (``names``: the
+  public function and its reference, for errors)."""
   per = chunks[0].shape[0]
   rows = sum(c.shape[0] for c in chunks)
   if any(c.shape[0] != per for c in chunks[:-1]) or chunks[-1].shape[0] > per:
@@ -360,9 +350,11 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
   (r, taus, offsets, *chunks), out = _compat.kernel_operands(
       _pad(r, cfg), taus, offsets,
       *(jnp.reshape(_pad(c, cfg), (-1,)) for c in chunks),
-      interpret=interpret, kernel="sparsify_pass_rows_pallas",
-      reference="sparsify_pass_rows_reference")
+      interpret=interpret, kernel=names[0], reference=names[1])
   whole = pl.BlockSpec()
+  # Pass 1 writes acc over r (aliased: the residual stays in its buffer,
+  # which the caller may have donated) and keeps r in ``old`` for a
+  # non-finite step.
   row_of = lambda shape: pl.BlockSpec((None,) + shape,
                                       lambda g, b: (g,) + (0,) * len(shape))
   outs = cfg.pass1_outputs(lambda shape, dtype: out((rows,) + shape, dtype),
@@ -379,5 +371,5 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
       out_specs=specs,
       input_output_aliases={1 + count: 3},
       compiler_params=cfg.params, interpret=interpret,
-      name="jaxfuse_sparsify_rows_pass1")(taus, *chunks, r)
+      name="jaxfuse_sparsify_pass1")(taus, *chunks, r)
   return jax.vmap(lambda o, *p: _finish(cfg, out, o, p))(offsets, *pass1)

@@ -309,9 +309,7 @@ def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
   k = mesh.shape[axis_name]
   sizes = tuple(int(x) for x in (sizes or
                                  DEFAULT_SCHEME_SIZES[_platform_key()]))
-  if len(set(sizes)) < 2 or min(sizes) < 1:
-    raise ProfileError(f"sizes={list(sizes)} needs at least two distinct "
-                       "sizes >= 1 (one size cannot separate α from β).")
+  _check_sweep("sizes", sizes)
   kw = dict(estimator=estimator, density=density, headroom=headroom,
             repeats=repeats, warmup=warmup, axis_name=axis_name)
 
@@ -337,6 +335,12 @@ def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
   fits = {name: costs_lib.fit_linear(*zip(*pts))
           for name, pts in points.items() if len({c for c, _ in pts}) > 1}
   return fits, raw
+
+
+def _check_sweep(name: str, sweep: Sequence[int]) -> None:
+  if len(set(sweep)) < 2 or min(sweep) < 1:
+    raise ProfileError(f"{name}={list(sweep)} needs at least two distinct "
+                       "sizes >= 1 (one size cannot separate α from β).")
 
 
 def _time_sparse_step(mesh, sizes, strategy, *, estimator, density, headroom,
@@ -438,10 +442,8 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
   sizes = tuple(int(s) for s in (sizes or default_sizes()))
   compress_sizes = tuple(int(s) for s in
                          (compress_sizes or default_compress_sizes()))
-  for name, sweep in (("sizes", sizes), ("compress_sizes", compress_sizes)):
-    if len(set(sweep)) < 2 or min(sweep) < 1:
-      raise ProfileError(f"{name}={list(sweep)} needs at least two distinct "
-                         "sizes >= 1 (one size cannot separate α from β).")
+  _check_sweep("sizes", sizes)
+  _check_sweep("compress_sizes", compress_sizes)
   timing = dict(repeats=repeats, warmup=warmup)
   total = (len(costs_lib.MEASURABLE) * len(sizes) + len(compress_sizes) + 4 +
            (2 if loss_fn else 0))
