@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-posi
 
 import jaxfuse  # pylint: disable=wrong-import-position
 from jaxfuse import bucket_pass  # pylint: disable=wrong-import-position
+from jaxfuse import bucket_sync  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
 from train_lm import make_train_step  # pylint: disable=wrong-import-position
 
@@ -203,6 +204,15 @@ def main(argv=None) -> list[dict]:
                  help="rows of a state group's streams stacked together for "
                  "the fused pass (jaxfuse.bucket_pass.ROWS_PER_CHUNK; 1: "
                  "each row read where it is, 0: the whole group)")
+  p.add_argument("--blend", default="auto", choices=["auto", "none"],
+                 help="onebit_adamw's stream x = b1*m + (1 - b1)*g: auto "
+                 "formed inside the fused pass for state groups of "
+                 "matrices and vectors (jaxfuse.bucket_sync.blends); none: "
+                 "formed by XLA for every group")
+  p.add_argument("--topk-sample", type=int,
+                 default=jaxfuse.sparsify.TOPK_SAMPLE,
+                 help="topk's bracket sample per unit "
+                 "(jaxfuse.sparsify.TOPK_SAMPLE)")
   p.add_argument("--hlo-dir", help="also write each step's compiled HLO "
                  "here (benchmarks/kernel_sources.py attributes its "
                  "kernels to source lines)")
@@ -211,6 +221,9 @@ def main(argv=None) -> list[dict]:
   args = p.parse_args(argv)
   jaxfuse.kernels.set_backend(args.kernels)
   bucket_pass.ROWS_PER_CHUNK = args.rows_per_chunk
+  jaxfuse.sparsify.TOPK_SAMPLE = args.topk_sample
+  if args.blend == "none":
+    bucket_sync.blends = lambda *_: set()
   mesh = jaxfuse.make_mesh(args.devices, AXIS)
   preset = lm_model.PRESETS[args.preset]
   model = lm_model.build_model(args.preset)

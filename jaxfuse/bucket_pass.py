@@ -49,29 +49,38 @@ def take(x, ids):
 
 def rows_of(x, rows):
   """x[rows] for static row ids (the array itself when they are all); a
-  list of rows gives the list of those rows."""
+  list of rows gives the list of those rows; a ``Blend``, those of each
+  part."""
+  if isinstance(x, kernels.Blend):
+    return x.map(lambda part: rows_of(part, rows))
   if not isinstance(x, jax.Array):
     return [x[i] for i in rows]
   return x if list(rows) == list(range(x.shape[0])) else take(x, rows)
 
 
 # Rows of a batch's streams stacked together for the fused pass, which
-# reads each chunk where it is (``kernels.sparsify_pass_rows``). XLA's GPU
-# concatenate emitter takes at most four operands; a larger stack goes to
-# its loop emitter, at about a quarter of the card's bandwidth
-# (docs/benchmarks.md, "Overhead on one GPU"). 0: the whole batch at once.
-ROWS_PER_CHUNK = 4
+# reads each chunk where it is (``kernels.sparsify_pass_rows``). 1: every
+# row where it is (nothing stacked; the fastest on an H200, and a blended
+# stream stays two reshaped leaves: docs/benchmarks.md, "Overhead on one
+# GPU"). 0: the whole batch at once. XLA's GPU concatenate emitter takes
+# at most four operands; a larger stack goes to its loop emitter, at about
+# a quarter of the card's bandwidth.
+ROWS_PER_CHUNK = 1
 
 
 def stacked(x):
-  """A batch's streams as one (G, n) array (a list of rows is stacked)."""
+  """A batch's streams as one (G, n) array (a list of rows is stacked, a
+  ``Blend`` formed)."""
+  x = kernels.formed(x)
   return x if isinstance(x, jax.Array) else jnp.stack(x)
 
 
 def chunked(x):
   """A batch's streams for the fused pass: a (G, n) array as it is; a list
   of rows as (R, n) chunks of ``ROWS_PER_CHUNK`` rows (the last may hold
-  fewer; 0: one chunk of all)."""
+  fewer; 0: one chunk of all); a ``Blend`` part by part."""
+  if isinstance(x, kernels.Blend):
+    return x.map(chunked)
   if isinstance(x, jax.Array):
     return x
   per = ROWS_PER_CHUNK or len(x)
@@ -83,7 +92,10 @@ def by_chunk(fn, x, *rowwise):
   """``fn(x, *rowwise)`` for a (G, n) array x; for chunks, ``fn`` of each
   chunk with its rows of ``rowwise`` (pytrees of arrays with a leading
   axis of G, or None), concatenated: nothing reads a stack of the whole
-  batch's streams. ``fn`` works row by row (vmapped), so both agree."""
+  batch's streams. ``fn`` works row by row (vmapped), so both agree. A
+  ``Blend``'s chunks are formed for ``fn`` (XLA fuses β·m + (1 − β)·g
+  into what reads them)."""
+  x = kernels.formed(x)
   if isinstance(x, jax.Array):
     return fn(x, *rowwise)
   outs, start = [], 0
@@ -117,7 +129,8 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
   """``sparsify_unit`` over every row of state groups ``gids`` (one bucket).
 
   grads, residuals: per group, (G, n) streams (or a list of the G flat
-  streams: the fused pass then reads each where it is) and (decayed)
+  streams: the fused pass then reads each where it is; or a ``Blend`` of
+  two such, which it forms as it reads them) and (decayed)
   residuals; ctrl: per unit ``Control`` arrays. Returns [(batch, batched
   ``UnitResult``, the rows' streams)].
   """
@@ -162,7 +175,7 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
         density=b.unit.density, n=b.unit.size))(*passes[i], kth)
 
   return [(b, jax.vmap(functools.partial(sparsify.unit_result, **kw[i]))(
-      stacked(x[i]), r[i], c[i], *passes[i]), x[i])
+      stacked(x[i]), r[i], c[i], *passes[i]), kernels.formed(x[i]))
           for i, b in enumerate(todo)]
 
 

@@ -226,9 +226,14 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
     else:
       if clip_norm:
         updates, clip_state = bucket_clip.update(updates, clip_state)
-      local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu,
-                           updates)
-      mu, sync_state = sync.update(cast(local, updates), state.sync, params)
+      if all(x.dtype == jnp.float32 for x in jax.tree.leaves(updates)):
+        # x = b1·m + (1 − b1)·g, formed where the fused pass reads m and g
+        mu, sync_state = sync.update(updates, state.sync, params,
+                                     blend=(state.mu, b1))
+      else:
+        local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu,
+                             updates)
+        mu, sync_state = sync.update(cast(local, updates), state.sync, params)
       mu = jax.tree.map(lambda x: x.astype(jnp.float32), mu)
       nu, nu_count = state.nu, state.nu_count
     count = state.count + 1

@@ -221,7 +221,10 @@ class UnitResult(NamedTuple):
 # --- one unit's stages: the pass at τ ("topk": at its sampled bracket, then
 # the k-th of the staged slots), and the result ---------------------------
 
-TOPK_SAMPLE = 1 << 16   # sample size s
+# sample size s: fewer samples make a larger bracket C to sort through;
+# 2^14 was the fastest of 2^12, 2^14, 2^16 on gpt2-small (docs/benchmarks.md,
+# "Overhead on one GPU")
+TOPK_SAMPLE = 1 << 14
 TOPK_MARGIN = 4.0       # sample standard deviations below rank k
 
 

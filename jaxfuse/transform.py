@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxfuse import _compat
 from jaxfuse import bucket_sync
 from jaxfuse import collectives
+from jaxfuse import kernels
 from jaxfuse import plans as plan_lib
 from jaxfuse import schedule as schedule_lib
 from jaxfuse import sparsify
@@ -99,6 +100,11 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     ``axis_name`` on per-worker gradients (differentiate with respect to
     ``jaxfuse.local_params(params)``); the updates it returns are the worker
     mean ``(1/K)·Σ_k sent_k``, the same on every worker.
+    ``update(updates, state, params, blend=(m, β))`` syncs the stream
+    x = β·m + (1 − β)·updates instead (1-bit Adam's local momentum; m a
+    tree like the updates, both float32): the same result bit for bit,
+    but the fused Pallas pass forms x as it reads m and the gradient,
+    so x is never written out (one pass over the model's memory less).
   """
   if not isinstance(plan, plan_lib.Plan):
     raise TypeError(f"sparse_sync expects a jaxfuse.Plan, got "
@@ -132,7 +138,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
         stats=stats_lib.empty_stats(sched.num_leaves),
         velocity=zeros() if momentum else ())
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, *, blend=None, **extra_args):
     del params, extra_args
     num_workers = _compat.axis_size(axis_name)
     if num_workers is None:
@@ -142,6 +148,10 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
           f"{axis_name!r} (see README, quickstart), or pass "
           "sparse_sync(plan, axis_name=...) with your axis name.")
     flat = _check_grads(plan, updates, axis_name)
+    parts = None
+    if blend is not None:
+      parts = _check_blend(plan, updates, flat, blend)
+      flat = kernels.formed(parts)   # what a dense bucket reads
     _check_state(state, groups, all_units, momentum)
     for b in sched.buckets:
       scheme = collectives.get(b.collective)
@@ -163,7 +173,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
 
     for b in sched.buckets:   # the plan's (backward-ready) order
       out = bucket_sync.sync_bucket(plan, sched, b, flat, residuals, velocity,
-                                   ctrl, step, axis_name, rule)
+                                   ctrl, step, axis_name, rule, parts)
       for j, x in out.leaves.items():
         synced[j] = x
       for g, r in out.residuals.items():
@@ -226,6 +236,33 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
           "worker's own gradient.")
     out.append(g)
   return out
+
+
+def _check_blend(plan, updates, flat, blend) -> kernels.Blend:
+  """``blend`` = (m, β) checked: the leaves' stream as a ``kernels.Blend``
+  of m's flat leaves and the gradients'."""
+  if not (isinstance(blend, tuple) and len(blend) == 2):
+    raise SyncError(f"sparse_sync.update: blend must be a pair (m, beta), "
+                    f"got {type(blend).__name__}.")
+  m, beta = blend
+  if (not isinstance(beta, (int, float)) or isinstance(beta, bool)
+      or not 0 <= beta < 1):
+    raise SyncError(f"sparse_sync.update: blend's beta={beta!r} must be a "
+                    "Python number in [0, 1).")
+  m_flat, m_tree = jax.tree_util.tree_flatten(m)
+  if m_tree != jax.tree.structure(updates):
+    raise SyncError(f"sparse_sync.update: blend's m must be a tree like the "
+                    f"updates; got {m_tree}, the updates are "
+                    f"{jax.tree.structure(updates)}.")
+  f32 = jnp.dtype(jnp.float32)
+  for x, g, leaf in zip(m_flat, flat, plan.leaves):
+    if x.dtype != f32 or g.dtype != f32 or tuple(x.shape) != leaf.shape:
+      raise SyncError(
+          f"sparse_sync.update: blend needs float32 updates and m of their "
+          f"shapes; at {leaf.path} the gradient is {g.dtype} and m "
+          f"{x.dtype}{list(x.shape)}. Form the stream yourself, beta * m + "
+          "(1 - beta) * updates, and pass it as the updates.")
+  return kernels.Blend(list(m_flat), list(flat), float(beta))
 
 
 def _check_state(state, groups, all_units, momentum) -> None:

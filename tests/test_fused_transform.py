@@ -113,3 +113,128 @@ def test_the_pass_reads_a_groups_streams_in_chunks(estimator, momentum, per,
   stacks = {m.group(1) for m in re.finditer(
       r"= f32\[(\d+),2000\]\S* concatenate\(", hlo)}
   assert stacks == want, stacks
+
+
+def _run_blend(plan, backend, steps, beta, blend):
+  """Each step syncs x = β·m + (1 − β)·g: given as ``blend=(m, β)`` or as
+  the updates, formed by the step (the recipe's expression)."""
+  mesh = mesh_of(K)
+  tx = jaxfuse.sparse_sync(plan)
+  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape) for l in plan.leaves],
+                             mesh)
+  specs = jaxfuse.state_specs(state)
+
+  def body(m, g, s):
+    m, g = [x[0] for x in m], [x[0] for x in g]
+    if blend:
+      return tx.update(g, s, blend=(m, beta))
+    return tx.update([beta * a + (1 - beta) * b for a, b in zip(m, g)], s)
+
+  kernels.set_backend(backend)
+  try:
+    step = jax.jit(jax.shard_map(
+        body, mesh=mesh, in_specs=(P("data"), P("data"), specs),
+        out_specs=(P(), specs), check_vma=ON_GPU))
+    out = []
+    for m, g in steps:
+      synced, state = step(shard(mesh, m), shard(mesh, g), state)
+      out.append(jax.tree.map(np.asarray, (synced, state)))
+  finally:
+    kernels.set_backend("auto")
+  return out
+
+
+@pytest.mark.parametrize("estimator,strategy,shapes", [
+    ("dgc", "single", [(40, 50)] * 3 + [(300,), (30,), (6, 5, 20)]),
+    ("topk", "layerwise", [(40, 50), (120_000,), (30,)]),
+    ("redsync", "behind", SHAPES + [(30,)])])
+def test_a_blend_syncs_what_its_formed_stream_syncs(estimator, strategy,
+                                                     shapes):
+  """``update(g, s, blend=(m, β))`` is ``update(β·m + (1 − β)·g, s)`` bit
+  for bit, on the Pallas kernels (which form x as they read m and g) and
+  on the references, with a dense (psum) leaf, several-leaf units, a
+  non-finite step and a worker whose stream is all zero."""
+  plan = list_plan(shapes, density=0.05, estimator=estimator,
+                   strategy=strategy, min_sparse_size=64)
+  rng = np.random.default_rng(1)
+  draw = lambda: [rng.normal(size=(K,) + s).astype(np.float32)
+                  for s in shapes]
+  steps = [(draw(), draw()) for _ in range(3)]
+  steps[1][0][0][0, 3] = np.nan   # m non-finite on worker 0
+  steps[2][0][0][K - 1] = 0       # worker K−1: m and g both zero there
+  steps[2][1][0][K - 1] = 0
+  want = _run_blend(plan, "reference", steps, 0.9, blend=False)
+  for backend in ("pallas", "reference"):
+    got = _run_blend(plan, backend, steps, 0.9, blend=True)
+    for t, (g, w) in enumerate(zip(got, want)):
+      assert _bits(g) == _bits(w), f"{backend}, step {t}"
+  assert any(np.isnan(x).any() for x in want[1][0])
+
+
+def test_bad_blends_name_the_fix():
+  plan = list_plan([(40, 50), (300,)], density=0.05, min_sparse_size=64)
+  mesh = mesh_of(1)
+  tx = jaxfuse.sparse_sync(plan)
+  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape) for l in plan.leaves],
+                             mesh)
+  specs = jaxfuse.state_specs(state)
+  g = shard(mesh, [np.ones((1,) + l.shape, np.float32) for l in plan.leaves])
+
+  def update(blend, grads=g):
+    return jax.shard_map(
+        lambda g_, s: tx.update([x[0] for x in g_], s, blend=blend),
+        mesh=mesh, in_specs=(P("data"), specs), out_specs=(P(), specs),
+        check_vma=False)(grads, state)
+
+  m = [jnp.zeros(l.shape, jnp.float32) for l in plan.leaves]
+  with pytest.raises(jaxfuse.SyncError, match="pair"):
+    update(m)
+  with pytest.raises(jaxfuse.SyncError, match=r"beta=1\.0 .*\[0, 1\)"):
+    update((m, 1.0))
+  with pytest.raises(jaxfuse.SyncError, match="tree like the updates"):
+    update((m[:1], 0.9))
+  with pytest.raises(jaxfuse.SyncError, match=r"at \[1\].*bfloat16.*"
+                     r"beta \* m \+ \(1 - beta\) \* updates"):
+    update((m[:1] + [m[1].astype(jnp.bfloat16)], 0.9))
+
+
+def _pass1_operands(jaxpr):
+  """Per pass-1 kernel (the ``pallas_call`` with 9 outputs) in ``jaxpr``
+  and the jaxprs inside it: the shapes of its operands."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call" and len(eqn.outvars) == 9:
+      out.append([tuple(v.aval.shape) for v in eqn.invars])
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          out.extend(_pass1_operands(sub))
+  return out
+
+
+def test_the_pass_forms_a_blend_of_matrices_and_vectors():
+  """With ``blend=(m, β)`` the pass of a state group of matrices takes m's
+  and g's rows (two operands a row: x is never written out); a group of
+  3-d leaves takes x formed by XLA (one operand a row), which fuses the
+  slice or layout change such a gradient often needs."""
+  shapes = [(40, 50)] * 3 + [(6, 5, 20)]
+  plan = list_plan(shapes, density=0.05, estimator="dgc", strategy="single",
+                   min_sparse_size=64)
+  mesh = mesh_of(1)
+  tx = jaxfuse.sparse_sync(plan)
+  state = jaxfuse.init_state(tx, [jnp.zeros(s) for s in shapes], mesh)
+  specs = jaxfuse.state_specs(state)
+  kernels.set_backend("pallas")
+  try:
+    step = jax.jit(jax.shard_map(
+        lambda m, g, s: tx.update([x[0] for x in g], s,
+                                  blend=([x[0] for x in m], 0.9)),
+        mesh=mesh, in_specs=(P("data"), P("data"), specs),
+        out_specs=(P(), specs), check_vma=False))
+    args = shard(mesh, [np.ones((1,) + s, np.float32) for s in shapes])
+    jaxpr = jax.make_jaxpr(step)(args, args, state).jaxpr
+  finally:
+    kernels.set_backend("auto")
+  streams = sorted(len(ops) - 2 for ops in _pass1_operands(jaxpr))
+  assert streams == [1, 6], streams   # τs and r besides the streams

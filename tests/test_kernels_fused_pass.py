@@ -2,7 +2,8 @@
 
 ``sparsify_pass_pallas`` (acc = x + r, selection, lone element, residual,
 finiteness, non-zero flag in three kernels) against
-``sparsify_pass_reference``. On CPU the kernels run in the Pallas
+``sparsify_pass_reference``, also with the stream given as a blend
+β·m + (1 − β)·g that pass 1 forms as it reads. On CPU the kernels run in the Pallas
 interpreter with small blocks; with ``JAXFUSE_TEST_GPU=1`` on a GPU backend
 the compiled Triton kernels run, on larger units too.
 """
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxfuse.kernels import fused_pass as sp
+from jaxfuse.kernels import reference
 
 try:
   from hypothesis import given
@@ -207,7 +209,73 @@ def test_rows_pass_stacks_nothing():
   assert jaxpr.count("pallas_call[") == 3
 
 
+def _blend_xla(m, g, beta):
+  """β·m + (1 − β)·g as XLA compiles the recipe's expression (it may fuse
+  a product and the sum into one multiply-add, as XLA on CPUs does)."""
+  return jax.jit(lambda m, g: beta * m + (1 - beta) * g)(
+      jnp.asarray(m), jnp.asarray(g))
+
+
+@pytest.mark.parametrize("per", [1, 2, 5])
+def test_blend_rows_equal_the_pass_of_the_blended_stream(per):
+  """Pass 1 forms x = β·m + (1 − β)·g as it loads m and g: the result is
+  the pass of that x, bit for bit, however the rows are chunked; one row's
+  m is NaN, one row blends to all zeros, one has nothing past τ."""
+  n, beta = 900, 0.9
+  rng = np.random.default_rng(per)
+  m = np.stack([rng.normal(size=n).astype(np.float32) for _ in range(5)])
+  g = np.stack([_stream(rng, n) for _ in range(5)])
+  m[1, 17] = np.nan
+  m[3], g[3] = 0, 0
+  r = jnp.stack([_stream(rng, n, zeros=0.5) for _ in range(5)])
+  taus = jnp.array([0.5, 1.0, 50.0, 0.5, 1.5], jnp.float32)
+  offsets = jnp.array([0, 1, n // 2, n - 1, 3], jnp.int32)
+  cut = lambda a: [jnp.asarray(a[i:i + per]) for i in range(0, 5, per)]
+  want = _check_rows([_blend_xla(m, g, beta)], r, taus, 16,
+                     offsets, block=128, tile=64)
+  got = sp.sparsify_pass_rows_pallas(
+      reference.Blend(cut(m), cut(g), beta), r, taus, 16, offsets,
+      block=128, tile=64, interpret=not ON_GPU)
+  for name, a, b in zip(sp.PassResult._fields, got, want):
+    np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
+  assert list(np.asarray(want.finite)) == [True, False, True, True, True]
+  assert list(np.asarray(want.nonzero)) == [True, True, True, False, True]
+  ref = jax.jit(sp.sparsify_pass_rows_reference, static_argnums=3)(
+      reference.Blend(cut(m), cut(g), beta), r, taus, 16, offsets)
+  for name, a, b in zip(sp.PassResult._fields, ref, want):
+    np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
+
+
+def test_blend_parts_must_be_alike():
+  x = jnp.ones((2, 300), jnp.float32)
+  with pytest.raises(ValueError, match="m and g alike"):
+    sp.sparsify_pass_rows_pallas(reference.Blend([x], [x[0], x[1:]], 0.9),
+                                 x, jnp.ones((2,)), 8,
+                                 jnp.zeros((2,), jnp.int32), interpret=True)
+
+
 if given is not None:
+
+  @settings(max_examples=8, deadline=None)
+  @given(beta=st.floats(0.0, 0.999), per=st.integers(1, 3),
+         seed=st.integers(0, 2**16))
+  def test_any_blend_is_the_pass_of_its_stream(beta, per, seed):
+    """For any β, the blended pass is the pass of XLA's β·m + (1 − β)·g."""
+    n, rows = 300, 3
+    rng = np.random.default_rng(seed)
+    m = np.stack([_stream(rng, n) for _ in range(rows)]) * 3
+    g = np.stack([_stream(rng, n) for _ in range(rows)])
+    r = jnp.stack([_stream(rng, n, zeros=0.5) for _ in range(rows)])
+    taus = jnp.asarray(rng.uniform(0.0, 2.5, rows), jnp.float32)
+    offsets = jnp.asarray(rng.integers(0, n, rows), jnp.int32)
+    cut = lambda a: [jnp.asarray(a[i:i + per]) for i in range(0, rows, per)]
+    got = sp.sparsify_pass_rows_pallas(
+        reference.Blend(cut(m), cut(g), beta), r, taus, 12, offsets,
+        block=64, tile=32, interpret=not ON_GPU)
+    want = jax.vmap(lambda x, r_, t, o: sp.sparsify_pass_reference(
+        x, r_, t, 12, o))(_blend_xla(m, g, beta), r, taus, offsets)
+    for name, a, b in zip(sp.PassResult._fields, got, want):
+      np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
 
   @settings(max_examples=8, deadline=None)
   @given(rows=st.integers(1, 5), per=st.integers(1, 5),

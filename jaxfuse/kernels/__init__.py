@@ -21,6 +21,7 @@ import jax
 
 from jaxfuse import _compat
 from jaxfuse.kernels import reference
+from jaxfuse.kernels.reference import Blend, formed  # noqa: F401
 
 BACKENDS = ("auto", "pallas", "reference")
 _backend = os.environ.get("JAXFUSE_KERNELS", "auto")
@@ -104,12 +105,13 @@ def sparsify_pass(x, r, tau, capacity: int, offset):
 def sparsify_pass_rows(xs, r, taus, capacity: int, offsets):
   """``sparsify_pass`` of G units of one length at once: x is ``xs`` (a
   (G, n) array, or flat rows and (rows, n) chunks in row order, which the
-  Pallas kernels read where they are), x_i its row i, r_i = ``r[i]``, τ_i
-  = ``taus[i]``, o_i = ``offsets[i]``; a ``PassResult`` with a leading axis
-  of G (``fused_pass.sparsify_pass_rows_reference``)."""
+  Pallas kernels read where they are; or a ``reference.Blend`` of two
+  such, which they form as they read it), x_i its row i, r_i = ``r[i]``,
+  τ_i = ``taus[i]``, o_i = ``offsets[i]``; a ``PassResult`` with a leading
+  axis of G (``fused_pass.sparsify_pass_rows_reference``)."""
   from jaxfuse.kernels import fused_pass  # pylint: disable=g-import-not-at-top
   f32 = jax.numpy.dtype("float32")
-  dtypes = {x.dtype for x in ([xs] if isinstance(xs, jax.Array) else xs)}
+  dtypes = {x.dtype for x in jax.tree.leaves(xs)}
   if backend() == "pallas" and dtypes == {r.dtype} == {f32}:
     return fused_pass.sparsify_pass_rows_pallas(
         xs, r, taus, capacity, offsets,

@@ -1,7 +1,9 @@
 """The fused sparsify pass: one read of the stream and the residual.
 
-For a unit's stream x (the gradient, or what a recipe accumulates) and its
-residual r, at threshold τ with c slots and rotation offset o::
+For a unit's stream x (the gradient, or what a recipe accumulates; given
+as a ``reference.Blend``, x = β·m + (1 − β)·g is formed as m and g are
+read) and its residual r, at threshold τ with c slots and rotation
+offset o::
 
   acc = x + r
   (v, idx, m) = select(acc, τ, c, o)          (``reference.select``)
@@ -78,23 +80,47 @@ def sparsify_pass_reference(x, r, tau, capacity: int, offset) -> PassResult:
                     jnp.any(x != 0))
 
 
-def _mask_kernel(tau_ref, *refs, chunks, n, block, tile, stage, interpret):
+class Blended(NamedTuple):
+  """A row formed as β·m + (1 − β)·g as it is loaded, from rows m and g
+  (refs or ``selection.Switched``) of one length: ``reference.blend``
+  with the same float32 constants."""
+  m: object
+  g: object
+  beta: float
+
+  @property
+  def shape(self):
+    return self.m.shape
+
+  def tile_at(self, start, tile, mask=None):
+    m, g = (sel.load_tile(part, start, tile, mask)
+            for part in (self.m, self.g))
+    return jnp.float32(self.beta) * m + jnp.float32(1 - self.beta) * g
+
+
+def _mask_kernel(tau_ref, *refs, chunks, beta, n, block, tile, stage,
+                 interpret):
   """Pass 1 of ``selection.mask_kernel`` on acc = x + r, with the block's
   summaries (module docstring), for G units: grid (G, blocks), refs (x_0 …
   x_{C−1}, r, outputs…) with ``chunks`` = (C, R). The streams come in C
   flat arrays of R rows each (the last may hold fewer), and row g is row
   g mod R of x_{g div R} (``selection.Switched``), read where it is; r and
   the outputs are row g of their stacks (their BlockSpecs squeeze the
-  row). acc goes over r in place (``acc_ref`` is r's buffer) and r to
-  ``old_ref``; the staged candidates are positions only (pass 2 reads
-  their values from acc), so nothing here reads memory this pass has
-  written."""
+  row). With ``beta``, x is a blend (``Blended``): refs (m_0 … m_{C−1},
+  g_0 … g_{C−1}, r, outputs…). acc goes over r in place (``acc_ref`` is
+  r's buffer) and r to ``old_ref``; the staged candidates are positions
+  only (pass 2 reads their values from acc), so nothing here reads memory
+  this pass has written."""
   count, per = chunks
+  parts = 1 if beta is None else 2
   g = pl.program_id(0)
-  size = refs[count].shape[0]
-  x_ref = sel.Switched(g // per, (g % per) * size, refs[:count], size)
-  r_ref = refs[count]
-  refs = refs[count + 1:]
+  size = refs[parts * count].shape[0]
+  x_ref = [sel.Switched(g // per, (g % per) * size,
+                        refs[i * count:(i + 1) * count], size)
+           for i in range(parts)]
+  x_ref = x_ref[0] if beta is None else Blended(*x_ref, beta)
+  r_ref = refs[parts * count]
+  refs = refs[parts * count + 1:]
   b, tau = pl.program_id(1), tau_ref[g]
   (bits_ref, cnt_ref, si_ref, acc_ref, old_ref, bmax_ref, bpos_ref, bfin_ref,
    bnz_ref) = refs
@@ -215,8 +241,8 @@ def _pad(a, cfg):
   return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, cfg.block - cfg.n)])
 
 
-def _mask_kernel_for(cfg, chunks):
-  return functools.partial(_mask_kernel, chunks=chunks, n=cfg.n,
+def _mask_kernel_for(cfg, chunks, beta=None):
+  return functools.partial(_mask_kernel, chunks=chunks, beta=beta, n=cfg.n,
                            block=cfg.block, tile=cfg.tile, stage=cfg.stage,
                            interpret=cfg.interpret)
 
@@ -275,7 +301,7 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
   if r.ndim != 1:
     raise ValueError(f"r must be flat, got shape {list(r.shape)}")
   out = _rows_pass(
-      [x[None]], r[None], jnp.reshape(jnp.asarray(tau), (1,)),
+      [[x[None]]], None, r[None], jnp.reshape(jnp.asarray(tau), (1,)),
       jnp.reshape(jnp.asarray(offset, jnp.int32), (1,)), capacity,
       block=block, tile=tile, stage=stage, num_warps=num_warps,
       interpret=interpret,
@@ -294,8 +320,10 @@ def stream_chunks(xs) -> list:
 def sparsify_pass_rows_reference(xs, r, taus, capacity: int,
                                  offsets) -> PassResult:
   """``sparsify_pass_reference`` of every row: x is ``xs`` (a (G, n)
-  array, or a sequence of flat rows and (rows, n) chunks, in row order),
-  x_i its row i, r_i = ``r[i]``."""
+  array, or a sequence of flat rows and (rows, n) chunks, in row order, or
+  a ``reference.Blend`` of two such), x_i its row i, r_i = ``r[i]``."""
+  if isinstance(xs, reference.Blend):
+    xs = reference.formed(xs.map(stream_chunks))
   x = jnp.concatenate(stream_chunks(xs))
   return jax.vmap(lambda x_, r_, t, o: sparsify_pass_reference(
       x_, r_, t, capacity, o))(x, r, taus, offsets)
@@ -316,23 +344,30 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
   chunk g div R, so no (G, n) stack is made. r: (G, n) float32; taus,
   offsets: (G,). Pass 1 is one kernel over all rows (grid G × blocks); the
   scan and pass 2 run per row (vmapped: one kernel each over the rows).
+  With ``xs`` a ``reference.Blend`` of m and g (alike), pass 1 forms x =
+  β·m + (1 − β)·g as it loads them: x is never written out.
   """
-  chunks = stream_chunks(xs)
-  if any(c.ndim != 2 for c in chunks):
-    raise ValueError(f"xs must be flat rows or (rows, n) chunks, got shapes "
-                     f"{[list(c.shape) for c in chunks]}")
+  beta = xs.beta if isinstance(xs, reference.Blend) else None
+  parts = ([xs] if beta is None else [xs.m, xs.g])
+  parts = [stream_chunks(p) for p in parts]
+  shapes = [[list(c.shape) for c in p] for p in parts]
+  if any(c.ndim != 2 for p in parts for c in p) or shapes[-1] != shapes[0]:
+    raise ValueError(f"xs must be flat rows or (rows, n) chunks (a Blend's "
+                     f"m and g alike), got shapes {shapes}")
   _check_operands([jax.ShapeDtypeStruct(c.shape[1:], c.dtype)
-                   for c in chunks], r)
+                   for p in parts for c in p], r)
   return _rows_pass(
-      chunks, r, taus, offsets, capacity, block=block, tile=tile,
+      parts, beta, r, taus, offsets, capacity, block=block, tile=tile,
       stage=stage, num_warps=num_warps, interpret=interpret,
       names=("sparsify_pass_rows_pallas", "sparsify_pass_rows_reference"))
 
 
-def _rows_pass(chunks, r, taus, offsets, capacity, *, block, tile, stage,
-               num_warps, interpret, names) -> PassResult:
-  """The three kernels for checked (rows, n) ``chunks`` (``names``: the
-  public function and its reference, for errors)."""
+def _rows_pass(parts, beta, r, taus, offsets, capacity, *, block, tile,
+               stage, num_warps, interpret, names) -> PassResult:
+  """The three kernels for checked (rows, n) chunks: ``parts`` = [x's] or,
+  with ``beta``, [m's, g's] (``names``: the public function and its
+  reference, for errors)."""
+  chunks = parts[0]
   per = chunks[0].shape[0]
   rows = sum(c.shape[0] for c in chunks)
   if any(c.shape[0] != per for c in chunks[:-1]) or chunks[-1].shape[0] > per:
@@ -347,9 +382,9 @@ def _rows_pass(chunks, r, taus, offsets, capacity, *, block, tile, stage,
   taus = jax.vmap(functools.partial(comparison_threshold, chunks[0].dtype))(
       jnp.reshape(jnp.asarray(taus), (rows,)))
   offsets = jnp.reshape(jnp.asarray(offsets, jnp.int32), (rows,))
-  (r, taus, offsets, *chunks), out = _compat.kernel_operands(
+  (r, taus, offsets, *flat), out = _compat.kernel_operands(
       _pad(r, cfg), taus, offsets,
-      *(jnp.reshape(_pad(c, cfg), (-1,)) for c in chunks),
+      *(jnp.reshape(_pad(c, cfg), (-1,)) for p in parts for c in p),
       interpret=interpret, kernel=names[0], reference=names[1])
   whole = pl.BlockSpec()
   # Pass 1 writes acc over r (aliased: the residual stays in its buffer,
@@ -362,14 +397,13 @@ def _rows_pass(chunks, r, taus, offsets, capacity, *, block, tile, stage,
   specs = tuple(row_of(o.shape[1:]) for o in outs)
   specs = specs[:2] + (pl.BlockSpec((None, cfg.stage),
                                     lambda g, b: (g, b)),) + specs[3:]
-  count = len(chunks)
   pass1 = pl.pallas_call(
-      _mask_kernel_for(cfg, (count, per)),
+      _mask_kernel_for(cfg, (len(chunks), per), beta),
       out_shape=outs,
       grid=(rows, cfg.num_blocks),
-      in_specs=[whole] * (1 + count) + [row_of((cfg.size,))],
+      in_specs=[whole] * (1 + len(flat)) + [row_of((cfg.size,))],
       out_specs=specs,
-      input_output_aliases={1 + count: 3},
+      input_output_aliases={1 + len(flat): 3},
       compiler_params=cfg.params, interpret=interpret,
-      name="jaxfuse_sparsify_pass1")(taus, *chunks, r)
+      name="jaxfuse_sparsify_pass1")(taus, *flat, r)
   return jax.vmap(lambda o, *p: _finish(cfg, out, o, p))(offsets, *pass1)

@@ -7,6 +7,10 @@ reference here; ``jaxfuse.kernels`` picks one of the two per backend, and
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -25,6 +29,39 @@ def uniform_index(salt_, count: int, n: int) -> jax.Array:
   i = jnp.arange(max(count, 1), dtype=jnp.uint32) * jnp.uint32(0x9E3779B9)
   idx = (hash32(salt_ ^ i) % jnp.uint32(n)).astype(jnp.int32)
   return idx if count else idx[0]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["m", "g"],
+                   meta_fields=["beta"])
+@dataclasses.dataclass(frozen=True)
+class Blend:
+  """The stream x = β·m + (1 − β)·g held as its two parts (1-bit Adam's
+  local momentum: m the momentum, g the gradient), so that a kernel forms
+  x where it reads m and g instead of reading an x written out first.
+  ``m`` and ``g`` are alike: flat rows, (rows, n) chunks, (G, n) arrays or
+  lists of them. A pytree whose leaves are m's and g's; β (a Python
+  float) is static."""
+  m: Any
+  g: Any
+  beta: float
+
+  def map(self, fn):
+    """The Blend of ``fn(m)`` and ``fn(g)``."""
+    return Blend(fn(self.m), fn(self.g), self.beta)
+
+
+def blend(m, g, beta: float):
+  """β·m + (1 − β)·g, elementwise (1-bit Adam's momentum update)."""
+  return beta * m + (1 - beta) * g
+
+
+def formed(x):
+  """x itself, or a ``Blend``'s β·m + (1 − β)·g (a list part by part)."""
+  if not isinstance(x, Blend):
+    return x
+  if isinstance(x.m, (list, tuple)):
+    return [blend(m, g, x.beta) for m, g in zip(x.m, x.g)]
+  return blend(x.m, x.g, x.beta)
 
 
 def kth_largest(a: jax.Array, k: int) -> jax.Array:

@@ -117,14 +117,18 @@ class Switched(NamedTuple):
   def shape(self):
     return (self.size,)
 
+  def tile_at(self, start, tile, mask=None):
+    return lax.switch(self.index, [
+        functools.partial(load_tile, r, self.base + start, tile, mask)
+        for r in self.refs])
+
 
 def load_tile(ref, start, tile, mask=None):
   """``ref[start:start + tile]`` (lanes off ``mask`` unread), ``ref`` a
-  ref or a ``Switched``."""
-  if isinstance(ref, Switched):
-    return lax.switch(ref.index, [
-        functools.partial(load_tile, r, ref.base + start, tile, mask)
-        for r in ref.refs])
+  ref or a row that loads itself (``Switched``, ``fused_pass.Blended``:
+  a ``tile_at`` method)."""
+  if hasattr(ref, "tile_at"):
+    return ref.tile_at(start, tile, mask)
   view = ref.at[pl.ds(start, tile)]
   return view[...] if mask is None else plgpu.load(view, mask=mask)
 
@@ -133,7 +137,7 @@ def for_each_tile(acc_ref, b, n, block, tile, body, carry):
   """carry = body(t, x, bounded_pos, carry) over the tiles of block b.
 
   ``acc_ref`` is the whole array (or a tuple of arrays of one length: x is
-  then the tuple of their tiles; any of them may be a ``Switched``). Full
+  then the tuple of their tiles; any may be a row that loads itself). Full
   blocks load without a mask (so the loads vectorize whatever n is) and
   pass ``bounded_pos=None``; only the last block, if partial, masks and
   passes the positions. With several tiles, the load of tile t+1 is issued
