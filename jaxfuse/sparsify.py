@@ -235,12 +235,13 @@ def topk_bracket(k: int, n: int) -> tuple[int, int, int]:
   Rank k of n sits at k·s/n in the sample, with standard deviation
   ≈ √(k·s/n); r = k·s/n + d, d = TOPK_MARGIN·√(k·s/n) + 1, puts τ_lo below
   the k-th largest |acc| but for a ≈ 3·10⁻⁵ chance, and about k + d·n/s
-  elements above it: C = k + 2·⌈d·n/s⌉ + 1024 holds them."""
+  elements above it: C = k + 2·⌈d·n/s⌉ + 1024 holds them (never fewer
+  than k: the k-th largest of the staged slots needs k of them)."""
   s = min(n, TOPK_SAMPLE)
   r = k * s / n
   d = TOPK_MARGIN * math.sqrt(r) + 1
-  return s, min(s, math.ceil(r + d)), min(n, k + 2 * math.ceil(d * n / s) +
-                                          1024)
+  return s, min(s, max(1, math.ceil(r + d))), min(
+      n, k + 2 * max(0, math.ceil(d * n / s)) + 1024)
 
 
 def pass_capacity(n: int, *, capacity: int, density: float, estimator: str,

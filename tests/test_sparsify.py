@@ -276,6 +276,23 @@ def _topk(grad, residual, capacity, density=0.01, seed=3):
   return out.tau, out, offset
 
 
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 10**8), frac=st.floats(0, 1),
+       margin=st.floats(-8, 8), sample=st.sampled_from([1 << 12, 1 << 14]))
+def test_topk_bracket_is_a_valid_rank_and_room_for_k(n, frac, margin, sample):
+  """For any unit, density, margin (a negative one forces misses) and
+  sample size: the bracket's rank is within the sample and its slots hold
+  at least k (the staged k-th largest needs k) and at most n."""
+  k = max(1, round(frac * n))
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(sparsify, "TOPK_MARGIN", margin)
+    mp.setattr(sparsify, "TOPK_SAMPLE", sample)
+    s, rank, wide = sparsify.topk_bracket(k, n)
+  assert s == min(n, sample)
+  assert 1 <= rank <= s
+  assert min(k, n) <= wide <= n
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_topk_shared_pass_is_the_exact_top_k(seed):
   """n large enough for the bracket (C < n): τ is the exact k-th largest

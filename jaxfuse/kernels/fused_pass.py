@@ -81,9 +81,9 @@ def sparsify_pass_reference(x, r, tau, capacity: int, offset) -> PassResult:
 
 
 class Blended(NamedTuple):
-  """A row formed as β·m + (1 − β)·g as it is loaded, from rows m and g
-  (refs or ``selection.Switched``) of one length: ``reference.blend``
-  with the same float32 constants."""
+  """A row formed as β·m + (1 − β)·g (``reference.blend``, the same
+  expression as the recipe's) as it is loaded, from rows m and g (refs or
+  ``selection.Switched``) of one length."""
   m: object
   g: object
   beta: float
@@ -95,7 +95,7 @@ class Blended(NamedTuple):
   def tile_at(self, start, tile, mask=None):
     m, g = (sel.load_tile(part, start, tile, mask)
             for part in (self.m, self.g))
-    return jnp.float32(self.beta) * m + jnp.float32(1 - self.beta) * g
+    return reference.blend(m, g, self.beta)
 
 
 def _mask_kernel(tau_ref, *refs, chunks, beta, n, block, tile, stage,
