@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-posi
 import jaxfuse  # pylint: disable=wrong-import-position
 from jaxfuse import bucket_pass  # pylint: disable=wrong-import-position
 from jaxfuse import bucket_sync  # pylint: disable=wrong-import-position
+from jaxfuse.planning import timing  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
 from train_lm import make_train_step  # pylint: disable=wrong-import-position
 
@@ -155,14 +156,9 @@ def run(sync, estimator, args, model_parts, mesh, options) -> dict:
     state = (p, s)
   out["step_ms"] = 1e3 * statistics.fmean(times)
   # Dispatched back to back, one wait at the end: the host runs ahead.
-  t0 = time.perf_counter()
-  cpu_collectives = jax.default_backend() == "cpu" and args.devices > 1
-  for i in range(args.steps):
-    state = compiled(*state, batches[i % len(batches)])[:2]
-    if cpu_collectives:   # XLA's CPU rendezvous deadlocks far ahead
-      jax.block_until_ready(state)
-  jax.block_until_ready(state)
-  out["pipelined_step_ms"] = 1e3 * (time.perf_counter() - t0) / args.steps
+  pipelined, state = timing.time_chained(compiled, state, batches,
+                                         steps=args.steps)
+  out["pipelined_step_ms"] = 1e3 * pipelined
   out["step_ms_median"] = 1e3 * statistics.median(times)
   out["step_ms_min"] = 1e3 * min(times)
   out["loss"] = float(loss)

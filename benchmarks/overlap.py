@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfuse
 from jaxfuse.planning import hlo
+from jaxfuse.planning import timing
 from jaxfuse.planning import trace as trace_lib
 from lm_model import build_model
 from lm_model import make_loss
@@ -98,19 +99,11 @@ def _time(fn, args, steps, carry=True):
 
 
 def _time_pipelined(fn, args, steps):
-  """Wall time per step of ``steps`` train steps dispatched back to back
-  with one wait at the end (the host runs ahead, as in a loop that does
-  not read every step's loss). XLA's CPU collectives deadlock when far
-  ahead, so with several CPU devices each step is waited for."""
-  wait = jax.default_backend() == "cpu" and jax.device_count() > 1
+  """Wall time per step of ``steps`` train steps ``fn(params, state,
+  batch)`` dispatched back to back after one waited-for step
+  (``timing.time_chained``)."""
   out = jax.block_until_ready(fn(*args))
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    out = fn(out[0], out[1], *args[2:])
-    if wait:
-      jax.block_until_ready(out)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - t0) / steps
+  return timing.time_chained(fn, out[:2], [args[2]], steps=steps)[0]
 
 
 TRACE_STEPS = 3

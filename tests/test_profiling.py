@@ -284,3 +284,18 @@ def test_equation_work_counts_flops():
   assert flops == 2 * (2 * 5 * 8 * 8) * 3 * (3 * 3)
   flops, nbytes = eqn_of(lambda x: jnp.sum(x), x)
   assert flops == 0 and nbytes == 2 * 3 * 10 * 10 * 4
+
+
+def test_time_chained_threads_the_state_through_every_step():
+  """Each step gets the previous step's state and the next input in
+  rotation; the extra outputs (a loss) are dropped from the state."""
+  from jaxfuse.planning import timing
+  step = jax.jit(lambda a, b, x: (a + x, b * 2, jnp.sum(a)))
+  inputs = [jnp.float32(1), jnp.float32(10), jnp.float32(100)]
+  seconds, (a, b) = timing.time_chained(
+      step, (jnp.float32(0), jnp.float32(1)), inputs, steps=7)
+  assert float(a) == 1 + 10 + 100 + 1 + 10 + 100 + 1
+  assert float(b) == 2.0 ** 7
+  assert 0 < seconds < 10
+  with pytest.raises(timing.ProfileError, match="steps=0"):
+    timing.time_chained(step, (a, b), inputs, steps=0)

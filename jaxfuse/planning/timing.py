@@ -59,6 +59,27 @@ def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 5) -> float:
   return time_calls([(fn, *args)], warmup=warmup, repeats=repeats)[0]
 
 
+def time_chained(step: Callable, state: tuple, inputs: Sequence, *,
+                 steps: int) -> tuple[float, tuple]:
+  """(seconds per step, final state) of ``steps`` calls
+  ``state = step(*state, inputs[i % len(inputs)])[:len(state)]`` dispatched
+  back to back with one wait at the end: the host runs ahead, as in a
+  training loop that does not read every step's loss, so its time between
+  steps hides behind the device's. XLA's CPU collectives deadlock when far
+  ahead, so with several CPU devices every step is waited for."""
+  if steps < 1 or not inputs:
+    raise ProfileError(f"steps={steps} must be >= 1, with inputs.")
+  wait = jax.default_backend() == "cpu" and jax.device_count() > 1
+  state = tuple(state)
+  t0 = time.perf_counter()
+  for i in range(steps):
+    state = tuple(step(*state, inputs[i % len(inputs)])[:len(state)])
+    if wait:
+      jax.block_until_ready(state)
+  jax.block_until_ready(state)
+  return (time.perf_counter() - t0) / steps, state
+
+
 def text_progress(stream=None, width: int = 24) -> Progress:
   """A plain-text progress bar: ``[#####-----] 5/10 psum 256 KiB``."""
   stream = sys.stderr if stream is None else stream
