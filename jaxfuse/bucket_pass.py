@@ -66,6 +66,11 @@ def rows_of(x, rows):
 # at most four operands; a larger stack goes to its loop emitter, at about
 # a quarter of the card's bandwidth.
 ROWS_PER_CHUNK = 1
+# Pass 1 takes every chunk as an operand and switches among them per tile;
+# a batch of more rows is cut into at most this many chunks (CUDA before
+# 12.1 allows 4 KiB of kernel parameters, and the switch grows the
+# compile). gpt2-small's largest state group has 48 rows.
+MAX_CHUNKS = 64
 
 
 def stacked(x):
@@ -77,13 +82,14 @@ def stacked(x):
 
 def chunked(x):
   """A batch's streams for the fused pass: a (G, n) array as it is; a list
-  of rows as (R, n) chunks of ``ROWS_PER_CHUNK`` rows (the last may hold
-  fewer; 0: one chunk of all); a ``Blend`` part by part."""
+  of rows as (R, n) chunks of R = ``ROWS_PER_CHUNK`` rows, more if that
+  makes over ``MAX_CHUNKS`` chunks (the last may hold fewer; 0: one chunk
+  of all); a ``Blend`` part by part."""
   if isinstance(x, kernels.Blend):
     return x.map(chunked)
   if isinstance(x, jax.Array):
     return x
-  per = ROWS_PER_CHUNK or len(x)
+  per = max(ROWS_PER_CHUNK or len(x), -(-len(x) // MAX_CHUNKS))
   return [x[i][None] if per == 1 else jnp.stack(x[i:i + per])
           for i in range(0, len(x), per)]
 

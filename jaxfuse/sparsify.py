@@ -222,8 +222,8 @@ class UnitResult(NamedTuple):
 # the k-th of the staged slots), and the result ---------------------------
 
 # sample size s: fewer samples make a larger bracket C to sort through;
-# 2^14 was the fastest of 2^12, 2^14, 2^16 on gpt2-small (docs/benchmarks.md,
-# "Overhead on one GPU")
+# on gpt2-small 2^14 and 2^12 ran within noise, both well ahead of 2^16
+# (docs/benchmarks.md, "Overhead on one GPU")
 TOPK_SAMPLE = 1 << 14
 TOPK_MARGIN = 4.0       # sample standard deviations below rank k
 
@@ -234,7 +234,8 @@ def topk_bracket(k: int, n: int) -> tuple[int, int, int]:
 
   Rank k of n sits at k·s/n in the sample, with standard deviation
   ≈ √(k·s/n); r = k·s/n + d, d = TOPK_MARGIN·√(k·s/n) + 1, puts τ_lo below
-  the k-th largest |acc| but for a ≈ 3·10⁻⁵ chance, and about k + d·n/s
+  the k-th largest |acc| but for a small chance (the Poisson tail of the
+  sample count: ≈ 4·10⁻⁵ at ρ = 0.01, 10⁻⁴ at ρ = 0.001), and about k + d·n/s
   elements above it: C = k + 2·⌈d·n/s⌉ + 1024 holds them (never fewer
   than k: the k-th largest of the staged slots needs k of them)."""
   s = min(n, TOPK_SAMPLE)
@@ -306,7 +307,7 @@ def topk_finish(lo, out, kth, *, capacity: int, density: float, n: int):
   The first c with |acc| ≥ kth are sent, and the other staged ones go back
   into the residual: ``select(acc, τ, c, o)`` with τ the exact k-th largest
   |acc| whenever k ≤ m ≤ C. If the sample put τ_lo above the k-th largest
-  (m < k, the ≈ 3·10⁻⁵ chance) the m largest are sent (the candidates
+  (m < k, the small chance of ``topk_bracket``) the m largest are sent (the candidates
   statistic shows m < k); m > C (≈ never) sends the k largest of the
   first C.
   """

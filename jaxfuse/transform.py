@@ -102,9 +102,11 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     mean ``(1/K)·Σ_k sent_k``, the same on every worker.
     ``update(updates, state, params, blend=(m, β))`` syncs the stream
     x = β·m + (1 − β)·updates instead (1-bit Adam's local momentum; m a
-    tree like the updates, both float32): the same result bit for bit,
-    but the fused Pallas pass forms x as it reads m and the gradient,
-    so x is never written out (one pass over the model's memory less).
+    tree like the updates, both float32; β a number, compiled in): bit
+    for bit what passing x, formed by XLA from the same arrays, syncs.
+    On the Pallas backend the fused pass forms x as it reads m and the
+    gradient for state groups of matrices and vectors, which saves
+    writing x out and reading it back.
   """
   if not isinstance(plan, plan_lib.Plan):
     raise TypeError(f"sparse_sync expects a jaxfuse.Plan, got "
@@ -241,28 +243,40 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
 def _check_blend(plan, updates, flat, blend) -> kernels.Blend:
   """``blend`` = (m, β) checked: the leaves' stream as a ``kernels.Blend``
   of m's flat leaves and the gradients'."""
+  where = "sparse_sync.update(..., blend=(m, beta))"
   if not (isinstance(blend, tuple) and len(blend) == 2):
-    raise SyncError(f"sparse_sync.update: blend must be a pair (m, beta), "
-                    f"got {type(blend).__name__}.")
+    raise SyncError(f"{where}: blend must be a pair (m, beta), got "
+                    f"{type(blend).__name__}.")
   m, beta = blend
-  if (not isinstance(beta, (int, float)) or isinstance(beta, bool)
-      or not 0 <= beta < 1):
-    raise SyncError(f"sparse_sync.update: blend's beta={beta!r} must be a "
-                    "Python number in [0, 1).")
-  m_flat, m_tree = jax.tree_util.tree_flatten(m)
-  if m_tree != jax.tree.structure(updates):
-    raise SyncError(f"sparse_sync.update: blend's m must be a tree like the "
-                    f"updates; got {m_tree}, the updates are "
-                    f"{jax.tree.structure(updates)}.")
-  f32 = jnp.dtype(jnp.float32)
-  for x, g, leaf in zip(m_flat, flat, plan.leaves):
-    if x.dtype != f32 or g.dtype != f32 or tuple(x.shape) != leaf.shape:
+  try:
+    beta = float(beta)   # a Python or NumPy number; it is compiled in
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    raise SyncError(f"{where}: beta must be a number known when tracing "
+                    f"(it is compiled into the kernels), got {beta!r}."
+                    ) from None
+  if not 0 <= beta < 1 or isinstance(blend[1], bool):
+    raise SyncError(f"{where}: beta={blend[1]!r} must be in [0, 1).")
+  m_flat = jax.tree_util.tree_flatten_with_path(m)[0]
+  m_paths = [jax.tree_util.keystr(p) for p, _ in m_flat]
+  if (jax.tree.structure(m) != jax.tree.structure(updates)
+      or m_paths != [l.path for l in plan.leaves]):
+    first = next((f"{a} against {b}" for a, b in zip(
+        m_paths, [l.path for l in plan.leaves]) if a != b),
+                 f"{len(m_paths)} leaves against {len(plan.leaves)}")
+    raise SyncError(f"{where}: m must be a tree like the updates; they "
+                    f"differ at {first}.")
+  for (_, x), g, leaf in zip(m_flat, flat, plan.leaves):
+    dtype, shape = getattr(x, "dtype", None), tuple(getattr(x, "shape", ()))
+    if shape != leaf.shape or dtype != jnp.float32:
       raise SyncError(
-          f"sparse_sync.update: blend needs float32 updates and m of their "
-          f"shapes; at {leaf.path} the gradient is {g.dtype} and m "
-          f"{x.dtype}{list(x.shape)}. Form the stream yourself, beta * m + "
+          f"{where}: m{leaf.path} is {dtype}{list(shape)}; it must be "
+          f"float32{list(leaf.shape)}, like its gradient.")
+    if g.dtype != jnp.float32:
+      raise SyncError(
+          f"{where}: the gradient {leaf.path} is {g.dtype}; blend takes "
+          "float32 gradients. Form the stream yourself, beta * m + "
           "(1 - beta) * updates, and pass it as the updates.")
-  return kernels.Blend(list(m_flat), list(flat), float(beta))
+  return kernels.Blend([x for _, x in m_flat], list(flat), beta)
 
 
 def _check_state(state, groups, all_units, momentum) -> None:

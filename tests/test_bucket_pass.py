@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxfuse import bucket_pass
+from jaxfuse import kernels
 from jaxfuse import plans as plan_lib
 from jaxfuse import radix_select
 from jaxfuse import sparsify
@@ -72,3 +73,21 @@ def test_bucket_equals_each_unit_alone(estimator, monkeypatch):
       np.testing.assert_array_equal(stacked[i], grads[batch.group][row])
       seen.add(u)
   assert seen == set(bucket_units[0])
+
+
+@pytest.mark.parametrize("rows,per,want", [
+    (6, 1, [1] * 6), (6, 4, [4, 2]), (6, 0, [6]),
+    (130, 1, [3] * 43 + [1]), (128, 1, [2] * 64), (64, 1, [1] * 64)])
+def test_chunks_keep_every_row_in_order_and_stay_few(rows, per, want,
+                                                     monkeypatch):
+  """Rows are cut into chunks of ``ROWS_PER_CHUNK`` in order, but into at
+  most ``MAX_CHUNKS`` chunks (pass 1 takes each as an operand); a Blend's
+  two parts are cut alike."""
+  monkeypatch.setattr(bucket_pass, "ROWS_PER_CHUNK", per)
+  monkeypatch.setattr(bucket_pass, "MAX_CHUNKS", 64)
+  x = [jnp.full((3,), i, jnp.float32) for i in range(rows)]
+  chunks = bucket_pass.chunked(x)
+  assert [c.shape[0] for c in chunks] == want
+  np.testing.assert_array_equal(np.concatenate(chunks)[:, 0], np.arange(rows))
+  blend = bucket_pass.chunked(kernels.Blend(x, x, 0.5))
+  assert [c.shape[0] for c in blend.m] == [c.shape[0] for c in blend.g] == want

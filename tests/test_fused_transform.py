@@ -171,31 +171,43 @@ def test_a_blend_syncs_what_its_formed_stream_syncs(estimator, strategy,
   assert any(np.isnan(x).any() for x in want[1][0])
 
 
-def test_bad_blends_name_the_fix():
-  plan = list_plan([(40, 50), (300,)], density=0.05, min_sparse_size=64)
+def _blend_update(dtype):
+  """update(blend) on a two-leaf plan for ``dtype`` gradients (all ones)."""
+  plan = list_plan([(40, 50), (300,)], dtype=dtype, density=0.05,
+                   min_sparse_size=64)
   mesh = mesh_of(1)
   tx = jaxfuse.sparse_sync(plan)
-  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape) for l in plan.leaves],
-                             mesh)
+  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape, dtype)
+                                  for l in plan.leaves], mesh)
   specs = jaxfuse.state_specs(state)
-  g = shard(mesh, [np.ones((1,) + l.shape, np.float32) for l in plan.leaves])
+  g = shard(mesh, [np.ones((1,) + l.shape, dtype) for l in plan.leaves])
+  return lambda blend: jax.shard_map(
+      lambda g_, s: tx.update([x[0] for x in g_], s, blend=blend),
+      mesh=mesh, in_specs=(P("data"), specs), out_specs=(P(), specs),
+      check_vma=False)(g, state)
 
-  def update(blend, grads=g):
-    return jax.shard_map(
-        lambda g_, s: tx.update([x[0] for x in g_], s, blend=blend),
-        mesh=mesh, in_specs=(P("data"), specs), out_specs=(P(), specs),
-        check_vma=False)(grads, state)
 
-  m = [jnp.zeros(l.shape, jnp.float32) for l in plan.leaves]
+def test_bad_blends_name_the_fix():
+  update = _blend_update(np.float32)
+  m = [jnp.zeros((40, 50), jnp.float32), jnp.zeros((300,), jnp.float32)]
   with pytest.raises(jaxfuse.SyncError, match="pair"):
     update(m)
-  with pytest.raises(jaxfuse.SyncError, match=r"beta=1\.0 .*\[0, 1\)"):
+  with pytest.raises(jaxfuse.SyncError, match=r"beta=1\.0 must be in \[0, 1\)"):
     update((m, 1.0))
-  with pytest.raises(jaxfuse.SyncError, match="tree like the updates"):
+  with pytest.raises(jaxfuse.SyncError, match=r"tree like the updates; they "
+                     r"differ at 1 leaves against 2"):
     update((m[:1], 0.9))
-  with pytest.raises(jaxfuse.SyncError, match=r"at \[1\].*bfloat16.*"
-                     r"beta \* m \+ \(1 - beta\) \* updates"):
+  with pytest.raises(jaxfuse.SyncError, match=r"m\[1\] is bfloat16\[300\]; "
+                     r"it must be float32\[300\]"):
     update((m[:1] + [m[1].astype(jnp.bfloat16)], 0.9))
+  with pytest.raises(jaxfuse.SyncError, match=r"m\[0\] is None\[\]"):
+    update(([1.0, m[1]], 0.9))
+  with pytest.raises(jaxfuse.SyncError, match="known when tracing"):
+    jax.jit(lambda b: update((m, b)))(0.9)
+  update((m, np.float32(0.9)))     # a NumPy number is a number
+  with pytest.raises(jaxfuse.SyncError, match=r"gradient \[0\] is bfloat16"
+                     r".*beta \* m \+ \(1 - beta\) \* updates"):
+    _blend_update(jnp.bfloat16)((m, 0.9))
 
 
 def _pass1_operands(jaxpr):
@@ -213,11 +225,12 @@ def _pass1_operands(jaxpr):
   return out
 
 
-def test_the_pass_forms_a_blend_of_matrices_and_vectors():
+def test_the_pass_forms_a_blend_of_matrices_and_vectors(monkeypatch):
   """With ``blend=(m, β)`` the pass of a state group of matrices takes m's
   and g's rows (two operands a row: x is never written out); a group of
   3-d leaves takes x formed by XLA (one operand a row), which fuses the
   slice or layout change such a gradient often needs."""
+  monkeypatch.setattr(bucket_pass, "ROWS_PER_CHUNK", 1)
   shapes = [(40, 50)] * 3 + [(6, 5, 20)]
   plan = list_plan(shapes, density=0.05, estimator="dgc", strategy="single",
                    min_sparse_size=64)

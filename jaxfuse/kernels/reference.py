@@ -60,7 +60,7 @@ def formed(x):
   if not isinstance(x, Blend):
     return x
   if isinstance(x.m, (list, tuple)):
-    return [blend(m, g, x.beta) for m, g in zip(x.m, x.g)]
+    return [blend(m, g, x.beta) for m, g in zip(x.m, x.g, strict=True)]
   return blend(x.m, x.g, x.beta)
 
 

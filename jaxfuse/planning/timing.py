@@ -60,16 +60,19 @@ def time_call(fn: Callable, *args, warmup: int = 2, repeats: int = 5) -> float:
 
 
 def time_chained(step: Callable, state: tuple, inputs: Sequence, *,
-                 steps: int) -> tuple[float, tuple]:
+                 steps: int, wait_each: bool | None = None
+                 ) -> tuple[float, tuple]:
   """(seconds per step, final state) of ``steps`` calls
   ``state = step(*state, inputs[i % len(inputs)])[:len(state)]`` dispatched
   back to back with one wait at the end: the host runs ahead, as in a
   training loop that does not read every step's loss, so its time between
   steps hides behind the device's. XLA's CPU collectives deadlock when far
-  ahead, so with several CPU devices every step is waited for."""
+  ahead: ``wait_each`` (default: on a CPU with several devices) waits for
+  every step."""
   if steps < 1 or not inputs:
     raise ProfileError(f"steps={steps} must be >= 1, with inputs.")
-  wait = jax.default_backend() == "cpu" and jax.device_count() > 1
+  wait = (jax.default_backend() == "cpu" and jax.device_count() > 1
+          if wait_each is None else wait_each)
   state = tuple(state)
   t0 = time.perf_counter()
   for i in range(steps):
