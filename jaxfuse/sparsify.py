@@ -307,9 +307,9 @@ def topk_finish(lo, out, kth, *, capacity: int, density: float, n: int):
   The first c with |acc| ≥ kth are sent, and the other staged ones go back
   into the residual: ``select(acc, τ, c, o)`` with τ the exact k-th largest
   |acc| whenever k ≤ m ≤ C. If the sample put τ_lo above the k-th largest
-  (m < k, the small chance of ``topk_bracket``) the m largest are sent (the candidates
-  statistic shows m < k); m > C (≈ never) sends the k largest of the
-  first C.
+  (m < k, the small chance of ``topk_bracket``) the m largest are sent
+  (the candidates statistic shows m < k); m > C (≈ never) sends the k
+  largest of the first C.
   """
   k = target_count(density, n)
   mags = jnp.abs(out.values).astype(jnp.float32)
