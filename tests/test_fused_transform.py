@@ -30,12 +30,18 @@ SHAPES = [(40, 50), (2000,), (40, 50), (300,)]
 K = min(2, len(jax.devices()))   # one GPU: one worker
 
 
+def _setup(plan, workers, dtype=jnp.float32, **sync_kw):
+  """(mesh, sparse_sync, its state, the state's specs) for ``plan`` on
+  ``workers`` devices."""
+  mesh = mesh_of(workers)
+  tx = jaxfuse.sparse_sync(plan, **sync_kw)
+  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape, dtype)
+                                  for l in plan.leaves], mesh)
+  return mesh, tx, state, jaxfuse.state_specs(state)
+
+
 def _run(plan, backend, grads_per_step):
-  mesh = mesh_of(K)
-  tx = jaxfuse.sparse_sync(plan)
-  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape) for l in plan.leaves],
-                             mesh)
-  specs = jaxfuse.state_specs(state)
+  mesh, tx, state, specs = _setup(plan, K)
   kernels.set_backend(backend)
   try:
     step = jax.jit(jax.shard_map(
@@ -95,11 +101,7 @@ def test_the_pass_reads_a_groups_streams_in_chunks(estimator, momentum, per,
   shapes = [(40, 50)] * 6 + [(300,)]
   plan = list_plan(shapes, density=0.05, estimator=estimator,
                    strategy="single", min_sparse_size=64)
-  mesh = mesh_of(1)
-  tx = jaxfuse.sparse_sync(plan, momentum=momentum)
-  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape) for l in plan.leaves],
-                             mesh)
-  specs = jaxfuse.state_specs(state)
+  mesh, tx, state, specs = _setup(plan, 1, momentum=momentum)
   kernels.set_backend("pallas")
   try:
     step = jax.jit(jax.shard_map(
@@ -118,11 +120,7 @@ def test_the_pass_reads_a_groups_streams_in_chunks(estimator, momentum, per,
 def _run_blend(plan, backend, steps, beta, blend):
   """Each step syncs x = β·m + (1 − β)·g: given as ``blend=(m, β)`` or as
   the updates, formed by the step (the recipe's expression)."""
-  mesh = mesh_of(K)
-  tx = jaxfuse.sparse_sync(plan)
-  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape) for l in plan.leaves],
-                             mesh)
-  specs = jaxfuse.state_specs(state)
+  mesh, tx, state, specs = _setup(plan, K)
 
   def body(m, g, s):
     m, g = [x[0] for x in m], [x[0] for x in g]
@@ -175,11 +173,7 @@ def _blend_update(dtype):
   """update(blend) on a two-leaf plan for ``dtype`` gradients (all ones)."""
   plan = list_plan([(40, 50), (300,)], dtype=dtype, density=0.05,
                    min_sparse_size=64)
-  mesh = mesh_of(1)
-  tx = jaxfuse.sparse_sync(plan)
-  state = jaxfuse.init_state(tx, [jnp.zeros(l.shape, dtype)
-                                  for l in plan.leaves], mesh)
-  specs = jaxfuse.state_specs(state)
+  mesh, tx, state, specs = _setup(plan, 1, dtype)
   g = shard(mesh, [np.ones((1,) + l.shape, dtype) for l in plan.leaves])
   return lambda blend: jax.shard_map(
       lambda g_, s: tx.update([x[0] for x in g_], s, blend=blend),
@@ -234,10 +228,7 @@ def test_the_pass_forms_a_blend_of_matrices_and_vectors(monkeypatch):
   shapes = [(40, 50)] * 3 + [(6, 5, 20)]
   plan = list_plan(shapes, density=0.05, estimator="dgc", strategy="single",
                    min_sparse_size=64)
-  mesh = mesh_of(1)
-  tx = jaxfuse.sparse_sync(plan)
-  state = jaxfuse.init_state(tx, [jnp.zeros(s) for s in shapes], mesh)
-  specs = jaxfuse.state_specs(state)
+  mesh, tx, state, specs = _setup(plan, 1)
   kernels.set_backend("pallas")
   try:
     step = jax.jit(jax.shard_map(
