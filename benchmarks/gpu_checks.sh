@@ -68,6 +68,7 @@ PY
       python -m pytest -q -p no:cacheprovider -rfEs tests/test_kernels_hash.py \
       tests/test_zen.py tests/test_kernels_select.py \
       tests/test_kernels_fused_pass.py tests/test_kernels_backend.py \
+      tests/test_grouped.py \
       > "$out/kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -n 3 "$out/kernel_tests.log"
     python benchmarks/blend_probe.py --out "$out/blend_probe.json" \

@@ -201,11 +201,11 @@ def main(argv=None) -> list[dict]:
                  help="rows of a state group's streams stacked together for "
                  "the fused pass (jaxfuse.bucket_pass.ROWS_PER_CHUNK; 1: "
                  "each row read where it is, 0: the whole group)")
-  p.add_argument("--blend", default="auto", choices=["auto", "none"],
-                 help="onebit_adamw's stream x = b1*m + (1 - b1)*g: auto "
-                 "formed inside the fused pass for state groups of "
-                 "matrices and vectors (jaxfuse.bucket_sync.blends); none: "
-                 "formed by XLA for every group")
+  p.add_argument("--blend", default="pass", choices=["pass", "xla"],
+                 help="onebit_adamw's stream x = b1*m + (1 - b1)*g: pass "
+                 "formed inside the fused pass (the default: "
+                 "jaxfuse.bucket_sync.blends); xla: formed by XLA for every "
+                 "group (jaxfuse.bucket_sync.FORM_IN_PASS = False)")
   p.add_argument("--topk-sample", type=int,
                  default=jaxfuse.sparsify.TOPK_SAMPLE,
                  help="topk's bracket sample per unit "
@@ -219,8 +219,7 @@ def main(argv=None) -> list[dict]:
   jaxfuse.kernels.set_backend(args.kernels)
   bucket_pass.ROWS_PER_CHUNK = args.rows_per_chunk
   jaxfuse.sparsify.TOPK_SAMPLE = args.topk_sample
-  if args.blend == "none":
-    bucket_sync.blends = lambda *_: set()
+  bucket_sync.FORM_IN_PASS = args.blend == "pass"
   mesh = jaxfuse.make_mesh(args.devices, AXIS)
   preset = lm_model.PRESETS[args.preset]
   model = lm_model.build_model(args.preset)

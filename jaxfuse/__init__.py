@@ -12,6 +12,7 @@ from jaxfuse import checkpoint
 from jaxfuse import clipping
 from jaxfuse import collectives
 from jaxfuse import elastic
+from jaxfuse import grouped
 from jaxfuse import kernels
 from jaxfuse._compat import make_mesh
 from jaxfuse.compile_options import xla_flags
@@ -34,6 +35,7 @@ from jaxfuse.phases import with_density
 from jaxfuse.planning.planner import plan
 from jaxfuse.recipes import RECIPES
 from jaxfuse.recipes import demo
+from jaxfuse.recipes import first_moment
 from jaxfuse.recipes import local_adamw
 from jaxfuse.recipes import local_clip_by_global_norm
 from jaxfuse.recipes import onebit_adamw
@@ -58,8 +60,8 @@ from jaxfuse.version import __version__
 
 __all__ = [
     "BucketPlan", "COST_STRATEGIES", "DelayedState", "checkpoint",
-    "clipping", "collectives", "delayed", "elastic",
-    "kernels",
+    "clipping", "collectives", "delayed", "elastic", "first_moment",
+    "grouped", "kernels",
     "LeafPlan", "Phase",
     "PerWorkerState", "Plan", "PlanError", "RECIPES", "Settings", "STRATEGIES",
     "SparseSyncState", "SyncError", "SyncStats", "check_phases", "demo",

@@ -23,6 +23,7 @@ import numpy as np
 from jaxfuse import _compat
 from jaxfuse import bucket_pass
 from jaxfuse import collectives
+from jaxfuse import kernels
 from jaxfuse import plans as plan_lib
 from jaxfuse import schedule as schedule_lib
 from jaxfuse import stats as stats_lib
@@ -48,20 +49,22 @@ class BucketOut(NamedTuple):
 
 
 def sync_bucket(plan, sched, b, flat, residuals, velocity, ctrl, step,
-                axis_name, rule, parts=None) -> BucketOut:
+                axis_name, rule, parts=None, m_rows=None) -> BucketOut:
   """One bucket: accumulate, select (or send all), collective, place.
 
   ``parts``: None, or the leaves' stream as a ``kernels.Blend`` of two
   lists of leaves (``flat`` is then that stream formed): a sparse bucket
   without momentum hands the fused pass the parts of its state groups of
-  matrices and vectors (``blends``), which it forms as it reads them."""
+  matrices and vectors (``blends``), which it forms as it reads them.
+  ``m_rows``: {state group: (G, n) array} of the Blend's m kept in rows
+  (``jaxfuse.grouped``), read as they are instead of leaf by leaf."""
   if b.kind == schedule_lib.PSUM:
     leaves, stats = _psum_bucket(plan, b, flat, axis_name)
     return BucketOut(leaves, {}, {}, [], stats)
-  if b.kind == schedule_lib.FULL or rule.momentum:
+  if b.kind == schedule_lib.FULL or rule.momentum or not FORM_IN_PASS:
     parts = None
   streams = _bucket_streams(sched, b, flat, residuals, velocity, rule, parts,
-                            blends(plan, sched, b.groups))
+                            blends(plan, sched, b.groups), m_rows or {})
   if b.kind == schedule_lib.FULL:
     dense, res, vel, stats = _full_bucket(plan, sched, b, streams, residuals,
                                           velocity, axis_name, rule)
@@ -100,29 +103,42 @@ class _Streams(NamedTuple):
   decayed: dict
 
 
+# A Blend's stream formed inside the fused pass (False: by XLA before it,
+# for every group; an A/B switch for benchmarks/overhead.py --blend xla).
+FORM_IN_PASS = True
+
+
 def blends(plan, sched, gids) -> set[int]:
   """The state groups among ``gids`` whose stream the fused pass forms
-  from a ``Blend``'s parts: those whose leaves are all matrices, vectors
-  or scalars. A gradient of more dimensions (an attention projection's
-  (d, heads, head_dim), a convolution's kernel) is often a slice of a
-  fused dot's result or in another layout; the kernel would need it
-  copied out first, costing what forming x saves, whereas XLA fuses the
-  slice or transpose into forming x itself (gpt2-small on an H200: 48
-  such copies, 0.7 ms a step)."""
+  from a ``Blend``'s parts when m comes leaf by leaf: those whose leaves
+  are all matrices, vectors or scalars. A gradient of more dimensions (an
+  attention projection's (d, heads, head_dim), a convolution's kernel) is
+  often a slice of a fused dot's result or in another layout; the kernel
+  would need it copied out first, costing what forming x saves, whereas
+  XLA fuses the slice or transpose into forming x itself (gpt2-small on
+  an H200: 48 such copies, 0.7 ms a step). A group whose m comes as rows
+  (``jaxfuse.grouped``) is always formed in the pass: XLA reads a row of
+  m's stack for such a gradient at half the speed it reads an array of
+  its own (1.5 against 0.75 ms a step), and the pass reads the rows as
+  they are (with the copies of g: 0.2 ms a step faster)."""
   return {g for g in gids
           if all(len(plan.leaves[j].shape) <= 2 for u in sched.groups[g]
                  for j in sched.units[u].leaves)}
 
 
 def _bucket_streams(sched, b, flat, residuals, velocity, rule, parts,
-                    blended) -> _Streams:
+                    blended, m_rows) -> _Streams:
   grads, moved, decayed = {}, {}, {}
   for g in b.groups:
     rows_of = lambda leaves, g=g: [
         _unit_stream(sched.units[u], leaves, sched.group_dtypes[g])
         for u in sched.groups[g]]
-    rows = (parts.map(rows_of) if parts is not None and g in blended
-            else rows_of(flat))
+    if parts is not None and (g in blended or g in m_rows):
+      rows = parts.map(rows_of)
+      if g in m_rows:   # m's rows where they are
+        rows = kernels.Blend(m_rows[g], rows.g, rows.beta)
+    else:
+      rows = rows_of(flat)
     if rule.momentum:
       grads[g], moved[g] = _accumulate(stack_rows(rows), velocity[g],
                                        rule.momentum, rule.nesterov)

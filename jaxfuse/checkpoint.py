@@ -22,9 +22,10 @@ host memory once, then are placed with ``like``'s shardings.
 Orbax writes each step into a temporary directory and renames it when
 complete, so a save that dies half-way leaves the previous checkpoint
 intact and loadable. A checkpoint of jaxfuse 0.1 (one residual per unit)
-is regrouped into today's per-group arrays on restore. Resuming with a plan
-of another layout (other units,
-buckets, leaves or settings: its state would not fit) raises
+is regrouped into today's per-group arrays on restore, and so is an
+``onebit_adamw`` first moment saved leaf by leaf (jaxfuse 0.2). Resuming
+with a plan of another layout (other units, buckets, leaves or settings:
+its state would not fit) raises
 ``CheckpointError``; a plan that differs only in densities and capacities
 (a warm-up phase) is accepted.
 """
@@ -40,8 +41,10 @@ import jax
 import numpy as np
 
 from jaxfuse import elastic
+from jaxfuse import grouped
 from jaxfuse import phases
 from jaxfuse import plans as plan_lib
+from jaxfuse import recipes
 from jaxfuse import schedule as schedule_lib
 from jaxfuse import transform
 
@@ -49,8 +52,10 @@ STATE, PLAN, EXTRA = "state", "plan", "extra"
 WORKERS = "__jaxfuse_workers__"  # in the extra item: K of the saved state
 LAYOUT = "__jaxfuse_state_layout__"  # and how sparse_sync's state is laid out
 # 1 (jaxfuse 0.1, no LAYOUT key): one residual (and velocity) per unit;
-# 2: one (K, G, n) array per state group (plans.state_groups).
-STATE_LAYOUT = 2
+# 2: one (K, G, n) array per state group (plans.state_groups);
+# 3: and onebit_adamw's m as jaxfuse.grouped keeps it (2: in the params'
+# shapes).
+STATE_LAYOUT = 3
 
 
 class CheckpointError(ValueError):
@@ -141,9 +146,11 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   _check_plan(saved, plan, step)
   extra = _json_item(mngr, step, EXTRA) or {}
   saved_k = extra.get(WORKERS)
-  per_unit = (plan is not None and _has_sync_state(like) and
-              extra.get(LAYOUT, 1) < STATE_LAYOUT)
+  layout = extra.get(LAYOUT, 1)
+  per_unit = plan is not None and _has_sync_state(like) and layout < 2
+  leafwise = plan is not None and _has_onebit(like) and layout < 3
   saved_like = _per_unit(like, plan) if per_unit else like
+  saved_like = _leafwise_moments(saved_like) if leafwise else saved_like
   new_k = _num_workers(like)
   elastic_k = saved_k is not None and new_k is not None and saved_k != new_k
   target = _on_host(saved_like, saved_k) if elastic_k else abstract(
@@ -158,11 +165,14 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   if elastic_k:
     host = elastic.resize_tree(jax.tree.map(np.asarray, out),
                                transform.per_worker_mask(saved_like), new_k)
-    out = jax.tree.map(_place, _grouped(host, plan, np.stack)
-                       if per_unit else host, abstract(like))
-  elif per_unit:
-    out = jax.tree.map(lambda x, l: jax.device_put(x, l.sharding),
-                       _grouped(out, plan, jax.numpy.stack), abstract(like))
+    host = _grouped(host, plan, np.stack) if per_unit else host
+    host = _grouped_moments(host, plan) if leafwise else host
+    out = jax.tree.map(_place, jax.tree.map(np.asarray, host), abstract(like))
+  elif per_unit or leafwise:
+    out = _grouped(out, plan, jax.numpy.stack) if per_unit else out
+    out = _grouped_moments(out, plan) if leafwise else out
+    out = jax.tree.map(lambda x, l: jax.device_put(x, l.sharding), out,
+                       abstract(like))
   return step, out
 
 
@@ -172,6 +182,31 @@ def _is_sync(x) -> bool:
 
 def _has_sync_state(tree) -> bool:
   return any(_is_sync(x) for x in jax.tree.leaves(tree, is_leaf=_is_sync))
+
+
+def _is_onebit(x) -> bool:
+  return isinstance(x, recipes.OnebitState)
+
+
+def _has_onebit(tree) -> bool:
+  return any(_is_onebit(x) for x in jax.tree.leaves(tree, is_leaf=_is_onebit))
+
+
+def _leafwise_moments(tree):
+  """``tree`` with each ``OnebitState``'s m in the params' shapes, as
+  jaxfuse 0.2 kept it (shapes and shardings: those of ν, which has
+  them; both are replicated float32)."""
+  return jax.tree.map(
+      lambda x: x._replace(mu=abstract(x.nu)) if _is_onebit(x) else x, tree,
+      is_leaf=_is_onebit)
+
+
+def _grouped_moments(tree, plan):
+  """Inverse of ``_leafwise_moments`` on arrays (``grouped.group``)."""
+  lay = grouped.layout(plan)
+  return jax.tree.map(
+      lambda x: x._replace(mu=grouped.group(lay, x.mu)) if _is_onebit(x)
+      else x, tree, is_leaf=_is_onebit)
 
 
 def _per_unit(tree, plan):

@@ -49,6 +49,7 @@ import optax
 
 from jaxfuse import _compat
 from jaxfuse import clipping
+from jaxfuse import grouped
 from jaxfuse import plans as plan_lib
 from jaxfuse import schedule as schedule_lib
 from jaxfuse import transform
@@ -167,7 +168,7 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 class OnebitState(NamedTuple):
   count: jax.Array     # steps taken, int32 (replicated)
   nu_count: jax.Array  # steps that updated nu (the dense phase)
-  mu: Any              # replicated first moment
+  mu: grouped.Grouped  # replicated first moment (``first_moment``)
   nu: Any              # replicated second moment (frozen in sparse phases)
   sync: transform.SparseSyncState
   clip: Any = ()       # per-worker bucket norms (clip_norm set), every phase
@@ -198,6 +199,8 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   dense_phase = all(b.kind != schedule_lib.SPARSE
                     for b in schedule_lib.compile_plan(plan).buckets)
   sync = transform.sparse_sync(plan, axis_name)
+  # m as the all-gather decode writes it: the decoded array is the new m
+  lay = grouped.layout(plan)
   mean_clip = (optax.clip_by_global_norm(clip_norm) if clip_norm
                else optax.identity())
   bucket_clip = _bucket_clip(plan, clip_norm, axis_name)
@@ -206,13 +209,15 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
                          params)
     return OnebitState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
-                       zeros, zeros, sync.init(params),
+                       grouped.group(lay, zeros), zeros, sync.init(params),
                        bucket_clip.init(params) if clip_norm else ())
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     cast = lambda tree, like: jax.tree.map(lambda x, y: x.astype(y.dtype),
                                            tree, like)
+    _check_moment(lay, state.mu)
+    treedef = jax.tree.structure(updates)
     clip_state = state.clip
     if dense_phase:
       if clip_norm:
@@ -220,7 +225,10 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       g, sync_state = sync.update(updates, state.sync, params)
       g, _ = mean_clip.update(g, optax.EmptyState())
       g = jax.tree.map(lambda x: x.astype(jnp.float32), g)
-      mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu, g)
+      # group by group: a group's rows of the mean are one slice of the
+      # all-reduced buffer, so this is one kernel per group
+      mu = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu,
+                        grouped.group(lay, g))
       nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
       nu_count = state.nu_count + 1
     else:
@@ -228,13 +236,15 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
         updates, clip_state = bucket_clip.update(updates, clip_state)
       if all(x.dtype == jnp.float32 for x in jax.tree.leaves(updates)):
         # x = b1·m + (1 − b1)·g, formed where the fused pass reads m and g
-        mu, sync_state = sync.update(updates, state.sync, params,
-                                     blend=(state.mu, b1))
+        mean, sync_state = sync.update(updates, state.sync, params,
+                                       blend=(state.mu, b1))
       else:
-        local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, state.mu,
-                             updates)
-        mu, sync_state = sync.update(cast(local, updates), state.sync, params)
-      mu = jax.tree.map(lambda x: x.astype(jnp.float32), mu)
+        m = grouped.ungroup(lay, state.mu, treedef)
+        local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, m, updates)
+        mean, sync_state = sync.update(cast(local, updates), state.sync,
+                                       params)
+      # the decoded rows themselves (XLA folds the regrouping away)
+      mu = grouped.group(lay, mean)
       nu, nu_count = state.nu, state.nu_count
     count = state.count + 1
     c1 = 1 - b1 ** count.astype(jnp.float32)
@@ -242,7 +252,7 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
     step = jax.tree.map(
         lambda m, v: jnp.where(nu_count > 0,
                                (m / c1) / (jnp.sqrt(v / c2) + eps), 0.0),
-        mu, nu)
+        grouped.ungroup(lay, mu, treedef), nu)
     new_state = OnebitState(count, nu_count, mu, nu, sync_state, clip_state)
     return cast(step, updates), new_state
 
@@ -257,17 +267,11 @@ def second_moment(state: Any, b2: float = 0.999) -> list:
   updates it from the synced gradient), so every worker and host reads the
   same values. Raises ``SyncError`` when ``state`` holds no such state."""
   _check_betas(b2=b2)
-  ones = [x for x in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, OnebitState))
-          if isinstance(x, OnebitState)]
-  if len(ones) != 1:
-    raise transform.SyncError(
-        f"second_moment: the state holds {len(ones)} onebit_adamw states; "
-        "pass the optimizer state of a run with one onebit_adamw.")
-  count = int(jax.device_get(ones[0].nu_count))
+  one = _onebit_state(state, "second_moment")
+  count = int(jax.device_get(one.nu_count))
   scale = 1.0 / (1.0 - b2 ** max(count, 1))
   return [np.asarray(jax.device_get(v), np.float64) * scale
-          for v in jax.tree.leaves(ones[0].nu)]
+          for v in jax.tree.leaves(one.nu)]
 
 
 def second_moment_change(before: list, now: list) -> float:
@@ -280,6 +284,39 @@ def second_moment_change(before: list, now: list) -> float:
   moved = sum(np.abs(a - b).sum() for a, b in zip(before, now))
   size = sum(np.abs(b).sum() for b in now)
   return float(moved / size) if size > 0 else float("inf")
+
+
+def first_moment(state: Any, plan: plan_lib.Plan) -> Any:
+  """``onebit_adamw``'s first moment m in the params' shapes (float32),
+  from the one ``OnebitState`` anywhere inside an optimizer state and the
+  plan it was made with. The state keeps m as the all-gather decode
+  writes it (``jaxfuse.grouped``). Raises ``SyncError`` when ``state``
+  holds no such state, ``PlanError`` for another plan's state."""
+  one = _onebit_state(state, "first_moment")
+  return grouped.ungroup(grouped.layout(plan), one.mu,
+                         jax.tree.structure(one.nu))
+
+
+def _onebit_state(state: Any, where: str) -> OnebitState:
+  ones = [x for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, OnebitState))
+          if isinstance(x, OnebitState)]
+  if len(ones) != 1:
+    raise transform.SyncError(
+        f"{where}: the state holds {len(ones)} onebit_adamw states; "
+        "pass the optimizer state of a run with one onebit_adamw.")
+  return ones[0]
+
+
+def _check_moment(lay, mu) -> None:
+  try:
+    grouped.check(lay, mu)
+  except plan_lib.PlanError as e:
+    raise transform.SyncError(
+        f"onebit_adamw: the state's first moment does not fit this plan "
+        f"({e}) Create the state with this optimizer "
+        "(jaxfuse.init_state), or restore it with jaxfuse.checkpoint, "
+        "which converts checkpoints of earlier versions.") from None
 
 
 def _record_bucket_norms(plan, grads, state: transform.PerWorkerState):

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jaxfuse import _compat
 from jaxfuse import bucket_sync
 from jaxfuse import collectives
+from jaxfuse import grouped
 from jaxfuse import kernels
 from jaxfuse import plans as plan_lib
 from jaxfuse import schedule as schedule_lib
@@ -102,11 +103,13 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     mean ``(1/K)·Σ_k sent_k``, the same on every worker.
     ``update(updates, state, params, blend=(m, β))`` syncs the stream
     x = β·m + (1 − β)·updates instead (1-bit Adam's local momentum; m a
-    tree like the updates, both float32; β a number, compiled in): bit
-    for bit what passing x, formed by XLA from the same arrays, syncs.
-    On the Pallas backend the fused pass forms x as it reads m and the
-    gradient for state groups of matrices and vectors, which saves
-    writing x out and reading it back.
+    tree like the updates, or a ``jaxfuse.grouped.Grouped`` of
+    ``grouped.layout(plan)``, float32 like the updates; β a number,
+    compiled in): bit for bit what passing x, formed by XLA from the same
+    arrays, syncs. On the Pallas backend the fused pass forms x as it
+    reads m and the gradient for state groups of matrices and vectors,
+    which saves writing x out and reading it back; it reads a
+    ``Grouped`` m's rows where they are.
   """
   if not isinstance(plan, plan_lib.Plan):
     raise TypeError(f"sparse_sync expects a jaxfuse.Plan, got "
@@ -150,9 +153,9 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
           f"{axis_name!r} (see README, quickstart), or pass "
           "sparse_sync(plan, axis_name=...) with your axis name.")
     flat = _check_grads(plan, updates, axis_name)
-    parts = None
+    parts, m_rows = None, {}
     if blend is not None:
-      parts = _check_blend(plan, updates, flat, blend)
+      parts, m_rows = _check_blend(plan, updates, flat, blend)
       flat = kernels.formed(parts)   # what a dense bucket reads
     _check_state(state, groups, all_units, momentum)
     for b in sched.buckets:
@@ -175,7 +178,8 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
 
     for b in sched.buckets:   # the plan's (backward-ready) order
       out = bucket_sync.sync_bucket(plan, sched, b, flat, residuals, velocity,
-                                   ctrl, step, axis_name, rule, parts)
+                                   ctrl, step, axis_name, rule, parts,
+                                   m_rows)
       for j, x in out.leaves.items():
         synced[j] = x
       for g, r in out.residuals.items():
@@ -240,9 +244,10 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
   return out
 
 
-def _check_blend(plan, updates, flat, blend) -> kernels.Blend:
+def _check_blend(plan, updates, flat, blend) -> tuple[kernels.Blend, dict]:
   """``blend`` = (m, β) checked: the leaves' stream as a ``kernels.Blend``
-  of m's flat leaves and the gradients'."""
+  of m's flat leaves and the gradients', and {state group: its (G, n) rows
+  of m} for a ``Grouped`` m."""
   where = "sparse_sync.update(..., blend=(m, beta))"
   if not (isinstance(blend, tuple) and len(blend) == 2):
     raise SyncError(f"{where}: blend must be a pair (m, beta), got "
@@ -256,6 +261,16 @@ def _check_blend(plan, updates, flat, blend) -> kernels.Blend:
                     ) from None
   if not 0 <= beta < 1 or isinstance(blend[1], bool):
     raise SyncError(f"{where}: beta={blend[1]!r} must be in [0, 1).")
+  m_rows = {}
+  if isinstance(m, grouped.Grouped):
+    lay = grouped.layout(plan)
+    try:
+      grouped.check(lay, m)
+    except plan_lib.PlanError as e:
+      raise SyncError(f"{where}: m is a Grouped tree of another plan: {e}"
+                      ) from None
+    m_rows = dict(zip(lay.group_ids, m.rows))
+    m = grouped.ungroup(lay, m, jax.tree.structure(updates))
   m_flat = jax.tree_util.tree_flatten_with_path(m)[0]
   m_paths = [jax.tree_util.keystr(p) for p, _ in m_flat]
   if (jax.tree.structure(m) != jax.tree.structure(updates)
@@ -276,7 +291,11 @@ def _check_blend(plan, updates, flat, blend) -> kernels.Blend:
           f"{where}: the gradient {leaf.path} is {g.dtype}; blend takes "
           "float32 gradients. Form the stream yourself, beta * m + "
           "(1 - beta) * updates, and pass it as the updates.")
-  return kernels.Blend([x for _, x in m_flat], list(flat), beta)
+  for g, rows in m_rows.items():
+    if rows.dtype != jnp.float32:
+      raise SyncError(f"{where}: m's rows of state group {g} are "
+                      f"{rows.dtype}; they must be float32.")
+  return kernels.Blend([x for _, x in m_flat], list(flat), beta), m_rows
 
 
 def _check_state(state, groups, all_units, momentum) -> None:

@@ -182,23 +182,32 @@ def test_a_jaxfuse_0_1_checkpoint_is_regrouped(tmp_path, mesh):
            for i, l in enumerate(plan.leaves)]
   _, state = sync(plan, mesh, grads, state)
   old = state._replace(residuals=tuple(jaxfuse.unit_residuals(plan, state)))
+  _check_legacy(tmp_path, ocp, old, {checkpoint.WORKERS: K}, state, plan,
+                lambda m: init(plan, m), mesh)
+
+
+def _check_legacy(tmp_path, ocp, old, extra, state, plan, like, mesh):
+  """``old`` (``state`` in an earlier layout, ``extra`` as that version
+  saved it) restores to ``state`` bitwise, shardings included; on K/2
+  workers, to the same numbers as today's layout restored there.
+  ``like(mesh)``: a fresh state on that mesh."""
   legacy = checkpoint.manager(tmp_path / "legacy")
   legacy.save(1, args=ocp.args.Composite(
       state=ocp.args.StandardSave(old),
       plan=ocp.args.JsonSave(__import__("json").loads(plan.to_json())),
-      extra=ocp.args.JsonSave({checkpoint.WORKERS: K})), force=True)
+      extra=ocp.args.JsonSave(extra)), force=True)
   legacy.wait_until_finished()
-  step, back = checkpoint.restore(legacy, init(plan, mesh), plan)
+  step, back = checkpoint.restore(legacy, like(mesh), plan)
   assert step == 1
+  assert jax.tree.structure(back) == jax.tree.structure(state)
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert a.sharding == b.sharding
-  # On K/2 workers: the same numbers as today's layout restored there.
   current = checkpoint.manager(tmp_path / "current")
   checkpoint.save(current, 1, state, plan)
   half = jaxfuse.make_mesh(K // 2)
-  _, want = checkpoint.restore(current, init(plan, half), plan)
-  _, got = checkpoint.restore(legacy, init(plan, half), plan)
+  _, want = checkpoint.restore(current, like(half), plan)
+  _, got = checkpoint.restore(legacy, like(half), plan)
   for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -228,3 +237,33 @@ def test_per_unit_layout_round_trip_with_velocity(mesh):
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert max(len(ids) for ids in jaxfuse.plans.state_groups(plan)) == 3
+
+
+def test_a_leafwise_onebit_moment_is_regrouped(tmp_path, mesh):
+  """jaxfuse 0.2 kept ``onebit_adamw``'s m in the params' shapes (state
+  layout 2): restore groups it as the all-gather decode writes it,
+  bitwise, on the same worker count and on half of it."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  plan = list_plan([(64, 64), (64, 64), (32,)], density=0.05,
+                   min_sparse_size=256, num_buckets=1)
+  params = [jnp.zeros(l.shape) for l in plan.leaves]
+  opt = jaxfuse.onebit_adamw(plan, 1e-3)
+  state = jaxfuse.init_state(opt, params, mesh)
+  rng = np.random.default_rng(0)
+  one = state[0]
+  mu = jax.tree.map(lambda x: jax.device_put(
+      jnp.asarray(rng.normal(size=x.shape), x.dtype), x.sharding), one.mu)
+  assert [r.shape for r in mu.rows] == [(2, 64 * 64)]
+  state = (one._replace(mu=mu),) + tuple(state[1:])
+  leafwise = jaxfuse.first_moment(state, plan)
+  rows = {lay_unit[0][0]: i for i, lay_unit in enumerate(
+      jaxfuse.grouped.layout(plan).units[u]
+      for u in jaxfuse.grouped.layout(plan).groups[0])}
+  assert sorted(rows) == [0, 1]   # the two matrices, in ready order
+  for j, i in rows.items():
+    np.testing.assert_array_equal(np.asarray(leafwise[j]).reshape(-1),
+                                  np.asarray(mu.rows[0][i]))
+  old = (one._replace(mu=leafwise),) + tuple(state[1:])
+  _check_legacy(tmp_path, ocp, old, {checkpoint.WORKERS: K,
+                                     checkpoint.LAYOUT: 2}, state, plan,
+                lambda m: jaxfuse.init_state(opt, params, m), mesh)

@@ -216,13 +216,16 @@ def _blend_xla(m, g, beta):
       jnp.asarray(m), jnp.asarray(g))
 
 
-@pytest.mark.parametrize("per", [1, 2, 5])
-def test_blend_rows_equal_the_pass_of_the_blended_stream(per):
+@pytest.mark.parametrize("per,per_m", [(1, 1), (2, 2), (5, 5), (1, 5),
+                                       (2, 3)])
+def test_blend_rows_equal_the_pass_of_the_blended_stream(per, per_m):
   """Pass 1 forms x = β·m + (1 − β)·g as it loads m and g: the result is
-  the pass of that x, bit for bit, however the rows are chunked; one row's
-  m is NaN, one row blends to all zeros, one has nothing past τ."""
+  the pass of that x, bit for bit, however the rows are chunked (m and g
+  each their own way: m one (G, n) array and g row by row, as the recipe
+  passes them); one row's m is NaN, one row blends to all zeros, one has
+  nothing past τ."""
   n, beta = 900, 0.9
-  rng = np.random.default_rng(per)
+  rng = np.random.default_rng(per + 7 * per_m)
   m = np.stack([rng.normal(size=n).astype(np.float32) for _ in range(5)])
   g = np.stack([_stream(rng, n) for _ in range(5)])
   m[1, 17] = np.nan
@@ -230,37 +233,40 @@ def test_blend_rows_equal_the_pass_of_the_blended_stream(per):
   r = jnp.stack([_stream(rng, n, zeros=0.5) for _ in range(5)])
   taus = jnp.array([0.5, 1.0, 50.0, 0.5, 1.5], jnp.float32)
   offsets = jnp.array([0, 1, n // 2, n - 1, 3], jnp.int32)
-  cut = lambda a: [jnp.asarray(a[i:i + per]) for i in range(0, 5, per)]
+  cut = lambda a, per: [jnp.asarray(a[i:i + per]) for i in range(0, 5, per)]
+  parts = reference.Blend(cut(m, per_m), cut(g, per), beta)
   want = _check_rows([_blend_xla(m, g, beta)], r, taus, 16,
                      offsets, block=128, tile=64)
   got = sp.sparsify_pass_rows_pallas(
-      reference.Blend(cut(m), cut(g), beta), r, taus, 16, offsets,
-      block=128, tile=64, interpret=not ON_GPU)
+      parts, r, taus, 16, offsets, block=128, tile=64,
+      interpret=not ON_GPU)
   for name, a, b in zip(sp.PassResult._fields, got, want):
     np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
   assert list(np.asarray(want.finite)) == [True, False, True, True, True]
   assert list(np.asarray(want.nonzero)) == [True, True, True, False, True]
   ref = jax.jit(sp.sparsify_pass_rows_reference, static_argnums=3)(
-      reference.Blend(cut(m), cut(g), beta), r, taus, 16, offsets)
+      parts, r, taus, 16, offsets)
   for name, a, b in zip(sp.PassResult._fields, ref, want):
     np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
 
 
-def test_blend_parts_must_be_alike():
+def test_blend_parts_must_cover_the_same_rows():
   x = jnp.ones((2, 300), jnp.float32)
-  with pytest.raises(ValueError, match="m and g alike"):
-    sp.sparsify_pass_rows_pallas(reference.Blend([x], [x[0], x[1:]], 0.9),
-                                 x, jnp.ones((2,)), 8,
-                                 jnp.zeros((2,), jnp.int32), interpret=True)
+  for m, g in (([x], [x[0]]), ([x], [x[:, :200], x[:, 200:]])):
+    with pytest.raises(ValueError, match="m and g of the same rows"):
+      sp.sparsify_pass_rows_pallas(reference.Blend(m, g, 0.9),
+                                   x, jnp.ones((2,)), 8,
+                                   jnp.zeros((2,), jnp.int32), interpret=True)
 
 
 if given is not None:
 
   @settings(max_examples=8, deadline=None)
   @given(beta=st.floats(0.0, 0.999), per=st.integers(1, 3),
-         seed=st.integers(0, 2**16))
-  def test_any_blend_is_the_pass_of_its_stream(beta, per, seed):
-    """For any β, the blended pass is the pass of XLA's β·m + (1 − β)·g."""
+         per_m=st.integers(1, 3), seed=st.integers(0, 2**16))
+  def test_any_blend_is_the_pass_of_its_stream(beta, per, per_m, seed):
+    """For any β and any chunking of m and of g, the blended pass is the
+    pass of XLA's β·m + (1 − β)·g."""
     n, rows = 300, 3
     rng = np.random.default_rng(seed)
     m = np.stack([_stream(rng, n) for _ in range(rows)]) * 3
@@ -268,9 +274,11 @@ if given is not None:
     r = jnp.stack([_stream(rng, n, zeros=0.5) for _ in range(rows)])
     taus = jnp.asarray(rng.uniform(0.0, 2.5, rows), jnp.float32)
     offsets = jnp.asarray(rng.integers(0, n, rows), jnp.int32)
-    cut = lambda a: [jnp.asarray(a[i:i + per]) for i in range(0, rows, per)]
+    cut = lambda a, per: [jnp.asarray(a[i:i + per])
+                          for i in range(0, rows, per)]
     got = sp.sparsify_pass_rows_pallas(
-        reference.Blend(cut(m), cut(g), beta), r, taus, 12, offsets,
+        reference.Blend(cut(m, per_m), cut(g, per), beta), r, taus, 12,
+        offsets,
         block=64, tile=32, interpret=not ON_GPU)
     want = jax.vmap(lambda x, r_, t, o: sp.sparsify_pass_reference(
         x, r_, t, 12, o))(_blend_xla(m, g, beta), r, taus, offsets)

@@ -102,25 +102,25 @@ def _mask_kernel(tau_ref, *refs, chunks, beta, n, block, tile, stage,
                  interpret):
   """Pass 1 of ``selection.mask_kernel`` on acc = x + r, with the block's
   summaries (module docstring), for G units: grid (G, blocks), refs (x_0 …
-  x_{C−1}, r, outputs…) with ``chunks`` = (C, R). The streams come in C
+  x_{C−1}, r, outputs…) with ``chunks`` = ((C, R),). The streams come in C
   flat arrays of R rows each (the last may hold fewer), and row g is row
   g mod R of x_{g div R} (``selection.Switched``), read where it is; r and
   the outputs are row g of their stacks (their BlockSpecs squeeze the
   row). With ``beta``, x is a blend (``Blended``): refs (m_0 … m_{C−1},
-  g_0 … g_{C−1}, r, outputs…). acc goes over r in place (``acc_ref`` is
-  r's buffer) and r to ``old_ref``; the staged candidates are positions
-  only (pass 2 reads their values from acc), so nothing here reads memory
-  this pass has written."""
-  count, per = chunks
-  parts = 1 if beta is None else 2
+  g_0 … g_{C'−1}, r, outputs…), ``chunks`` = ((C, R), (C', R')): m and g
+  each in their own chunks (m often one (G, n) array, g rows apart). The streams are never padded: a unit
+  shorter than a block is one partial block, whose loads are masked (r and
+  the outputs are at least a block long). acc goes over r in place
+  (``acc_ref`` is r's buffer) and r to ``old_ref``; the staged candidates
+  are positions only (pass 2 reads their values from acc), so nothing here
+  reads memory this pass has written."""
   g = pl.program_id(0)
-  size = refs[parts * count].shape[0]
-  x_ref = [sel.Switched(g // per, (g % per) * size,
-                        refs[i * count:(i + 1) * count], size)
-           for i in range(parts)]
+  x_ref = []
+  for count, per in chunks:
+    x_ref.append(sel.Switched(g // per, (g % per) * n, refs[:count], n))
+    refs = refs[count:]
   x_ref = x_ref[0] if beta is None else Blended(*x_ref, beta)
-  r_ref = refs[parts * count]
-  refs = refs[parts * count + 1:]
+  r_ref, refs = refs[0], refs[1:]
   b, tau = pl.program_id(1), tau_ref[g]
   (bits_ref, cnt_ref, si_ref, acc_ref, old_ref, bmax_ref, bpos_ref, bfin_ref,
    bnz_ref) = refs
@@ -235,7 +235,9 @@ def _check_operands(xs, r):
 
 
 def _pad(a, cfg):
-  """a with its last axis padded with zeros to one block if n < block."""
+  """a with its last axis padded with zeros to one block if n < block (the
+  residual, whose buffer pass 1 writes acc into; the streams are read
+  unpadded)."""
   if cfg.n >= cfg.block:
     return a
   return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, cfg.block - cfg.n)])
@@ -322,9 +324,9 @@ def sparsify_pass_rows_reference(xs, r, taus, capacity: int,
   """``sparsify_pass_reference`` of every row: x is ``xs`` (a (G, n)
   array, or a sequence of flat rows and (rows, n) chunks, in row order, or
   a ``reference.Blend`` of two such), x_i its row i, r_i = ``r[i]``."""
-  if isinstance(xs, reference.Blend):
-    xs = reference.formed(xs.map(stream_chunks))
-  x = jnp.concatenate(stream_chunks(xs))
+  whole = lambda p: jnp.concatenate(stream_chunks(p))
+  x = (reference.formed(xs.map(whole)) if isinstance(xs, reference.Blend)
+       else whole(xs))
   return jax.vmap(lambda x_, r_, t, o: sparsify_pass_reference(
       x_, r_, t, capacity, o))(x, r, taus, offsets)
 
@@ -344,16 +346,19 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
   chunk g div R, so no (G, n) stack is made. r: (G, n) float32; taus,
   offsets: (G,). Pass 1 is one kernel over all rows (grid G × blocks); the
   scan and pass 2 run per row (vmapped: one kernel each over the rows).
-  With ``xs`` a ``reference.Blend`` of m and g (alike), pass 1 forms x =
+  With ``xs`` a ``reference.Blend`` of m and g (each in chunks of its own:
+  m may be one (G, n) array and g its rows apart), pass 1 forms x =
   β·m + (1 − β)·g as it loads them: x is never written out.
   """
   beta = xs.beta if isinstance(xs, reference.Blend) else None
   parts = ([xs] if beta is None else [xs.m, xs.g])
   parts = [stream_chunks(p) for p in parts]
   shapes = [[list(c.shape) for c in p] for p in parts]
-  if any(c.ndim != 2 for p in parts for c in p) or shapes[-1] != shapes[0]:
+  covers = lambda p: (sum(c.shape[0] for c in p), p[0].shape[-1])
+  if (any(c.ndim != 2 for p in parts for c in p) or
+      covers(parts[-1]) != covers(parts[0])):
     raise ValueError(f"xs must be flat rows or (rows, n) chunks (a Blend's "
-                     f"m and g alike), got shapes {shapes}")
+                     f"m and g of the same rows), got shapes {shapes}")
   _check_operands([jax.ShapeDtypeStruct(c.shape[1:], c.dtype)
                    for p in parts for c in p], r)
   return _rows_pass(
@@ -368,12 +373,15 @@ def _rows_pass(parts, beta, r, taus, offsets, capacity, *, block, tile,
   with ``beta``, [m's, g's] (``names``: the public function and its
   reference, for errors)."""
   chunks = parts[0]
-  per = chunks[0].shape[0]
   rows = sum(c.shape[0] for c in chunks)
-  if any(c.shape[0] != per for c in chunks[:-1]) or chunks[-1].shape[0] > per:
-    raise ValueError(f"every chunk but the last must hold the same number "
-                     f"of rows, and the last no more; got "
-                     f"{[c.shape[0] for c in chunks]}")
+  layout = []   # (chunks, rows per chunk) of each part
+  for p in parts:
+    per = p[0].shape[0]
+    if any(c.shape[0] != per for c in p[:-1]) or p[-1].shape[0] > per:
+      raise ValueError(f"every chunk but the last must hold the same number "
+                       f"of rows, and the last no more; got "
+                       f"{[c.shape[0] for c in p]}")
+    layout.append((len(p), per))
   if r.shape != (rows, chunks[0].shape[1]):
     raise ValueError(f"r must be ({rows}, n) for {rows} rows, got "
                      f"shape {list(r.shape)}")
@@ -384,7 +392,7 @@ def _rows_pass(parts, beta, r, taus, offsets, capacity, *, block, tile,
   offsets = jnp.reshape(jnp.asarray(offsets, jnp.int32), (rows,))
   (r, taus, offsets, *flat), out = _compat.kernel_operands(
       _pad(r, cfg), taus, offsets,
-      *(jnp.reshape(_pad(c, cfg), (-1,)) for p in parts for c in p),
+      *(jnp.reshape(c, (-1,)) for p in parts for c in p),
       interpret=interpret, kernel=names[0], reference=names[1])
   whole = pl.BlockSpec()
   # Pass 1 writes acc over r (aliased: the residual stays in its buffer,
@@ -398,7 +406,7 @@ def _rows_pass(parts, beta, r, taus, offsets, capacity, *, block, tile,
   specs = specs[:2] + (pl.BlockSpec((None, cfg.stage),
                                     lambda g, b: (g, b)),) + specs[3:]
   pass1 = pl.pallas_call(
-      _mask_kernel_for(cfg, (len(chunks), per), beta),
+      _mask_kernel_for(cfg, tuple(layout), beta),
       out_shape=outs,
       grid=(rows, cfg.num_blocks),
       in_specs=[whole] * (1 + len(flat)) + [row_of((cfg.size,))],

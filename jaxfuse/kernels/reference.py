@@ -56,12 +56,33 @@ def blend(m, g, beta: float):
 
 
 def formed(x):
-  """x itself, or a ``Blend``'s β·m + (1 − β)·g (a list part by part)."""
+  """x itself, or a ``Blend``'s β·m + (1 − β)·g (a list part by part; a
+  (G, n) array against a list of rows or chunks is cut like the list)."""
   if not isinstance(x, Blend):
     return x
-  if isinstance(x.m, (list, tuple)):
-    return [blend(m, g, x.beta) for m, g in zip(x.m, x.g, strict=True)]
-  return blend(x.m, x.g, x.beta)
+  m, g = x.m, x.g
+  if isinstance(m, (list, tuple)) or isinstance(g, (list, tuple)):
+    m = m if isinstance(m, (list, tuple)) else _cut_like(m, g)
+    g = g if isinstance(g, (list, tuple)) else _cut_like(g, m)
+    return [blend(a, b, x.beta) for a, b in zip(m, g, strict=True)]
+  return blend(m, g, x.beta)
+
+
+def _cut_like(rows, pieces):
+  """A (G, n) array cut as ``pieces`` is: a flat piece takes one row, a
+  (R, n) piece the next R."""
+  out, start = [], 0
+  for piece in pieces:
+    if piece.ndim == 1:
+      out.append(rows[start])
+      start += 1
+    else:
+      out.append(rows[start:start + piece.shape[0]])
+      start += piece.shape[0]
+  if start != rows.shape[0]:
+    raise ValueError(f"a Blend's parts cover {rows.shape[0]} and {start} "
+                     "rows")
+  return out
 
 
 def kth_largest(a: jax.Array, k: int) -> jax.Array:

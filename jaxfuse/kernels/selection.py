@@ -166,9 +166,11 @@ def for_each_tile(acc_ref, b, n, block, tile, body, carry):
 
     return lax.fori_loop(0, ntiles, step, (*load(0), carry))[2]
 
-  size = refs[0].shape[0]                  # n, or block if n < block (padded)
+  size = refs[0].shape[0]
   if size % block == 0:
     return run(masked=False)
+  if size < block:                         # one partial block, nothing full
+    return run(masked=True)
   last = size // block                     # the partial block
   return lax.cond(b == last, lambda: run(masked=True),
                   lambda: run(masked=False))

@@ -1,0 +1,116 @@
+"""A params-shaped float32 tree kept the way ``sparse_sync``'s decode
+writes it: one (G, n) array per state group of an all-gather bucket.
+
+An all-gather bucket decodes each state group's worker means into one
+(G, n) array (``collectives.allgather``). A recipe that keeps those means
+as state (``onebit_adamw``'s m) in the params' shapes would copy every
+row out of it into a leaf of its own each step; kept as ``Grouped``, the
+decoded array is the new state itself and nothing is copied. Rows of a
+group are its units (``plans.state_groups``, the order the residuals
+use), a unit's leaves flattened one after another::
+
+  rows[s][i] = concat(flat(leaf) for leaf in unit i of stacked group s)
+  loose      = every other leaf (psum buckets, other schemes), in order
+
+``group`` and ``ungroup`` are each other's inverse; under ``jit`` XLA
+folds an ``ungroup`` followed by a ``group`` of the same rows into no
+work at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import plans as plan_lib
+from jaxfuse import schedule as schedule_lib
+
+
+class Grouped(NamedTuple):
+  """A float32 tree in the state groups' layout (module docstring)."""
+  rows: tuple[jax.Array, ...]    # per stacked state group: (G, n)
+  loose: tuple[jax.Array, ...]   # every other leaf, in leaf order
+
+
+class Layout(NamedTuple):
+  """Where each leaf of a plan's params goes in a ``Grouped`` tree."""
+  group_ids: tuple[int, ...]                  # stacked state groups
+  groups: tuple[tuple[int, ...], ...]         # their unit ids
+  units: tuple[tuple[tuple[int, int], ...], ...]  # per unit: (leaf, start)
+  loose: tuple[int, ...]                      # leaf ids kept as they are
+  shapes: tuple[tuple[int, ...], ...]         # every leaf's shape
+
+  @property
+  def row_shapes(self) -> list[tuple[int, int]]:
+    return [(len(ids), sum(_size(self.shapes[j]) for j, _ in
+                           self.units[ids[0]])) for ids in self.groups]
+
+
+def layout(plan: plan_lib.Plan) -> Layout:
+  """The plan's ``Layout``: the state groups of its all-gather buckets
+  (the only scheme whose decode writes a group as one array) as rows,
+  every other leaf loose. It depends on the plan's layout only
+  (``phases.layout_difference``), so every phase of a warm-up shares it."""
+  sched = schedule_lib.compile_plan(plan)
+  gather = {g for b in sched.buckets if b.collective == "allgather"
+            for g in b.groups}
+  group_ids = tuple(g for g in range(len(sched.groups)) if g in gather)
+  groups = tuple(sched.groups[g] for g in group_ids)
+  units = {u: leaves for b in sched.buckets for u, leaves in b.placement}
+  in_rows = {j for ids in groups for u in ids for j, _ in units[u]}
+  return Layout(group_ids, groups, tuple(units[u] for u in range(len(sched.units))),
+                 tuple(j for j in range(len(plan.leaves)) if j not in in_rows),
+                 tuple(l.shape for l in plan.leaves))
+
+
+def group(lay: Layout, tree: Any) -> Grouped:
+  """A params-shaped tree (leaves in the plan's order) as ``Grouped``,
+  float32."""
+  flat = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)]
+  if len(flat) != len(lay.shapes):
+    raise plan_lib.PlanError(
+        f"grouped: the tree has {len(flat)} leaves, the plan "
+        f"{len(lay.shapes)}; make the plan from these parameters.")
+  row = lambda u: jnp.concatenate([flat[j].reshape(-1)
+                                   for j, _ in lay.units[u]])
+  return Grouped(tuple(jnp.stack([row(u) for u in ids]) for ids in lay.groups),
+                 tuple(flat[j] for j in lay.loose))
+
+
+def ungroup(lay: Layout, grouped: Grouped, treedef) -> Any:
+  """Inverse of ``group``: the tree of ``treedef`` (the params')."""
+  check(lay, grouped)
+  out = [None] * len(lay.shapes)
+  for rows, ids in zip(grouped.rows, lay.groups):
+    for i, u in enumerate(ids):
+      for j, start in lay.units[u]:
+        out[j] = rows[i, start:start + _size(lay.shapes[j])].reshape(
+            lay.shapes[j])
+  for j, x in zip(lay.loose, grouped.loose):
+    out[j] = x
+  return jax.tree.unflatten(treedef, out)
+
+
+def check(lay: Layout, grouped: Any) -> None:
+  """Raises ``PlanError`` unless ``grouped`` has this layout."""
+  if not isinstance(grouped, Grouped):
+    raise plan_lib.PlanError(
+        f"expected a Grouped tree, got {type(grouped).__name__}.")
+  want = lay.row_shapes
+  got = [tuple(getattr(r, "shape", ())) for r in grouped.rows]
+  loose = [tuple(getattr(x, "shape", ())) for x in grouped.loose]
+  if got != want or loose != [lay.shapes[j] for j in lay.loose]:
+    raise plan_lib.PlanError(
+        f"a Grouped tree with rows {got} and {len(loose)} loose leaves; this "
+        f"plan lays it out as rows {want} and {len(lay.loose)} loose "
+        "leaves. The state was made with another plan: create it with "
+        "this one.")
+
+
+def _size(shape) -> int:
+  size = 1
+  for d in shape:
+    size *= d
+  return size

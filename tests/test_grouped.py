@@ -1,0 +1,203 @@
+"""``jaxfuse.grouped``: a params-shaped tree in the all-gather decode's
+layout, and ``onebit_adamw``'s m kept that way (no row copied out of the
+decoded array, none stacked into the fused pass)."""
+
+import dataclasses
+import os
+import re
+import sys
+import pathlib
+
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxfuse
+from jaxfuse import grouped
+from jaxfuse import kernels
+
+from _harness import list_plan, mesh_of, shard
+
+ON_GPU = (os.environ.get("JAXFUSE_TEST_GPU") == "1"
+          and jax.default_backend() == "gpu")
+K = min(2, len(jax.devices()))   # one GPU: one worker
+# a state group of 4 matrices, one of a 3-d leaf (both kept as rows), two
+# leaves below min_sparse_size (a psum bucket: loose)
+SHAPES = [(64, 64), (64, 64), (16, 256), (64, 64), (4, 8, 64), (32,), (8, 8)]
+
+
+@settings(max_examples=15, deadline=None)
+@given(shapes=st.lists(st.sampled_from([(64, 64), (16, 256), (300,), (32,),
+                                        (4, 8, 16)]), min_size=1,
+                       max_size=7),
+       buckets=st.integers(1, 3), behind=st.booleans(),
+       zen=st.booleans(), seed=st.integers(0, 2**16))
+def test_group_then_ungroup_is_the_tree(shapes, buckets, behind, zen, seed):
+  """Every leaf lands in exactly one place (a row of an all-gather state
+  group, or loose) and comes back bit for bit; rows are the state groups'
+  units in their order, a unit's leaves one after another."""
+  plan = list_plan(shapes, density=0.05, min_sparse_size=256,
+                   strategy="behind" if behind else "size",
+                   bucket_bytes=buckets * 30000)
+  if zen:   # the first sparse bucket on another scheme: its leaves loose
+    b = next((i for i, b in enumerate(plan.buckets)
+              if b.collective != "psum"), None)
+    if b is not None:
+      plan = dataclasses.replace(plan, buckets=tuple(
+          dataclasses.replace(x, collective="zen") if i == b else x
+          for i, x in enumerate(plan.buckets)))
+  lay = grouped.layout(plan)
+  rng = np.random.default_rng(seed)
+  tree = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
+  g = grouped.group(lay, tree)
+  placed = sorted([j for ids in lay.groups for u in ids
+                   for j, _ in lay.units[u]] + list(lay.loose))
+  assert placed == list(range(len(shapes)))
+  sched = jaxfuse.schedule.compile_plan(plan)
+  gather = {gid for b in sched.buckets if b.collective == "allgather"
+            for gid in b.groups}
+  assert set(lay.group_ids) == gather
+  for rows, ids in zip(g.rows, lay.groups):
+    for i, u in enumerate(ids):
+      want = np.concatenate([np.asarray(tree[j]).reshape(-1)
+                             for j, _ in lay.units[u]])
+      np.testing.assert_array_equal(np.asarray(rows[i]), want)
+  back = grouped.ungroup(lay, g, jax.tree.structure(tree))
+  for a, b in zip(tree, back):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_another_layout_is_refused_with_both_shapes():
+  lay = grouped.layout(list_plan(SHAPES, density=0.05, min_sparse_size=256,
+                                 strategy="single"))
+  other = grouped.layout(list_plan(SHAPES[:3], density=0.05,
+                                   min_sparse_size=256, strategy="single"))
+  g = grouped.group(other, [jnp.zeros(s) for s in SHAPES[:3]])
+  with pytest.raises(jaxfuse.PlanError, match=r"rows \[\(3, 4096\)\] and 0 "
+                     r"loose.*this plan lays it out as rows \[\(1, 2048\), "
+                     r"\(4, 4096\)\] and 2 loose"):
+    grouped.ungroup(lay, g, jax.tree.structure(SHAPES))
+  with pytest.raises(jaxfuse.PlanError, match="expected a Grouped"):
+    grouped.check(lay, [jnp.zeros(s) for s in SHAPES])
+  with pytest.raises(jaxfuse.PlanError, match="the tree has 3 leaves"):
+    grouped.group(lay, [jnp.zeros(s) for s in SHAPES[:3]])
+
+
+def _onebit_steps(plan, backend, grads, dense_steps):
+  """``onebit_adamw`` over the steps of ``grads`` (the first
+  ``dense_steps`` on the density-1 phase): updates and states, on
+  ``backend``."""
+  mesh = mesh_of(K)
+  params = [jnp.zeros(l.shape) for l in plan.leaves]
+  opts = [jaxfuse.onebit_adamw(jaxfuse.with_density(plan, 1.0), 1e-3),
+          jaxfuse.onebit_adamw(plan, 1e-3)]
+  state = jaxfuse.init_state(opts[1], params, mesh)
+  specs = jaxfuse.state_specs(state)
+  kernels.set_backend(backend)
+  out = []
+  try:
+    steps = [jax.jit(jax.shard_map(
+        lambda g, s, o=o: o.update([x[0] for x in g], s, params), mesh=mesh,
+        in_specs=(P("data"), specs), out_specs=(P(), specs),
+        check_vma=ON_GPU)) for o in opts]
+    for t, g in enumerate(grads):
+      update, state = steps[t >= dense_steps](shard(mesh, g), state)
+      out.append(jax.tree.map(np.asarray, (update, state)))
+  finally:
+    kernels.set_backend("auto")
+  return out
+
+
+def test_onebit_on_the_pallas_pass_is_the_reference_bit_for_bit():
+  """The fused pass reads the Grouped m's rows where they are and forms
+  1-bit Adam's stream itself: updates and states equal the XLA
+  reference's, every step (one dense, three sparse)."""
+  plan = list_plan(SHAPES, density=0.05, min_sparse_size=256,
+                   strategy="single")
+  assert [r.shape for r in grouped.group(grouped.layout(plan), [
+      jnp.zeros(s) for s in SHAPES]).rows] == [(1, 2048), (4, 4096)]
+  rng = np.random.default_rng(1)
+  grads = [[rng.normal(size=(K,) + s).astype(np.float32) for s in SHAPES]
+           for _ in range(4)]
+  want = _onebit_steps(plan, "reference", grads, 1)
+  got = _onebit_steps(plan, "pallas", grads, 1)
+  assert all(np.abs(r).sum() > 0 for r in want[-1][1][0].mu.rows)
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(a, b)
+
+
+def _pallas_calls(jaxpr):
+  """Every ``pallas_call`` equation, nested jaxprs (shard_map, jit) too."""
+  for e in jaxpr.eqns:
+    if e.primitive.name == "pallas_call":
+      yield e
+    for p in e.params.values():
+      for sub in p if isinstance(p, (list, tuple)) else [p]:
+        sub = getattr(sub, "jaxpr", sub)    # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          yield from _pallas_calls(sub)
+
+
+@pytest.mark.skipif(ON_GPU, reason="reads the CPU compiler's HLO")
+def test_onebit_keeps_the_decoded_rows_as_its_m():
+  """The sparse step's new m is the all-gather decode's (G, n) array
+  itself, and the fused pass reads it as one operand: nothing stacks a
+  group's rows or copies them out (not m into the fused pass, not the
+  synced mean into the state), and the step launches nearly G kernels
+  fewer than the same step handing m back leaf by leaf."""
+  sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+  import kernel_sources  # pylint: disable=g-import-not-at-top
+  sys.path.pop(0)
+  plan = list_plan(SHAPES, density=0.05, min_sparse_size=256,
+                   strategy="single")
+  lay = grouped.layout(plan)
+  mesh = mesh_of(K)
+  params = [jnp.zeros(s) for s in SHAPES]
+  opt = jaxfuse.onebit_adamw(plan, 1e-3)
+  state = jaxfuse.init_state(opt, params, mesh)
+  specs = jaxfuse.state_specs(state)
+  leafwise_specs = (specs[0]._replace(mu=[P()] * len(SHAPES)),) + specs[1:]
+  assert lay.loose == (5, 6)
+  grads = shard(mesh, [np.ones((K,) + s, np.float32) for s in SHAPES])
+
+  def compiled(leafwise):
+    def step(g, s):
+      update, s = opt.update([x[0] for x in g], s, params)
+      if leafwise:
+        s = (s[0]._replace(mu=grouped.ungroup(
+            lay, s[0].mu, jax.tree.structure(params))),) + s[1:]
+      return update, s
+    return jax.jit(jax.shard_map(
+        step, mesh=mesh, in_specs=(P("data"), specs),
+        out_specs=(P(), leafwise_specs if leafwise else specs),
+        check_vma=False)).lower(grads, state).compile().as_text()
+
+  kernels.set_backend("pallas")
+  try:
+    rows, leaves = compiled(False), compiled(True)
+    jaxpr = jax.make_jaxpr(jax.shard_map(
+        lambda g, s: opt.update([x[0] for x in g], s, params), mesh=mesh,
+        in_specs=(P("data"), specs), out_specs=(P(), specs),
+        check_vma=False))(grads, state)
+  finally:
+    kernels.set_backend("auto")
+  # pass 1 takes τ, m's rows as one operand, g's rows apart, r (the 3-d
+  # leaf's too: its m is a row of its own group)
+  pass1 = [[tuple(v.aval.shape) for v in e.invars]
+           for e in _pallas_calls(jaxpr.jaxpr)
+           if "pass1" in str(e.params.get("name"))]
+  assert sorted(pass1) == [[(1,), (2048,), (2048,), (1, 2048)],
+                           [(4,), (4 * 4096,)] + [(4096,)] * 4 + [(4, 4096)]]
+  stacks = re.findall(r"concatenate\S* = f32\[4,4096\]|"
+                      r"= f32\[4,4096\]\S* concatenate\(", rows)
+  assert not stacks, stacks
+  fewer = (len(kernel_sources.kernels_called(leaves)) -
+           len(kernel_sources.kernels_called(rows)))
+  # G = 4 rows copied out leaf by leaf; XLA may fold one of the copies
+  # into a kernel it runs anyway
+  assert fewer >= 3, fewer
