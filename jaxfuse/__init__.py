@@ -60,8 +60,8 @@ from jaxfuse.version import __version__
 
 __all__ = [
     "BucketPlan", "COST_STRATEGIES", "DelayedState", "checkpoint",
-    "clipping", "collectives", "delayed", "elastic", "first_moment",
-    "grouped", "kernels",
+    "clipping", "collectives", "delayed", "elastic",
+    "first_moment", "grouped", "kernels",
     "LeafPlan", "Phase",
     "PerWorkerState", "Plan", "PlanError", "RECIPES", "Settings", "STRATEGIES",
     "SparseSyncState", "SyncError", "SyncStats", "check_phases", "demo",

@@ -147,6 +147,12 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   extra = _json_item(mngr, step, EXTRA) or {}
   saved_k = extra.get(WORKERS)
   layout = extra.get(LAYOUT, 1)
+  if plan is None and layout < STATE_LAYOUT and _has_onebit(like):
+    raise CheckpointError(
+        f"checkpoint {step} keeps onebit_adamw's first moment leaf by leaf "
+        "(jaxfuse 0.2) and was saved without a plan, which regrouping it "
+        "needs: restore it with jaxfuse 0.2 and save it again with its plan "
+        "(checkpoint.save(..., plan)).")
   per_unit = plan is not None and _has_sync_state(like) and layout < 2
   leafwise = plan is not None and _has_onebit(like) and layout < 3
   saved_like = _per_unit(like, plan) if per_unit else like

@@ -19,6 +19,7 @@ work at all.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -41,10 +42,11 @@ class Layout(NamedTuple):
   units: tuple[tuple[tuple[int, int], ...], ...]  # per unit: (leaf, start)
   loose: tuple[int, ...]                      # leaf ids kept as they are
   shapes: tuple[tuple[int, ...], ...]         # every leaf's shape
+  paths: tuple[str, ...]                      # and path
 
   @property
   def row_shapes(self) -> list[tuple[int, int]]:
-    return [(len(ids), sum(_size(self.shapes[j]) for j, _ in
+    return [(len(ids), sum(math.prod(self.shapes[j]) for j, _ in
                            self.units[ids[0]])) for ids in self.groups]
 
 
@@ -60,19 +62,23 @@ def layout(plan: plan_lib.Plan) -> Layout:
   groups = tuple(sched.groups[g] for g in group_ids)
   units = {u: leaves for b in sched.buckets for u, leaves in b.placement}
   in_rows = {j for ids in groups for u in ids for j, _ in units[u]}
-  return Layout(group_ids, groups, tuple(units[u] for u in range(len(sched.units))),
-                 tuple(j for j in range(len(plan.leaves)) if j not in in_rows),
-                 tuple(l.shape for l in plan.leaves))
+  return Layout(group_ids, groups,
+                tuple(units[u] for u in range(len(sched.units))),
+                tuple(j for j in range(len(plan.leaves)) if j not in in_rows),
+                tuple(l.shape for l in plan.leaves),
+                tuple(l.path for l in plan.leaves))
 
 
 def group(lay: Layout, tree: Any) -> Grouped:
   """A params-shaped tree (leaves in the plan's order) as ``Grouped``,
   float32."""
   flat = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)]
-  if len(flat) != len(lay.shapes):
-    raise plan_lib.PlanError(
-        f"grouped: the tree has {len(flat)} leaves, the plan "
-        f"{len(lay.shapes)}; make the plan from these parameters.")
+  _check_count(lay, len(flat))
+  for x, shape, path in zip(flat, lay.shapes, lay.paths):
+    if tuple(x.shape) != tuple(shape):
+      raise plan_lib.PlanError(
+          f"grouped: leaf {path} has shape {list(x.shape)}, the plan "
+          f"{list(shape)}; make the plan from these parameters.")
   row = lambda u: jnp.concatenate([flat[j].reshape(-1)
                                    for j, _ in lay.units[u]])
   return Grouped(tuple(jnp.stack([row(u) for u in ids]) for ids in lay.groups),
@@ -82,15 +88,23 @@ def group(lay: Layout, tree: Any) -> Grouped:
 def ungroup(lay: Layout, grouped: Grouped, treedef) -> Any:
   """Inverse of ``group``: the tree of ``treedef`` (the params')."""
   check(lay, grouped)
+  _check_count(lay, treedef.num_leaves)
   out = [None] * len(lay.shapes)
   for rows, ids in zip(grouped.rows, lay.groups):
     for i, u in enumerate(ids):
       for j, start in lay.units[u]:
-        out[j] = rows[i, start:start + _size(lay.shapes[j])].reshape(
+        out[j] = rows[i, start:start + math.prod(lay.shapes[j])].reshape(
             lay.shapes[j])
   for j, x in zip(lay.loose, grouped.loose):
     out[j] = x
   return jax.tree.unflatten(treedef, out)
+
+
+def _check_count(lay: Layout, num_leaves: int) -> None:
+  if num_leaves != len(lay.shapes):
+    raise plan_lib.PlanError(
+        f"grouped: the tree has {num_leaves} leaves, the plan "
+        f"{len(lay.shapes)}; make the plan from these parameters.")
 
 
 def check(lay: Layout, grouped: Any) -> None:
@@ -107,10 +121,3 @@ def check(lay: Layout, grouped: Any) -> None:
         f"plan lays it out as rows {want} and {len(lay.loose)} loose "
         "leaves. The state was made with another plan: create it with "
         "this one.")
-
-
-def _size(shape) -> int:
-  size = 1
-  for d in shape:
-    size *= d
-  return size

@@ -243,7 +243,8 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
         local = jax.tree.map(lambda m, x: b1 * m + (1 - b1) * x, m, updates)
         mean, sync_state = sync.update(cast(local, updates), state.sync,
                                        params)
-      # the decoded rows themselves (XLA folds the regrouping away)
+      # with float32 gradients the decoded rows themselves: XLA folds
+      # the regrouping away
       mu = grouped.group(lay, mean)
       nu, nu_count = state.nu, state.nu_count
     count = state.count + 1

@@ -107,9 +107,10 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     ``grouped.layout(plan)``, float32 like the updates; β a number,
     compiled in): bit for bit what passing x, formed by XLA from the same
     arrays, syncs. On the Pallas backend the fused pass forms x as it
-    reads m and the gradient for state groups of matrices and vectors,
-    which saves writing x out and reading it back; it reads a
-    ``Grouped`` m's rows where they are.
+    reads m and the gradient, which saves writing x out and reading it
+    back: for every state group whose m comes as a ``Grouped``'s rows
+    (read where they are), and for groups of matrices and vectors when m
+    comes leaf by leaf (``bucket_sync.blends``).
   """
   if not isinstance(plan, plan_lib.Plan):
     raise TypeError(f"sparse_sync expects a jaxfuse.Plan, got "
@@ -291,10 +292,6 @@ def _check_blend(plan, updates, flat, blend) -> tuple[kernels.Blend, dict]:
           f"{where}: the gradient {leaf.path} is {g.dtype}; blend takes "
           "float32 gradients. Form the stream yourself, beta * m + "
           "(1 - beta) * updates, and pass it as the updates.")
-  for g, rows in m_rows.items():
-    if rows.dtype != jnp.float32:
-      raise SyncError(f"{where}: m's rows of state group {g} are "
-                      f"{rows.dtype}; they must be float32.")
   return kernels.Blend([x for _, x in m_flat], list(flat), beta), m_rows
 
 

@@ -255,15 +255,27 @@ def test_a_leafwise_onebit_moment_is_regrouped(tmp_path, mesh):
       jnp.asarray(rng.normal(size=x.shape), x.dtype), x.sharding), one.mu)
   assert [r.shape for r in mu.rows] == [(2, 64 * 64)]
   state = (one._replace(mu=mu),) + tuple(state[1:])
-  leafwise = jaxfuse.first_moment(state, plan)
-  rows = {lay_unit[0][0]: i for i, lay_unit in enumerate(
-      jaxfuse.grouped.layout(plan).units[u]
-      for u in jaxfuse.grouped.layout(plan).groups[0])}
-  assert sorted(rows) == [0, 1]   # the two matrices, in ready order
-  for j, i in rows.items():
-    np.testing.assert_array_equal(np.asarray(leafwise[j]).reshape(-1),
-                                  np.asarray(mu.rows[0][i]))
+  # m leaf by leaf, as 0.2 kept it: each matrix is its unit's row of the
+  # one state group (plans.unit_rows), the vector loose
+  all_units, _ = jaxfuse.plans.units(plan)
+  rows = {all_units[u].leaves[0]: i
+          for u, (g, i) in enumerate(jaxfuse.plans.unit_rows(plan))}
+  assert sorted(rows) == [0, 1]
+  leafwise = [mu.rows[0][rows[0]].reshape(64, 64),
+              mu.rows[0][rows[1]].reshape(64, 64), mu.loose[0]]
+  for a, b in zip(jaxfuse.first_moment(state, plan), leafwise):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   old = (one._replace(mu=leafwise),) + tuple(state[1:])
   _check_legacy(tmp_path, ocp, old, {checkpoint.WORKERS: K,
                                      checkpoint.LAYOUT: 2}, state, plan,
                 lambda m: jaxfuse.init_state(opt, params, m), mesh)
+  # saved without a plan: restore needs one to regroup m
+  bare = checkpoint.manager(tmp_path / "bare")
+  bare.save(1, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(old), plan=ocp.args.JsonSave({}),
+      extra=ocp.args.JsonSave({checkpoint.WORKERS: K,
+                               checkpoint.LAYOUT: 2})), force=True)
+  bare.wait_until_finished()
+  with pytest.raises(checkpoint.CheckpointError, match="saved without a "
+                     "plan, which regrouping it needs"):
+    checkpoint.restore(bare, jaxfuse.init_state(opt, params, mesh), None)

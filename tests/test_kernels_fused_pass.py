@@ -58,7 +58,7 @@ def _stream(rng, n, dtype=np.float32, zeros=0.2):
 CASES = [
     (1000, 40, 1.5, 333, 128, "several blocks, a tail, rotation"),
     (1000, 8, 1.0, 990, 128, "overflow: the blocks after the offset win"),
-    (100, 8, 1.5, 7, None, "one short (padded) block"),
+    (100, 8, 1.5, 7, None, "one short block"),
     (1000, 20, 99.0, 0, 128, "nothing passes: the largest is sent alone"),
     (1000, 20, 0.0, 5, 256, "every non-zero is a candidate"),
 ]
@@ -164,7 +164,7 @@ def test_rows_equal_each_row_alone(n, block):
 
 def test_rows_in_chunks_equal_each_row_alone():
   """Row g is row g mod R of chunk g div R: five rows as chunks of 2, 2, 1
-  (the padded short block too)."""
+  (the short block too)."""
   for n, block in ((900, 128), (70, None)):
     rng = np.random.default_rng(n)
     x = jnp.stack([_stream(rng, n) for _ in range(5)])

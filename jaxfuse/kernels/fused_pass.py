@@ -108,9 +108,10 @@ def _mask_kernel(tau_ref, *refs, chunks, beta, n, block, tile, stage,
   the outputs are row g of their stacks (their BlockSpecs squeeze the
   row). With ``beta``, x is a blend (``Blended``): refs (m_0 … m_{C−1},
   g_0 … g_{C'−1}, r, outputs…), ``chunks`` = ((C, R), (C', R')): m and g
-  each in their own chunks (m often one (G, n) array, g rows apart). The streams are never padded: a unit
-  shorter than a block is one partial block, whose loads are masked (r and
-  the outputs are at least a block long). acc goes over r in place
+  each in their own chunks (m often one (G, n) array, g rows apart). The
+  streams are never padded: a unit shorter than a block is one partial
+  block, whose loads are masked (r and the outputs are at least a block
+  long). acc goes over r in place
   (``acc_ref`` is r's buffer) and r to ``old_ref``; the staged candidates
   are positions only (pass 2 reads their values from acc), so nothing here
   reads memory this pass has written."""
@@ -198,7 +199,7 @@ class _Config(NamedTuple):
   interpret: bool
 
   @property
-  def size(self):      # the arrays' length: n, or one padded block
+  def size(self):      # r's and acc's length: n, or one padded block
     return max(self.n, self.block)
 
   def pass1_outputs(self, out, dtype):
@@ -375,11 +376,11 @@ def _rows_pass(parts, beta, r, taus, offsets, capacity, *, block, tile,
   chunks = parts[0]
   rows = sum(c.shape[0] for c in chunks)
   layout = []   # (chunks, rows per chunk) of each part
-  for p in parts:
+  for name, p in zip(["x"] if len(parts) == 1 else ["m", "g"], parts):
     per = p[0].shape[0]
     if any(c.shape[0] != per for c in p[:-1]) or p[-1].shape[0] > per:
-      raise ValueError(f"every chunk but the last must hold the same number "
-                       f"of rows, and the last no more; got "
+      raise ValueError(f"{name}: every chunk but the last must hold the "
+                       f"same number of rows, and the last no more; got "
                        f"{[c.shape[0] for c in p]}")
     layout.append((len(p), per))
   if r.shape != (rows, chunks[0].shape[1]):

@@ -38,8 +38,8 @@ class Blend:
   """The stream x = β·m + (1 − β)·g held as its two parts (1-bit Adam's
   local momentum: m the momentum, g the gradient), so that a kernel forms
   x where it reads m and g instead of reading an x written out first.
-  ``m`` and ``g`` are alike: flat rows, (rows, n) chunks, (G, n) arrays or
-  lists of them. A pytree whose leaves are m's and g's; β (a Python
+  ``m`` and ``g`` cover the same rows: each a flat row, a (rows, n) chunk,
+  a (G, n) array or a list of them, each cut its own way. A pytree whose leaves are m's and g's; β (a Python
   float) is static."""
   m: Any
   g: Any
@@ -61,11 +61,20 @@ def formed(x):
   if not isinstance(x, Blend):
     return x
   m, g = x.m, x.g
-  if isinstance(m, (list, tuple)) or isinstance(g, (list, tuple)):
-    m = m if isinstance(m, (list, tuple)) else _cut_like(m, g)
-    g = g if isinstance(g, (list, tuple)) else _cut_like(g, m)
+  is_list = lambda p: isinstance(p, (list, tuple))
+  if is_list(m) and is_list(g) and [a.shape for a in m] != [
+      b.shape for b in g]:
+    m = _stacked(m)            # cut differently: m cut as g is
+  if is_list(m) or is_list(g):
+    m = m if is_list(m) else _cut_like(m, g)
+    g = g if is_list(g) else _cut_like(g, m)
     return [blend(a, b, x.beta) for a, b in zip(m, g, strict=True)]
   return blend(m, g, x.beta)
+
+
+def _stacked(pieces):
+  """Flat rows and (R, n) chunks as one (G, n) array."""
+  return jnp.concatenate([p[None] if p.ndim == 1 else p for p in pieces])
 
 
 def _cut_like(rows, pieces):
