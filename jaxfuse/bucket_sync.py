@@ -64,8 +64,10 @@ def sync_bucket(plan, sched, b, flat, residuals, velocity, ctrl, step,
     return BucketOut(leaves, {}, {}, [], stats)
   if b.kind == schedule_lib.FULL or rule.momentum or not FORM_IN_PASS:
     parts = None
-  streams = _bucket_streams(sched, b, flat, residuals, velocity, rule, parts,
-                            blends(plan, sched, b.groups), m_rows or {})
+  streams = _bucket_streams(
+      sched, b, flat, residuals, velocity, rule, parts,
+      blends(plan, sched, b.groups) if parts is not None else set(),
+      m_rows or {})
   if b.kind == schedule_lib.FULL:
     dense, res, vel, stats = _full_bucket(plan, sched, b, streams, residuals,
                                           velocity, axis_name, rule)
