@@ -53,8 +53,8 @@ WORKERS = "__jaxfuse_workers__"  # in the extra item: K of the saved state
 LAYOUT = "__jaxfuse_state_layout__"  # and how sparse_sync's state is laid out
 # 1 (jaxfuse 0.1, no LAYOUT key): one residual (and velocity) per unit;
 # 2: one (K, G, n) array per state group (plans.state_groups);
-# 3: and onebit_adamw's m as jaxfuse.grouped keeps it (2: in the params'
-# shapes).
+# 3: also onebit_adamw's m as jaxfuse.grouped keeps it (1 and 2: in the
+# params' shapes).
 STATE_LAYOUT = 3
 
 
