@@ -256,8 +256,9 @@ def test_profile_arguments_are_checked(mesh):
 
 def test_profile_without_model_and_progress(mesh):
   out = io.StringIO()
-  costs = profiling.profile(mesh, sizes=(2**12, 2**22), compress_sizes=(
-      2**10, 2**16), chain=2, progress=profiling.text_progress(out), **FAST)
+  costs = profiling.profile(mesh, sizes=(2**12, BIG_COLLECTIVE),
+                            compress_sizes=(2**10, 2**16), chain=2,
+                            progress=profiling.text_progress(out), **FAST)
   assert costs.backward == () and costs.forward == 0.0
   assert costs.collectives["psum"].beta > 0
   assert 1 <= costs.contention <= 2 and 0 <= costs.overlap <= 1
