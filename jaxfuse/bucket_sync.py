@@ -115,9 +115,9 @@ def blends(plan, sched, gids) -> set[int]:
   """The state groups among ``gids`` whose stream the fused pass forms
   from a ``Blend``'s parts when m comes leaf by leaf (a group whose m
   comes as rows is formed in the pass whatever it holds: below): those
-  whose leaves are all matrices, vectors or scalars. A gradient of more dimensions (an
-  attention projection's (d, heads, head_dim), a convolution's kernel) is
-  often a slice of a fused dot's result or in another layout; the kernel
+  whose leaves are all matrices, vectors or scalars. A gradient of more
+  dimensions (an attention projection's (d, heads, head_dim), a
+  convolution's kernel) is often a slice of a fused dot's result or in another layout; the kernel
   would need it copied out first, costing what forming x saves, whereas
   XLA fuses the slice or transpose into forming x itself (gpt2-small on
   an H200: 48 such copies, 0.7 ms a step). A group whose m comes as rows
@@ -139,9 +139,9 @@ def _bucket_streams(sched, b, flat, residuals, velocity, rule, parts,
         _unit_stream(sched.units[u], leaves, sched.group_dtypes[g])
         for u in sched.groups[g]]
     if parts is not None and (g in blended or g in m_rows):
-      rows = parts.map(rows_of)
-      if g in m_rows:   # m's rows where they are
-        rows = kernels.Blend(m_rows[g], rows.g, rows.beta)
+      rows = kernels.Blend(   # m's rows where they are, if it has them
+          m_rows[g] if g in m_rows else rows_of(parts.m), rows_of(parts.g),
+          parts.beta)
     else:
       rows = rows_of(flat)
     if rule.momentum:

@@ -50,12 +50,14 @@ class Layout(NamedTuple):
                            self.units[ids[0]])) for ids in self.groups]
 
 
-def layout(plan: plan_lib.Plan) -> Layout:
+def layout(plan: plan_lib.Plan,
+           sched: schedule_lib.Schedule | None = None) -> Layout:
   """The plan's ``Layout``: the state groups of its all-gather buckets
   (the only scheme whose decode writes a group as one array) as rows,
-  every other leaf loose. It depends on the plan's layout only
+  every other leaf loose (``sched``: the plan's schedule, if compiled
+  already). It depends on the plan's layout only
   (``phases.layout_difference``), so every phase of a warm-up shares it."""
-  sched = schedule_lib.compile_plan(plan)
+  sched = sched or schedule_lib.compile_plan(plan)
   gather = {g for b in sched.buckets if b.collective == "allgather"
             for g in b.groups}
   group_ids = tuple(g for g in range(len(sched.groups)) if g in gather)

@@ -196,11 +196,11 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   """
   _check_betas(b1=b1, b2=b2)
   _check_clip(clip_norm)
-  dense_phase = all(b.kind != schedule_lib.SPARSE
-                    for b in schedule_lib.compile_plan(plan).buckets)
+  sched = schedule_lib.compile_plan(plan)
+  dense_phase = all(b.kind != schedule_lib.SPARSE for b in sched.buckets)
   sync = transform.sparse_sync(plan, axis_name)
   # m as the all-gather decode writes it: the decoded array is the new m
-  lay = grouped.layout(plan)
+  lay = grouped.layout(plan, sched)
   mean_clip = (optax.clip_by_global_norm(clip_norm) if clip_norm
                else optax.identity())
   bucket_clip = _bucket_clip(plan, clip_norm, axis_name)

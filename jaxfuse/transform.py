@@ -125,6 +125,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
   sched = schedule_lib.compile_plan(plan)
+  lay = grouped.layout(plan, sched)   # of a Grouped blend's m
   groups, group_dtypes = sched.groups, sched.group_dtypes
   all_units = sched.units
   settings = plan.settings
@@ -156,7 +157,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     flat = _check_grads(plan, updates, axis_name)
     parts, m_rows = None, {}
     if blend is not None:
-      parts, m_rows = _check_blend(plan, updates, flat, blend)
+      parts, m_rows = _check_blend(plan, lay, updates, flat, blend)
       flat = kernels.formed(parts)   # what a dense bucket reads
     _check_state(state, groups, all_units, momentum)
     for b in sched.buckets:
@@ -245,7 +246,8 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
   return out
 
 
-def _check_blend(plan, updates, flat, blend) -> tuple[kernels.Blend, dict]:
+def _check_blend(plan, lay, updates, flat, blend
+                 ) -> tuple[kernels.Blend, dict]:
   """``blend`` = (m, β) checked: the leaves' stream as a ``kernels.Blend``
   of m's flat leaves and the gradients', and {state group: its (G, n) rows
   of m} for a ``Grouped`` m."""
@@ -264,7 +266,6 @@ def _check_blend(plan, updates, flat, blend) -> tuple[kernels.Blend, dict]:
     raise SyncError(f"{where}: beta={blend[1]!r} must be in [0, 1).")
   m_rows = {}
   if isinstance(m, grouped.Grouped):
-    lay = grouped.layout(plan)
     try:
       grouped.check(lay, m)
     except plan_lib.PlanError as e:

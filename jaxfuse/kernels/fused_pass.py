@@ -312,22 +312,13 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
   return jax.tree.map(lambda a: a[0], out)
 
 
-def stream_chunks(xs) -> list:
-  """``xs`` as a list of (rows, n) chunks: a (G, n) array is one chunk, a
-  flat array one row."""
-  if isinstance(xs, jax.Array):
-    xs = [xs]
-  return [x[None] if x.ndim == 1 else x for x in xs]
-
-
 def sparsify_pass_rows_reference(xs, r, taus, capacity: int,
                                  offsets) -> PassResult:
   """``sparsify_pass_reference`` of every row: x is ``xs`` (a (G, n)
   array, or a sequence of flat rows and (rows, n) chunks, in row order, or
   a ``reference.Blend`` of two such), x_i its row i, r_i = ``r[i]``."""
-  whole = lambda p: jnp.concatenate(stream_chunks(p))
-  x = (reference.formed(xs.map(whole)) if isinstance(xs, reference.Blend)
-       else whole(xs))
+  x = (reference.formed(xs.map(reference.stacked_rows))
+       if isinstance(xs, reference.Blend) else reference.stacked_rows(xs))
   return jax.vmap(lambda x_, r_, t, o: sparsify_pass_reference(
       x_, r_, t, capacity, o))(x, r, taus, offsets)
 
@@ -353,7 +344,7 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
   """
   beta = xs.beta if isinstance(xs, reference.Blend) else None
   parts = ([xs] if beta is None else [xs.m, xs.g])
-  parts = [stream_chunks(p) for p in parts]
+  parts = [reference.stream_chunks(p) for p in parts]
   shapes = [[list(c.shape) for c in p] for p in parts]
   covers = lambda p: (sum(c.shape[0] for c in p), p[0].shape[-1])
   if (any(c.ndim != 2 for p in parts for c in p) or

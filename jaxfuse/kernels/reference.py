@@ -39,8 +39,8 @@ class Blend:
   local momentum: m the momentum, g the gradient), so that a kernel forms
   x where it reads m and g instead of reading an x written out first.
   ``m`` and ``g`` cover the same rows: each a flat row, a (rows, n) chunk,
-  a (G, n) array or a list of them, each cut its own way. A pytree whose leaves are m's and g's; β (a Python
-  float) is static."""
+  a (G, n) array or a list of them, each cut its own way. A pytree whose
+  leaves are m's and g's; β (a Python float) is static."""
   m: Any
   g: Any
   beta: float
@@ -64,7 +64,7 @@ def formed(x):
   is_list = lambda p: isinstance(p, (list, tuple))
   if is_list(m) and is_list(g) and [a.shape for a in m] != [
       b.shape for b in g]:
-    m = _stacked(m)            # cut differently: m cut as g is
+    m = stacked_rows(m)        # cut differently: m cut as g is
   if is_list(m) or is_list(g):
     m = m if is_list(m) else _cut_like(m, g)
     g = g if is_list(g) else _cut_like(g, m)
@@ -72,9 +72,17 @@ def formed(x):
   return blend(m, g, x.beta)
 
 
-def _stacked(pieces):
-  """Flat rows and (R, n) chunks as one (G, n) array."""
-  return jnp.concatenate([p[None] if p.ndim == 1 else p for p in pieces])
+def stream_chunks(xs) -> list:
+  """``xs`` as a list of (rows, n) chunks: a (G, n) array is one chunk, a
+  flat array one row."""
+  if isinstance(xs, jax.Array):
+    xs = [xs]
+  return [x[None] if x.ndim == 1 else x for x in xs]
+
+
+def stacked_rows(xs) -> jax.Array:
+  """Flat rows, (R, n) chunks or a (G, n) array as one (G, n) array."""
+  return jnp.concatenate(stream_chunks(xs))
 
 
 def _cut_like(rows, pieces):
