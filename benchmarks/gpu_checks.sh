@@ -17,7 +17,11 @@
 #           runs dgc with each rows-per-chunk of
 #           the fused pass's streams (overhead.py --rows-per-chunk; about
 #           2 minutes more each)
-# usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels [steps]
+#   radix   the k-th largests as one Pallas kernel against XLA's reductions:
+#           its tests compiled, kth_rows.py, then dgc and topk with
+#           overhead.py --radix pallas (one GPU, about 5 minutes; compare
+#           with the kernels mode's rows, each against its own dense step)
+# usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels|radix [steps]
 # PACK=FILE.tar.gz packs everything written into one archive at the end (a
 # device call hands back only a few files: OUT=/tmp/k PACK=$OUT/k.tar.gz).
 set -uo pipefail
@@ -68,7 +72,7 @@ PY
       python -m pytest -q -p no:cacheprovider -rfEs tests/test_kernels_hash.py \
       tests/test_zen.py tests/test_kernels_select.py \
       tests/test_kernels_fused_pass.py tests/test_kernels_backend.py \
-      tests/test_grouped.py \
+      tests/test_grouped.py tests/test_kernels_radix.py \
       > "$out/kernel_tests.log" 2>&1
     echo "kernel tests rc=$?"; tail -n 3 "$out/kernel_tests.log"
     python benchmarks/blend_probe.py --out "$out/blend_probe.json" \
@@ -90,6 +94,26 @@ PY
         --overhead "$out/overhead_$name.json" \
         --top 30 --out "$out/kernel_sources_$name.json" \
         > "$out/kernel_sources_$name.txt" 2>&1
+    done ;;
+  radix)
+    JAX_PLATFORMS=cuda,cpu JAXFUSE_TEST_GPU=1 JAXFUSE_KERNELS=pallas \
+      python -m pytest -q -p no:cacheprovider -rfEs tests/test_kernels_radix.py \
+      tests/test_radix_select.py > "$out/radix_tests.log" 2>&1
+    echo "radix tests rc=$?"; tail -n 3 "$out/radix_tests.log"
+    python benchmarks/kth_rows.py --out "$out/kth_rows.json" \
+      > "$out/kth_rows.log" 2>&1
+    echo "kth_rows rc=$?"; tail -n 8 "$out/kth_rows.log"
+    for e in dgc topk; do
+      python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
+        --strategy single --steps "${2:-60}" --radix pallas \
+        --hlo-dir "$out/hlo_${e}_pallas" \
+        --out "$out/overhead_${e}_pallas.json" > "$out/overhead_${e}_pallas.log" 2>&1
+      echo "$e pallas rc=$?"; tail -n 3 "$out/overhead_${e}_pallas.log"
+      python benchmarks/kernel_sources.py "$out/hlo_${e}_pallas/dense_None.hlo.txt" \
+        "$out/hlo_${e}_pallas/jaxfuse_$e.hlo.txt" \
+        --overhead "$out/overhead_${e}_pallas.json" --top 30 \
+        --out "$out/kernel_sources_${e}_pallas.json" \
+        > "$out/kernel_sources_${e}_pallas.txt" 2>&1
     done ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -czf "$PACK" -C "$out" . && echo "packed $PACK"; fi

@@ -8,9 +8,11 @@ shape as the state groups are)::
 
   sort     lax.top_k per group (what the CPU path still does)
   xla      ``radix_select.radix_rows``, all rows in one call (8 reductions)
+  pallas   ``kernels.radix.radix_rows_pallas``: the same 8 rounds in one
+           kernel, a program per row, each over its own length
 
-(A Pallas kernel with a program per row, a bit per round, measured
-1.9–3.4× slower than ``xla`` on an H100 and was dropped: docs/benchmarks.md.)
+(An earlier Pallas kernel with a program per row and a bit per round, 31
+rounds, measured 1.9–3.4× slower than ``xla`` on an H100.)
 
   python benchmarks/kth_rows.py --out kth_rows.json
 """
@@ -18,6 +20,7 @@ shape as the state groups are)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -32,6 +35,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from jaxfuse import radix_select  # pylint: disable=wrong-import-position
+from jaxfuse.kernels import radix  # pylint: disable=wrong-import-position
 # benchmarks/kernels.py's timer: (median waited call, back-to-back mean).
 from kernels import _time  # pylint: disable=wrong-import-position
 
@@ -49,7 +53,8 @@ BUCKETS = {
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--repeats", type=int, default=50)
-  p.add_argument("--methods", nargs="+", default=["sort", "xla"])
+  p.add_argument("--methods", nargs="+", default=["sort", "xla", "pallas"],
+                 choices=["sort", "xla", "pallas"])
   p.add_argument("--out", help="JSON file to write")
   args = p.parse_args(argv)
   rng = np.random.default_rng(0)
@@ -62,7 +67,7 @@ def main(argv=None):
     sort = jax.jit(lambda rs: [lax.top_k(a, k)[0][:, k - 1]
                                for a, k in zip(rs, ranks)])
 
-    def rows_to(fn):
+    def rows_to(fn, lengths=False):
       def run(rs):
         width = max(a.shape[1] for a in rs)
         bits = jnp.concatenate([jnp.pad(
@@ -70,10 +75,16 @@ def main(argv=None):
             ((0, 0), (0, width - a.shape[1]))) for a in rs])
         k = jnp.asarray(np.repeat(ranks, [a.shape[0] for a in rs]),
                         jnp.int32)
+        if lengths:
+          return fn(bits, k, tuple(a.shape[1] for a in rs
+                                   for _ in range(a.shape[0])))
         return fn(bits, k)
       return jax.jit(run)
 
-    methods = {"sort": sort, "xla": rows_to(radix_select.radix_rows)}
+    methods = {"sort": sort, "xla": rows_to(radix_select.radix_rows),
+               "pallas": rows_to(functools.partial(
+                   radix.radix_rows_pallas,
+                   interpret=jax.default_backend() != "gpu"), lengths=True)}
     want = np.concatenate([np.asarray(x) for x in sort(rows)])
     for method in args.methods:
       fn = methods[method]

@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-posi
 import jaxfuse  # pylint: disable=wrong-import-position
 from jaxfuse import bucket_pass  # pylint: disable=wrong-import-position
 from jaxfuse import bucket_sync  # pylint: disable=wrong-import-position
+from jaxfuse import radix_select  # pylint: disable=wrong-import-position
 from jaxfuse.planning import timing  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
 from train_lm import make_train_step  # pylint: disable=wrong-import-position
@@ -206,6 +207,11 @@ def main(argv=None) -> list[dict]:
                  "formed inside the fused pass (the default: "
                  "jaxfuse.bucket_sync.blends); xla: formed by XLA for every "
                  "group (jaxfuse.bucket_sync.FORM_IN_PASS = False)")
+  p.add_argument("--radix", default=radix_select.DEFAULT_GPU_METHOD,
+                 choices=["radix", "pallas"],
+                 help="how the k-th largests are found where the Pallas "
+                 "kernels run (jaxfuse.radix_select.DEFAULT_GPU_METHOD): "
+                 "radix, XLA reductions; pallas, one kernel")
   p.add_argument("--topk-sample", type=int,
                  default=jaxfuse.sparsify.TOPK_SAMPLE,
                  help="topk's bracket sample per unit "
@@ -220,6 +226,7 @@ def main(argv=None) -> list[dict]:
   bucket_pass.ROWS_PER_CHUNK = args.rows_per_chunk
   jaxfuse.sparsify.TOPK_SAMPLE = args.topk_sample
   bucket_sync.FORM_IN_PASS = args.blend == "pass"
+  radix_select.DEFAULT_GPU_METHOD = args.radix
   mesh = jaxfuse.make_mesh(args.devices, AXIS)
   preset = lm_model.PRESETS[args.preset]
   model = lm_model.build_model(args.preset)

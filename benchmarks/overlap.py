@@ -13,7 +13,9 @@ on the same GPUs and one of them:
 
   hidden = (T₁ + G − T_K) / min(G, T_b)   (1: all the overlap there can be)
 
-T_K and T₁ are medians of steps each waited for; the "pipelined" figures
+Each step donates its params and state, as a training loop does
+(--no-donate: XLA then copies them into new buffers every step). T_K and
+T₁ are medians of steps each waited for; the "pipelined" figures
 dispatch the steps back to back with one wait at the end, which leaves out
 the host's time between steps (``hidden_pipelined`` uses those).
 
@@ -99,11 +101,17 @@ def _time(fn, args, steps, carry=True):
 
 
 def _time_pipelined(fn, args, steps):
-  """Wall time per step of ``steps`` train steps ``fn(params, state,
-  batch)`` dispatched back to back after one waited-for step
-  (``timing.time_chained``)."""
+  """(wall time per step, (params, state) after) of ``steps`` train steps
+  ``fn(params, state, batch)`` dispatched back to back after one
+  waited-for step (``timing.time_chained``)."""
   out = jax.block_until_ready(fn(*args))
-  return timing.time_chained(fn, out[:2], [args[2]], steps=steps)[0]
+  return timing.time_chained(fn, out[:2], [args[2]], steps=steps)
+
+
+def _fresh(tree):
+  """A copy of ``tree``'s arrays (same shardings), for a step that donates
+  its inputs while the originals are still needed."""
+  return jax.tree.map(lambda a: a.copy(), tree)
 
 
 TRACE_STEPS = 3
@@ -158,10 +166,12 @@ def build(args, devices):
 
 
 def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
-                early=False, window=1, start_early=True):
+                early=False, window=1, start_early=True, donate=True):
   """The README recipe's sparse phase, jitted with ``options`` (``delay``:
   under ``jaxfuse.delayed``; ``early``: the step under
-  ``jaxfuse.send_early`` with ``window`` and ``start_early``)."""
+  ``jaxfuse.send_early`` with ``window`` and ``start_early``; ``donate``:
+  params and state donated, as a training loop does, so XLA updates them
+  in place instead of copying them into new buffers every step)."""
   opt = jaxfuse.onebit_adamw(plan, 1e-4, clip_norm=1.0, weight_decay=0.01)
   if delay:
     opt = jaxfuse.delayed(opt)
@@ -180,6 +190,7 @@ def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
   step = jax.jit(jax.shard_map(local,
                                mesh=mesh, in_specs=(P(), specs, P(AXIS)),
                                out_specs=(P(), specs, P())),
+                 donate_argnums=(0, 1) if donate else (),
                  compiler_options={**jaxfuse.xla_options(), **options})
   return step, state
 
@@ -306,6 +317,10 @@ def main(argv=None):
                  action="store_false",
                  help="with --send-early: without XLA's force_delay_async "
                  "hint on each collective")
+  p.add_argument("--no-donate", dest="donate", action="store_false",
+                 help="do not donate params and state to the step (XLA then "
+                 "copies them into new buffers every step; a training loop "
+                 "donates them)")
   p.add_argument("--probe", action="store_true",
                  help="also time the scheduler probe (see probe())")
   p.add_argument("--label", default="",
@@ -330,7 +345,7 @@ def main(argv=None):
             "buckets": len(plan.buckets), "variants": {},
             "date": time.strftime("%Y-%m-%d"), "delay": args.delay,
             "send_early": args.send_early, "window": args.window,
-            "start_early": args.start_early,
+            "start_early": args.start_early, "donate": args.donate,
             "command": " ".join(sys.argv),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(
@@ -344,7 +359,8 @@ def main(argv=None):
       continue
     step, state = sparse_step(mesh, plan, loss_fn, params, VARIANTS[name],
                               args.delay, args.send_early,
-                              args.window or None, args.start_early)
+                              args.window or None, args.start_early,
+                              args.donate)
     t0 = time.perf_counter()
     compiled = step.lower(params, state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -358,9 +374,8 @@ def main(argv=None):
     # --via-jit: call the jitted step (where JAX_ENABLE_PGLE profiles its
     # first runs and recompiles); its schedule is then not the one above.
     fn = step if args.via_jit else compiled
-    t_k, out = _time(fn, (params, state, batch), args.steps)
-    out = (out[0], out[1])
-    t_pipe = _time_pipelined(fn, out + (batch,), args.steps)
+    t_k, out = _time(fn, (_fresh(params), state, batch), args.steps)
+    t_pipe, out = _time_pipelined(fn, (out[0], out[1], batch), args.steps)
     variant = result["variants"][args.label + name] = {
         "options": VARIANTS[name], "step_s": t_k,
         "step_pipelined_s": t_pipe, "compile_s": compile_s,
@@ -403,10 +418,11 @@ def main(argv=None):
   if not args.skip_one_gpu:
     one = [devices[0]]
     mesh1, params1, loss1, batch1, plan1 = build(args, one)
-    step, state = sparse_step(mesh1, plan1, loss1, params1, {})
-    result["one_gpu_step_s"], out1 = _time(step, (params1, state, batch1),
-                                           args.steps)
-    result["one_gpu_step_pipelined_s"] = _time_pipelined(
+    step, state = sparse_step(mesh1, plan1, loss1, params1, {},
+                              donate=args.donate)
+    result["one_gpu_step_s"], out1 = _time(
+        step, (_fresh(params1), state, batch1), args.steps)
+    result["one_gpu_step_pipelined_s"], out1 = _time_pipelined(
         step, (out1[0], out1[1], batch1), args.steps)
     del out1
     local = jax.device_put(params1, one[0])

@@ -31,6 +31,9 @@ import numpy as np
 from jaxfuse import kernels
 
 ROUNDS = ((28, 3),) + tuple((s, 4) for s in range(24, -1, -4))   # 31 bits
+METHODS = ("radix", "pallas", "sort")
+# The method on GPUs: "radix" (XLA reductions) or "pallas" (one kernel).
+DEFAULT_GPU_METHOD = "radix"
 
 
 def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int],
@@ -40,16 +43,20 @@ def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int],
   ``lax.top_k(row, k_i)[0][k_i − 1]`` (NaN counts as the largest, as
   there).
 
-  ``method``: ``"radix"`` (one computation for all of them) or ``"sort"``
-  (``lax.top_k`` per array). Default: radix on GPUs and wherever the
-  Pallas kernels run (``jaxfuse.kernels.backend()``; radix itself is
-  plain JAX), sort elsewhere: on a CPU the sort is about as fast and
-  compiles in a sixth of the time (0.05 s against 0.31 s for a gpt2-small
-  bucket's DGC samples). Both are exact, so they agree bit for bit."""
-  method = method or ("radix" if kernels.backend() == "pallas" or
-                      jax.default_backend() == "gpu" else "sort")
-  if method not in ("radix", "sort"):
-    raise ValueError(f"method={method!r}; use 'radix' or 'sort'.")
+  ``method``: ``"radix"`` (one computation for all of them), ``"pallas"``
+  (the same rounds in one Pallas kernel, a program per row:
+  ``kernels.radix``; off GPU in Pallas's interpreter) or ``"sort"``
+  (``lax.top_k`` per array). Default: ``DEFAULT_GPU_METHOD`` wherever the
+  Pallas kernels run (``jaxfuse.kernels.backend()``), radix on other GPUs
+  (it is plain JAX), sort elsewhere: on a CPU the sort is about as fast
+  and compiles in a sixth of the time (0.05 s against 0.31 s for a
+  gpt2-small bucket's DGC samples). All are exact, so they agree bit for
+  bit."""
+  if method is None:
+    method = (DEFAULT_GPU_METHOD if kernels.backend() == "pallas" else
+              "radix" if jax.default_backend() == "gpu" else "sort")
+  if method not in METHODS:
+    raise ValueError(f"method={method!r}; use one of {METHODS}.")
   if len(rows) != len(ranks):
     raise ValueError(f"{len(rows)} row arrays but {len(ranks)} ranks.")
   for a, k in zip(rows, ranks):
@@ -64,7 +71,14 @@ def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int],
               ((0, 0), (0, width - a.shape[1]))) for a in rows])
   k = jnp.asarray(np.repeat(np.asarray(ranks, np.int32),
                             [a.shape[0] for a in rows]))
-  kth = lax.bitcast_convert_type(radix_rows(bits, k), jnp.float32)
+  if method == "pallas":
+    from jaxfuse.kernels import radix  # pylint: disable=g-import-not-at-top
+    t = radix.radix_rows_pallas(
+        bits, k, tuple(a.shape[1] for a in rows for _ in range(a.shape[0])),
+        interpret=jax.default_backend() != "gpu")
+  else:
+    t = radix_rows(bits, k)
+  kth = lax.bitcast_convert_type(t, jnp.float32)
   return jnp.split(kth, np.cumsum([a.shape[0] for a in rows])[:-1])
 
 

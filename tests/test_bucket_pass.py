@@ -24,10 +24,14 @@ SHAPES = [(60, 100), (40, 25), (60, 100), (30_000,), (6, 500), (30_000,),
           (6, 500), (40, 25)]
 
 
-@pytest.mark.parametrize("estimator", ["dgc", "topk"])
-def test_bucket_equals_each_unit_alone(estimator, monkeypatch):
+@pytest.mark.parametrize("estimator,method", [
+    ("dgc", "radix"), ("topk", "radix"), ("dgc", "pallas"),
+    ("topk", "pallas")])
+def test_bucket_equals_each_unit_alone(estimator, method, monkeypatch):
+  """With the k-th largests from XLA's radix reductions or from the
+  one-kernel radix select (``kernels.radix``, interpreted off GPU)."""
   monkeypatch.setattr(bucket_pass, "_kth", lambda rows, ranks: (
-      radix_select.kth_largest_rows(rows, ranks, method="radix")
+      radix_select.kth_largest_rows(rows, ranks, method=method)
       if rows else []))
   plan = list_plan(SHAPES, density=0.01, estimator=estimator,
                    strategy="aligned", num_buckets=1,

@@ -51,7 +51,7 @@ def test_kth_largest_rows_rejects_bad_ranks():
     radix_select.kth_largest_rows([jnp.ones((5,))], [1])
   with pytest.raises(ValueError, match="2 row arrays but 1 ranks"):
     radix_select.kth_largest_rows([jnp.ones((1, 5))] * 2, [1])
-  with pytest.raises(ValueError, match="use 'radix' or 'sort'"):
+  with pytest.raises(ValueError, match="use one of .'radix', 'pallas', 'sort'."):
     radix_select.kth_largest_rows([jnp.ones((1, 5))], [1], method="heap")
 
 
