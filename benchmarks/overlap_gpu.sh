@@ -23,6 +23,10 @@
 # for size 64 MiB and then each saved plan of PLANS (space-separated
 # files, e.g. a cost strategy's plans), at DENSITIES (default 0.05),
 # after the plain step (T1 and G).
+# MODE=nccl: the send_early step with the flags under NCCL settings that
+# take fewer SMs from the compute kernels beside it (NCCL_VARIANTS, default
+# "default NCCL_MAX_NCHANNELS=2 NCCL_MAX_NCHANNELS=1 NCCL_PROTO=Simple"),
+# each traced, after the plain step (T1 and G), at DENSITIES (default 0.05).
 # No run starts after DEADLINE_S seconds (default 480). STRATEGY=aligned
 # (or single) plans the step as that strategy instead of size 64 MiB;
 # PLAN=FILE runs a saved plan (e.g. a cost strategy's, planned elsewhere).
@@ -69,6 +73,17 @@ plans)
       name=$(basename "$p" .json); name=${name%%_*}
       XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_" $E \
           --trace-dir "$OUT/trace_early_$name"
+    done
+  done ;;
+nccl)
+  E="--variants base --send-early --skip-comm --skip-one-gpu"
+  for d in ${DENSITIES:-0.05}; do
+    run $d default_ --variants base
+    for v in ${NCCL_VARIANTS:-default NCCL_MAX_NCHANNELS=2 NCCL_MAX_NCHANNELS=1 NCCL_PROTO=Simple}; do
+      name=$(echo "$v" | tr -c 'A-Za-z0-9\n' '_' | tr 'A-Z' 'a-z')
+      ( if [ "$v" != default ]; then export "$v"; fi
+        XLA_FLAGS="$NET" run $d "net_early_${name}_" $E \
+            --trace-dir "$OUT/trace_early_$name" )
     done
   done ;;
 delay)
