@@ -17,11 +17,13 @@
 #           runs dgc with each rows-per-chunk of
 #           the fused pass's streams (overhead.py --rows-per-chunk; about
 #           2 minutes more each)
-#   radix   the k-th largests as one Pallas kernel against XLA's reductions:
-#           its tests compiled, kth_rows.py, then dgc and topk with
-#           overhead.py --radix pallas (one GPU, about 5 minutes; compare
-#           with the kernels mode's rows, each against its own dense step)
-# usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels|radix [steps]
+#   variants  the kernel variants not yet on by default, against the
+#           kernels mode's rows (each row against its own dense step): the
+#           k-th largests as one Pallas kernel (overhead.py --radix pallas)
+#           and the scan folded into pass 2 (--scan-blocks 4096), their
+#           tests compiled, kth_rows.py, then dgc with each and with both,
+#           and topk with both (one GPU, about 8 minutes)
+# usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels|variants [steps]
 # PACK=FILE.tar.gz packs everything written into one archive at the end (a
 # device call hands back only a few files: OUT=/tmp/k PACK=$OUT/k.tar.gz).
 set -uo pipefail
@@ -95,25 +97,29 @@ PY
         --top 30 --out "$out/kernel_sources_$name.json" \
         > "$out/kernel_sources_$name.txt" 2>&1
     done ;;
-  radix)
+  variants)
     JAX_PLATFORMS=cuda,cpu JAXFUSE_TEST_GPU=1 JAXFUSE_KERNELS=pallas \
       python -m pytest -q -p no:cacheprovider -rfEs tests/test_kernels_radix.py \
-      tests/test_radix_select.py > "$out/radix_tests.log" 2>&1
-    echo "radix tests rc=$?"; tail -n 3 "$out/radix_tests.log"
+      tests/test_radix_select.py tests/test_kernels_fused_pass.py \
+      > "$out/variant_tests.log" 2>&1
+    echo "variant tests rc=$?"; tail -n 3 "$out/variant_tests.log"
     python benchmarks/kth_rows.py --out "$out/kth_rows.json" \
       > "$out/kth_rows.log" 2>&1
     echo "kth_rows rc=$?"; tail -n 8 "$out/kth_rows.log"
-    for e in dgc topk; do
+    for run in "dgc radix --radix pallas" "dgc scan --scan-blocks 4096" \
+               "dgc both --radix pallas --scan-blocks 4096" \
+               "topk both --radix pallas --scan-blocks 4096"; do
+      set -- $run
+      e=$1 name="$1_$2"; shift 2
       python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
-        --strategy single --steps "${2:-60}" --radix pallas \
-        --hlo-dir "$out/hlo_${e}_pallas" \
-        --out "$out/overhead_${e}_pallas.json" > "$out/overhead_${e}_pallas.log" 2>&1
-      echo "$e pallas rc=$?"; tail -n 3 "$out/overhead_${e}_pallas.log"
-      python benchmarks/kernel_sources.py "$out/hlo_${e}_pallas/dense_None.hlo.txt" \
-        "$out/hlo_${e}_pallas/jaxfuse_$e.hlo.txt" \
-        --overhead "$out/overhead_${e}_pallas.json" --top 30 \
-        --out "$out/kernel_sources_${e}_pallas.json" \
-        > "$out/kernel_sources_${e}_pallas.txt" 2>&1
+        --strategy single --steps 60 "$@" --hlo-dir "$out/hlo_$name" \
+        --out "$out/overhead_$name.json" > "$out/overhead_$name.log" 2>&1
+      echo "$name rc=$?"; tail -n 3 "$out/overhead_$name.log"
+      python benchmarks/kernel_sources.py "$out/hlo_$name/dense_None.hlo.txt" \
+        "$out/hlo_$name/jaxfuse_$e.hlo.txt" \
+        --overhead "$out/overhead_$name.json" --top 30 \
+        --out "$out/kernel_sources_$name.json" \
+        > "$out/kernel_sources_$name.txt" 2>&1
     done ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -czf "$PACK" -C "$out" . && echo "packed $PACK"; fi

@@ -59,6 +59,7 @@ import jaxfuse  # pylint: disable=wrong-import-position
 from jaxfuse import bucket_pass  # pylint: disable=wrong-import-position
 from jaxfuse import bucket_sync  # pylint: disable=wrong-import-position
 from jaxfuse import radix_select  # pylint: disable=wrong-import-position
+from jaxfuse.kernels import fused_pass  # pylint: disable=wrong-import-position
 from jaxfuse.planning import timing  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
 from train_lm import make_train_step  # pylint: disable=wrong-import-position
@@ -212,6 +213,12 @@ def main(argv=None) -> list[dict]:
                  help="how the k-th largests are found where the Pallas "
                  "kernels run (jaxfuse.radix_select.DEFAULT_GPU_METHOD): "
                  "radix, XLA reductions; pallas, one kernel")
+  p.add_argument("--scan-blocks", type=int,
+                 default=fused_pass.SCAN_IN_PASS2_BLOCKS,
+                 help="units of at most this many blocks run the fused "
+                 "pass's scan inside pass 2, one kernel fewer per state "
+                 "group (jaxfuse.kernels.fused_pass.SCAN_IN_PASS2_BLOCKS; "
+                 "0: never)")
   p.add_argument("--topk-sample", type=int,
                  default=jaxfuse.sparsify.TOPK_SAMPLE,
                  help="topk's bracket sample per unit "
@@ -227,6 +234,7 @@ def main(argv=None) -> list[dict]:
   jaxfuse.sparsify.TOPK_SAMPLE = args.topk_sample
   bucket_sync.FORM_IN_PASS = args.blend == "pass"
   radix_select.DEFAULT_GPU_METHOD = args.radix
+  fused_pass.SCAN_IN_PASS2_BLOCKS = args.scan_blocks
   mesh = jaxfuse.make_mesh(args.devices, AXIS)
   preset = lm_model.PRESETS[args.preset]
   model = lm_model.build_model(args.preset)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxfuse import kernels
 from jaxfuse.kernels import fused_pass as sp
 from jaxfuse.kernels import reference
 
@@ -34,6 +35,11 @@ def _bits(v):
   if v.dtype.kind != "f" and v.dtype.name != "bfloat16":
     return v
   return v.view({2: np.uint16, 4: np.uint32}[v.dtype.itemsize])
+
+
+# Where the scan runs: its own kernel (0), or inside pass 2 for every unit
+# here (``fused_pass.SCAN_IN_PASS2_BLOCKS``).
+SCANS = pytest.mark.parametrize("scan_blocks", [0, 4096])
 
 
 def _check(x, r, tau, capacity, offset, **kw):
@@ -64,12 +70,14 @@ CASES = [
 ]
 
 
+@SCANS
 @pytest.mark.parametrize("n,capacity,tau,offset,block,_", CASES)
-def test_pass_equals_reference(n, capacity, tau, offset, block, _):
+def test_pass_equals_reference(n, capacity, tau, offset, block, _,
+                               scan_blocks):
   rng = np.random.default_rng(n + capacity)
   x, r = _stream(rng, n), _stream(rng, n, zeros=0.5)
   out = _check(x, r, jnp.float32(tau), capacity, offset, block=block,
-               tile=None if block is None else 64)
+               tile=None if block is None else 64, scan_blocks=scan_blocks)
   acc = np.asarray(x) + np.asarray(r)
   # The reference's meaning, independently: r' = acc where not sent.
   sent = np.asarray(out.indices)[np.asarray(out.indices) < n]
@@ -81,20 +89,24 @@ def test_pass_equals_reference(n, capacity, tau, offset, block, _):
     assert int(out.count) == 0 and list(sent) == [np.argmax(np.abs(acc))]
 
 
-def test_nonfinite_keeps_the_residual_and_sends_nan():
+@SCANS
+def test_nonfinite_keeps_the_residual_and_sends_nan(scan_blocks):
   rng = np.random.default_rng(1)
   x, r = _stream(rng, 1000), _stream(rng, 1000)
   x = x.at[700].set(jnp.inf)
-  out = _check(x, r, jnp.float32(1.0), 16, 3, block=128, tile=64)
+  out = _check(x, r, jnp.float32(1.0), 16, 3, block=128, tile=64,
+               scan_blocks=scan_blocks)
   np.testing.assert_array_equal(np.asarray(out.residual), np.asarray(r))
   assert not bool(out.finite) and int(out.count) == 0
   assert np.isnan(np.asarray(out.values)).all()
   assert list(np.asarray(out.indices)) == [0] + [1000] * 15
 
 
-def test_all_zero_sends_nothing_and_flags_it():
+@SCANS
+def test_all_zero_sends_nothing_and_flags_it(scan_blocks):
   z = jnp.zeros((1000,), jnp.float32)
-  out = _check(z, z, jnp.float32(0.0), 8, 0, block=128, tile=64)
+  out = _check(z, z, jnp.float32(0.0), 8, 0, block=128, tile=64,
+               scan_blocks=scan_blocks)
   assert list(np.asarray(out.indices)) == [1000] * 8
   assert not bool(out.nonzero) and bool(out.finite)
 
@@ -119,12 +131,13 @@ def test_vmap_rows_and_float32_only():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs JAXFUSE_TEST_GPU=1 and a GPU")
+@SCANS
 @pytest.mark.parametrize("n", [2**20 + 77, 3 * 2**21])
-def test_large_units_on_gpu(n):
+def test_large_units_on_gpu(n, scan_blocks):
   rng = np.random.default_rng(n)
   x, r = _stream(rng, n), _stream(rng, n, zeros=0.9)
   for tau, capacity in ((2.5, n // 100), (2.0, n // 1000)):
-    _check(x, r, jnp.float32(tau), capacity, n // 3)
+    _check(x, r, jnp.float32(tau), capacity, n // 3, scan_blocks=scan_blocks)
 
 
 # --- G units at once, their streams read where they are ------------------------
@@ -142,8 +155,9 @@ def _check_rows(xs, r, taus, capacity, offsets, **kw):
   return want
 
 
+@SCANS
 @pytest.mark.parametrize("n,block", [(1000, 128), (600, 256), (100, None)])
-def test_rows_equal_each_row_alone(n, block):
+def test_rows_equal_each_row_alone(n, block, scan_blocks):
   """Row i's program reads xs[i] (a switch on the program id): each row's
   result is its own pass's, whatever the other rows hold; one row is
   non-finite, one all zero, one with nothing past τ."""
@@ -156,7 +170,8 @@ def test_rows_equal_each_row_alone(n, block):
   taus = jnp.array([1.0, 1.5, 50.0, 0.5], jnp.float32)
   offsets = jnp.array([0, n // 3, n - 1, 7], jnp.int32)
   want = _check_rows(xs, r, taus, 24, offsets, block=block,
-                     tile=None if block is None else 64)
+                     tile=None if block is None else 64,
+                     scan_blocks=scan_blocks)
   assert list(np.asarray(want.finite)) == [True, False, True, True]
   assert list(np.asarray(want.nonzero)) == [True, True, True, False]
   assert int(want.count[2]) == 0 and int(want.indices[2, 0]) < n
@@ -298,3 +313,46 @@ if given is not None:
     offsets = jnp.asarray(rng.integers(0, n, rows), jnp.int32)
     _check_rows([x[i:i + per] for i in range(0, rows, per)], r, taus, 12,
                 offsets, block=64, tile=32)
+
+
+def test_scan_in_pass2_launches_one_kernel_fewer(monkeypatch):
+  """With the scan folded into pass 2 a group's pass is two kernels; the
+  dispatch (``kernels.sparsify_pass_rows``) reads the module's switch each
+  time it traces."""
+  x = jnp.ones((3, 1000), jnp.float32)
+  taus, offsets = jnp.ones((3,), jnp.float32), jnp.zeros((3,), jnp.int32)
+  count = lambda blocks: str(jax.make_jaxpr(
+      lambda x: sp.sparsify_pass_rows_pallas(
+          x, x, taus, 8, offsets, block=128, interpret=True,
+          scan_blocks=blocks))(x)).count("pallas_call")
+  assert (count(0), count(8), count(7)) == (3, 2, 3)   # 1000 = 8 blocks
+  monkeypatch.setattr(kernels, "_backend", "pallas")
+  y = jnp.ones((3, 100_000), jnp.float32)              # 13 blocks of 8192
+  dispatched = lambda: str(jax.make_jaxpr(lambda y: kernels.sparsify_pass_rows(
+      y, y, taus, 8, offsets))(y)).count("pallas_call")
+  for blocks, kernels_per_group in ((0, 3), (13, 2), (12, 3)):
+    monkeypatch.setattr(sp, "SCAN_IN_PASS2_BLOCKS", blocks)
+    assert dispatched() == kernels_per_group
+
+
+@SCANS
+def test_lowers_to_triton(scan_blocks):
+  """Both placements of the scan lower to Triton for CUDA (three kernels,
+  or two with the scan in pass 2; no GPU needed where JAX can lower for
+  CUDA without one)."""
+  from jax import export  # pylint: disable=g-import-not-at-top
+  fn = lambda x, r, t, o: sp.sparsify_pass_rows_pallas(
+      x, r, t, 500, o, scan_blocks=scan_blocks)
+  rows = lambda dtype: jax.ShapeDtypeStruct((3, 100003), dtype)
+  try:
+    exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            rows(jnp.float32), rows(jnp.float32),
+            jax.ShapeDtypeStruct((3,), jnp.float32),
+            jax.ShapeDtypeStruct((3,), jnp.int32))
+  except RuntimeError as e:
+    if "GPU" not in str(e):
+      raise
+    pytest.skip(f"this JAX cannot lower for CUDA without a GPU: {e}")
+  assert exported.mlir_module().count("xla.gpu.triton") == (
+      2 if scan_blocks else 3)

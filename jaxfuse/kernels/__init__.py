@@ -98,7 +98,8 @@ def sparsify_pass(x, r, tau, capacity: int, offset):
   if backend() == "pallas" and x.dtype == r.dtype == jax.numpy.float32:
     return fused_pass.sparsify_pass_pallas(
         x, r, tau, capacity, offset,
-        interpret=jax.default_backend() != "gpu")
+        interpret=jax.default_backend() != "gpu",
+        scan_blocks=fused_pass.SCAN_IN_PASS2_BLOCKS)
   return fused_pass.sparsify_pass_reference(x, r, tau, capacity, offset)
 
 
@@ -115,7 +116,8 @@ def sparsify_pass_rows(xs, r, taus, capacity: int, offsets):
   if backend() == "pallas" and dtypes == {r.dtype} == {f32}:
     return fused_pass.sparsify_pass_rows_pallas(
         xs, r, taus, capacity, offsets,
-        interpret=jax.default_backend() != "gpu")
+        interpret=jax.default_backend() != "gpu",
+        scan_blocks=fused_pass.SCAN_IN_PASS2_BLOCKS)
   return fused_pass.sparsify_pass_rows_reference(xs, r, taus, capacity,
                                                  offsets)
 

@@ -181,7 +181,8 @@ def _mask_kernel(tau_ref, *refs, chunks, beta, n, block, tile, stage,
   bnz_ref[b] = nz
 
 
-_STATIC = ("capacity", "block", "tile", "stage", "num_warps", "interpret")
+_STATIC = ("capacity", "block", "tile", "stage", "num_warps", "interpret",
+           "scan_blocks")
 
 
 class _Config(NamedTuple):
@@ -197,6 +198,7 @@ class _Config(NamedTuple):
   fill_per_program: int
   params: object
   interpret: bool
+  scan_in_pass2: bool     # the scan folded into pass 2 (``_scan_write_kernel``)
 
   @property
   def size(self):      # r's and acc's length: n, or one padded block
@@ -212,7 +214,8 @@ class _Config(NamedTuple):
             per_block(jnp.int32), per_block(jnp.int32))
 
 
-def _config(x, capacity, block, tile, stage, num_warps, interpret):
+def _config(x, capacity, block, tile, stage, num_warps, interpret,
+            scan_blocks):
   n = x.shape[-1]
   block, tile, stage = sel.config(n, capacity, block, tile, stage)
   num_blocks = pl.cdiv(n, block)
@@ -222,7 +225,9 @@ def _config(x, capacity, block, tile, stage, num_warps, interpret):
       pl.cdiv(num_blocks, scan_chunk) * scan_chunk, scan_chunk,
       pl.next_power_of_2(pl.cdiv(capacity, num_blocks)),
       _compat.triton_params("sparsify_pass_pallas",
-                            num_warps or sel.DEFAULT_NUM_WARPS), interpret)
+                            num_warps or sel.DEFAULT_NUM_WARPS), interpret,
+      num_blocks <= (SCAN_IN_PASS2_BLOCKS if scan_blocks is None
+                     else scan_blocks))
 
 
 def _check_operands(xs, r):
@@ -250,11 +255,70 @@ def _mask_kernel_for(cfg, chunks, beta=None):
                            interpret=cfg.interpret)
 
 
+class _Same(NamedTuple):
+  """A ref-like holder of one value, whatever the index (pass 2 reads its
+  block's start as ``start_ref[b]``)."""
+  value: jax.Array
+
+  def __getitem__(self, _):
+    return self.value
+
+
+def _scan_write_kernel(offset_ref, cnt_ref, bits_ref, bmax_ref, bpos_ref,
+                       bfin_ref, bnz_ref, acc_ref, si_ref, old_ref, v_ref,
+                       i_ref, res_ref, scal_ref, *, num_blocks, chunk,
+                       **write):
+  """Pass 2 with the scan folded in: program b scans the block counts and
+  summaries itself (``selection.scan_scalars``: O(blocks) each), then
+  writes block b (``selection.write_kernel``); program 0 also writes scal."""
+  b = pl.program_id(0)
+  scal, start = sel.scan_scalars(
+      offset_ref[0], cnt_ref, bits_ref,
+      (bmax_ref, bpos_ref, bfin_ref, bnz_ref), n=write["n"],
+      block=write["block"], num_blocks=num_blocks, chunk=chunk, upto=b)
+
+  @pl.when(b == 0)
+  def _scalars():
+    for i, value in enumerate(scal):
+      scal_ref[i] = value
+
+  sel.write_kernel(scal, cnt_ref, _Same(start), bits_ref, acc_ref, si_ref,
+                   si_ref, old_ref, v_ref, i_ref, res_ref, **write)
+
+
+# Pass 2 scans the block counts itself (one kernel fewer per state group)
+# for units of at most this many blocks; larger ones keep the scan kernel
+# (each program's scan is O(blocks)). 0: always the scan kernel.
+SCAN_IN_PASS2_BLOCKS = 0
+
+
 def _finish(cfg, out, offset, pass1) -> PassResult:
   """The scan and pass 2 of one unit from pass 1's outputs."""
   bits, counts, staged_i, acc, old, bmax, bpos, bfin, bnz = pass1
   whole = pl.BlockSpec()
   stage_spec = pl.BlockSpec((cfg.stage,), lambda b: (b,))
+  write = dict(n=cfg.n, block=cfg.block,
+               words_per_step=min(cfg.block // sel.WORD,
+                                  sel.MAX_WORDS_PER_STEP),
+               stage=cfg.stage, capacity=cfg.capacity,
+               fill_per_program=cfg.fill_per_program,
+               interpret=cfg.interpret, tile=cfg.tile)
+  pass2_out = (out((cfg.capacity,), acc.dtype),
+               out((cfg.capacity,), jnp.int32), out(acc.shape, acc.dtype))
+  if cfg.scan_in_pass2:
+    values, indices, residual, scal = pl.pallas_call(
+        functools.partial(_scan_write_kernel, num_blocks=cfg.num_blocks,
+                          chunk=cfg.scan_chunk, **write),
+        out_shape=pass2_out + (out((8,), jnp.int32),),
+        grid=(cfg.num_blocks,),
+        in_specs=[whole] * 8 + [stage_spec, whole],
+        out_specs=(whole,) * 4,
+        input_output_aliases={7: 2},
+        compiler_params=cfg.params, interpret=cfg.interpret,
+        name="jaxfuse_sparsify_pass2",
+    )(jnp.reshape(offset, (1,)), counts, bits, bmax, bpos, bfin, bnz, acc,
+      staged_i, old)
+    return _result(cfg, values, indices, residual, scal)
   start, scal = pl.pallas_call(
       functools.partial(sel.scan_kernel, n=cfg.n, block=cfg.block,
                         num_blocks=cfg.num_blocks, chunk=cfg.scan_chunk),
@@ -264,14 +328,8 @@ def _finish(cfg, out, offset, pass1) -> PassResult:
       name="jaxfuse_sparsify_scan",
   )(jnp.reshape(offset, (1,)), counts, bits, bmax, bpos, bfin, bnz)
   values, indices, residual = pl.pallas_call(
-      functools.partial(sel.write_kernel, n=cfg.n, block=cfg.block,
-                        words_per_step=min(cfg.block // sel.WORD,
-                                           sel.MAX_WORDS_PER_STEP),
-                        stage=cfg.stage, capacity=cfg.capacity,
-                        fill_per_program=cfg.fill_per_program,
-                        interpret=cfg.interpret, tile=cfg.tile),
-      out_shape=(out((cfg.capacity,), acc.dtype),
-                 out((cfg.capacity,), jnp.int32), out(acc.shape, acc.dtype)),
+      functools.partial(sel.write_kernel, **write),
+      out_shape=pass2_out,
       grid=(cfg.num_blocks,),
       in_specs=[whole] * 5 + [stage_spec] * 2 + [whole],
       out_specs=(whole, whole, whole),
@@ -279,6 +337,11 @@ def _finish(cfg, out, offset, pass1) -> PassResult:
       compiler_params=cfg.params, interpret=cfg.interpret,
       name="jaxfuse_sparsify_pass2",
   )(scal, counts, start, bits, acc, staged_i, staged_i, old)
+  return _result(cfg, values, indices, residual, scal)
+
+
+def _result(cfg, values, indices, residual, scal) -> PassResult:
+  """The unit's ``PassResult`` from pass 2's outputs and the scan's scal."""
   finite = scal[3] > 0
   values, indices, count = nonfinite_slots(values, indices, scal[2], finite,
                                             cfg.n)
@@ -291,12 +354,15 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
                          offset, *, block: int | None = None,
                          tile: int | None = None, stage: int | None = None,
                          num_warps: int | None = None,
-                         interpret: bool = False) -> PassResult:
+                         interpret: bool = False,
+                         scan_blocks: int | None = None) -> PassResult:
   """``sparsify_pass_reference`` as three Pallas kernels, bit for bit: the
   pass of ``sparsify_pass_rows_pallas`` with one row.
 
   x, r: flat float32, n elements; the other arguments as
-  ``selection.select_pallas``. (float32 only: XLA and Triton may both keep
+  ``selection.select_pallas``; ``scan_blocks``: units of at most this many
+  blocks run the scan inside pass 2 (two kernels instead of three; None:
+  ``SCAN_IN_PASS2_BLOCKS`` when traced). (float32 only: XLA and Triton may both keep
   a bfloat16 x + r in float32 before comparing it, each in its own places,
   so a narrower acc could differ from the reference near τ.)
   """
@@ -307,7 +373,7 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
       [[x[None]]], None, r[None], jnp.reshape(jnp.asarray(tau), (1,)),
       jnp.reshape(jnp.asarray(offset, jnp.int32), (1,)), capacity,
       block=block, tile=tile, stage=stage, num_warps=num_warps,
-      interpret=interpret,
+      interpret=interpret, scan_blocks=scan_blocks,
       names=("sparsify_pass_pallas", "sparsify_pass_reference"))
   return jax.tree.map(lambda a: a[0], out)
 
@@ -329,7 +395,8 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
                               tile: int | None = None,
                               stage: int | None = None,
                               num_warps: int | None = None,
-                              interpret: bool = False) -> PassResult:
+                              interpret: bool = False,
+                              scan_blocks: int | None = None) -> PassResult:
   """``sparsify_pass_rows_reference`` in three Pallas kernels, bit for bit.
 
   ``xs``: the G streams of n float32 elements, as one (G, n) array or as
@@ -341,6 +408,7 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
   With ``xs`` a ``reference.Blend`` of m and g (each in chunks of its own:
   m may be one (G, n) array and g its rows apart), pass 1 forms x =
   β·m + (1 − β)·g as it loads them: x is never written out.
+  ``scan_blocks`` as ``sparsify_pass_pallas``'s.
   """
   beta = xs.beta if isinstance(xs, reference.Blend) else None
   parts = ([xs] if beta is None else [xs.m, xs.g])
@@ -356,11 +424,13 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
   return _rows_pass(
       parts, beta, r, taus, offsets, capacity, block=block, tile=tile,
       stage=stage, num_warps=num_warps, interpret=interpret,
+      scan_blocks=scan_blocks,
       names=("sparsify_pass_rows_pallas", "sparsify_pass_rows_reference"))
 
 
 def _rows_pass(parts, beta, r, taus, offsets, capacity, *, block, tile,
-               stage, num_warps, interpret, names) -> PassResult:
+               stage, num_warps, interpret, scan_blocks,
+               names) -> PassResult:
   """The three kernels for checked (rows, n) chunks: ``parts`` = [x's] or,
   with ``beta``, [m's, g's] (``names``: the public function and its
   reference, for errors)."""
@@ -378,7 +448,7 @@ def _rows_pass(parts, beta, r, taus, offsets, capacity, *, block, tile,
     raise ValueError(f"r must be ({rows}, n) for {rows} rows, got "
                      f"shape {list(r.shape)}")
   cfg = _config(chunks[0], capacity, block, tile, stage, num_warps,
-                interpret)
+                interpret, scan_blocks)
   taus = jax.vmap(functools.partial(comparison_threshold, chunks[0].dtype))(
       jnp.reshape(jnp.asarray(taus), (rows,)))
   offsets = jnp.reshape(jnp.asarray(offsets, jnp.int32), (rows,))

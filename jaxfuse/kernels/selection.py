@@ -236,22 +236,37 @@ def scan_kernel(offset_ref, cnt_ref, bits_ref, *refs, n, block, num_blocks,
   largest block maximum), lone = finite ∧ total = 0 ∧ max |acc| ≠ 0.
   """
   *summary, start_ref, scal_ref = refs
-  offset = offset_ref[0]
+  scal, _ = scan_scalars(offset_ref[0], cnt_ref, bits_ref, summary, n=n,
+                         block=block, num_blocks=num_blocks, chunk=chunk,
+                         start_ref=start_ref)
+  for i, value in enumerate(scal):
+    scal_ref[i] = value
+
+
+def scan_scalars(offset, cnt_ref, bits_ref, summary, *, n, block, num_blocks,
+                 chunk, start_ref=None, upto=None):
+  """``scan_kernel``'s scal as a tuple, and the exclusive scan of the
+  counts at block ``upto`` (None without ``upto``); the whole scan is
+  written to ``start_ref`` if given."""
   ob = jnp.clip(offset, 0, n - 1) // block          # offset's block
   lanes = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+  below = lambda b, cnt, end: jnp.sum(jnp.where(b < end, cnt, 0))
 
   def step(c, carry):
-    run, start_ob = carry
+    run, start_ob, start_upto = carry
     b = c * chunk + lanes
     cnt = plgpu.load(cnt_ref.at[pl.ds(c * chunk, chunk)], mask=b < num_blocks,
                      other=0)
-    plgpu.store(start_ref.at[pl.ds(c * chunk, chunk)],
-                run + jnp.cumsum(cnt) - cnt, mask=b < num_blocks)
-    return (run + jnp.sum(cnt),
-            start_ob + jnp.sum(jnp.where(b < ob, cnt, 0)))
+    if start_ref is not None:
+      plgpu.store(start_ref.at[pl.ds(c * chunk, chunk)],
+                  run + jnp.cumsum(cnt) - cnt, mask=b < num_blocks)
+    return (run + jnp.sum(cnt), start_ob + below(b, cnt, ob),
+            start_upto + (0 if upto is None else below(b, cnt, upto)))
 
-  total, start_ob = lax.fori_loop(0, pl.cdiv(num_blocks, chunk), step,
-                                  (jnp.int32(0), jnp.int32(0)))
+  total, start_ob, start_upto = lax.fori_loop(
+      0, pl.cdiv(num_blocks, chunk), step,
+      (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
+  more = ()
   if summary:
     bmax_ref, bpos_ref, bfin_ref, bnz_ref = summary
 
@@ -275,10 +290,8 @@ def scan_kernel(offset_ref, cnt_ref, bits_ref, *refs, n, block, num_blocks,
     best, top, fin, nz = lax.fori_loop(
         0, pl.cdiv(num_blocks, chunk), reduce,
         (jnp.float32(-1.0), jnp.int32(0), jnp.int32(1), jnp.int32(0)))
-    scal_ref[3] = fin
-    scal_ref[4] = top
-    scal_ref[5] = jnp.where((fin > 0) & (total == 0) & (best != 0), 1, 0)
-    scal_ref[6] = nz
+    more = (fin, top,
+            ((fin > 0) & (total == 0) & (best != 0)).astype(jnp.int32), nz)
   # The words of offset's block below offset, and the low bits of the word
   # holding it.
   words_per_block = block // WORD
@@ -289,10 +302,10 @@ def scan_kernel(offset_ref, cnt_ref, bits_ref, *refs, n, block, num_blocks,
   kept = jnp.where(k < rel // WORD, w,
                    jnp.where(k == rel // WORD, w & low, 0))
   before = start_ob + jnp.sum(popcount(kept))
-  scal_ref[0] = offset
-  scal_ref[1] = jnp.where(offset <= 0, 0, jnp.where(offset >= n, total,
-                                                    before))
-  scal_ref[2] = total
+  before = jnp.where(offset <= 0, 0, jnp.where(offset >= n, total, before))
+  scal = tuple(jnp.asarray(v, jnp.int32) for v in (offset, before, total)
+               + more)
+  return scal, None if upto is None else start_upto
 
 
 def write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
