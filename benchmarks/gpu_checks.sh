@@ -30,6 +30,17 @@ set -uo pipefail
 out="${OUT:-/tmp/gpu_checks}"; mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 lm() { python examples/train_lm.py --preset gpt2-small "$@"; }
+overhead() {  # name, estimator, overhead.py args...: the run, its kernels
+  local name=$1 e=$2; shift 2
+  python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
+    --strategy single "$@" --hlo-dir "$out/hlo_$name" \
+    --out "$out/overhead_$name.json" > "$out/overhead_$name.log" 2>&1
+  echo "$name rc=$?"; tail -n 3 "$out/overhead_$name.log"
+  python benchmarks/kernel_sources.py "$out/hlo_$name/dense_None.hlo.txt" \
+    "$out/hlo_$name/jaxfuse_$e.hlo.txt" --overhead "$out/overhead_$name.json" \
+    --top 30 --out "$out/kernel_sources_$name.json" \
+    > "$out/kernel_sources_$name.txt" 2>&1
+}
 case "$1" in
   suite)
     JAX_PLATFORMS=cuda,cpu JAXFUSE_TEST_GPU=1 JAXFUSE_KERNELS=pallas \
@@ -86,16 +97,7 @@ PY
       e=${run%%:*}; c=${run#*:}; [ "$c" = "$run" ] && c=default
       name=$e; extra=()
       if [ "$c" != default ]; then name="${e}_chunk$c"; extra=(--rows-per-chunk "$c"); fi
-      python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
-        --strategy single --steps "${2:-60}" "${extra[@]}" \
-        --hlo-dir "$out/hlo_$name" \
-        --out "$out/overhead_$name.json" > "$out/overhead_$name.log" 2>&1
-      echo "$name rc=$?"; tail -n 3 "$out/overhead_$name.log"
-      python benchmarks/kernel_sources.py "$out/hlo_$name/dense_None.hlo.txt" \
-        "$out/hlo_$name/jaxfuse_$e.hlo.txt" \
-        --overhead "$out/overhead_$name.json" \
-        --top 30 --out "$out/kernel_sources_$name.json" \
-        > "$out/kernel_sources_$name.txt" 2>&1
+      overhead "$name" "$e" --steps "${2:-60}" "${extra[@]}"
     done ;;
   variants)
     JAX_PLATFORMS=cuda,cpu JAXFUSE_TEST_GPU=1 JAXFUSE_KERNELS=pallas \
@@ -110,16 +112,7 @@ PY
                "dgc both --radix pallas --scan-blocks 4096" \
                "topk both --radix pallas --scan-blocks 4096"; do
       set -- $run
-      e=$1 name="$1_$2"; shift 2
-      python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
-        --strategy single --steps 60 "$@" --hlo-dir "$out/hlo_$name" \
-        --out "$out/overhead_$name.json" > "$out/overhead_$name.log" 2>&1
-      echo "$name rc=$?"; tail -n 3 "$out/overhead_$name.log"
-      python benchmarks/kernel_sources.py "$out/hlo_$name/dense_None.hlo.txt" \
-        "$out/hlo_$name/jaxfuse_$e.hlo.txt" \
-        --overhead "$out/overhead_$name.json" --top 30 \
-        --out "$out/kernel_sources_$name.json" \
-        > "$out/kernel_sources_$name.txt" 2>&1
+      overhead "$1_$2" "$1" --steps 60 "${@:3}"
     done ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -czf "$PACK" -C "$out" . && echo "packed $PACK"; fi
