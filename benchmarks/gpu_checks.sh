@@ -30,6 +30,17 @@ set -uo pipefail
 out="${OUT:-/tmp/gpu_checks}"; mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 lm() { python examples/train_lm.py --preset gpt2-small "$@"; }
+gpu_tests() {  # log name, test files...: compiled kernels on the GPUs
+  local log=$1; shift
+  JAX_PLATFORMS=cuda,cpu JAXFUSE_TEST_GPU=1 JAXFUSE_KERNELS=pallas \
+    python -m pytest -q -p no:cacheprovider -rfEs "$@" > "$out/$log.log" 2>&1
+  echo "$log rc=$?"; tail -n 3 "$out/$log.log"
+}
+logged() {  # name, lines of its log to show, command...
+  local name=$1 lines=$2; shift 2
+  "$@" > "$out/$name.log" 2>&1
+  echo "$name rc=$?"; tail -n "$lines" "$out/$name.log"
+}
 overhead() {  # name, estimator, overhead.py args...: the run, its kernels
   local name=$1 e=$2; shift 2
   python benchmarks/overhead.py --preset gpt2-small --estimators "$e" \
@@ -81,16 +92,12 @@ PY
       grep summary "$out/bf16_$name.log" | sed "s/^/$name: /"
     done ;;
   kernels)
-    JAX_PLATFORMS=cuda,cpu JAXFUSE_TEST_GPU=1 JAXFUSE_KERNELS=pallas \
-      python -m pytest -q -p no:cacheprovider -rfEs tests/test_kernels_hash.py \
-      tests/test_zen.py tests/test_kernels_select.py \
-      tests/test_kernels_fused_pass.py tests/test_kernels_backend.py \
-      tests/test_grouped.py tests/test_kernels_radix.py \
-      > "$out/kernel_tests.log" 2>&1
-    echo "kernel tests rc=$?"; tail -n 3 "$out/kernel_tests.log"
-    python benchmarks/blend_probe.py --out "$out/blend_probe.json" \
-      > "$out/blend_probe.log" 2>&1
-    echo "blend probe rc=$?"; tail -n 5 "$out/blend_probe.log"
+    gpu_tests kernel_tests tests/test_kernels_hash.py tests/test_zen.py \
+      tests/test_kernels_select.py tests/test_kernels_fused_pass.py \
+      tests/test_kernels_backend.py tests/test_grouped.py \
+      tests/test_kernels_radix.py
+    logged blend_probe 5 python benchmarks/blend_probe.py \
+      --out "$out/blend_probe.json"
     runs=""                      # one estimator per process, as published
     for c in ${CHUNKS:-default}; do runs="$runs dgc:$c"; done
     for run in $runs topk; do
@@ -100,14 +107,9 @@ PY
       overhead "$name" "$e" --steps "${2:-60}" "${extra[@]}"
     done ;;
   variants)
-    JAX_PLATFORMS=cuda,cpu JAXFUSE_TEST_GPU=1 JAXFUSE_KERNELS=pallas \
-      python -m pytest -q -p no:cacheprovider -rfEs tests/test_kernels_radix.py \
-      tests/test_radix_select.py tests/test_kernels_fused_pass.py \
-      > "$out/variant_tests.log" 2>&1
-    echo "variant tests rc=$?"; tail -n 3 "$out/variant_tests.log"
-    python benchmarks/kth_rows.py --out "$out/kth_rows.json" \
-      > "$out/kth_rows.log" 2>&1
-    echo "kth_rows rc=$?"; tail -n 8 "$out/kth_rows.log"
+    gpu_tests variant_tests tests/test_kernels_radix.py \
+      tests/test_radix_select.py tests/test_kernels_fused_pass.py
+    logged kth_rows 8 python benchmarks/kth_rows.py --out "$out/kth_rows.json"
     for run in "dgc radix --radix pallas" "dgc scan --scan-blocks 4096" \
                "dgc both --radix pallas --scan-blocks 4096" \
                "topk both --radix pallas --scan-blocks 4096"; do
