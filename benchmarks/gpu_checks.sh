@@ -22,7 +22,8 @@
 #           k-th largests as one Pallas kernel (overhead.py --radix pallas)
 #           and the scan folded into pass 2 (--scan-blocks 4096), their
 #           tests compiled, kth_rows.py, then dgc with each and with both,
-#           and topk with both (one GPU, about 8 minutes)
+#           and topk with both (one GPU, about 8 minutes; [steps] as in
+#           kernels)
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels|variants [steps]
 # PACK=FILE.tar.gz packs everything written into one archive at the end (a
 # device call hands back only a few files: OUT=/tmp/k PACK=$OUT/k.tar.gz).
@@ -107,6 +108,7 @@ PY
       overhead "$name" "$e" --steps "${2:-60}" "${extra[@]}"
     done ;;
   variants)
+    steps="${2:-60}"
     gpu_tests variant_tests tests/test_kernels_radix.py \
       tests/test_radix_select.py tests/test_kernels_fused_pass.py
     logged kth_rows 8 python benchmarks/kth_rows.py --out "$out/kth_rows.json"
@@ -114,7 +116,7 @@ PY
                "dgc both --radix pallas --scan-blocks 4096" \
                "topk both --radix pallas --scan-blocks 4096"; do
       set -- $run
-      overhead "$1_$2" "$1" --steps 60 "${@:3}"
+      overhead "$1_$2" "$1" --steps "$steps" "${@:3}"
     done ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -czf "$PACK" -C "$out" . && echo "packed $PACK"; fi

@@ -34,6 +34,7 @@ from jax import lax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
+from jaxfuse import _compat  # pylint: disable=wrong-import-position
 from jaxfuse import radix_select  # pylint: disable=wrong-import-position
 from jaxfuse.kernels import radix  # pylint: disable=wrong-import-position
 # benchmarks/kernels.py's timer: (median waited call, back-to-back mean).
@@ -53,8 +54,11 @@ BUCKETS = {
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--repeats", type=int, default=50)
-  p.add_argument("--methods", nargs="+", default=["sort", "xla", "pallas"],
-                 choices=["sort", "xla", "pallas"])
+  p.add_argument("--methods", nargs="+", choices=["sort", "xla", "pallas"],
+                 default=["sort", "xla"] + (
+                     ["pallas"] if _compat.pallas_triton() else []),
+                 help="default: all three (pallas where this JAX has "
+                 "Pallas's Triton backend)")
   p.add_argument("--out", help="JSON file to write")
   args = p.parse_args(argv)
   rng = np.random.default_rng(0)

@@ -24,7 +24,8 @@
 # files, e.g. a cost strategy's plans), at DENSITIES (default 0.05),
 # after the plain step (T1 and G).
 # MODE=nccl: the send_early step with the flags under NCCL settings that
-# take fewer SMs from the compute kernels beside it (NCCL_VARIANTS, default
+# may slow the compute kernels beside it less (fewer channels take fewer
+# SMs; the Simple protocol instead of LL; NCCL_VARIANTS, default
 # "default NCCL_MAX_NCHANNELS=2 NCCL_MAX_NCHANNELS=1 NCCL_PROTO=Simple"),
 # each traced, after the plain step (T1 and G), at DENSITIES (default 0.05).
 # No run starts after DEADLINE_S seconds (default 480). STRATEGY=aligned

@@ -45,6 +45,10 @@ def split_tail(plan: plan_lib.Plan, tail: int) -> plan_lib.Plan:
   """``plan`` with its last group (a contiguous run of the ready order: its
   sparse and dense bucket) cut so that the final part holds at most
   ``tail`` elements (whole leaves; at least one)."""
+  if plan.provenance.get("strategy") != "size":
+    raise ValueError("split_tail takes a `size` plan (its buckets are "
+                     "rebuilt as allgather/psum groups), got strategy "
+                     f"{plan.provenance.get('strategy')!r}")
   order = plan.provenance["backward_order"]
   position = {leaf: i for i, leaf in enumerate(order)}
   spans = sorted((min(position[i] for i in b.leaves),
@@ -56,6 +60,8 @@ def split_tail(plan: plan_lib.Plan, tail: int) -> plan_lib.Plan:
     else:
       runs.append([first, last])
   groups = [order[a:b + 1] for a, b in runs]
+  if len(groups[-1]) < 2:
+    raise ValueError("the last group is one leaf: nothing to cut")
   last, held, cut = groups[-1], 0, len(groups[-1]) - 1
   for j in range(len(last) - 1, 0, -1):
     if held + plan.leaves[last[j]].size > tail:

@@ -315,6 +315,19 @@ if given is not None:
                 offsets, block=64, tile=32)
 
 
+@SCANS
+def test_scan_in_several_chunks(monkeypatch, scan_blocks):
+  """The scan over the block counts in chunks of 2 (four chunks for eight
+  blocks), in its own kernel or in every pass-2 program: the same pass."""
+  from jaxfuse.kernels import selection  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(selection, "MAX_SCAN_CHUNK", 2)
+  rng = np.random.default_rng(5)
+  x, r = _stream(rng, 1001), _stream(rng, 1001, zeros=0.5)   # a new trace
+  for tau, capacity, offset in ((1.0, 40, 517), (0.3, 12, 999)):
+    _check(x, r, jnp.float32(tau), capacity, offset, block=128, tile=64,
+           scan_blocks=scan_blocks)
+
+
 def test_scan_in_pass2_launches_one_kernel_fewer(monkeypatch):
   """With the scan folded into pass 2 a group's pass is two kernels; the
   dispatch (``kernels.sparsify_pass_rows``) reads the module's switch each

@@ -56,7 +56,7 @@ def test_pallas_method_is_the_sorted_kth(widths, kind, zeros, tile, data):
     ranks.append(data.draw(st.integers(1, w)))
   width = max(widths)
   bits = np.concatenate([np.pad(a.view(np.int32), ((0, 0), (0, width - w)),
-                                constant_values=7)   # never read
+                                constant_values=2**31 - 1)  # never read
                          for a, w in zip(rows, widths)])
   k = np.repeat(ranks, 2).astype(np.int32)
   got = radix.radix_rows_pallas(jnp.asarray(bits), jnp.asarray(k),

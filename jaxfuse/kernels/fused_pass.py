@@ -19,9 +19,9 @@ update is non-finite on every worker; nothing of x enters the residual).
 (so a donated residual needs no copy) and r to a scratch buffer, the
 candidate mask, counts and staged positions, and per block whether acc is
 finite, its largest |acc| (first position) and whether x has a non-zero;
-the scan reduces those; pass 2 writes the slots and zeroes them in the
-residual in place (or copies r back from the scratch if acc was not
-finite). For float32 x and r. Memory traffic: read x and r, write acc and
+the scan reduces those (or each pass-2 program does, ``scan_blocks``);
+pass 2 writes the slots and zeroes them in the residual in place (or
+copies r back from the scratch if acc was not finite). For float32 x and r. Memory traffic: read x and r, write acc and
 the scratch (4n elements), the n/8-byte mask, the staged positions and the
 slots. The XLA reference reads acc about five times (finiteness,
 selection, argmax, scatter, the ``where``).
@@ -356,13 +356,14 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
                          num_warps: int | None = None,
                          interpret: bool = False,
                          scan_blocks: int | None = None) -> PassResult:
-  """``sparsify_pass_reference`` as three Pallas kernels, bit for bit: the
-  pass of ``sparsify_pass_rows_pallas`` with one row.
+  """``sparsify_pass_reference`` as three Pallas kernels (two with the scan
+  in pass 2), bit for bit: the pass of ``sparsify_pass_rows_pallas`` with
+  one row.
 
   x, r: flat float32, n elements; the other arguments as
   ``selection.select_pallas``; ``scan_blocks``: units of at most this many
-  blocks run the scan inside pass 2 (two kernels instead of three; None:
-  ``SCAN_IN_PASS2_BLOCKS`` when traced). (float32 only: XLA and Triton may both keep
+  blocks run the scan inside pass 2 (None: ``SCAN_IN_PASS2_BLOCKS`` when
+  traced). (float32 only: XLA and Triton may both keep
   a bfloat16 x + r in float32 before comparing it, each in its own places,
   so a narrower acc could differ from the reference near τ.)
   """
@@ -397,7 +398,8 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
                               num_warps: int | None = None,
                               interpret: bool = False,
                               scan_blocks: int | None = None) -> PassResult:
-  """``sparsify_pass_rows_reference`` in three Pallas kernels, bit for bit.
+  """``sparsify_pass_rows_reference`` in three Pallas kernels (two with the
+  scan in pass 2), bit for bit.
 
   ``xs``: the G streams of n float32 elements, as one (G, n) array or as
   chunks of R rows each (flat rows: R = 1; the last chunk may hold fewer),
@@ -431,7 +433,7 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
 def _rows_pass(parts, beta, r, taus, offsets, capacity, *, block, tile,
                stage, num_warps, interpret, scan_blocks,
                names) -> PassResult:
-  """The three kernels for checked (rows, n) chunks: ``parts`` = [x's] or,
+  """The kernels for checked (rows, n) chunks: ``parts`` = [x's] or,
   with ``beta``, [m's, g's] (``names``: the public function and its
   reference, for errors)."""
   chunks = parts[0]

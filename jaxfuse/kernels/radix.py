@@ -2,7 +2,7 @@
 
 For row i of n_i patterns b (int32, 0 ≤ b < 2³¹: bitcast magnitudes) and
 rank k_i, the k-th largest pattern, a digit per round from the top bit
-down (``radix_select.ROUNDS``: 3 bits, then seven 4-bit digits)::
+down (``ROUNDS``: 3 bits, then seven 4-bit digits)::
 
   t ← 0;  for (shift, width) in ROUNDS:
     c_d = #{j < n_i : b_j ≥ t | d·2^shift}     d = 0 … 2^width − 1
@@ -31,9 +31,12 @@ from jax.experimental import pallas as pl
 import numpy as np
 
 from jaxfuse import _compat
-from jaxfuse.radix_select import ROUNDS
 
 plgpu = _compat.pallas_triton()  # None: this JAX has no Triton backend
+
+# (shift, digit width) of each round: 3 bits, then seven 4-bit digits, 31
+# in all (``radix_select.ROUNDS``; any cut of the 31 bits gives the same t).
+ROUNDS = ((28, 3),) + tuple((s, 4) for s in range(24, -1, -4))
 
 DEFAULT_TILE = 256
 DEFAULT_NUM_WARPS = 4
