@@ -21,10 +21,11 @@ candidate mask, counts and staged positions, and per block whether acc is
 finite, its largest |acc| (first position) and whether x has a non-zero;
 the scan reduces those (or each pass-2 program does, ``scan_blocks``);
 pass 2 writes the slots and zeroes them in the residual in place (or
-copies r back from the scratch if acc was not finite). For float32 x and r. Memory traffic: read x and r, write acc and
-the scratch (4n elements), the n/8-byte mask, the staged positions and the
-slots. The XLA reference reads acc about five times (finiteness,
-selection, argmax, scatter, the ``where``).
+copies r back from the scratch if acc was not finite). For float32 x and
+r. Memory traffic: read x and r, write acc and the scratch (4n elements),
+the n/8-byte mask, the staged positions and the slots. The XLA reference
+reads acc about five times (finiteness, selection, argmax, scatter, the
+``where``).
 ``sparsify_pass_reference`` is that reference; the two are equal bit for bit.
 """
 
