@@ -37,6 +37,16 @@ def pytest_configure(config):
       "interpreter (Python 3.12) when there is one, to balance the two runs")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _drop_compiled_programs():
+  """After each test module, JAX's compiled programs are dropped. Each
+  XLA:CPU program holds about 18 memory mappings; the whole suite in one
+  process compiles thousands, and at the kernel's vm.max_map_count (65530
+  on the CI machine) the next compile aborts the interpreter."""
+  yield
+  jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory):
   """A persistent compilation cache for this run's child processes (see
