@@ -35,7 +35,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 import jaxfuse  # pylint: disable=wrong-import-position
 from jaxfuse import plans as plan_lib  # pylint: disable=wrong-import-position
 from jaxfuse.planning import costs as costs_lib  # pylint: disable=wrong-import-position
-from jaxfuse.planning import grouping  # pylint: disable=wrong-import-position
+from jaxfuse.planning import optimal  # pylint: disable=wrong-import-position
 from jaxfuse.planning import simulate  # pylint: disable=wrong-import-position
 from lm_model import build_model  # pylint: disable=wrong-import-position
 from lm_model import make_loss  # pylint: disable=wrong-import-position
@@ -46,8 +46,8 @@ def split_tail(plan: plan_lib.Plan, tail: int) -> plan_lib.Plan:
   sparse and dense bucket) cut so that the final part holds at most
   ``tail`` elements (whole leaves; at least one)."""
   if plan.provenance.get("strategy") != "size":
-    raise ValueError("split_tail takes a `size` plan (its buckets are "
-                     "rebuilt as allgather/psum groups), got strategy "
+    raise ValueError("split_tail takes a `size` plan (its groups are "
+                     "rebuilt as allgather/psum buckets), got strategy "
                      f"{plan.provenance.get('strategy')!r}")
   order = plan.provenance["backward_order"]
   position = {leaf: i for i, leaf in enumerate(order)}
@@ -68,12 +68,9 @@ def split_tail(plan: plan_lib.Plan, tail: int) -> plan_lib.Plan:
       break
     held += plan.leaves[last[j]].size
     cut = j
-  groups = groups[:-1] + [last[:cut], last[cut:]]
-  buckets = grouping.buckets_from_groups(
-      plan.leaves, [list(g) for g in groups], behind=False,
-      headroom=plan.settings.headroom, collective="allgather")
-  provenance = dict(plan.provenance, tail_elements=int(tail))
-  return plan_lib.Plan(plan.leaves, buckets, plan.settings, provenance)
+  return optimal.plan_from_groups(
+      plan, groups[:-1] + [last[:cut], last[cut:]], strategy="size",
+      provenance={"tail_elements": int(tail)})
 
 
 def main(argv=None):

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse import kernels
+from jaxfuse.kernels import radix
+from jaxfuse.kernels.radix import ROUNDS   # (shift, width): 3 bits, 7 × 4
 
-ROUNDS = ((28, 3),) + tuple((s, 4) for s in range(24, -1, -4))   # 31 bits
 METHODS = ("radix", "pallas", "sort")
 # The method on GPUs: "radix" (XLA reductions) or "pallas" (one kernel).
 DEFAULT_GPU_METHOD = "radix"
@@ -74,7 +75,6 @@ def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int],
   k = jnp.asarray(np.repeat(np.asarray(ranks, np.int32),
                             [a.shape[0] for a in rows]))
   if method == "pallas":
-    from jaxfuse.kernels import radix  # pylint: disable=g-import-not-at-top
     t = radix.radix_rows_pallas(
         bits, k, tuple(a.shape[1] for a in rows for _ in range(a.shape[0])),
         interpret=jax.default_backend() != "gpu")

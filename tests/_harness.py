@@ -6,10 +6,12 @@ import os
 import pathlib
 
 import jax
+from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxfuse
 
@@ -172,3 +174,45 @@ def assert_replicas_identical(arrays, num_devices: int | None = None):
       assert len(copies) == num_devices
     for c in copies[1:]:
       np.testing.assert_array_equal(c, copies[0])
+
+
+def triton_kernels_for_cuda(jitted, *specs) -> int:
+  """How many Triton kernels ``jitted`` lowers to for CUDA at ``specs``
+  (``jax.export``; no GPU needed where this JAX lowers for CUDA without
+  one, else the test is skipped)."""
+  try:
+    exported = export.export(jitted, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            *specs)
+  except RuntimeError as e:
+    if "GPU" not in str(e):
+      raise
+    pytest.skip(f"this JAX cannot lower for CUDA without a GPU: {e}")
+  return exported.mlir_module().count("xla.gpu.triton")
+
+
+# Non-negative magnitudes of several kinds, (rng, shape) -> float64 array:
+# the radix selects' test rows.
+MAGNITUDES = {
+    "normal": lambda rng, shape: np.abs(rng.normal(size=shape)),
+    "heavy": lambda rng, shape: np.abs(rng.standard_t(1, size=shape)) * 1e30,
+    "ties": lambda rng, shape: np.round(np.abs(rng.normal(size=shape)) * 3),
+    "tiny": lambda rng, shape: np.abs(rng.normal(size=shape)) * 1e-40,
+}
+
+
+def magnitude_rows(rng, kind, widths, zeros, rank, nan=False):
+  """Two float32 rows of ``MAGNITUDES[kind]`` per width, a share ``zeros``
+  of them 0, in rows longer than 3 two infinities (and, with ``nan``, a
+  NaN); and each width's rank ``rank(w)``. Returns (rows, ranks)."""
+  rows, ranks = [], []
+  for w in widths:
+    a = MAGNITUDES[kind](rng, (2, w)).astype(np.float32)
+    a[rng.random((2, w)) < zeros] = 0
+    if w > 3:
+      a[1, :2] = np.inf
+      if nan:
+        a[0, w - 1] = np.nan      # the largest, as in lax.top_k
+    rows.append(a)
+    ranks.append(rank(w))
+  return rows, ranks

@@ -19,6 +19,8 @@ from jaxfuse import kernels
 from jaxfuse.kernels import fused_pass as sp
 from jaxfuse.kernels import reference
 
+from _harness import triton_kernels_for_cuda
+
 try:
   from hypothesis import given
   from hypothesis import settings
@@ -353,19 +355,9 @@ def test_lowers_to_triton(scan_blocks):
   """Both placements of the scan lower to Triton for CUDA (three kernels,
   or two with the scan in pass 2; no GPU needed where JAX can lower for
   CUDA without one)."""
-  from jax import export  # pylint: disable=g-import-not-at-top
-  fn = lambda x, r, t, o: sp.sparsify_pass_rows_pallas(
-      x, r, t, 500, o, scan_blocks=scan_blocks)
-  rows = lambda dtype: jax.ShapeDtypeStruct((3, 100003), dtype)
-  try:
-    exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            rows(jnp.float32), rows(jnp.float32),
-            jax.ShapeDtypeStruct((3,), jnp.float32),
-            jax.ShapeDtypeStruct((3,), jnp.int32))
-  except RuntimeError as e:
-    if "GPU" not in str(e):
-      raise
-    pytest.skip(f"this JAX cannot lower for CUDA without a GPU: {e}")
-  assert exported.mlir_module().count("xla.gpu.triton") == (
-      2 if scan_blocks else 3)
+  fn = jax.jit(lambda x, r, t, o: sp.sparsify_pass_rows_pallas(
+      x, r, t, 500, o, scan_blocks=scan_blocks))
+  rows = jax.ShapeDtypeStruct((3, 100003), jnp.float32)
+  assert triton_kernels_for_cuda(
+      fn, rows, rows, jax.ShapeDtypeStruct((3,), jnp.float32),
+      jax.ShapeDtypeStruct((3,), jnp.int32)) == (2 if scan_blocks else 3)

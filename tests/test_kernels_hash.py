@@ -18,6 +18,8 @@ import pytest
 
 from jaxfuse.kernels import hash_partition as hp
 
+from _harness import triton_kernels_for_cuda
+
 G = 10_000
 ON_GPU = jax.default_backend() in ("gpu", "cuda", "rocm")
 
@@ -364,7 +366,6 @@ def test_kernel_lowers_inside_shard_map():
   (varying as the indices) and goes through the Triton lowering, no GPU
   needed where this JAX lowers for CUDA without one."""
   import jaxfuse  # pylint: disable=g-import-not-at-top
-  from jax import export  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   mesh = jaxfuse.make_mesh()
   k = mesh.devices.size
@@ -372,14 +373,7 @@ def test_kernel_lowers_inside_shard_map():
                    check_vma=True)
   spec = jax.ShapeDtypeStruct((k, 1000), jnp.int32,
                               sharding=NamedSharding(mesh, P("data")))
-  try:
-    exported = export.export(fn, platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(spec)
-  except RuntimeError as e:
-    if "GPU" not in str(e):
-      raise
-    pytest.skip(f"this JAX cannot lower for CUDA without a GPU: {e}")
-  assert exported.mlir_module().count("xla.gpu.triton") == 1
+  assert triton_kernels_for_cuda(fn, spec) == 1
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: the compiled Triton kernel")

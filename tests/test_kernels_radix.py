@@ -18,6 +18,10 @@ from jaxfuse import kernels
 from jaxfuse import radix_select
 from jaxfuse.kernels import radix
 
+from _harness import MAGNITUDES
+from _harness import magnitude_rows
+from _harness import triton_kernels_for_cuda
+
 ON_GPU = (os.environ.get("JAXFUSE_TEST_GPU") == "1"
           and jax.default_backend() == "gpu")
 INTERPRET = not ON_GPU
@@ -33,27 +37,16 @@ def _bits(a):
 
 @settings(max_examples=20, deadline=None)
 @given(widths=st.lists(st.integers(1, 300), min_size=1, max_size=3),
-       kind=st.sampled_from(["normal", "ties", "heavy", "tiny"]),
+       kind=st.sampled_from(sorted(MAGNITUDES)),
        zeros=st.floats(0, 1), tile=st.sampled_from([32, 128]),
        data=st.data())
 def test_pallas_method_is_the_sorted_kth(widths, kind, zeros, tile, data):
   """Rows of several widths in one kernel (a program each, tiles of
   ``tile``, the last one partial): each row's k-th largest is the sort's,
   bitwise, with zeros, ties, infinities, NaN and denormals."""
-  rng = np.random.default_rng(sum(widths) + tile)
-  make = {"normal": lambda s: np.abs(rng.normal(size=s)),
-          "ties": lambda s: np.round(np.abs(rng.normal(size=s)) * 3),
-          "heavy": lambda s: np.abs(rng.standard_t(1, size=s)) * 1e30,
-          "tiny": lambda s: np.abs(rng.normal(size=s)) * 1e-40}[kind]
-  rows, ranks = [], []
-  for w in widths:
-    a = make((2, w)).astype(np.float32)
-    a[rng.random((2, w)) < zeros] = 0
-    if w > 3:
-      a[1, :2] = np.inf
-      a[0, w - 1] = np.nan        # the largest, as in lax.top_k
-    rows.append(a)
-    ranks.append(data.draw(st.integers(1, w)))
+  rows, ranks = magnitude_rows(
+      np.random.default_rng(sum(widths) + tile), kind, widths, zeros,
+      lambda w: data.draw(st.integers(1, w)), nan=True)
   width = max(widths)
   bits = np.concatenate([np.pad(a.view(np.int32), ((0, 0), (0, width - w)),
                                 constant_values=2**31 - 1)  # never read
@@ -132,7 +125,6 @@ def test_lowers_to_one_triton_kernel_inside_shard_map():
   """Under shard_map with check_vma=True, as ``sparse_sync`` calls it on
   GPUs: one Triton kernel for all rows (no GPU needed where JAX can lower
   for CUDA without one)."""
-  from jax import export  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import jaxfuse  # pylint: disable=g-import-not-at-top
   mesh = jaxfuse.make_mesh()
@@ -141,14 +133,6 @@ def test_lowers_to_one_triton_kernel_inside_shard_map():
       lambda b, k: radix.radix_rows_pallas(b[0], k[0], (700, 700, 37))[None],
       mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"),
       check_vma=True))
-  spec = lambda shape, s: jax.ShapeDtypeStruct(
-      shape, jnp.int32, sharding=NamedSharding(mesh, s))
-  try:
-    exported = export.export(fn, platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            spec((n, 3, 700), P("data")), spec((n, 3), P("data")))
-  except RuntimeError as e:
-    if "GPU" not in str(e):
-      raise
-    pytest.skip(f"this JAX cannot lower for CUDA without a GPU: {e}")
-  assert exported.mlir_module().count("xla.gpu.triton") == 1
+  spec = lambda shape: jax.ShapeDtypeStruct(
+      shape, jnp.int32, sharding=NamedSharding(mesh, P("data")))
+  assert triton_kernels_for_cuda(fn, spec((n, 3, 700)), spec((n, 3))) == 1

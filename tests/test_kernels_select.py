@@ -22,6 +22,8 @@ from jaxfuse.kernels.selection import select_band_pallas
 from jaxfuse.kernels.selection import select_band_reference
 from jaxfuse.kernels.selection import select_pallas
 
+from _harness import triton_kernels_for_cuda
+
 try:
   from hypothesis import given
   from hypothesis import settings
@@ -336,7 +338,6 @@ def test_inside_shard_map(any_mesh):
 def test_lowers_for_gpu_inside_shard_map(any_mesh):
   """The Triton lowering under shard_map with check_vma=True (no GPU needed
   where JAX can lower for CUDA without one)."""
-  from jax import export  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   mesh = any_mesh
   k = mesh.devices.size
@@ -344,16 +345,10 @@ def test_lowers_for_gpu_inside_shard_map(any_mesh):
                      check_vma=True)
   spec = lambda shape, dtype, s: jax.ShapeDtypeStruct(
       shape, dtype, sharding=NamedSharding(mesh, s))
-  try:
-    exported = export.export(fn, platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            spec((k, 100003), jnp.float32, P("data")),
-            spec((k,), jnp.float32, P("data")), spec((), jnp.int32, P()))
-  except RuntimeError as e:
-    if "GPU" not in str(e):
-      raise
-    pytest.skip(f"this JAX cannot lower for CUDA without a GPU: {e}")
-  assert exported.mlir_module().count("xla.gpu.triton") == 3   # mask, scan, write
+  assert triton_kernels_for_cuda(
+      fn, spec((k, 100003), jnp.float32, P("data")),
+      spec((k,), jnp.float32, P("data")),
+      spec((), jnp.int32, P())) == 3                    # mask, scan, write
 
 
 def test_rejects_bad_arguments():

@@ -10,32 +10,21 @@ import pytest
 
 from jaxfuse import radix_select
 
+from _harness import MAGNITUDES
 from _harness import fast_jit
-
-_KINDS = {
-    "normal": lambda rng, shape: np.abs(rng.normal(size=shape)),
-    "heavy": lambda rng, shape: np.abs(rng.standard_t(1, size=shape)) * 1e30,
-    "ties": lambda rng, shape: np.round(np.abs(rng.normal(size=shape)) * 3),
-    "tiny": lambda rng, shape: np.abs(rng.normal(size=shape)) * 1e-40,
-}
+from _harness import magnitude_rows
 
 
 @settings(max_examples=25, deadline=None)
 @given(widths=st.lists(st.integers(1, 700), min_size=1, max_size=4),
-       kind=st.sampled_from(sorted(_KINDS)), zeros=st.floats(0, 1),
+       kind=st.sampled_from(sorted(MAGNITUDES)), zeros=st.floats(0, 1),
        data=st.data())
 def test_kth_largest_rows_is_the_sorted_kth(widths, kind, zeros, data):
   """Rows of several widths in one call: each row's k-th largest is the
   sort's, bitwise (zeros, ties, infinities, denormals, any k)."""
-  rng = np.random.default_rng(sum(widths))
-  rows, ranks = [], []
-  for w in widths:
-    a = _KINDS[kind](rng, (2, w)).astype(np.float32)
-    a[rng.random((2, w)) < zeros] = 0
-    if w > 3:
-      a[1, :2] = np.inf
-    rows.append(a)
-    ranks.append(data.draw(st.integers(1, w)))
+  rows, ranks = magnitude_rows(np.random.default_rng(sum(widths)), kind,
+                               widths, zeros,
+                               lambda w: data.draw(st.integers(1, w)))
   got = fast_jit(lambda r: radix_select.kth_largest_rows(   # one-off
       r, ranks, method="radix"))([jnp.asarray(a) for a in rows])
   for a, k, g in zip(rows, ranks, got):

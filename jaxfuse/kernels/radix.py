@@ -35,7 +35,8 @@ from jaxfuse import _compat
 plgpu = _compat.pallas_triton()  # None: this JAX has no Triton backend
 
 # (shift, digit width) of each round: 3 bits, then seven 4-bit digits, 31
-# in all (``radix_select.ROUNDS``; any cut of the 31 bits gives the same t).
+# in all (the XLA rounds of ``radix_select`` use them too; any cut of the 31
+# bits gives the same t).
 ROUNDS = ((28, 3),) + tuple((s, 4) for s in range(24, -1, -4))
 
 DEFAULT_TILE = 256
