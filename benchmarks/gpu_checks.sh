@@ -23,7 +23,9 @@
 #           and the scan folded into pass 2 (--scan-blocks 4096), their
 #           tests compiled, kth_rows.py, then dgc with each and with both,
 #           and topk with both (one GPU, about 8 minutes; [steps] as in
-#           kernels)
+#           kernels). ROWS="dgc:base dgc:both topk:base ..." picks the
+#           rows (estimator:base|radix|scan|both; base is today's default,
+#           in the same call); TESTS=0 skips the tests and kth_rows.py
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels|variants [steps]
 # PACK=FILE.tar.gz packs everything written into one archive at the end (a
 # device call hands back only a few files: OUT=/tmp/k PACK=$OUT/k.tar.gz).
@@ -109,14 +111,21 @@ PY
     done ;;
   variants)
     steps="${2:-60}"
-    gpu_tests variant_tests tests/test_kernels_radix.py \
-      tests/test_radix_select.py tests/test_kernels_fused_pass.py
-    logged kth_rows 8 python benchmarks/kth_rows.py --out "$out/kth_rows.json"
-    for run in "dgc radix --radix pallas" "dgc scan --scan-blocks 4096" \
-               "dgc both --radix pallas --scan-blocks 4096" \
-               "topk both --radix pallas --scan-blocks 4096"; do
-      set -- $run
-      overhead "$1_$2" "$1" --steps "$steps" "${@:3}"
+    if [ "${TESTS:-1}" = 1 ]; then
+      gpu_tests variant_tests tests/test_kernels_radix.py \
+        tests/test_radix_select.py tests/test_kernels_fused_pass.py
+      logged kth_rows 8 python benchmarks/kth_rows.py --out "$out/kth_rows.json"
+    fi
+    for row in ${ROWS:-dgc:base dgc:radix dgc:scan dgc:both topk:both}; do
+      e=${row%%:*}; v=${row#*:}
+      case "$v" in
+        base) extra=() ;;
+        radix) extra=(--radix pallas) ;;
+        scan) extra=(--scan-blocks 4096) ;;
+        both) extra=(--radix pallas --scan-blocks 4096) ;;
+        *) echo "unknown variant $v (base, radix, scan, both)"; exit 2 ;;
+      esac
+      overhead "${e}_$v" "$e" --steps "$steps" "${extra[@]}"
     done ;;
 esac
 if [ -n "${PACK:-}" ]; then tar -czf "$PACK" -C "$out" . && echo "packed $PACK"; fi
