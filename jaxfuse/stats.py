@@ -57,12 +57,22 @@ def segment_counts(flags: jax.Array, sizes) -> jax.Array:
   return c[ends] - c[ends - sizes]
 
 
+def sent_count(count, indices, n) -> jax.Array:
+  """Slots of ``indices`` (G, c) that hold an element (index < n), from
+  the pass's scalars instead of a reduce over the slots: the pass fills
+  min(m, c) slots when it counted m ≥ 1 candidates; with m = 0 only slot 0
+  can hold one (the lone largest element, or element 0 of a non-finite
+  unit). Equal to ``sum(indices < n, axis=1)`` (``sparsify_unit``)."""
+  c = indices.shape[-1]
+  return jnp.where(count > 0, jnp.minimum(count, c),
+                   (indices[..., 0] < n).astype(jnp.int32)).astype(jnp.int32)
+
+
 def sparse_stats(plan, units, out, stacked):
   """Stats chunks of one vmapped group: (leaf ids, {stat: per-leaf array})."""
   if all(len(u.leaves) == 1 for u in units):
     return [([u.leaves[0] for u in units], dict(
-        selected=jnp.sum(out.indices < units[0].size, axis=1,
-                         dtype=jnp.int32),
+        selected=sent_count(out.count, out.indices, units[0].size),
         candidates=out.count,
         threshold=out.tau,
         nonfinite=out.nonfinite,

@@ -13,6 +13,7 @@ import pytest
 import jaxfuse
 from jaxfuse import plans as plan_lib
 from jaxfuse import sparsify
+from jaxfuse import stats as stats_lib
 from jaxfuse.kernels import reference
 
 from _harness import init, list_plan, sync
@@ -250,6 +251,41 @@ def test_per_leaf_stats_match_what_was_sent(mesh, strategy, shapes):
   last = len(shapes) - 1
   if plan.leaves[last].mode == "sparse" and unit_finite[last][0]:
     assert stats.selected[0, last] == 0 and not stats.missing[0, last]
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_fn(estimator, capacity, density):
+  return jax.jit(functools.partial(
+      sparsify.sparsify_unit, capacity=capacity, density=density,
+      estimator=estimator, settings=jaxfuse.Settings()))
+
+
+@settings(max_examples=24, deadline=None)
+@given(estimator=st.sampled_from(["dgc", "topk", "gaussian"]),
+       n=st.sampled_from([300, 80_000]), capacity=st.sampled_from([1, 40]),
+       kind=st.sampled_from(["normal", "zeros", "one", "nan", "ties"]),
+       seed=st.integers(0, 2**16))
+def test_sent_count_from_scalars_is_the_slots_filled(estimator, n, capacity,
+                                                     kind, seed):
+  """``stats.sent_count`` (from the count and slot 0) equals the slots
+  that hold an element, for every estimator (``topk``'s finished pass
+  too), a capacity below and above the candidates, all-zero, lone,
+  non-finite and tied units."""
+  rng = np.random.default_rng(seed)
+  g = {"normal": lambda: rng.normal(size=n),
+       "zeros": lambda: np.zeros(n),
+       "one": lambda: np.eye(1, n, rng.integers(n))[0] * rng.normal(),
+       "nan": lambda: np.where(np.arange(n) == rng.integers(n), np.nan,
+                               rng.normal(size=n)),
+       "ties": lambda: np.round(rng.normal(size=n))}[kind]().astype(
+           np.float32)
+  ctrl = jax.tree.map(lambda x: x[0], sparsify.initial_control(1))
+  out = _unit_fn(estimator, capacity, 0.01)(
+      jnp.asarray(g), jnp.zeros(n), ctrl, jnp.int32(1), jnp.uint32(seed))
+  idx = np.asarray(out.indices)
+  want = int((idx < n).sum())
+  got = stats_lib.sent_count(out.count[None], out.indices[None], n)
+  assert int(got[0]) == want, (int(out.count), idx[:3])
 
 
 # --- "topk": the sampled bracket and the shared pass --------------------------
