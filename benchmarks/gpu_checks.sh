@@ -17,15 +17,16 @@
 #           runs dgc with each rows-per-chunk of
 #           the fused pass's streams (overhead.py --rows-per-chunk; about
 #           2 minutes more each)
-#   variants  the kernel variants not yet on by default, against the
-#           kernels mode's rows (each row against its own dense step): the
+#   variants  kernel variants, each row against its own dense step: the
 #           k-th largests as one Pallas kernel (overhead.py --radix pallas)
-#           and the scan folded into pass 2 (--scan-blocks 4096), their
-#           tests compiled, kth_rows.py, then dgc with each and with both,
-#           and topk with both (one GPU, about 8 minutes; [steps] as in
-#           kernels). ROWS="dgc:base dgc:both topk:base ..." picks the
-#           rows (estimator:base|radix|scan|both; base is today's default,
-#           in the same call); TESTS=0 skips the tests and kth_rows.py
+#           or XLA rounds (--radix radix), the scan folded into pass 2
+#           (--scan-blocks 4096) or a kernel of its own (0); their tests
+#           compiled and kth_rows.py, then the ROWS (default "dgc:base
+#           dgc:old topk:base topk:old"; estimator:variant with variant
+#           base = today's defaults, radix, scan, both = the Pallas radix
+#           and/or the folded scan, old = XLA rounds and the scan kernel);
+#           one GPU, about 8 minutes; [steps] as in kernels. TESTS=0 skips
+#           the tests and kth_rows.py
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels|variants [steps]
 # PACK=FILE.tar.gz packs everything written into one archive at the end (a
 # device call hands back only a few files: OUT=/tmp/k PACK=$OUT/k.tar.gz).
@@ -116,14 +117,15 @@ PY
         tests/test_radix_select.py tests/test_kernels_fused_pass.py
       logged kth_rows 8 python benchmarks/kth_rows.py --out "$out/kth_rows.json"
     fi
-    for row in ${ROWS:-dgc:base dgc:radix dgc:scan dgc:both topk:both}; do
+    for row in ${ROWS:-dgc:base dgc:old topk:base topk:old}; do
       e=${row%%:*}; v=${row#*:}
       case "$v" in
         base) extra=() ;;
         radix) extra=(--radix pallas) ;;
         scan) extra=(--scan-blocks 4096) ;;
         both) extra=(--radix pallas --scan-blocks 4096) ;;
-        *) echo "unknown variant $v (base, radix, scan, both)"; exit 2 ;;
+        old) extra=(--radix radix --scan-blocks 0) ;;
+        *) echo "unknown variant $v (base, radix, scan, both, old)"; exit 2 ;;
       esac
       overhead "${e}_$v" "$e" --steps "$steps" "${extra[@]}"
     done ;;

@@ -16,6 +16,7 @@ import numpy as np
 from jaxfuse import _compat
 from jaxfuse import fusion
 from jaxfuse import plans as plan_lib
+from jaxfuse import sparsify
 
 
 class SyncStats(NamedTuple):
@@ -57,22 +58,32 @@ def segment_counts(flags: jax.Array, sizes) -> jax.Array:
   return c[ends] - c[ends - sizes]
 
 
-def sent_count(count, indices, n) -> jax.Array:
+def sent_count(count, indices, n, nonfinite, *, finished: bool = False):
   """Slots of ``indices`` (G, c) that hold an element (index < n), from
-  the pass's scalars instead of a reduce over the slots: the pass fills
-  min(m, c) slots when it counted m ≥ 1 candidates; with m = 0 only slot 0
-  can hold one (the lone largest element, or element 0 of a non-finite
-  unit). Equal to ``sum(indices < n, axis=1)`` (``sparsify_unit``)."""
+  the pass's scalars instead of a reduce over the slots. A non-finite unit
+  fills slot 0 only. Otherwise the pass fills min(m, c) slots when it
+  counted m ≥ 1 candidates, and with m = 0 slot 0 only if it holds the
+  unit's lone largest element. ``finished``: ``sparsify.topk_finish``'s
+  result, whose m counts that element too (no slot is read: XLA 0.11's
+  GPU compiler failed on a slice of that result). Equal to
+  ``sum(indices < n, axis=1)`` (``sparsify_unit``)."""
   c = indices.shape[-1]
-  return jnp.where(count > 0, jnp.minimum(count, c),
-                   (indices[..., 0] < n).astype(jnp.int32)).astype(jnp.int32)
+  kept = jnp.minimum(count, c)
+  if not finished:
+    kept = jnp.where(count > 0, kept, indices[..., 0] < n)
+  return jnp.where(nonfinite, 1, kept).astype(jnp.int32)
 
 
 def sparse_stats(plan, units, out, stacked):
   """Stats chunks of one vmapped group: (leaf ids, {stat: per-leaf array})."""
   if all(len(u.leaves) == 1 for u in units):
+    u = units[0]
+    finished = sparsify.needs_topk_finish(
+        u.size, density=u.density, estimator=u.estimator,
+        settings=plan.settings)
     return [([u.leaves[0] for u in units], dict(
-        selected=sent_count(out.count, out.indices, units[0].size),
+        selected=sent_count(out.count, out.indices, u.size, out.nonfinite,
+                            finished=finished),
         candidates=out.count,
         threshold=out.tau,
         nonfinite=out.nonfinite,

@@ -217,13 +217,15 @@ def test_rows_of_a_stack_and_bad_operands():
 def test_rows_pass_stacks_nothing():
   """No (G, n) array of the streams is built: pass 1 takes the G rows as
   operands (the jaxpr has no concatenate), and the G rows take three
-  kernels in all, not three each."""
+  kernels in all (two with the scan in pass 2), not three each."""
   xs = [jnp.ones((1000,), jnp.float32)] * 3
-  jaxpr = str(jax.make_jaxpr(lambda xs, r: sp.sparsify_pass_rows_pallas(
-      xs, r, jnp.ones((3,)), 8, jnp.zeros((3,), jnp.int32), block=128,
-      tile=64, interpret=True))(xs, jnp.zeros((3, 1000))))
-  assert "concatenate" not in jaxpr
-  assert jaxpr.count("pallas_call[") == 3
+  for scan_blocks, calls in ((0, 3), (4096, 2)):
+    jaxpr = str(jax.make_jaxpr(lambda xs, r: sp.sparsify_pass_rows_pallas(
+        xs, r, jnp.ones((3,)), 8, jnp.zeros((3,), jnp.int32), block=128,
+        tile=64, interpret=True, scan_blocks=scan_blocks))(
+            xs, jnp.zeros((3, 1000))))
+    assert "concatenate" not in jaxpr
+    assert jaxpr.count("pallas_call[") == calls, scan_blocks
 
 
 def _blend_xla(m, g, beta):

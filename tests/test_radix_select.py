@@ -45,21 +45,30 @@ def test_kth_largest_rows_rejects_bad_ranks():
 
 
 @pytest.mark.parametrize("platform,kernels_backend,method", [
-    ("cpu", "reference", "sort"), ("gpu", "pallas", "radix"),
+    ("cpu", "reference", "sort"), ("gpu", "pallas", "pallas"),
     ("gpu", "reference", "radix"),     # a JAX without Pallas's Triton
 ])
 def test_default_method_follows_the_platform(monkeypatch, platform,
                                              kernels_backend, method):
-  """Radix on GPUs whether or not the Pallas kernels run (it is plain JAX);
-  the sort on CPUs."""
+  """Where the Pallas kernels run, ``DEFAULT_GPU_METHOD`` (the one-kernel
+  radix); the XLA rounds on other GPUs (they are plain JAX); the sort on
+  CPUs."""
   used = []
   monkeypatch.setattr(radix_select.jax, "default_backend", lambda: platform)
   monkeypatch.setattr(radix_select.kernels, "backend",
                       lambda: kernels_backend)
-  top_k = radix_select.lax.top_k
+  assert radix_select.DEFAULT_GPU_METHOD == "pallas"
+  top_k, rows_xla = radix_select.lax.top_k, radix_select.radix_rows
+  rows_pallas = radix_select.radix.radix_rows_pallas
   monkeypatch.setattr(radix_select.lax, "top_k",
                       lambda *a: used.append("sort") or top_k(*a))
+  monkeypatch.setattr(radix_select, "radix_rows",
+                      lambda *a: used.append("radix") or rows_xla(*a))
+  monkeypatch.setattr(  # in the interpreter: this machine has no GPU
+      radix_select.radix, "radix_rows_pallas",
+      lambda *a, **kw: used.append("pallas") or rows_pallas(
+          *a, **dict(kw, interpret=True)))
   rows = jnp.asarray(np.arange(12, dtype=np.float32).reshape(2, 6))
   got = radix_select.kth_largest_rows([rows], [2])
-  assert (used == ["sort"]) == (method == "sort")
+  assert used == [method]
   assert np.asarray(got[0]).tolist() == [4.0, 10.0]
