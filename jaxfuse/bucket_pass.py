@@ -9,8 +9,9 @@ reductions instead of a sort per group)::
 
   1. per batch: the sampled |acc| (``sparsify.sample_magnitudes``)
   2. the bucket: their k-th largest (DGC's estimate, topk's bracket τ_lo)
-  3. per batch: τ (``sparsify.unit_threshold``) and the fused pass of all
-     its rows (``kernels.sparsify_pass_rows``)
+  3. per batch: τ (``sparsify.unit_threshold``); the bucket: the fused
+     pass of every batch's rows (``kernels.sparsify_pass_bucket``: on GPU
+     one kernel per pass for all of them)
   4. the bucket: the k-th largest of topk's staged slots; per batch
      ``sparsify.topk_finish``
   5. per batch: controller and checks (``sparsify.unit_result``)
@@ -59,7 +60,7 @@ def rows_of(x, rows):
 
 
 # Rows of a batch's streams stacked together for the fused pass, which
-# reads each chunk where it is (``kernels.sparsify_pass_rows``). 1: every
+# reads each chunk where it is (``kernels.sparsify_pass_bucket``). 1: every
 # row where it is (nothing stacked; the fastest on an H200, and a blended
 # stream stays two reshaped leaves: docs/benchmarks.md, "Overhead on one
 # GPU"). 0: the whole batch at once. XLA's GPU concatenate emitter takes
@@ -157,16 +158,17 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
                 chunks[i], r[i], salts[i]) for i in sampled],
       [specs[i].rank for i in sampled])))
 
-  passes = []
+  taus, pass_args = [], []
   for i, b in enumerate(todo):
     threshold = jax.vmap(functools.partial(sparsify.unit_threshold, **kw[i]),
                          in_axes=(0, 0, 0, None, 0, 0))
     tau, offset = by_chunk(
         lambda x_, r_, c_, s_, e_, f=threshold: f(x_, r_, c_, step, s_, e_),
         chunks[i], r[i], c[i], salts[i], estimate.get(i))
-    passes.append((tau, kernels.sparsify_pass_rows(
-        chunks[i], r[i], tau, sparsify.pass_capacity(
-            b.unit.size, capacity=b.unit.capacity, **kw[i]), offset)))
+    taus.append(tau)
+    pass_args.append((chunks[i], r[i], tau, sparsify.pass_capacity(
+        b.unit.size, capacity=b.unit.capacity, **kw[i]), offset))
+  passes = list(zip(taus, kernels.sparsify_pass_bucket(pass_args)))
 
   staged = [i for i, b in enumerate(todo)
             if sparsify.needs_topk_finish(b.unit.size, **kw[i])]

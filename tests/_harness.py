@@ -1,5 +1,6 @@
 """Shared test helpers: run sparse_sync on given per-worker gradients."""
 
+import contextlib
 import functools
 import math
 import os
@@ -216,3 +217,23 @@ def magnitude_rows(rng, kind, widths, zeros, rank, nan=False):
     rows.append(a)
     ranks.append(rank(w))
   return rows, ranks
+
+
+@contextlib.contextmanager
+def pass1_segments():
+  """Records each traced fused pass 1 (one Pallas call per bucket): per
+  call, per segment (a batch of rows), its operands' shapes (τs, the
+  streams, r). JAX's caches are cleared first, so every step traces."""
+  from jaxfuse.kernels import segments  # pylint: disable=g-import-not-at-top
+  seen = []
+  real = segments.segmented_call
+
+  def record(segs, **kw):
+    if kw.get("name") == "jaxfuse_sparsify_pass1":
+      seen.append([[tuple(x.shape) for x in s.inputs] for s in segs])
+    return real(segs, **kw)
+
+  jax.clear_caches()
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(segments, "segmented_call", record)
+    yield seen

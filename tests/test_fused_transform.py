@@ -22,7 +22,7 @@ import jaxfuse
 from jaxfuse import bucket_pass
 from jaxfuse import kernels
 
-from _harness import list_plan, mesh_of, shard
+from _harness import list_plan, mesh_of, pass1_segments, shard
 
 ON_GPU = (os.environ.get("JAXFUSE_TEST_GPU") == "1"
           and jax.default_backend() == "gpu")
@@ -204,21 +204,6 @@ def test_bad_blends_name_the_fix():
     _blend_update(jnp.bfloat16)((m, 0.9))
 
 
-def _pass1_operands(jaxpr):
-  """Per pass-1 kernel (the ``pallas_call`` with 9 outputs) in ``jaxpr``
-  and the jaxprs inside it: the shapes of its operands."""
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call" and len(eqn.outvars) == 9:
-      out.append([tuple(v.aval.shape) for v in eqn.invars])
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else [param]:
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          out.extend(_pass1_operands(sub))
-  return out
-
-
 def test_the_pass_forms_a_blend_of_matrices_and_vectors(monkeypatch):
   """With ``blend=(m, β)`` the pass of a state group of matrices takes m's
   and g's rows (two operands a row: x is never written out); a group of
@@ -237,8 +222,10 @@ def test_the_pass_forms_a_blend_of_matrices_and_vectors(monkeypatch):
         mesh=mesh, in_specs=(P("data"), P("data"), specs),
         out_specs=(P(), specs), check_vma=False))
     args = shard(mesh, [np.ones((1,) + s, np.float32) for s in shapes])
-    jaxpr = jax.make_jaxpr(step)(args, args, state).jaxpr
+    with pass1_segments() as calls:
+      jax.make_jaxpr(step)(args, args, state)
   finally:
     kernels.set_backend("auto")
-  streams = sorted(len(ops) - 2 for ops in _pass1_operands(jaxpr))
+  assert len(calls) == 1, calls     # one pass-1 kernel for the bucket
+  streams = sorted(len(ops) - 2 for ops in calls[0])
   assert streams == [1, 6], streams   # τs and r besides the streams

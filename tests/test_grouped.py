@@ -19,7 +19,7 @@ import jaxfuse
 from jaxfuse import grouped
 from jaxfuse import kernels
 
-from _harness import list_plan, mesh_of, shard
+from _harness import list_plan, mesh_of, pass1_segments, shard
 
 ON_GPU = (os.environ.get("JAXFUSE_TEST_GPU") == "1"
           and jax.default_backend() == "gpu")
@@ -154,18 +154,6 @@ def test_onebit_on_the_pallas_pass_is_the_reference_bit_for_bit():
     np.testing.assert_array_equal(a, b)
 
 
-def _pallas_calls(jaxpr):
-  """Every ``pallas_call`` equation, nested jaxprs (shard_map, jit) too."""
-  for e in jaxpr.eqns:
-    if e.primitive.name == "pallas_call":
-      yield e
-    for p in e.params.values():
-      for sub in p if isinstance(p, (list, tuple)) else [p]:
-        sub = getattr(sub, "jaxpr", sub)    # a ClosedJaxpr's Jaxpr
-        if hasattr(sub, "eqns"):
-          yield from _pallas_calls(sub)
-
-
 @pytest.mark.skipif(ON_GPU, reason="reads the CPU compiler's HLO")
 def test_onebit_keeps_the_decoded_rows_as_its_m():
   """The sparse step's new m is the all-gather decode's (G, n) array
@@ -186,17 +174,17 @@ def test_onebit_keeps_the_decoded_rows_as_its_m():
       in_specs=(P("data"), specs), out_specs=(P(), specs), check_vma=False)
   kernels.set_backend("pallas")
   try:
-    hlo = jax.jit(step).lower(grads, state).compile().as_text()
-    jaxpr = jax.make_jaxpr(step)(grads, state)
+    with pass1_segments() as calls:
+      hlo = jax.jit(step).lower(grads, state).compile().as_text()
   finally:
     kernels.set_backend("auto")
-  # pass 1 takes τ, m's rows as one operand, g's rows apart, r (the 3-d
-  # leaf's too: its m is a row of its own group)
-  pass1 = [[tuple(v.aval.shape) for v in e.invars]
-           for e in _pallas_calls(jaxpr.jaxpr)
-           if "pass1" in str(e.params.get("name"))]
-  assert sorted(pass1) == [[(1,), (2048,), (2048,), (1, 2048)],
-                           [(4,), (4 * 4096,)] + [(4096,)] * 4 + [(4, 4096)]]
+  # one pass 1 for the bucket; per state group it takes τ, m's rows as one
+  # operand, g's rows apart, r (the 3-d leaf's too: its m is a row of its
+  # own group)
+  assert len(calls) == 1, calls
+  assert sorted(calls[0]) == [
+      [(1,), (2048,), (2048,), (1, 2048)],
+      [(4,), (4 * 4096,)] + [(4096,)] * 4 + [(4, 4096)]]
   stacks = re.findall(r"concatenate\S* = f32\[4,4096\]|"
                       r"= f32\[4,4096\]\S* concatenate\(", hlo)
   assert not stacks, stacks

@@ -122,6 +122,30 @@ def sparsify_pass_rows(xs, r, taus, capacity: int, offsets):
                                                  offsets)
 
 
+def sparsify_pass_bucket(batches):
+  """``sparsify_pass_rows`` of each batch of a bucket, ``batches`` a list
+  of (xs, r, taus, capacity, offsets); the float32 batches' Pallas kernels
+  as segments of one call per pass
+  (``fused_pass.sparsify_pass_bucket_pallas``)."""
+  from jaxfuse.kernels import fused_pass  # pylint: disable=g-import-not-at-top
+  f32 = jax.numpy.dtype("float32")
+  fast = [i for i, (xs, r, *_) in enumerate(batches)
+          if backend() == "pallas" and
+          {x.dtype for x in jax.tree.leaves(xs)} == {r.dtype} == {f32}]
+  out = [None] * len(batches)
+  if fast:
+    xs, r, taus, capacities, offsets = zip(*[batches[i] for i in fast])
+    got = fused_pass.sparsify_pass_bucket_pallas(
+        list(xs), list(r), list(taus), tuple(capacities), list(offsets),
+        interpret=jax.default_backend() != "gpu",
+        scan_blocks=fused_pass.SCAN_IN_PASS2_BLOCKS)
+    for i, result in zip(fast, got):
+      out[i] = result
+  return [o if o is not None else
+          fused_pass.sparsify_pass_rows_reference(*batch)
+          for o, batch in zip(out, batches)]
+
+
 def kth_largest_magnitude(x, k: int):
   """Exact k-th largest |x| (``threshold.kth_largest_magnitude``: a sampled
   bracket, the band kernel, a sort of the band). On the Pallas backend from

@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 
 from jaxfuse import _compat
 from jaxfuse.kernels import reference
+from jaxfuse.kernels import segments
 from jaxfuse.kernels import selection as sel
 from jaxfuse.kernels.compare import comparison_threshold
 
@@ -100,7 +101,7 @@ class Blended(NamedTuple):
 
 
 def _mask_kernel(tau_ref, *refs, chunks, beta, n, block, tile, stage,
-                 interpret):
+                 interpret, ids=None):
   """Pass 1 of ``selection.mask_kernel`` on acc = x + r, with the block's
   summaries (module docstring), for G units: grid (G, blocks), refs (x_0 …
   x_{C−1}, r, outputs…) with ``chunks`` = ((C, R),). The streams come in C
@@ -115,15 +116,16 @@ def _mask_kernel(tau_ref, *refs, chunks, beta, n, block, tile, stage,
   long). acc goes over r in place
   (``acc_ref`` is r's buffer) and r to ``old_ref``; the staged candidates
   are positions only (pass 2 reads their values from acc), so nothing here
-  reads memory this pass has written."""
-  g = pl.program_id(0)
+  reads memory this pass has written. ``ids``: (g, b) given (a segment of
+  ``segmented_pass``'s grid) instead of the program ids."""
+  g, b = ids if ids is not None else (pl.program_id(0), pl.program_id(1))
   x_ref = []
   for count, per in chunks:
     x_ref.append(sel.Switched(g // per, (g % per) * n, refs[:count], n))
     refs = refs[count:]
   x_ref = x_ref[0] if beta is None else Blended(*x_ref, beta)
   r_ref, refs = refs[0], refs[1:]
-  b, tau = pl.program_id(1), tau_ref[g]
+  tau = tau_ref[g]
   (bits_ref, cnt_ref, si_ref, acc_ref, old_ref, bmax_ref, bpos_ref, bfin_ref,
    bnz_ref) = refs
   rows = tile // sel.WORD
@@ -268,11 +270,12 @@ class _Same(NamedTuple):
 def _scan_write_kernel(offset_ref, cnt_ref, bits_ref, bmax_ref, bpos_ref,
                        bfin_ref, bnz_ref, acc_ref, si_ref, old_ref, v_ref,
                        i_ref, res_ref, scal_ref, *, num_blocks, chunk,
-                       **write):
+                       b=None, **write):
   """Pass 2 with the scan folded in: program b scans the block counts and
   summaries itself (``selection.scan_scalars``: O(blocks) each), then
-  writes block b (``selection.write_kernel``); program 0 also writes scal."""
-  b = pl.program_id(0)
+  writes block b (``selection.write_kernel``); program 0 also writes scal.
+  ``b`` given: that block (``segmented_pass``) instead of the program id."""
+  b = pl.program_id(0) if b is None else b
   scal, start = sel.scan_scalars(
       offset_ref[0], cnt_ref, bits_ref,
       (bmax_ref, bpos_ref, bfin_ref, bnz_ref), n=write["n"],
@@ -284,7 +287,7 @@ def _scan_write_kernel(offset_ref, cnt_ref, bits_ref, bmax_ref, bpos_ref,
       scal_ref[i] = value
 
   sel.write_kernel(scal, cnt_ref, _Same(start), bits_ref, acc_ref, si_ref,
-                   si_ref, old_ref, v_ref, i_ref, res_ref, **write)
+                   si_ref, old_ref, v_ref, i_ref, res_ref, b=b, **write)
 
 
 # Pass 2 scans the block counts itself (one kernel fewer per state group)
@@ -295,33 +298,22 @@ def _scan_write_kernel(offset_ref, cnt_ref, bits_ref, bmax_ref, bpos_ref,
 SCAN_IN_PASS2_BLOCKS = 4096
 
 
+def _write_params(cfg) -> dict:
+  """``selection.write_kernel``'s static arguments for ``cfg``."""
+  return dict(n=cfg.n, block=cfg.block,
+              words_per_step=min(cfg.block // sel.WORD,
+                                 sel.MAX_WORDS_PER_STEP),
+              stage=cfg.stage, capacity=cfg.capacity,
+              fill_per_program=cfg.fill_per_program,
+              interpret=cfg.interpret, tile=cfg.tile)
+
+
 def _finish(cfg, out, offset, pass1) -> PassResult:
-  """The scan and pass 2 of one unit from pass 1's outputs."""
+  """The scan kernel and pass 2 of one unit from pass 1's outputs (units
+  of more than ``SCAN_IN_PASS2_BLOCKS`` blocks; vmapped over the rows)."""
   bits, counts, staged_i, acc, old, bmax, bpos, bfin, bnz = pass1
   whole = pl.BlockSpec()
   stage_spec = pl.BlockSpec((cfg.stage,), lambda b: (b,))
-  write = dict(n=cfg.n, block=cfg.block,
-               words_per_step=min(cfg.block // sel.WORD,
-                                  sel.MAX_WORDS_PER_STEP),
-               stage=cfg.stage, capacity=cfg.capacity,
-               fill_per_program=cfg.fill_per_program,
-               interpret=cfg.interpret, tile=cfg.tile)
-  pass2_out = (out((cfg.capacity,), acc.dtype),
-               out((cfg.capacity,), jnp.int32), out(acc.shape, acc.dtype))
-  if cfg.scan_in_pass2:
-    values, indices, residual, scal = pl.pallas_call(
-        functools.partial(_scan_write_kernel, num_blocks=cfg.num_blocks,
-                          chunk=cfg.scan_chunk, **write),
-        out_shape=pass2_out + (out((8,), jnp.int32),),
-        grid=(cfg.num_blocks,),
-        in_specs=[whole] * 8 + [stage_spec, whole],
-        out_specs=(whole,) * 4,
-        input_output_aliases={7: 2},
-        compiler_params=cfg.params, interpret=cfg.interpret,
-        name="jaxfuse_sparsify_pass2",
-    )(jnp.reshape(offset, (1,)), counts, bits, bmax, bpos, bfin, bnz, acc,
-      staged_i, old)
-    return _result(cfg, values, indices, residual, scal)
   start, scal = pl.pallas_call(
       functools.partial(sel.scan_kernel, n=cfg.n, block=cfg.block,
                         num_blocks=cfg.num_blocks, chunk=cfg.scan_chunk),
@@ -331,8 +323,9 @@ def _finish(cfg, out, offset, pass1) -> PassResult:
       name="jaxfuse_sparsify_scan",
   )(jnp.reshape(offset, (1,)), counts, bits, bmax, bpos, bfin, bnz)
   values, indices, residual = pl.pallas_call(
-      functools.partial(sel.write_kernel, **write),
-      out_shape=pass2_out,
+      functools.partial(sel.write_kernel, **_write_params(cfg)),
+      out_shape=(out((cfg.capacity,), acc.dtype),
+                 out((cfg.capacity,), jnp.int32), out(acc.shape, acc.dtype)),
       grid=(cfg.num_blocks,),
       in_specs=[whole] * 5 + [stage_spec] * 2 + [whole],
       out_specs=(whole, whole, whole),
@@ -373,12 +366,13 @@ def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
   _check_operands([x], r)
   if r.ndim != 1:
     raise ValueError(f"r must be flat, got shape {list(r.shape)}")
-  out = _rows_pass(
+  names = ("sparsify_pass_pallas", "sparsify_pass_reference")
+  out = _run_batches([_prepare(
       [[x[None]]], None, r[None], jnp.reshape(jnp.asarray(tau), (1,)),
       jnp.reshape(jnp.asarray(offset, jnp.int32), (1,)), capacity,
       block=block, tile=tile, stage=stage, num_warps=num_warps,
-      interpret=interpret, scan_blocks=scan_blocks,
-      names=("sparsify_pass_pallas", "sparsify_pass_reference"))
+      interpret=interpret, scan_blocks=scan_blocks, names=names)],
+      interpret, names)[0]
   return jax.tree.map(lambda a: a[0], out)
 
 
@@ -408,13 +402,53 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
   chunks of R rows each (flat rows: R = 1; the last chunk may hold fewer),
   read where they are: pass 1's program for row g loads row g mod R of
   chunk g div R, so no (G, n) stack is made. r: (G, n) float32; taus,
-  offsets: (G,). Pass 1 is one kernel over all rows (grid G × blocks); the
-  scan and pass 2 run per row (vmapped: one kernel each over the rows).
-  With ``xs`` a ``reference.Blend`` of m and g (each in chunks of its own:
-  m may be one (G, n) array and g its rows apart), pass 1 forms x =
-  β·m + (1 − β)·g as it loads them: x is never written out.
-  ``scan_blocks`` as ``sparsify_pass_pallas``'s.
+  offsets: (G,). Pass 1 is one kernel over all rows (grid G × blocks), and
+  so is pass 2 with the scan in it; a scan kernel of its own runs per row
+  (vmapped: one kernel over the rows). With ``xs`` a ``reference.Blend``
+  of m and g (each in chunks of its own: m may be one (G, n) array and g
+  its rows apart), pass 1 forms x = β·m + (1 − β)·g as it loads them: x is
+  never written out. ``scan_blocks`` as ``sparsify_pass_pallas``'s.
   """
+  names = ("sparsify_pass_rows_pallas", "sparsify_pass_rows_reference")
+  return _run_batches([_prepare(
+      *_stream_parts(xs, r), r, taus, offsets, capacity, block=block,
+      tile=tile, stage=stage, num_warps=num_warps, interpret=interpret,
+      scan_blocks=scan_blocks, names=names)], interpret, names)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("capacities",) + _STATIC[1:])
+def sparsify_pass_bucket_pallas(xs, r, taus, capacities: tuple[int, ...],
+                                offsets, *, block: int | None = None,
+                                tile: int | None = None,
+                                stage: int | None = None,
+                                num_warps: int | None = None,
+                                interpret: bool = False,
+                                scan_blocks: int | None = None
+                                ) -> list[PassResult]:
+  """``sparsify_pass_rows_pallas`` of every batch of a bucket (lists: one
+  ``xs``, r, taus, capacity and offsets per batch, of its own length), bit
+  for bit, in two kernels in all: the batches' pass 1 as segments of one
+  Pallas call, and their pass 2 with the scan in it as segments of another
+  (``segments.segmented_call``); a batch of more than ``scan_blocks``
+  blocks keeps its scan kernel and pass 2 of its own. ``block``, ``tile``,
+  ``stage``: for every batch (None: each its own default).
+  """
+  names = ("sparsify_pass_bucket_pallas", "sparsify_pass_rows_reference")
+  if not len(xs) == len(r) == len(taus) == len(capacities) == len(offsets):
+    raise ValueError(f"{names[0]}: one xs, r, taus, capacity and offsets "
+                     f"per batch, got {len(xs)}, {len(r)}, {len(taus)}, "
+                     f"{len(capacities)} and {len(offsets)}")
+  return _run_batches([_prepare(
+      *_stream_parts(x, r_), r_, t, o, c, block=block, tile=tile,
+      stage=stage, num_warps=num_warps, interpret=interpret,
+      scan_blocks=scan_blocks, names=names)
+      for x, r_, t, c, o in zip(xs, r, taus, capacities, offsets)],
+      interpret, names)
+
+
+def _stream_parts(xs, r):
+  """(parts, β): the streams' chunks, [x's] or a ``Blend``'s [m's, g's],
+  checked against r."""
   beta = xs.beta if isinstance(xs, reference.Blend) else None
   parts = ([xs] if beta is None else [xs.m, xs.g])
   parts = [reference.stream_chunks(p) for p in parts]
@@ -426,28 +460,35 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
                      f"m and g of the same rows), got shapes {shapes}")
   _check_operands([jax.ShapeDtypeStruct(c.shape[1:], c.dtype)
                    for p in parts for c in p], r)
-  return _rows_pass(
-      parts, beta, r, taus, offsets, capacity, block=block, tile=tile,
-      stage=stage, num_warps=num_warps, interpret=interpret,
-      scan_blocks=scan_blocks,
-      names=("sparsify_pass_rows_pallas", "sparsify_pass_rows_reference"))
+  return parts, beta
 
 
-def _rows_pass(parts, beta, r, taus, offsets, capacity, *, block, tile,
-               stage, num_warps, interpret, scan_blocks,
-               names) -> PassResult:
-  """The kernels for checked (rows, n) chunks: ``parts`` = [x's] or,
-  with ``beta``, [m's, g's] (``names``: the public function and its
+class _Batch(NamedTuple):
+  """One batch's checked operands: G rows of n elements."""
+  cfg: _Config
+  layout: tuple         # (chunks, rows per chunk) of each part
+  beta: float | None
+  rows: int
+  taus: jax.Array       # (G,) comparison thresholds
+  offsets: jax.Array    # (G,) int32
+  flat: tuple           # the streams' chunks, flat
+  r: jax.Array          # (G, size), padded to a block
+
+
+def _prepare(parts, beta, r, taus, offsets, capacity, *, block, tile,
+             stage, num_warps, interpret, scan_blocks, names) -> _Batch:
+  """The kernels' operands for checked (rows, n) chunks: ``parts`` = [x's]
+  or, with ``beta``, [m's, g's] (``names``: the public function and its
   reference, for errors)."""
   chunks = parts[0]
   rows = sum(c.shape[0] for c in chunks)
-  layout = []   # (chunks, rows per chunk) of each part
+  layout = []
   for name, p in zip(["x"] if len(parts) == 1 else ["m", "g"], parts):
     per = p[0].shape[0]
     if any(c.shape[0] != per for c in p[:-1]) or p[-1].shape[0] > per:
-      raise ValueError(f"{name}: every chunk but the last must hold the "
-                       f"same number of rows, and the last no more; got "
-                       f"{[c.shape[0] for c in p]}")
+      raise ValueError(f"{names[0]}: {name}: every chunk but the last must "
+                       f"hold the same number of rows, and the last no "
+                       f"more; got {[c.shape[0] for c in p]}")
     layout.append((len(p), per))
   if r.shape != (rows, chunks[0].shape[1]):
     raise ValueError(f"r must be ({rows}, n) for {rows} rows, got "
@@ -456,29 +497,85 @@ def _rows_pass(parts, beta, r, taus, offsets, capacity, *, block, tile,
                 interpret, scan_blocks)
   taus = jax.vmap(functools.partial(comparison_threshold, chunks[0].dtype))(
       jnp.reshape(jnp.asarray(taus), (rows,)))
-  offsets = jnp.reshape(jnp.asarray(offsets, jnp.int32), (rows,))
-  (r, taus, offsets, *flat), out = _compat.kernel_operands(
-      _pad(r, cfg), taus, offsets,
-      *(jnp.reshape(c, (-1,)) for p in parts for c in p),
-      interpret=interpret, kernel=names[0], reference=names[1])
-  whole = pl.BlockSpec()
-  # Pass 1 writes acc over r (aliased: the residual stays in its buffer,
-  # which the caller may have donated) and keeps r in ``old`` for a
-  # non-finite step.
-  row_of = lambda shape: pl.BlockSpec((None,) + shape,
-                                      lambda g, b: (g,) + (0,) * len(shape))
-  outs = cfg.pass1_outputs(lambda shape, dtype: out((rows,) + shape, dtype),
-                           r.dtype)
-  specs = tuple(row_of(o.shape[1:]) for o in outs)
-  specs = specs[:2] + (pl.BlockSpec((None, cfg.stage),
-                                    lambda g, b: (g, b)),) + specs[3:]
-  pass1 = pl.pallas_call(
-      _mask_kernel_for(cfg, tuple(layout), beta),
-      out_shape=outs,
-      grid=(rows, cfg.num_blocks),
-      in_specs=[whole] * (1 + len(flat)) + [row_of((cfg.size,))],
-      out_specs=specs,
-      input_output_aliases={1 + len(flat): 3},
-      compiler_params=cfg.params, interpret=interpret,
-      name="jaxfuse_sparsify_pass1")(taus, *flat, r)
-  return jax.vmap(lambda o, *p: _finish(cfg, out, o, p))(offsets, *pass1)
+  return _Batch(cfg, tuple(layout), beta, rows, taus,
+                jnp.reshape(jnp.asarray(offsets, jnp.int32), (rows,)),
+                tuple(jnp.reshape(c, (-1,)) for p in parts for c in p),
+                _pad(r, cfg))
+
+
+def _row(shape):
+  """A (block shape, index map): row g of a (G,) + shape array."""
+  return (None,) + tuple(shape), lambda g, b: (g,) + (0,) * len(shape)
+
+
+def _at_block(size):
+  """Row g's b-th ``size`` elements of a (G, B·size) array."""
+  return (None, size), lambda g, b: (g, b)
+
+
+def _pass1(batch, out) -> segments.Segment:
+  """Pass 1 of a batch, grid G × blocks: acc over r in place (aliased: the
+  residual stays in its buffer, which the caller may have donated), r kept
+  in ``old`` for a non-finite step."""
+  cfg, nf = batch.cfg, len(batch.flat)
+  outs = cfg.pass1_outputs(
+      lambda shape, dtype: out((batch.rows,) + shape, dtype), batch.r.dtype)
+  specs = [_row(o.shape[1:]) for o in outs]
+  specs[2] = _at_block(cfg.stage)
+  kernel = _mask_kernel_for(cfg, batch.layout, batch.beta)
+  return segments.Segment(
+      kernel, (batch.taus, *batch.flat, batch.r),
+      [None] * (1 + nf) + [_row((cfg.size,))], outs, specs, {1 + nf: 3},
+      batch.rows, cfg.num_blocks)
+
+
+def _pass2(batch, pass1, out) -> segments.Segment:
+  """Pass 2 with the scan in it (``_scan_write_kernel``), grid G × blocks;
+  the residual written over acc in place."""
+  cfg, rows = batch.cfg, batch.rows
+  bits, counts, staged_i, acc, old, bmax, bpos, bfin, bnz = pass1
+  ins = (batch.offsets[:, None], counts, bits, bmax, bpos, bfin, bnz, acc,
+         staged_i, old)
+  in_specs = [_row(x.shape[1:]) for x in ins]
+  in_specs[8] = _at_block(cfg.stage)
+  outs = (out((rows, cfg.capacity), acc.dtype),
+          out((rows, cfg.capacity), jnp.int32), out(acc.shape, acc.dtype),
+          out((rows, 8), jnp.int32))
+  write = functools.partial(_scan_write_kernel, num_blocks=cfg.num_blocks,
+                            chunk=cfg.scan_chunk, **_write_params(cfg))
+  return segments.Segment(
+      lambda *refs, ids: write(*refs, b=ids[1]), ins, in_specs, outs,
+      [_row(o.shape[1:]) for o in outs], {7: 2}, rows, cfg.num_blocks)
+
+
+def _run_batches(batches, interpret, names) -> list[PassResult]:
+  """Pass 1 of every batch in one call, pass 2 (scan inside) of those
+  that fold it in another; the rest scan and write per batch."""
+  operands = [(b.r, b.taus, b.offsets, *b.flat) for b in batches]
+  flat, out = _compat.kernel_operands(
+      *[x for ops in operands for x in ops], interpret=interpret,
+      kernel=names[0], reference=names[1])
+  at = 0
+  for i, b in enumerate(batches):   # the operands made to vary alike
+    r, taus, offsets, *chunks = flat[at:at + 3 + len(b.flat)]
+    at += 3 + len(b.flat)
+    batches[i] = b._replace(r=r, taus=taus, offsets=offsets,
+                            flat=tuple(chunks))
+  params = batches[0].cfg.params
+  pass1 = segments.segmented_call(
+      [_pass1(b, out) for b in batches], compiler_params=params,
+      interpret=interpret, name="jaxfuse_sparsify_pass1")
+  folded = [i for i, b in enumerate(batches) if b.cfg.scan_in_pass2]
+  results = [None] * len(batches)
+  if folded:
+    pass2 = segments.segmented_call(
+        [_pass2(batches[i], pass1[i], out) for i in folded],
+        compiler_params=params, interpret=interpret,
+        name="jaxfuse_sparsify_pass2")
+    for i, got in zip(folded, pass2):
+      results[i] = jax.vmap(functools.partial(_result, batches[i].cfg))(*got)
+  for i, b in enumerate(batches):
+    if results[i] is None:
+      results[i] = jax.vmap(lambda o, *p, cfg=b.cfg: _finish(cfg, out, o, p))(
+          b.offsets, *pass1[i])
+  return results

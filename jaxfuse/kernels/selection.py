@@ -310,18 +310,18 @@ def scan_scalars(offset, cnt_ref, bits_ref, summary, *, n, block, num_blocks,
 
 def write_kernel(scal_ref, cnt_ref, start_ref, bits_ref, acc_ref, sv_ref,
                  si_ref, *refs, n, block, words_per_step, stage, capacity,
-                 fill_per_program, interpret, tile=None):
+                 fill_per_program, interpret, tile=None, b=None):
   """Pass 2. ``refs`` = (values, indices), or for the fused pass (old
   residual, values, indices, residual): ``acc_ref`` then holds acc, and the
   residual (the same buffer) gets 0 at every sent position; the block of
   the largest |acc| sends it alone if nothing else is sent (lone); a
   non-finite unit sends nothing and its block copies the old residual back.
   The fused pass stages no values (``sv_ref`` is unused): staged slots
-  read theirs from acc.
+  read theirs from acc. ``b``: the block (default the program id).
   """
   fused = len(refs) == 4
   old_ref, v_ref, i_ref, res_ref = refs if fused else (None, *refs, None)
-  b = pl.program_id(0)
+  b = pl.program_id(0) if b is None else b
   offset = scal_ref[0]
   before = scal_ref[1]
   total = scal_ref[2]
