@@ -24,7 +24,8 @@
 #           compiled and kth_rows.py, then the ROWS (default "dgc:base
 #           dgc:old topk:base topk:old"; estimator:variant with variant
 #           base = today's defaults, radix, scan, both = the Pallas radix
-#           and/or the folded scan, old = XLA rounds and the scan kernel);
+#           and/or the folded scan, batch = the fused pass per batch, old =
+#           XLA rounds, the scan kernel, the pass per batch);
 #           one GPU, about 8 minutes; [steps] as in kernels. TESTS=0 skips
 #           the tests and kth_rows.py
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels|variants [steps]
@@ -124,8 +125,9 @@ PY
         radix) extra=(--radix pallas) ;;
         scan) extra=(--scan-blocks 4096) ;;
         both) extra=(--radix pallas --scan-blocks 4096) ;;
-        old) extra=(--radix radix --scan-blocks 0) ;;
-        *) echo "unknown variant $v (base, radix, scan, both, old)"; exit 2 ;;
+        old) extra=(--radix radix --scan-blocks 0 --pass-per batch) ;;
+        batch) extra=(--pass-per batch) ;;
+        *) echo "unknown variant $v (base, radix, scan, both, old, batch)"; exit 2 ;;
       esac
       overhead "${e}_$v" "$e" --steps "$steps" "${extra[@]}"
     done ;;

@@ -219,6 +219,10 @@ def main(argv=None) -> list[dict]:
                  "pass's scan inside pass 2, one kernel fewer per state "
                  "group (jaxfuse.kernels.fused_pass.SCAN_IN_PASS2_BLOCKS; "
                  "0: never)")
+  p.add_argument("--pass-per", default="bucket", choices=["bucket", "batch"],
+                 help="the fused pass's kernels: one per pass for the "
+                 "bucket's batches (jaxfuse.bucket_pass.ONE_PASS_PER_BUCKET, "
+                 "the default) or per batch")
   p.add_argument("--topk-sample", type=int,
                  default=jaxfuse.sparsify.TOPK_SAMPLE,
                  help="topk's bracket sample per unit "
@@ -235,6 +239,7 @@ def main(argv=None) -> list[dict]:
   bucket_sync.FORM_IN_PASS = args.blend == "pass"
   radix_select.DEFAULT_GPU_METHOD = args.radix
   fused_pass.SCAN_IN_PASS2_BLOCKS = args.scan_blocks
+  bucket_pass.ONE_PASS_PER_BUCKET = args.pass_per == "bucket"
   mesh = jaxfuse.make_mesh(args.devices, AXIS)
   preset = lm_model.PRESETS[args.preset]
   model = lm_model.build_model(args.preset)

@@ -67,6 +67,9 @@ def rows_of(x, rows):
 # at most four operands; a larger stack goes to its loop emitter, at about
 # a quarter of the card's bandwidth.
 ROWS_PER_CHUNK = 1
+# The fused pass of all of a bucket's batches as one kernel per pass
+# (``kernels.sparsify_pass_bucket``); False: kernels per batch.
+ONE_PASS_PER_BUCKET = True
 # Pass 1 takes every chunk as an operand and switches among them per tile;
 # a batch of more rows is cut into at most this many chunks (CUDA before
 # 12.1 allows 4 KiB of kernel parameters, and the switch grows the
@@ -168,7 +171,9 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
     taus.append(tau)
     pass_args.append((chunks[i], r[i], tau, sparsify.pass_capacity(
         b.unit.size, capacity=b.unit.capacity, **kw[i]), offset))
-  passes = list(zip(taus, kernels.sparsify_pass_bucket(pass_args)))
+  passes = list(zip(taus, kernels.sparsify_pass_bucket(pass_args)
+                    if ONE_PASS_PER_BUCKET else
+                    [kernels.sparsify_pass_rows(*a) for a in pass_args]))
 
   staged = [i for i, b in enumerate(todo)
             if sparsify.needs_topk_finish(b.unit.size, **kw[i])]
