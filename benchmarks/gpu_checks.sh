@@ -24,8 +24,8 @@
 #           compiled and kth_rows.py, then the ROWS (default "dgc:base
 #           dgc:old topk:base topk:old"; estimator:variant with variant
 #           base = today's defaults, radix, scan, both = the Pallas radix
-#           and/or the folded scan, batch = the fused pass per batch, old =
-#           XLA rounds, the scan kernel, the pass per batch);
+#           and/or the folded scan, batch / bucket = the fused pass per
+#           batch / one per bucket, old = XLA rounds and the scan kernel);
 #           one GPU, about 8 minutes; [steps] as in kernels. TESTS=0 skips
 #           the tests and kth_rows.py
 # usage: bash benchmarks/gpu_checks.sh suite|resume|bf16|kernels|variants [steps]
@@ -100,7 +100,7 @@ PY
     gpu_tests kernel_tests tests/test_kernels_hash.py tests/test_zen.py \
       tests/test_kernels_select.py tests/test_kernels_fused_pass.py \
       tests/test_kernels_backend.py tests/test_grouped.py \
-      tests/test_kernels_radix.py
+      tests/test_kernels_radix.py tests/test_kernels_segments.py
     logged blend_probe 5 python benchmarks/blend_probe.py \
       --out "$out/blend_probe.json"
     runs=""                      # one estimator per process, as published
@@ -115,7 +115,8 @@ PY
     steps="${2:-60}"
     if [ "${TESTS:-1}" = 1 ]; then
       gpu_tests variant_tests tests/test_kernels_radix.py \
-        tests/test_radix_select.py tests/test_kernels_fused_pass.py
+        tests/test_radix_select.py tests/test_kernels_fused_pass.py \
+        tests/test_kernels_segments.py
       logged kth_rows 8 python benchmarks/kth_rows.py --out "$out/kth_rows.json"
     fi
     for row in ${ROWS:-dgc:base dgc:old topk:base topk:old}; do
@@ -127,7 +128,8 @@ PY
         both) extra=(--radix pallas --scan-blocks 4096) ;;
         old) extra=(--radix radix --scan-blocks 0 --pass-per batch) ;;
         batch) extra=(--pass-per batch) ;;
-        *) echo "unknown variant $v (base, radix, scan, both, old, batch)"; exit 2 ;;
+        bucket) extra=(--pass-per bucket) ;;
+        *) echo "unknown variant $v (base, radix, scan, both, old, batch, bucket)"; exit 2 ;;
       esac
       overhead "${e}_$v" "$e" --steps "$steps" "${extra[@]}"
     done ;;

@@ -219,10 +219,13 @@ def main(argv=None) -> list[dict]:
                  "pass's scan inside pass 2, one kernel fewer per state "
                  "group (jaxfuse.kernels.fused_pass.SCAN_IN_PASS2_BLOCKS; "
                  "0: never)")
-  p.add_argument("--pass-per", default="bucket", choices=["bucket", "batch"],
+  p.add_argument("--pass-per", default=("bucket" if
+                                         bucket_pass.ONE_PASS_PER_BUCKET
+                                         else "batch"),
+                 choices=["bucket", "batch"],
                  help="the fused pass's kernels: one per pass for the "
-                 "bucket's batches (jaxfuse.bucket_pass.ONE_PASS_PER_BUCKET, "
-                 "the default) or per batch")
+                 "bucket's batches or per batch "
+                 "(jaxfuse.bucket_pass.ONE_PASS_PER_BUCKET)")
   p.add_argument("--topk-sample", type=int,
                  default=jaxfuse.sparsify.TOPK_SAMPLE,
                  help="topk's bracket sample per unit "

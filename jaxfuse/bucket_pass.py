@@ -9,9 +9,9 @@ reductions instead of a sort per group)::
 
   1. per batch: the sampled |acc| (``sparsify.sample_magnitudes``)
   2. the bucket: their k-th largest (DGC's estimate, topk's bracket τ_lo)
-  3. per batch: τ (``sparsify.unit_threshold``); the bucket: the fused
-     pass of every batch's rows (``kernels.sparsify_pass_bucket``: on GPU
-     one kernel per pass for all of them)
+  3. per batch: τ (``sparsify.unit_threshold``) and the fused pass of all
+     its rows (``kernels.sparsify_pass_rows``; or the bucket's batches at
+     once, ``kernels.sparsify_pass_bucket``: ``ONE_PASS_PER_BUCKET``)
   4. the bucket: the k-th largest of topk's staged slots; per batch
      ``sparsify.topk_finish``
   5. per batch: controller and checks (``sparsify.unit_result``)
@@ -60,7 +60,7 @@ def rows_of(x, rows):
 
 
 # Rows of a batch's streams stacked together for the fused pass, which
-# reads each chunk where it is (``kernels.sparsify_pass_bucket``). 1: every
+# reads each chunk where it is (``kernels.sparsify_pass_rows``). 1: every
 # row where it is (nothing stacked; the fastest on an H200, and a blended
 # stream stays two reshaped leaves: docs/benchmarks.md, "Overhead on one
 # GPU"). 0: the whole batch at once. XLA's GPU concatenate emitter takes
@@ -68,8 +68,12 @@ def rows_of(x, rows):
 # a quarter of the card's bandwidth.
 ROWS_PER_CHUNK = 1
 # The fused pass of all of a bucket's batches as one kernel per pass
-# (``kernels.sparsify_pass_bucket``); False: kernels per batch.
-ONE_PASS_PER_BUCKET = True
+# (``kernels.sparsify_pass_bucket``), or kernels per batch (False, the
+# default): on gpt2-small (1 × H200) one pass per bucket launched 8 kernels
+# fewer in the same step time, but the one large Triton kernel took 10 s
+# longer to compile (1.44× dense's compile against 1.04×;
+# docs/benchmarks.md, "Overhead on one GPU").
+ONE_PASS_PER_BUCKET = False
 # Pass 1 takes every chunk as an operand and switches among them per tile;
 # a batch of more rows is cut into at most this many chunks (CUDA before
 # 12.1 allows 4 KiB of kernel parameters, and the switch grows the

@@ -63,14 +63,18 @@ def _bits(tree):
 
 # The estimators differ only in τ (XLA on both backends); gaussian and sidco
 # run the same pass as dgc and redsync.
-@pytest.mark.parametrize("estimator,strategy,shapes", [
-    ("dgc", "layerwise", SHAPES),
+@pytest.mark.parametrize("estimator,strategy,shapes,one_pass", [
+    ("dgc", "layerwise", SHAPES, False),
     # A unit large enough for topk's sampled bracket (topk_bracket).
-    ("topk", "layerwise", [(40, 50), (120_000,), (300,)]),
-    ("redsync", "behind", SHAPES),
-    # A state group of 6 rows: the pass reads chunks of 4 and 2.
-    ("dgc", "single", [(40, 50)] * 6 + [(300,)])])
-def test_pallas_equals_reference(estimator, strategy, shapes):
+    ("topk", "layerwise", [(40, 50), (120_000,), (300,)], False),
+    ("redsync", "behind", SHAPES, False),
+    # A state group of 6 rows: the pass reads chunks of 4 and 2; and the
+    # bucket's two groups as segments of one pass (ONE_PASS_PER_BUCKET).
+    ("dgc", "single", [(40, 50)] * 6 + [(300,)], False),
+    ("dgc", "single", [(40, 50)] * 6 + [(300,)], True)])
+def test_pallas_equals_reference(estimator, strategy, shapes, one_pass,
+                                 monkeypatch):
+  monkeypatch.setattr(bucket_pass, "ONE_PASS_PER_BUCKET", one_pass)
   plan = list_plan(shapes, density=0.05, estimator=estimator,
                    strategy=strategy, min_sparse_size=64)
   rng = np.random.default_rng(0)
@@ -204,12 +208,16 @@ def test_bad_blends_name_the_fix():
     _blend_update(jnp.bfloat16)((m, 0.9))
 
 
-def test_the_pass_forms_a_blend_of_matrices_and_vectors(monkeypatch):
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_the_pass_forms_a_blend_of_matrices_and_vectors(monkeypatch,
+                                                        one_pass):
   """With ``blend=(m, β)`` the pass of a state group of matrices takes m's
   and g's rows (two operands a row: x is never written out); a group of
   3-d leaves takes x formed by XLA (one operand a row), which fuses the
-  slice or layout change such a gradient often needs."""
+  slice or layout change such a gradient often needs. The two groups'
+  pass 1 is one kernel with ``ONE_PASS_PER_BUCKET``, else one each."""
   monkeypatch.setattr(bucket_pass, "ROWS_PER_CHUNK", 1)
+  monkeypatch.setattr(bucket_pass, "ONE_PASS_PER_BUCKET", one_pass)
   shapes = [(40, 50)] * 3 + [(6, 5, 20)]
   plan = list_plan(shapes, density=0.05, estimator="dgc", strategy="single",
                    min_sparse_size=64)
@@ -226,6 +234,6 @@ def test_the_pass_forms_a_blend_of_matrices_and_vectors(monkeypatch):
       jax.make_jaxpr(step)(args, args, state)
   finally:
     kernels.set_backend("auto")
-  assert len(calls) == 1, calls     # one pass-1 kernel for the bucket
-  streams = sorted(len(ops) - 2 for ops in calls[0])
+  assert len(calls) == (1 if one_pass else 2), calls
+  streams = sorted(len(ops) - 2 for call in calls for ops in call)
   assert streams == [1, 6], streams   # τs and r besides the streams
