@@ -38,6 +38,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse.kernels import reference
@@ -117,7 +118,7 @@ def _mask_kernel(tau_ref, *refs, chunks, beta, n, block, tile, stage,
   (``acc_ref`` is r's buffer) and r to ``old_ref``; the staged candidates
   are positions only (pass 2 reads their values from acc), so nothing here
   reads memory this pass has written. ``ids``: (g, b) given (a segment of
-  ``segmented_pass``'s grid) instead of the program ids."""
+  ``segments.segmented_call``'s grid) instead of the program ids."""
   g, b = ids if ids is not None else (pl.program_id(0), pl.program_id(1))
   x_ref = []
   for count, per in chunks:
@@ -274,7 +275,8 @@ def _scan_write_kernel(offset_ref, cnt_ref, bits_ref, bmax_ref, bpos_ref,
   """Pass 2 with the scan folded in: program b scans the block counts and
   summaries itself (``selection.scan_scalars``: O(blocks) each), then
   writes block b (``selection.write_kernel``); program 0 also writes scal.
-  ``b`` given: that block (``segmented_pass``) instead of the program id."""
+  ``b`` given: that block (``segments.segmented_call``) instead of the
+  program id."""
   b = pl.program_id(0) if b is None else b
   scal, start = sel.scan_scalars(
       offset_ref[0], cnt_ref, bits_ref,
@@ -555,12 +557,11 @@ def _run_batches(batches, interpret, names) -> list[PassResult]:
   flat, out = _compat.kernel_operands(
       *[x for ops in operands for x in ops], interpret=interpret,
       kernel=names[0], reference=names[1])
-  at = 0
-  for i, b in enumerate(batches):   # the operands made to vary alike
-    r, taus, offsets, *chunks = flat[at:at + 3 + len(b.flat)]
-    at += 3 + len(b.flat)
-    batches[i] = b._replace(r=r, taus=taus, offsets=offsets,
-                            flat=tuple(chunks))
+  ends = np.cumsum([len(ops) for ops in operands])
+  batches = [b._replace(r=r, taus=taus, offsets=offsets, flat=tuple(chunks))
+             for b, (r, taus, offsets, *chunks) in zip(   # made to vary alike
+                 batches, (flat[e - len(ops):e]
+                           for e, ops in zip(ends, operands)))]
   params = batches[0].cfg.params
   pass1 = segments.segmented_call(
       [_pass1(b, out) for b in batches], compiler_params=params,
