@@ -165,17 +165,17 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
                 chunks[i], r[i], salts[i]) for i in sampled],
       [specs[i].rank for i in sampled])))
 
-  taus, pass_args = [], []
+  pass_args = []   # (streams, r, τ, capacity, offset) per batch
   for i, b in enumerate(todo):
     threshold = jax.vmap(functools.partial(sparsify.unit_threshold, **kw[i]),
                          in_axes=(0, 0, 0, None, 0, 0))
     tau, offset = by_chunk(
         lambda x_, r_, c_, s_, e_, f=threshold: f(x_, r_, c_, step, s_, e_),
         chunks[i], r[i], c[i], salts[i], estimate.get(i))
-    taus.append(tau)
     pass_args.append((chunks[i], r[i], tau, sparsify.pass_capacity(
         b.unit.size, capacity=b.unit.capacity, **kw[i]), offset))
-  passes = list(zip(taus, kernels.sparsify_pass_bucket(pass_args)
+  passes = list(zip([a[2] for a in pass_args],
+                    kernels.sparsify_pass_bucket(pass_args)
                     if ONE_PASS_PER_BUCKET else
                     [kernels.sparsify_pass_rows(*a) for a in pass_args]))
 

@@ -77,13 +77,13 @@ def sent_count(count, indices, n, nonfinite, *, finished: bool = False):
 def sparse_stats(plan, units, out, stacked):
   """Stats chunks of one vmapped group: (leaf ids, {stat: per-leaf array})."""
   if all(len(u.leaves) == 1 for u in units):
-    u = units[0]
+    first = units[0]   # the group's units share size and estimator
     finished = sparsify.needs_topk_finish(
-        u.size, density=u.density, estimator=u.estimator,
+        first.size, density=first.density, estimator=first.estimator,
         settings=plan.settings)
     return [([u.leaves[0] for u in units], dict(
-        selected=sent_count(out.count, out.indices, u.size, out.nonfinite,
-                            finished=finished),
+        selected=sent_count(out.count, out.indices, first.size,
+                            out.nonfinite, finished=finished),
         candidates=out.count,
         threshold=out.tau,
         nonfinite=out.nonfinite,

@@ -103,6 +103,14 @@ def sparsify_pass(x, r, tau, capacity: int, offset):
   return fused_pass.sparsify_pass_reference(x, r, tau, capacity, offset)
 
 
+def _pass_in_pallas(xs, r) -> bool:
+  """Whether the fused pass of streams ``xs`` (any pytree of them) and
+  residual r runs as Pallas kernels: their backend, float32 throughout."""
+  f32 = jax.numpy.dtype("float32")
+  return (backend() == "pallas" and
+          {x.dtype for x in jax.tree.leaves(xs)} == {r.dtype} == {f32})
+
+
 def sparsify_pass_rows(xs, r, taus, capacity: int, offsets):
   """``sparsify_pass`` of G units of one length at once: x is ``xs`` (a
   (G, n) array, or flat rows and (rows, n) chunks in row order, which the
@@ -111,9 +119,7 @@ def sparsify_pass_rows(xs, r, taus, capacity: int, offsets):
   τ_i = ``taus[i]``, o_i = ``offsets[i]``; a ``PassResult`` with a leading
   axis of G (``fused_pass.sparsify_pass_rows_reference``)."""
   from jaxfuse.kernels import fused_pass  # pylint: disable=g-import-not-at-top
-  f32 = jax.numpy.dtype("float32")
-  dtypes = {x.dtype for x in jax.tree.leaves(xs)}
-  if backend() == "pallas" and dtypes == {r.dtype} == {f32}:
+  if _pass_in_pallas(xs, r):
     return fused_pass.sparsify_pass_rows_pallas(
         xs, r, taus, capacity, offsets,
         interpret=jax.default_backend() != "gpu",
@@ -128,10 +134,8 @@ def sparsify_pass_bucket(batches):
   as segments of one call per pass
   (``fused_pass.sparsify_pass_bucket_pallas``)."""
   from jaxfuse.kernels import fused_pass  # pylint: disable=g-import-not-at-top
-  f32 = jax.numpy.dtype("float32")
   fast = [i for i, (xs, r, *_) in enumerate(batches)
-          if backend() == "pallas" and
-          {x.dtype for x in jax.tree.leaves(xs)} == {r.dtype} == {f32}]
+          if _pass_in_pallas(xs, r)]
   out = [None] * len(batches)
   if fast:
     xs, r, taus, capacities, offsets = zip(*[batches[i] for i in fast])
