@@ -55,6 +55,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
+from jaxfuse import overlap as overlap_lib
 from jaxfuse.planning import hlo
 from jaxfuse.planning import timing
 from jaxfuse.planning import trace as trace_lib
@@ -317,6 +318,10 @@ def main(argv=None):
                  action="store_false",
                  help="with --send-early: without XLA's force_delay_async "
                  "hint on each collective")
+  p.add_argument("--finish-under-last", action="store_true",
+                 help="with --send-early: jaxfuse.overlap.FINISH_UNDER_LAST "
+                 "(the last bucket's decode and update wait for the "
+                 "others', which can then run under its collective)")
   p.add_argument("--no-donate", dest="donate", action="store_false",
                  help="do not donate params and state to the step (XLA then "
                  "copies them into new buffers every step; a training loop "
@@ -334,6 +339,7 @@ def main(argv=None):
                       "TRACE_DIR/<variant> (jax.profiler, perfetto JSON)")
   p.add_argument("--out")
   args = p.parse_args(argv)
+  overlap_lib.FINISH_UNDER_LAST = args.finish_under_last
   t_start = time.perf_counter()
   devices = jax.devices()
   mesh, params, loss_fn, batch, plan = build(args, devices)
@@ -345,7 +351,9 @@ def main(argv=None):
             "buckets": len(plan.buckets), "variants": {},
             "date": time.strftime("%Y-%m-%d"), "delay": args.delay,
             "send_early": args.send_early, "window": args.window,
-            "start_early": args.start_early, "donate": args.donate,
+            "start_early": args.start_early,
+            "finish_under_last": args.finish_under_last,
+            "donate": args.donate,
             "command": " ".join(sys.argv),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(

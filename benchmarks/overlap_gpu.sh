@@ -23,6 +23,11 @@
 # for size 64 MiB and then each saved plan of PLANS (space-separated
 # files, e.g. a cost strategy's plans), at DENSITIES (default 0.05),
 # after the plain step (T1 and G).
+# MODE=finish: the send_early step with the flags, traced, without and
+# with jaxfuse.overlap.FINISH_UNDER_LAST (the last bucket's decode and
+# update wait for the other buckets', so that those can run under its
+# all-gather), for size 64 MiB and each saved plan of PLANS, after the plain
+# step (T1 and G), at DENSITIES (default 0.05).
 # MODE=nccl: the send_early step with the flags under NCCL settings that
 # may slow the compute kernels beside it less (fewer channels take fewer
 # SMs; the Simple protocol instead of LL; NCCL_VARIANTS, default
@@ -74,6 +79,19 @@ plans)
       name=$(basename "$p" .json); name=${name%%_*}
       XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_" $E \
           --trace-dir "$OUT/trace_early_$name"
+    done
+  done ;;
+finish)
+  E="--variants base --send-early --skip-comm --skip-one-gpu"
+  for d in ${DENSITIES:-0.05}; do
+    run $d default_ --variants base
+    for p in size ${PLANS:-}; do
+      name=$(basename "$p" .json); name=${name%%_*}
+      [ "$p" = size ] && p=
+      XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_" $E \
+          --trace-dir "$OUT/trace_early_${name}_$d"
+      XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_last_" $E \
+          --finish-under-last --trace-dir "$OUT/trace_early_${name}_last_$d"
     done
   done ;;
 nccl)

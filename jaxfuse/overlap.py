@@ -38,6 +38,9 @@ the collective stream through the backward. Forward activations,
 parameters and state stay out of the fences: holding them would make XLA
 materialise values it otherwise fuses into their readers.
 Each barrier is an identity: the step's outputs are bitwise unchanged.
+With ``FINISH_UNDER_LAST`` (experimental) one more barrier makes the last
+point's readers (its buckets' decode and update) wait for every earlier
+collective's readers, which run right after the last collective.
 
 What it needs of ``step``: the collectives at the top level of its jaxpr
 (not inside a ``jax.jit`` or a loop of the step's own; ``jax.nn``'s jitted
@@ -74,6 +77,12 @@ HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 # Share of the typical backward work between fences that opens a new point
 # (``fence_points``).
 MERGE = 0.25
+
+# Make the last point's collectives' readers wait for every earlier
+# collective's readers (``run_fenced``), so that XLA can only run the
+# earlier buckets' decode and update before the last collective ends, under
+# it, instead of after it. Experimental: not yet measured on several GPUs.
+FINISH_UNDER_LAST = False
 
 
 def send_early(step, *, window: int | None = 1, start_early: bool = True):
@@ -252,6 +261,64 @@ def points_of_work(at, merge: float = MERGE) -> list[int]:
   return points
 
 
+def fed_by_backward(eqns, order, fences) -> list[bool]:
+  """For each collective: whether its input depends on the backward pass
+  (the loss's ``pmean`` does not)."""
+  tainted: set = set()
+  for e in eqns:
+    if is_backward(e) or any(isinstance(a, jex.Var) and a in tainted
+                             for a in e.invars):
+      tainted.update(e.outvars)
+  return [any(isinstance(a, jex.Var) and a in tainted
+              for a in eqns[order[f]].invars) for f in fences]
+
+
+def last_point(eqns, order, fences) -> list[int]:
+  """The collectives (indices) of the backward's last point, the ones fed
+  by the backward whose ``fence_points`` point is the largest."""
+  fed = fed_by_backward(eqns, order, fences)
+  points = fence_points(eqns, order, fences)
+  last = max((p for p, f in zip(points, fed) if f), default=None)
+  return [k for k, (p, f) in enumerate(zip(points, fed)) if f and p == last]
+
+
+def readers(eqns, order, pos, results, available, exclude) -> list[int]:
+  """The positions in ``order`` after ``pos`` of the equations that read
+  ``results`` (transitively) and can run now, with the equations they need
+  that read nothing new (constants, iotas; none of the backward pass). An
+  equation can run now if every input is ``available`` or made by another
+  of them, and it is no collective and reads no ``exclude`` (transitively).
+  In ``order``'s order."""
+  new, out_of_reach = set(results), set(exclude)
+  kind: dict[int, bool] = {}     # position -> reads results
+  made: set = set()
+  for p in range(pos + 1, len(order)):
+    eqn = eqns[order[p]]
+    ins = [a for a in eqn.invars if isinstance(a, jex.Var)]
+    if any(a in out_of_reach for a in ins) or is_collective(eqn):
+      out_of_reach.update(eqn.outvars)
+      continue
+    if not all(a in available or a in made for a in ins):
+      continue
+    reads = any(a in new for a in ins)
+    if reads or not is_backward(eqn):
+      kind[p] = reads
+      made.update(eqn.outvars)
+      if reads:
+        new.update(eqn.outvars)
+  # The readers, and the others only where a reader needs them.
+  producer = {v: p for p in kind for v in eqns[order[p]].outvars}
+  keep = {p for p, reads in kind.items() if reads}
+  stack = list(keep)
+  while stack:
+    for a in eqns[order[stack.pop()]].invars:
+      q = producer.get(a) if isinstance(a, jex.Var) else None
+      if q is not None and q not in keep:
+        keep.add(q)
+        stack.append(q)
+  return sorted(keep)
+
+
 def waits(eqns, order, fences, window: int | None):
   """For each collective c_k: the earlier collectives whose results its
   input waits for (``after``), and the earlier collectives whose results
@@ -265,13 +332,7 @@ def waits(eqns, order, fences, window: int | None):
   So the collectives of one point run side by side, each point's after the
   point before, and what does not come from the backward after the rest."""
   points = fence_points(eqns, order, fences)
-  tainted: set = set()
-  for e in eqns:
-    if is_backward(e) or any(isinstance(a, jex.Var) and a in tainted
-                             for a in e.invars):
-      tainted.update(e.outvars)
-  fed = [any(isinstance(a, jex.Var) and a in tainted
-             for a in eqns[order[f]].invars) for f in fences]
+  fed = fed_by_backward(eqns, order, fences)
   after = []
   for k, p in enumerate(points):
     below = [points[j] for j in range(k) if points[j] < p or not fed[k]]
@@ -306,12 +367,14 @@ def run_fenced(closed, args, window: int | None = 1,
 
   from_backward = {v for e in eqns if is_backward(e) for v in e.outvars}
   after, held = waits(eqns, order, fences, window)
+  final = last_point(eqns, order, fences) if FINISH_UNDER_LAST else []
+  ran: set[int] = set()     # positions run ahead of their turn
   env = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, args))
   start, results = 0, []   # results: each collective's outputs, in order
   for k, stop in enumerate(fences + [len(order)]):
-    _run_segment(jaxpr, [eqns[n] for n in order[start:stop]], env,
-                 last_read, stop)
+    _run_segment(jaxpr, [eqns[order[p]] for p in range(start, stop)
+                         if p not in ran], env, last_read, stop)
     if stop == len(order):
       break
     collective = eqns[order[stop]]
@@ -325,9 +388,39 @@ def run_fenced(closed, args, window: int | None = 1,
       _run_segment(jaxpr, [collective], env, last_read, stop + 1)
     results.append([v for v in collective.outvars
                     if not isinstance(v, jex.DropVar)])
+    if final and k == final[-1]:
+      ran.update(_finish_before_last(jaxpr, order, stop, env, last_read,
+                                     results, final))
     start = stop + 1
   return [a.val if isinstance(a, jex.Literal) else env[a]
           for a in jaxpr.outvars]
+
+
+def _finish_before_last(jaxpr, order, pos, env, last_read, results,
+                        final) -> list[int]:
+  """``FINISH_UNDER_LAST``, once the last point's collectives (``final``)
+  have run at ``pos``: run the earlier collectives' readers now and tie the
+  last point's results to what those readers leave for later, so that the
+  last point's readers wait for them. Returns the positions run."""
+  eqns = jaxpr.eqns
+  last_results = [v for k in final for v in results[k]]
+  earlier = [v for k in range(len(results)) if k not in final
+             for v in results[k]]
+  early = readers(eqns, order, pos, earlier, env, last_results)
+  mine = [eqns[order[p]] for p in early]
+  _run_segment(jaxpr, mine, env, last_read, pos + 1)
+  read_later = {a for p in range(pos + 1, len(order)) if p not in early
+                for a in eqns[order[p]].invars if isinstance(a, jex.Var)}
+  read_later.update(a for a in jaxpr.outvars if isinstance(a, jex.Var))
+  left = [v for e in mine for v in e.outvars if v in read_later and v in env]
+  axes = frozenset().union(*(_compat.varying_axes(env[v])
+                             for v in last_results))
+  left = [env[v] for v in left if _compat.varying_axes(env[v]) <= axes]
+  if left:
+    tied, _ = lax.optimization_barrier(([env[v] for v in last_results],
+                                        left))
+    env.update(zip(last_results, tied))
+  return early
 
 
 def _fence(env, inputs, live, previous, held=()) -> None:

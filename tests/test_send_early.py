@@ -272,6 +272,36 @@ def test_a_small_bucket_a_few_products_late_shares_the_point():
   assert all(c in anc[last_psum] for c in first)
 
 
+@pytest.mark.parametrize("under_last", [True, False])
+def test_finish_under_last_orders_the_updates(monkeypatch, under_last):
+  """With ``FINISH_UNDER_LAST`` the last bucket's new parameters wait for
+  every earlier bucket's (so XLA can run those only before the last
+  collective ends), and the step is bitwise the same; without it nothing
+  orders them."""
+  monkeypatch.setattr(overlap, "FINISH_UNDER_LAST", under_last)
+  plan, wrap, local, args = _setup(6)
+  buckets = _layers_of_buckets(plan)
+  assert len(buckets) >= 3
+  outer = jax.make_jaxpr(wrap(jaxfuse.send_early(local)))(*args).jaxpr
+  (eqn,) = [e for e in outer.eqns if e.primitive.name == "shard_map"]
+  body = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+  anc = _ancestors(body.eqns)
+  producer = {v: n for n, e in enumerate(body.eqns) for v in e.outvars}
+  layers = sorted(int(k[1:]) for k in args[0])
+  made = {l: producer[v] for l, v in zip(layers, body.outvars)}
+  checked = 0
+  for last in buckets[-1]:
+    for bucket in buckets[:-1]:
+      for layer in bucket:
+        assert (made[layer] in anc[made[last]]) == under_last, (layer, last)
+        checked += 1
+  assert checked >= 3
+  plain = fast_jit(wrap(local))(*args)
+  early = fast_jit(wrap(jaxfuse.send_early(local)))(*args)
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda u, v: bool(jnp.array_equal(u, v)), plain, early)))
+
+
 def test_work_counts_multiply_adds():
   """A product's multiply-adds: out · contracted size; a convolution's:
   out · (input features · kernel window); anything else: none."""
