@@ -322,29 +322,35 @@ def main(argv=None) -> dict:
   phase_id, train_step = -1, None
   flush_step = None  # a density-1 step: pays every residual back
   settle_prev = None  # --dense-settle: the last second moment looked at
-  for step in range(start, steps):
-    if jaxfuse.phase_index(phases, step) != phase_id:
-      phase_id = jaxfuse.phase_index(phases, step)
-      train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
-                                   mesh, opt_specs, args.sync, xla_options,
-                                   grad_dtype, args.send_early)
-      compile_steps.append(step)
-    step_fn = train_step
-    if plan is not None and args.flush_every and (
-        (step + 1) % args.flush_every == 0):
-      if flush_step is None:
-        flush_step = make_train_step(
-            loss_fn, make_opt(jaxfuse.with_density(plan, 1.0)), mesh,
-            opt_specs, args.sync, xla_options, grad_dtype, args.send_early)
-        compile_steps.append(step)
-      step_fn = flush_step
-    t0 = time.perf_counter()
-    params, opt_state, loss = step_fn(params, opt_state, batch)
+  # --pipeline: step t+1 is queued before step t's loss is read, except
+  # after a step whose bookkeeping reads params or state (log, evaluation,
+  # checkpoint, --dense-settle), so the host's work hides behind the GPU's.
+  pipeline = (args.pipeline == "on" or (args.pipeline == "auto" and
+                                        jax.devices()[0].platform == "gpu"))
+  last_done = None   # when the last step whose loss was read finished
+  queued_steps = 0   # steps queued before the one before them was read
+
+  def reads_state(step):
+    """Whether step's bookkeeping reads params or state."""
+    return ((step + 1) % args.log_every == 0 or step == start
+            or step + 1 == steps
+            or (args.eval_every and (step + 1) % args.eval_every == 0)
+            or (mngr is not None and args.checkpoint_every
+                and (step + 1) % args.checkpoint_every == 0)
+            or (args.dense_settle and phase_id == 0
+                and (step + 1) % args.dense_settle_every == 0))
+
+  def finish(step, loss, t0, phase, rng_state) -> bool:
+    """Wait for step's loss and do its bookkeeping; False: stop here."""
+    nonlocal settle_prev, phases, last_done
     loss = scalar(jax.block_until_ready(loss))
-    step_times.append(time.perf_counter() - t0)
+    done = time.perf_counter()
+    # A step queued behind another starts when that one ends.
+    step_times.append(done - max(t0, last_done or t0))
+    last_done = done
     losses.append(loss)
-    phase_of_step.append(-1 if step_fn is flush_step else phase_id)
-    if (args.dense_settle and phase_id == 0 and phases[0].stop
+    phase_of_step.append(phase)
+    if (args.dense_settle and phase == 0 and phases[0].stop
         and (step + 1) % args.dense_settle_every == 0):
       settle_now = jaxfuse.second_moment(opt_state)
       if settle_prev is not None and step + 1 < phases[0].stop:
@@ -359,9 +365,6 @@ def main(argv=None) -> dict:
               dense_wire=args.dense_wire, num_workers=k)
           say(f"dense phase ends at step {phases[0].stop}")
       settle_prev = settle_now
-    rng_state = rng.bit_generator.state  # before the next batch: resume point
-    if step + 1 < steps:  # the next batch, prepared outside the timed region
-      batch = draw(rng, train)
     if mngr is not None and (step + 1 == steps or (
         args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
       jaxfuse.checkpoint.save(mngr, step + 1, {"params": params,
@@ -382,9 +385,9 @@ def main(argv=None) -> dict:
               f"{1e3 * entry['step_time_s']:7.1f} ms/step"
               + (" (compile)" if step == start else ""))
       if plan is not None:
-        stats = jaxfuse.summarize(global_values(
-            jaxfuse.sync_stats(opt_state)), plan)
-        entry["stats"] = stats
+        stats.update(jaxfuse.summarize(global_values(
+            jaxfuse.sync_stats(opt_state)), plan))
+        entry["stats"] = dict(stats)
         line += (f"  density {stats.get('density', 1.0):.4f}  missing "
                  f"{stats['missing_leaves']:g}  overflow {stats['overflow']:g}"
                  f"  wire {stats['wire_bytes']:,} B")
@@ -396,7 +399,48 @@ def main(argv=None) -> dict:
           f"{val_curve[-1]['val_loss']:.4f}", flush=True)
     if not math.isfinite(loss):
       say(f"loss is {loss} at step {step + 1}; stopping")
-      break
+      return False
+    return True
+
+  queued = None      # the step dispatched whose loss is not read yet
+  for step in range(start, steps):
+    if jaxfuse.phase_index(phases, step) != phase_id:
+      phase_id = jaxfuse.phase_index(phases, step)
+      train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
+                                   mesh, opt_specs, args.sync, xla_options,
+                                   grad_dtype, args.send_early)
+      compile_steps.append(step)
+    step_fn = train_step
+    if plan is not None and args.flush_every and (
+        (step + 1) % args.flush_every == 0):
+      if flush_step is None:
+        flush_step = make_train_step(
+            loss_fn, make_opt(jaxfuse.with_density(plan, 1.0)), mesh,
+            opt_specs, args.sync, xla_options, grad_dtype, args.send_early)
+        compile_steps.append(step)
+      step_fn = flush_step
+    if queued is not None and compile_steps[-1] == step:
+      previous, queued = queued, None    # read it before compiling
+      if not finish(*previous):
+        break
+    t0 = time.perf_counter()
+    params, opt_state, loss = step_fn(params, opt_state, batch)
+    this = (step, loss, t0, -1 if step_fn is flush_step else phase_id,
+            rng.bit_generator.state)   # before the next batch: resume point
+    if step + 1 < steps:  # the next batch, drawn while the GPU works
+      batch = draw(rng, train)
+    if queued is not None:
+      queued_steps += 1
+      if not finish(*queued):
+        queued = this = None
+        break
+    queued = this
+    if not pipeline or reads_state(step):
+      queued = None
+      if not finish(*this):
+        break
+  if queued is not None:
+    finish(*queued)
 
   val_loss = evaluate(params) if eval_batches else float("nan")
   val_curve.append({"step": start + len(losses), "val_loss": val_loss})
@@ -438,6 +482,7 @@ def main(argv=None) -> dict:
           p.plan.provenance.get("phase_density", args.density)
           if p.plan is not None else 1.0)} for p in phases],
       "val_curve": val_curve,
+      "pipeline": pipeline, "queued_steps": queued_steps,
       "first_step_s": step_times[0], "mean_step_time_s": mean_step,
       "median_step_time_s": float(np.median(timed)),
       "phase_steps": phase_steps,

@@ -174,6 +174,13 @@ def parse_args(argv):
   p.add_argument("--cpu-devices", type=int, default=8,
                  help="simulated CPU devices; read before jax is imported, "
                  "so only when run as a script")
+  p.add_argument("--pipeline", choices=("auto", "on", "off"),
+                 default="auto",
+                 help="queue each step before reading the last one's loss "
+                 "(not after a step that logs, evaluates, saves or checks "
+                 "--dense-settle), so the host's time between steps hides "
+                 "behind the GPU's; the same results. auto: on GPUs only "
+                 "(XLA's CPU collectives can deadlock with steps queued)")
   p.add_argument("--log-every", type=int, default=25)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--eval-batches", type=int, default=8)
