@@ -403,13 +403,13 @@ def main(argv=None) -> dict:
     return True
 
   queued = None      # the step dispatched whose loss is not read yet
+  called = []        # the step functions called (compiled) so far
   for step in range(start, steps):
     if jaxfuse.phase_index(phases, step) != phase_id:
       phase_id = jaxfuse.phase_index(phases, step)
       train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
                                    mesh, opt_specs, args.sync, xla_options,
                                    grad_dtype, args.send_early)
-      compile_steps.append(step)
     step_fn = train_step
     if plan is not None and args.flush_every and (
         (step + 1) % args.flush_every == 0):
@@ -417,12 +417,14 @@ def main(argv=None) -> dict:
         flush_step = make_train_step(
             loss_fn, make_opt(jaxfuse.with_density(plan, 1.0)), mesh,
             opt_specs, args.sync, xla_options, grad_dtype, args.send_early)
-        compile_steps.append(step)
       step_fn = flush_step
-    if queued is not None and compile_steps[-1] == step:
-      previous, queued = queued, None    # read it before compiling
-      if not finish(*previous):
-        break
+    if not any(f is step_fn for f in called):   # this call compiles it
+      called.append(step_fn)
+      compile_steps.append(step)
+      if queued is not None:
+        previous, queued = queued, None    # read it before compiling
+        if not finish(*previous):
+          break
     t0 = time.perf_counter()
     params, opt_state, loss = step_fn(params, opt_state, batch)
     this = (step, loss, t0, -1 if step_fn is flush_step else phase_id,
