@@ -28,6 +28,10 @@
 # update wait for the other buckets', so that those can run under its
 # all-gather), for size 64 MiB and each saved plan of PLANS, after the plain
 # step (T1 and G), at DENSITIES (default 0.05).
+# MODE=gemm: the matrix products beside NCCL's kernels. For each XLA flag
+# set of GEMM_FLAGS (default: none, XLA's Triton GEMMs for every product,
+# cuBLASLt), the plain step with T1 and G, then the send_early step with
+# the network flags, traced, at DENSITIES (default 0.05).
 # MODE=nccl: the send_early step with the flags under NCCL settings that
 # may slow the compute kernels beside it less (fewer channels take fewer
 # SMs; the Simple protocol instead of LL; NCCL_VARIANTS, default
@@ -92,6 +96,17 @@ finish)
           --trace-dir "$OUT/trace_early_${name}_$d"
       XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_last_" $E \
           --finish-under-last --trace-dir "$OUT/trace_early_${name}_last_$d"
+    done
+  done ;;
+gemm)
+  E="--variants base --send-early --skip-comm --skip-one-gpu"
+  for d in ${DENSITIES:-0.05}; do
+    for x in ${GEMM_FLAGS:-none --xla_gpu_triton_gemm_any=true --xla_gpu_enable_cublaslt=true}; do
+      [ "$x" = none ] && x=
+      name=$(echo "${x:-none}" | sed 's/--xla_gpu_//; s/=.*//')
+      XLA_FLAGS="$x" run $d "gemm_${name}_plain_" --variants base
+      XLA_FLAGS="$NET $x" run $d "gemm_${name}_early_" $E \
+          --trace-dir "$OUT/trace_gemm_${name}_$d"
     done
   done ;;
 nccl)
