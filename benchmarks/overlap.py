@@ -131,17 +131,48 @@ def capture_trace(fn, args, log_dir, steps=TRACE_STEPS):
   return trace_lib.find_trace_file(log_dir)
 
 
+def is_gemm(name: str) -> bool:
+  """A matrix product's kernel (cuBLAS, CUTLASS, XLA's Triton GEMMs)."""
+  name = name.lower()
+  return any(k in name for k in ("gemm", "xmma", "cutlass", "matmul"))
+
+
+def compute_beside_link(step) -> dict:
+  """One measured step's compute kernels' summed time (seconds), matrix
+  products apart from the rest, each split by whether most of the kernel
+  ran while a link (NCCL) kernel did: NCCL's kernels hold SMs, and a
+  product whose blocks fill every SM then runs a second wave."""
+  link = trace_lib.union([(a, b) for row, a, b, _ in step.kernels
+                          if row == trace_lib.LINK])
+  out = {f"{kind}_{where}": 0.0 for kind in ("gemm", "other")
+         for where in ("beside_link", "apart")}
+  for row, a, b, name in step.kernels:
+    if row != trace_lib.COMPUTE:
+      continue
+    beside = trace_lib.length(trace_lib.intersection([(a, b)], link))
+    where = "beside_link" if beside > (b - a) / 2 else "apart"
+    out[f"{'gemm' if is_gemm(name) else 'other'}_{where}"] += b - a
+  return out
+
+
 def measured_overlap(path) -> dict:
-  """The trace's totals over its steps (seconds, hidden share), or the
-  reason it has none (e.g. a CPU run: no GPU kernels)."""
+  """The trace's totals over its steps (seconds, hidden share) and the
+  compute kernels' time beside the link (``compute_beside_link``, summed
+  over the steps), or the reason it has none (e.g. a CPU run: no GPU
+  kernels)."""
   try:
     measured = trace_lib.read_trace(path)
   except trace_lib.TraceError as e:
     return {"error": str(e)}
+  beside: dict = {}
+  for step in measured.steps:
+    for k, v in compute_beside_link(step).items():
+      beside[k] = beside.get(k, 0.0) + v
   return {"device": measured.device, "steps": len(measured.steps),
           "hidden": measured.hidden,
           **{f: measured.total(f) for f in ("span", "compute_busy",
-                                            "link_busy", "overlapped")}}
+                                            "link_busy", "overlapped")},
+          **beside}
 
 
 def build(args, devices):
@@ -402,9 +433,17 @@ def main(argv=None):
       variant["trace"] = str(path)
       variant["measured"] = measured_overlap(path)
       m = variant["measured"]
-      print(f"{'':24s} " + (m["error"] if "error" in m else
-                            f"{path}: measured {100 * m['hidden']:.0f}% of "
-                            "the link time hidden"), flush=True)
+      if "error" in m:
+        print(f"{'':24s} {m['error']}", flush=True)
+      else:
+        per_step = lambda *fields: 1e3 * sum(m[f] for f in fields) / m[
+            "steps"]
+        print(f"{'':24s} {path}: measured {100 * m['hidden']:.0f}% of the "
+              "link time hidden; a step's matrix products "
+              f"{per_step('gemm_beside_link'):.1f} ms beside NCCL kernels, "
+              f"{per_step('gemm_apart'):.1f} ms apart; other kernels "
+              f"{per_step('other_beside_link', 'other_apart'):.1f} ms",
+              flush=True)
     del out
     save()
   if shapes and args.probe:
