@@ -79,9 +79,11 @@ HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 MERGE = 0.25
 
 # Make the last point's collectives' readers wait for every earlier
-# collective's readers (``run_fenced``), so that XLA can only run the
-# earlier buckets' decode and update before the last collective ends, under
-# it, instead of after it. Experimental: not yet measured on several GPUs.
+# collective's readers (``run_fenced``): the earlier buckets' decode and
+# update must then run before the last bucket's, which XLA's scheduler
+# (with ``start_early``'s hint) places right after the last collective
+# ends, so they can run under that collective instead of after it.
+# Experimental: not yet measured on several GPUs.
 FINISH_UNDER_LAST = False
 
 
