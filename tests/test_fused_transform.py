@@ -174,15 +174,16 @@ def test_a_blend_syncs_what_its_formed_stream_syncs(estimator, strategy,
 
 
 def _blend_update(dtype):
-  """update(blend) on a two-leaf plan for ``dtype`` gradients (all ones)."""
+  """update(blend) on a two-leaf plan for ``dtype`` gradients (all ones),
+  traced only (``jax.eval_shape``): the checks run when tracing."""
   plan = list_plan([(40, 50), (300,)], dtype=dtype, density=0.05,
                    min_sparse_size=64)
   mesh, tx, state, specs = _setup(plan, 1, dtype)
   g = shard(mesh, [np.ones((1,) + l.shape, dtype) for l in plan.leaves])
-  return lambda blend: jax.shard_map(
+  return lambda blend: jax.eval_shape(jax.shard_map(
       lambda g_, s: tx.update([x[0] for x in g_], s, blend=blend),
       mesh=mesh, in_specs=(P("data"), specs), out_specs=(P(), specs),
-      check_vma=False)(g, state)
+      check_vma=False), g, state)
 
 
 def test_bad_blends_name_the_fix():
