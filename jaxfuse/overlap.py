@@ -275,11 +275,9 @@ def fed_by_backward(eqns, order, fences) -> list[bool]:
               for a in eqns[order[f]].invars) for f in fences]
 
 
-def last_point(eqns, order, fences) -> list[int]:
-  """The collectives (indices) of the backward's last point, the ones fed
-  by the backward whose ``fence_points`` point is the largest."""
-  fed = fed_by_backward(eqns, order, fences)
-  points = fence_points(eqns, order, fences)
+def last_point(points, fed) -> list[int]:
+  """The collectives (indices) of the backward's last point: those fed by
+  the backward (``fed``) whose point (``points``) is the largest."""
   last = max((p for p, f in zip(points, fed) if f), default=None)
   return [k for k, (p, f) in enumerate(zip(points, fed)) if f and p == last]
 
@@ -321,8 +319,10 @@ def readers(eqns, order, pos, results, available, exclude) -> list[int]:
   return sorted(keep)
 
 
-def waits(eqns, order, fences, window: int | None):
-  """For each collective c_k: the earlier collectives whose results its
+def waits(points, fed, window: int | None):
+  """For each collective c_k, from each collective's point (``points``,
+  ``fence_points``) and whether the backward feeds it (``fed``,
+  ``fed_by_backward``): the earlier collectives whose results its
   input waits for (``after``), and the earlier collectives whose results
   the backward from its fence on waits for (``held``)::
 
@@ -333,18 +333,17 @@ def waits(eqns, order, fences, window: int | None):
 
   So the collectives of one point run side by side, each point's after the
   point before, and what does not come from the backward after the rest."""
-  points = fence_points(eqns, order, fences)
-  fed = fed_by_backward(eqns, order, fences)
+  n = len(points)
   after = []
   for k, p in enumerate(points):
     below = [points[j] for j in range(k) if points[j] < p or not fed[k]]
     after.append([j for j in range(k) if below and points[j] == max(below)])
-  tie_at = [None] * len(fences)
+  tie_at = [None] * n
   if window is not None:
-    tie_at = [next((k for k in range(j + 1, len(fences))
+    tie_at = [next((k for k in range(j + 1, n)
                     if points[k] >= points[j] + window), None)
-              for j in range(len(fences))]
-  held = [[j for j in range(k) if tie_at[j] == k] for k in range(len(fences))]
+              for j in range(n)]
+  held = [[j for j in range(k) if tie_at[j] == k] for k in range(n)]
   return after, held
 
 
@@ -368,8 +367,10 @@ def run_fenced(closed, args, window: int | None = 1,
       last_read[a] = len(order)
 
   from_backward = {v for e in eqns if is_backward(e) for v in e.outvars}
-  after, held = waits(eqns, order, fences, window)
-  final = last_point(eqns, order, fences) if FINISH_UNDER_LAST else []
+  points = fence_points(eqns, order, fences)
+  fed = fed_by_backward(eqns, order, fences)
+  after, held = waits(points, fed, window)
+  final = last_point(points, fed) if FINISH_UNDER_LAST else []
   ran: set[int] = set()     # positions run ahead of their turn
   env = dict(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, args))
