@@ -330,15 +330,16 @@ def main(argv=None) -> dict:
   last_done = None   # when the last step whose loss was read finished
   queued_steps = 0   # steps queued before the one before them was read
 
-  def reads_state(step):
-    """Whether step's bookkeeping reads params or state."""
-    return ((step + 1) % args.log_every == 0 or step == start
-            or step + 1 == steps
-            or (args.eval_every and (step + 1) % args.eval_every == 0)
-            or (mngr is not None and args.checkpoint_every
-                and (step + 1) % args.checkpoint_every == 0)
-            or (args.dense_settle and phase_id == 0
-                and (step + 1) % args.dense_settle_every == 0))
+  # What a step's bookkeeping does (``finish``); each reads params or state.
+  logs = lambda step: ((step + 1) % args.log_every == 0 or step == start
+                       or step + 1 == steps)
+  evaluates = lambda step: bool(args.eval_every and step + 1 < steps and
+                                (step + 1) % args.eval_every == 0)
+  saves = lambda step: mngr is not None and (step + 1 == steps or bool(
+      args.checkpoint_every and (step + 1) % args.checkpoint_every == 0))
+  settles = lambda step, phase: bool(
+      args.dense_settle and phase == 0 and phases[0].stop
+      and (step + 1) % args.dense_settle_every == 0)
 
   def finish(step, loss, t0, phase, rng_state) -> bool:
     """Wait for step's loss and do its bookkeeping; False: stop here."""
@@ -350,8 +351,7 @@ def main(argv=None) -> dict:
     last_done = done
     losses.append(loss)
     phase_of_step.append(phase)
-    if (args.dense_settle and phase == 0 and phases[0].stop
-        and (step + 1) % args.dense_settle_every == 0):
+    if settles(step, phase):
       settle_now = jaxfuse.second_moment(opt_state)
       if settle_prev is not None and step + 1 < phases[0].stop:
         change = jaxfuse.second_moment_change(settle_prev, settle_now)
@@ -365,13 +365,12 @@ def main(argv=None) -> dict:
               dense_wire=args.dense_wire, num_workers=k)
           say(f"dense phase ends at step {phases[0].stop}")
       settle_prev = settle_now
-    if mngr is not None and (step + 1 == steps or (
-        args.checkpoint_every and (step + 1) % args.checkpoint_every == 0)):
+    if saves(step):
       jaxfuse.checkpoint.save(mngr, step + 1, {"params": params,
                                                "opt": opt_state}, plan,
                               {"rng": rng_state})
       say(f"checkpoint saved at step {step + 1}", flush=True)
-    if (step + 1) % args.log_every == 0 or step == start or step + 1 == steps:
+    if logs(step):
       since = max(start, step + 1 - args.log_every)  # since the last log
       recent = [t for i, t in enumerate(step_times[since - start:], since)
                 if i not in compile_steps] or step_times[since - start:]
@@ -393,7 +392,7 @@ def main(argv=None) -> dict:
                  f"  wire {stats['wire_bytes']:,} B")
       log.append(entry)
       say(line, flush=True)
-    if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < steps:
+    if evaluates(step):
       val_curve.append({"step": step + 1, "val_loss": evaluate(params)})
       say(f"step {step + 1:5d}  validation loss "
           f"{val_curve[-1]['val_loss']:.4f}", flush=True)
@@ -434,10 +433,11 @@ def main(argv=None) -> dict:
     if queued is not None:
       queued_steps += 1
       if not finish(*queued):
-        queued = this = None
+        queued = None
         break
     queued = this
-    if not pipeline or reads_state(step):
+    if not pipeline or logs(step) or evaluates(step) or saves(step) or (
+        settles(step, this[3])):
       queued = None
       if not finish(*this):
         break
