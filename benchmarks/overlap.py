@@ -55,7 +55,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse import overlap as overlap_lib
 from jaxfuse.planning import hlo
 from jaxfuse.planning import timing
 from jaxfuse.planning import trace as trace_lib
@@ -198,10 +197,12 @@ def build(args, devices):
 
 
 def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
-                early=False, window=1, start_early=True, donate=True):
+                early=False, window=1, start_early=True, donate=True,
+                finish_under_last=True):
   """The README recipe's sparse phase, jitted with ``options`` (``delay``:
   under ``jaxfuse.delayed``; ``early``: the step under
-  ``jaxfuse.send_early`` with ``window`` and ``start_early``; ``donate``:
+  ``jaxfuse.send_early`` with ``window``, ``start_early`` and
+  ``finish_under_last``; ``donate``:
   params and state donated, as a training loop does, so XLA updates them
   in place instead of copying them into new buffers every step)."""
   opt = jaxfuse.onebit_adamw(plan, 1e-4, clip_norm=1.0, weight_decay=0.01)
@@ -218,7 +219,8 @@ def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
             jax.lax.pmean(loss, AXIS))
   if early:
     local = jaxfuse.send_early(local, window=window,
-                               start_early=start_early)
+                               start_early=start_early,
+                               finish_under_last=finish_under_last)
   step = jax.jit(jax.shard_map(local,
                                mesh=mesh, in_specs=(P(), specs, P(AXIS)),
                                out_specs=(P(), specs, P())),
@@ -349,10 +351,11 @@ def main(argv=None):
                  action="store_false",
                  help="with --send-early: without XLA's force_delay_async "
                  "hint on each collective")
-  p.add_argument("--finish-under-last", action="store_true",
-                 help="with --send-early: jaxfuse.overlap.FINISH_UNDER_LAST "
-                 "(the last bucket's decode and update wait for the "
-                 "others', which can then run under its collective)")
+  p.add_argument("--no-finish-under-last", dest="finish_under_last",
+                 action="store_false",
+                 help="with --send-early: finish_under_last=False (the "
+                 "earlier buckets' decode and update may run after the "
+                 "last collective instead of under it)")
   p.add_argument("--no-donate", dest="donate", action="store_false",
                  help="do not donate params and state to the step (XLA then "
                  "copies them into new buffers every step; a training loop "
@@ -370,7 +373,6 @@ def main(argv=None):
                       "TRACE_DIR/<variant> (jax.profiler, perfetto JSON)")
   p.add_argument("--out")
   args = p.parse_args(argv)
-  overlap_lib.FINISH_UNDER_LAST = args.finish_under_last
   t_start = time.perf_counter()
   devices = jax.devices()
   mesh, params, loss_fn, batch, plan = build(args, devices)
@@ -399,7 +401,7 @@ def main(argv=None):
     step, state = sparse_step(mesh, plan, loss_fn, params, VARIANTS[name],
                               args.delay, args.send_early,
                               args.window or None, args.start_early,
-                              args.donate)
+                              args.donate, args.finish_under_last)
     t0 = time.perf_counter()
     compiled = step.lower(params, state, batch).compile()
     compile_s = time.perf_counter() - t0

@@ -23,9 +23,9 @@
 # for size 64 MiB and then each saved plan of PLANS (space-separated
 # files, e.g. a cost strategy's plans), at DENSITIES (default 0.05),
 # after the plain step (T1 and G).
-# MODE=finish: the send_early step with the flags, traced, without and
-# with jaxfuse.overlap.FINISH_UNDER_LAST (the last bucket's decode and
-# update wait for the other buckets', so that those can run under its
+# MODE=finish: the send_early step with the flags, traced, with
+# finish_under_last=False and with its default (the last bucket's decode
+# and update wait for the other buckets', so that those run under its
 # all-gather), for size 64 MiB and each saved plan of PLANS, after the plain
 # step (T1 and G), at DENSITIES (default 0.05).
 # MODE=gemm: the matrix products beside NCCL's kernels. For each XLA flag
@@ -93,9 +93,9 @@ finish)
       name=$(basename "$p" .json); name=${name%%_*}
       [ "$p" = size ] && p=
       XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_" $E \
-          --trace-dir "$OUT/trace_early_${name}_$d"
+          --no-finish-under-last --trace-dir "$OUT/trace_early_${name}_$d"
       XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_last_" $E \
-          --finish-under-last --trace-dir "$OUT/trace_early_${name}_last_$d"
+          --trace-dir "$OUT/trace_early_${name}_last_$d"
     done
   done ;;
 gemm)

@@ -22,6 +22,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import overlap
+from jaxfuse.planning import optimal
 
 from _harness import fast_jit
 from _harness import mesh_of
@@ -63,16 +64,24 @@ def _problem(layers, seed=0, biases=False, scales=False):
 
 
 def _setup(layers, recipe="onebit_adamw", bucket_bytes=6000, density=0.2,
-           seed=0, biases=False, scales=False, num_buckets=None):
+           seed=0, biases=False, scales=False, num_buckets=None,
+           collective="allgather", groups=None):
   """``num_buckets``: plan ``aligned`` with that many groups, else
-  ``size`` with ``bucket_bytes``."""
+  ``size`` with ``bucket_bytes``; ``collective``: the sparse buckets'
+  scheme; ``groups``: then regroup the plan so (positions in the
+  backward-ready order, each group a sparse and a dense bucket)."""
   mesh = mesh_of(WORKERS)
   params, x, loss_fn = _problem(layers, seed, biases, scales)
   grouping = (dict(strategy="size", bucket_bytes=bucket_bytes)
               if num_buckets is None else
               dict(strategy="aligned", num_buckets=num_buckets))
   plan = jaxfuse.plan(params, density=density, loss_fn=loss_fn,
-                      example_args=(x[:2],), seed=0, **grouping)
+                      example_args=(x[:2],), seed=0, collective=collective,
+                      **grouping)
+  if groups is not None:
+    order = plan.provenance["backward_order"]
+    plan = optimal.plan_from_groups(
+        plan, [[order[i] for i in group] for group in groups])
   opt = jaxfuse.RECIPES[recipe](plan, 1e-2, clip_norm=1.0)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   x = jax.device_put(x, NamedSharding(mesh, P("data")))
@@ -175,6 +184,22 @@ def test_same_results_bitwise(recipe):
     assert all(jax.tree.leaves(same))
 
 
+@pytest.mark.parametrize("collective", ["zen", "spardl"])
+@pytest.mark.parametrize("finish_under_last", [True, False])
+def test_every_scheme_same_results_bitwise(collective, finish_under_last):
+  """One step with each sparse scheme of a one-axis mesh (allgather:
+  above; hier needs two axes); their collectives mix values that vary over the mesh axis with invariant ones (ZEN's
+  all_to_all beside its all-gathers), which the fences must keep apart."""
+  plan, wrap, local, args = _setup(3, bucket_bytes=2000,
+                                   collective=collective)
+  assert len(plan.buckets) >= 3
+  plain = fast_jit(wrap(local))(*args)
+  early = fast_jit(wrap(jaxfuse.send_early(
+      local, finish_under_last=finish_under_last)))(*args)
+  same = jax.tree.map(lambda u, v: bool(jnp.array_equal(u, v)), plain, early)
+  assert all(jax.tree.leaves(same))
+
+
 def test_backward_waits_for_each_wire_and_collectives_chain():
   plan, wrap, local, args = _setup(6)
   params = args[0]
@@ -240,6 +265,52 @@ def test_window_and_chain_count_points_of_the_backward():
   assert loss and all(c in anc[n] for n in loss for c in collectives)
 
 
+def test_waits_chain_two_of_a_kind_in_one_point():
+  """Within a point, a collective waits for the last earlier one of its
+  kind if backward work lies between their fences (else XLA would combine
+  the two, and the earlier bucket would wait for the later's gradients);
+  of another kind, or at the same work, they stay side by side."""
+  ag, ps = "all_gather", "psum"
+  after, held = overlap.waits(
+      [1, 1, 2, 2, 2, 2, 2], [True] * 6 + [False], 1,
+      kinds=[ag, ps, ag, ps, ag, ps, ps], at=[5, 5, 9, 9, 10, 10, 10])
+  assert after == [[], [], [0, 1], [0, 1], [0, 1, 2], [0, 1, 3],
+                   [2, 3, 4, 5]]
+  assert held == [[], [], [0, 1], [], [], [], []]
+  # The same work: side by side.
+  after, _ = overlap.waits([1, 1], [True, True], 1, kinds=[ag, ag],
+                           at=[5, 5])
+  assert after == [[], []]
+  # Without kinds: the points alone.
+  after, _ = overlap.waits([1, 2, 2], [True] * 3, 1)
+  assert after == [[], [0], [0]]
+
+
+def test_a_small_last_bucket_goes_on_its_own():
+  """Three groups of an eight-layer chain, the last one layer: its fence
+  comes a few products after the second group's, so both share a point.
+  The last all-gather waits for the second (XLA cannot combine them),
+  the last layer's backward does not (it is what the second hides
+  behind), and the step is bitwise the same."""
+  plan, wrap, local, args = _setup(8, num_buckets=2,
+                                   groups=[[0, 1, 2, 3], [4, 5, 6], [7]])
+  assert [b.collective for b in plan.buckets] == ["allgather"] * 3
+  eqns = _body(wrap(jaxfuse.send_early(local)), args)
+  anc = _ancestors(eqns)
+  gathers = [n for n, e in enumerate(eqns)
+             if e.primitive.name.startswith("all_gather")]
+  assert len(gathers) == 3 and gathers[1] in anc[gathers[2]]
+  first = tuple(args[0]["l0"].shape)
+  products = [n for n, e in enumerate(eqns) if overlap.is_backward(e)
+              and e.primitive.name == "dot_general"
+              and tuple(e.outvars[0].aval.shape) in (first, first[::-1])]
+  assert products and not any(gathers[1] in anc[n] for n in products)
+  plain = fast_jit(wrap(local))(*args)
+  early = fast_jit(wrap(jaxfuse.send_early(local)))(*args)
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda u, v: bool(jnp.array_equal(u, v)), plain, early)))
+
+
 def test_a_small_bucket_a_few_products_late_shares_the_point():
   """Two groups of four layers (``aligned``): each a sparse bucket of
   weights and a dense one of input scales, whose gradients need one more
@@ -273,16 +344,17 @@ def test_a_small_bucket_a_few_products_late_shares_the_point():
 
 
 @pytest.mark.parametrize("under_last", [True, False])
-def test_finish_under_last_orders_the_updates(monkeypatch, under_last):
-  """With ``FINISH_UNDER_LAST`` the last bucket's new parameters wait for
-  every earlier bucket's (so XLA can run those only before the last
-  collective ends), and the step is bitwise the same; without it nothing
-  orders them."""
-  monkeypatch.setattr(overlap, "FINISH_UNDER_LAST", under_last)
+def test_finish_under_last_orders_the_updates(under_last):
+  """With ``finish_under_last`` (the default) the last bucket's new
+  parameters wait for every earlier bucket's (so XLA can run those only
+  before the last collective ends), and the step is bitwise the same;
+  without it nothing orders them."""
   plan, wrap, local, args = _setup(6)
   buckets = _layers_of_buckets(plan)
   assert len(buckets) >= 3
-  outer = jax.make_jaxpr(wrap(jaxfuse.send_early(local)))(*args).jaxpr
+  early_local = (jaxfuse.send_early(local) if under_last else
+                 jaxfuse.send_early(local, finish_under_last=False))
+  outer = jax.make_jaxpr(wrap(early_local))(*args).jaxpr
   (eqn,) = [e for e in outer.eqns if e.primitive.name == "shard_map"]
   body = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
   anc = _ancestors(body.eqns)
@@ -297,9 +369,11 @@ def test_finish_under_last_orders_the_updates(monkeypatch, under_last):
         checked += 1
   assert checked >= 3
   plain = fast_jit(wrap(local))(*args)
-  early = fast_jit(wrap(jaxfuse.send_early(local)))(*args)
+  early = fast_jit(wrap(early_local))(*args)
   assert all(jax.tree.leaves(jax.tree.map(
       lambda u, v: bool(jnp.array_equal(u, v)), plain, early)))
+  with pytest.raises(ValueError, match="finish_under_last='yes'"):
+    jaxfuse.send_early(local, finish_under_last="yes")
 
 
 def test_work_counts_multiply_adds():
