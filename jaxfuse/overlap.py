@@ -31,8 +31,9 @@ and c_i can start then and run beside it. The second barrier orders the
 collectives by *points* of the backward (``fence_points``: fences with
 a good share of the backward's matrix products between them): those of
 one point (a sparse bucket and the small dense bucket of the same layers)
-run side by side, each point's
-after the point before, in the plan's order; one not fed by the backward
+run side by side (two of one kind with products between them, one after
+the other: ``waits``), each point's after the point before, in the plan's
+order; one not fed by the backward
 (the loss's ``pmean``, traced last) waits for the rest instead of holding
 the collective stream through the backward. Forward activations,
 parameters and state stay out of the fences: holding them would make XLA
@@ -348,8 +349,8 @@ def waits(points, fed, window: int | None, kinds=None, at=None):
   Two of one kind (``kinds``, e.g. two sparse all-gathers) in one point
   with backward work between their fences (``at``: W, ``fence_work``) run
   one after the other instead: XLA would combine two independent ones
-  into one collective, which the earlier bucket's data then waits in for
-  the later bucket's."""
+  into one collective, and the earlier bucket would then wait for the
+  later one's gradients."""
   n = len(points)
   after = []
   for k, p in enumerate(points):

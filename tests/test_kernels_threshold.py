@@ -13,7 +13,7 @@ from _harness import NUM_WORKERS
 from _harness import shard
 
 import jaxfuse
-from jaxfuse.kernels import selection
+from jaxfuse.kernels import reference
 from jaxfuse.kernels import threshold
 from jaxfuse.kernels.threshold import kth_largest_magnitude
 
@@ -157,7 +157,7 @@ def test_vmap_inside_shard_map(monkeypatch):
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   if INTERPRET:
     monkeypatch.setattr(threshold, "_select_band",
-                        selection.select_band_reference)
+                        reference.select_band)
   kth_largest_magnitude.clear_cache()
   threshold._kth_fn.cache_clear()  # pylint: disable=protected-access
   workers = NUM_WORKERS

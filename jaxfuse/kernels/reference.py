@@ -148,3 +148,15 @@ def select(acc: jax.Array, tau: jax.Array, capacity: int,
   indices = jnp.full((capacity,), n, jnp.int32).at[slot].set(pos, mode="drop")
   values = acc.at[indices].get(mode="fill", fill_value=0)
   return values, indices, total
+
+
+def select_band(acc, lo, hi, capacity: int, interpret=False):
+  """jnp reference of ``selection.select_band_pallas``: ``select`` from lo
+  at offset 0 over acc with the elements not below hi zeroed (zeros are
+  never candidates), and the count of |acc| ≥ hi, acc ≠ 0."""
+  del interpret
+  mags = jnp.abs(acc)
+  values, indices, count = select(jnp.where(mags < hi, acc, 0), lo,
+                                  capacity, 0)
+  return values, indices, count, jnp.sum((mags >= hi) & (acc != 0),
+                                         dtype=jnp.int32)

@@ -46,7 +46,7 @@ atomics.
 ``select_band_pallas(acc, lo, hi, capacity)`` runs the same kernels on the
 band lo ≤ |acc| < hi (offset 0) and also counts, in pass 1, the elements at
 or above hi: the exact threshold (``threshold.py``) uses it. Its reference
-is ``select_band_reference``.
+is ``reference.select_band``.
 
 Comparison semantics: ``|acc| ≥ τ`` is evaluated as the reference evaluates
 it (τ is promoted with ``acc``'s dtype by JAX's rules, so a Python float τ is
@@ -599,14 +599,3 @@ def select_band_pallas(acc: jax.Array, lo, hi, capacity: int, *,
   return _run(acc, taus, capacity, 0, band=True, block=block, tile=tile,
               stage=stage, num_warps=num_warps, interpret=interpret)
 
-
-def select_band_reference(acc, lo, hi, capacity: int, interpret=False):
-  """jnp reference of :func:`select_band_pallas`: ``reference.select`` from lo
-  at offset 0 over acc with the elements not below hi zeroed (zeros are never
-  candidates), and the count of |acc| ≥ hi, acc ≠ 0."""
-  del interpret
-  mags = jnp.abs(acc)
-  values, indices, count = reference.select(jnp.where(mags < hi, acc, 0), lo,
-                                           capacity, 0)
-  return values, indices, count, jnp.sum((mags >= hi) & (acc != 0),
-                                         dtype=jnp.int32)
