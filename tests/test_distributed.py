@@ -310,7 +310,6 @@ def _example(workdir, tag, *flags):
 
 @pytest.mark.example
 @pytest.mark.multiprocess
-@pytest.mark.second
 def test_example_under_jax_distributed_resumes_bitwise(tmp_path):
   """The example on 2 processes (each loading its own rows) saves at 3 and
   6; resumed from 3 in new processes it gives the same losses, bit for bit,
