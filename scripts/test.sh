@@ -6,9 +6,10 @@
 # use. Extra arguments go to pytest; QUICK=1 skips the Python 3.12 run.
 # The tests marked `example` (examples/train_lm.py end to end in
 # subprocesses, ~4 minutes) run once: on the first interpreter, except
-# those also marked `second` (none today: the 3.12 run, set up while the
-# first run's tests start, is the longer one); they drive the same library
-# code the in-process tests cover on both.
+# those also marked `second` (the CLI's), on 3.12, to balance the two runs
+# (the 3.12 run is set up while the first run's tests start, and its
+# in-process tests take longer); they drive the same library code the
+# in-process tests cover on both.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 make_venv "$ROOT/.venv" "${PYTHON:-python3}"
