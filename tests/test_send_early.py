@@ -68,8 +68,8 @@ def _setup(layers, recipe="onebit_adamw", bucket_bytes=6000, density=0.2,
            collective="allgather", groups=None):
   """``num_buckets``: plan ``aligned`` with that many groups, else
   ``size`` with ``bucket_bytes``; ``collective``: the sparse buckets'
-  scheme; ``groups``: then regroup the plan so (positions in the
-  backward-ready order, each group a sparse and a dense bucket)."""
+  scheme; ``groups``: then regroup the plan into these groups (positions
+  in the backward-ready order; each a sparse and a dense bucket)."""
   mesh = mesh_of(WORKERS)
   params, x, loss_fn = _problem(layers, seed, biases, scales)
   grouping = (dict(strategy="size", bucket_bytes=bucket_bytes)
@@ -187,8 +187,9 @@ def test_same_results_bitwise(recipe):
 @pytest.mark.parametrize("collective", ["zen", "spardl"])
 def test_every_scheme_same_results_bitwise(collective):
   """One step with each sparse scheme of a one-axis mesh (allgather:
-  above; hier needs two axes); their collectives mix values that vary over the mesh axis with invariant ones (ZEN's
-  all_to_all beside its all-gathers), which the fences must keep apart."""
+  above; hier needs two axes). Their collectives mix values that vary
+  over the mesh axis with invariant ones (ZEN's all_to_all beside its
+  all-gathers), which the barriers must keep apart."""
   plan, wrap, local, args = _setup(3, bucket_bytes=2000,
                                    collective=collective)
   assert len(plan.buckets) >= 3
