@@ -28,7 +28,7 @@ L_i: the backward pass's values computed so far that a later equation
 reads (the cotangents in flight, gradients not yet sent). The backward of
 earlier layers reads the fenced L_i, so it cannot run before w_i exists,
 and c_i can start then and run beside it. The second barrier orders the
-collectives by *points* of the backward (``fence_points``: fences with
+collectives by *points* of the backward (``points_of_work``: fences with
 a good share of the backward's matrix products between them): those of
 one point (a sparse bucket and the small dense bucket of the same layers)
 run side by side (two of one kind with products between them, one after
@@ -78,7 +78,7 @@ COLLECTIVES = frozenset({
 HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 
 # Share of the typical backward work between fences that opens a new point
-# (``fence_points``).
+# (``points_of_work``).
 MERGE = 0.25
 
 def send_early(step, *, window: int | None = 1, start_early: bool = True,
@@ -97,7 +97,7 @@ def send_early(step, *, window: int | None = 1, start_early: bool = True,
   (unbounded, XLA leaves every collective's end at the end of the step,
   where one at a time they queue up). A point is a fence with at least a
   quarter of the typical backward work between fences since the point
-  before (``fence_points``): a small dense bucket right after a sparse
+  before (``points_of_work``): a small dense bucket right after a sparse
   one does not count. None: no such bound.
 
   ``start_early`` (default True): mark each collective
@@ -229,22 +229,6 @@ def work(eqn) -> float:
   return float(out * math.prod(rhs) / max(features, 1))
 
 
-def fence_points(eqns, order, fences, merge: float = MERGE) -> list[int]:
-  """Each fence's point of the backward. With W_k the backward's heavy work
-  (``work``: matrix products, convolutions) before fence k, g_k = W_k −
-  W_{k−1} the work between fences, and ĝ their work-weighted median (the
-  g at which the gaps ≥ g hold half the work), a fence opens a new point
-  when the work since its point opened reaches ``merge``·ĝ::
-
-    point_k = point_{k−1} + [W_k − W_{open(k−1)} ≥ merge·ĝ]
-
-  So collectives whose fences only a little work separates share a point:
-  a small dense bucket right after a sparse one, or one whose leaves (a
-  LayerNorm's, say) need a few more products than the sparse bucket's.
-  Models without heavy equations count every backward equation as 1."""
-  return points_of_work(fence_work(eqns, order, fences), merge)
-
-
 def fence_work(eqns, order, fences) -> list[float]:
   """W_k: the backward's heavy work (``work``) before each fence; every
   backward equation counts 1 in a model without heavy equations."""
@@ -257,8 +241,17 @@ def fence_work(eqns, order, fences) -> list[float]:
 
 
 def points_of_work(at, merge: float = MERGE) -> list[int]:
-  """``fence_points``' rule on W_k = ``at[k]``, the work done before each
-  fence (non-decreasing)."""
+  """Each fence's point of the backward. With W_k = ``at[k]`` the
+  backward's heavy work before fence k (``fence_work``; non-decreasing),
+  g_k = W_k − W_{k−1} the work between fences, and ĝ their work-weighted
+  median (the g at which the gaps ≥ g hold half the work), a fence opens
+  a new point when the work since its point opened reaches ``merge``·ĝ::
+
+    point_k = point_{k−1} + [W_k − W_{open(k−1)} ≥ merge·ĝ]
+
+  So collectives whose fences only a little work separates share a point:
+  a small dense bucket right after a sparse one, or one whose leaves (a
+  LayerNorm's, say) need a few more products than the sparse bucket's."""
   gaps = sorted((b - a for a, b in zip([0.0, *at], at)), reverse=True)
   half, typical = sum(gaps) / 2, 0.0
   for g in gaps:             # the work-weighted median
@@ -332,7 +325,7 @@ def readers(eqns, order, pos, results, available, exclude) -> list[int]:
 
 def waits(points, fed, window: int | None, kinds=None, at=None):
   """For each collective c_k, from each collective's point (``points``,
-  ``fence_points``) and whether the backward feeds it (``fed``,
+  ``points_of_work``) and whether the backward feeds it (``fed``,
   ``fed_by_backward``): the earlier collectives whose results its
   input waits for (``after``), and the earlier collectives whose results
   the backward from its fence on waits for (``held``)::
@@ -440,17 +433,7 @@ def _finish_before_last(jaxpr, order, pos, env, last_read, results,
                 for a in eqns[order[p]].invars if isinstance(a, jex.Var)}
   read_later.update(a for a in jaxpr.outvars if isinstance(a, jex.Var))
   left = [v for e in mine for v in e.outvars if v in read_later and v in env]
-  # One barrier per set S of varying axes among the last results, holding
-  # what is left that varies over no more than S (a barrier's outputs vary
-  # over the union of its operands'; see ``_fence``).
-  by_axes: dict[frozenset, list] = {}
-  for v in last_results:
-    by_axes.setdefault(_compat.varying_axes(env[v]), []).append(v)
-  for axes, group in by_axes.items():
-    held = [env[v] for v in left if _compat.varying_axes(env[v]) <= axes]
-    if held:
-      tied, _ = lax.optimization_barrier(([env[v] for v in group], held))
-      env.update(zip(group, tied))
+  _tie_by_axes(env, last_results, left)
   return early
 
 
@@ -468,20 +451,29 @@ def _fence(env, inputs, live, previous, held=()) -> None:
   them along with a cotangent waits through that operand anyway."""
   axes = frozenset().union(*(_compat.varying_axes(env[v]) for v in inputs))
   ins = [env[v] for v in inputs]
-  by_axes: dict[frozenset, list] = {}
-  for v in live:
-    s = _compat.varying_axes(env[v])
-    if s >= axes:
-      by_axes.setdefault(s, []).append(v)
-  for s, group in by_axes.items():
-    wait = [env[v] for v in held if _compat.varying_axes(env[v]) <= s]
-    _, tied, _ = lax.optimization_barrier(
-        (ins, [env[v] for v in group], wait))
-    env.update(zip(group, tied))
+  _tie_by_axes(env, [v for v in live if _compat.varying_axes(env[v]) >= axes],
+               held, ins)
   after = [env[v] for v in previous if _compat.varying_axes(env[v]) <= axes]
   if after:
     tied_in, _ = lax.optimization_barrier((ins, after))
     env.update(zip(inputs, tied_in))
+
+
+def _tie_by_axes(env, names, held, ins=()) -> None:
+  """In ``env``: tie ``names`` to ``held`` (and to ``ins``, values) with one
+  barrier per set S of varying mesh axes among ``names``, each taking only
+  the ``held`` values that vary over no more than S (a barrier's outputs
+  vary over the union of its operands'); no barrier where there is nothing
+  to tie to."""
+  by_axes: dict[frozenset, list] = {}
+  for v in names:
+    by_axes.setdefault(_compat.varying_axes(env[v]), []).append(v)
+  for s, group in by_axes.items():
+    wait = [env[v] for v in held if _compat.varying_axes(env[v]) <= s]
+    if ins or wait:
+      _, tied, _ = lax.optimization_barrier(
+          (list(ins), [env[v] for v in group], wait))
+      env.update(zip(group, tied))
 
 
 def _run_segment(jaxpr, seg, env, last_read, stop) -> None:
