@@ -22,7 +22,7 @@
 # MODE=plans: the step under jaxfuse.send_early with the flags, traced,
 # for size 64 MiB and then each saved plan of PLANS (space-separated
 # files, e.g. a cost strategy's plans), at DENSITIES (default 0.05),
-# after the plain step (T1 and G).
+# after the plain step (T1 and G); SIZE=0 leaves out the size 64 MiB plan.
 # MODE=finish: the send_early step with the flags, traced, with
 # finish_under_last=False and with its default (the last bucket's decode
 # and update wait for the other buckets', so that those run under its
@@ -78,7 +78,8 @@ plans)
   E="--variants base --send-early --skip-comm --skip-one-gpu"
   for d in ${DENSITIES:-0.05}; do
     run $d default_ --variants base
-    XLA_FLAGS="$NET" run $d net_early_size_ $E --trace-dir "$OUT/trace_early_size"
+    [ "${SIZE:-1}" = 0 ] || XLA_FLAGS="$NET" run $d net_early_size_ $E \
+        --trace-dir "$OUT/trace_early_size"
     for p in ${PLANS:-}; do
       name=$(basename "$p" .json); name=${name%%_*}
       XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_" $E \

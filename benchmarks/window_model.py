@@ -79,7 +79,8 @@ def window_step(plan, costs, window: int = 1) -> float:
   last = [max(position[j] for j in b.leaves) for b in sched.buckets]
   ready_order = sorted(range(len(last)), key=lambda i: (last[i], i))
   point = dict(zip(ready_order, overlap.points_of_work(
-      [done[last[i] + 1] for i in ready_order])))
+      [done[last[i] + 1] for i in ready_order],
+      kinds=[sched.buckets[i].kind for i in ready_order])))
   t, made, free, end, opened = costs.forward, 0, costs.forward, {}, set()
   for i in ready_order:
     t += done[last[i] + 1] - done[made]

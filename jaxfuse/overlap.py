@@ -30,10 +30,9 @@ earlier layers reads the fenced L_i, so it cannot run before w_i exists,
 and c_i can start then and run beside it. The second barrier orders the
 collectives by *points* of the backward (``points_of_work``: fences with
 a good share of the backward's matrix products between them): those of
-one point (a sparse bucket and the small dense bucket of the same layers)
-run side by side (two of one kind with products between them, one after
-the other: ``waits``), each point's after the point before, in the plan's
-order; one not fed by the backward
+one point (a sparse bucket and the small dense bucket of the same layers;
+never two of one kind) run side by side, each point's after the point
+before, in the plan's order; one not fed by the backward
 (the loss's ``pmean``, traced last) waits for the rest instead of holding
 the collective stream through the backward. Forward activations,
 parameters and state stay out of the fences: holding them would make XLA
@@ -97,8 +96,9 @@ def send_early(step, *, window: int | None = 1, start_early: bool = True,
   (unbounded, XLA leaves every collective's end at the end of the step,
   where one at a time they queue up). A point is a fence with at least a
   quarter of the typical backward work between fences since the point
-  before (``points_of_work``): a small dense bucket right after a sparse
-  one does not count. None: no such bound.
+  before, or a second collective of a kind already in the point
+  (``points_of_work``): a small dense bucket right after a sparse one does
+  not count. None: no such bound.
 
   ``start_early`` (default True): mark each collective
   ``scheduler_hint=force_delay_async``, which tells XLA's latency-hiding
@@ -240,18 +240,25 @@ def fence_work(eqns, order, fences) -> list[float]:
   return [done[stop] for stop in fences]
 
 
-def points_of_work(at, merge: float = MERGE) -> list[int]:
+def points_of_work(at, merge: float = MERGE, kinds=None) -> list[int]:
   """Each fence's point of the backward. With W_k = ``at[k]`` the
   backward's heavy work before fence k (``fence_work``; non-decreasing),
   g_k = W_k − W_{k−1} the work between fences, and ĝ their work-weighted
   median (the g at which the gaps ≥ g hold half the work), a fence opens
-  a new point when the work since its point opened reaches ``merge``·ĝ::
+  a new point when the work since its point opened reaches ``merge``·ĝ,
+  or when its collective's kind (``kinds[k]``, a primitive name) is
+  already in the point at less work::
 
-    point_k = point_{k−1} + [W_k − W_{open(k−1)} ≥ merge·ĝ]
+    point_k = point_{k−1} + [W_k − W_{open(k−1)} ≥ merge·ĝ
+                             or ∃ j in point_{k−1}: kind_j = kind_k, W_j < W_k]
 
   So collectives whose fences only a little work separates share a point:
   a small dense bucket right after a sparse one, or one whose leaves (a
-  LayerNorm's, say) need a few more products than the sparse bucket's."""
+  LayerNorm's, say) need a few more products than the sparse bucket's.
+  Two of one kind never do (unless at the same work): XLA would combine
+  two independent all-gathers into one, and the earlier bucket would wait
+  for the later one's gradients; as points, the later waits for the
+  earlier and the backward between them runs under the earlier."""
   gaps = sorted((b - a for a, b in zip([0.0, *at], at)), reverse=True)
   half, typical = sum(gaps) / 2, 0.0
   for g in gaps:             # the work-weighted median
@@ -259,10 +266,15 @@ def points_of_work(at, merge: float = MERGE) -> list[int]:
     half -= g
     if half <= 0:
       break
-  points, point, opened = [], 0, None
-  for w in at:
-    if opened is None or w - opened >= merge * typical and w > opened:
-      point, opened = point + 1, w
+  kinds = [None] * len(at) if kinds is None else kinds
+  points, point, opened, seen = [], 0, None, {}
+  for w, kind in zip(at, kinds):
+    repeat = kind is not None and kind in seen and w > seen[kind]
+    if (opened is None or repeat
+        or w - opened >= merge * typical and w > opened):
+      point, opened, seen = point + 1, w, {}
+    if kind is not None:
+      seen[kind] = w
     points.append(point)
   return points
 
@@ -323,35 +335,25 @@ def readers(eqns, order, pos, results, available, exclude) -> list[int]:
   return sorted(keep)
 
 
-def waits(points, fed, window: int | None, kinds=None, at=None):
+def waits(points, fed, window: int | None):
   """For each collective c_k, from each collective's point (``points``,
   ``points_of_work``) and whether the backward feeds it (``fed``,
   ``fed_by_backward``): the earlier collectives whose results its
   input waits for (``after``), and the earlier collectives whose results
   the backward from its fence on waits for (``held``)::
 
-    after(k) = {j < k : point_j = max{point_i < point_k}}
-               ∪ {the last j < k : point_j = point_k, kind_j = kind_k,
-                  W_j < W_k}
-               for c_k fed by the backward; {j < k : point_j = the last
-               point before c_k} for the others (the loss's pmean)
+    after(k) = {j < k : point_j = max{point_i < point_k}} for c_k fed by
+               the backward; {j < k : point_j = the last point before c_k}
+               for the others (the loss's pmean)
     held(k)  = {j < k : k = min{k' > j : point_k' ≥ point_j + window}}
 
   So the collectives of one point run side by side, each point's after the
-  point before, and what does not come from the backward after the rest.
-  Two of one kind (``kinds``, e.g. two sparse all-gathers) in one point
-  with backward work between their fences (``at``: W, ``fence_work``) run
-  one after the other instead: XLA would combine two independent ones
-  into one collective, and the earlier bucket would then wait for the
-  later one's gradients."""
+  point before, and what does not come from the backward after the rest."""
   n = len(points)
   after = []
   for k, p in enumerate(points):
     below = [points[j] for j in range(k) if points[j] < p or not fed[k]]
     after.append([j for j in range(k) if below and points[j] == max(below)])
-    same = [j for j in range(k) if fed[k] and fed[j] and kinds is not None
-            and points[j] == p and kinds[j] == kinds[k] and at[j] < at[k]]
-    after[k] += same[-1:]
   tie_at = [None] * n
   if window is not None:
     tie_at = [next((k for k in range(j + 1, n)
@@ -383,10 +385,10 @@ def run_fenced(closed, args, window: int | None = 1,
 
   from_backward = {v for e in eqns if is_backward(e) for v in e.outvars}
   at = fence_work(eqns, order, fences)
-  points = points_of_work(at)
-  fed = fed_by_backward(eqns, order, fences)
   kinds = [eqns[order[f]].primitive.name for f in fences]
-  after, held = waits(points, fed, window, kinds, at)
+  points = points_of_work(at, kinds=kinds)
+  fed = fed_by_backward(eqns, order, fences)
+  after, held = waits(points, fed, window)
   final = last_point(points, fed) if finish_under_last else []
   ran: set[int] = set()     # positions run ahead of their turn
   env = dict(zip(jaxpr.constvars, closed.consts))

@@ -139,6 +139,23 @@ def test_show_without_costs_lists_buckets(workdir, capsys, monkeypatch):
   assert "allgather/ahead" in out and "predicted" not in out
 
 
+def test_plan_last_bucket_bytes(workdir, capsys, monkeypatch):
+  """``--last-bucket-bytes 2K`` cuts the one group of ``single`` (reverse
+  pytree order: dense2's kernel and bias, dense1's kernel, dense1's bias
+  of 2048 bytes last) so that dense1's bias goes alone."""
+  monkeypatch.chdir(workdir)
+  assert cli.main(["plan", "tinymodel:params_only", "--strategy", "single",
+                   "--last-bucket-bytes", "2K", "-o", "cut_plan.json"]) == 0
+  capsys.readouterr()
+  plan = jaxfuse.Plan.load(workdir / "cut_plan.json")
+  paths = [[plan.leaves[i].path for i in b.leaves] for b in plan.buckets]
+  assert paths == [["['dense2']['kernel']", "['dense1']['kernel']"],
+                   ["['dense2']['bias']"], ["['dense1']['bias']"]]
+  assert plan.provenance["parameters"]["last_bucket_bytes"] == 2048
+  assert "whole number" in error_of(capsys, "plan", "tinymodel:params_only",
+                                    "--last-bucket-bytes", "0")
+
+
 def hand_costs(num_leaves):
   return Costs({"allgather": LinearCost(1e-4, 1e-9),
                 "psum": LinearCost(1e-4, 2e-9)}, LinearCost(1e-5, 1e-8),

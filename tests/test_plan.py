@@ -51,22 +51,34 @@ def test_every_strategy_gives_a_valid_plan(sizes, strategy, num_buckets,
     assert b.collective == ("allgather" if mode == {"sparse"} else "psum")
     assert b.sparsify == ("behind" if strategy == "behind" and
                           b.collective == "allgather" else "ahead")
-  # Oracle: the group id of each ready position under the strategy's rule.
+  _assert_groups(plan, order, _rule_groups(strategy, order, sizes,
+                                           num_buckets, bucket_bytes))
+
+
+def _rule_groups(strategy, order, sizes, num_buckets, bucket_bytes):
+  """Oracle: the group id of each ready position under the strategy's rule
+  (float32 leaves of ``sizes`` elements)."""
   if strategy == "layerwise":
-    group = list(range(len(order)))
-  elif strategy == "single":
-    group = [0] * len(order)
-  elif strategy == "aligned":
+    return list(range(len(order)))
+  if strategy == "single":
+    return [0] * len(order)
+  if strategy == "aligned":
     per = math.ceil(len(sizes) / num_buckets)
-    group = [p // per for p in range(len(order))]
-  else:
-    group, gid, filled = [], 0, 0
-    for i in order:
-      group.append(gid)
-      filled += 4 * sizes[i]
-      if filled >= bucket_bytes:
-        gid, filled = gid + 1, 0
-  # Each bucket lies in one group; each group is one sparse + one dense bucket.
+    return [p // per for p in range(len(order))]
+  group, gid, filled = [], 0, 0
+  for i in order:
+    group.append(gid)
+    filled += 4 * sizes[i]
+    if filled >= bucket_bytes:
+      gid, filled = gid + 1, 0
+  return group
+
+
+def _assert_groups(plan, order, group):
+  """Each bucket lies in one group, each group is one sparse and one dense
+  bucket at most, issued in ready order, and every leaf is in its group's
+  bucket of its mode."""
+  pos = {leaf: i for i, leaf in enumerate(order)}
   seen = set()
   for b in plan.buckets:
     gids = {group[pos[j]] for j in b.leaves}
@@ -79,6 +91,49 @@ def test_every_strategy_gives_a_valid_plan(sizes, strategy, num_buckets,
   for p, i in enumerate(order):
     assert (group[p], "allgather" if plan.leaves[i].mode == "sparse"
             else "psum") in seen
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=30),
+       strategy=st.sampled_from(jaxfuse.STRATEGIES),
+       num_buckets=st.integers(1, 8), bucket_bytes=st.integers(100, 40000),
+       last=st.integers(1, 40000))
+def test_last_bucket_bytes_cuts_only_the_last_group(sizes, strategy,
+                                                    num_buckets, bucket_bytes,
+                                                    last):
+  """The rule's last group, where it has two leaves or more and more than
+  ``last`` bytes, becomes two: its longest run of trailing leaves within
+  ``last`` bytes (at least one leaf, never all), and the rest. Every other
+  group is the rule's."""
+  rng = np.random.default_rng(len(sizes))
+  order = [int(i) for i in rng.permutation(len(sizes))]
+  plan = list_plan([(s,) for s in sizes], strategy=strategy, density=0.01,
+                   num_buckets=num_buckets, bucket_bytes=bucket_bytes,
+                   last_bucket_bytes=last, min_sparse_size=100,
+                   ready_order=order)
+  group = _rule_groups(strategy, order, sizes, num_buckets, bucket_bytes)
+  members = [p for p, g in enumerate(group) if g == group[-1]]
+  nbytes = [4 * sizes[order[p]] for p in members]
+  if len(members) > 1 and sum(nbytes) > last:
+    tail = max([t for t in range(1, len(members))
+                if sum(nbytes[-t:]) <= last], default=1)
+    group = group[:-tail] + [group[-1] + 1] * tail
+  _assert_groups(plan, order, group)
+  assert plan.provenance["parameters"]["last_bucket_bytes"] == last
+
+
+def test_last_bucket_bytes_by_hand():
+  """Leaves of 40, 8, 16, 12 bytes in ready order, one group: at most 30
+  bytes last takes the 16 and the 12 (28); at most 10 only the 12; at
+  most 200 (the whole group fits) cuts nothing."""
+  def groups(last):
+    plan = list_plan([(10,), (2,), (4,), (3,)], strategy="single",
+                     density=1.0, last_bucket_bytes=last,
+                     ready_order=[0, 1, 2, 3])
+    return [list(b.leaves) for b in plan.buckets]
+  assert groups(30) == [[0, 1], [2, 3]]
+  assert groups(10) == [[0, 1, 2], [3]]
+  assert groups(200) == [[0, 1, 2, 3]]
 
 
 # --- backward-ready order --------------------------------------------------------
@@ -183,6 +238,11 @@ def test_corrupted_json_file(tmp_path):
     (dict(estimator="oracle"), "estimator='oracle'"),
     (dict(num_buckets=0), "num_buckets=0"),
     (dict(headroom=0.9), "headroom"),
+    (dict(last_bucket_bytes=0), "last_bucket_bytes=0"),
+    (dict(last_bucket_bytes=2.5), "last_bucket_bytes=2.5"),
+    (dict(last_bucket_bytes=True), "last_bucket_bytes=True"),
+    (dict(last_bucket_bytes=64, strategy="cupcake", costs=None),
+     "strategy='cupcake' chooses its groups"),
 ])
 def test_bad_plan_arguments(kwargs, message):
   with pytest.raises(jaxfuse.PlanError, match=message):

@@ -264,33 +264,32 @@ def test_window_and_chain_count_points_of_the_backward():
   assert loss and all(c in anc[n] for n in loss for c in collectives)
 
 
-def test_waits_chain_two_of_a_kind_in_one_point():
-  """Within a point, a collective waits for the last earlier one of its
-  kind if backward work lies between their fences (else XLA would combine
-  the two, and the earlier bucket would wait for the later's gradients);
-  of another kind, or at the same work, they stay side by side."""
+def test_two_of_a_kind_never_share_a_point():
+  """A collective whose kind is already in the point at less backward
+  work opens a new point, however little work lies between (else XLA
+  would combine the two, and the earlier bucket would wait for the
+  later's gradients); of another kind, or at the same work, they share
+  it. The waits then follow the points."""
   ag, ps = "all_gather", "psum"
-  after, held = overlap.waits(
-      [1, 1, 2, 2, 2, 2, 2], [True] * 6 + [False], 1,
-      kinds=[ag, ps, ag, ps, ag, ps, ps], at=[5, 5, 9, 9, 10, 10, 10])
-  assert after == [[], [], [0, 1], [0, 1], [0, 1, 2], [0, 1, 3],
-                   [2, 3, 4, 5]]
-  assert held == [[], [], [0, 1], [], [], [], []]
+  at = [5, 5, 9, 9, 10, 10, 10]
+  # Work-weighted median gap 5: one unit of work alone opens no point.
+  assert overlap.points_of_work(at) == [1, 1, 2, 2, 2, 2, 2]
+  points = overlap.points_of_work(at, kinds=[ag, ps, ag, ps, ag, ps, ps])
+  assert points == [1, 1, 2, 2, 3, 3, 3]
+  after, held = overlap.waits(points, [True] * 6 + [False], 1)
+  assert after == [[], [], [0, 1], [0, 1], [2, 3], [2, 3], [4, 5]]
+  assert held == [[], [], [0, 1], [], [2, 3], [], []]
   # The same work: side by side.
-  after, _ = overlap.waits([1, 1], [True, True], 1, kinds=[ag, ag],
-                           at=[5, 5])
-  assert after == [[], []]
-  # Without kinds: the points alone.
-  after, _ = overlap.waits([1, 2, 2], [True] * 3, 1)
-  assert after == [[], [0], [0]]
+  assert overlap.points_of_work([5, 5], kinds=[ag, ag]) == [1, 1]
 
 
 def test_a_small_last_bucket_goes_on_its_own():
   """Three groups of an eight-layer chain, the last one layer: its fence
-  comes a few products after the second group's, so both share a point.
-  The last all-gather waits for the second (XLA cannot combine them),
-  the last layer's backward does not (it is what the second hides
-  behind), and the step is bitwise the same."""
+  comes a few products after the second group's, too few to open a
+  point, but a second all-gather does. The last all-gather waits for the
+  second (XLA cannot combine them), the last layer's backward does not
+  (it is what the second hides behind), and the step is bitwise the
+  same."""
   plan, wrap, local, args = _setup(8, num_buckets=2,
                                    groups=[[0, 1, 2, 3], [4, 5, 6], [7]])
   assert [b.collective for b in plan.buckets] == ["allgather"] * 3

@@ -135,7 +135,7 @@ def cmd_profile(args) -> int:
 # --- plan -----------------------------------------------------------------------------
 
 PLAN_OPTIONS = ("density", "strategy", "estimator", "num_buckets",
-                "bucket_bytes", "headroom", "min_sparse_size", "collective",
+                "bucket_bytes", "last_bucket_bytes", "headroom", "min_sparse_size", "collective",
                 "num_workers")
 
 
@@ -291,6 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
                   help="buckets of the aligned strategy")
   pl.add_argument("--bucket-bytes", type=parse_size,
                   help="dense bytes per bucket of the size strategy, e.g. 25M")
+  pl.add_argument("--last-bucket-bytes", type=parse_size,
+                  help="cut a rule strategy's last group so that its final "
+                  "part holds at most this many bytes, e.g. 16M (under "
+                  "send_early on a slow network, what the step waits for "
+                  "at its end)")
   pl.add_argument("--headroom", type=float,
                   help="capacity over target count, >= 1")
   pl.add_argument("--min-sparse-size", type=positive_int,

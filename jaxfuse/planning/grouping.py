@@ -9,6 +9,27 @@ from __future__ import annotations
 from jaxfuse import plans as plan_lib
 
 
+def cut_last(groups, nbytes, limit: int) -> list[list[int]]:
+  """``groups`` with the last one cut in two where it holds more than
+  ``limit`` bytes: the final part is the longest run of its trailing
+  leaves with Σ nbytes ≤ ``limit`` (at least its last leaf), the first
+  part the rest. A group of one leaf stays whole.
+
+  Under ``send_early`` the last group's collective is the one no backward
+  can hide (its gradients are complete only when the backward ends), so
+  a small final part shortens what the step waits for at its end."""
+  if not groups:
+    return []
+  *before, last = [list(g) for g in groups]
+  if len(last) < 2 or sum(nbytes[i] for i in last) <= limit:
+    return before + [last]
+  cut, held = len(last) - 1, nbytes[last[-1]]
+  while cut > 1 and held + nbytes[last[cut - 1]] <= limit:
+    cut -= 1
+    held += nbytes[last[cut]]
+  return before + [last[:cut], last[cut:]]
+
+
 def buckets_from_groups(leaves, groups, *, behind: bool, headroom: float,
                         collective: str = "allgather"
                         ) -> tuple[plan_lib.BucketPlan, ...]:

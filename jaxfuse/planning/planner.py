@@ -86,7 +86,8 @@ def _groups(strategy, order, nbytes, num_buckets, bucket_bytes, *,
 
 def plan(params, *, density: float = 0.01, strategy: str | None = None,
          estimator: str = "dgc", num_buckets: int = 4,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, headroom: float = 1.5,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+         last_bucket_bytes: int | None = None, headroom: float = 1.5,
          min_sparse_size: int = 1024, refresh: int = 1, feedback: bool = True,
          sample_fraction: float = 0.01, sidco_stages: int = 2, seed: int = 0,
          collective: str = "allgather", zen_table: float = 2.0,
@@ -110,6 +111,13 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     estimator: threshold estimator, one of ``plan.ESTIMATORS``.
     num_buckets: M for ``"aligned"`` (and the start of ``"safusion"``).
     bucket_bytes: dense bytes per bucket for ``"size"`` and ``"behind"``.
+    last_bucket_bytes: with a rule strategy (``STRATEGIES``), cut the last
+      group in ready order so that its final part holds at most this many
+      dense bytes (whole leaves; ``grouping.cut_last``). Its buckets are the
+      ones no backward can hide under ``send_early``: on 2 × H200 over
+      sockets, gpt2-small's ``size`` 64 MiB plan ran its step in 60.0
+      instead of 61.5 ms with ``16 * 2**20`` (docs/choosing.md). Default
+      None: no cut.
     headroom: capacity c = ⌈ρ·n·headroom⌉ (``"topk"``: c = ⌈ρ·n⌉ exactly).
     min_sparse_size: leaves with fewer elements (and non-float leaves) go dense.
     refresh, feedback, sample_fraction, sidco_stages, seed: ``plan.Settings``.
@@ -146,6 +154,16 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     raise plan_lib.PlanError(f"num_buckets={num_buckets!r} must be an int >= 1.")
   if not bucket_bytes > 0:
     raise plan_lib.PlanError(f"bucket_bytes={bucket_bytes!r} must be > 0.")
+  if last_bucket_bytes is not None and (
+      isinstance(last_bucket_bytes, bool) or
+      not isinstance(last_bucket_bytes, int) or last_bucket_bytes <= 0):
+    raise plan_lib.PlanError(f"last_bucket_bytes={last_bucket_bytes!r} "
+                             "must be an int > 0 (bytes) or None.")
+  if last_bucket_bytes is not None and strategy in COST_STRATEGIES:
+    raise plan_lib.PlanError(
+        f"last_bucket_bytes cuts a rule strategy's last group; "
+        f"strategy={strategy!r} chooses its groups from the costs. Leave "
+        f"last_bucket_bytes out, or use one of {STRATEGIES}.")
   if collective not in plan_lib.SPARSE_COLLECTIVES:
     raise plan_lib.PlanError(f"collective={collective!r}; use one of "
                              f"{plan_lib.SPARSE_COLLECTIVES}.")
@@ -202,6 +220,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
                      "collective": collective,
                      "num_buckets": num_buckets, "bucket_bytes": bucket_bytes},
   }
+  if last_bucket_bytes is not None:
+    provenance["parameters"]["last_bucket_bytes"] = last_bucket_bytes
   nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
   if strategy == "auto":
     leaves, groups, provenance["auto"] = _auto(
@@ -210,6 +230,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   else:
     groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
                      leaves=leaves, costs=costs)
+    if last_bucket_bytes is not None:
+      groups = grouping.cut_last(groups, nbytes, last_bucket_bytes)
   buckets = grouping.buckets_from_groups(
       leaves, groups, behind=strategy == "behind", headroom=headroom,
       collective=collective)
