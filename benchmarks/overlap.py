@@ -23,7 +23,9 @@ With --trace-dir DIR, each variant's next 3 steps are also profiled
 (``jax.profiler.trace(DIR/<variant>, create_perfetto_trace=True)``, each step
 in a ``StepTraceAnnotation("train", step_num=i)`` and blocked on); the JSON
 gets the trace's path and its measured overlap (``jaxfuse.planning.trace``),
-and ``jaxfuse show plan.json --measured DIR/<variant>`` draws it.
+and ``jaxfuse show plan.json --measured DIR/<variant>`` draws it. Where
+T₁ is measured, its step is profiled too (into DIR_one_gpu), and its
+matrix products and other kernels printed, to set beside each variant's.
 
 Prints a table and writes JSON (and each variant's HLO with --hlo-dir)::
 
@@ -473,6 +475,19 @@ def main(argv=None):
         step, (_fresh(params1), state, batch1), args.steps)
     result["one_gpu_step_pipelined_s"], out1 = _time_pipelined(
         step, (out1[0], out1[1], batch1), args.steps)
+    if args.trace_dir:   # T1's kernels, to set beside each variant's
+      path = capture_trace(step, (out1[0], out1[1], batch1),
+                           pathlib.Path(args.trace_dir + "_one_gpu"))
+      m = result["one_gpu_measured"] = measured_overlap(path)
+      if "error" in m:
+        print(f"T1 trace: {m['error']}", flush=True)
+      else:
+        per_step = lambda *fields: 1e3 * sum(m[f] for f in fields) / m[
+            "steps"]
+        print(f"T1 trace {path}: a step's matrix products "
+              f"{per_step('gemm_beside_link', 'gemm_apart'):.1f} ms, other "
+              f"kernels {per_step('other_beside_link', 'other_apart'):.1f} "
+              "ms", flush=True)
     del out1
     local = jax.device_put(params1, one[0])
     tokens = jax.device_put(np.asarray(batch1), one[0])

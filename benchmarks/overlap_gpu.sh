@@ -22,7 +22,8 @@
 # MODE=plans: the step under jaxfuse.send_early with the flags, traced,
 # for size 64 MiB and then each saved plan of PLANS (space-separated
 # files, e.g. a cost strategy's plans), at DENSITIES (default 0.05),
-# after the plain step (T1 and G); SIZE=0 leaves out the size 64 MiB plan.
+# after the plain step (T1 and G; both traced, T1's kernels printed);
+# SIZE=0 leaves out the size 64 MiB plan.
 # MODE=finish: the send_early step with the flags, traced, with
 # finish_under_last=False and with its default (the last bucket's decode
 # and update wait for the other buckets', so that those run under its
@@ -77,7 +78,7 @@ early)
 plans)
   E="--variants base --send-early --skip-comm --skip-one-gpu"
   for d in ${DENSITIES:-0.05}; do
-    run $d default_ --variants base
+    run $d default_ --variants base --trace-dir "$OUT/trace_default"
     [ "${SIZE:-1}" = 0 ] || XLA_FLAGS="$NET" run $d net_early_size_ $E \
         --trace-dir "$OUT/trace_early_size"
     for p in ${PLANS:-}; do

@@ -131,7 +131,7 @@ def test_last_bucket_bytes_by_hand():
                      density=1.0, last_bucket_bytes=last,
                      ready_order=[0, 1, 2, 3])
     return [list(b.leaves) for b in plan.buckets]
-  assert groups(30) == [[0, 1], [2, 3]]
+  assert groups(30) == groups(np.int64(30)) == [[0, 1], [2, 3]]
   assert groups(10) == [[0, 1, 2], [3]]
   assert groups(200) == [[0, 1, 2, 3]]
 

@@ -135,8 +135,8 @@ def cmd_profile(args) -> int:
 # --- plan -----------------------------------------------------------------------------
 
 PLAN_OPTIONS = ("density", "strategy", "estimator", "num_buckets",
-                "bucket_bytes", "last_bucket_bytes", "headroom", "min_sparse_size", "collective",
-                "num_workers")
+                "bucket_bytes", "last_bucket_bytes", "headroom",
+                "min_sparse_size", "collective", "num_workers")
 
 
 def _strategies() -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from typing import Callable, Sequence
 
@@ -156,12 +157,13 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     raise plan_lib.PlanError(f"bucket_bytes={bucket_bytes!r} must be > 0.")
   if last_bucket_bytes is not None and (
       isinstance(last_bucket_bytes, bool) or
-      not isinstance(last_bucket_bytes, int) or last_bucket_bytes <= 0):
+      not isinstance(last_bucket_bytes, numbers.Integral) or
+      last_bucket_bytes <= 0):
     raise plan_lib.PlanError(f"last_bucket_bytes={last_bucket_bytes!r} "
                              "must be an int > 0 (bytes) or None.")
   if last_bucket_bytes is not None and strategy in COST_STRATEGIES:
     raise plan_lib.PlanError(
-        f"last_bucket_bytes cuts a rule strategy's last group; "
+        "last_bucket_bytes cuts a rule strategy's last group; "
         f"strategy={strategy!r} chooses its groups from the costs. Leave "
         f"last_bucket_bytes out, or use one of {STRATEGIES}.")
   if collective not in plan_lib.SPARSE_COLLECTIVES:
@@ -221,7 +223,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
                      "num_buckets": num_buckets, "bucket_bytes": bucket_bytes},
   }
   if last_bucket_bytes is not None:
-    provenance["parameters"]["last_bucket_bytes"] = last_bucket_bytes
+    provenance["parameters"]["last_bucket_bytes"] = int(last_bucket_bytes)
   nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
   if strategy == "auto":
     leaves, groups, provenance["auto"] = _auto(
@@ -231,7 +233,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
                      leaves=leaves, costs=costs)
     if last_bucket_bytes is not None:
-      groups = grouping.cut_last(groups, nbytes, last_bucket_bytes)
+      groups = grouping.cut_last(groups, nbytes, int(last_bucket_bytes))
   buckets = grouping.buckets_from_groups(
       leaves, groups, behind=strategy == "behind", headroom=headroom,
       collective=collective)
