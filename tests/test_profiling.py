@@ -53,10 +53,39 @@ def test_collective_time_grows_with_size(mesh, kind):
 
 
 def test_compress_time_grows_with_size():
+  """What one more unit costs, measured: a unit of 2^18 elements (2^24 on
+  GPUs) costs more than one of 2^10, whose cost may be below the timing
+  noise (0, never negative)."""
   points = profiling.measure_compress((2**10, BIG // 8), **FAST)
   (_, small), (_, big) = points
-  assert big > small > 0
+  assert big > small >= 0
   assert costs_lib.fit_linear(*zip(*points)).beta > 0
+
+
+def test_compress_is_the_time_of_one_more_unit(monkeypatch):
+  """An update of c units of x elements taking 0.5 ms (dispatch and the
+  bucket's own kernels) + c·(20 µs + x·1 ns): h(x) = 20 µs + x·1 ns, from
+  c = 4 and 8 units timed together; the old time-per-unit would have
+  given 20 µs + x ns + 0.5 ms / 4. Noise that makes the larger update
+  faster gives 0."""
+  runs = []
+
+  def fake(mesh_, size_lists, strategy, **kw):
+    runs.append((strategy, [len(s) for s in size_lists], kw["repeats"]))
+    return [5e-4 + len(s) * (2e-5 + s[0] * 1e-9) for s in size_lists]
+  monkeypatch.setattr(profiling, "_time_sparse_steps", fake)
+  points = profiling.measure_compress((1000, 10**6), repeats=3)
+  assert runs == [("single", [4, 8], 3)] * 2
+  assert points[0] == (1000, pytest.approx(2e-5 + 1e-6))
+  assert points[1] == (10**6, pytest.approx(2e-5 + 1e-3))
+  fit = costs_lib.fit_linear(*zip(*points))
+  assert fit.alpha == pytest.approx(2e-5) and fit.beta == pytest.approx(1e-9)
+  monkeypatch.setattr(profiling, "_time_sparse_steps",
+                      lambda *a, **kw: [2e-3, 1.9e-3])
+  assert profiling.measure_compress((10, 20), chain=2) == [(10, 0.0),
+                                                          (20, 0.0)]
+  with pytest.raises(profiling.ProfileError, match="chain=0"):
+    profiling.measure_compress((10, 20), chain=0)
 
 
 def test_bucket_cost_is_the_time_per_extra_bucket_past_its_alpha(

@@ -11,10 +11,13 @@ Every time below is the median of ``repeats`` runs after ``warmup`` runs
                ``psum`` of a float32 buffer (a dense bucket).
                t(x) = time / chain (so one dispatch is not counted as
                latency); fitted g(x) = α + β·x (``costs.fit_linear``).
-  compress     ``sparse_sync``'s update of one bucket of ``chain`` units of x
-               elements on a one-device mesh, per unit (the estimator,
-               density and headroom a plan would use), fitted
-               h(x) = α_h + β_h·x.
+  compress     ``sparse_sync``'s update of one bucket of c and of 2c units
+               of x elements (c = ``chain``) on a one-device mesh, timed
+               round-robin (the estimator, density and headroom a plan
+               would use): what one more unit costs,
+               h(x) = (t_2c − t_c) / c, fitted h(x) = α_h + β_h·x. (The
+               step's dispatch and its one bucket's kernels cancel; what
+               a bucket costs beyond its units is ``bucket``.)
   bucket       the same update on the whole mesh for ``u`` units as one
                bucket and as u buckets: the time per extra sparse bucket
                beyond its all_gather's α (``measure_bucket_cost``).
@@ -232,19 +235,25 @@ def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
                      device=None,
                      progress: Callable[[str], None] | None = None
                      ) -> list[tuple[int, float]]:
-  """[(elements, seconds)]: one selection unit's share of a sparse bucket.
+  """[(elements, seconds)]: what one more selection unit of x elements
+  adds to a sparse bucket.
 
-  What a step runs: ``sparse_sync``'s update for one bucket of ``chain``
-  float32 leaves of x elements each (one state group: the batched k-th
-  largests, the fused pass, packing, the collective, decoding, the residual
-  and the statistics) on a one-device mesh, so the collective moves
-  nothing; t = time / chain. (Timing one ``sparsify_unit`` at a time
-  measured a path steps no longer run: α = 0.26–0.31 ms per unit on
-  2 × H200, against 0.12–0.14 ms this way; docs/benchmarks.md.)
+  What a step runs: ``sparse_sync``'s update for one bucket of float32
+  leaves of x elements each (one state group: the batched k-th largests,
+  the fused pass, packing, the collective, decoding, the residual and the
+  statistics) on a one-device mesh, so the collective moves nothing; once
+  with c = ``chain`` leaves and once with 2c, timed round-robin:
+  h = max(0, t_2c − t_c) / c. The time per update divided by its units
+  (what this measured before) also counted the dispatch and the bucket's
+  own kernels once per unit: α = 0.12–0.14 ms per unit on 2 × H200, so
+  gpt2-small's 97 units came to 11.3 ms where its traced compression
+  kernels take about 2 ms.
   """
   if estimator not in plan_lib.ESTIMATORS:
     raise ProfileError(f"estimator={estimator!r}; use one of "
                        f"{plan_lib.ESTIMATORS}.")
+  if not (isinstance(chain, int) and chain >= 1):
+    raise ProfileError(f"chain={chain!r} must be an int >= 1.")
   device = device or jax.local_devices()[0]
   mesh = jax.sharding.Mesh(np.array([device]), ("data",))
   out = []
@@ -252,11 +261,11 @@ def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
     n = int(n)
     if progress:
       progress(f"compress {n:,} elements")
-    t, _ = _time_sparse_step(mesh, [n] * chain, "single",
-                             estimator=estimator, density=density,
-                             headroom=headroom, repeats=repeats,
-                             warmup=warmup)
-    out.append((n, t / chain))
+    t_c, t_2c = _time_sparse_steps(
+        mesh, [[n] * chain, [n] * (2 * chain)], "single",
+        estimator=estimator, density=density, headroom=headroom,
+        repeats=repeats, warmup=warmup)
+    out.append((n, max(0.0, t_2c - t_c) / chain))
   return out
 
 
@@ -343,13 +352,12 @@ def _check_sweep(name: str, sweep: Sequence[int]) -> None:
                        "sizes >= 1 (one size cannot separate α from β).")
 
 
-def _time_sparse_step(mesh, sizes, strategy, *, estimator, density, headroom,
-                      repeats, warmup, axis_name="data",
-                      collective="allgather"):
-  """(seconds, plan) of one ``sparse_sync`` update of float32 leaves of
-  ``sizes`` (standard normal, the same on every device of ``mesh``),
-  planned as ``strategy`` with every leaf sparse and moved by
-  ``collective``."""
+def _sparse_step(mesh, sizes, strategy, *, estimator, density, headroom,
+                 axis_name="data", collective="allgather"):
+  """(step, args, plan): one jitted ``sparse_sync`` update of float32
+  leaves of ``sizes`` (standard normal, the same on every device of
+  ``mesh``), planned as ``strategy`` with every leaf sparse and moved by
+  ``collective``, and the arguments to call it with."""
   from jaxfuse import transform  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(sum(sizes))
@@ -364,7 +372,22 @@ def _time_sparse_step(mesh, sizes, strategy, *, estimator, density, headroom,
   step = _jit(jax.shard_map(
       lambda g, s: opt.update(_compat.to_varying(g, axis_name), s),
       mesh=mesh, in_specs=(P(), specs), out_specs=(P(), specs)))
-  return time_call(step, grads, state, warmup=warmup, repeats=repeats), plan
+  return step, (grads, state), plan
+
+
+def _time_sparse_step(mesh, sizes, strategy, *, repeats, warmup, **kw):
+  """(seconds, plan) of one ``_sparse_step`` update."""
+  step, args, plan = _sparse_step(mesh, sizes, strategy, **kw)
+  return time_call(step, *args, warmup=warmup, repeats=repeats), plan
+
+
+def _time_sparse_steps(mesh, size_lists, strategy, *, repeats, warmup,
+                       **kw) -> list[float]:
+  """Seconds of one ``_sparse_step`` update per list of leaf sizes, timed
+  round-robin (``time_calls``), so that their differences hold."""
+  steps = [_sparse_step(mesh, sizes, strategy, **kw) for sizes in size_lists]
+  return time_calls([(step, *args) for step, args, _ in steps],
+                    warmup=warmup, repeats=repeats)
 
 
 # --- overlap --------------------------------------------------------------------
