@@ -176,6 +176,20 @@ def measured_overlap(path) -> dict:
           **beside}
 
 
+def kernels_line(m) -> str:
+  """``measured_overlap``'s result as one line: the share of link time
+  hidden and a step's matrix products beside the link and apart, the
+  other kernels (or why the trace has none)."""
+  if "error" in m:
+    return m["error"]
+  per_step = lambda *fields: 1e3 * sum(m[f] for f in fields) / m["steps"]
+  return (f"measured {100 * m['hidden']:.0f}% of the link time hidden; a "
+          f"step's matrix products {per_step('gemm_beside_link'):.1f} ms "
+          f"beside NCCL kernels, {per_step('gemm_apart'):.1f} ms apart; "
+          f"other kernels {per_step('other_beside_link', 'other_apart'):.1f}"
+          " ms")
+
+
 def build(args, devices):
   mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
   k = len(devices)
@@ -436,18 +450,8 @@ def main(argv=None):
                            pathlib.Path(args.trace_dir, args.label + name))
       variant["trace"] = str(path)
       variant["measured"] = measured_overlap(path)
-      m = variant["measured"]
-      if "error" in m:
-        print(f"{'':24s} {m['error']}", flush=True)
-      else:
-        per_step = lambda *fields: 1e3 * sum(m[f] for f in fields) / m[
-            "steps"]
-        print(f"{'':24s} {path}: measured {100 * m['hidden']:.0f}% of the "
-              "link time hidden; a step's matrix products "
-              f"{per_step('gemm_beside_link'):.1f} ms beside NCCL kernels, "
-              f"{per_step('gemm_apart'):.1f} ms apart; other kernels "
-              f"{per_step('other_beside_link', 'other_apart'):.1f} ms",
-              flush=True)
+      print(f"{'':24s} {path}: {kernels_line(variant['measured'])}",
+            flush=True)
     del out
     save()
   if shapes and args.probe:
@@ -478,16 +482,9 @@ def main(argv=None):
     if args.trace_dir:   # T1's kernels, to set beside each variant's
       path = capture_trace(step, (out1[0], out1[1], batch1),
                            pathlib.Path(args.trace_dir + "_one_gpu"))
-      m = result["one_gpu_measured"] = measured_overlap(path)
-      if "error" in m:
-        print(f"T1 trace: {m['error']}", flush=True)
-      else:
-        per_step = lambda *fields: 1e3 * sum(m[f] for f in fields) / m[
-            "steps"]
-        print(f"T1 trace {path}: a step's matrix products "
-              f"{per_step('gemm_beside_link', 'gemm_apart'):.1f} ms, other "
-              f"kernels {per_step('other_beside_link', 'other_apart'):.1f} "
-              "ms", flush=True)
+      result["one_gpu_measured"] = measured_overlap(path)
+      print(f"T1 trace {path}: {kernels_line(result['one_gpu_measured'])}",
+            flush=True)
     del out1
     local = jax.device_put(params1, one[0])
     tokens = jax.device_put(np.asarray(batch1), one[0])
