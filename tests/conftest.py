@@ -32,9 +32,10 @@ from _harness import NUM_WORKERS  # pylint: disable=g-import-not-at-top,wrong-im
 # and removed at its end: every program is still compiled once per run, but
 # one that a later module compiles again (after ``_drop_compiled_programs``,
 # or a new function with the same program) is loaded instead (the whole
-# suite on a 2-core machine: 24 min 3 s -> 20 min 14 s). Set in JAX's config, not the environment, so child
-# processes keep theirs (``_harness.cpu_env``); a cache the caller chose
-# (JAX_COMPILATION_CACHE_DIR) is left alone.
+# suite on a 2-core machine: 24 min 3 s -> 20 min 14 s). Set in JAX's
+# config, not the environment, so child processes keep theirs
+# (``_harness.cpu_env``); a cache the caller chose (JAX_COMPILATION_CACHE_DIR)
+# is left alone.
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
   _CACHE = tempfile.mkdtemp(prefix="jaxfuse-tests-xla-cache-")
   atexit.register(shutil.rmtree, _CACHE, True)

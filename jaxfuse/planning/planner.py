@@ -166,6 +166,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
         "last_bucket_bytes cuts a rule strategy's last group; "
         f"strategy={strategy!r} chooses its groups from the costs. Leave "
         f"last_bucket_bytes out, or use one of {STRATEGIES}.")
+  if last_bucket_bytes is not None:
+    last_bucket_bytes = int(last_bucket_bytes)   # numpy ints too
   if collective not in plan_lib.SPARSE_COLLECTIVES:
     raise plan_lib.PlanError(f"collective={collective!r}; use one of "
                              f"{plan_lib.SPARSE_COLLECTIVES}.")
@@ -223,7 +225,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
                      "num_buckets": num_buckets, "bucket_bytes": bucket_bytes},
   }
   if last_bucket_bytes is not None:
-    provenance["parameters"]["last_bucket_bytes"] = int(last_bucket_bytes)
+    provenance["parameters"]["last_bucket_bytes"] = last_bucket_bytes
   nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
   if strategy == "auto":
     leaves, groups, provenance["auto"] = _auto(
@@ -233,7 +235,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
                      leaves=leaves, costs=costs)
     if last_bucket_bytes is not None:
-      groups = grouping.cut_last(groups, nbytes, int(last_bucket_bytes))
+      groups = grouping.cut_last(groups, nbytes, last_bucket_bytes)
   buckets = grouping.buckets_from_groups(
       leaves, groups, behind=strategy == "behind", headroom=headroom,
       collective=collective)
