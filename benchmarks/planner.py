@@ -130,9 +130,14 @@ def _configs(args) -> list[tuple[str, str | None, dict]]:
     tag = f" @{density:g}" if len(args.densities) > 1 else ""
     for scheme in args.collectives:
       name = "" if scheme == "allgather" else f"{scheme} "
-      configs += [(f"{name}size {mb} MiB{tag}", "size",
-                   dict(bucket_bytes=mb * 2**20, density=density,
-                        collective=scheme)) for mb in args.sizes_mb]
+      for mb in args.sizes_mb:
+        configs.append((f"{name}size {mb} MiB{tag}", "size",
+                        dict(bucket_bytes=mb * 2**20, density=density,
+                             collective=scheme)))
+        configs += [(f"{name}size {mb} MiB, last {last} MiB{tag}", "size",
+                     dict(bucket_bytes=mb * 2**20, density=density,
+                          collective=scheme, last_bucket_bytes=last * 2**20))
+                    for last in args.last_mb]
     configs += [(s + tag, s, dict(density=density)) for s in args.strategies]
   return configs
 
@@ -197,7 +202,7 @@ def _predict_from_one_worker(rows, plans, densities, costs) -> None:
     t1, eta = fits[density]
     ideal = simulate.simulate(plan, costs.replace(overlap=1.0))
     row["predicted_t1_s"] = simulate.step_at(t1, eta, ideal)
-    print(f"   {row['plan']:22} predicted {1e3 * row['predicted_t1_s']:7.1f}"
+    print(f"   {row['plan']:26} predicted {1e3 * row['predicted_t1_s']:7.1f}"
           f" ms  measured {1e3 * row['measured_s']:7.1f} ms  error "
           f"{100 * (row['predicted_t1_s'] / row['measured_s'] - 1):+5.1f} %"
           f"  (η {eta:.2f})", flush=True)
@@ -247,15 +252,15 @@ def cmd_measure(args) -> list[dict]:
       if "config" in run:          # where the run trained (this process plans)
         row["devices"] = (f"{run['config']['num_devices']} x "
                           f"{run['config'].get('device_kind', '?')}")
-      line = (f"   {name:22} {row['buckets']:3d} buckets  "
+      line = (f"   {name:26} {row['buckets']:3d} buckets  "
               f"{row['wire_bytes'] / 2**20:8.2f} MiB  predicted "
               f"{1e3 * row['predicted_s']:7.1f} ms  measured "
               + (f"{1e3 * row['measured_s']:7.1f} ms  error "
                  f"{100 * row['prediction_error']:+5.1f} %"
                  if row["measured_s"] else "failed"))
       if (args.one_worker and row["measured_s"] and strategy in
-          (None, "size") and set(row["collectives"]) <= {"psum",
-                                                          "allgather"}):
+          (None, "size") and "last_bucket_bytes" not in options and
+          set(row["collectives"]) <= {"psum", "allgather"}):
         # The same per-worker work on one device: no communication, so the
         # measured overlap is η = (T₁ + G − T_K) / H, G the simulated link
         # time and H what the ideal schedule hides of it (simulate's η; a
@@ -293,7 +298,7 @@ def cmd_measure(args) -> list[dict]:
       eta = eta_measured.get(density, costs.overlap)
       _predict(row, simulate.simulate(plan, costs.replace(overlap=eta)), eta)
       if row["measured_s"]:
-        print(f"   {row['plan']:22} predicted {1e3 * row['predicted_s']:7.1f}"
+        print(f"   {row['plan']:26} predicted {1e3 * row['predicted_s']:7.1f}"
               f" ms  measured {1e3 * row['measured_s']:7.1f} ms  error "
               f"{100 * row['prediction_error']:+5.1f} %", flush=True)
   _predict_from_one_worker(rows, plans, densities, costs)
@@ -410,6 +415,9 @@ def main(argv=None):
   m.add_argument("--steps", type=int, default=20)
   m.add_argument("--densities", type=float, nargs="+", default=[0.01])
   m.add_argument("--sizes-mb", type=int, nargs="+", default=list(SIZES_MB))
+  m.add_argument("--last-mb", type=int, nargs="*", default=[],
+                 help="also each size plan with its last group cut to this "
+                 "many MiB (jaxfuse.plan's last_bucket_bytes)")
   m.add_argument("--collectives", nargs="+", default=["allgather"],
                  help="sparse schemes of the size plans (allgather zen "
                  "spardl); auto picks its own")

@@ -52,7 +52,8 @@
 #            limit, DENSITIES="0.05 0.01", STEPS=30; PLAIN=1 then runs
 #            size 64 MiB and aligned without it; a costs_early.json
 #            already in OUT is reused, and PROFILE_ONLY=1 stops after
-#            writing it, to split the mode over two calls)
+#            writing it, to split the mode over two calls; LAST_MB=16
+#            adds the size plan with its last group cut to 16 MiB)
 #   procs    socket: the README recipe's sparse step (size 64 MiB plan,
 #            send_early, xla_flags(3), ρ = 0.05) from one process driving
 #            every GPU, then from one process per GPU under jax.distributed
@@ -187,6 +188,7 @@ early)
   $MEASURE --out "$OUT/measure_early.json" measure --transport socket \
       --costs "$OUT/costs_early.json" --steps ${STEPS:-10} --sizes-mb 64 \
       --densities ${DENSITIES:-0.05} --one-worker --overlap measured --no-dense \
+      ${LAST_MB:+--last-mb $LAST_MB} \
       --strategies ${STRATEGIES:-aligned auto single cupcake safusion} \
       --run-timeout ${RUN_TIMEOUT:-150} \
       --train-args "--dense-warmup 1 --warmup-steps 0 --send-early --network-gbytes-s 3" \
