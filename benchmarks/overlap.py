@@ -441,7 +441,8 @@ def main(argv=None):
         "started_in_backward": sched.started_in_backward(),
         "instructions": sched.num_instructions}
     print(f"{args.label + name:24s} {1e3 * t_k:7.1f} ms "
-          f"(pipelined {1e3 * t_pipe:.1f})   collectives started in the "
+          f"(pipelined {1e3 * t_pipe:.1f}; compiled in {compile_s:.0f} s, "
+          f"{len(plan.buckets)} buckets)   collectives started in the "
           f"backward {sched.started_in_backward()}/{len(sched.starts)}   "
           f"backward at {sched.backward}, starts {list(sched.starts)}",
           flush=True)
