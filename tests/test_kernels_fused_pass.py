@@ -8,6 +8,7 @@ interpreter with small blocks; with ``JAXFUSE_TEST_GPU=1`` on a GPU backend
 the compiled Triton kernels run, on larger units too.
 """
 
+import functools
 import os
 
 import jax
@@ -42,6 +43,14 @@ def _bits(v):
 # Where the scan runs: its own kernel (0), or inside pass 2 for every unit
 # here (``fused_pass.SCAN_IN_PASS2_BLOCKS``).
 SCANS = pytest.mark.parametrize("scan_blocks", [0, 4096])
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _reference_rows(x, r, taus, capacity, offsets):
+  """``sparsify_pass_reference`` of each row (jitted: run op by op, the
+  reference compiles each of its operations again for every new shape)."""
+  return jax.vmap(lambda x, r_, t, o: sp.sparsify_pass_reference(
+      x, r_, t, capacity, o))(x, r, taus, offsets)
 
 
 def _check(x, r, tau, capacity, offset, **kw):
@@ -122,8 +131,7 @@ def test_vmap_rows_and_float32_only():
   got = jax.vmap(lambda *a: sp.sparsify_pass_pallas(
       *a[:3], 24, a[3], block=128, tile=64, interpret=not ON_GPU))(
           x, r, taus, offsets)
-  want = jax.vmap(lambda *a: sp.sparsify_pass_reference(*a[:3], 24, a[3]))(
-      x, r, taus, offsets)
+  want = _reference_rows(x, r, taus, 24, offsets)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(_bits(g), _bits(w))
   with pytest.raises(ValueError, match="float32"):
@@ -148,8 +156,7 @@ def _check_rows(xs, r, taus, capacity, offsets, **kw):
   got = sp.sparsify_pass_rows_pallas(xs, r, taus, capacity, offsets,
                                      interpret=not ON_GPU, **kw)
   x = jnp.concatenate([c.reshape(-1, c.shape[-1]) for c in xs])
-  want = jax.vmap(lambda x, r_, t, o: sp.sparsify_pass_reference(
-      x, r_, t, capacity, o))(x, r, taus, offsets)
+  want = _reference_rows(x, r, taus, capacity, offsets)
   for name, g, w in zip(sp.PassResult._fields, got, want):
     g, w = np.asarray(g), np.asarray(w)
     assert (g.dtype, g.shape) == (w.dtype, w.shape), name
@@ -299,8 +306,7 @@ if given is not None:
         reference.Blend(cut(m, per_m), cut(g, per), beta), r, taus, 12,
         offsets,
         block=64, tile=32, interpret=not ON_GPU)
-    want = jax.vmap(lambda x, r_, t, o: sp.sparsify_pass_reference(
-        x, r_, t, 12, o))(_blend_xla(m, g, beta), r, taus, offsets)
+    want = _reference_rows(_blend_xla(m, g, beta), r, taus, 12, offsets)
     for name, a, b in zip(sp.PassResult._fields, got, want):
       np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=name)
 

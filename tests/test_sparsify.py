@@ -59,7 +59,7 @@ def test_inclusive_count_is_the_running_count(n, density, seed):
   # per row under vmap (how a state group runs)
   rows = np.stack([mask, mask[::-1]])
   np.testing.assert_array_equal(
-      np.asarray(jax.vmap(reference.inclusive_count)(rows)),
+      np.asarray(jax.jit(jax.vmap(reference.inclusive_count))(rows)),
       np.cumsum(rows, axis=1))
 
 
