@@ -169,8 +169,7 @@ def test_band_equals_the_reference():
       for a, lo, hi, capacity in cases:
         got = select_band_pallas(a, np.float32(lo), np.float32(hi),
                                  capacity, block=BLOCK, interpret=INTERPRET)
-        want = _reference_band(a, np.float32(lo), np.float32(hi),
-                                     capacity)
+        want = _reference_band(a, np.float32(lo), np.float32(hi), capacity)
         try:
           for g, w in zip(got, want):
             np.testing.assert_array_equal(_bits(g) if g.ndim else g,
