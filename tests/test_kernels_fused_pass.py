@@ -8,7 +8,6 @@ interpreter with small blocks; with ``JAXFUSE_TEST_GPU=1`` on a GPU backend
 the compiled Triton kernels run, on larger units too.
 """
 
-import functools
 import os
 
 import jax
@@ -45,12 +44,10 @@ def _bits(v):
 SCANS = pytest.mark.parametrize("scan_blocks", [0, 4096])
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _reference_rows(x, r, taus, capacity, offsets):
-  """``sparsify_pass_reference`` of each row (jitted: run op by op, the
-  reference compiles each of its operations again for every new shape)."""
-  return jax.vmap(lambda x, r_, t, o: sp.sparsify_pass_reference(
-      x, r_, t, capacity, o))(x, r, taus, offsets)
+# ``sparsify_pass_reference`` of each row of a (G, n) stack, jitted: run op
+# by op, the reference compiles each of its operations again for every new
+# shape. The tests stack (and blend) the rows themselves.
+_reference_rows = jax.jit(sp.sparsify_pass_rows_reference, static_argnums=3)
 
 
 def _check(x, r, tau, capacity, offset, **kw):
