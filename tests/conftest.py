@@ -36,6 +36,7 @@ from _harness import NUM_WORKERS  # pylint: disable=g-import-not-at-top,wrong-im
 # config, not the environment, so child processes keep theirs
 # (``_harness.cpu_env``); a cache the caller chose (JAX_COMPILATION_CACHE_DIR)
 # is left alone.
+_CACHE = None
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
   _CACHE = tempfile.mkdtemp(prefix="jaxfuse-tests-xla-cache-")
   atexit.register(shutil.rmtree, _CACHE, True)
@@ -69,7 +70,12 @@ def _drop_compiled_programs():
 def compile_cache(tmp_path_factory):
   """A persistent compilation cache for this run's child processes (see
   ``_harness.cpu_env``): new each run, so each program is still compiled once
-  per run; a resumed run loads what its straight twin compiled."""
+  per run; a resumed run loads what its straight twin compiled. It is this
+  process's own cache (above) where there is one, so a child also loads
+  what a test in this process compiled (e.g. ``jaxfuse profile``'s sparse
+  steps), and the reverse."""
+  if _CACHE is not None:
+    return _CACHE
   return tmp_path_factory.mktemp("jax_compile_cache")
 
 

@@ -66,14 +66,14 @@ def run(workdir, *args, compile_cache=None):
                         text=True, timeout=300)
 
 
-def test_profile_plan_show_end_to_end(workdir):
+def test_profile_plan_show_end_to_end(workdir, compile_cache):
   # profile: a tiny sweep, with the model
   # sizes far apart, so that β > 0 stands out of a loaded machine's noise:
   # compressing 1M elements takes ~20 ms on a CPU, 1K ~0.1 ms (64K, ~1 ms,
   # is within a loaded CI machine's jitter)
   r = run(workdir, "profile", "--model", "tinymodel:make", "--sizes", "4K",
           "4M", "--compress-sizes", "1K", "1M", "--repeats", "3",
-          "--chain", "2", "-o", "costs.json")
+          "--chain", "2", "-o", "costs.json", compile_cache=compile_cache)
   assert r.returncode == 0, r.stderr
   assert "profiling on 8 x cpu" in r.stderr
   bars = [l for l in r.stderr.splitlines() if l.startswith("[")]
