@@ -14,7 +14,21 @@ make_venv() {
     rm -rf "$dir"
     "$python" -m venv "$dir"
     "$dir/bin/python" -m pip install -q --upgrade pip >&2
-    "$dir/bin/python" -m pip install -q -e "$ROOT[test,examples]" "$@" >&2
+    # The dependencies first (two environments may install at once), then
+    # jaxfuse itself, editable, one environment at a time: that step
+    # writes jaxfuse.egg-info into the tree.
+    local deps
+    mapfile -t deps < <("$dir/bin/python" - "$ROOT/pyproject.toml" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+extras = project["optional-dependencies"]
+print("\n".join(dict.fromkeys(
+    project["dependencies"] + extras["test"] + extras["examples"])))
+PY
+)
+    "$dir/bin/python" -m pip install -q "${deps[@]}" "$@" >&2
+    flock "$ROOT/.venv.lock" \
+      "$dir/bin/python" -m pip install -q --no-deps -e "$ROOT" >&2
     echo "$want" > "$stamp"
   fi
 }

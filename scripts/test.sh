@@ -7,12 +7,11 @@
 # The tests marked `example` (examples/train_lm.py end to end in
 # subprocesses, ~4 minutes) run once: on the first interpreter, except
 # those also marked `second` (the CLI's), on 3.12, to balance the two runs
-# (the 3.12 run is set up while the first run's tests start, and its
-# in-process tests take longer); they drive the same library code the
+# (both environments are set up at once, and the 3.12 run's in-process
+# tests take longer); they drive the same library code the
 # in-process tests cover on both.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
-make_venv "$ROOT/.venv" "${PYTHON:-python3}"
 second=""
 only_first=()
 if [[ "${QUICK:-0}" != 1 ]] && py312="$(find_python312)" && \
@@ -26,6 +25,7 @@ if [[ "${QUICK:-0}" != 1 ]] && py312="$(find_python312)" && \
   pid=$!
   only_first=(-m "not (example and second)")
 fi
+make_venv "$ROOT/.venv" "${PYTHON:-python3}"   # while the 3.12 one is made
 echo "== tests on $(.venv/bin/python --version), jax $(.venv/bin/python -c 'import jax; print(jax.__version__)')"
 status=0
 .venv/bin/python -m pytest -p no:cacheprovider "${only_first[@]}" "$@" || status=$?
