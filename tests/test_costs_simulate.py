@@ -160,20 +160,28 @@ def test_compression_runs_on_the_compute_stream():
   json.dumps(t.to_dict())  # plain data
 
 
-def test_each_sparse_bucket_pays_the_bucket_cost_on_the_link():
-  # The plan above with 0.2 per sparse bucket: the allgathers take 2.3 and
-  # 1.5; the psum pays nothing.
+def test_each_sparse_bucket_pays_the_bucket_cost_on_the_compute_stream():
+  # The plan above with 0.2 of compute per sparse bucket, after its
+  # compression: leaf 1 ends at 3, its bucket compressed by 5.7 (was 5.5)
+  # and sent [5.7, 7.8]; leaf 0 ends at 6.7, its bucket by 8.4, sent
+  # [8.4, 9.7]; the dense leaf ends at 8.65 and its psum (no bucket cost)
+  # follows the link: [9.7, 10.95].
   leaves = [sparse(0, 1000, 10), sparse(1, 2000, 20), dense(2, 5)]
   costs = make_costs([1.0, 2.0, 0.25], ag=(0.5, 0.01), ps=(0.25, 0.05),
                      compress=(0.5, 0.001), forward=1.0, bucket=0.2)
   t = simulate(make_plan(leaves, [[1], [0], [2]]), costs)
-  assert [(b.comm_start, b.comm_end) for b in t.buckets] == [
-      approx((5.5, 7.8)), approx((8.0, 9.5)), approx((9.5, 10.75))]
-  assert t.compute_end == approx(8.25) and t.iteration == approx(10.75)
-  assert t.communication == approx(2.3 + 1.5 + 1.25)
-  # One sparse bucket instead of two pays it once: [8, 8 + 0.7 + 2.4].
+  assert [(b.compress_end, b.comm_start, b.comm_end) for b in t.buckets] == [
+      approx((5.7, 5.7, 7.8)), approx((8.4, 8.4, 9.7)),
+      approx((8.65, 9.7, 10.95))]
+  assert t.compute_end == approx(8.65) and t.iteration == approx(10.95)
+  assert t.compression == approx(2.7 + 1.7)
+  assert t.communication == approx(2.1 + 1.3 + 1.25)   # the link's alone
+  # One sparse bucket instead of two pays it once: compressed by
+  # 4 + 2.5 + 1.5 + 0.2 = 8.2, sent for 0.5 + 2.4.
   one = simulate(make_plan(leaves, [[1, 0], [2]]), costs)
-  assert one.buckets[0].comm_end == approx(11.1)
+  assert one.compute_end == approx(8.45)
+  assert (one.buckets[0].comm_start, one.buckets[0].comm_end) == approx(
+      (8.2, 11.1))
 
 
 def _four_layers(overlap):
@@ -358,11 +366,10 @@ def test_more_overlap_never_hurts(inst, eta1, eta2):
 @given(instances(max_leaves=6), st.data())
 def test_merging_two_back_to_back_buckets_saves_one_alpha(inst, data):
   # With no compute, every bucket is ready at once and the link is the whole
-  # story: merging two neighbouring buckets of one collective saves its α
-  # (and, for sparse buckets, one bucket cost).
+  # story: merging two neighbouring buckets of one collective saves its α.
   plan, costs = inst
   costs = costs.replace(backward=[0.0] * len(plan.leaves),
-                        compress=LinearCost(0.0, 0.0))
+                        compress=LinearCost(0.0, 0.0), bucket=0.0)
   pairs = [i for i in range(len(plan.buckets) - 1)
            if plan.buckets[i].collective == plan.buckets[i + 1].collective]
   if not pairs:
@@ -373,9 +380,23 @@ def test_merging_two_back_to_back_buckets_saves_one_alpha(inst, data):
       b[i], leaves=b[i].leaves + b[i + 1].leaves),) + b[i + 2:])
   saved = (simulate(plan, costs).iteration -
            simulate(merged, costs).iteration)
-  per_bucket = costs.bucket if b[i].collective == "allgather" else 0.0
-  assert saved == approx(costs.collectives[b[i].collective].alpha +
-                         per_bucket)
+  assert saved == approx(costs.collectives[b[i].collective].alpha)
+
+
+@settings(max_examples=60, deadline=None)
+@given(instances(), st.floats(1e-6, 1e-2))
+def test_the_bucket_cost_lengthens_the_compute_stream_once_per_sparse_bucket(
+    inst, bucket):
+  plan, costs = inst
+  costs = costs.replace(compress=LinearCost(0.0, 0.0), bucket=bucket)
+  t = simulate(plan, costs)
+  sparse_buckets = sum(b.collective != "psum" for b in plan.buckets)
+  assert t.compute_end == approx(costs.forward + sum(costs.backward) +
+                                 sparse_buckets * bucket)
+  assert t.compression == approx(sparse_buckets * bucket)
+  # the link's time is its lines' alone
+  assert t.communication == approx(
+      simulate(plan, costs.replace(bucket=0.0)).communication)
 
 
 @settings(max_examples=40, deadline=None)

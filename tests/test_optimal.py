@@ -121,7 +121,8 @@ def test_pruning_agrees_on_larger_instances():
     costs = Costs({"allgather": LinearCost(3e-4, 4e-9),
                    "psum": LinearCost(1e-4, 2e-9)}, LinearCost(5e-5, 1e-10),
                   tuple(rng.uniform(0, 4e-4) for _ in range(n)),
-                  overlap=(1.0, 0.6, 0.25)[trial % 3])
+                  overlap=(1.0, 0.6, 0.25)[trial % 3],
+                  bucket=(0.0, 2e-4)[trial // 3])
     reference = optimal.optimal_grouping(plan, costs, prune_bound=False,
                                          prune_dominance=False)
     for flags in FLAGS:
@@ -181,10 +182,11 @@ def resnet_like(n, seed=0):
   return plan, costs
 
 
-@pytest.mark.parametrize("overlap", [1.0, 0.25])
-def test_314_leaves_in_under_a_second(overlap):
+@pytest.mark.parametrize("overlap,bucket", [(1.0, 0.0), (0.25, 0.0),
+                                            (1.0, 1e-4), (0.25, 1e-4)])
+def test_314_leaves_in_under_a_second(overlap, bucket):
   plan, costs = resnet_like(314)
-  costs = costs.replace(overlap=overlap)
+  costs = costs.replace(overlap=overlap, bucket=bucket)
   start = time.perf_counter()
   got = optimal.optimal_grouping(plan, costs)
   seconds = time.perf_counter() - start

@@ -88,32 +88,44 @@ def test_compress_is_the_time_of_one_more_unit(monkeypatch):
     profiling.measure_compress((10, 20), chain=0)
 
 
-def test_bucket_cost_is_the_time_per_extra_bucket_past_its_alpha(
-    mesh, monkeypatch):
-  """One bucket of 8 units in 1.0 ms, 8 buckets of one unit in 2.4 ms:
-  7 more buckets at 0.2 ms each, 0.05 ms of it the all_gather's α."""
-  runs = []
+def test_bucket_cost_is_the_time_per_extra_bucket(mesh, monkeypatch):
+  """One bucket of 8 layers in 1.0 ms, 8 buckets of one layer in 2.4 ms:
+  7 more buckets at 0.2 ms each; on one device of the mesh."""
+  from jaxfuse.planning import bucket_cost  # pylint: disable=g-import-not-at-top
+  timed, built = [], []
+  real_step = bucket_cost.early_step
 
-  def fake(mesh_, sizes, strategy, **kw):
-    runs.append((strategy, list(sizes)))
-    return {"single": 1.0e-3, "layerwise": 2.4e-3}[strategy], None
-  monkeypatch.setattr(profiling, "_time_sparse_step", fake)
-  c, raw = profiling.measure_bucket_cost(mesh, 0.05e-3, units=8,
-                                         elements=4096)
-  assert runs == [("single", [4096] * 8), ("layerwise", [4096] * 8)]
-  assert c == pytest.approx(0.15e-3)
+  def spy(mesh_, strategy, **kw):
+    built.append((mesh_.devices.size, strategy, kw["units"]))
+    return real_step(mesh_, strategy, **kw)
+
+  def fake(calls, **kw):
+    timed.append(len(calls))
+    return [1.0e-3, 2.4e-3]
+  monkeypatch.setattr(bucket_cost, "early_step", spy)
+  monkeypatch.setattr(bucket_cost, "time_calls", fake)
+  c, raw = profiling.measure_bucket_cost(mesh, units=8, elements=4096)
+  assert built == [(1, "single", 8), (1, "layerwise", 8)] and timed == [2]
+  assert c == pytest.approx(0.2e-3)
   assert raw["one_bucket"] == 1.0e-3 and raw["bucket_per_unit"] == 2.4e-3
-  # Timing noise below α gives 0, never a negative cost.
-  assert profiling.measure_bucket_cost(mesh, 0.5e-3)[0] == 0.0
+  assert raw["elements"] == 4096 and raw["units"] == 8
+  # Timing noise that makes more buckets faster gives 0, never a negative
+  # cost.
+  monkeypatch.setattr(bucket_cost, "time_calls", lambda calls, **kw: [2e-3,
+                                                                      1e-3])
+  assert profiling.measure_bucket_cost(mesh, units=3, elements=256)[0] == 0.0
   with pytest.raises(profiling.ProfileError, match="units=1"):
-    profiling.measure_bucket_cost(mesh, 0.0, units=1)
+    profiling.measure_bucket_cost(mesh, units=1)
 
 
-def test_the_bucket_step_runs_the_plans_it_compares(mesh):
-  """The timed programs: every leaf sparse, one bucket against one per
-  leaf, on the whole mesh."""
+def test_the_bucket_steps_are_fenced_and_update_alike(mesh):
+  """The timed programs: every layer sparse, one bucket against one per
+  layer, the second under send_early's fences; bucketing changes nothing
+  the update sends (each layer is its own selection unit either way)."""
+  from jaxfuse.planning import bucket_cost  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
-  made = []
+  one_device = jax.sharding.Mesh(np.asarray(mesh.devices).flat[:1], ("data",))
+  made, updates, fenced = [], [], []
   real_plan = planner.plan
 
   def spy(*a, **kw):
@@ -122,14 +134,19 @@ def test_the_bucket_step_runs_the_plans_it_compares(mesh):
   with pytest.MonkeyPatch.context() as m:
     m.setattr(planner, "plan", spy)
     for strategy in ("single", "layerwise"):
-      t, plan = profiling._time_sparse_step(  # pylint: disable=protected-access
-          mesh, [4096] * 3, strategy, estimator="dgc", density=0.01,
-          headroom=1.5, repeats=1, warmup=0)
-      assert t > 0 and plan is made[-1]
+      step, args = bucket_cost.early_step(
+          one_device, strategy, units=3, width=64, estimator="dgc",
+          density=0.05, headroom=1.5)
+      fenced.append("optimization_barrier" in str(jax.make_jaxpr(step)(*args)))
+      updates.append(jax.tree.leaves(step(*args)[0]))
   one, each = made
   assert all(l.mode == "sparse" for l in one.leaves + each.leaves)
   assert [b.collective for b in one.buckets] == ["allgather"]
   assert [b.collective for b in each.buckets] == ["allgather"] * 3
+  assert fenced == [False, True]
+  for a, b in zip(*updates):
+    np.testing.assert_array_equal(a, b)
+  assert all(np.abs(a).sum() > 0 for a in updates[0])
 
 
 def test_scheme_cost_is_its_time_over_allgather_past_the_wire(

@@ -32,7 +32,8 @@ PUBLIC = [
     "unit_residuals", "with_density", "xla_flags", "xla_options",
 ]
 PLANNING_MODULES = [
-    "backward", "cli", "cli_io", "cli_show", "costs", "grouping", "hlo",
+    "backward", "bucket_cost", "cli", "cli_io", "cli_show", "costs",
+    "grouping", "hlo",
     "optimal", "ordering", "planner", "profiling", "simulate", "strategies",
     "timeline_plot", "timing", "trace",
 ]
@@ -83,9 +84,9 @@ def test_planning_modules_are_pinned_and_import():
 
 
 def test_split_modules_reexport_the_same_objects():
-  from jaxfuse.planning import backward, cli_io, cli_show, timing  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import backward, bucket_cost, cli_io, cli_show, timing  # pylint: disable=g-import-not-at-top
   for name in PROFILING:
-    for home in (backward, timing):
+    for home in (backward, bucket_cost, timing):
       if hasattr(home, name):
         assert getattr(profiling, name) is getattr(home, name), name
   assert cli.UsageError is cli_io.UsageError

@@ -7,9 +7,10 @@ operation whose time depends on a size is a straight line::
   sparsifying one unit of x elements         h(x) = α_h + β_h·x
 
 (one line per collective kind, measured on ``workers`` = K₀ devices), plus
-the time ``bucket`` a step spends on each sparse bucket beyond those lines
-(launching its kernels on every device, its batched selection, packing and
-decoding: a plan of many small buckets pays it many times), per sparse
+the compute ``bucket`` a step spends on each sparse bucket beyond its
+units' compression (its own selection call, reductions, packing and
+decoding, which a step under ``send_early`` runs one bucket at a time: a
+plan of many small buckets pays it many times), per sparse
 scheme other than all_gather the compute it adds to a bucket of c slots::
 
   a scheme's encoding and decoding          e_s(c) = α_s + β_s·c
@@ -173,9 +174,9 @@ class Costs:
   forward: forward compute time.
   workers: K₀, the devices the collective lines were measured on (≥ 2).
   provenance: free-form notes (devices, date, how measured); JSON values.
-  bucket: seconds per sparse bucket beyond its units' ``compress`` and its
-    scheme's collective lines; ``simulate`` adds it to the bucket's time on
-    the link, so it acts as a larger α there (0: not measured).
+  bucket: seconds of compute per sparse bucket beyond its units'
+    ``compress``; ``simulate`` adds it to the bucket's compression, on the
+    compute stream (0: not measured).
   schemes: {scheme: LinearCost} for schemes of ``SCHEMES``: what a sparse
     bucket of c slots computes more under that scheme than under
     all_gather, beyond the difference of their wire steps; ``simulate``

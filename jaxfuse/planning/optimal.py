@@ -24,13 +24,17 @@ group [a..j] starting on the compute stream at P_a = Σ_{p<a} (b_p + h_p):
                        E ← max(r_d, E) + g_ps(Σ dense w)
   iteration            forward + (1 − η)·(P_N + G) + η·max(E_final, P_N)
 
-(g_ag: the all_gather line with ``costs.bucket`` added to its α, as
-``simulate`` adds it to each sparse bucket.)
+With a per-bucket compute cost c = ``costs.bucket`` (``simulate`` adds it
+to each sparse bucket's compression), every time on the compute stream
+after a group's sparse bucket moves by c: with m sparse buckets up to and
+including the group's, r_s and r_d above are P + m·c, and P_N becomes
+P_N + M·c (M: all sparse buckets).
 
 (G: total communication, η: ``costs.overlap``: the iteration is (1 − η)·(no
 overlap) + η·(the ideal schedule); see ``jaxfuse.planning.simulate``).
-P_a at a group boundary does not depend on the grouping: the compute time
-of a group is its backward plus one compression per sparse leaf.
+P_a at a group boundary depends on the grouping only through m·c: the
+compute time of a group is its backward plus one compression per sparse
+leaf, plus c if it has a sparse leaf.
 
 The two prunings of Algorithm 1, adapted to this model and proven safe in
 it (``prune_bound`` / ``prune_dominance`` turn them off, for tests):
@@ -48,16 +52,19 @@ it (``prune_bound`` / ``prune_dominance`` turn them off, for tests):
    communication. A branch whose optimistic
    outcome is no better than the best grouping found is cut; since the first
    of these only grows with j once the group's ready time passes the link
-   time, the scan over j stops there. The best of a few equal-count
+   time, the scan over j stops there. Each of those bounds holds shifted by
+   the m·c a partial grouping has already paid. The best of a few equal-count
    groupings (as §4.2 suggests) is the first incumbent.
 
 2. Dominance (insight #2, Eq. 5, lines 9-16): let j* be the last j with
-   P_{j+1} <= E, E the time the link frees (M.delay = E − P_k): groups
-   [k..j], j <= j*, all finish computing before the link is free.
+   P_{j+1} + (m + 1)·c <= E, E the time the link frees (M.delay = E − P_k),
+   m the sparse buckets so far: one group [k..j], j <= j*, finishes
+   computing before the link is free.
    (a) Any completion whose first two groups both end at or before j* is no
    better than the one that merges all its groups inside [k..j*] into one:
-   those buckets are all ready when the link frees, so they go back to back
-   and merging only saves α's; nothing after moves later (max-plus
+   the merged group is ready when the link frees, so its buckets go first
+   and back to back, and merging only saves α's and c's; nothing after
+   moves later (max-plus
    monotonicity). So a first group ending at j < j* is only followed by a
    group ending after j*. (b) If moreover T_k … T_J are all sparse (J <=
    j*), Cupcake's rule itself holds: a first group ending before J is no
@@ -69,7 +76,8 @@ it (``prune_bound`` / ``prune_dominance`` turn them off, for tests):
 
 3. State dominance (``prune_states``): as Cupcake's Fig. 5 notes, the rest
    of the search depends on M only through a few numbers, here the link-free
-   time E, the communication so far G and the constraint from 2(a). Partial
+   time E, the communication so far G, the constraint from 2(a) and (when
+   c > 0) the sparse buckets so far m. Partial
    groupings are visited by the position where their next group starts, in
    increasing order (a breadth-first form of Algorithm 1's recursion), so
    all those reaching k are known before any is extended; one no better in
@@ -82,8 +90,10 @@ against the search with each pruning off). With 3 alone the search is an
 exact dynamic program; 1 and 2 make it fast. Measured on synthetic
 ResNet-101-like models (a third of the leaves sparse) over a range of
 compute/communication ratios and η: 314 leaves about 50 ms, 1000 leaves
-about 0.25 s (benchmarks/planner.py timing); the slow cases are those where
-many groupings come within 0.1% of the optimum.
+about 0.25 s (benchmarks/planner.py timing); with a per-bucket cost c of
+0.01–0.4 ms, 0.1–0.2 s and 0.7–2.2 s (labels of different m compare on
+one more number). The slow cases are those where many groupings come
+within 0.1% of the optimum.
 """
 
 from __future__ import annotations
@@ -164,6 +174,7 @@ class GroupingProblem:
   psum: costs_lib.LinearCost
   forward: float
   overlap: float
+  bucket: float = 0.0   # compute per sparse bucket (``costs.bucket``)
 
   @classmethod
   def from_plan(cls, plan: plan_lib.Plan, costs: costs_lib.Costs,
@@ -188,8 +199,8 @@ class GroupingProblem:
                tuple(costs.compress.time(l.size) if s else 0.0
                      for l, s in zip(leaves, sparse)),
                tuple(_leaf_wire_bytes(l) for l in leaves),
-               _sparse_line(costs), costs.collectives["psum"],
-               costs.forward, costs.overlap)
+               costs.collectives["allgather"], costs.collectives["psum"],
+               costs.forward, costs.overlap, costs.bucket)
 
   def __post_init__(self):
     n = len(self.order)
@@ -205,6 +216,8 @@ class GroupingProblem:
     if not 0 <= self.overlap <= 1:
       raise ValueError(f"GroupingProblem.overlap={self.overlap} must be in "
                        "[0, 1].")
+    if not self.bucket >= 0:
+      raise ValueError(f"GroupingProblem.bucket={self.bucket} must be >= 0.")
 
   def __len__(self):
     return len(self.order)
@@ -245,19 +258,14 @@ class GroupingProblem:
     if not cuts or cuts[-1] != n - 1 or any(
         b <= a for a, b in zip(cuts, cuts[1:])) or cuts[0] < 0:
       raise ValueError(f"cuts {list(cuts)} must increase and end at {n - 1}.")
-    link, comm, a = 0.0, 0.0, 0
+    link, comm, a, shift = 0.0, 0.0, 0, 0.0
     for j in cuts:
-      link, g = _group(t, self.allgather, self.psum, a, j, link)
+      link, g, shift = _group(t, self.allgather, self.psum, a, j, link,
+                              shift, self.bucket)
       comm += g
       a = j + 1
-    return self.forward + _objective(t["pos"][n], link, comm, self.overlap)
-
-
-def _sparse_line(costs: costs_lib.Costs) -> costs_lib.LinearCost:
-  """A sparse bucket's time on the link: the all_gather line with
-  ``costs.bucket`` added to its α (as ``simulate`` adds it per bucket)."""
-  ag = costs.collectives["allgather"]
-  return costs_lib.LinearCost(ag.alpha + costs.bucket, ag.beta)
+    return self.forward + _objective(t["pos"][n] + shift, link, comm,
+                                     self.overlap)
 
 
 def _objective(compute, link, comm, eta):
@@ -267,23 +275,26 @@ def _objective(compute, link, comm, eta):
   return (1 - eta) * (compute + comm) + eta * np.maximum(link, compute)
 
 
-def _group(t, ag, ps, a, j, link):
-  """Link time after group [a..j] starting with the link free at ``link``;
-  and the group's communication time."""
+def _group(t, ag, ps, a, j, link, shift, bucket):
+  """(link, comm, shift) after group [a..j], starting with the link free at
+  ``link`` and the compute stream ``shift`` seconds behind the prefix sums
+  (the per-bucket compute of the sparse buckets before): the link time, the
+  group's communication time and the shift after the group."""
   pos, ns = t["pos"], t["ns"]
   nsp = ns[j + 1] - ns[a]
   comm = 0.0
   if nsp:
+    shift += bucket
     g = ag.alpha + ag.beta * (t["sw"][j + 1] - t["sw"][a])
-    ready = pos[t["after_sparse"][j + 1]]
+    ready = pos[t["after_sparse"][j + 1]] + shift
     link = (ready if ready > link else link) + g
     comm += g
   if nsp < j + 1 - a:
     g = ps.alpha + ps.beta * (t["dw"][j + 1] - t["dw"][a])
-    ready = pos[j + 1]
+    ready = pos[j + 1] + shift
     link = (ready if ready > link else link) + g
     comm += g
-  return link, comm
+  return link, comm, shift
 
 
 # --- search -------------------------------------------------------------------
@@ -340,8 +351,8 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
   sw, dw = np.asarray(t["sw"], np.float64), np.asarray(t["dw"], np.float64)
   ns = np.asarray(t["ns"])
   ag, ps = problem.allgather, problem.psum
-  eta, fwd = problem.overlap, problem.forward
-  compute = float(pos[n])
+  eta, fwd, c = problem.overlap, problem.forward, problem.bucket
+  compute = float(pos[n])     # the compute stream's end, before any m·c
   sparse = np.asarray(problem.sparse, bool)
 
   # rest[i]: least communication of positions i.. (all in one group: one α
@@ -381,27 +392,32 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
   # next group starts, in increasing k: every label reaching k is known
   # before any is extended, so the dominated ones are dropped first (a
   # breadth-first form of Algorithm 1's recursion). At each position t the
-  # group [K..t-1] of every live label is evaluated at once (numpy).
+  # group [K..t-1] of every live label is evaluated at once (numpy). A
+  # label's shift is the per-bucket compute m·c its sparse buckets paid.
   parent, cut = [-1], [-1]                  # per label id: path back
   zero = np.zeros(1, np.int64)
-  lo, jstar = _limits(zero, np.zeros(1), zero, pos, run, prune_dominance)
-  live = dict(k=zero, link=np.zeros(1), comm=np.zeros(1), lo=lo,
-              jstar=jstar, id=zero)
+  lo, jstar = _limits(zero, np.zeros(1), zero, np.zeros(1), c, pos, run,
+                      prune_dominance)
+  live = dict(k=zero, link=np.zeros(1), comm=np.zeros(1), shift=np.zeros(1),
+              lo=lo, jstar=jstar, id=zero)
   nodes = 1
   for tpos in range(1, n + 1):
     j = tpos - 1
-    kk, link, comm = live["k"], live["link"], live["comm"]
+    kk, link, comm, shift = live["k"], live["link"], live["comm"], \
+        live["shift"]
     # the group's sparse bucket (P_K where it has no sparse leaf yet)
     ready = pos[np.maximum(after_sparse[tpos], kk)]
     if prune_bound:
       # Every group [K..j'], j' >= j, sends its first bucket no earlier than
-      # max(link, ready), and all bytes from K after it: dead for good.
-      alive = _objective(compute, np.maximum(link, ready) + rest[kk],
+      # max(link, ready + shift), and all bytes from K after it: dead for
+      # good.
+      alive = _objective(compute + shift,
+                         np.maximum(link, ready + shift) + rest[kk],
                          comm + rest[kk], eta) < room
       if not alive.all():
         live = {key: v[alive] for key, v in live.items()}
-        kk, link, comm, ready = kk[alive], link[alive], comm[alive], \
-            ready[alive]
+        kk, link, comm, shift, ready = (kk[alive], link[alive], comm[alive],
+                                        shift[alive], ready[alive])
     use = live["lo"] <= j
     child_min = np.zeros(len(kk), np.int64)
     if prune_dominance:
@@ -411,100 +427,113 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
       child_min = np.where(cross, jstar + 1, 0)
     if not use.any():
       continue
-    kk, link, comm, ready, child_min, ids = (
-        kk[use], link[use], comm[use], ready[use], child_min[use],
-        live["id"][use])
+    kk, link, comm, shift, ready, child_min, ids = (
+        kk[use], link[use], comm[use], shift[use], ready[use],
+        child_min[use], live["id"][use])
     nsp = ns[tpos] - ns[kk]
+    shift2 = shift + np.where(nsp > 0, c, 0.0)
     g_s = np.where(nsp > 0, ag.alpha + ag.beta * (sw[tpos] - sw[kk]), 0.0)
-    link2 = np.where(nsp > 0, np.maximum(ready, link) + g_s, link)
+    link2 = np.where(nsp > 0, np.maximum(ready + shift2, link) + g_s, link)
     nd = (tpos - kk) - nsp
     g_d = np.where(nd > 0, ps.alpha + ps.beta * (dw[tpos] - dw[kk]), 0.0)
-    link2 = np.where(nd > 0, np.maximum(pos[tpos], link2) + g_d, link2)
+    link2 = np.where(nd > 0, np.maximum(pos[tpos] + shift2, link2) + g_d,
+                     link2)
     comm2 = comm + (g_s + g_d)
     if tpos == n:
-      time = _objective(compute, link2, comm2, eta)
+      time = _objective(compute + shift2, link2, comm2, eta)
       i = int(np.argmin(time))
       if time[i] < room:
         room, best_cuts = float(time[i]), _path(parent, cut, ids[i], j)
       break
     if prune_bound:
-      ok = _objective(compute, np.maximum(link2 + rest[tpos], reach[tpos]),
+      ok = _objective(compute + shift2,
+                      np.maximum(link2 + rest[tpos], reach[tpos] + shift2),
                       comm2 + rest[tpos], eta) < room
-      link2, comm2, child_min, ids = (link2[ok], comm2[ok], child_min[ok],
-                                      ids[ok])
+      link2, comm2, shift2, child_min, ids = (
+          link2[ok], comm2[ok], shift2[ok], child_min[ok], ids[ok])
     if not len(link2):
       continue
     if prune_states and len(link2) > 1:
-      # The objective grows with the link time and the communication (at
-      # η = 1 the communication does not enter).
+      # The objective grows with the link time, the communication (at η = 1
+      # the communication does not enter) and the shift.
       keep_ = _front(link2, comm2 if eta < 1 else np.zeros_like(comm2),
-                     child_min)
-      link2, comm2, child_min, ids = (link2[keep_], comm2[keep_],
-                                      child_min[keep_], ids[keep_])
+                     child_min, shift2)
+      link2, comm2, shift2, child_min, ids = (
+          link2[keep_], comm2[keep_], shift2[keep_], child_min[keep_],
+          ids[keep_])
     # New labels start their next group at tpos.
     new_ids = np.arange(len(parent), len(parent) + len(ids))
     parent.extend(ids.tolist())
     cut.extend([j] * len(ids))
     nodes += len(ids)
     kk_new = np.full(len(ids), tpos, np.int64)
-    lo, jstar = _limits(kk_new, link2, child_min, pos, run, prune_dominance)
+    lo, jstar = _limits(kk_new, link2, child_min, shift2, c, pos, run,
+                        prune_dominance)
     # Complete each at once with the rest as one group: an early incumbent.
     nsp = ns[n] - ns[tpos]
-    e = link2
+    e, shift3 = link2, shift2 + (c if nsp else 0.0)
     if nsp:
-      e = np.maximum(pos[after_sparse[n]], e) + (
+      e = np.maximum(pos[after_sparse[n]] + shift3, e) + (
           ag.alpha + ag.beta * (sw[n] - sw[tpos]))
     if n - tpos - nsp:
-      e = np.maximum(compute, e) + (ps.alpha + ps.beta * (dw[n] - dw[tpos]))
-    time = _objective(compute, e, comm2 + rest[tpos], eta)
+      e = np.maximum(compute + shift3, e) + (
+          ps.alpha + ps.beta * (dw[n] - dw[tpos]))
+    time = _objective(compute + shift3, e, comm2 + rest[tpos], eta)
     i = int(np.argmin(time))
     if time[i] < room:
       room, best_cuts = float(time[i]), _path(parent, cut, int(new_ids[i]),
                                               n - 1)
     live = {key: np.concatenate([live[key], v]) for key, v in
-            dict(k=kk_new, link=link2, comm=comm2, lo=lo, jstar=jstar,
-                 id=new_ids).items()}
+            dict(k=kk_new, link=link2, comm=comm2, shift=shift2, lo=lo,
+                 jstar=jstar, id=new_ids).items()}
 
   return Grouping(problem.groups(best_cuts), best_cuts,
                   problem.time(best_cuts), nodes)
 
 
-def _limits(k, link, minend, pos, run, prune_dominance):
+def _limits(k, link, minend, shift, bucket, pos, run, prune_dominance):
   """Per label: the first allowed end of its next group, and j*.
 
-  j* = the last j with P_{j+1} <= link (groups [k..j] computed before the
-  link frees; k-1 if none). Pruning 2 (module docstring): the next group
-  ends at >= min(j*, run[k]) and, ending before j*, must be followed by a
-  group ending after j*.
+  j* = the last j with P_{j+1} + shift + bucket <= link (one group [k..j],
+  with its own per-bucket compute, computed before the link frees; k-1 if
+  none). Pruning 2 (module docstring): the next group ends at >= min(j*,
+  run[k]) and, ending before j*, must be followed by a group ending after
+  j*.
   """
-  jstar = np.searchsorted(pos, link, side="right") - 2
+  jstar = np.searchsorted(pos, link - (shift + bucket), side="right") - 2
   lo = np.maximum(k, minend)
   if prune_dominance:
     lo = np.where(jstar >= k, np.maximum(lo, np.minimum(jstar, run[k])), lo)
   return lo, jstar
 
 
-def _front(link, comm, minend):
+def _front(link, comm, minend, shift=None):
   """Mask of the labels no other label dominates: A dominates B when
-  link_A <= link_B, minend_A <= minend_B and comm_A <= comm_B."""
-  order = np.lexsort((minend, comm, link))
-  comm, minend = comm[order], minend[order]
+  link_A <= link_B, comm_A <= comm_B, minend_A <= minend_B and shift_A <=
+  shift_B (``shift`` None: all equal)."""
+  shift = np.zeros(len(link)) if shift is None else shift
+  order = np.lexsort((shift, minend, comm, link))
+  comm, minend, shift = comm[order], minend[order], shift[order]
 
-  def undominated(comm, minend, m):
-    # Exclusive running minimum of comm over earlier labels with minend <= m.
-    c = np.where(minend <= m, comm, np.inf)
+  def undominated(comm, minend, shift, m, s):
+    # Exclusive running minimum of comm over earlier labels with minend <= m
+    # and shift <= s.
+    c = np.where((minend <= m) & (shift <= s), comm, np.inf)
     before = np.minimum.accumulate(np.concatenate([[np.inf], c[:-1]]))
     return ~(before <= comm)
 
-  # Unconstrained labels (minend 0) first: they dominate most. What they
-  # dominate cannot dominate anything they do not (transitivity).
-  kept = undominated(comm, minend, 0)
+  # The least constrained labels (minend 0, the least shift) first: they
+  # dominate most. What they dominate cannot dominate anything they do not
+  # (transitivity).
+  least = shift.min()
+  kept = undominated(comm, minend, shift, 0, least)
   sub = np.flatnonzero(kept)
   if len(sub) > 1:
-    c, e = comm[sub], minend[sub]
+    c, e, h = comm[sub], minend[sub], shift[sub]
     ok = np.ones(len(sub), bool)
-    for m in np.unique(e[e > 0]):
-      ok &= (e != m) | undominated(c, e, m)
+    for m, s in {(m, s) for m, s in zip(e.tolist(), h.tolist())
+                 if m > 0 or s > least}:
+      ok &= (e != m) | (h != s) | undominated(c, e, h, m, s)
     kept[sub] = ok
   out = np.zeros(len(order), bool)
   out[order[kept]] = True

@@ -18,9 +18,9 @@ Every time below is the median of ``repeats`` runs after ``warmup`` runs
                h(x) = (t_2c − t_c) / c, fitted h(x) = α_h + β_h·x. (The
                step's dispatch and its one bucket's kernels cancel; what
                a bucket costs beyond its units is ``bucket``.)
-  bucket       the same update on the whole mesh for ``u`` units as one
-               bucket and as u buckets: the time per extra sparse bucket
-               beyond its all_gather's α (``measure_bucket_cost``).
+  bucket       the ``send_early`` training step of an MLP of u layers on
+               one device, planned as one sparse bucket and as u: the
+               compute per extra sparse bucket (``bucket_cost``).
   schemes      one bucket moved by each of ``auto``'s other schemes against
                all_gather, less the difference of their wire steps: the
                scheme's compute per bucket of c slots, fitted
@@ -78,6 +78,7 @@ from jaxfuse.planning.backward import machine_rates
 from jaxfuse.planning.backward import measure_forward_backward
 from jaxfuse.planning.backward import scale_shares
 from jaxfuse.planning.backward import validate_backward
+from jaxfuse.planning.bucket_cost import measure_bucket_cost
 from jaxfuse.planning.timing import Progress
 from jaxfuse.planning.timing import ProfileError
 from jaxfuse.planning.timing import human_bytes
@@ -267,33 +268,6 @@ def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
         repeats=repeats, warmup=warmup)
     out.append((n, max(0.0, t_2c - t_c) / chain))
   return out
-
-
-def measure_bucket_cost(mesh, alpha: float, *, units: int = 8,
-                        elements: int = 2**16, estimator: str = "dgc",
-                        density: float = 0.01, headroom: float = 1.5,
-                        repeats: int = 5, warmup: int = 2,
-                        axis_name: str = "data") -> tuple[float, dict]:
-  """(c, raw): what a step spends per sparse bucket beyond its units'
-  compression and its all_gather's line (``Costs.bucket``).
-
-  ``sparse_sync``'s update of ``units`` float32 leaves of ``elements`` each
-  on ``mesh``, once as one sparse bucket (t₁) and once as one bucket per
-  leaf (t_u): the same units, bytes and compression, u − 1 more buckets,
-  each with its own all_gather of α = ``alpha`` (the fitted line's, on this
-  mesh). c = max(0, (t_u − t₁) / (u − 1) − α): launching a bucket's kernels
-  on every device, its batched selection, packing and decoding.
-  """
-  if units < 2:
-    raise ProfileError(f"units={units} must be >= 2 (one bucket against "
-                       "several).")
-  kw = dict(estimator=estimator, density=density, headroom=headroom,
-            repeats=repeats, warmup=warmup, axis_name=axis_name)
-  one, _ = _time_sparse_step(mesh, [elements] * units, "single", **kw)
-  each, _ = _time_sparse_step(mesh, [elements] * units, "layerwise", **kw)
-  c = max(0.0, (each - one) / (units - 1) - alpha)
-  return c, {"units": units, "elements": elements, "one_bucket": one,
-             "bucket_per_unit": each, "allgather_alpha": alpha}
 
 
 def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
@@ -488,10 +462,10 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
       headroom=headroom, chain=chain, progress=step, **timing)
   compress = costs_lib.fit_linear(*zip(*samples["compress"]))
 
-  step("bucket cost: one sparse bucket against one per unit")
+  step("bucket cost: one sparse bucket against one per layer")
   bucket, bucket_raw = measure_bucket_cost(
-      mesh, collectives["allgather"].alpha, estimator=estimator,
-      density=density, headroom=headroom, axis_name=axis_name, **timing)
+      mesh, estimator=estimator, density=density, headroom=headroom,
+      axis_name=axis_name, **timing)
   step("schemes: one bucket moved by each scheme against all_gather")
   schemes, schemes_raw = measure_scheme_costs(
       mesh, costs_lib.Costs(collectives, compress, (),

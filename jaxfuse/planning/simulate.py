@@ -13,8 +13,11 @@ is. Right after that, the bucket is sparsified on the same stream (it
 shares the GPU, so it delays the later backward work): the sum over its
 selection units (``plan_lib.units``) of ``costs.compress.time(unit.size)``,
 plus its scheme's extra compute ``costs.scheme_time(scheme, Σ capacity)``
-(0 for all_gather; buckets ready at the same leaf in plan order). A dense
-(``"psum"``) bucket has no compression. The compute stream ends at
+(0 for all_gather), plus ``costs.bucket``, what a sparse bucket computes
+beyond its units' compression (its own selection call, reductions,
+packing and decoding: a plan of many small buckets pays it many times);
+buckets ready at the same leaf in plan order. A dense (``"psum"``) bucket
+has no compression. The compute stream ends at
 ``compute_end = forward + Σ backward + Σ compression``.
 
 Link (one; collectives never run at the same time, so the contention γ of
@@ -24,9 +27,7 @@ Fig. 1b) bucket i starts at max(its compression end, end of bucket i-1) and
 lasts the time of its scheme's wire steps on K workers,
 ``costs.steps_time(collectives.bucket_steps(plan, K)[i], K)`` (K defaults
 to the costs' ``workers``; at K₀ an all_gather or psum bucket takes exactly
-its measured line), plus ``costs.bucket`` for a sparse bucket (what a step
-spends per sparse bucket beyond those lines: it acts as a larger α, so a
-plan of many small buckets pays it many times).
+its measured line).
 
 Overlap calibration (η = ``costs.overlap``). XLA does not hide as much as the
 ideal schedule. The rule used here: *XLA keeps a share η of what the ideal
@@ -143,15 +144,17 @@ def compression_times(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
                       sched: schedule_lib.Schedule | None = None
                       ) -> list[float]:
   """Per bucket: Σ over its selection units of compress.time(unit.size),
-  plus ``costs.scheme_time`` of its scheme for its slots (Σ capacity).
-  ``sched``: the plan already compiled (``schedule.compile_plan(plan)``)."""
+  plus, for a sparse bucket, ``costs.scheme_time`` of its scheme for its
+  slots (Σ capacity) and ``costs.bucket``. ``sched``: the plan already
+  compiled (``schedule.compile_plan(plan)``)."""
   if sched is None:
     sched = schedule_lib.compile_plan(plan)
   out = []
   for b in sched.buckets:
     units = sched.bucket_units(b)
     extra = costs.scheme_time(b.collective, sum(
-        u.capacity for u in units)) if b.kind == schedule_lib.SPARSE else 0.0
+        u.capacity for u in units)) + costs.bucket if (
+            b.kind == schedule_lib.SPARSE) else 0.0
     out.append(sum(costs.compress.time(u.size) for u in units) + extra)
   return out
 
@@ -213,10 +216,8 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
                           if b.kind != schedule_lib.PSUM)
 
   # Link: ideal WFBP order until the η budget of busy-during-compute is used.
-  durations = [costs.steps_time(steps, k) +
-               (costs.bucket if b.kind == schedule_lib.SPARSE else 0.0)
-               for b, steps in zip(sched.buckets, collectives.bucket_steps(
-                   plan, k, sched=sched))]
+  durations = [costs.steps_time(steps, k) for steps in
+               collectives.bucket_steps(plan, k, sched=sched)]
   total = math.fsum(durations)
   slack = 1e-12 * total  # rounding of the sums must not start a pause at η = 1
   compressed = [c for _, c in marks]
