@@ -199,6 +199,30 @@ def test_314_leaves_in_under_a_second(overlap, bucket):
   assert simulate(made, costs).iteration == pytest.approx(got.time, rel=1e-9)
 
 
+def test_a_per_bucket_compute_cost_merges_the_sparse_groups():
+  """Free buckets let the ideal schedule send almost every sparse leaf on
+  its own; at 0.1 ms of compute each, the grouping keeps a few, and the
+  free grouping costs more under that cost than the one found for it."""
+  plan, costs = resnet_like(120)
+  free_costs = costs.replace(overlap=1.0)
+  dear_costs = free_costs.replace(bucket=1e-4)
+  free = optimal.optimal_grouping(plan, free_costs)
+  dear = optimal.optimal_grouping(plan, dear_costs)
+  sparse_ids = {l.path for l in plan.leaves if l.mode == "sparse"}
+
+  def sparse_groups(grouping):
+    return sum(any(plan.leaves[i].path in sparse_ids for i in g)
+               for g in grouping.groups)
+  assert sparse_groups(dear) < sparse_groups(free) // 4
+  problem = optimal.GroupingProblem.from_plan(plan, dear_costs)
+  assert problem.time(free.cuts) > dear.time
+  # and exactly what the simulator says of each plan under that cost
+  for grouping in (free, dear):
+    made = optimal.plan_from_groups(plan, grouping.groups)
+    assert simulate(made, dear_costs).iteration == pytest.approx(
+        problem.time(grouping.cuts), rel=1e-9)
+
+
 # --- plans --------------------------------------------------------------------
 
 def _params(sizes):
