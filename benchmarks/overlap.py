@@ -57,6 +57,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
+from jaxfuse import radix_select
 from jaxfuse.planning import hlo
 from jaxfuse.planning import timing
 from jaxfuse.planning import trace as trace_lib
@@ -387,8 +388,15 @@ def main(argv=None):
   p.add_argument("--trace-dir",
                  help=f"profile {TRACE_STEPS} steps of each variant into "
                       "TRACE_DIR/<variant> (jax.profiler, perfetto JSON)")
+  p.add_argument("--kth-method", choices=radix_select.METHODS,
+                 help="how a bucket's k-th largests are found on GPUs "
+                      "(radix_select.DEFAULT_GPU_METHOD, default "
+                      f"{radix_select.DEFAULT_GPU_METHOD!r}): under "
+                      "send_early each bucket's call runs alone")
   p.add_argument("--out")
   args = p.parse_args(argv)
+  if args.kth_method:
+    radix_select.DEFAULT_GPU_METHOD = args.kth_method
   t_start = time.perf_counter()
   devices = jax.devices()
   mesh, params, loss_fn, batch, plan = build(args, devices)
@@ -403,6 +411,7 @@ def main(argv=None):
             "start_early": args.start_early,
             "finish_under_last": args.finish_under_last,
             "donate": args.donate,
+            "kth_method": radix_select.DEFAULT_GPU_METHOD,
             "command": " ".join(sys.argv),
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(

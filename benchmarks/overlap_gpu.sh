@@ -38,6 +38,11 @@
 # SMs; the Simple protocol instead of LL; NCCL_VARIANTS, default
 # "default NCCL_MAX_NCHANNELS=2 NCCL_MAX_NCHANNELS=1 NCCL_PROTO=Simple"),
 # each traced, after the plain step (T1 and G), at DENSITIES (default 0.05).
+# MODE=kth: the send_early step with the flags for size 64 MiB and each
+# saved plan of PLANS under each k-th-largest method of KTH_METHODS
+# (default "pallas radix": the one-kernel radix select against XLA's
+# rounds, which spread one bucket's call over the whole card), after the
+# plain step (T1 and G), at DENSITIES (default 0.05).
 # No run starts after DEADLINE_S seconds (default 480). STRATEGY=aligned
 # (or single) plans the step as that strategy instead of size 64 MiB;
 # PLAN=FILE runs a saved plan (e.g. a cost strategy's, planned elsewhere).
@@ -85,6 +90,19 @@ plans)
       name=$(basename "$p" .json); name=${name%%_*}
       XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_" $E \
           --trace-dir "$OUT/trace_early_$name"
+    done
+  done ;;
+kth)
+  E="--variants base --send-early --skip-comm --skip-one-gpu"
+  for d in ${DENSITIES:-0.05}; do
+    run $d default_ --variants base
+    for p in size ${PLANS:-}; do
+      name=$(basename "$p" .json); name=${name%%_*}
+      [ "$p" = size ] && p=
+      for m in ${KTH_METHODS:-pallas radix}; do
+        XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_kth_${m}_" $E \
+            --kth-method "$m"
+      done
     done
   done ;;
 finish)
