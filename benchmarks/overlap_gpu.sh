@@ -67,6 +67,18 @@ run() {  # density, label, extra args...; XLA_FLAGS from the caller
       | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tail -n 12 \
       | tee "$OUT/overlap_${d}_$label.log"
 }
+each_plan() {  # FN: at each of DENSITIES, the plain step (T1 and G), then
+  # FN density name file for size 64 MiB (file "") and each plan of PLANS
+  local d p name
+  for d in ${DENSITIES:-0.05}; do
+    run $d default_ --variants base
+    for p in size ${PLANS:-}; do
+      name=$(basename "$p" .json); name=${name%%_*}
+      [ "$p" = size ] && p=
+      "$1" "$d" "$name" "$p"
+    done
+  done
+}
 case "${MODE:-delay}" in
 early)
   # In order of promise, so that DEADLINE_S cuts the least useful.
@@ -94,30 +106,22 @@ plans)
   done ;;
 kth)
   E="--variants base --send-early --skip-comm --skip-one-gpu"
-  for d in ${DENSITIES:-0.05}; do
-    run $d default_ --variants base
-    for p in size ${PLANS:-}; do
-      name=$(basename "$p" .json); name=${name%%_*}
-      [ "$p" = size ] && p=
-      for m in ${KTH_METHODS:-pallas radix}; do
-        XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_kth_${m}_" $E \
-            --kth-method "$m"
-      done
+  kth_runs() {  # density, plan name, plan file ("": size 64 MiB)
+    for m in ${KTH_METHODS:-pallas radix}; do
+      XLA_FLAGS="$NET" PLAN="$3" run $1 "net_early_${2}_kth_${m}_" $E \
+          --kth-method "$m"
     done
-  done ;;
+  }
+  each_plan kth_runs ;;
 finish)
   E="--variants base --send-early --skip-comm --skip-one-gpu"
-  for d in ${DENSITIES:-0.05}; do
-    run $d default_ --variants base
-    for p in size ${PLANS:-}; do
-      name=$(basename "$p" .json); name=${name%%_*}
-      [ "$p" = size ] && p=
-      XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_" $E \
-          --no-finish-under-last --trace-dir "$OUT/trace_early_${name}_$d"
-      XLA_FLAGS="$NET" PLAN="$p" run $d "net_early_${name}_last_" $E \
-          --trace-dir "$OUT/trace_early_${name}_last_$d"
-    done
-  done ;;
+  finish_runs() {  # density, plan name, plan file ("": size 64 MiB)
+    XLA_FLAGS="$NET" PLAN="$3" run $1 "net_early_${2}_" $E \
+        --no-finish-under-last --trace-dir "$OUT/trace_early_${2}_$1"
+    XLA_FLAGS="$NET" PLAN="$3" run $1 "net_early_${2}_last_" $E \
+        --trace-dir "$OUT/trace_early_${2}_last_$1"
+  }
+  each_plan finish_runs ;;
 gemm)
   E="--variants base --send-early --skip-comm --skip-one-gpu"
   for d in ${DENSITIES:-0.05}; do
