@@ -6,7 +6,8 @@ costs; ``derive_backward`` scales those shares to one measured backward
 pass B = time(jit(grad(loss))) − time(jit(loss)) on one device
 (``measure_forward_backward``). ``validate_backward`` measures the true
 ready times of a few prefixes of the ready order and reports the error of
-the derived times (docs/cli.md). Timing: ``timing``.
+the derived times (docs/cli.md). Timing: ``timing``. ``synthetic_model``:
+the model the profiler measures on when it is given none.
 """
 
 from __future__ import annotations
@@ -347,3 +348,22 @@ def validate_backward(loss_fn: Callable, params, example_args: Sequence = (),
   return {"device": f"{device.platform} ({device.device_kind})",
           "forward": forward, "backward": total, "prefixes": rows,
           "mean_abs_error": float(np.mean([abs(r["error"]) for r in rows]))}
+
+
+def synthetic_model(width: int | None = None, layers: int = 4,
+                    batch: int = 64):
+  """(loss_fn, params, (x,)): a tanh MLP of ``layers`` (width, width)
+  layers, for the measurements that need a model and are given none (η,
+  the per-bucket cost)."""
+  if width is None:
+    width = 256 if jax.devices()[0].platform == "cpu" else 4096
+  rng = np.random.default_rng(0)
+  params = [rng.standard_normal((width, width), np.float32) / math.sqrt(width)
+            for _ in range(layers)]
+  x = rng.standard_normal((batch, width), np.float32)
+
+  def loss_fn(params, x):
+    for w in params:
+      x = jnp.tanh(x @ w)
+    return jnp.mean(x * x)
+  return loss_fn, params, (x,)

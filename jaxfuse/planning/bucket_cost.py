@@ -23,11 +23,11 @@ import math
 import warnings
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from jaxfuse.planning.backward import synthetic_model
 from jaxfuse.planning.timing import ProfileError
 from jaxfuse.planning.timing import jit as _jit
 from jaxfuse.planning.timing import time_calls
@@ -78,15 +78,7 @@ def early_step(mesh, strategy: str, *, units: int, width: int, estimator: str,
   from jaxfuse import transform
   from jaxfuse.planning import planner
   # pylint: enable=g-import-not-at-top
-  rng = np.random.default_rng(units * width)
-  params = [rng.standard_normal((width, width), np.float32) / math.sqrt(width)
-            for _ in range(units)]
-  x = rng.standard_normal((8, width), np.float32)
-
-  def loss_fn(params, x):
-    for w in params:
-      x = jnp.tanh(x @ w)
-    return jnp.mean(x * x)
+  loss_fn, params, (x,) = synthetic_model(width, layers=units, batch=8)
   plan = planner.plan(params, density=density, strategy=strategy,
                       estimator=estimator, headroom=headroom,
                       min_sparse_size=1, loss_fn=loss_fn, example_args=(x,))

@@ -507,11 +507,10 @@ def _limits(k, link, minend, shift, bucket, pos, run, prune_dominance):
   return lo, jstar
 
 
-def _front(link, comm, minend, shift=None):
+def _front(link, comm, minend, shift):
   """Mask of the labels no other label dominates: A dominates B when
   link_A <= link_B, comm_A <= comm_B, minend_A <= minend_B and shift_A <=
-  shift_B (``shift`` None: all equal)."""
-  shift = np.zeros(len(link)) if shift is None else shift
+  shift_B."""
   order = np.lexsort((shift, minend, comm, link))
   comm, minend, shift = comm[order], minend[order], shift[order]
 

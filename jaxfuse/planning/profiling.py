@@ -77,6 +77,7 @@ from jaxfuse.planning.backward import equation_work
 from jaxfuse.planning.backward import machine_rates
 from jaxfuse.planning.backward import measure_forward_backward
 from jaxfuse.planning.backward import scale_shares
+from jaxfuse.planning.backward import synthetic_model
 from jaxfuse.planning.backward import validate_backward
 from jaxfuse.planning.bucket_cost import measure_bucket_cost
 from jaxfuse.planning.timing import Progress
@@ -365,23 +366,6 @@ def _time_sparse_steps(mesh, size_lists, strategy, *, repeats, warmup,
 
 
 # --- overlap --------------------------------------------------------------------
-
-def synthetic_model(width: int | None = None, layers: int = 4,
-                    batch: int = 64):
-  """(loss_fn, params, (x,)): an MLP used for η when no model is given."""
-  if width is None:
-    width = 256 if jax.devices()[0].platform == "cpu" else 4096
-  rng = np.random.default_rng(0)
-  params = [rng.standard_normal((width, width), np.float32) / math.sqrt(width)
-            for _ in range(layers)]
-  x = rng.standard_normal((batch, width), np.float32)
-
-  def loss_fn(params, x):
-    for w in params:
-      x = jnp.tanh(x @ w)
-    return jnp.mean(x * x)
-  return loss_fn, params, (x,)
-
 
 def measure_overlap(mesh, loss_fn: Callable, params,
                     example_args: Sequence = (), *, repeats: int = 5,
