@@ -209,10 +209,11 @@ def main(argv=None) -> list[dict]:
                  "jaxfuse.bucket_sync.blends); xla: formed by XLA for every "
                  "group (jaxfuse.bucket_sync.FORM_IN_PASS = False)")
   p.add_argument("--radix", default=radix_select.DEFAULT_GPU_METHOD,
-                 choices=["radix", "pallas"],
+                 choices=radix_select.GPU_METHODS,
                  help="how the k-th largests are found where the Pallas "
                  "kernels run (jaxfuse.radix_select.DEFAULT_GPU_METHOD): "
-                 "radix, XLA reductions; pallas, one kernel")
+                 "radix, XLA reductions; pallas, one kernel; auto, the "
+                 "kernel for short rows")
   p.add_argument("--scan-blocks", type=int,
                  default=fused_pass.SCAN_IN_PASS2_BLOCKS,
                  help="units of at most this many blocks run the fused "

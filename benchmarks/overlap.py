@@ -388,7 +388,7 @@ def main(argv=None):
   p.add_argument("--trace-dir",
                  help=f"profile {TRACE_STEPS} steps of each variant into "
                       "TRACE_DIR/<variant> (jax.profiler, perfetto JSON)")
-  p.add_argument("--kth-method", choices=radix_select.METHODS,
+  p.add_argument("--kth-method", choices=radix_select.GPU_METHODS,
                  help="how a bucket's k-th largests are found on GPUs "
                       "(radix_select.DEFAULT_GPU_METHOD, default "
                       f"{radix_select.DEFAULT_GPU_METHOD!r}): under "

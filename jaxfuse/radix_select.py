@@ -17,8 +17,9 @@ for one gpt2-small bucket, this is 1.4–1.9× faster than a ``lax.top_k``
 sort per group and 1.9–3.4× faster than an earlier Pallas kernel with a
 program per row deciding one bit per round (``benchmarks/kth_rows.py``).
 ``kernels.radix`` runs these eight rounds in one Pallas kernel instead
-(``method="pallas"``). Off GPU ``kth_largest_rows`` sorts instead (the
-same bits, less to compile).
+(``method="pallas"``; faster only where many buckets' calls run
+together). Off GPU ``kth_largest_rows`` sorts instead (the same bits,
+less to compile).
 """
 
 from __future__ import annotations
@@ -35,11 +36,18 @@ from jaxfuse.kernels import radix
 from jaxfuse.kernels.radix import ROUNDS   # (shift, width): 3 bits, 7 × 4
 
 METHODS = ("radix", "pallas", "sort")
-# The method on GPUs: "pallas" (one kernel: on gpt2-small's sparse step,
-# 1 × H200, 35 µs less GPU time and 28 launches fewer than the XLA rounds)
-# or "radix" (XLA reductions; docs/benchmarks.md, "A bucket's thresholds
-# at once").
-DEFAULT_GPU_METHOD = "pallas"
+GPU_METHODS = ("auto", "radix", "pallas")
+# The method on GPUs where the Pallas kernels run: "pallas" (the rounds in
+# one kernel, a program per row: its time grows with the longest row),
+# "radix" (XLA's reductions, each round spread over the whole card, about
+# 30 kernels: 0.12–0.16 ms a call however short the rows) or "auto": the
+# kernel for rows of at most PALLAS_MAX_WIDTH, the XLA rounds for longer.
+# What an extra sparse bucket costs under ``send_early`` on 1 × H200
+# (``planning.bucket_cost``): rows of 2.6 K 0.036 ms with the kernel
+# against 0.155 ms with the rounds; rows of 21 K 0.19 against 0.12; 42 K
+# 0.38 against 0.13 (docs/benchmarks.md, "A bucket's thresholds at once").
+DEFAULT_GPU_METHOD = "auto"
+PALLAS_MAX_WIDTH = 8192
 
 
 def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int],
@@ -53,13 +61,15 @@ def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int],
   (the same rounds in one Pallas kernel, a program per row:
   ``kernels.radix``; off GPU in Pallas's interpreter) or ``"sort"``
   (``lax.top_k`` per array). Default: ``DEFAULT_GPU_METHOD`` wherever the
-  Pallas kernels run (``jaxfuse.kernels.backend()``), radix on other GPUs
+  Pallas kernels run (``jaxfuse.kernels.backend()``; "auto": pallas for
+  rows of at most ``PALLAS_MAX_WIDTH``, radix for longer), radix on other GPUs
   (it is plain JAX), sort elsewhere: on a CPU the sort is about as fast
   and compiles in a sixth of the time (0.05 s against 0.31 s for a
   gpt2-small bucket's DGC samples). All are exact, so they agree bit for
   bit."""
+  width = max((a.shape[-1] for a in rows), default=0)
   if method is None:
-    method = (DEFAULT_GPU_METHOD if kernels.backend() == "pallas" else
+    method = (_gpu_method(width) if kernels.backend() == "pallas" else
               "radix" if jax.default_backend() == "gpu" else "sort")
   if method not in METHODS:
     raise ValueError(f"method={method!r}; use one of {METHODS}.")
@@ -71,7 +81,6 @@ def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int],
                        f"{a.dtype}{list(a.shape)} and k={k}.")
   if method == "sort":
     return [lax.top_k(a, k)[0][:, k - 1] for a, k in zip(rows, ranks)]
-  width = max(a.shape[1] for a in rows)
   bits = jnp.concatenate([
       jnp.pad(lax.bitcast_convert_type(a, jnp.int32),
               ((0, 0), (0, width - a.shape[1]))) for a in rows])
@@ -85,6 +94,16 @@ def kth_largest_rows(rows: Sequence[jax.Array], ranks: Sequence[int],
     t = radix_rows(bits, k)
   kth = lax.bitcast_convert_type(t, jnp.float32)
   return jnp.split(kth, np.cumsum([a.shape[0] for a in rows])[:-1])
+
+
+def _gpu_method(width: int) -> str:
+  """``DEFAULT_GPU_METHOD`` for rows of at most ``width`` magnitudes."""
+  if DEFAULT_GPU_METHOD not in GPU_METHODS:
+    raise ValueError(f"radix_select.DEFAULT_GPU_METHOD="
+                     f"{DEFAULT_GPU_METHOD!r}; use one of {GPU_METHODS}.")
+  if DEFAULT_GPU_METHOD == "auto":
+    return "pallas" if width <= PALLAS_MAX_WIDTH else "radix"
+  return DEFAULT_GPU_METHOD
 
 
 def kth_largest(a: jax.Array, k: int) -> jax.Array:

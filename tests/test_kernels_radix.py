@@ -92,20 +92,34 @@ def test_kth_largest_rows_pallas_agrees_with_radix_and_sort():
 
 def test_default_gpu_method_switch(monkeypatch):
   """Where the Pallas kernels run, ``DEFAULT_GPU_METHOD`` picks the
-  method; "pallas" then launches the one kernel."""
+  method: "pallas" launches the one kernel, "radix" the XLA rounds, and
+  "auto" the kernel only for rows of at most ``PALLAS_MAX_WIDTH``; all
+  give the same k-th largests."""
   calls = []
   real = radix.radix_rows_pallas
   monkeypatch.setattr(radix, "radix_rows_pallas",
                       lambda *a, **k: calls.append(1) or real(*a, **k))
   monkeypatch.setattr(kernels, "backend", lambda: "pallas")
-  rows = jnp.asarray(np.arange(12, dtype=np.float32).reshape(2, 6))
-  monkeypatch.setattr(radix_select, "DEFAULT_GPU_METHOD", "pallas")
-  got = radix_select.kth_largest_rows([rows], [2])
-  assert calls and np.asarray(got[0]).tolist() == [4.0, 10.0]
-  calls.clear()
-  monkeypatch.setattr(radix_select, "DEFAULT_GPU_METHOD", "radix")
-  got = radix_select.kth_largest_rows([rows], [2])
-  assert not calls and np.asarray(got[0]).tolist() == [4.0, 10.0]
+  short = jnp.asarray(np.arange(12, dtype=np.float32).reshape(2, 6))
+  wide = jnp.asarray(np.arange(14, dtype=np.float32).reshape(2, 7))
+  monkeypatch.setattr(radix_select, "PALLAS_MAX_WIDTH", 6)
+  for method, rows, kernel, want in [
+      ("pallas", wide, True, [5.0, 12.0]),
+      ("radix", short, False, [4.0, 10.0]),
+      ("auto", short, True, [4.0, 10.0]),
+      ("auto", wide, False, [5.0, 12.0]),
+      # The widest row decides for the whole call.
+      ("auto", [short, wide], False, [4.0, 10.0, 5.0, 12.0])]:
+    calls.clear()
+    monkeypatch.setattr(radix_select, "DEFAULT_GPU_METHOD", method)
+    rows = rows if isinstance(rows, list) else [rows]
+    got = radix_select.kth_largest_rows(rows, [2] * len(rows))
+    assert bool(calls) == kernel, (method, rows)
+    assert np.concatenate([np.asarray(g) for g in got]).tolist() == want
+  monkeypatch.setattr(radix_select, "DEFAULT_GPU_METHOD", "sort")
+  with pytest.raises(ValueError, match="DEFAULT_GPU_METHOD='sort'; use one "
+                     "of \\('auto'"):
+    radix_select.kth_largest_rows([short], [2])
 
 
 def test_rejects_bad_arguments():

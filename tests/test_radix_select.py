@@ -50,14 +50,14 @@ def test_kth_largest_rows_rejects_bad_ranks():
 ])
 def test_default_method_follows_the_platform(monkeypatch, platform,
                                              kernels_backend, method):
-  """Where the Pallas kernels run, ``DEFAULT_GPU_METHOD`` (the one-kernel
-  radix); the XLA rounds on other GPUs (they are plain JAX); the sort on
-  CPUs."""
+  """Where the Pallas kernels run, ``DEFAULT_GPU_METHOD`` ("auto": the
+  one-kernel radix for these short rows); the XLA rounds on other GPUs
+  (they are plain JAX); the sort on CPUs."""
   used = []
   monkeypatch.setattr(radix_select.jax, "default_backend", lambda: platform)
   monkeypatch.setattr(radix_select.kernels, "backend",
                       lambda: kernels_backend)
-  assert radix_select.DEFAULT_GPU_METHOD == "pallas"
+  assert radix_select.DEFAULT_GPU_METHOD == "auto"
   top_k, rows_xla = radix_select.lax.top_k, radix_select.radix_rows
   rows_pallas = radix_select.radix.radix_rows_pallas
   monkeypatch.setattr(radix_select.lax, "top_k",
