@@ -416,6 +416,9 @@ def main(argv=None):
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(
       json.dumps(result, indent=1))
+  if args.out:   # the plan that ran, for benchmarks/predict_overlap.py
+    out = pathlib.Path(args.out)
+    plan.save(out.with_name(out.stem + ".plan.json"))
   print(f"{len(devices)} x {devices[0].device_kind}, {len(plan.buckets)} "
         f"buckets, density {args.density}", flush=True)
   shapes = None

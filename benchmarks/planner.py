@@ -182,26 +182,29 @@ def _predict(row: dict, predicted, eta: float) -> None:
 
 
 def _predict_from_one_worker(rows, plans, densities, costs) -> None:
-  """Each measured plan predicted with its density's one-GPU step T₁ as the
-  compute stream and η fitted on that density's ``size`` plan:
-  T₁ + G − η·H (``simulate``'s rule; G, H: the plan's communication and
-  what the ideal schedule hides of it). Sets ``predicted_t1_s``."""
+  """Each measured plan predicted from its density's one-GPU step T₁ of the
+  ``size`` plan, with η fitted on that plan:
+  T₁ + ΔC + G − η·H (``simulate.step_from_one_worker``; ΔC the plan's
+  simulated compute over the ``size`` plan's, G and H its communication
+  and what the ideal schedule hides of it). Sets ``predicted_t1_s``."""
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
+  ideal_costs = costs.replace(overlap=1.0)
   fits = {}
-  for row, density in zip(rows, densities):
+  for row, plan, density in zip(rows, plans, densities):
     if (row["plan"].startswith("size") and
         row.get("measured_overlap") is not None):
       fits.setdefault(density, (row["measured_one_worker_s"], min(
-          max(row["measured_overlap"], 0.0), 1.0)))
+          max(row["measured_overlap"], 0.0), 1.0),
+                                simulate.simulate(plan, ideal_costs)))
   if not fits:
     return
   print("with T₁ as the compute and η fitted per density:", flush=True)
   for row, plan, density in zip(rows, plans, densities):
     if density not in fits or not row["measured_s"]:
       continue
-    t1, eta = fits[density]
-    ideal = simulate.simulate(plan, costs.replace(overlap=1.0))
-    row["predicted_t1_s"] = simulate.step_at(t1, eta, ideal)
+    t1, eta, anchor = fits[density]
+    row["predicted_t1_s"] = simulate.step_from_one_worker(
+        t1, eta, simulate.simulate(plan, ideal_costs), anchor)
     print(f"   {row['plan']:26} predicted {1e3 * row['predicted_t1_s']:7.1f}"
           f" ms  measured {1e3 * row['measured_s']:7.1f} ms  error "
           f"{100 * (row['predicted_t1_s'] / row['measured_s'] - 1):+5.1f} %"

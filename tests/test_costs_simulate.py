@@ -550,3 +550,41 @@ def test_eta_from_a_measured_step_and_back():
   assert sim.eta_from_hidden(0.06, ideal) == approx(0.06 / 0.05775)
   # A schedule that hides nothing has no η.
   assert sim.eta_from_hidden(0.01, _four_layers(0.0)) is None
+
+
+def test_a_plan_from_another_plans_one_worker_step():
+  # The bucket-cost example: two sparse buckets compute to 8.65, one to
+  # 8.45 (one bucket cost fewer). Anchored on the two-bucket plan's
+  # measured T₁ = 9.0 and η = 0.5, the one-bucket plan runs on
+  # 9.0 − 0.2 = 8.8 of compute: 8.8 + G − 0.5·H of its own timeline.
+  leaves = [sparse(0, 1000, 10), sparse(1, 2000, 20), dense(2, 5)]
+  costs = make_costs([1.0, 2.0, 0.25], ag=(0.5, 0.01), ps=(0.25, 0.05),
+                     compress=(0.5, 0.001), forward=1.0, bucket=0.2)
+  two = simulate(make_plan(leaves, [[1], [0], [2]]), costs)
+  one = simulate(make_plan(leaves, [[1, 0], [2]]), costs)
+  assert sim.step_from_one_worker(9.0, 0.5, one, two) == approx(
+      8.8 + one.communication - 0.5 * one.hidden)
+  # The anchor itself: step_at with T₁ as its compute.
+  assert sim.step_from_one_worker(9.0, 0.5, two, two) == approx(
+      sim.step_at(9.0, 0.5, two))
+
+
+@settings(max_examples=50, deadline=None)
+@given(factor=st.floats(0.1, 10.0), nbytes=st.floats(0.0, 1e9))
+def test_link_scaled_scales_every_collective_and_nothing_else(factor,
+                                                               nbytes):
+  costs = make_costs([1.0, 2.0], ag=(0.5, 0.01), ps=(0.25, 0.05),
+                     compress=(0.5, 0.001), forward=1.0, bucket=0.2)
+  slow = costs.link_scaled(factor)
+  for name in ("allgather", "psum"):
+    assert slow.comm_time(name, nbytes) == pytest.approx(
+        factor * costs.comm_time(name, nbytes), rel=1e-12)
+  assert (slow.compress, slow.backward, slow.forward, slow.bucket) == (
+      costs.compress, costs.backward, costs.forward, costs.bucket)
+
+
+def test_link_scaled_rejects_a_factor_that_is_not_positive():
+  costs = make_costs([1.0])
+  for bad in (0, -1.0, float("nan"), float("inf"), True, "2"):
+    with pytest.raises(CostsError, match="factor=.* must be a finite number"):
+      costs.link_scaled(bad)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import types
 from typing import Any, Mapping, Sequence
@@ -279,6 +280,18 @@ class Costs:
 
   def replace(self, **changes) -> "Costs":
     return dataclasses.replace(self, **changes)
+
+  def link_scaled(self, factor: float) -> "Costs":
+    """Every collective line times ``factor`` > 0 (α and β alike): the same
+    costs on a link ``factor`` times slower, e.g. to match the collectives'
+    time G measured on another machine: factor = G_measured / G_simulated."""
+    if (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+        or not math.isfinite(factor) or factor <= 0):
+      raise CostsError(f"link_scaled: factor={factor!r} must be a finite "
+                       "number > 0.")
+    return self.replace(collectives={
+        name: LinearCost(line.alpha * factor, line.beta * factor)
+        for name, line in self.collectives.items()})
 
   def check(self, num_leaves: int, holder: str = "the plan") -> None:
     """Raise ``CostsError`` unless there is one backward time per leaf of

@@ -140,6 +140,16 @@ def step_at(compute: float, eta: float, ideal: Timeline) -> float:
   return compute + ideal.communication - eta * ideal.hidden
 
 
+def step_from_one_worker(t1: float, eta: float, ideal: Timeline,
+                         anchor: Timeline) -> float:
+  """A plan's step from another plan's measured one-GPU step T₁ (the
+  anchor, e.g. the ``size`` plan that ran alone): ``step_at`` with compute
+  T₁ + (the plan's simulated compute end − the anchor's), so a plan of more
+  buckets pays their extra compression. ``ideal``, ``anchor``: both plans
+  simulated with the same costs at η = 1."""
+  return step_at(t1 + ideal.compute_end - anchor.compute_end, eta, ideal)
+
+
 def compression_times(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
                       sched: schedule_lib.Schedule | None = None
                       ) -> list[float]:
