@@ -107,6 +107,9 @@ def predict(call: dict, costs) -> list[dict]:
     for t1, t_size, t_k in zip(call["t1"], anchor["measured"],
                                v["measured"]):
       eta = simulate.eta_from_hidden(t1 + base.communication - t_size, base)
+      if eta is None:
+        raise SystemExit("the size plan's simulated schedule hides no "
+                         "communication: no η to fit (check --costs).")
       p = simulate.step_from_one_worker(t1, eta, ideal[id(v)], base)
       row["predicted_s"].append(p)
       row["error"].append(p / t_k - 1)
@@ -167,8 +170,7 @@ def main(argv=None):
       print(f"  {r['plan']:32s} {r['buckets']:7d} {1e3 * m[0]:7.1f} "
             f"({1e3 * m[1]:5.1f}) {1e3 * q[0]:7.1f} ({1e3 * q[1]:5.1f}) "
             f"{100 * e[0]:+6.1f} ({100 * e[1]:+5.1f}) %")
-    entry = {"t1_s": list(call["t1"]), "g_s": call["g"], "rows": [
-        {k: v for k, v in r.items()} for r in rows]}
+    entry = {"t1_s": list(call["t1"]), "g_s": call["g"], "rows": rows}
     for which, label in ((0, "waited for"), (1, "pipelined")):
       pairs = swapped(rows, which)
       entry[f"swapped_{label.split()[0]}"] = pairs
