@@ -17,7 +17,8 @@ Each step donates its params and state, as a training loop does
 (--no-donate: XLA then copies them into new buffers every step). T_K and
 T₁ are medians of steps each waited for; the "pipelined" figures
 dispatch the steps back to back with one wait at the end, which leaves out
-the host's time between steps (``hidden_pipelined`` uses those).
+the host's time between steps (``hidden_pipelined`` uses those): the
+median of three such blocks of --steps steps.
 
 With --trace-dir DIR, each variant's next 3 steps are also profiled
 (``jax.profiler.trace(DIR/<variant>, create_perfetto_trace=True)``, each step
@@ -103,12 +104,20 @@ def _time(fn, args, steps, carry=True):
   return float(np.median(times)), out
 
 
-def _time_pipelined(fn, args, steps):
-  """(wall time per step, (params, state) after) of ``steps`` train steps
-  ``fn(params, state, batch)`` dispatched back to back after one
-  waited-for step (``timing.time_chained``)."""
-  out = jax.block_until_ready(fn(*args))
-  return timing.time_chained(fn, out[:2], [args[2]], steps=steps)
+PIPELINED_BLOCKS = 3
+
+
+def _time_pipelined(fn, args, steps, blocks=PIPELINED_BLOCKS):
+  """(wall time per step, (params, state) after) of train steps
+  ``fn(params, state, batch)`` dispatched back to back, ``steps`` at a
+  time (``timing.time_chained``) after one waited-for step: the median of
+  ``blocks`` such blocks, so that one slow step moves only its block."""
+  state = jax.block_until_ready(fn(*args))[:2]
+  times = []
+  for _ in range(blocks):
+    t, state = timing.time_chained(fn, state, [args[2]], steps=steps)
+    times.append(t)
+  return float(np.median(times)), state
 
 
 def _fresh(tree):

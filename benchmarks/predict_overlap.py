@@ -74,6 +74,8 @@ def read_calls(paths) -> dict[float, dict]:
   """Per density: T₁, G (waited, pipelined) and the send_early variants."""
   calls = {}
   for path in map(pathlib.Path, paths):
+    if path.name.endswith(".plan.json"):   # a plan saved beside a result
+      continue
     result = json.loads(path.read_text())
     call = calls.setdefault(result["density"], {"variants": []})
     if "one_gpu_step_s" in result:

@@ -71,7 +71,9 @@ def test_eta_is_fitted_on_the_size_plan_and_predicts_the_others(po,
                                                                 tmp_path):
   files = _call(tmp_path, t1=(0.020, 0.018), g=0.004,
                 size_step=(0.022, 0.0195), split_step=(0.021, 0.019))
-  call = po.read_calls(files)[0.05]
+  # A glob of the call's files takes the plans saved beside them too.
+  call = po.read_calls(files + [tmp_path / "early_size_.plan.json"])[0.05]
+  assert [v["name"] for v in call["variants"]] == ["size", "split"]
   rows = {r["plan"]: r for r in po.predict(call, COSTS)}
   ideal_size = simulate.simulate(SIZE, COSTS)
   ideal_split = simulate.simulate(SPLIT, COSTS)
