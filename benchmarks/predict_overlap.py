@@ -81,7 +81,7 @@ def read_calls(paths) -> dict[float, dict]:
     if "one_gpu_step_s" in result:
       call.update(t1=(result["one_gpu_step_s"],
                       result["one_gpu_step_pipelined_s"]),
-                  g=result.get("comm_s"), source=str(path))
+                  g=result.get("comm_s"))
     if not result.get("send_early"):
       continue
     plan = _plan(path, result)
@@ -98,11 +98,10 @@ def read_calls(paths) -> dict[float, dict]:
 def predict(call: dict, costs) -> list[dict]:
   """Each variant's predicted steps (waited, pipelined) and errors."""
   anchor = next(v for v in call["variants"] if v["is_size"])
-  ideal = {id(v): simulate.simulate(v["plan"], costs)
-           for v in call["variants"]}
-  base = ideal[id(anchor)]
+  base = simulate.simulate(anchor["plan"], costs)
   rows = []
   for v in call["variants"]:
+    ideal = simulate.simulate(v["plan"], costs)
     row = {"plan": v["name"], "buckets": v["buckets"],
            "measured_s": list(v["measured"]), "predicted_s": [],
            "error": [], "eta": []}
@@ -112,7 +111,7 @@ def predict(call: dict, costs) -> list[dict]:
       if eta is None:
         raise SystemExit("the size plan's simulated schedule hides no "
                          "communication: no η to fit (check --costs).")
-      p = simulate.step_from_one_worker(t1, eta, ideal[id(v)], base)
+      p = simulate.step_from_one_worker(t1, eta, ideal, base)
       row["predicted_s"].append(p)
       row["error"].append(p / t_k - 1)
       row["eta"].append(eta)
@@ -176,12 +175,10 @@ def main(argv=None):
     for which, label in ((0, "waited for"), (1, "pipelined")):
       pairs = swapped(rows, which)
       entry[f"swapped_{label.split()[0]}"] = pairs
-      ties = [x for x in pairs if x[2] < TIE]
       print(f"  ranking, {label}: " + (
           "as measured" if not pairs else "; ".join(
               f"{a} vs {b} swapped (predicted {100 * g:.1f} % apart"
-              f"{', a tie' if (a, b, g) in ties else ''})"
-              for a, b, g in pairs)))
+              f"{', a tie' if g < TIE else ''})" for a, b, g in pairs)))
     report["densities"][str(density)] = entry
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
