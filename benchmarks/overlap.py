@@ -151,18 +151,12 @@ def is_gemm(name: str) -> bool:
 def compute_beside_link(step) -> dict:
   """One measured step's compute kernels' summed time (seconds), matrix
   products apart from the rest, each split by whether most of the kernel
-  ran while a link (NCCL) kernel did: NCCL's kernels hold SMs, and a
-  product whose blocks fill every SM then runs a second wave."""
-  link = trace_lib.union([(a, b) for row, a, b, _ in step.kernels
-                          if row == trace_lib.LINK])
+  ran beside a link (NCCL) kernel (``trace.compute_kernels``)."""
   out = {f"{kind}_{where}": 0.0 for kind in ("gemm", "other")
          for where in ("beside_link", "apart")}
-  for row, a, b, name in step.kernels:
-    if row != trace_lib.COMPUTE:
-      continue
-    beside = trace_lib.length(trace_lib.intersection([(a, b)], link))
-    where = "beside_link" if beside > (b - a) / 2 else "apart"
-    out[f"{'gemm' if is_gemm(name) else 'other'}_{where}"] += b - a
+  for name, seconds, beside in trace_lib.compute_kernels(step):
+    kind = "gemm" if is_gemm(name) else "other"
+    out[f"{kind}_{'beside_link' if beside else 'apart'}"] += seconds
   return out
 
 

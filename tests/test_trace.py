@@ -389,3 +389,17 @@ def test_a_real_gpu_trace(name, gathers, reduces, hidden):
                                         rel=1e-6)
     assert hidden[0] <= s.hidden <= hidden[1]
     assert s.overlapped <= min(s.link_busy, s.compute_busy)
+
+
+def test_compute_kernels_beside_the_link_when_most_of_it_overlaps():
+  # link 0–150 µs; a 200 µs kernel overlapping 150 of it is beside, one
+  # overlapping exactly half is not, one after the link is apart.
+  step = trace.measure([
+      (trace.LINK, 0.0, 150e-6, "ncclKernel_AllGather"),
+      (trace.COMPUTE, 0.0, 200e-6, "gemm_a"),
+      (trace.COMPUTE, 100e-6, 200e-6, "fusion.3"),
+      (trace.COMPUTE, 300e-6, 310e-6, "fusion.4")])
+  got = {name: (round(seconds * 1e6, 6), beside)
+         for name, seconds, beside in trace.compute_kernels(step)}
+  assert got == {"gemm_a": (200.0, True), "fusion.3": (100.0, False),
+                 "fusion.4": (10.0, False)}

@@ -207,6 +207,16 @@ def measure(kernels, *, step_num=None, wall=None) -> MeasuredStep:
                       length(overlaps), span, step_num, t0, wall)
 
 
+def compute_kernels(step: MeasuredStep) -> list[tuple[str, float, bool]]:
+  """Each compute kernel of ``step`` as (name, duration_s, beside_link):
+  beside_link when more than half of it ran while a link kernel did
+  (NCCL's kernels hold SMs: a kernel that fills every SM with blocks it
+  keeps then runs a second wave)."""
+  link = union([(a, b) for row, a, b, _ in step.kernels if row == LINK])
+  return [(name, b - a, 2 * length(intersection([(a, b)], link)) > b - a)
+          for row, a, b, name in step.kernels if row == COMPUTE]
+
+
 # --- reading the file ---------------------------------------------------------
 
 def find_trace_file(path: str | os.PathLike) -> pathlib.Path:
