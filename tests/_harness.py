@@ -2,9 +2,11 @@
 
 import contextlib
 import functools
+import importlib
 import math
 import os
 import pathlib
+import sys
 
 import jax
 from jax import export
@@ -22,6 +24,18 @@ NUM_WORKERS = int(os.environ.get("JAXFUSE_TEST_WORKERS") or (
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def benchmark_script(name: str):
+  """``benchmarks/<name>.py`` imported as a module, with ``benchmarks/`` on
+  ``sys.path`` while the block runs."""
+  folder = str(REPO / "benchmarks")
+  sys.path.insert(0, folder)
+  try:
+    yield importlib.import_module(name)
+  finally:
+    sys.path.remove(folder)
 
 
 def cpu_env(num_devices: int = 8,

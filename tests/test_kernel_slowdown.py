@@ -1,16 +1,14 @@
 """``benchmarks/kernel_slowdown.py``: per kernel family, the time the
 calls beside NCCL's kernels lose against the one-GPU step."""
 
-import importlib
 import json
-import pathlib
-import sys
 
 import pytest
 
 from jaxfuse.planning import trace
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from _harness import benchmark_script
+
 US = 1e-6
 CUBLAS = ("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x128x32_"
           "warpgroupsize1x1x1_execute_segment_k_on_kernel__5x_cublas")
@@ -18,11 +16,8 @@ CUBLAS = ("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x128x32_"
 
 @pytest.fixture(scope="module")
 def ks():
-  sys.path.insert(0, str(REPO / "benchmarks"))
-  try:
-    yield importlib.import_module("kernel_slowdown")
-  finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+  with benchmark_script("kernel_slowdown") as module:
+    yield module
 
 
 def _step(*kernels):

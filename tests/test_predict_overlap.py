@@ -1,10 +1,7 @@
 """``benchmarks/predict_overlap.py``: overlap.py's measured steps against
 the simulator, η fitted on the ``size`` plan of the same call."""
 
-import importlib
 import json
-import pathlib
-import sys
 
 import pytest
 
@@ -13,16 +10,13 @@ from jaxfuse.planning.costs import Costs
 from jaxfuse.planning.costs import LinearCost
 from jaxfuse.planning import simulate
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from _harness import benchmark_script
 
 
 @pytest.fixture(scope="module")
 def po():
-  sys.path.insert(0, str(REPO / "benchmarks"))
-  try:
-    yield importlib.import_module("predict_overlap")
-  finally:
-    sys.path.remove(str(REPO / "benchmarks"))
+  with benchmark_script("predict_overlap") as module:
+    yield module
 
 
 def _leaf(i, n, cap):
