@@ -3,9 +3,9 @@
 Reads two ``jax.profiler`` traces of the same model's step (``overlap.py
 --trace-dir`` writes both: the one-GPU step T₁ and a K-GPU variant). Each
 compute kernel's name is reduced to its family (XLA's fusion numbers
-dropped: ``loop_add_fusion_23`` → ``loop_add_fusion``; cuBLAS's names kept,
-they say the tile shape and whether the product splits K over persistent
-blocks, ``segment_k_on``). Per family and per step, averaged over the
+dropped: ``loop_add_fusion_23`` → ``loop_add_fusion``; cuBLAS's names kept:
+they give the layout, the tile and whether K is split into segments,
+``segment_k_on``). Per family and per step, averaged over the
 traced steps:
 
   n₁, t₁              calls and mean time per call on one GPU
@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 # pylint: disable=wrong-import-position
 from jaxfuse.planning import trace as trace_lib
 
+_FIELDS = ("n_apart", "s_apart", "n_beside", "s_beside")
 _NUMBERED = re.compile(r"([._]\d+)+$")
 _CUBLAS = re.compile(r"sm\d+_xmma_gemm_(\w+?)_(nn|nt|tn|tt)_n_tilesize"
                      r"(\d+x\d+x\d+)_.*segment_k_(on|off)")
@@ -52,7 +53,7 @@ def family(name: str) -> str:
 
 def short(name: str) -> str:
   """A cuBLAS kernel's name cut to what tells products apart: layout,
-  tile, element types and whether K is split over persistent blocks."""
+  tile, element types and whether K is split into segments."""
   m = _CUBLAS.match(name)
   if not m:
     return name
@@ -67,8 +68,7 @@ def per_family(steps) -> dict[str, dict[str, float]]:
   for step in steps:
     for name, seconds, beside in trace_lib.compute_kernels(step):
       where = "beside" if beside else "apart"
-      row = out.setdefault(family(name), dict.fromkeys(
-          ("n_apart", "s_apart", "n_beside", "s_beside"), 0.0))
+      row = out.setdefault(family(name), dict.fromkeys(_FIELDS, 0.0))
       row[f"n_{where}"] += 1 / len(steps)
       row[f"s_{where}"] += seconds / len(steps)
   return out
@@ -85,19 +85,18 @@ def slowdown(one_gpu_steps, k_gpu_steps) -> list[dict]:
   one, many = per_family(one_gpu_steps), per_family(k_gpu_steps)
   rows = []
   for name in sorted(set(one) | set(many)):
-    a = one.get(name, {"n_apart": 0.0, "s_apart": 0.0})
-    b = many.get(name, dict.fromkeys(
-        ("n_apart", "s_apart", "n_beside", "s_beside"), 0.0))
-    t1 = _mean(a["s_apart"], a["n_apart"])
+    a = one.get(name, dict.fromkeys(_FIELDS, 0.0))
+    b = many.get(name, dict.fromkeys(_FIELDS, 0.0))
+    n1 = a["n_apart"] + a["n_beside"]     # one GPU: no link, all apart
+    t1 = _mean(a["s_apart"] + a["s_beside"], n1)
     t_beside = _mean(b["s_beside"], b["n_beside"])
+    same_calls = abs(n1 - b["n_apart"] - b["n_beside"]) < 0.05
     rows.append({
-        "family": name, "n1": a["n_apart"], "t1": t1,
-        "n_apart": b["n_apart"], "t_apart": _mean(b["s_apart"],
-                                                  b["n_apart"]),
+        "family": name, "n1": n1, "t1": t1,
+        "n_apart": b["n_apart"], "t_apart": _mean(b["s_apart"], b["n_apart"]),
         "n_beside": b["n_beside"], "t_beside": t_beside,
-        "lost": (None if t1 is None or t_beside is None
-                 or abs(a["n_apart"] - b["n_apart"] - b["n_beside"]) > 0.05
-                 else b["n_beside"] * (t_beside - t1))})
+        "lost": (b["n_beside"] * (t_beside - t1) if same_calls
+                 and t1 is not None and t_beside is not None else None)})
   rows.sort(key=lambda r: -(r["lost"] or 0.0))
   return rows
 
@@ -136,8 +135,7 @@ def main(argv=None):
   lost = sum(r["lost"] for r in rows if r["lost"] is not None)
   print(f"compute busy per step: one GPU {1e3 * busy[0]:.2f} ms, K GPUs "
         f"{1e3 * busy[1]:.2f} ms; lost beside NCCL, summed over the families "
-        f"with as many calls in both "
-        f"{1e3 * lost:.2f} ms")
+        f"with as many calls in both {1e3 * lost:.2f} ms")
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps(
         {"one_gpu": one.path, "k_gpu": many.path, "compute_busy_s": busy,
