@@ -143,9 +143,11 @@ def capture_trace(fn, args, log_dir, steps=TRACE_STEPS):
 
 
 def is_gemm(name: str) -> bool:
-  """A matrix product's kernel (cuBLAS, CUTLASS, XLA's Triton GEMMs)."""
+  """A matrix product's kernel (cuBLAS's xmma and nvjet kernels, CUTLASS,
+  XLA's Triton GEMMs)."""
   name = name.lower()
-  return any(k in name for k in ("gemm", "xmma", "cutlass", "matmul"))
+  return any(k in name for k in ("gemm", "xmma", "nvjet", "cutlass",
+                                 "matmul"))
 
 
 def compute_beside_link(step) -> dict:
@@ -197,7 +199,7 @@ def kernels_line(m) -> str:
 def build(args, devices):
   mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
   k = len(devices)
-  model = build_model(args.preset, None, "float32")
+  model = build_model(args.preset, None, args.dtype)
   seq = model.cfg.seq_len
   per_worker = PRESETS[args.preset].get("batch_per_device", 4)
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, seq), jnp.int32))
@@ -344,6 +346,10 @@ def backward_time(loss_fn, params, batch, steps):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="gpt2-small", choices=sorted(PRESETS))
+  p.add_argument("--dtype", default="float32",
+                 choices=("float32", "bfloat16"),
+                 help="the model's compute dtype (parameters and gradients "
+                 "stay float32)")
   p.add_argument("--density", type=float, default=0.05)
   p.add_argument("--strategy", default="size",
                  choices=("size", "single", "aligned"),
@@ -404,7 +410,7 @@ def main(argv=None):
   devices = jax.devices()
   mesh, params, loss_fn, batch, plan = build(args, devices)
   result = {"device": devices[0].device_kind, "num_devices": len(devices),
-            "jax": jax.__version__, "preset": args.preset,
+            "jax": jax.__version__, "preset": args.preset, "dtype": args.dtype,
             "density": args.density, "strategy": args.strategy,
             "plan_file": args.plan,
             "bucket_mb": args.bucket_mb,

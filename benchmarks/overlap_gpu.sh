@@ -43,8 +43,15 @@
 # (default "pallas radix": the one-kernel radix select against XLA's
 # rounds, which spread one bucket's call over the whole card), after the
 # plain step (T1 and G), at DENSITIES (default 0.05).
-# No run starts after DEADLINE_S seconds (default 480). STRATEGY=aligned
-# (or single) plans the step as that strategy instead of size 64 MiB;
+# MODE=window: send_early's window (how many points of the backward on
+# a collective must end) for each compute dtype of DTYPES (default
+# "float32 bfloat16": the model's products in that dtype, parameters and
+# gradients float32): the plain step (T1 and G), then the send_early step
+# with the flags for each window of WINDOWS (default "1 2"; 0: unbounded),
+# traced, for the size 64 MiB plan or PLAN, at DENSITIES (default 0.05).
+# OVERLAP_ARGS: more arguments for every overlap.py run (e.g. "--dtype
+# bfloat16"). No run starts after DEADLINE_S seconds (default 480).
+# STRATEGY=aligned (or single) plans the step as that strategy instead of size 64 MiB;
 # PLAN=FILE runs a saved plan (e.g. a cost strategy's, planned elsewhere).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -63,7 +70,7 @@ run() {  # density, label, extra args...; XLA_FLAGS from the caller
   fi
   timeout ${RUN_TIMEOUT:-200} python benchmarks/overlap.py --density "$d" \
       --label "$label" --hlo-dir "$OUT/hlo_$d" ${STRATEGY:+--strategy $STRATEGY} ${PLAN:+--plan $PLAN} \
-      --out "$OUT/overlap_${d}_$label.json" "$@" 2>&1 \
+      --out "$OUT/overlap_${d}_$label.json" ${OVERLAP_ARGS:-} "$@" 2>&1 \
       | grep -v "^WARNING\|^I0000\|^E0000\|^W0000" | tail -n 12 \
       | tee "$OUT/overlap_${d}_$label.log"
 }
@@ -131,6 +138,17 @@ gemm)
       XLA_FLAGS="$x" run $d "gemm_${name}_plain_" --variants base
       XLA_FLAGS="$NET $x" run $d "gemm_${name}_early_" $E \
           --trace-dir "$OUT/trace_gemm_${name}_$d"
+    done
+  done ;;
+window)
+  E="--variants base --send-early --skip-comm --skip-one-gpu"
+  for x in ${DTYPES:-float32 bfloat16}; do
+    for d in ${DENSITIES:-0.05}; do
+      run $d "${x}_default_" --variants base --dtype $x
+      for w in ${WINDOWS:-1 2}; do
+        XLA_FLAGS="$NET" run $d "${x}_net_early_w${w}_" $E --dtype $x \
+            --window $w --trace-dir "$OUT/trace_${x}_early_w${w}_$d"
+      done
     done
   done ;;
 nccl)

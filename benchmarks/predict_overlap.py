@@ -66,7 +66,8 @@ def _plan(path: pathlib.Path, result: dict) -> jaxfuse.Plan:
   args = argparse.Namespace(preset=result["preset"], plan=None,
                             strategy=result["strategy"],
                             bucket_mb=result["bucket_mb"],
-                            density=result["density"])
+                            density=result["density"],
+                            dtype=result.get("dtype", "float32"))
   return overlap.build(args, jax.devices()[:1])[-1]
 
 

@@ -94,11 +94,13 @@ AXIS = "data"
 
 
 def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
-                    compiler_options=None, grad_dtype=None, send_early=False):
+                    compiler_options=None, grad_dtype=None, send_early=False,
+                    window=1):
   """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss.
   ``grad_dtype``: differentiate a copy of the parameters in this dtype (the
   gradients, and what the sync sends, are in it; params stay float32).
-  ``send_early``: the step under ``jaxfuse.send_early``."""
+  ``send_early``: the step under ``jaxfuse.send_early`` with ``window``
+  (0: unbounded)."""
   def local(params, opt_state, batch):
     # Each worker's own gradient of its own shard of the batch.
     loss, grads = jax.value_and_grad(loss_fn)(
@@ -108,7 +110,9 @@ def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
     updates, opt_state = opt.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state,
             jax.lax.pmean(loss, AXIS))
-  step = jax.shard_map(jaxfuse.send_early(local) if send_early else local,
+  if send_early:
+    local = jaxfuse.send_early(local, window=window or None)
+  step = jax.shard_map(local,
                        mesh=mesh, in_specs=(P(), opt_specs, P(AXIS)),
                        out_specs=(P(), opt_specs, P()))
   return jax.jit(step, donate_argnums=(0, 1),
@@ -408,14 +412,16 @@ def main(argv=None) -> dict:
       phase_id = jaxfuse.phase_index(phases, step)
       train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
                                    mesh, opt_specs, args.sync, xla_options,
-                                   grad_dtype, args.send_early)
+                                   grad_dtype, args.send_early,
+                                   args.send_early_window)
     step_fn = train_step
     if plan is not None and args.flush_every and (
         (step + 1) % args.flush_every == 0):
       if flush_step is None:
         flush_step = make_train_step(
             loss_fn, make_opt(jaxfuse.with_density(plan, 1.0)), mesh,
-            opt_specs, args.sync, xla_options, grad_dtype, args.send_early)
+            opt_specs, args.sync, xla_options, grad_dtype, args.send_early,
+            args.send_early_window)
       step_fn = flush_step
     if not any(f is step_fn for f in called):   # this call compiles it
       called.append(step_fn)

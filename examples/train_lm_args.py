@@ -116,6 +116,12 @@ def parse_args(argv):
                  "has made it and send it while the backward goes on "
                  "(jaxfuse.send_early; the same results); on GPUs pair "
                  "with --network-gbytes-s")
+  p.add_argument("--send-early-window", type=int, default=1,
+                 help="with --send-early: each bucket's collective ends "
+                 "within the backward of this many points after it "
+                 "(jaxfuse.send_early's window; 0: unbounded). 2 suits a "
+                 "backward about as long as the communication (e.g. "
+                 "--dtype bfloat16 over sockets)")
   p.add_argument("--network-gbytes-s", type=float,
                  help="GB/s between workers (about 3 for NCCL over 25-30 "
                  "Gbit/s Ethernet): appends jaxfuse.xla_flags(...) to "
@@ -231,6 +237,12 @@ def parse_args(argv):
       len(args.warmup_densities) != len(args.warmup_steps)):
     p.error(f"--warmup-steps {','.join(map(str, args.warmup_steps))}: one "
             "count per --warmup-densities entry; give as many densities")
+  if args.send_early_window < 0:
+    p.error(f"--send-early-window {args.send_early_window}: give a number "
+            "of points >= 1, or 0 for no bound")
+  if args.send_early_window != 1 and not args.send_early:
+    p.error("--send-early-window sets --send-early's window; give "
+            "--send-early too")
   if args.network_gbytes_s is not None and not args.network_gbytes_s > 0:
     p.error(f"--network-gbytes-s {args.network_gbytes_s:g}: give the "
             "network's bandwidth in GB/s, a number > 0")

@@ -1,0 +1,56 @@
+"""examples/train_lm.py's ``--send-early-window``: checked where it is
+parsed, and handed to ``jaxfuse.send_early`` as its window."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from _harness import REPO
+
+
+@pytest.fixture(scope="module")
+def example():
+  import sys  # pylint: disable=g-import-not-at-top
+  folder = str(REPO / "examples")
+  sys.path.insert(0, folder)
+  try:
+    import train_lm  # pylint: disable=g-import-not-at-top
+    import train_lm_args  # pylint: disable=g-import-not-at-top
+    yield train_lm, train_lm_args
+  finally:
+    sys.path.remove(folder)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--send-early-window", "2"], "give --send-early too"),
+    (["--send-early", "--send-early-window", "-1"],
+     "--send-early-window -1: give a number of points >= 1, or 0"),
+])
+def test_bad_windows_stop_with_the_fix(example, capsys, argv, message):
+  _, args_lib = example
+  with pytest.raises(SystemExit):
+    args_lib.parse_args(argv)
+  assert message in capsys.readouterr().err
+
+
+def test_the_window_reaches_send_early(example, monkeypatch):
+  train_lm, args_lib = example
+  assert args_lib.parse_args(["--send-early"]).send_early_window == 1
+  assert args_lib.parse_args(
+      ["--send-early", "--send-early-window", "2"]).send_early_window == 2
+  seen = []
+
+  def recording(step, *, window):
+    seen.append(window)
+    return step
+
+  monkeypatch.setattr(train_lm.jaxfuse, "send_early", recording)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (train_lm.AXIS,))
+  for window in (1, 2, 0):
+    train_lm.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), mesh, P(),
+                             "jaxfuse", send_early=True, window=window)
+  train_lm.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), mesh, P(),
+                           "jaxfuse", send_early=False, window=2)
+  assert seen == [1, 2, None]
