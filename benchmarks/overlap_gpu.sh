@@ -47,8 +47,11 @@
 # a collective must end) for each compute dtype of DTYPES (default
 # "float32 bfloat16": the model's products in that dtype, parameters and
 # gradients float32): the plain step (T1 and G), then the send_early step
-# with the flags for each window of WINDOWS (default "1 2"; 0: unbounded),
-# traced, for the size 64 MiB plan or PLAN, at DENSITIES (default 0.05).
+# with the flags for each window of WINDOWS (default "1 2"; 0: unbounded)
+# and each network speed of NETS (GB/s given to jaxfuse.xla_flags, default
+# NET_GBYTES_S or 3: a lower one makes XLA cover each collective with more
+# compute), traced, for the size 64 MiB plan or PLAN, at DENSITIES
+# (default 0.05).
 # OVERLAP_ARGS: more arguments for every overlap.py run (e.g. "--dtype
 # bfloat16"). No run starts after DEADLINE_S seconds (default 480).
 # STRATEGY=aligned (or single) plans the step as that strategy instead of size 64 MiB;
@@ -145,9 +148,13 @@ window)
   for x in ${DTYPES:-float32 bfloat16}; do
     for d in ${DENSITIES:-0.05}; do
       run $d "${x}_default_" --variants base --dtype $x
-      for w in ${WINDOWS:-1 2}; do
-        XLA_FLAGS="$NET" run $d "${x}_net_early_w${w}_" $E --dtype $x \
-            --window $w --trace-dir "$OUT/trace_${x}_early_w${w}_$d"
+      for n in ${NETS:-${NET_GBYTES_S:-3}}; do
+        flags=$(python -c "import jaxfuse; print(jaxfuse.xla_flags($n))")
+        for w in ${WINDOWS:-1 2}; do
+          XLA_FLAGS="$flags" run $d "${x}_net${n}_early_w${w}_" $E \
+              --dtype $x --window $w \
+              --trace-dir "$OUT/trace_${x}_net${n}_early_w${w}_$d"
+        done
       done
     done
   done ;;
