@@ -178,18 +178,22 @@ def measured_overlap(path) -> dict:
   return {"device": measured.device, "steps": len(measured.steps),
           "hidden": measured.hidden,
           **{f: measured.total(f) for f in ("span", "compute_busy",
-                                            "link_busy", "overlapped")},
+                                            "link_busy", "overlapped",
+                                            "compute_waited")},
           **beside}
 
 
 def kernels_line(m) -> str:
   """``measured_overlap``'s result as one line: the share of link time
-  hidden and a step's matrix products beside the link and apart, the
-  other kernels (or why the trace has none)."""
+  hidden, the compute stream's wait for link kernels to end
+  (``trace.link_kernels``), a step's matrix products beside the link and
+  apart, the other kernels (or why the trace has none)."""
   if "error" in m:
     return m["error"]
   per_step = lambda *fields: 1e3 * sum(m[f] for f in fields) / m["steps"]
-  return (f"measured {100 * m['hidden']:.0f}% of the link time hidden; a "
+  return (f"measured {100 * m['hidden']:.0f}% of the link time hidden, "
+          f"compute waiting {per_step('compute_waited'):.1f} ms a step for "
+          f"link kernels to end; a "
           f"step's matrix products {per_step('gemm_beside_link'):.1f} ms "
           f"beside NCCL kernels, {per_step('gemm_apart'):.1f} ms apart; "
           f"other kernels {per_step('other_beside_link', 'other_apart'):.1f}"

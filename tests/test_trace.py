@@ -290,10 +290,14 @@ def test_show_measured_draws_and_prints(tmp_path, log_dir, plan_and_costs,
   out = capsys.readouterr().out
   assert "/device:GPU:0, 2 steps marked 'train'" in out
   table = {l.split()[0]: l.split() for l in out.splitlines() if l.strip()}
+  # span, compute busy, link busy, overlapped, exposed, compute waited
   assert table["0"] == ["0", "0.600", "0.550", "0.250", "0.200", "0.050",
-                        "80%"]
+                        "0.000", "80%"]
   assert table["1"] == ["1", "0.500", "0.300", "0.200", "0.000", "0.200",
-                        "0%"]
+                        "0.000", "0%"]
+  # the drawn step's link kernels: the all-reduce after the compute
+  assert "link kernels of step 1" in out
+  assert table["0:"][-5:] == ["0.300", "0.500", "0.200", "0.000", "0.000"]
   assert table["sum"][-1] == "44%"  # 200 / 450
   assert "measured hidden 44%" in out and "(step 1 drawn)" in out
   assert "simulated" in out
@@ -403,3 +407,22 @@ def test_compute_kernels_beside_the_link_when_most_of_it_overlaps():
          for name, seconds, beside in trace.compute_kernels(step)}
   assert got == {"gemm_a": (200.0, True), "fusion.3": (100.0, False),
                  "fusion.4": (10.0, False)}
+
+
+def test_link_kernels_name_where_the_compute_waited_for_them():
+  # compute [0, 100) then idle until 410, 10 µs after the first link
+  # kernel [50, 400) ended: it waited 310 µs for it (from 100). The second
+  # link kernel [420, 450) runs beside compute [410, 500): no wait. Compute
+  # idle [500, 700) ends long after the third [520, 560): no wait either.
+  step = trace.measure([
+      (trace.COMPUTE, 0.0, 100 * US, "fusion.1"),
+      (trace.LINK, 50 * US, 400 * US, AG),
+      (trace.COMPUTE, 410 * US, 500 * US, "fusion.2"),
+      (trace.LINK, 420 * US, 450 * US, AG),
+      (trace.LINK, 520 * US, 560 * US, AG),
+      (trace.COMPUTE, 700 * US, 710 * US, "fusion.3")])
+  got = [(round(k.start / US), round(k.end / US), round(k.under_compute / US),
+          round(k.compute_waited / US)) for k in trace.link_kernels(step)]
+  assert got == [(50, 400, 50, 310), (420, 450, 30, 0), (520, 560, 0, 0)]
+  assert step.compute_waited == pytest.approx(310 * US)
+  assert step.to_dict()["compute_waited"] == pytest.approx(310 * US)

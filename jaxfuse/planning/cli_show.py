@@ -68,22 +68,40 @@ def plan_table(plan, timeline=None) -> str:
   return "\n".join(_table(rows, right))
 
 
+_STEP_FIELDS = ("span", "compute_busy", "link_busy", "overlapped", "exposed",
+                "compute_waited")
+
+
 def measured_table(measured) -> str:
   """One row per measured step (and the sum over steps), times in ms:
   busy = |∪ kernels| per row, overlapped = |compute ∩ link|, hidden =
-  overlapped / link busy."""
+  overlapped / link busy, compute waited = the compute stream's idle time
+  until a link kernel ended (``trace.link_kernels``)."""
   cell = lambda s: f"{s * 1e3:.3f}"
-  rows = [["step", "span cell", "compute busy", "link busy", "overlapped",
-           "exposed", "hidden"]]
+  rows = [["step", "span", "compute busy", "link busy", "overlapped",
+           "exposed", "compute waited", "hidden"]]
   for s in measured.steps:
-    rows.append(["all" if s.step_num is None else str(s.step_num),
-                 cell(s.span), cell(s.compute_busy), cell(s.link_busy),
-                 cell(s.overlapped), cell(s.exposed), f"{100 * s.hidden:.0f}%"])
+    rows.append(["all" if s.step_num is None else str(s.step_num)] +
+                [cell(getattr(s, f)) for f in _STEP_FIELDS] +
+                [f"{100 * s.hidden:.0f}%"])
   if len(measured.steps) > 1:
-    rows.append(["sum"] + [cell(measured.total(f)) for f in (
-        "span", "compute_busy", "link_busy", "overlapped", "exposed")] +
+    rows.append(["sum"] + [cell(measured.total(f)) for f in _STEP_FIELDS] +
                 [f"{100 * measured.hidden:.0f}%"])
-  return "\n".join(_table(rows, [False] + [True] * 6))
+  return "\n".join(_table(rows, [False] + [True] * 7))
+
+
+def link_table(step) -> str:
+  """One row per link kernel of ``step`` (``trace.link_kernels``), ms from
+  the step's first kernel."""
+  from jaxfuse.planning import trace  # pylint: disable=g-import-not-at-top
+  cell = lambda s: f"{s * 1e3:.3f}"
+  rows = [["link kernel", "start", "end", "took", "under compute",
+           "compute waited"]]
+  for i, k in enumerate(trace.link_kernels(step)):
+    rows.append([f"{i}: {k.name.split('(')[0][:40]}", cell(k.start),
+                 cell(k.end), cell(k.end - k.start), cell(k.under_compute),
+                 cell(k.compute_waited)])
+  return "\n".join(_table(rows, [False] + [True] * 5))
 
 
 def _read_measured(args):
@@ -100,6 +118,9 @@ def _show_measured(measured, step, timeline, resimulate=None) -> None:
       f"{len(measured.steps)} steps marked {', '.join(measured.markers)!r}")
   print(f"measured {measured.path}: {measured.device}, {steps}")
   print(measured_table(measured))
+  which = "the step" if step.step_num is None else f"step {step.step_num}"
+  print(f"link kernels of {which} (ms from its first kernel):")
+  print(link_table(step))
   drawn = "" if step.step_num is None else f" (step {step.step_num} drawn)"
   line = (f"measured hidden {100 * measured.hidden:.0f}% of the link time "
           f"(NCCL kernels) behind compute kernels{drawn}")

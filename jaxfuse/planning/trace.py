@@ -37,6 +37,12 @@ kernels' intervals (streams may run at once, so unions, not sums)::
   hidden = overlapped / link_busy      (1 when there is no link time)
   span = last kernel end − first kernel start
 
+Per link kernel (``link_kernels``): its time under compute, and how long
+the compute stream stood idle until it ended (``compute_waited``: the
+backward waiting for that collective's result, as a ``send_early`` fence
+or XLA's placement of the collective's end makes it);
+``MeasuredStep.compute_waited`` sums them.
+
 An NCCL kernel is busy from its launch until every peer has joined, so
 link time includes waiting for the slowest GPU. Over several steps the
 figures add up (``MeasuredTrace.hidden = Σ overlapped / Σ link_busy``).
@@ -54,6 +60,7 @@ import json
 import os
 import pathlib
 import re
+from typing import NamedTuple
 
 COMPUTE, LINK = "compute", "link"
 PERFETTO_FILE = "perfetto_trace.json.gz"
@@ -104,11 +111,18 @@ class MeasuredStep:
     """|C ∩ L| / |L| (1 when there is no link time, like Timeline)."""
     return self.overlapped / self.link_busy if self.link_busy > 0 else 1.0
 
+  @property
+  def compute_waited(self) -> float:
+    """Σ over link kernels of the compute stream's idle time until each
+    ended (``link_kernels``)."""
+    return sum(k.compute_waited for k in link_kernels(self))
+
   def to_dict(self) -> dict:
     out = dataclasses.asdict(self)
     out["kernels"] = [list(k) for k in self.kernels]
     out["overlaps"] = [list(o) for o in self.overlaps]
-    out.update(exposed=self.exposed, hidden=self.hidden)
+    out.update(exposed=self.exposed, hidden=self.hidden,
+               compute_waited=self.compute_waited)
     return out
 
 
@@ -154,7 +168,8 @@ class MeasuredTrace:
             "devices": list(self.devices), "markers": list(self.markers),
             "hidden": self.hidden,
             **{f: self.total(f) for f in ("compute_busy", "link_busy",
-                                          "overlapped", "exposed", "span")},
+                                          "overlapped", "exposed",
+                                          "compute_waited", "span")},
             "steps": [s.to_dict() for s in self.steps]}
 
 
@@ -205,6 +220,41 @@ def measure(kernels, *, step_num=None, wall=None) -> MeasuredStep:
   span = max((e for _, _, e, _ in kernels), default=0.0)
   return MeasuredStep(kernels, tuple(overlaps), length(compute), length(link),
                       length(overlaps), span, step_num, t0, wall)
+
+
+class LinkKernel(NamedTuple):
+  """One link (NCCL) kernel of a step, seconds from its first kernel.
+
+  under_compute: |kernel ∩ C|, the part of it compute kernels ran beside.
+  compute_waited: how long the compute stream stood idle until this
+    kernel ended: the gap in C that closes within ``WAIT_SLACK_S`` after
+    the kernel's end, from the later of the gap's start and the kernel's
+    (the backward waiting for this collective's result).
+  """
+  name: str
+  start: float
+  end: float
+  under_compute: float
+  compute_waited: float
+
+
+WAIT_SLACK_S = 50e-6   # compute resuming this soon after a link kernel ends
+                       # resumed because it ended (a launch's latency)
+
+
+def link_kernels(step: MeasuredStep) -> list[LinkKernel]:
+  """The link kernels of ``step`` in start order (``LinkKernel``)."""
+  compute = union([(a, b) for row, a, b, _ in step.kernels if row == COMPUTE])
+  gaps = [(compute[i][1], compute[i + 1][0]) for i in range(len(compute) - 1)]
+  out = []
+  for row, a, b, name in step.kernels:
+    if row != LINK:
+      continue
+    waited = max((g1 - max(g0, a) for g0, g1 in gaps
+                  if b <= g1 <= b + WAIT_SLACK_S and g1 > a), default=0.0)
+    out.append(LinkKernel(name, a, b, length(intersection([(a, b)], compute)),
+                          waited))
+  return out
 
 
 def compute_kernels(step: MeasuredStep) -> list[tuple[str, float, bool]]:
