@@ -63,7 +63,10 @@ export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket N
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpus.txt"
-NET=$(python -c "import jaxfuse; print(jaxfuse.xla_flags(${NET_GBYTES_S:-3}))")
+net_flags() {  # GB/s -> jaxfuse.xla_flags(GB/s)
+  python -c "import jaxfuse; print(jaxfuse.xla_flags($1))"
+}
+NET=$(net_flags "${NET_GBYTES_S:-3}")
 LHS=--xla_gpu_enable_latency_hiding_scheduler
 T0=$(date +%s)
 run() {  # density, label, extra args...; XLA_FLAGS from the caller
@@ -149,7 +152,7 @@ window)
     for d in ${DENSITIES:-0.05}; do
       run $d "${x}_default_" --variants base --dtype $x
       for n in ${NETS:-${NET_GBYTES_S:-3}}; do
-        flags=$(python -c "import jaxfuse; print(jaxfuse.xla_flags($n))")
+        flags=$(net_flags "$n")
         for w in ${WINDOWS:-1 2}; do
           XLA_FLAGS="$flags" run $d "${x}_net${n}_early_w${w}_" $E \
               --dtype $x --window $w \

@@ -27,15 +27,17 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def benchmark_script(name: str):
-  """``benchmarks/<name>.py`` imported as a module, with ``benchmarks/`` on
-  ``sys.path`` while the block runs."""
-  folder = str(REPO / "benchmarks")
-  sys.path.insert(0, folder)
+def repo_modules(folder: str, *names: str):
+  """The modules ``names`` of the repository's ``folder`` (e.g. "examples",
+  "benchmarks") imported, with that folder on ``sys.path`` while the block
+  runs: one module for one name, else a tuple."""
+  path = str(REPO / folder)
+  sys.path.insert(0, path)
   try:
-    yield importlib.import_module(name)
+    modules = tuple(importlib.import_module(n) for n in names)
+    yield modules[0] if len(modules) == 1 else modules
   finally:
-    sys.path.remove(folder)
+    sys.path.remove(path)
 
 
 def cpu_env(num_devices: int = 8,

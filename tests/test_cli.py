@@ -17,6 +17,7 @@ from jaxfuse.planning.costs import LinearCost
 from jaxfuse.planning.simulate import simulate
 
 from _harness import cpu_env
+from _harness import repo_modules
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -305,12 +306,8 @@ def test_example_lm_profile_auto_plan_show_and_train(tmp_path, compile_cache):
           "costs.json", "-o", "plan.json", compile_cache=compile_cache)
   assert r.returncode == 0, r.stderr
   plan = jaxfuse.Plan.load(tmp_path / "plan.json")
-  sys.path.insert(0, str(REPO / "examples"))
-  try:
-    import lm_model  # pylint: disable=g-import-not-at-top
-  finally:
-    sys.path.remove(str(REPO / "examples"))
-  _, params, _ = lm_model.tiny()
+  with repo_modules("examples", "lm_model") as lm_model:
+    _, params, _ = lm_model.tiny()
   plan.validate(params)
   auto = plan.provenance["auto"]
   assert auto["winner"] in auto["candidates"]

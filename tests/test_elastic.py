@@ -19,7 +19,7 @@ from jaxfuse import elastic
 
 from _harness import assert_replicas_identical, list_plan, mesh_of
 from _harness import NUM_WORKERS as K
-from _harness import REPO
+from _harness import repo_modules
 
 SHAPES = [(64, 48), (48,), (2000,)]
 
@@ -149,15 +149,9 @@ def test_example_on_a_count_that_does_not_divide_the_batch(tmp_path):
   """Resuming the example on K' = 3 of a global batch of 32: one clear
   line before anything is loaded or written."""
   mesh_of(3)   # skips where fewer devices exist
-  import sys  # pylint: disable=g-import-not-at-top
-  examples = str(REPO / "examples")
-  sys.path.insert(0, examples)
-  try:
-    import train_lm  # pylint: disable=g-import-not-at-top
+  with repo_modules("examples", "train_lm") as train_lm:
     with pytest.raises(SystemExit, match="32 must divide over 3 devices.*"
                        "a device count that divides the batch"):
       train_lm.main(["--devices", "3", "--checkpoint-dir", str(tmp_path),
                      "--resume"])
-  finally:
-    sys.path.remove(examples)
   assert not any(tmp_path.iterdir())

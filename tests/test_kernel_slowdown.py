@@ -7,7 +7,7 @@ import pytest
 
 from jaxfuse.planning import trace
 
-from _harness import benchmark_script
+from _harness import repo_modules
 
 US = 1e-6
 CUBLAS = ("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x128x32_"
@@ -16,7 +16,7 @@ CUBLAS = ("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x128x32_"
 
 @pytest.fixture(scope="module")
 def ks():
-  with benchmark_script("kernel_slowdown") as module:
+  with repo_modules("benchmarks", "kernel_slowdown") as module:
     yield module
 
 

@@ -10,12 +10,12 @@ from jaxfuse.planning.costs import Costs
 from jaxfuse.planning.costs import LinearCost
 from jaxfuse.planning import simulate
 
-from _harness import benchmark_script
+from _harness import repo_modules
 
 
 @pytest.fixture(scope="module")
 def po():
-  with benchmark_script("predict_overlap") as module:
+  with repo_modules("benchmarks", "predict_overlap") as module:
     yield module
 
 

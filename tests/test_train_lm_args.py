@@ -7,20 +7,13 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from _harness import REPO
+from _harness import repo_modules
 
 
 @pytest.fixture(scope="module")
 def example():
-  import sys  # pylint: disable=g-import-not-at-top
-  folder = str(REPO / "examples")
-  sys.path.insert(0, folder)
-  try:
-    import train_lm  # pylint: disable=g-import-not-at-top
-    import train_lm_args  # pylint: disable=g-import-not-at-top
-    yield train_lm, train_lm_args
-  finally:
-    sys.path.remove(folder)
+  with repo_modules("examples", "train_lm", "train_lm_args") as modules:
+    yield modules
 
 
 @pytest.mark.parametrize("argv, message", [
