@@ -36,7 +36,10 @@
 #            about 4.5 minutes on 4 GPUs, each recipe run about 4);
 #            SKIP_DENSE=1 reuses the dense run of an earlier call on this
 #            machine; RAMP sets the warm-up densities (default 0.0625;
-#            RAMP=dgc: DGC's ramp, folded by num_workers)
+#            RAMP=dgc: DGC's ramp, folded by num_workers); DTYPE=bfloat16
+#            computes both in bfloat16; RECIPE_ARGS: more train_lm
+#            arguments for the recipe (e.g. "--network-gbytes-s 1.5
+#            --send-early-window 2")
 #   one      (one GPU) the strict quality check: dense AdamW and the README
 #            recipe (bfloat16 dense phase, size 64 MiB plan) with each
 #            dense phase of FRACTIONS (default "0.15 0.10") and each ramp
@@ -67,6 +70,16 @@
 #            step), each cut at DIAG_TIMEOUT s (default 150) with SIGABRT,
 #            so Python's faulthandler prints every thread's stack to the
 #            logs; NCCL_DEBUG=WARN (about 5 minutes on 4 GPUs)
+#   steady   socket: the README recipe's sparse phase in the training loop
+#            (5 dense steps, then ρ = 0.05, size 64 MiB, send_early,
+#            xla_flags(3); RECIPE_ARGS to add or override, e.g.
+#            "--network-gbytes-s 1.5 --send-early-window 2") for STEPS
+#            (default 300) at each compute dtype of DTYPES (default
+#            "bfloat16 float32"), with the GPUs' clocks, power and
+#            throttle reasons sampled every 250 ms (smi_DTYPE.csv) and the
+#            last five steps traced (trace_steady_DTYPE/): whether the
+#            steps slow down as training goes on, and why (about 2.5
+#            minutes a dtype on 2 GPUs)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -153,13 +166,14 @@ conv8)
 readme)
   export $SOCKET
   RAMP=${RAMP-0.0625}; [ "$RAMP" = dgc ] && RAMP=
+  DT="--dtype ${DTYPE:-float32}"
   [ "${SKIP_DENSE:-0}" = 1 ] || $CONV --density 0.05 --recipes dense+net \
-      --out "$OUT/readme_dense.json" 2>&1 | tail -n 3
+      --extra="$DT" --out "$OUT/readme_dense.json" 2>&1 | tail -n 3
   for d in ${DENSITIES:-0.05}; do
     for f in ${DENSE_FRACTIONS:-0.10}; do
       $CONV --density $d --dense-fraction $f \
           --recipes onebit_adamw+warm+bf16wire+early+net \
-          --extra="--strategy size --bucket-bytes 67108864${RAMP:+ --warmup-densities $RAMP}" \
+          --extra="$DT --strategy size --bucket-bytes 67108864${RAMP:+ --warmup-densities $RAMP} ${RECIPE_ARGS:-}" \
           --out "$OUT/readme_rho${d}_dense${f}${RAMP:+_ramp$RAMP}.json" 2>&1 | tail -n 3
     done
   done ;;
@@ -250,6 +264,26 @@ procsdiag)
     grep -v "^ *$" "$OUT/diag_${v}_0.log" | grep -v "Gloo" | tail -n 40
   done
   ;;
+steady)
+  export $SOCKET
+  n=${STEPS:-300}
+  for x in ${DTYPES:-bfloat16 float32}; do
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 250 > "$OUT/smi_$x.csv" &
+    smi=$!
+    python examples/train_lm.py --preset gpt2-small --steps $n --lr 3e-4 \
+        --density 0.05 --optimizer onebit_adamw --dense-wire bfloat16 \
+        --dense-warmup 5 --warmup-steps 0 --send-early --strategy size \
+        --bucket-bytes 67108864 --log-every 50 --eval-every 0 \
+        --eval-batches 0 --corpus-mb 32 --dtype $x --network-gbytes-s 3 \
+        ${RECIPE_ARGS:-} --trace-dir "$OUT/trace_steady_$x" \
+        --trace-steps $((n - 5)):$n --json-out "$OUT/steady_$x.json" 2>&1 \
+        | grep "ms/step\|traced\|rror" | tail -n 10
+    kill $smi
+    f=$(find "$OUT/trace_steady_$x" -name perfetto_trace.json.gz | head -n 1)
+    [ -n "$f" ] && cp "$f" "$OUT/trace_steady_$x.json.gz"
+    rm -rf "$OUT/trace_steady_$x"
+  done ;;
 *)
-  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|readme|one|early|procs" >&2; exit 2 ;;
+  echo "usage: $0 conv|socket|nvlink|recal|multi|conv8|readme|one|early|procs|procsdiag|steady" >&2; exit 2 ;;
 esac

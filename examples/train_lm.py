@@ -66,6 +66,7 @@ if __name__ == "__main__":
   _cpu_devices_env(sys.argv[1:])
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import contextlib
 import dataclasses
 import functools
 import json
@@ -182,6 +183,25 @@ def make_optimizer(args, schedule, decay_mask, plan):
     options["momentum"] = args.momentum
   rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
   return jaxfuse.delayed(rule) if args.delay else rule
+
+
+def trace_steps(args, start: int, steps: int) -> range:
+  """The steps ``--trace-dir`` records: ``--trace-steps A:B`` (A to B-1),
+  by default the last five; empty without ``--trace-dir``."""
+  if not args.trace_dir:
+    return range(0)
+  first, stop = args.trace_steps or (max(start, steps - 5), steps)
+  if not start <= first < stop <= steps:
+    raise SystemExit(f"--trace-steps {first}:{stop}: give steps within "
+                     f"this run's {start}:{steps} (A:B traces steps A to "
+                     "B-1)")
+  return range(first, stop)
+
+
+def trace_dir(args) -> str:
+  """``--trace-dir``, one folder per process where there are several."""
+  return (args.trace_dir if jax.process_count() == 1 else
+          os.path.join(args.trace_dir, f"process_{jax.process_index()}"))
 
 
 def make_eval_step(loss_fn, mesh):
@@ -407,7 +427,16 @@ def main(argv=None) -> dict:
 
   queued = None      # the step dispatched whose loss is not read yet
   called = []        # the step functions called (compiled) so far
+  traced = trace_steps(args, start, steps)   # --trace-dir's steps, or ()
+  tracing = False
   for step in range(start, steps):
+    if traced and step == traced.start:
+      if queued is not None:               # the trace holds its steps only
+        previous, queued = queued, None
+        if not finish(*previous):
+          break
+      jax.profiler.start_trace(trace_dir(args), create_perfetto_trace=True)
+      tracing = True
     if jaxfuse.phase_index(phases, step) != phase_id:
       phase_id = jaxfuse.phase_index(phases, step)
       train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
@@ -431,7 +460,11 @@ def main(argv=None) -> dict:
         if not finish(*previous):
           break
     t0 = time.perf_counter()
-    params, opt_state, loss = step_fn(params, opt_state, batch)
+    with (jax.profiler.StepTraceAnnotation("train", step_num=step)
+          if tracing else contextlib.nullcontext()):
+      params, opt_state, loss = step_fn(params, opt_state, batch)
+      if tracing:     # each traced step's kernels inside its marker
+        jax.block_until_ready((params, opt_state, loss))
     this = (step, loss, t0, -1 if step_fn is flush_step else phase_id,
             rng.bit_generator.state)   # before the next batch: resume point
     if step + 1 < steps:  # the next batch, drawn while the GPU works
@@ -442,11 +475,18 @@ def main(argv=None) -> dict:
         queued = None
         break
     queued = this
-    if not pipeline or logs(step) or evaluates(step) or saves(step) or (
-        settles(step, this[3])):
+    if not pipeline or tracing or logs(step) or evaluates(step) or (
+        saves(step) or settles(step, this[3])):
       queued = None
       if not finish(*this):
         break
+    if tracing and step + 1 == traced.stop:
+      jax.profiler.stop_trace()
+      tracing = False
+      say(f"traced steps {traced.start}-{traced.stop - 1} into "
+          f"{trace_dir(args)}", flush=True)
+  if tracing:                               # stopped early (non-finite loss)
+    jax.profiler.stop_trace()
   if queued is not None:
     finish(*queued)
 
@@ -491,6 +531,7 @@ def main(argv=None) -> dict:
           if p.plan is not None else 1.0)} for p in phases],
       "val_curve": val_curve,
       "pipeline": pipeline, "queued_steps": queued_steps,
+      "traced_steps": [traced.start, traced.stop] if traced else None,
       "first_step_s": step_times[0], "mean_step_time_s": mean_step,
       "median_step_time_s": float(np.median(timed)),
       "phase_steps": phase_steps,

@@ -54,6 +54,20 @@ def _densities(text):
         f"{text!r}: give densities like 0.25,0.0625") from None
 
 
+def _step_range(text):
+  """"300:305" -> (300, 305)."""
+  first, sep, stop = text.partition(":")
+  try:
+    first, stop = int(first), int(stop)
+  except ValueError:
+    first = stop = -1
+  if not sep or first < 0 or stop <= first:
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: give the first step and the step after the last, like "
+        "300:305")
+  return first, stop
+
+
 def _counts(text):
   """"50" -> 50 (steps at every warm-up density); "50,50,150" -> one
   count per --warmup-densities entry."""
@@ -206,6 +220,14 @@ def parse_args(argv):
   p.add_argument("--resume", action="store_true",
                  help="continue from the latest checkpoint in "
                  "--checkpoint-dir (same flags as the run that saved it)")
+  p.add_argument("--trace-dir",
+                 help="record a jax.profiler trace of --trace-steps here "
+                 "(perfetto_trace.json.gz; `jaxfuse show PLAN --measured "
+                 "DIR` reads it). Traced steps are waited for one by one")
+  p.add_argument("--trace-steps", type=_step_range, metavar="A:B",
+                 help="with --trace-dir: trace steps A to B-1 (default: "
+                 "the last five; keep a phase's first step, which "
+                 "compiles, out)")
   p.add_argument("--json-out", help="results JSON (written by process 0)")
   p.add_argument("--coordinator", metavar="HOST:PORT",
                  help="jax.distributed: process 0's address (with "
@@ -243,6 +265,9 @@ def parse_args(argv):
   if args.send_early_window != 1 and not args.send_early:
     p.error("--send-early-window sets --send-early's window; give "
             "--send-early too")
+  if args.trace_steps is not None and not args.trace_dir:
+    p.error("--trace-steps picks the steps --trace-dir records; give "
+            "--trace-dir too")
   if args.network_gbytes_s is not None and not args.network_gbytes_s > 0:
     p.error(f"--network-gbytes-s {args.network_gbytes_s:g}: give the "
             "network's bandwidth in GB/s, a number > 0")

@@ -1,5 +1,6 @@
-"""examples/train_lm.py's ``--send-early-window``: checked where it is
-parsed, and handed to ``jaxfuse.send_early`` as its window."""
+"""examples/train_lm.py's ``--send-early-window`` (checked where it is
+parsed, and handed to ``jaxfuse.send_early`` as its window) and
+``--trace-steps`` (checked, and resolved against the run's steps)."""
 
 import jax
 import numpy as np
@@ -20,6 +21,10 @@ def example():
     (["--send-early-window", "2"], "give --send-early too"),
     (["--send-early", "--send-early-window", "-1"],
      "--send-early-window -1: give a number of points >= 1, or 0"),
+    (["--trace-steps", "3:5"], "give --trace-dir too"),
+    (["--trace-dir", "t", "--trace-steps", "5:5"],
+     "'5:5': give the first step and the step after the last, like 300:305"),
+    (["--trace-dir", "t", "--trace-steps", "7"], "like 300:305"),
 ])
 def test_bad_windows_stop_with_the_fix(example, capsys, argv, message):
   _, args_lib = example
@@ -47,3 +52,20 @@ def test_the_window_reaches_send_early(example, monkeypatch):
   train_lm.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), mesh, P(),
                            "jaxfuse", send_early=False, window=2)
   assert seen == [1, 2, None]
+
+
+def test_trace_steps_default_to_the_last_five_within_the_run(example):
+  train_lm, args_lib = example
+  parse = lambda *a: args_lib.parse_args(list(a))
+  assert train_lm.trace_steps(parse(), 0, 100) == range(0)
+  assert train_lm.trace_steps(parse("--trace-dir", "t"), 0, 100) == range(
+      95, 100)
+  assert train_lm.trace_steps(parse("--trace-dir", "t"), 98, 100) == range(
+      98, 100)                                   # resumed near the end
+  assert train_lm.trace_steps(
+      parse("--trace-dir", "t", "--trace-steps", "300:305"), 0, 1000) == (
+          range(300, 305))
+  with pytest.raises(SystemExit, match=r"--trace-steps 300:305: give steps "
+                     r"within this run's 0:200"):
+    train_lm.trace_steps(
+        parse("--trace-dir", "t", "--trace-steps", "300:305"), 0, 200)

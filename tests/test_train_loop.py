@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from _harness import cpu_env
+from jaxfuse.planning import trace
 
 EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "train_lm.py"
 ARGS = ["--preset", "tiny", "--steps", "14", "--cpu-devices", "1",
@@ -20,10 +21,10 @@ ARGS = ["--preset", "tiny", "--steps", "14", "--cpu-devices", "1",
         "--flush-every", "6"]
 
 
-def _run(tmp_path, compile_cache, pipeline):
+def _run(tmp_path, compile_cache, pipeline, *extra):
   out = tmp_path / f"{pipeline}.json"
   r = subprocess.run([sys.executable, str(EXAMPLE), *ARGS, "--pipeline",
-                      pipeline, "--json-out", str(out)],
+                      pipeline, "--json-out", str(out), *extra],
                      capture_output=True, text=True,
                      env=cpu_env(1, compile_cache), timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -32,8 +33,16 @@ def _run(tmp_path, compile_cache, pipeline):
 
 @pytest.mark.example
 def test_queued_steps_train_bitwise_alike(tmp_path, compile_cache):
+  """... and a run that traces two of its steps (``--trace-dir``) trains
+  alike too, its trace marking those two steps and no other."""
   on = _run(tmp_path, compile_cache, "on")
-  off = _run(tmp_path, compile_cache, "off")
+  off = _run(tmp_path, compile_cache, "off", "--trace-dir",
+             str(tmp_path / "trace"), "--trace-steps", "10:12")
+  assert off["traced_steps"] == [10, 12] and on["traced_steps"] is None
+  events = trace.load_events(trace.find_trace_file(tmp_path / "trace"))
+  marked = sorted(int(e["args"]["step_num"]) for e in events
+                  if e.get("name") == "train" and e.get("ph") == "X")
+  assert marked == [10, 11]
   assert on["pipeline"] and not off["pipeline"]
   # Steps 0, 4, 6, 9, 13 log or evaluate: the others are queued.
   assert on["queued_steps"] >= 6 and off["queued_steps"] == 0
