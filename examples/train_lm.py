@@ -342,6 +342,7 @@ def main(argv=None) -> dict:
   tokens_per_step = batch_size * seq_len
   losses, step_times, log, stats, val_curve = [], [], [], {}, []
   phase_of_step, compile_steps = [], []
+  dispatch_times = []  # host seconds to hand each step to the runtime
   batch = first_batch
   phase_id, train_step = -1, None
   flush_step = None  # a density-1 step: pays every residual back
@@ -463,6 +464,7 @@ def main(argv=None) -> dict:
     with (jax.profiler.StepTraceAnnotation("train", step_num=step)
           if tracing else contextlib.nullcontext()):
       params, opt_state, loss = step_fn(params, opt_state, batch)
+      dispatch_times.append(time.perf_counter() - t0)
       if tracing:     # each traced step's kernels inside its marker
         jax.block_until_ready((params, opt_state, loss))
     this = (step, loss, t0, -1 if step_fn is flush_step else phase_id,
@@ -525,6 +527,7 @@ def main(argv=None) -> dict:
                  "num_params": num_params, "compiler_options": xla_options},
       "start_step": start,  # > 0 when resumed: losses are of steps start..
       "log": log, "losses": losses, "step_times_s": step_times,
+      "dispatch_times_s": dispatch_times,
       "phase_of_step": phase_of_step, "compile_steps": compile_steps,
       "phases": [{"start": p.start, "stop": p.stop, "density": (
           p.plan.provenance.get("phase_density", args.density)

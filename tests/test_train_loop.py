@@ -56,3 +56,9 @@ def test_queued_steps_train_bitwise_alike(tmp_path, compile_cache):
   assert on["final_val_loss"] == off["final_val_loss"]
   assert len(on["step_times_s"]) == 14
   assert all(t > 0 for t in on["step_times_s"])
+  # Handing a step over is quick, except where the call compiles it.
+  hand = on["dispatch_times_s"]
+  assert len(hand) == 14 and min(hand) > 0
+  compiling = [hand[i] for i in on["compile_steps"]]
+  assert min(compiling) > max(d for i, d in enumerate(hand)
+                              if i not in on["compile_steps"])
