@@ -436,7 +436,10 @@ def main(argv=None) -> dict:
         previous, queued = queued, None
         if not finish(*previous):
           break
-      jax.profiler.start_trace(trace_dir(args), create_perfetto_trace=True)
+      quiet = jax.profiler.ProfileOptions()
+      quiet.python_tracer_level = 0     # kernels and step markers only
+      jax.profiler.start_trace(trace_dir(args), create_perfetto_trace=True,
+                               profiler_options=quiet)
       tracing = True
     if jaxfuse.phase_index(phases, step) != phase_id:
       phase_id = jaxfuse.phase_index(phases, step)
