@@ -431,16 +431,6 @@ def main(argv=None) -> dict:
   traced = trace_steps(args, start, steps)   # --trace-dir's steps, or ()
   tracing = False
   for step in range(start, steps):
-    if traced and step == traced.start:
-      if queued is not None:               # the trace holds its steps only
-        previous, queued = queued, None
-        if not finish(*previous):
-          break
-      quiet = jax.profiler.ProfileOptions()
-      quiet.python_tracer_level = 0     # kernels and step markers only
-      jax.profiler.start_trace(trace_dir(args), create_perfetto_trace=True,
-                               profiler_options=quiet)
-      tracing = True
     if jaxfuse.phase_index(phases, step) != phase_id:
       phase_id = jaxfuse.phase_index(phases, step)
       train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
@@ -456,13 +446,23 @@ def main(argv=None) -> dict:
             opt_specs, args.sync, xla_options, grad_dtype, args.send_early,
             args.send_early_window)
       step_fn = flush_step
-    if not any(f is step_fn for f in called):   # this call compiles it
+    compiles = not any(f is step_fn for f in called)
+    if compiles:                                 # this call compiles it
       called.append(step_fn)
       compile_steps.append(step)
-      if queued is not None:
-        previous, queued = queued, None    # read it before compiling
-        if not finish(*previous):
-          break
+    starts_trace = bool(traced) and step == traced.start
+    # Read the queued step before compiling, and before a trace (which
+    # holds its own steps only).
+    if (compiles or starts_trace) and queued is not None:
+      previous, queued = queued, None
+      if not finish(*previous):
+        break
+    if starts_trace:
+      quiet = jax.profiler.ProfileOptions()
+      quiet.python_tracer_level = 0     # kernels and step markers only
+      jax.profiler.start_trace(trace_dir(args), create_perfetto_trace=True,
+                               profiler_options=quiet)
+      tracing = True
     t0 = time.perf_counter()
     with (jax.profiler.StepTraceAnnotation("train", step_num=step)
           if tracing else contextlib.nullcontext()):
