@@ -45,7 +45,8 @@
 #            dense phase of FRACTIONS (default "0.15 0.10") and each ramp
 #            of RAMPS (default "dgc 0.0625": DGC's, or 6.25 % alone), 1000
 #            steps, all side by side on GPU 0 (so their step times are not
-#            comparable; about 6 minutes for five runs)
+#            comparable; about 6 minutes for five runs); DTYPE (default
+#            float32) the model's compute dtype for all
 #   early    socket: profile the costs on this mesh, then the planner's
 #            plans at 0.05 (size 64 MiB, aligned, auto, single, cupcake,
 #            safusion) trained under jaxfuse.send_early with
@@ -180,13 +181,14 @@ readme)
 one)
   # one JSON per run in $OUT, the logs packed into one_logs.tgz
   C="$CONV --devices 1 --density 0.05 --timeout 560"
+  DT="--dtype ${DTYPE:-float32}"
   logs=$(mktemp -d)
-  $C --recipes dense --out "$OUT/one_dense.json" > "$logs/one_dense.log" 2>&1 &
+  $C --recipes dense --extra="$DT" --out "$OUT/one_dense.json" > "$logs/one_dense.log" 2>&1 &
   for f in ${FRACTIONS:-0.15 0.10}; do
     for r in ${RAMPS:-dgc 0.0625}; do
       ramp=$([ "$r" = dgc ] || echo " --warmup-densities $r")
       $C --recipes onebit_adamw+warm+bf16wire --dense-fraction $f \
-          --extra="--strategy size --bucket-bytes 67108864$ramp" \
+          --extra="$DT --strategy size --bucket-bytes 67108864$ramp" \
           --out "$OUT/one_f${f}_ramp_$r.json" > "$logs/one_f${f}_ramp_$r.log" 2>&1 &
     done
   done
