@@ -10,6 +10,7 @@ import sys
 
 import jax
 from jax import export
+from jax.extend import core as jex
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
@@ -24,6 +25,16 @@ NUM_WORKERS = int(os.environ.get("JAXFUSE_TEST_WORKERS") or (
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def all_eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs in its equations'
+  parameters (shard_map's body, cond's branches, ...), each before its
+  own sub-jaxprs', in program order."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jex.jaxprs_in_params(eqn.params):
+      yield from all_eqns(sub)
 
 
 @contextlib.contextmanager

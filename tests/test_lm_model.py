@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _harness import all_eqns
 from _harness import repo_modules
 
 
@@ -23,15 +24,8 @@ def _model_and_batch(dtype):
 
 def _scatters(jaxpr) -> list:
   """The abstract results of every scatter in a jaxpr, sub-jaxprs included."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name.startswith("scatter"):
-      found += [v.aval for v in eqn.outvars]
-    for value in eqn.params.values():
-      inner = getattr(value, "jaxpr", value)     # a closed jaxpr or a jaxpr
-      if hasattr(inner, "eqns"):
-        found += _scatters(inner)
-  return found
+  return [v.aval for eqn in all_eqns(jaxpr)
+          if eqn.primitive.name.startswith("scatter") for v in eqn.outvars]
 
 
 def test_bfloat16_lookup_gradient_scatters_in_float32():

@@ -19,6 +19,7 @@ from jaxfuse.collectives import allgather
 from jaxfuse.collectives import base
 from jaxfuse.collectives import spardl
 
+from _harness import all_eqns
 from _harness import assert_replicas_identical
 from _harness import init, list_plan, mesh_of, per_device, random_normal
 from _harness import sync
@@ -190,16 +191,11 @@ def test_bytes_within_table_one_while_allgather_grows(k):
 
 def _wire_ops(jaxpr):
   """(primitive, bytes of its operand) of every collective, in order."""
-  for e in jaxpr.eqns:
+  for e in all_eqns(jaxpr):
     if e.primitive.name in ("ppermute", "all_gather", "all_gather_invariant"):
       a = e.invars[0].aval
       yield ("allgather" if "gather" in e.primitive.name else "ppermute",
              a.size * a.dtype.itemsize)
-    for p in e.params.values():
-      for q in p if isinstance(p, (list, tuple)) else [p]:
-        sub = getattr(q, "jaxpr", q)
-        if hasattr(sub, "eqns"):
-          yield from _wire_ops(sub)
 
 
 @pytest.mark.parametrize("k,teams", [(8, 1), (7, 1), (8, 2), (6, 3), (8, 4)])
