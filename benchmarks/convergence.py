@@ -22,8 +22,10 @@ density ramp (``--warm-steps`` per density), ``+flushN`` a density-1 step
 every N steps (``train_lm --flush-every``), ``+delay`` the recipe on the
 previous step's gradients (``jaxfuse.delayed``, ``train_lm --delay``),
 ``+early`` the step under ``jaxfuse.send_early`` (``train_lm --send-early``),
-``+net`` XLA told the network's 3 GB/s (``train_lm --network-gbytes-s 3``,
-``jaxfuse.xla_flags``; for dense too), ``+bf16wire`` the dense warm-up on a
+``+net`` XLA told the network (``train_lm --network-gbytes-s``,
+``jaxfuse.xla_flags``): its 3 GB/s, or half of it with ``+early`` (what
+each ran fastest with; runs before 2026-11-30 gave 3 to both),
+``+bf16wire`` the dense warm-up on a
 bfloat16 wire (``train_lm --dense-wire bfloat16``); ``onebit_adamw`` always gets a dense warm-up
 of ``--dense-fraction`` of the steps. Wall time: each run's measured step
 times, compilation and evaluation excluded (each phase's first step counts
@@ -94,8 +96,9 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
       cmd += ["--delay"]
     elif part == "early":
       cmd += ["--send-early"]
-    elif part == "net":
-      cmd += ["--network-gbytes-s", "3"]
+    elif part == "net":   # what each measured fastest with (xla_flags doc)
+      cmd += ["--network-gbytes-s", "1.5" if "early" in extra.split("+")
+              else "3"]
     elif part == "bf16wire":
       cmd += ["--dense-wire", "bfloat16"]
     else:

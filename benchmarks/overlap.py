@@ -378,9 +378,10 @@ def main(argv=None):
                  help="the recipe under jaxfuse.delayed")
   p.add_argument("--send-early", action="store_true",
                  help="the step under jaxfuse.send_early")
-  p.add_argument("--window", type=int, default=1,
+  p.add_argument("--window", type=int, default=2,
                  help="with --send-early: each collective ends within the "
-                 "backward of this many buckets after it (0: unbounded)")
+                 "backward of this many points after it (send_early's "
+                 "window, default 2 as there; 0: unbounded)")
   p.add_argument("--no-start-early", dest="start_early",
                  action="store_false",
                  help="with --send-early: without XLA's force_delay_async "

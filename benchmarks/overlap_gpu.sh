@@ -13,12 +13,12 @@
 # MODE=single: the delayed step with one sparse bucket.
 # MODE=flags: the scheduler's options on the undelayed step (default, no
 # latency hiding, the speed-of-light estimator, PGLE) and the probe.
-# MODE=early: the step under jaxfuse.send_early (window 1, start_early)
+# MODE=early: the step under jaxfuse.send_early (its defaults)
 # with jaxfuse.xla_flags against the plain step, at each of DENSITIES
 # (default 0.05; no variant starts after DEADLINE_S, so under about
 # 10 minutes), with jax.profiler
 # traces of both for `jaxfuse show PLAN --measured TRACE`; then the plain
-# step with the flags, window 2, no flags, no start_early.
+# step with the flags, window 1, no flags, no start_early.
 # MODE=plans: the step under jaxfuse.send_early with the flags, traced,
 # for size 64 MiB and then each saved plan of PLANS (space-separated
 # files, e.g. a cost strategy's plans), at DENSITIES (default 0.05),
@@ -52,6 +52,13 @@
 # NET_GBYTES_S or 3: a lower one makes XLA cover each collective with more
 # compute), traced, for the size 64 MiB plan or PLAN, at DENSITIES
 # (default 0.05).
+# MODE=reference: the figures of docs/benchmarks.md's "Overlap" table in
+# one call: float32 with the small-last-bucket plan (plain step with T1
+# and G, then send_early with window 1 and xla_flags(3), and with window 2
+# and xla_flags(1.5), traced), bfloat16 with size 64 MiB (the same
+# three), then float32 at density 0.01 (plain, window 2 and
+# xla_flags(1.5)); about 11 minutes on 2 GPUs (DEADLINE_S=470 stops
+# after the bfloat16 runs).
 # OVERLAP_ARGS: more arguments for every overlap.py run (e.g. "--dtype
 # bfloat16"). No run starts after DEADLINE_S seconds (default 480).
 # STRATEGY=aligned (or single) plans the step as that strategy instead of size 64 MiB;
@@ -101,7 +108,7 @@ early)
     XLA_FLAGS="$NET" run $d net_early_ $E --trace-dir "$OUT/trace_early"
     XLA_FLAGS="$NET" run $d net_plain_ --variants base --skip-comm \
         --skip-one-gpu
-    XLA_FLAGS="$NET" run $d net_early_w2_ $E --window 2
+    XLA_FLAGS="$NET" run $d net_early_w1_ $E --window 1
     run $d early_ $E
     XLA_FLAGS="$NET" run $d net_early_nohint_ $E --no-start-early
   done ;;
@@ -161,6 +168,22 @@ window)
       done
     done
   done ;;
+reference)
+  E="--variants base --send-early --skip-comm --skip-one-gpu"
+  TAIL=benchmarks/results/plans_gpt2-small_tail_2026-11-29
+  F15=$(net_flags 1.5)
+  PLAN=$TAIL/tail4M_rho0.05.json run 0.05 float32_plain_ --variants base
+  XLA_FLAGS="$NET" PLAN=$TAIL/tail4M_rho0.05.json run 0.05 float32_early_ $E \
+      --window 1
+  XLA_FLAGS="$F15" PLAN=$TAIL/tail4M_rho0.05.json run 0.05 float32_early_w2_ \
+      $E --window 2 --trace-dir "$OUT/trace_float32_early_w2"
+  run 0.05 bfloat16_plain_ --variants base --dtype bfloat16
+  XLA_FLAGS="$NET" run 0.05 bfloat16_early_ $E --dtype bfloat16 --window 1
+  XLA_FLAGS="$F15" run 0.05 bfloat16_early_w2_ $E --dtype bfloat16 \
+      --window 2 --trace-dir "$OUT/trace_bfloat16_early_w2"
+  PLAN=$TAIL/tail4M_rho0.01.json run 0.01 float32_plain_ --variants base
+  XLA_FLAGS="$F15" PLAN=$TAIL/tail4M_rho0.01.json run 0.01 float32_early_w2_ \
+      $E --window 2 ;;
 nccl)
   E="--variants base --send-early --skip-comm --skip-one-gpu"
   for d in ${DENSITIES:-0.05}; do

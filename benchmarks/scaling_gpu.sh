@@ -27,10 +27,12 @@
 #            variant to 1000 steps over sockets (RECIPES=… to pick; about
 #            5 minutes per recipe on 4 GPUs; e.g.
 #            RECIPES=onebit_adamw+warm+early+net for the step under
-#            jaxfuse.send_early with jaxfuse.xla_flags(3), and dense+net)
+#            jaxfuse.send_early with jaxfuse.xla_flags(1.5), and dense+net
+#            with xla_flags(3))
 #   readme   (every GPU a worker) socket: dense AdamW, then the README
 #            recipe (onebit_adamw, bfloat16 dense phase, then 6.25 % for
-#            5 % of the steps, size 64 MiB plan, send_early, xla_flags(3))
+#            5 % of the steps, size 64 MiB plan, send_early, xla_flags(1.5);
+#            dense with xla_flags(3))
 #            at each of DENSITIES (default 0.05) and DENSE_FRACTIONS
 #            (default 0.10), 1000 steps, lr 3e-4: one JSON per run (dense
 #            about 4.5 minutes on 4 GPUs, each recipe run about 4);
@@ -38,8 +40,8 @@
 #            machine; RAMP sets the warm-up densities (default 0.0625;
 #            RAMP=dgc: DGC's ramp, folded by num_workers); DTYPE=bfloat16
 #            computes both in bfloat16; RECIPE_ARGS: more train_lm
-#            arguments for the recipe (e.g. "--network-gbytes-s 1.5
-#            --send-early-window 2")
+#            arguments for the recipe (e.g. "--send-early-window 1
+#            --network-gbytes-s 3", the settings before 2026-11-30)
 #   one      (one GPU) the strict quality check: dense AdamW and the README
 #            recipe (bfloat16 dense phase, size 64 MiB plan) with each
 #            dense phase of FRACTIONS (default "0.15 0.10") and each ramp
@@ -73,8 +75,8 @@
 #            logs; NCCL_DEBUG=WARN (about 5 minutes on 4 GPUs)
 #   steady   socket: the README recipe's sparse phase in the training loop
 #            (5 dense steps, then ρ = 0.05, size 64 MiB, send_early,
-#            xla_flags(3); RECIPE_ARGS to add or override, e.g.
-#            "--network-gbytes-s 1.5 --send-early-window 2") for STEPS
+#            xla_flags(1.5); RECIPE_ARGS to add or override, e.g.
+#            "--network-gbytes-s 3 --send-early-window 1") for STEPS
 #            (default 300) at each compute dtype of DTYPES (default
 #            "bfloat16 float32"), with the GPUs' clocks, power and
 #            throttle reasons sampled every 250 ms (smi_DTYPE.csv) and the
@@ -277,7 +279,7 @@ steady)
         --density 0.05 --optimizer onebit_adamw --dense-wire bfloat16 \
         --dense-warmup 5 --warmup-steps 0 --send-early --strategy size \
         --bucket-bytes 67108864 --log-every 50 --eval-every 0 \
-        --eval-batches 0 --corpus-mb 32 --dtype $x --network-gbytes-s 3 \
+        --eval-batches 0 --corpus-mb 32 --dtype $x --network-gbytes-s 1.5 \
         ${RECIPE_ARGS:-} --trace-dir "$OUT/trace_steady_$x" \
         --trace-steps $((n - 5)):$n --json-out "$OUT/steady_$x.json" 2>&1 \
         | grep "ms/step\|traced\|rror" | tail -n 10

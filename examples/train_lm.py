@@ -96,7 +96,7 @@ AXIS = "data"
 
 def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
                     compiler_options=None, grad_dtype=None, send_early=False,
-                    window=1):
+                    window=2):
   """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss.
   ``grad_dtype``: differentiate a copy of the parameters in this dtype (the
   gradients, and what the sync sends, are in it; params stay float32).

@@ -130,17 +130,15 @@ def parse_args(argv):
                  "has made it and send it while the backward goes on "
                  "(jaxfuse.send_early; the same results); on GPUs pair "
                  "with --network-gbytes-s")
-  p.add_argument("--send-early-window", type=int, default=1,
+  p.add_argument("--send-early-window", type=int,
                  help="with --send-early: each bucket's collective ends "
                  "within the backward of this many points after it "
-                 "(jaxfuse.send_early's window; 0: unbounded). 2 suits a "
-                 "backward about as long as the communication (e.g. "
-                 "--dtype bfloat16 over sockets)")
+                 "(jaxfuse.send_early's window, default 2; 0: unbounded)")
   p.add_argument("--network-gbytes-s", type=float,
-                 help="GB/s between workers (about 3 for NCCL over 25-30 "
-                 "Gbit/s Ethernet): appends jaxfuse.xla_flags(...) to "
-                 "XLA_FLAGS, so XLA's GPU scheduler knows what a "
-                 "collective costs")
+                 help="the GB/s XLA's GPU scheduler plans collectives with: "
+                 "appends jaxfuse.xla_flags(...) to XLA_FLAGS. Give about "
+                 "half the link's speed (1.5 for NCCL over 25-30 Gbit/s "
+                 "Ethernet, which moves about 3 GB/s)")
   p.add_argument("--flush-every", type=int, default=0,
                  help="every N-th step sends everything (a density-1 step: "
                  "one dense all-reduce pays every residual back)")
@@ -259,12 +257,14 @@ def parse_args(argv):
       len(args.warmup_densities) != len(args.warmup_steps)):
     p.error(f"--warmup-steps {','.join(map(str, args.warmup_steps))}: one "
             "count per --warmup-densities entry; give as many densities")
-  if args.send_early_window < 0:
+  if args.send_early_window is not None and args.send_early_window < 0:
     p.error(f"--send-early-window {args.send_early_window}: give a number "
             "of points >= 1, or 0 for no bound")
-  if args.send_early_window != 1 and not args.send_early:
+  if args.send_early_window is not None and not args.send_early:
     p.error("--send-early-window sets --send-early's window; give "
             "--send-early too")
+  if args.send_early_window is None:
+    args.send_early_window = 2          # jaxfuse.send_early's default
   if args.trace_steps is not None and not args.trace_dir:
     p.error("--trace-steps picks the steps --trace-dir records; give "
             "--trace-dir too")

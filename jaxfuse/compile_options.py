@@ -50,12 +50,23 @@ def xla_flags(network_gbytes_s: float, *, gpus_per_node: int = 1) -> str:
   assumes NVLink within a host, so on a slower network it starts the
   collectives too late to hide them. These flags switch on its
   speed-of-light estimator with every ``gpus_per_node`` GPUs a node and
-  ``network_gbytes_s`` GB/s between nodes (measure it with ``jaxfuse
-  profile``; NCCL over 25–30 Gbit/s Ethernet gives about 3 GB/s).
+  ``network_gbytes_s`` GB/s between nodes.
+
+  Which figure: the scheduler starts a collective as late as its estimate
+  (bytes / ``network_gbytes_s``) says still hides it. For
+  ``jaxfuse.send_early`` give about half the link's speed: 1.5 for NCCL
+  over 25–30 Gbit/s Ethernet, which moves about 3 GB/s (``jaxfuse
+  profile`` measures it). Told the full speed, XLA started some
+  all-gathers late and the backward waited for them: under
+  ``send_early`` (window 2), gpt2-small computing in bfloat16 on 2 × H200
+  over sockets took 38.2 ms a step with 3 GB/s and 32.0 ms with 1.5; in
+  float32 the two were within 0.8 ms either way. Dense training ran
+  fastest with the link's own speed (157–158 against 161 ms).
+  docs/benchmarks.md, "Overlap".
 
   XLA reads ``XLA_FLAGS`` once, when JAX starts its GPU backend: set it
   before the first JAX computation, e.g. ``os.environ["XLA_FLAGS"] += " " +
-  jaxfuse.xla_flags(3.0)`` at the top of the training script, or export it.
+  jaxfuse.xla_flags(1.5)`` at the top of the training script, or export it.
   Pair it with ``jaxfuse.send_early`` (or ``jaxfuse.delayed``): XLA can
   only start a collective once its input exists, and the plain step makes
   the sparse buckets' inputs after the whole backward.

@@ -19,6 +19,7 @@ def example():
 
 @pytest.mark.parametrize("argv, message", [
     (["--send-early-window", "2"], "give --send-early too"),
+    (["--send-early-window", "1"], "give --send-early too"),
     (["--send-early", "--send-early-window", "-1"],
      "--send-early-window -1: give a number of points >= 1, or 0"),
     (["--trace-steps", "3:5"], "give --trace-dir too"),
@@ -35,9 +36,9 @@ def test_bad_windows_stop_with_the_fix(example, capsys, argv, message):
 
 def test_the_window_reaches_send_early(example, monkeypatch):
   train_lm, args_lib = example
-  assert args_lib.parse_args(["--send-early"]).send_early_window == 1
+  assert args_lib.parse_args(["--send-early"]).send_early_window == 2
   assert args_lib.parse_args(
-      ["--send-early", "--send-early-window", "2"]).send_early_window == 2
+      ["--send-early", "--send-early-window", "1"]).send_early_window == 1
   seen = []
 
   def recording(step, *, window):
