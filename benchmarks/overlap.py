@@ -63,10 +63,9 @@ from jaxfuse.planning import hlo
 from jaxfuse.planning import timing
 from jaxfuse.planning import trace as trace_lib
 from lm_model import build_model
-from lm_model import load_corpus
+from lm_model import corpus_batch
 from lm_model import make_loss
 from lm_model import PRESETS
-from lm_model import sample_batch
 
 AXIS = "data"
 LHS = {"xla_gpu_enable_latency_hiding_scheduler": True}
@@ -211,10 +210,9 @@ def build(args, devices):
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, seq), jnp.int32))
   params = jax.device_put(params["params"], NamedSharding(mesh, P()))
   loss_fn = make_loss(model)
-  # The corpus's bytes, as training sees them: some kernels' time depends on
-  # the tokens (the lookup's scatter-add on a frequent token).
-  train, _ = load_corpus(cap_bytes=2**20)
-  tokens = sample_batch(np.random.default_rng(0), train, per_worker * k, seq)
+  # The corpus's bytes, as training sees them (kernels' time can depend on
+  # the tokens).
+  tokens = corpus_batch(per_worker * k, seq)
   batch = jax.device_put(tokens, NamedSharding(mesh, P(AXIS)))
   if args.plan:      # e.g. a cost strategy's plan, made where its costs are
     return mesh, params, loss_fn, batch, jaxfuse.Plan.load(args.plan)

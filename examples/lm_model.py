@@ -132,6 +132,14 @@ def sample_batch(rng: np.random.Generator, data: np.ndarray, batch: int,
   return windows(data, sample_starts(rng, data, batch, seq_len), seq_len)
 
 
+def corpus_batch(batch: int, seq_len: int, seed: int = 0) -> np.ndarray:
+  """``batch`` random windows (``seed``) of the corpus's first MiB, as
+  int32: real text, for benchmarks and tests (some kernels' time depends
+  on the tokens, e.g. the lookup's scatter-add on a frequent byte)."""
+  train, _ = load_corpus(cap_bytes=2**20)
+  return sample_batch(np.random.default_rng(seed), train, batch, seq_len)
+
+
 def make_loss(model: Transformer):
   def loss_fn(params, batch):
     logits = model.apply({"params": params}, batch[:, :-1])
@@ -142,9 +150,7 @@ def make_loss(model: Transformer):
 
 def _target(preset: str, batch: int):
   model = build_model(preset)
-  train, _ = load_corpus(cap_bytes=2**20)
-  tokens = sample_batch(np.random.default_rng(0), train, batch,
-                        model.cfg.seq_len)
+  tokens = corpus_batch(batch, model.cfg.seq_len)
   params = model.init(jax.random.PRNGKey(0), tokens[:, :-1])["params"]
   return make_loss(model), params, tokens
 
