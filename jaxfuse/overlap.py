@@ -97,8 +97,9 @@ def send_early(step, *, window: int | None = 2, start_early: bool = True,
   where one at a time they queue up). With w = 1 the backward stops at
   each point where an all-gather outlasts one bucket's backward. w = 2
   with ``xla_flags`` given half the link's speed ran gpt2-small on 2 GPUs
-  over sockets in 50.1 ms a step (float32) and 32.4 ms (bfloat16),
-  against 51.5 and 41.5 ms with w = 1 and the full speed. A point is a
+  over sockets in 50.1 ms a step (float32, a 16 MiB last bucket) and
+  32.4 ms (bfloat16, ``size`` 64 MiB), against 51.5 and 41.5 ms with
+  w = 1 and the full speed (steps dispatched back to back). A point is a
   fence with at least a quarter of the typical backward work between
   fences since the point before, or a second collective of a kind
   already in the point (``points_of_work``): a small dense bucket right
