@@ -22,8 +22,8 @@ most and the compute time per step of both traces; writes JSON
 (--out)::
 
   python benchmarks/kernel_slowdown.py \\
-      benchmarks/results/overlap_2026-11-30/run37_trace_default_one_gpu.json.gz \\
-      benchmarks/results/overlap_2026-11-30/run37_trace_early_tail4M.json.gz
+      benchmarks/results/overlap_2026-11-30/run37_trace_default_one_gpu.json.xz \\
+      benchmarks/results/overlap_2026-11-30/run37_trace_early_tail4M.json.xz
 """
 
 from __future__ import annotations

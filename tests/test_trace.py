@@ -3,6 +3,7 @@ whose busy, overlapped and hidden times are worked out below by hand; its
 errors; a real CPU profile; and ``jaxfuse show --measured``."""
 
 import gzip
+import lzma
 import json
 import os
 import pathlib
@@ -106,12 +107,13 @@ def events(markers=True):
   return out
 
 
-def write_trace(path, evts, gz=True, bare_list=False):
+def write_trace(path, evts, gz=True, bare_list=False, xz=False):
   body = evts if bare_list else {"displayTimeUnit": "ns", "traceEvents": evts}
   data = json.dumps(body).encode()
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_bytes(gzip.compress(data) if gz else data)
+  path.write_bytes(lzma.compress(data) if xz else
+                   gzip.compress(data) if gz else data)
   return path
 
 
@@ -213,6 +215,17 @@ def test_a_directory_gives_its_newest_trace(tmp_path, log_dir):
   assert trace.find_trace_file(tmp_path / "other") == alone
 
 
+def test_an_xz_trace_reads_as_its_gzip(tmp_path):
+  """The repository stores its traces as .json.xz: the same steps, to
+  the bit, as the gzip JAX wrote."""
+  gz = trace.read_trace(write_trace(tmp_path / "t.json.gz", events()))
+  xz = trace.read_trace(write_trace(tmp_path / "t.json.xz", events(),
+                                    xz=True))
+  assert [rows(s) for s in xz.steps] == [rows(s) for s in gz.steps]
+  assert [s.hidden for s in xz.steps] == [s.hidden for s in gz.steps]
+  assert len(xz.steps) == 2
+
+
 def test_errors_say_what_to_do(tmp_path, log_dir):
   cpu_only = [e for e in events() if e.get("pid") == HOST]
   path = write_trace(tmp_path / "cpu.json.gz", cpu_only)
@@ -229,6 +242,10 @@ def test_errors_say_what_to_do(tmp_path, log_dir):
   bad.write_text("{not json")
   with pytest.raises(trace.TraceError, match="bad.json: not a JSON trace"):
     trace.read_trace(bad)
+  cut = tmp_path / "cut.json.xz"        # an xz file cut short
+  cut.write_bytes(lzma.compress(b'{"traceEvents": []}' * 50)[:40])
+  with pytest.raises(trace.TraceError, match="cut.json.xz: not a JSON trace"):
+    trace.read_trace(cut)
   other = write_trace(tmp_path / "other.json", {"format": "x"}, gz=False,
                       bare_list=True)
   with pytest.raises(trace.TraceError, match="no 'traceEvents' list"):

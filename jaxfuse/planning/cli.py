@@ -328,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                   "(png, svg, pdf)")
   sh.add_argument("--measured", metavar="TRACE",
                   help="a jax.profiler trace: its perfetto_trace.json.gz "
-                  "(or .json), or a directory holding one (the newest)")
+                  "(or .json, .json.xz), or a directory holding one (the "
+                  "newest)")
   sh.add_argument("--step", type=int, metavar="N",
                   help="with --measured: draw the step with step_num N "
                   "(default: the step of median span)")

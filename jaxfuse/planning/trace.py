@@ -10,8 +10,9 @@ read from the trace ``jax.profiler`` records::
 
 JAX writes ``<log_dir>/plugins/profile/<run>/perfetto_trace.json.gz`` (and
 always ``<host>.trace.json.gz``, the same Chrome trace-event JSON with a
-``metadata`` field). ``read_trace`` takes that file (``.json`` or
-``.json.gz``) or any directory above it (the newest such file under it).
+``metadata`` field). ``read_trace`` takes that file (``.json``,
+``.json.gz``, or ``.json.xz`` as this repository stores its traces) or any
+directory above it (the newest such file under it).
 
 What is read. Every process named ``/device:GPU:N`` is a GPU; its threads
 named ``Stream #…`` are its CUDA streams (the derived rows "XLA Ops",
@@ -49,7 +50,7 @@ figures add up (``MeasuredTrace.hidden = Σ overlapped / Σ link_busy``).
 
 CPU traces hold no device events (XLA:CPU runs on host threads, and its
 collectives are not NCCL): ``read_trace`` raises ``TraceError`` for them.
-Only json, gzip and the standard library are used here.
+Only json, gzip, lzma and the standard library are used here.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import json
+import lzma
 import os
 import pathlib
 import re
@@ -286,17 +288,21 @@ def find_trace_file(path: str | os.PathLike) -> pathlib.Path:
 
 
 def load_events(path: str | os.PathLike) -> list[dict]:
-  """The trace events of a Chrome trace-event JSON file, gzipped or not
-  (object form ``{"traceEvents": [...]}`` or a bare list)."""
+  """The trace events of a Chrome trace-event JSON file, plain, gzipped
+  or xz-compressed (object form ``{"traceEvents": [...]}`` or a bare
+  list)."""
   path = pathlib.Path(path)
   try:
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
       raw = gzip.decompress(raw)
+    elif raw[:6] == b"\xfd7zXZ\x00":
+      raw = lzma.decompress(raw)
     body = json.loads(raw)
   except OSError as e:
     raise TraceError(f"{path}: cannot read it ({e.strerror or e}).") from e
-  except (ValueError, EOFError) as e:  # bad gzip, JSON or UTF-8
+  except (ValueError, EOFError, lzma.LZMAError) as e:  # bad archive, JSON
+    # or UTF-8
     raise TraceError(f"{path}: not a JSON trace ({e}); pass the "
                      f"{PERFETTO_FILE} that jax.profiler.trace wrote.") from e
   events = body.get("traceEvents") if isinstance(body, dict) else body
