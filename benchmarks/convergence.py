@@ -85,7 +85,8 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
   if name == "dense":
     cmd += ["--sync", "dense"]
   warm = 0  # explicit: train_lm's defaults differ per optimizer
-  for part in filter(None, extra.split("+")):
+  parts = [part for part in extra.split("+") if part]
+  for part in parts:
     if part == "warm":
       warm = args.warm_steps
     elif part.startswith("flush"):
@@ -97,8 +98,7 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
     elif part == "early":
       cmd += ["--send-early"]
     elif part == "net":   # what each measured fastest with (xla_flags doc)
-      cmd += ["--network-gbytes-s", "1.5" if "early" in extra.split("+")
-              else "3"]
+      cmd += ["--network-gbytes-s", "1.5" if "early" in parts else "3"]
     elif part == "bf16wire":
       cmd += ["--dense-wire", "bfloat16"]
     else:

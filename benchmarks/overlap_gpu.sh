@@ -219,7 +219,7 @@ esac
 for t in "$OUT"/trace_*; do
   [ -d "$t" ] || continue
   f=$(find "$t" -name perfetto_trace.json.gz | head -n 1)
-  [ -n "$f" ] && python -c 'import gzip, lzma, sys; open(sys.argv[2], "wb").write(lzma.compress(gzip.open(sys.argv[1]).read(), preset=9))' "$f" "$t.json.xz"
+  [ -n "$f" ] && python benchmarks/pack_trace.py "$f" "$t.json.xz"
   rm -rf "$t"
 done
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude 'trace_*' \

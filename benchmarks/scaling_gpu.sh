@@ -285,8 +285,8 @@ steady)
         | grep "ms/step\|traced\|rror" | tail -n 10
     kill $smi
     f=$(find "$OUT/trace_steady_$x" -name perfetto_trace.json.gz | head -n 1)
-    [ -n "$f" ] && python -c 'import gzip, lzma, sys; open(sys.argv[2], "wb").write(lzma.compress(gzip.open(sys.argv[1]).read(), preset=9))' \
-        "$f" "$OUT/trace_steady_$x.json.xz"
+    [ -n "$f" ] && python benchmarks/pack_trace.py "$f" \
+        "$OUT/trace_steady_$x.json.xz"
     rm -rf "$OUT/trace_steady_$x"
   done ;;
 *)

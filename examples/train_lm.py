@@ -88,6 +88,7 @@ from lm_model import make_loss
 from lm_model import PRESETS
 from lm_model import sample_starts
 from lm_model import windows
+from train_lm_args import SEND_EARLY_WINDOW
 from train_lm_args import parse_args
 from train_lm_args import parse_xla_options
 
@@ -96,7 +97,7 @@ AXIS = "data"
 
 def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
                     compiler_options=None, grad_dtype=None, send_early=False,
-                    window=2):
+                    window=SEND_EARLY_WINDOW):
   """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss.
   ``grad_dtype``: differentiate a copy of the parameters in this dtype (the
   gradients, and what the sync sends, are in it; params stay float32).

@@ -7,6 +7,7 @@ imports JAX.
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import jax
 
@@ -15,6 +16,9 @@ from lm_model import PRESETS
 
 DESCRIPTION = ("Data-parallel byte-level language model, dense vs. jaxfuse "
                "gradient sync.")
+# --send-early-window's default: jaxfuse.send_early's own.
+SEND_EARLY_WINDOW = inspect.signature(
+    jaxfuse.send_early).parameters["window"].default
 
 
 def parse_xla_options(items) -> dict:
@@ -133,7 +137,8 @@ def parse_args(argv):
   p.add_argument("--send-early-window", type=int,
                  help="with --send-early: each bucket's collective ends "
                  "within the backward of this many points after it "
-                 "(jaxfuse.send_early's window, default 2; 0: unbounded)")
+                 f"(jaxfuse.send_early's window, default "
+                 f"{SEND_EARLY_WINDOW}; 0: unbounded)")
   p.add_argument("--network-gbytes-s", type=float,
                  help="the GB/s XLA's GPU scheduler plans collectives with: "
                  "appends jaxfuse.xla_flags(...) to XLA_FLAGS. Give about "
@@ -264,7 +269,7 @@ def parse_args(argv):
     p.error("--send-early-window sets --send-early's window; give "
             "--send-early too")
   if args.send_early_window is None:
-    args.send_early_window = 2          # jaxfuse.send_early's default
+    args.send_early_window = SEND_EARLY_WINDOW
   if args.trace_steps is not None and not args.trace_dir:
     p.error("--trace-steps picks the steps --trace-dir records; give "
             "--trace-dir too")

@@ -301,8 +301,8 @@ def load_events(path: str | os.PathLike) -> list[dict]:
     body = json.loads(raw)
   except OSError as e:
     raise TraceError(f"{path}: cannot read it ({e.strerror or e}).") from e
-  except (ValueError, EOFError, lzma.LZMAError) as e:  # bad archive, JSON
-    # or UTF-8
+  # a bad archive, JSON or UTF-8
+  except (ValueError, EOFError, lzma.LZMAError) as e:
     raise TraceError(f"{path}: not a JSON trace ({e}); pass the "
                      f"{PERFETTO_FILE} that jax.profiler.trace wrote.") from e
   events = body.get("traceEvents") if isinstance(body, dict) else body
