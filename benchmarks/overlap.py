@@ -219,6 +219,7 @@ def build(args, devices):
   sizing = ({"bucket_bytes": int(args.bucket_mb * 2**20)}
             if args.strategy == "size" else {})
   plan = jaxfuse.plan(params, density=args.density, strategy=args.strategy,
+                      estimator=args.estimator, headroom=args.headroom,
                       seed=0, loss_fn=loss_fn, example_args=(tokens[:1],),
                       **sizing)
   return mesh, params, loss_fn, batch, plan
@@ -366,6 +367,13 @@ def main(argv=None):
                  "--density for the file names)")
   p.add_argument("--bucket-mb", type=float, default=64,
                  help="bucket size of --strategy size")
+  p.add_argument("--estimator", default="dgc",
+                 choices=jaxfuse.plans.ESTIMATORS,
+                 help="the plan's threshold estimator (topk: exactly "
+                 "⌈ρ·n⌉ slots a leaf, no headroom)")
+  p.add_argument("--headroom", type=float, default=1.5,
+                 help="slots per leaf ⌈ρ·n·headroom⌉ for the sampled "
+                 "estimators (the wire's bytes scale with it)")
   p.add_argument("--steps", type=int, default=15)
   p.add_argument("--variants", nargs="+", default=["base", "lhs", "lhs_sol"],
                  choices=sorted(VARIANTS))
@@ -421,6 +429,9 @@ def main(argv=None):
             "density": args.density, "strategy": args.strategy,
             "plan_file": args.plan,
             "bucket_mb": args.bucket_mb,
+            "estimator": next((l.estimator for l in plan.leaves
+                               if l.estimator), None),
+            "headroom": plan.settings.headroom,
             "buckets": len(plan.buckets), "variants": {},
             "date": time.strftime("%Y-%m-%d"), "delay": args.delay,
             "send_early": args.send_early, "window": args.window,

@@ -59,6 +59,12 @@
 # three), then float32 at density 0.01 (plain, window 2 and
 # xla_flags(1.5)); about 11 minutes on 2 GPUs (DEADLINE_S=470 stops
 # after the bfloat16 runs).
+# MODE=wire: the wire's slots (the estimator's and headroom's share of G)
+# under send_early with window 2 and xla_flags(1.5): each
+# DTYPE:ESTIMATOR:HEADROOM of WIRE_RUNS in order (default bfloat16 and
+# float32 with dgc at 1.5 and 1.2 and topk, the first repeated last),
+# then the plain step (T1 and G) of each of WIRE_PLAIN (default
+# "bfloat16:topk:1.5").
 # OVERLAP_ARGS: more arguments for every overlap.py run (e.g. "--dtype
 # bfloat16"). No run starts after DEADLINE_S seconds (default 480).
 # STRATEGY=aligned (or single) plans the step as that strategy instead of size 64 MiB;
@@ -184,6 +190,22 @@ reference)
   PLAN=$TAIL/tail4M_rho0.01.json run 0.01 float32_plain_ --variants base
   XLA_FLAGS="$F15" PLAN=$TAIL/tail4M_rho0.01.json run 0.01 float32_early_w2_ \
       $E --window 2 ;;
+wire)
+  E="--variants base --send-early --skip-comm --skip-one-gpu"
+  F15=$(net_flags 1.5)
+  i=0
+  for v in ${WIRE_RUNS:-bfloat16:dgc:1.5 bfloat16:topk:1.5 bfloat16:dgc:1.2 \
+             float32:dgc:1.5 float32:topk:1.5 bfloat16:dgc:1.5}; do
+    IFS=: read -r x e h <<< "$v"
+    i=$((i + 1))
+    XLA_FLAGS="$F15" run 0.05 "${i}_${x}_${e}_h${h}_early_w2_" $E \
+        --dtype "$x" --estimator "$e" --headroom "$h"
+  done
+  for v in ${WIRE_PLAIN:-bfloat16:topk:1.5}; do
+    IFS=: read -r x e h <<< "$v"
+    run 0.05 "${x}_${e}_h${h}_plain_" --variants base --dtype "$x" \
+        --estimator "$e" --headroom "$h"
+  done ;;
 nccl)
   E="--variants base --send-early --skip-comm --skip-one-gpu"
   for d in ${DENSITIES:-0.05}; do

@@ -121,6 +121,20 @@ def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
                  compiler_options=compiler_options or None)
 
 
+def plan_options(args) -> dict:
+  """``jaxfuse.plan``'s keyword arguments from the command line."""
+  options = dict(
+      density=args.density,
+      strategy="behind" if args.sync == "behind" else args.strategy,
+      estimator=args.estimator, headroom=args.headroom, seed=args.seed,
+      collective=args.collective, spardl_block=args.spardl_block,
+      residual_dtype=args.residual_dtype, num_buckets=args.num_buckets,
+      costs=args.costs)
+  if args.bucket_bytes:
+    options["bucket_bytes"] = args.bucket_bytes
+  return options
+
+
 def _cast(tree, dtype):
   return tree if dtype is None else jax.tree.map(
       lambda x: x.astype(dtype), tree)
@@ -291,17 +305,10 @@ def main(argv=None) -> dict:
     opt_state = replicated(opt.init(params), mesh)
     opt_specs, wire_bytes = P(), dense_bytes
   else:
-    strategy = "behind" if args.sync == "behind" else args.strategy
-    options = dict(num_buckets=args.num_buckets, costs=args.costs)
-    if args.bucket_bytes:
-      options["bucket_bytes"] = args.bucket_bytes
     plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
-        _cast(params, grad_dtype), density=args.density, strategy=strategy,
-        estimator=args.estimator, seed=args.seed, loss_fn=loss_fn,
-        collective=args.collective, spardl_block=args.spardl_block,
-        residual_dtype=args.residual_dtype,
+        _cast(params, grad_dtype), loss_fn=loss_fn,
         example_args=(windows(train, first_starts[:batch_size // k],
-                              seq_len),), **options))
+                              seq_len),), **plan_options(args)))
     say(plan.summary())
     phases = jaxfuse.density_warmup(
         plan, steps=args.warmup_steps, densities=args.warmup_densities,

@@ -167,6 +167,9 @@ def parse_args(argv):
   p.add_argument("--plan", help="a plan JSON (`jaxfuse plan`) to use instead "
                  "of making one; implies --sync jaxfuse")
   p.add_argument("--estimator", default="dgc", choices=jaxfuse.plans.ESTIMATORS)
+  p.add_argument("--headroom", type=float, default=1.5,
+                 help="slots per sparse leaf ⌈ρ·n·headroom⌉ (sampled "
+                 "estimators; the sparse wire's bytes scale with it)")
   p.add_argument("--kernels", default="auto", choices=jaxfuse.kernels.BACKENDS,
                  help="selection kernels: Pallas on GPU (auto), or force one")
   p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -262,6 +265,9 @@ def parse_args(argv):
       len(args.warmup_densities) != len(args.warmup_steps)):
     p.error(f"--warmup-steps {','.join(map(str, args.warmup_steps))}: one "
             "count per --warmup-densities entry; give as many densities")
+  if not args.headroom >= 1:
+    p.error(f"--headroom {args.headroom:g}: give a number >= 1 (slots per "
+            "sparse leaf over the ⌈ρ·n⌉ it selects; 1.5 by default)")
   if args.send_early_window is not None and args.send_early_window < 0:
     p.error(f"--send-early-window {args.send_early_window}: give a number "
             "of points >= 1, or 0 for no bound")

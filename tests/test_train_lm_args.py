@@ -1,6 +1,9 @@
 """examples/train_lm.py's ``--send-early-window`` (checked where it is
-parsed, and handed to ``jaxfuse.send_early`` as its window) and
-``--trace-steps`` (checked, and resolved against the run's steps)."""
+parsed, and handed to ``jaxfuse.send_early`` as its window),
+``--trace-steps`` (checked, and resolved against the run's steps) and the
+plan's options (``--headroom`` reaching the plan's slot counts)."""
+
+import math
 
 import jax
 import numpy as np
@@ -26,6 +29,7 @@ def example():
     (["--trace-dir", "t", "--trace-steps", "5:5"],
      "'5:5': give the first step and the step after the last, like 300:305"),
     (["--trace-dir", "t", "--trace-steps", "7"], "like 300:305"),
+    (["--headroom", "0.8"], "--headroom 0.8: give a number >= 1"),
 ])
 def test_bad_windows_stop_with_the_fix(example, capsys, argv, message):
   _, args_lib = example
@@ -53,6 +57,27 @@ def test_the_window_reaches_send_early(example, monkeypatch):
   train_lm.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), mesh, P(),
                            "jaxfuse", send_early=False, window=2)
   assert seen == [1, 2, None]
+
+
+@pytest.mark.parametrize("headroom", [1.5, 1.2])
+def test_headroom_sets_the_plans_slots(example, headroom):
+  """c = ⌈ρ·n·headroom⌉ slots per sparse leaf, and the estimator, bucket
+  size and density given reach the plan too."""
+  train_lm, args_lib = example
+  argv = ["--density", "0.05", "--strategy", "size", "--bucket-bytes",
+          str(10_000), "--estimator", "gaussian"]
+  if headroom != 1.5:
+    argv += ["--headroom", str(headroom)]
+  args = args_lib.parse_args(argv)
+  params = {"a": np.zeros((100, 100), np.float32),
+            "b": np.zeros((3000,), np.float32)}
+  plan = train_lm.jaxfuse.plan(params, **train_lm.plan_options(args))
+  assert [l.capacity for l in plan.leaves] == [
+      math.ceil(0.05 * 10_000 * headroom), math.ceil(0.05 * 3000 * headroom)]
+  assert {l.estimator for l in plan.leaves} == {"gaussian"}
+  assert len(plan.buckets) == 2   # 12 and 40 kB against 10 kB: a leaf each
+  assert plan.provenance["strategy"] == "size"
+  assert plan.provenance["parameters"]["bucket_bytes"] == 10_000
 
 
 def test_trace_steps_default_to_the_last_five_within_the_run(example):

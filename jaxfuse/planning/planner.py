@@ -155,6 +155,11 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     raise plan_lib.PlanError(f"num_buckets={num_buckets!r} must be an int >= 1.")
   if not bucket_bytes > 0:
     raise plan_lib.PlanError(f"bucket_bytes={bucket_bytes!r} must be > 0.")
+  if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
+      or not headroom >= 1):
+    raise plan_lib.PlanError(
+        f"headroom={headroom!r} must be a number >= 1 (slots per leaf over "
+        "the target count ⌈ρ·n⌉; 1.5 by default).")
   if last_bucket_bytes is not None and (
       isinstance(last_bucket_bytes, bool) or
       not isinstance(last_bucket_bytes, numbers.Integral) or
