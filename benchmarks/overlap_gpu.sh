@@ -60,9 +60,10 @@
 # xla_flags(1.5)); about 11 minutes on 2 GPUs (DEADLINE_S=470 stops
 # after the bfloat16 runs).
 # MODE=wire: the wire's slots (the estimator's and headroom's share of G)
-# under send_early with window 2 and xla_flags(1.5): each
-# DTYPE:ESTIMATOR:HEADROOM of WIRE_RUNS in order (default bfloat16 and
-# float32 with dgc at 1.5 and 1.2 and topk, the first repeated last),
+# under send_early with window 2 and xla_flags(GB/s, default 1.5): each
+# DTYPE:ESTIMATOR:HEADROOM[:GB/s] of WIRE_RUNS in order (default:
+# bfloat16 dgc 1.5, topk, dgc 1.2; float32 dgc 1.5, topk; bfloat16 dgc
+# 1.5 again; fewer slots may need a lower speed, docs/choosing.md),
 # then the plain step (T1 and G) of each of WIRE_PLAIN (default
 # "bfloat16:topk:1.5").
 # OVERLAP_ARGS: more arguments for every overlap.py run (e.g. "--dtype
@@ -192,13 +193,13 @@ reference)
       $E --window 2 ;;
 wire)
   E="--variants base --send-early --skip-comm --skip-one-gpu"
-  F15=$(net_flags 1.5)
   i=0
   for v in ${WIRE_RUNS:-bfloat16:dgc:1.5 bfloat16:topk:1.5 bfloat16:dgc:1.2 \
              float32:dgc:1.5 float32:topk:1.5 bfloat16:dgc:1.5}; do
-    IFS=: read -r x e h <<< "$v"
+    IFS=: read -r x e h n <<< "$v"
     i=$((i + 1))
-    XLA_FLAGS="$F15" run 0.05 "${i}_${x}_${e}_h${h}_early_w2_" $E \
+    XLA_FLAGS="$(net_flags "${n:-1.5}")" \
+      run 0.05 "${i}_${x}_${e}_h${h}_net${n:-1.5}_early_w2_" $E \
         --dtype "$x" --estimator "$e" --headroom "$h"
   done
   for v in ${WIRE_PLAIN:-bfloat16:topk:1.5}; do

@@ -72,7 +72,7 @@ ROWS_PER_CHUNK = 1
 # default): on gpt2-small (1 × H200) one pass per bucket launched 8 kernels
 # fewer in the same step time, but the one large Triton kernel took 10 s
 # longer to compile (1.44× dense's compile against 1.04×;
-# docs/benchmarks.md, "Overhead on one GPU").
+# benchmarks/results/overhead_variants_1xH200_2026-11-29/runs.md).
 ONE_PASS_PER_BUCKET = False
 # Pass 1 takes every chunk as an operand and switches among them per tile;
 # a batch of more rows is cut into at most this many chunks (CUDA before

@@ -86,7 +86,8 @@ def stack_rows(rows):
 
   XLA's GPU concatenate emitter takes at most four operands, so a state
   group of more rows goes to its loop emitter (about a quarter of an
-  H200's bandwidth: docs/benchmarks.md, "Overhead on one GPU"). Nested
+  H200's bandwidth:
+  benchmarks/results/overhead_variants_1xH200_2026-11-29/runs.md). Nested
   concatenates of at most four, each level behind an optimization
   barrier, measured slower on an H200 (1.9 against 1.0 ms a step for
   gpt2-small's groups), and so did writing the rows in place. Only the

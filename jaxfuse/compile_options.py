@@ -62,7 +62,7 @@ def xla_flags(network_gbytes_s: float, *, gpus_per_node: int = 1) -> str:
   over sockets took 38.2 ms a step with 3 GB/s and 32.0 ms with 1.5; in
   float32 the two were within 0.8 ms either way. Dense training ran
   fastest with the link's own speed (157–158 against 161 ms).
-  The figure is tuned together with the sparse wire's bytes: with
+  The best figure can depend on the sparse wire's bytes: with
   ``headroom=1.2`` instead of 1.5 (20 % fewer slots) the same bfloat16
   training step took 38.3 ms with 1.5 and 32.2 ms with 1.2 (31.5 ms at
   1.5 with the default headroom): time the step at a few speeds when

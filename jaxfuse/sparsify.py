@@ -223,7 +223,7 @@ class UnitResult(NamedTuple):
 
 # sample size s: fewer samples make a larger bracket C to sort through;
 # on gpt2-small 2^14 and 2^12 ran within noise, both well ahead of 2^16
-# (docs/benchmarks.md, "Overhead on one GPU")
+# (benchmarks/results/overhead_variants_1xH200_2026-11-29/runs.md)
 TOPK_SAMPLE = 1 << 14
 TOPK_MARGIN = 4.0       # sample standard deviations below rank k
 

@@ -31,7 +31,7 @@ def example():
     (["--trace-dir", "t", "--trace-steps", "7"], "like 300:305"),
     (["--headroom", "0.8"], "--headroom 0.8: give a number >= 1"),
 ])
-def test_bad_windows_stop_with_the_fix(example, capsys, argv, message):
+def test_bad_arguments_stop_with_the_fix(example, capsys, argv, message):
   _, args_lib = example
   with pytest.raises(SystemExit):
     args_lib.parse_args(argv)

@@ -46,8 +46,9 @@ schedule hides less (a large last bucket, ready only when the backward
 ends) is slower at every η < 1. Whenever the ideal schedule could hide
 everything, the simulated overlap ratio is exactly η. The iteration time
 is non-decreasing in every time, byte count, α and β, and non-increasing
-in η. (Measured against cap-style models: docs/benchmarks.md, "A share of
-the ideal saving instead of a cap".)
+in η. (Measured against cap-style models:
+benchmarks/results/planner_accuracy.md, "A share of the ideal saving
+instead of a cap".)
 """
 
 from __future__ import annotations
