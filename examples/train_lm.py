@@ -416,11 +416,13 @@ def main(argv=None) -> dict:
               f"{entry['tokens_per_s']:9,.0f} tok/s  "
               f"{1e3 * entry['step_time_s']:7.1f} ms/step"
               + (" (compile)" if step == start else ""))
-      if plan is not None:
+      if plan is not None:   # the logged step's phase made these stats
         stats.update(jaxfuse.summarize(global_values(
-            jaxfuse.sync_stats(opt_state)), plan))
+            jaxfuse.sync_stats(opt_state)),
+            phases[jaxfuse.phase_index(phases, step)].plan))
         entry["stats"] = dict(stats)
-        line += (f"  density {stats.get('density', 1.0):.4f}  missing "
+        line += (f"  density {stats.get('density', 1.0):.4f}  fill "
+                 f"{stats.get('slot_fill', 1.0):.2f}  missing "
                  f"{stats['missing_leaves']:g}  overflow {stats['overflow']:g}"
                  f"  wire {stats['wire_bytes']:,} B")
       log.append(entry)

@@ -155,7 +155,14 @@ def finish_stats(per_leaf, wire_bytes) -> SyncStats:
 
 
 def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
-  """Plain Python numbers for logging: means over workers."""
+  """Plain Python numbers for logging: means over workers.
+
+  ``density``: elements sent over the sparse leaves' elements.
+  ``slot_fill``: elements sent over the sparse leaves' slots, Σ selected /
+  Σ capacity: the share of the sparse wire that carries a value (the
+  rest is padding, there for the static shapes; ``headroom`` sets it,
+  about 1/headroom for the sampled estimators, 1 for ``"topk"``).
+  """
   sparse = np.array([l.mode == "sparse" for l in plan.leaves])
   sizes = np.array([l.size for l in plan.leaves], np.float64)
   selected = np.asarray(stats.selected, np.float64)
@@ -166,6 +173,8 @@ def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
       "nonfinite_leaves": int(np.asarray(stats.nonfinite).any(0).sum()),
   }
   if sparse.any():
-    out["density"] = float(selected[:, sparse].sum(-1).mean() /
-                           sizes[sparse].sum())
+    slots = np.array([l.capacity for l in plan.leaves], np.float64)
+    sent = selected[:, sparse].sum(-1).mean()
+    out["density"] = float(sent / sizes[sparse].sum())
+    out["slot_fill"] = float(sent / slots[sparse].sum())
   return out

@@ -184,6 +184,31 @@ def test_nonfinite_gradient_propagates_and_keeps_residual(mesh):
   assert summary["nonfinite_leaves"] == 2
 
 
+def test_summary_counts_slots_and_elements_of_sparse_leaves_only():
+  """density = Σ selected / Σ n and slot_fill = Σ selected / Σ capacity
+  over the sparse leaves, each the mean over workers; a dense leaf's
+  elements count in neither."""
+  params = {"a": jnp.zeros(1200), "b": jnp.zeros(2000), "c": jnp.zeros(10)}
+  plan = jaxfuse.plan(params, density=0.05, headroom=1.5)
+  assert [l.mode for l in plan.leaves] == ["sparse", "sparse", "dense"]
+  assert [l.capacity for l in plan.leaves[:2]] == [90, 150]
+  ints = lambda rows: jnp.asarray(rows, jnp.int32)
+  stats = jaxfuse.stats.SyncStats(
+      selected=ints([[60, 100, 10], [90, 150, 10]]),   # two workers
+      candidates=ints([[60, 100, 10], [95, 150, 10]]),
+      overflow=ints([[0, 0, 0], [5, 0, 0]]),
+      threshold=jnp.ones((2, 3)), missing=jnp.zeros((2, 3), bool),
+      nonfinite=jnp.zeros((2, 3), bool), wire_bytes=jnp.full((2,), 1800.0))
+  summary = jaxfuse.summarize(stats, plan)
+  assert summary["density"] == pytest.approx(200 / 3200)
+  assert summary["slot_fill"] == pytest.approx(200 / 240)
+  assert summary["overflow"] == 2.5
+  # The same counts under the plan of a dense phase fill every slot.
+  dense = jaxfuse.summarize(stats._replace(selected=ints(
+      [[1200, 2000, 10]] * 2)), jaxfuse.phases.with_density(plan, 1.0))
+  assert dense["density"] == dense["slot_fill"] == 1.0
+
+
 def test_threshold_is_refreshed_every_refresh_steps(mesh):
   """Between refreshes τ is the one kept in state (feedback off: unchanged)."""
   plan = list_plan([(5000,)], density=0.01, estimator="gaussian", refresh=4,
