@@ -209,6 +209,24 @@ def test_summary_counts_slots_and_elements_of_sparse_leaves_only():
   assert dense["density"] == dense["slot_fill"] == 1.0
 
 
+
+def test_slot_fill_of_a_behind_bucket_counts_its_one_capacity():
+  """Two leaves selected together ("behind"): ⌈ρ·Σn·headroom⌉ = 181 slots,
+  not the 91 + 91 their own selections would have."""
+  params = {"a": jnp.zeros(1201), "b": jnp.zeros(1201)}
+  plan = jaxfuse.plan(params, density=0.05, strategy="behind",
+                      bucket_bytes=1 << 20)
+  (bucket,) = [b for b in plan.buckets if b.collective != "psum"]
+  assert bucket.capacity == 181
+  ints = lambda rows: jnp.asarray(rows, jnp.int32)
+  zeros = jnp.zeros((1, 2), bool)
+  stats = jaxfuse.stats.SyncStats(
+      selected=ints([[100, 81]]), candidates=ints([[100, 81]]),
+      overflow=ints([[0, 0]]), threshold=jnp.ones((1, 2)), missing=zeros,
+      nonfinite=zeros, wire_bytes=jnp.full((1,), 1448.0))
+  assert jaxfuse.summarize(stats, plan)["slot_fill"] == 1.0
+
+
 def test_threshold_is_refreshed_every_refresh_steps(mesh):
   """Between refreshes τ is the one kept in state (feedback off: unchanged)."""
   plan = list_plan([(5000,)], density=0.01, estimator="gaussian", refresh=4,
