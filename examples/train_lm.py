@@ -416,10 +416,11 @@ def main(argv=None) -> dict:
               f"{entry['tokens_per_s']:9,.0f} tok/s  "
               f"{1e3 * entry['step_time_s']:7.1f} ms/step"
               + (" (compile)" if step == start else ""))
-      if plan is not None:   # the logged step's phase made these stats
+      if plan is not None:   # the plan that made the logged step's stats
+        made_by = (phases[phase].plan if phase >= 0 else   # -1: a flush
+                   jaxfuse.with_density(plan, 1.0))
         stats.update(jaxfuse.summarize(global_values(
-            jaxfuse.sync_stats(opt_state)),
-            phases[jaxfuse.phase_index(phases, step)].plan))
+            jaxfuse.sync_stats(opt_state)), made_by))
         entry["stats"] = dict(stats)
         line += (f"  density {stats.get('density', 1.0):.4f}  fill "
                  f"{stats.get('slot_fill', 1.0):.2f}  missing "
