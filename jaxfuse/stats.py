@@ -154,17 +154,6 @@ def finish_stats(per_leaf, wire_bytes) -> SyncStats:
       wire_bytes=jnp.full((1,), wire_bytes, jnp.float32))
 
 
-def _sparse_slots(plan: plan_lib.Plan) -> int:
-  """Slots the sparse leaves send a step: each leaf's capacity, but one
-  capacity for all the leaves of a ``"behind"`` bucket (one selection)."""
-  behind = [b for b in plan.buckets
-            if b.collective != "psum" and b.sparsify == "behind"]
-  in_behind = {j for b in behind for j in b.leaves}
-  return (sum(l.capacity for j, l in enumerate(plan.leaves)
-              if l.mode == "sparse" and j not in in_behind)
-          + sum(b.capacity for b in behind))
-
-
 def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
   """Plain Python numbers for logging: means over workers.
 
@@ -186,5 +175,7 @@ def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
   if sparse.any():
     sent = selected[:, sparse].sum(-1).mean()
     out["density"] = float(sent / sizes[sparse].sum())
-    out["slot_fill"] = float(sent / _sparse_slots(plan))
+    # a unit's capacity: a leaf's, or one for a "behind" bucket's leaves
+    slots = sum(u.capacity for u in plan_lib.units(plan)[0])
+    out["slot_fill"] = float(sent / slots)
   return out
