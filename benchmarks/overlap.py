@@ -66,6 +66,7 @@ from lm_model import build_model
 from lm_model import corpus_batch
 from lm_model import make_loss
 from lm_model import PRESETS
+from train_lm_args import PLAN_HEADROOM
 
 AXIS = "data"
 LHS = {"xla_gpu_enable_latency_hiding_scheduler": True}
@@ -371,7 +372,7 @@ def main(argv=None):
                  choices=jaxfuse.plans.ESTIMATORS,
                  help="the plan's threshold estimator (topk: exactly "
                  "⌈ρ·n⌉ slots a leaf, no headroom)")
-  p.add_argument("--headroom", type=float, default=1.5,
+  p.add_argument("--headroom", type=float, default=PLAN_HEADROOM,
                  help="slots per leaf ⌈ρ·n·headroom⌉ for the sampled "
                  "estimators (the wire's bytes scale with it)")
   p.add_argument("--steps", type=int, default=15)

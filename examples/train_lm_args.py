@@ -19,6 +19,8 @@ DESCRIPTION = ("Data-parallel byte-level language model, dense vs. jaxfuse "
 # --send-early-window's default: jaxfuse.send_early's own.
 SEND_EARLY_WINDOW = inspect.signature(
     jaxfuse.send_early).parameters["window"].default
+# jaxfuse.plan's slots per sparse leaf over ⌈ρ·n⌉, read where it is defined.
+PLAN_HEADROOM = inspect.signature(jaxfuse.plan).parameters["headroom"].default
 
 
 def parse_xla_options(items) -> dict:
@@ -167,9 +169,10 @@ def parse_args(argv):
   p.add_argument("--plan", help="a plan JSON (`jaxfuse plan`) to use instead "
                  "of making one; implies --sync jaxfuse")
   p.add_argument("--estimator", default="dgc", choices=jaxfuse.plans.ESTIMATORS)
-  p.add_argument("--headroom", type=float, default=1.5,
+  p.add_argument("--headroom", type=float, default=PLAN_HEADROOM,
                  help="slots per sparse leaf ⌈ρ·n·headroom⌉ (sampled "
-                 "estimators; the sparse wire's bytes scale with it)")
+                 "estimators; the sparse wire's bytes scale with it; "
+                 f"default {PLAN_HEADROOM:g}, jaxfuse.plan's)")
   p.add_argument("--kernels", default="auto", choices=jaxfuse.kernels.BACKENDS,
                  help="selection kernels: Pallas on GPU (auto), or force one")
   p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -267,7 +270,8 @@ def parse_args(argv):
             "count per --warmup-densities entry; give as many densities")
   if not args.headroom >= 1:
     p.error(f"--headroom {args.headroom:g}: give a number >= 1 (slots per "
-            "sparse leaf over the ⌈ρ·n⌉ it selects; 1.5 by default)")
+            f"sparse leaf over the ⌈ρ·n⌉ it selects; {PLAN_HEADROOM:g} by "
+            "default)")
   if args.send_early_window is not None and args.send_early_window < 0:
     p.error(f"--send-early-window {args.send_early_window}: give a number "
             "of points >= 1, or 0 for no bound")
