@@ -354,6 +354,7 @@ def main(argv=None) -> dict:
   batch = first_batch
   phase_id, train_step = -1, None
   flush_step = None  # a density-1 step: pays every residual back
+  flush_plan = None if plan is None else jaxfuse.with_density(plan, 1.0)
   settle_prev = None  # --dense-settle: the last second moment looked at
   # --pipeline: step t+1 is queued before step t's loss is read, except
   # after a step whose bookkeeping reads params or state (log, evaluation,
@@ -417,8 +418,7 @@ def main(argv=None) -> dict:
               f"{1e3 * entry['step_time_s']:7.1f} ms/step"
               + (" (compile)" if step == start else ""))
       if plan is not None:   # the plan that made the logged step's stats
-        made_by = (phases[phase].plan if phase >= 0 else   # -1: a flush
-                   jaxfuse.with_density(plan, 1.0))
+        made_by = phases[phase].plan if phase >= 0 else flush_plan
         stats.update(jaxfuse.summarize(global_values(
             jaxfuse.sync_stats(opt_state)), made_by))
         entry["stats"] = dict(stats)
@@ -453,7 +453,7 @@ def main(argv=None) -> dict:
         (step + 1) % args.flush_every == 0):
       if flush_step is None:
         flush_step = make_train_step(
-            loss_fn, make_opt(jaxfuse.with_density(plan, 1.0)), mesh,
+            loss_fn, make_opt(flush_plan), mesh,
             opt_specs, args.sync, xla_options, grad_dtype, args.send_early,
             args.send_early_window)
       step_fn = flush_step
