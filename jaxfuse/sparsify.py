@@ -306,10 +306,20 @@ def topk_finish(lo, out, kth, *, capacity: int, density: float, n: int):
   in C slots; ``kth`` is the k-th largest of their magnitudes |out.values|.
   The first c with |acc| ≥ kth are sent, and the other staged ones go back
   into the residual: ``select(acc, τ, c, o)`` with τ the exact k-th largest
-  |acc| whenever k ≤ m ≤ C. If the sample put τ_lo above the k-th largest
-  (m < k, the small chance of ``topk_bracket``) the m largest are sent
-  (the candidates statistic shows m < k); m > C (≈ never) sends the k
-  largest of the first C.
+  |acc| whenever k ≤ m ≤ C. Two rare cases differ:
+
+  * a miss: the sample put τ_lo above the k-th largest (m < k, the small
+    chance of ``topk_bracket``); the m largest are sent, and the
+    candidates statistic shows m < k.
+  * an overflow: ties at or just above τ_lo left m > C (only data on a
+    coarse grid has such tie groups). The first C in the rotated order
+    were staged, so τ, their k-th largest, can be below acc's, and the
+    first c of them at or above τ are sent. The count adds the m − C
+    unstaged, so the overflow statistic includes them.
+
+  Either way nothing is lost or doubled. Redoing either one exactly
+  would take a ``lax.cond``, whose predicate the GPU copies to the host
+  every step (docs/architecture.md).
   """
   k = target_count(density, n)
   mags = jnp.abs(out.values).astype(jnp.float32)
@@ -325,8 +335,10 @@ def topk_finish(lo, out, kth, *, capacity: int, density: float, n: int):
       out.indices, mode="drop")
   back = jnp.where(staged & ~sent, out.indices, n)
   residual = out.residual.at[back].set(out.values, mode="drop")
+  unstaged = jnp.maximum(out.count - out.values.shape[0], 0)   # m − C
   values, indices, count = fused_pass.nonfinite_slots(
-      values, indices, jnp.sum(keep, dtype=jnp.int32), out.finite, n)
+      values, indices, jnp.sum(keep, dtype=jnp.int32) + unstaged,
+      out.finite, n)
   return jnp.where(exact, kth, lo), out._replace(
       values=values, indices=indices, count=count, residual=residual)
 

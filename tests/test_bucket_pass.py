@@ -24,12 +24,17 @@ SHAPES = [(60, 100), (40, 25), (60, 100), (30_000,), (6, 500), (30_000,),
           (6, 500), (40, 25)]
 
 
-@pytest.mark.parametrize("estimator,method", [
-    ("dgc", "radix"), ("topk", "radix"), ("dgc", "pallas"),
-    ("topk", "pallas")])
-def test_bucket_equals_each_unit_alone(estimator, method, monkeypatch):
+@pytest.mark.parametrize("estimator,method,ties", [
+    ("dgc", "radix", False), ("topk", "radix", False),
+    ("dgc", "pallas", False), ("topk", "pallas", False),
+    ("topk", "radix", True)])
+def test_bucket_equals_each_unit_alone(estimator, method, ties, monkeypatch):
   """With the k-th largests from XLA's radix reductions or from the
-  one-kernel radix select (``kernels.radix``, interpreted off GPU)."""
+  one-kernel radix select (``kernels.radix``, interpreted off GPU).
+  ``ties``: the first (30_000,) row mostly tied at its k-th largest, so
+  that topk's bracket pass counts more candidates than it has slots for
+  that row (an overflow, ``sparsify.topk_finish``) and not for the other
+  row of its batch."""
   monkeypatch.setattr(bucket_pass, "_kth", lambda rows, ranks: (
       radix_select.kth_largest_rows(rows, ranks, method=method)
       if rows else []))
@@ -46,6 +51,13 @@ def test_bucket_equals_each_unit_alone(estimator, method, monkeypatch):
       jnp.asarray(scale * rng.standard_t(3, size=(len(ids), all_units[
           ids[0]].size)).astype(np.float32)) for ids in groups]
   grads, residuals = group_arrays(1.0), group_arrays(0.3)
+  tied = [g for g, ids in enumerate(groups)
+          if all_units[ids[0]].size == 30_000]
+  if ties:
+    mags = rng.choice(np.float32([0.1, 1.0, 3.0]), size=30_000,
+                      p=[0.4, 0.598, 0.002])
+    grads[tied[0]] = grads[tied[0]].at[0].set(mags)
+    residuals[tied[0]] = residuals[tied[0]].at[0].set(0.0)
   ctrl = sparsify.initial_control(len(all_units))
   ctrl = ctrl._replace(log_scale=jnp.asarray(
       rng.normal(size=len(all_units)) * 0.2, jnp.float32))
@@ -75,6 +87,12 @@ def test_bucket_equals_each_unit_alone(estimator, method, monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
                                       err_msg=f"unit {u}: {name}")
       np.testing.assert_array_equal(stacked[i], grads[batch.group][row])
+      if unit.estimator == "topk" and unit.size == 30_000:
+        # more candidates than the bracket's slots: the tied row only
+        wide = sparsify.topk_bracket(
+            plan_lib.target_count(unit.density, unit.size), unit.size)[2]
+        assert (int(out.count[i]) > wide) == (
+            ties and batch.group == tied[0] and row == 0), unit
       seen.add(u)
   assert seen == set(bucket_units[0])
 

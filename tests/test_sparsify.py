@@ -421,15 +421,47 @@ def test_topk_bracket_miss_sends_the_largest_and_keeps_the_rest(monkeypatch):
   np.testing.assert_array_equal(back[rest], g[rest])
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_topk_ties_past_the_brackets_slots_send_the_first_staged(seed):
+  """acc on three levels: 3.0 (4.9 %), 2.0 (0.2 %: the k-th largest) and
+  1.0 (30 %). The sample's bracket lands on 1.0, whose ties overflow the
+  pass's C slots: the first C candidates in the rotated order are staged,
+  τ is their k-th largest (1.0, below acc's 2.0) and the first k go. The
+  count is every element ≥ 1.0, staged or not; nothing is lost."""
+  n, density = 80_000, 0.05
+  k = plan_lib.target_count(density, n)
+  rng = np.random.default_rng(seed)
+  mags = rng.choice(np.float32([0.1, 1.0, 2.0, 3.0]), size=n,
+                    p=[0.649, 0.3, 0.002, 0.049])
+  g = (mags * rng.choice(np.float32([-1, 1]), size=n)).astype(np.float32)
+  assert np.sort(np.abs(g))[-k] == 2.0
+  tau, out, offset = _topk(g, np.zeros(n, np.float32), k, density=density,
+                           seed=seed)
+  assert float(tau) == 1.0
+  candidates = np.flatnonzero(np.abs(g) >= 1.0)
+  assert len(candidates) > sparsify.topk_bracket(k, n)[2]   # m > C
+  rotated = np.concatenate([candidates[candidates >= offset],
+                            candidates[candidates < offset]])
+  np.testing.assert_array_equal(np.asarray(out.indices), rotated[:k])
+  np.testing.assert_array_equal(np.asarray(out.values), g[rotated[:k]])
+  assert int(out.count) == len(candidates)
+  want_r = g.copy()
+  want_r[rotated[:k]] = 0
+  np.testing.assert_array_equal(np.asarray(out.residual), want_r)
+
+
 @settings(max_examples=6, deadline=None)
 @given(n=st.sampled_from([80_000, 150_000]),
        density=st.sampled_from([0.01, 0.05]),
        kind=st.sampled_from(["normal", "heavy", "ties", "sparse"]),
        seed=st.integers(0, 2**16))
-def test_topk_is_the_exact_top_k_or_the_largest_m(n, density, kind, seed):
-  """For any data: the slots are ``select(acc, k-th largest, c, offset)``,
-  or, after a bracket miss, the m < k largest; the residual is acc with
-  exactly the sent slots zeroed (nothing lost or doubled)."""
+def test_topk_is_the_exact_top_k_or_a_documented_rare_case(n, density, kind,
+                                                           seed):
+  """For any data: the slots are ``select(acc, k-th largest, c, offset)``;
+  or, after a bracket miss, the m < k largest; or, after ties overflowed
+  the bracket's slots, k at or above a τ below the k-th largest, with
+  every element ≥ τ counted. The residual is acc with exactly the sent
+  slots zeroed (nothing lost or doubled)."""
   rng = np.random.default_rng(seed)
   g = {"normal": lambda: rng.normal(size=n),
        "heavy": lambda: rng.standard_t(2, size=n),
@@ -450,6 +482,9 @@ def test_topk_is_the_exact_top_k_or_the_largest_m(n, density, kind, seed):
     v, i, c = map(np.asarray, _select(g, np.float32(kth), k, offset))
     np.testing.assert_array_equal(idx, i)
     assert int(out.count) == c
-  else:                      # a miss: the m largest, m < k
-    assert len(sent) < k
+  elif len(sent) < k:        # a miss: the m largest, m < k
     assert np.abs(g[sent]).min() >= np.abs(np.delete(g, sent)).max()
+  else:                      # an overflow ("ties" data only)
+    assert kind == "ties" and len(sent) == k and float(tau) < kth
+    assert np.abs(g[sent]).min() >= float(tau)
+    assert int(out.count) >= np.sum(np.abs(g) >= float(tau))
