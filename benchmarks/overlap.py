@@ -351,7 +351,8 @@ def backward_time(loss_fn, params, batch, steps):
   return t_f, t_fb - t_f
 
 
-def main(argv=None):
+def parse_args(argv=None) -> argparse.Namespace:
+  """The command line's arguments (``[]``: every default)."""
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--preset", default="gpt2-small", choices=sorted(PRESETS))
   p.add_argument("--dtype", default="float32",
@@ -419,7 +420,11 @@ def main(argv=None):
                       f"{radix_select.DEFAULT_GPU_METHOD!r}): under "
                       "send_early each bucket's call runs alone")
   p.add_argument("--out")
-  args = p.parse_args(argv)
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   if args.kth_method:
     radix_select.DEFAULT_GPU_METHOD = args.kth_method
   t_start = time.perf_counter()

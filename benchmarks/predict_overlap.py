@@ -14,7 +14,11 @@ and each plan predicted as T₁ + ΔC + G_sim − η·H_sim
 ``--anchor-link`` first scales the costs' collectives by G / G_sim of the
 ``size`` plan (``Costs.link_scaled``): the link of the machine that ran,
 where COSTS were profiled on another. ``--bucket-cost`` sets
-``Costs.bucket`` (seconds per sparse bucket).
+``Costs.bucket`` (seconds per sparse bucket). ``--eta W,P`` uses η = W
+(waited for) and P (pipelined), e.g. fitted on another call or density,
+instead of fitting: the ``size`` plan is then predicted too, a check of
+the model where the link's share of the step differs (2 GPUs at ρ = 0.15
+carry what 4 GPUs do at 0.05).
 
 A variant's plan is the file it ran (``plan_file``), else the plan
 ``overlap.py`` saved beside its JSON (``<out>.plan.json``), else the
@@ -63,11 +67,13 @@ def _plan(path: pathlib.Path, result: dict) -> jaxfuse.Plan:
   if saved.exists():
     return jaxfuse.Plan.load(saved)
   import overlap  # pylint: disable=g-import-not-at-top
-  args = argparse.Namespace(preset=result["preset"], plan=None,
-                            strategy=result["strategy"],
-                            bucket_mb=result["bucket_mb"],
-                            density=result["density"],
-                            dtype=result.get("dtype", "float32"))
+  defaults = overlap.parse_args([])   # what an older result left out
+  args = argparse.Namespace(
+      preset=result["preset"], plan=None, strategy=result["strategy"],
+      bucket_mb=result["bucket_mb"], density=result["density"],
+      **{name: (result.get(name) if result.get(name) is not None
+                else getattr(defaults, name))
+         for name in ("dtype", "estimator", "headroom")})
   return overlap.build(args, jax.devices()[:1])[-1]
 
 
@@ -96,8 +102,9 @@ def read_calls(paths) -> dict[float, dict]:
   return calls
 
 
-def predict(call: dict, costs) -> list[dict]:
-  """Each variant's predicted steps (waited, pipelined) and errors."""
+def predict(call: dict, costs, eta=None) -> list[dict]:
+  """Each variant's predicted steps (waited, pipelined) and errors; η
+  fitted on the ``size`` plan, or ``eta`` = (waited, pipelined) given."""
   anchor = next(v for v in call["variants"] if v["is_size"])
   base = simulate.simulate(anchor["plan"], costs)
   rows = []
@@ -106,16 +113,17 @@ def predict(call: dict, costs) -> list[dict]:
     row = {"plan": v["name"], "buckets": v["buckets"],
            "measured_s": list(v["measured"]), "predicted_s": [],
            "error": [], "eta": []}
-    for t1, t_size, t_k in zip(call["t1"], anchor["measured"],
-                               v["measured"]):
-      eta = simulate.eta_from_hidden(t1 + base.communication - t_size, base)
-      if eta is None:
+    for which, (t1, t_size, t_k) in enumerate(zip(
+        call["t1"], anchor["measured"], v["measured"])):
+      fit = eta[which] if eta is not None else simulate.eta_from_hidden(
+          t1 + base.communication - t_size, base)
+      if fit is None:
         raise SystemExit("the size plan's simulated schedule hides no "
                          "communication: no η to fit (check --costs).")
-      p = simulate.step_from_one_worker(t1, eta, ideal, base)
+      p = simulate.step_from_one_worker(t1, fit, ideal, base)
       row["predicted_s"].append(p)
       row["error"].append(p / t_k - 1)
-      row["eta"].append(eta)
+      row["eta"].append(fit)
     rows.append(row)
   return rows
 
@@ -135,6 +143,19 @@ def swapped(rows, which: int) -> list[tuple[str, str, float]]:
   return out
 
 
+def _eta_pair(text: str) -> tuple[float, float]:
+  """``--eta``'s "W,P" as two floats in (0, 1]."""
+  try:
+    pair = tuple(float(x) for x in text.split(","))
+  except ValueError:
+    pair = ()
+  if len(pair) != 2 or not all(0 < x <= 1 for x in pair):
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: give η waited for and pipelined as W,P, each in (0, 1] "
+        "(e.g. 0.77,0.84)")
+  return pair
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("results", nargs="+", help="overlap.py JSON files")
@@ -144,13 +165,17 @@ def main(argv=None):
   p.add_argument("--anchor-link", action="store_true",
                  help="scale the collectives so that the size plan's "
                       "simulated G is the measured one")
+  p.add_argument("--eta", type=_eta_pair, metavar="W,P",
+                 help="η waited for and pipelined (each in (0, 1]) instead "
+                      "of fitting it on the size plan")
   p.add_argument("--out")
   args = p.parse_args(argv)
   costs = costs_lib.Costs.load(args.costs).replace(overlap=1.0)
   if args.bucket_cost is not None:
     costs = costs.replace(bucket=args.bucket_cost)
   report = {"costs": args.costs, "bucket_cost_s": costs.bucket,
-            "anchor_link": args.anchor_link, "densities": {}}
+            "anchor_link": args.anchor_link, "eta": args.eta,
+            "densities": {}}
   for density, call in sorted(read_calls(args.results).items()):
     if "t1" not in call or not any(v["is_size"] for v in call["variants"]):
       print(f"ρ {density}: needs the plain step's file (T₁, G) and the size "
@@ -161,7 +186,7 @@ def main(argv=None):
       size_plan = next(v["plan"] for v in call["variants"] if v["is_size"])
       g_sim = simulate.simulate(size_plan, costs).communication
       used = costs.link_scaled(call["g"] / g_sim)
-    rows = predict(call, used)
+    rows = predict(call, used, args.eta)
     print(f"ρ {density}: T₁ {1e3 * call['t1'][0]:.1f} ms (pipelined "
           f"{1e3 * call['t1'][1]:.1f}), G {1e3 * call['g']:.1f} ms; "
           f"η {rows[0]['eta'][0]:.2f} ({rows[0]['eta'][1]:.2f})")

@@ -2,6 +2,7 @@
 the simulator, η fitted on the ``size`` plan of the same call."""
 
 import json
+import math
 
 import pytest
 
@@ -82,6 +83,35 @@ def test_eta_is_fitted_on_the_size_plan_and_predicts_the_others(po,
     assert rows["split"]["eta"][which] == pytest.approx(eta)
 
 
+def test_a_given_eta_predicts_the_size_plan_too(po, tmp_path):
+  """--eta W,P: no fit; every plan, the size plan included, is T₁ plus its
+  extra compression, plus G − η·H with the given η."""
+  files = _call(tmp_path, t1=(0.020, 0.018), g=0.004,
+                size_step=(0.030, 0.028), split_step=(0.021, 0.019))
+  out = tmp_path / "report.json"
+  po.main([*map(str, files), "--costs", str(_costs_file(tmp_path)),
+           "--eta", "0.5,0.75", "--out", str(out)])
+  rows = {r["plan"]: r for r in json.loads(out.read_text())["densities"][
+      "0.05"]["rows"]}
+  ideal_size = simulate.simulate(SIZE, COSTS)
+  ideal_split = simulate.simulate(SPLIT, COSTS)
+  for which, (t1, eta) in enumerate(((0.020, 0.5), (0.018, 0.75))):
+    want_size = t1 + ideal_size.communication - eta * ideal_size.hidden
+    assert rows["size"]["predicted_s"][which] == pytest.approx(want_size)
+    assert rows["size"]["error"][which] == pytest.approx(
+        want_size / (0.030, 0.028)[which] - 1)
+    assert rows["split"]["predicted_s"][which] == pytest.approx(
+        t1 + ideal_split.compute_end - ideal_size.compute_end
+        + ideal_split.communication - eta * ideal_split.hidden)
+
+
+@pytest.mark.parametrize("bad", ["0.8", "0.8,0", "0.8,1.2", "a,b"])
+def test_eta_must_be_two_shares(po, tmp_path, bad, capsys):
+  with pytest.raises(SystemExit):
+    po.main([str(tmp_path / "none.json"), "--costs", "c.json", "--eta", bad])
+  assert "give η waited for and pipelined as W,P" in capsys.readouterr().err
+
+
 def test_anchor_link_matches_the_measured_collectives(po, tmp_path):
   """--anchor-link: the size plan simulated on the scaled link takes the
   G the call measured."""
@@ -97,6 +127,23 @@ def test_anchor_link_matches_the_measured_collectives(po, tmp_path):
   size_row = next(r for r in report["rows"] if r["plan"] == "size")
   assert size_row["eta"][0] == pytest.approx(simulate.eta_from_hidden(
       0.02 + g - 0.03, simulate.simulate(SIZE, scaled)))
+
+
+@pytest.mark.parametrize("estimator,headroom", [("dgc", 1.2), (None, None)])
+def test_a_result_without_its_plan_rebuilds_it_as_overlap_py_did(
+    po, tmp_path, estimator, headroom):
+  """No plan file and none saved beside: the size plan is built again from
+  the result's preset, density, estimator and headroom (an older result
+  without the last two: overlap.py's defaults, dgc and 1.5)."""
+  result = {"preset": "tiny", "strategy": "size", "bucket_mb": 64,
+            "density": 0.05, "dtype": "float32", "plan_file": None,
+            "estimator": estimator, "headroom": headroom}
+  plan = po._plan(tmp_path / "early_.json", result)  # pylint: disable=protected-access
+  sparse = [leaf for leaf in plan.leaves if leaf.estimator]
+  assert sparse and {leaf.estimator for leaf in sparse} == {"dgc"}
+  for leaf in sparse:
+    assert leaf.capacity == math.ceil(0.05 * math.prod(leaf.shape)
+                                      * (headroom or 1.5))
 
 
 def _costs_file(tmp_path):
