@@ -23,7 +23,9 @@ class SyncStats(NamedTuple):
   """What the last step did, per worker (leading axis) and per leaf.
 
   selected: elements sent (dense leaves: all of them).
-  candidates: elements with |acc| ≥ τ (above capacity they stay in the residual).
+  candidates: elements with |acc| ≥ τ (above capacity they stay in the residual;
+    for ``topk`` after a slot overflow also those its pass could not stage,
+    ``sparsify.topk_finish``).
   overflow: candidates − selected, what capacity held back.
   threshold: τ used (a "behind" bucket's one τ for each of its leaves).
   missing: the leaf had a non-zero gradient and sent nothing (SAFusion's
