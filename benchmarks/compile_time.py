@@ -25,7 +25,6 @@ import json
 import pathlib
 import sys
 import time
-from types import SimpleNamespace
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,15 +49,18 @@ def pallas_calls(text: str) -> tuple[int, int]:
                             for c in configs})
 
 
-def plan_args(spec: str, density: float, preset: str) -> SimpleNamespace:
+def plan_args(spec: str, density: float, preset: str) -> argparse.Namespace:
+  """``overlap.build``'s arguments for one ``--plans`` entry: "size:MiB",
+  a strategy or a saved plan's file; the rest (dtype, estimator,
+  headroom) ``overlap.py``'s defaults."""
+  args = overlap.parse_args(["--preset", preset, "--density", str(density)])
   if spec.startswith("size:"):
-    return SimpleNamespace(preset=preset, plan=None, strategy="size",
-                           bucket_mb=float(spec[5:]), density=density)
-  if spec in ("layerwise", "single", "aligned"):
-    return SimpleNamespace(preset=preset, plan=None, strategy=spec,
-                           bucket_mb=64, density=density)
-  return SimpleNamespace(preset=preset, plan=spec, strategy="size",
-                         bucket_mb=64, density=density)
+    args.bucket_mb = float(spec[5:])
+  elif spec in ("layerwise", "single", "aligned"):
+    args.strategy = spec
+  else:
+    args.plan = spec
+  return args
 
 
 def main(argv=None):
