@@ -67,13 +67,12 @@ def _plan(path: pathlib.Path, result: dict) -> jaxfuse.Plan:
   if saved.exists():
     return jaxfuse.Plan.load(saved)
   import overlap  # pylint: disable=g-import-not-at-top
-  defaults = overlap.parse_args([])   # what an older result left out
-  args = argparse.Namespace(
-      preset=result["preset"], plan=None, strategy=result["strategy"],
-      bucket_mb=result["bucket_mb"], density=result["density"],
-      **{name: (result.get(name) if result.get(name) is not None
-                else getattr(defaults, name))
-         for name in ("dtype", "estimator", "headroom")})
+  args = overlap.parse_args([])
+  for name in ("preset", "strategy", "bucket_mb", "density"):
+    setattr(args, name, result[name])
+  for name in ("dtype", "estimator", "headroom"):   # an older result may
+    if result.get(name) is not None:                # lack these: defaults
+      setattr(args, name, result[name])
   return overlap.build(args, jax.devices()[:1])[-1]
 
 
