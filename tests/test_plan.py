@@ -1,5 +1,6 @@
 """Plans: strategies, backward-ready order, JSON, and every bad input."""
 
+import inspect
 import json
 import math
 
@@ -249,6 +250,14 @@ def test_corrupted_json_file(tmp_path):
 def test_bad_plan_arguments(kwargs, message):
   with pytest.raises(jaxfuse.PlanError, match=message):
     list_plan([(100,)], **kwargs)
+
+
+def test_plan_headroom_default_is_the_settings_default():
+  """plan()'s default and its error's "by default" figure are Settings'."""
+  default = inspect.signature(jaxfuse.plan).parameters["headroom"].default
+  assert default == plan_lib.Settings().headroom == 1.5
+  with pytest.raises(jaxfuse.PlanError, match=r"1\.5 by default"):
+    list_plan([(100,)], headroom=0.5)
 
 
 def test_zero_size_leaf_is_rejected():

@@ -88,7 +88,8 @@ def _groups(strategy, order, nbytes, num_buckets, bucket_bytes, *,
 def plan(params, *, density: float = 0.01, strategy: str | None = None,
          estimator: str = "dgc", num_buckets: int = 4,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-         last_bucket_bytes: int | None = None, headroom: float = 1.5,
+         last_bucket_bytes: int | None = None,
+         headroom: float = plan_lib.Settings.headroom,
          min_sparse_size: int = 1024, refresh: int = 1, feedback: bool = True,
          sample_fraction: float = 0.01, sidco_stages: int = 2, seed: int = 0,
          collective: str = "allgather", zen_table: float = 2.0,
@@ -159,7 +160,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
       or not headroom >= 1):
     raise plan_lib.PlanError(
         f"headroom={headroom!r} must be a number >= 1 (slots per leaf over "
-        "the target count ⌈ρ·n⌉; 1.5 by default).")
+        f"the target count ⌈ρ·n⌉; {plan_lib.Settings.headroom} by default).")
   if last_bucket_bytes is not None and (
       isinstance(last_bucket_bytes, bool) or
       not isinstance(last_bucket_bytes, numbers.Integral) or
