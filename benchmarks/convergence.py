@@ -16,11 +16,13 @@ recipe and dense get the same learning-rate grid; the best value of each
   # tables and a PNG from a results file (also written by each study)
   python benchmarks/convergence.py report results/conv_tiny.json
 
-Recipes for ``lm`` (``name[+warm][+flushN][+delay][+early][+net][+bf16wire]``): ``dense`` (AdamW
+Recipes for ``lm`` (``name[+warm][+flushN][+delay[+predict]][+early][+net][+bf16wire]``): ``dense`` (AdamW
 after a pmean), every name of ``jaxfuse.RECIPES``; ``+warm`` adds DGC's
 density ramp (``--warm-steps`` per density), ``+flushN`` a density-1 step
 every N steps (``train_lm --flush-every``), ``+delay`` the recipe on the
 previous step's gradients (``jaxfuse.delayed``, ``train_lm --delay``),
+``+predict`` with it the gradient at the predicted parameters
+(``delayed(..., predict=True)``, ``train_lm --predict``),
 ``+early`` the step under ``jaxfuse.send_early`` (``train_lm --send-early``),
 ``+net`` XLA told the network (``train_lm --network-gbytes-s``,
 ``jaxfuse.xla_flags``): its 3 GB/s, or half of it with ``+early`` (what
@@ -95,6 +97,8 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
       cmd += ["--collective", part]
     elif part == "delay":
       cmd += ["--delay"]
+    elif part == "predict":
+      cmd += ["--predict"]
     elif part == "early":
       cmd += ["--send-early"]
     elif part == "net":   # what each measured fastest with (xla_flags doc)
@@ -103,7 +107,8 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
       cmd += ["--dense-wire", "bfloat16"]
     else:
       raise SystemExit(f"recipe {recipe!r}: suffixes are +warm, +flushN, "
-                       "+zen, +spardl, +delay, +early, +net, +bf16wire")
+                       "+zen, +spardl, +delay, +predict, +early, +net, "
+                       "+bf16wire")
   cmd += ["--warmup-steps", str(warm), "--dense-warmup",
           str(max(1, int(args.dense_fraction * args.steps))
               if name == "onebit_adamw" else 0)]

@@ -97,16 +97,19 @@ AXIS = "data"
 
 def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
                     compiler_options=None, grad_dtype=None, send_early=False,
-                    window=SEND_EARLY_WINDOW):
+                    window=SEND_EARLY_WINDOW, predict=False):
   """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss.
   ``grad_dtype``: differentiate a copy of the parameters in this dtype (the
   gradients, and what the sync sends, are in it; params stay float32).
   ``send_early``: the step under ``jaxfuse.send_early`` with ``window``
-  (0: unbounded)."""
+  (0: unbounded). ``predict``: the gradient at
+  ``jaxfuse.predicted_params`` (``opt`` is ``jaxfuse.delayed(...,
+  predict=True)``)."""
   def local(params, opt_state, batch):
     # Each worker's own gradient of its own shard of the batch.
+    at = jaxfuse.predicted_params(params, opt_state) if predict else params
     loss, grads = jax.value_and_grad(loss_fn)(
-        _cast(jaxfuse.local_params(params, AXIS), grad_dtype), batch)
+        _cast(jaxfuse.local_params(at, AXIS), grad_dtype), batch)
     if sync == "dense":
       grads = jax.lax.pmean(grads, AXIS)
     updates, opt_state = opt.update(grads, opt_state, params)
@@ -197,7 +200,7 @@ def make_optimizer(args, schedule, decay_mask, plan):
   if args.momentum is not None:
     options["momentum"] = args.momentum
   rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
-  return jaxfuse.delayed(rule) if args.delay else rule
+  return jaxfuse.delayed(rule, predict=args.predict) if args.delay else rule
 
 
 def trace_steps(args, start: int, steps: int) -> range:
@@ -447,7 +450,7 @@ def main(argv=None) -> dict:
       train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
                                    mesh, opt_specs, args.sync, xla_options,
                                    grad_dtype, args.send_early,
-                                   args.send_early_window)
+                                   args.send_early_window, args.predict)
     step_fn = train_step
     if plan is not None and args.flush_every and (
         (step + 1) % args.flush_every == 0):
@@ -455,7 +458,7 @@ def main(argv=None) -> dict:
         flush_step = make_train_step(
             loss_fn, make_opt(flush_plan), mesh,
             opt_specs, args.sync, xla_options, grad_dtype, args.send_early,
-            args.send_early_window)
+            args.send_early_window, args.predict)
       step_fn = flush_step
     compiles = not any(f is step_fn for f in called)
     if compiles:                                 # this call compiles it

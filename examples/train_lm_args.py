@@ -131,6 +131,10 @@ def parse_args(argv):
                  help="apply the recipe to the previous step's gradients "
                  "(jaxfuse.delayed): its communication can then overlap the "
                  "whole step; pair with XLA_FLAGS from jaxfuse.xla_flags")
+  p.add_argument("--predict", action="store_true",
+                 help="with --delay: take each gradient at the predicted "
+                 "parameters θ + (the last update), where it will be applied "
+                 "(jaxfuse.delayed(..., predict=True))")
   p.add_argument("--send-early", action="store_true",
                  help="compute each bucket's wire as soon as the backward "
                  "has made it and send it while the backward goes on "
@@ -252,6 +256,8 @@ def parse_args(argv):
             "of the steps; 1-bit Adam: 15-25%%)")
   if args.delay and args.sync == "dense":
     p.error("--delay delays a jaxfuse recipe; --sync dense has none")
+  if args.predict and not args.delay:
+    p.error("--predict predicts where a delayed gradient lands: add --delay")
   if args.dense_settle is not None:
     if not (args.optimizer == "onebit_adamw" and args.sync != "dense"):
       p.error("--dense-settle ends onebit_adamw's dense warm-up; give "

@@ -19,6 +19,7 @@ from jaxfuse.compile_options import xla_flags
 from jaxfuse.compile_options import xla_options
 from jaxfuse.delay import DelayedState
 from jaxfuse.delay import delayed
+from jaxfuse.delay import predicted_params
 from jaxfuse.overlap import send_early
 from jaxfuse.plans import BucketPlan
 from jaxfuse.plans import LeafPlan
@@ -67,8 +68,7 @@ __all__ = [
     "SparseSyncState", "SyncError", "SyncStats", "check_phases", "demo",
     "density_warmup", "init_state", "local_adamw", "local_clip_by_global_norm",
     "local_params", "make_mesh", "onebit_adamw", "per_worker", "per_worker_mask",
-    "phase_index",
-    "plan", "second_moment", "second_moment_change", "send_early", "sgd",
+    "phase_index", "plan", "predicted_params", "second_moment", "second_moment_change", "send_early", "sgd",
     "sparse_sync", "state_specs", "summarize",
     "sync_adamw",
     "sync_stats", "unit_residuals", "with_density", "xla_flags", "xla_options",

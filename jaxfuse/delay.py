@@ -20,6 +20,16 @@ debt plus the pending gradients, (1/K)·Σ_k pending_k: a checkpoint keeps
 them, an elastic restart redistributes them like residuals. The pending
 gradients cost one gradient's memory per worker.
 
+**Weight prediction** (``predict=True``): the gradient taken at step t
+is applied at step t+1, to θ_{t+1} = θ_t + u_t. Taking it instead at the
+predicted parameters (SpecTrain's weight prediction)::
+
+  θ̂_t = θ_t + u_{t−1}        (``predicted_params(params, state)``)
+
+makes it nearly the fresh gradient of the parameters it updates, whenever
+consecutive updates are alike (u_t ≈ u_{t−1}). The state keeps u_{t−1}
+(replicated, one parameter copy).
+
 For the collectives to start early on GPUs the scheduler must know what
 they cost: ``jaxfuse.xla_flags(network_gbytes_s=...)``.
 """
@@ -40,29 +50,40 @@ class DelayedState(NamedTuple):
   count: jax.Array                   # steps taken, int32 (replicated)
   pending: transform.PerWorkerState  # the previous step's local gradients
   inner: Any                         # the inner optimizer's state
+  last_update: Any = None            # u_{t−1} (predict=True), else None
 
 
 def _holds(x) -> bool:
   return _compat.is_float_dtype(jnp.result_type(x))
 
 
-def delayed(inner: optax.GradientTransformation
+def delayed(inner: optax.GradientTransformation, *, predict: bool = False
             ) -> optax.GradientTransformationExtraArgs:
   """``inner`` applied to the previous step's gradients (module doc).
+
+  ``predict=True`` keeps the last update for ``predicted_params``: take
+  the step's gradient at ``predicted_params(params, opt_state)`` instead
+  of ``params``.
 
   Use it around a whole jaxfuse recipe, ``delayed(jaxfuse.onebit_adamw(
   plan, ...))``; its state holds per-worker gradients, so create it with
   ``jaxfuse.init_state`` and pass ``jaxfuse.state_specs`` as usual.
   Non-float leaves (no gradient) pass through undelayed.
   """
+  if not isinstance(predict, bool):
+    raise transform.SyncError(f"delayed: predict={predict!r} must be True "
+                              "or False.")
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
     pending = jax.tree.map(
         lambda p: jnp.zeros((1,) + jnp.shape(p), jnp.result_type(p))
         if _holds(p) else jnp.zeros((1,), jnp.bool_), params)
+    last = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p)),
+                        params) if predict else None
     return DelayedState(jnp.zeros((), jnp.int32),
-                        transform.PerWorkerState(pending), inner.init(params))
+                        transform.PerWorkerState(pending), inner.init(params),
+                        last)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, DelayedState):
@@ -80,7 +101,34 @@ def delayed(inner: optax.GradientTransformation
     pending = jax.tree.map(
         lambda g, p: g.astype(p.dtype)[None] if _holds(g) else p,
         updates, state.pending.inner)
+    last = (jax.tree.map(lambda o, l: o.astype(l.dtype), out,
+                         state.last_update) if predict else None)
     return out, DelayedState(state.count + 1,
-                             transform.PerWorkerState(pending), new_inner)
+                             transform.PerWorkerState(pending), new_inner,
+                             last)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def predicted_params(params, opt_state):
+  """θ̂ = θ + u_{t−1}: where the step's gradient will be applied, for a
+  ``delayed(..., predict=True)`` optimizer's state (module doc). Take the
+  gradient at it: ``jax.grad(loss)(predicted_params(params, state), ...)``.
+  """
+  found = [s for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, DelayedState))
+           if isinstance(s, DelayedState)]
+  if len(found) != 1 or found[0].last_update is None:
+    raise transform.SyncError(
+        "predicted_params needs the state of one jaxfuse.delayed(..., "
+        f"predict=True) optimizer; found {len(found)} DelayedState(s)"
+        + (" without predict=True" if found and found[0].last_update is None
+           else "") + ".")
+  last = found[0].last_update
+  if jax.tree.structure(last) != jax.tree.structure(params):
+    raise transform.SyncError(
+        "predicted_params: params do not have the structure the optimizer "
+        "state was created for (jaxfuse.init_state(optimizer, params, "
+        "mesh)).")
+  return jax.tree.map(lambda p, u: (p + u.astype(p.dtype)) if _holds(p)
+                      else p, params, last)

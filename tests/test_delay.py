@@ -1,13 +1,15 @@
 """``jaxfuse.delayed``: the inner optimizer on the previous step's
 gradients (first update zero, its state untouched), per-worker pending
 gradients that checkpoints and elastic restarts keep, and collectives that
-wait for no gradient of the step they run in."""
+wait for no gradient of the step they run in; with ``predict=True`` the
+last update, ``predicted_params`` and the stable rates it widens."""
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
+import optax
 import pytest
 
 import jaxfuse
@@ -77,10 +79,76 @@ def test_delayed_is_the_inner_optimizer_one_step_late(recipe):
   assert int(state.count) == len(grads)
 
 
-def test_pending_gradients_are_per_worker_and_kept_on_resize():
+def test_predict_keeps_the_last_update_and_predicts_with_it():
+  """predict=True changes no update; the state holds u_{t−1} and
+  predicted_params is θ + u_{t−1} (replicated, like the parameters)."""
+  mesh = mesh_of(4)
+  plan, params, grads = _problem(3, 4, 4)
+  make = lambda: jaxfuse.sgd(plan, 0.1, 0.9, clip_norm=5.0)
+  got, state = _updates(jaxfuse.delayed(make(), predict=True), mesh, params,
+                        grads)
+  want, _ = _updates(jaxfuse.delayed(make()), mesh, params, grads)
+  for g, w in zip(got, want):
+    for n in SHAPES:
+      np.testing.assert_array_equal(g[n], w[n])
+  assert jaxfuse.state_specs(state).last_update == {n: P() for n in SHAPES}
+  predicted = jaxfuse.predicted_params(params, state)
+  for n in SHAPES:
+    assert np.abs(got[-1][n]).max() > 1e-3
+    np.testing.assert_array_equal(np.asarray(state.last_update[n]),
+                                  got[-1][n])
+    np.testing.assert_allclose(np.asarray(predicted[n]),
+                               params[n] + got[-1][n], rtol=1e-6)
+
+
+def _heavy_ball_distance(curvature, predict, steps=300):
+  """|θ| after ``steps`` of delayed heavy ball (η = 1, β = 0.9) on
+  ½·h·θ², the gradient at ``predicted_params`` or at θ."""
+  opt = jaxfuse.delayed(optax.sgd(1.0, momentum=0.9), predict=predict)
+  theta = {"w": jnp.ones((2,), jnp.float32)}
+  state = opt.init(theta)
+  for _ in range(steps):
+    at = jaxfuse.predicted_params(theta, state) if predict else theta
+    u, state = opt.update({"w": curvature * at["w"]}, state, theta)
+    theta = optax.apply_updates(theta, u)
+  return float(jnp.abs(theta["w"]).max())
+
+
+@pytest.mark.parametrize("curvature, stale, predicted", [
+    (0.05, "converges", "converges"),
+    (0.2, "diverges", "converges"),
+    (0.5, "diverges", "diverges"),
+])
+def test_prediction_widens_stale_heavy_balls_stable_rates(curvature, stale,
+                                                          predicted):
+  """Heavy ball (β = 0.9) on ½·h·θ² is stable for η·h < 2(1 + β) = 3.8
+  fresh, < 1 − β = 0.1 one step stale, and < 0.27 with the gradient at
+  θ + u_{t−1} (the recurrences' spectral radii; docs/convergence.md)."""
+  for predict, expect in ((False, stale), (True, predicted)):
+    distance = _heavy_ball_distance(curvature, predict)
+    assert (distance < 1e-3 if expect == "converges" else distance > 1e3), (
+        f"h={curvature} predict={predict}: |θ| = {distance:.3g}")
+
+
+def test_predicted_params_needs_a_predicting_delayed_state():
+  plan, params, _ = _problem(4, 1, 1)
+  with pytest.raises(jaxfuse.SyncError, match="predict=True"):
+    jaxfuse.predicted_params(params, jaxfuse.delayed(
+        jaxfuse.sgd(plan, 0.1)).init(params))
+  with pytest.raises(jaxfuse.SyncError, match="found 0 DelayedState"):
+    jaxfuse.predicted_params(params, jaxfuse.sgd(plan, 0.1).init(params))
+  state = jaxfuse.delayed(jaxfuse.sgd(plan, 0.1), predict=True).init(params)
+  with pytest.raises(jaxfuse.SyncError, match="structure"):
+    jaxfuse.predicted_params({"w": params["w"]}, state)
+  with pytest.raises(jaxfuse.SyncError, match="predict=1"):
+    jaxfuse.delayed(jaxfuse.sgd(plan, 0.1), predict=1)
+
+
+@pytest.mark.parametrize("predict", [False, True])
+def test_pending_gradients_are_per_worker_and_kept_on_resize(predict):
   mesh = mesh_of(4)
   plan, params, grads = _problem(1, 2, 4)
-  opt = jaxfuse.delayed(jaxfuse.sgd(plan, 0.1))
+  opt = jaxfuse.delayed(jaxfuse.sgd(plan, 0.1), predict=predict)
   _, state = _updates(opt, mesh, params, grads)
   specs = jaxfuse.state_specs(state)
   assert all(s == P("data") for s in jax.tree.leaves(
@@ -92,11 +160,37 @@ def test_pending_gradients_are_per_worker_and_kept_on_resize():
                        mask)
   for a, b in zip(before, after):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  if predict:   # the last update is replicated: a resize keeps it as is
+    resized = elastic.resize_tree(jax.device_get(state), mask, 2)
+    for n in SHAPES:
+      assert np.abs(np.asarray(state.last_update[n])).max() > 0
+      np.testing.assert_array_equal(np.asarray(resized.last_update[n]),
+                                    np.asarray(state.last_update[n]))
   # The pending gradients' worker mean is among what is kept.
   pending = [np.asarray(grads[-1][n], np.float64).mean(0) for n in
              sorted(SHAPES)]
   assert any(any(a.shape == p.shape and np.allclose(a, p) for a in before)
              for p in pending)
+
+
+@pytest.mark.parametrize("predict", [False, True])
+def test_a_checkpoint_keeps_the_pending_gradients_and_last_update(
+    tmp_path, predict):
+  from jaxfuse import checkpoint  # pylint: disable=g-import-not-at-top
+  mesh = mesh_of(4)
+  plan, params, grads = _problem(5, 2, 4)
+  opt = jaxfuse.delayed(jaxfuse.sgd(plan, 0.1, 0.9), predict=predict)
+  _, state = _updates(opt, mesh, params, grads)
+  mngr = checkpoint.manager(tmp_path)
+  checkpoint.save(mngr, 2, state, plan)
+  mngr.wait_until_finished()
+  _, back = checkpoint.restore(mngr, jaxfuse.init_state(opt, params, mesh),
+                               plan)
+  assert (back.last_update is None) == (not predict)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any(np.abs(np.asarray(x)).max() > 0
+             for x in jax.tree.leaves(back.pending))
 
 
 def test_delayed_rejects_a_foreign_state():

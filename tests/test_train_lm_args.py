@@ -1,7 +1,8 @@
 """examples/train_lm.py's ``--send-early-window`` (checked where it is
 parsed, and handed to ``jaxfuse.send_early`` as its window),
-``--trace-steps`` (checked, and resolved against the run's steps) and the
-plan's options (``--headroom`` reaching the plan's slot counts)."""
+``--trace-steps`` (checked, and resolved against the run's steps), the
+plan's options (``--headroom`` reaching the plan's slot counts) and
+``--predict`` (the gradient at ``jaxfuse.predicted_params``)."""
 
 import math
 
@@ -30,6 +31,8 @@ def example():
      "'5:5': give the first step and the step after the last, like 300:305"),
     (["--trace-dir", "t", "--trace-steps", "7"], "like 300:305"),
     (["--headroom", "0.8"], "--headroom 0.8: give a number >= 1"),
+    (["--predict"], "--predict predicts where a delayed gradient lands: add "
+     "--delay"),
 ])
 def test_bad_arguments_stop_with_the_fix(example, capsys, argv, message):
   _, args_lib = example
@@ -57,6 +60,32 @@ def test_the_window_reaches_send_early(example, monkeypatch):
   train_lm.make_train_step(lambda p, b: 0.0, optax.sgd(0.1), mesh, P(),
                            "jaxfuse", send_early=False, window=2)
   assert seen == [1, 2, None]
+
+
+def test_predict_takes_the_gradient_at_the_predicted_parameters(example):
+  """With ``predict`` the step differentiates at θ + u_{t−1}: on ½‖θ‖² the
+  gradient is the point it is taken at, which waits in the state."""
+  train_lm, _ = example
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), (train_lm.AXIS,))
+  params = {"w": jax.numpy.arange(1.0, 4.0)}
+  plan = jaxfuse.with_density(jaxfuse.plan(params), 1.0)
+  opt = jaxfuse.delayed(jaxfuse.sgd(plan, 0.25, momentum=0.0), predict=True)
+  state = jaxfuse.init_state(opt, params, mesh)
+  step = train_lm.make_train_step(
+      lambda p, b: 0.5 * jax.numpy.sum(p["w"] ** 2), opt, mesh,
+      jaxfuse.state_specs(state), "jaxfuse", predict=True)
+  batch = np.zeros((1, 2), np.int32)
+  history = [np.asarray(params["w"])]
+  for _ in range(3):
+    params, state, _ = step(params, state, batch)
+    history.append(np.asarray(params["w"]))
+  # θ3 = θ2 + u2 with u2 = −0.25·(θ1 + u0), u0 = 0: the gradient of step 1.
+  np.testing.assert_allclose(history[3] - history[2], -0.25 * history[1])
+  # Step 2's gradient, waiting, was taken at θ2 + u1 (not at θ2).
+  np.testing.assert_allclose(
+      np.asarray(state.pending.inner["w"])[0],
+      history[2] + (history[2] - history[1]))
 
 
 @pytest.mark.parametrize("headroom", [1.5, 1.2])
