@@ -16,11 +16,13 @@ recipe and dense get the same learning-rate grid; the best value of each
   # tables and a PNG from a results file (also written by each study)
   python benchmarks/convergence.py report results/conv_tiny.json
 
-Recipes for ``lm`` (``name[+warm][+flushN][+delay[+predict]][+early][+net][+bf16wire]``): ``dense`` (AdamW
-after a pmean), every name of ``jaxfuse.RECIPES``; ``+warm`` adds DGC's
-density ramp (``--warm-steps`` per density), ``+flushN`` a density-1 step
-every N steps (``train_lm --flush-every``), ``+delay`` the recipe on the
-previous step's gradients (``jaxfuse.delayed``, ``train_lm --delay``),
+Recipes for ``lm``
+(``name[+warm][+flushN][+delay[+predict]][+early][+net][+bf16wire]``):
+``dense`` (AdamW after a pmean), every name of ``jaxfuse.RECIPES``;
+``+warm`` adds DGC's density ramp (``--warm-steps`` per density),
+``+flushN`` a density-1 step every N steps (``train_lm --flush-every``),
+``+delay`` the recipe on the previous step's gradients
+(``jaxfuse.delayed``, ``train_lm --delay``),
 ``+predict`` with it the gradient at the predicted parameters
 (``delayed(..., predict=True)``, ``train_lm --predict``),
 ``+early`` the step under ``jaxfuse.send_early`` (``train_lm --send-early``),

@@ -134,7 +134,8 @@ def parse_args(argv):
   p.add_argument("--predict", action="store_true",
                  help="with --delay: take each gradient at the predicted "
                  "parameters θ + (the last update), where it will be applied "
-                 "(jaxfuse.delayed(..., predict=True))")
+                 "(jaxfuse.delayed(..., predict=True)); the logged training "
+                 "loss is then the predicted parameters'")
   p.add_argument("--send-early", action="store_true",
                  help="compute each bucket's wire as soon as the backward "
                  "has made it and send it while the backward goes on "

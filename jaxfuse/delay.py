@@ -63,7 +63,8 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
 
   ``predict=True`` keeps the last update for ``predicted_params``: take
   the step's gradient at ``predicted_params(params, opt_state)`` instead
-  of ``params``.
+  of ``params``. The prediction is right only when ``delayed`` is the
+  outermost transform and its updates are applied as they are.
 
   Use it around a whole jaxfuse recipe, ``delayed(jaxfuse.onebit_adamw(
   plan, ...))``; its state holds per-worker gradients, so create it with
@@ -114,6 +115,8 @@ def predicted_params(params, opt_state):
   """θ̂ = θ + u_{t−1}: where the step's gradient will be applied, for a
   ``delayed(..., predict=True)`` optimizer's state (module doc). Take the
   gradient at it: ``jax.grad(loss)(predicted_params(params, state), ...)``.
+  u_{t−1} is what ``delayed`` returned last: right when it is the
+  outermost transform and its updates are applied as they are.
   """
   found = [s for s in jax.tree.leaves(
       opt_state, is_leaf=lambda x: isinstance(x, DelayedState))
