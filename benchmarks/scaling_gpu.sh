@@ -72,7 +72,10 @@
 #            the plain step without XLA's network flags, then the procs
 #            step), each cut at DIAG_TIMEOUT s (default 150) with SIGABRT,
 #            so Python's faulthandler prints every thread's stack to the
-#            logs; NCCL_DEBUG=WARN (about 5 minutes on 4 GPUs)
+#            logs; NCCL_DEBUG=WARN (about 5 minutes on 4 GPUs); DUMP=1
+#            also dumps each process's compiled programs and compares the
+#            order of their collectives (benchmarks/collective_order.py;
+#            the lists in collectives_VARIANT/)
 #   steady   socket: the README recipe's sparse phase in the training loop
 #            (5 dense steps, then ρ = 0.05, size 64 MiB, send_early,
 #            xla_flags(1.5); RECIPE_ARGS to add or override, e.g.
@@ -246,6 +249,7 @@ PY
   ;;
 procsdiag)
   export $SOCKET NCCL_DEBUG=WARN
+  [ "${DUMP:-0}" = 1 ] && unset JAX_COMPILATION_CACHE_DIR  # compile, dump
   n=$(nvidia-smi -L | wc -l)
   base="--preset ${PRESET:-gpt2-small} --steps 4 --log-every 1 --density 0.05
      --optimizer onebit_adamw --dense-warmup 1 --warmup-steps 0
@@ -257,8 +261,11 @@ procsdiag)
       *) echo "VARIANTS: plain or early, not $v"; exit 2 ;;
     esac
     port=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+    dumps=$(mktemp -d)
     for ((i = 0; i < n; i++)); do
-      CUDA_VISIBLE_DEVICES=$i timeout -s ABRT ${DIAG_TIMEOUT:-150} \
+      dump=; [ "${DUMP:-0}" = 1 ] && dump="--xla_dump_to=$dumps/${v}_$i"
+      CUDA_VISIBLE_DEVICES=$i XLA_FLAGS="${XLA_FLAGS:-} $dump" \
+          timeout -s ABRT ${DIAG_TIMEOUT:-150} \
           python -X faulthandler examples/train_lm.py $A \
           --coordinator "localhost:$port" --num-processes $n --process-id $i \
           > "$OUT/diag_${v}_$i.log" 2>&1 &
@@ -266,6 +273,9 @@ procsdiag)
     wait
     echo "== $v: the last lines of process 0"
     grep -v "^ *$" "$OUT/diag_${v}_0.log" | grep -v "Gloo" | tail -n 40
+    [ "${DUMP:-0}" = 1 ] && python benchmarks/collective_order.py \
+        --lists-out "$OUT/collectives_$v" "$dumps"/${v}_*
+    rm -rf "$dumps"
   done
   ;;
 steady)
