@@ -3,11 +3,12 @@
 NCCL needs every rank to issue the collectives of a communicator in one
 order; under ``jax.distributed`` each process compiles its own program, so
 schedules that differ between processes hang the step. Given one XLA dump
-directory per process (``XLA_FLAGS=--xla_dump_to=DIR``), this takes each
-process's scheduled module with the most collectives (by default; or the
-one whose file name matches ``--module``), lists its collectives in
-program order (opcode, result shape, replica groups) and prints where the
-processes' lists first differ.
+directory per process (``XLA_FLAGS=--xla_dump_to=DIR``), this lists the
+collectives of each scheduled module (opcode, result shape, replica
+groups, in the order of the module's text: called computations first, then
+the entry's schedule), pairs the modules by name and compile order
+(``--module``: only file names matching a regex) and prints, per module, whether every process has
+the same list and where the first difference is.
 
   python benchmarks/collective_order.py DUMP_0 DUMP_1 ... [--module RE]
 """
@@ -35,17 +36,32 @@ def collectives(text: str) -> list[str]:
   return found
 
 
-def scheduled_module(directory: pathlib.Path, pattern: str | None):
-  """The after-optimizations module of ``directory`` matching ``pattern``
-  with the most collectives: (file, its collectives)."""
-  best = (None, [])
-  for f in sorted(directory.glob("*after_optimizations.txt")):
+def scheduled_modules(directory: pathlib.Path, pattern: str | None = None
+                      ) -> dict[str, list[str]]:
+  """Module name -> collectives, for each after-optimizations module of
+  ``directory`` that has any (and whose file name matches ``pattern``).
+  The name leaves out XLA's module number, which can differ between
+  processes; the n-th module of one name (in compile order) is
+  'NAME#n'."""
+  found, seen = {}, {}
+  files = directory.glob("module_*after_optimizations.txt")
+  for f in sorted(files, key=lambda f: int(f.name.split(".")[0][7:])):
     if pattern and not re.search(pattern, f.name):
       continue
-    found = collectives(f.read_text(errors="replace"))
-    if len(found) > len(best[1]):
-      best = (f, found)
-  return best
+    listed = collectives(f.read_text(errors="replace"))
+    if listed:
+      name = f.name.split(".", 1)[1].replace("_after_optimizations.txt", "")
+      n = seen[name] = seen.get(name, -1) + 1
+      found[f"{name}#{n}"] = listed
+  return found
+
+
+def first_difference(a: list[str], b: list[str]) -> int | None:
+  """The first index where ``a`` and ``b`` differ (None: equal)."""
+  at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+  if at is None and len(a) != len(b):
+    at = min(len(a), len(b))
+  return at
 
 
 def main(argv=None) -> int:
@@ -53,32 +69,42 @@ def main(argv=None) -> int:
   parser.add_argument("dumps", nargs="+", type=pathlib.Path)
   parser.add_argument("--module", help="regex on the dump's file names")
   parser.add_argument("--lists-out", type=pathlib.Path,
-                      help="write each process's list to DIR/<dump>.txt")
+                      help="write each list to DIR/<dump>/<module>.txt")
   args = parser.parse_args(argv)
-  lists = []
-  for d in args.dumps:
-    f, found = scheduled_module(d, args.module)
-    print(f"{d}: {f.name if f else 'no module'}, {len(found)} collectives")
-    lists.append(found)
+  per_process = [scheduled_modules(d, args.module) for d in args.dumps]
+  names = sorted(set().union(*per_process))
+  same = bool(names)
+  if not names:
+    print("no module with collectives in", *map(str, args.dumps))
+  for name in names:
+    lists = [found.get(name) for found in per_process]
     if args.lists_out:
-      args.lists_out.mkdir(parents=True, exist_ok=True)
-      (args.lists_out / f"{d.name}.txt").write_text(
-          f"{f}\n" + "".join(c + "\n" for c in found))
-  first = lists[0]
-  same = True
-  for d, other in zip(args.dumps[1:], lists[1:]):
-    at = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b),
-              None if len(first) == len(other) else min(len(first), len(other)))
-    if at is None:
-      print(f"{d}: the same {len(other)} collectives in the same order")
+      for d, listed in zip(args.dumps, lists):
+        if listed is not None:
+          out = args.lists_out / d.name / name
+          out.parent.mkdir(parents=True, exist_ok=True)
+          out.write_text("".join(c + "\n" for c in listed))
+    missing = [str(d) for d, x in zip(args.dumps, lists) if x is None]
+    if missing:
+      same = False
+      print(f"{name}: not compiled by {', '.join(missing)}")
+      continue
+    first = lists[0]
+    differs = [(d, other, first_difference(first, other))
+               for d, other in zip(args.dumps[1:], lists[1:])]
+    differs = [x for x in differs if x[2] is not None]
+    if not differs:
+      print(f"{name}: the same {len(first)} collectives in the same order "
+            f"in all {len(lists)} processes")
       continue
     same = False
-    print(f"{d}: differs from {args.dumps[0]} at collective {at}:")
-    for i in range(max(0, at - 2), min(at + 3, max(len(first), len(other)))):
-      a = first[i] if i < len(first) else "-"
-      b = other[i] if i < len(other) else "-"
-      print(f"  {i:4d} {'  ' if a == b else '!='} {a[:90]}\n"
-            f"       {'  ' if a == b else '  '} {b[:90]}")
+    for d, other, at in differs:
+      print(f"{name}: {d} differs from {args.dumps[0]} at collective {at}:")
+      for i in range(max(0, at - 2), min(at + 3, max(len(first), len(other)))):
+        a = first[i] if i < len(first) else "-"
+        b = other[i] if i < len(other) else "-"
+        mark = "  " if a == b else "!="
+        print(f"  {i:4d} {mark} {a[:100]}\n          {b[:100]}")
   return 0 if same else 1
 
 

@@ -52,11 +52,12 @@ def dumps(tmp_path_factory):
 
 
 def test_lists_the_collectives_in_program_order(co, dumps):
-  f, found = co.scheduled_module(dumps["a"], None)
-  assert "gather_first" in f.name
-  assert [c.split()[0] for c in found] == ["all-gather", "all-reduce"]
-  assert all("{{0,1}}" in c for c in found)
-  _, other = co.scheduled_module(dumps["c"], None)
+  found = co.scheduled_modules(dumps["a"])
+  assert list(found) == ["jit_gather_first.cpu#0"]
+  listed = found["jit_gather_first.cpu#0"]
+  assert [c.split()[0] for c in listed] == ["all-gather", "all-reduce"]
+  assert all("{{0,1}}" in c for c in listed)
+  other = co.scheduled_modules(dumps["c"])["jit_psum_first.cpu#0"]
   assert [c.split()[0] for c in other] == ["all-reduce", "all-gather"]
 
 
@@ -64,17 +65,39 @@ def test_same_programs_agree_and_reordered_ones_do_not(co, dumps, capsys,
                                                        tmp_path):
   assert co.main([str(dumps["a"]), str(dumps["b"]),
                   "--lists-out", str(tmp_path)]) == 0
-  assert "the same 2 collectives in the same order" in capsys.readouterr().out
-  assert (tmp_path / "b.txt").read_text().splitlines()[1].startswith(
-      "all-gather")
+  assert ("the same 2 collectives in the same order in all 2 processes"
+          in capsys.readouterr().out)
+  listed = (tmp_path / "b" / "jit_gather_first.cpu#0").read_text()
+  assert listed.splitlines()[0].startswith("all-gather")
+  # Another program under another name: not compiled by the other.
   assert co.main([str(dumps["a"]), str(dumps["c"])]) == 1
+  assert "not compiled by" in capsys.readouterr().out
+
+
+def test_finds_where_two_lists_first_differ(co):
+  assert co.first_difference(["a", "b"], ["a", "b"]) is None
+  assert co.first_difference(["a", "b", "c"], ["a", "c", "b"]) == 1
+  assert co.first_difference(["a", "b"], ["a", "b", "c"]) == 2
+
+
+def test_pairs_modules_by_name_and_order_not_number(co, tmp_path, capsys):
+  """Process 1 compiled one more module first (its numbers shift); its
+  second 'jit_step' lists the psum first."""
+  gather = "%a = f32[8]{0} all-gather(%p), replica_groups={{0,1}}\n"
+  psum = "%b = f32[4]{0} all-reduce(%p), replica_groups={{0,1}}\n"
+  for d, files in (("p0", {1: gather, 2: gather + psum}),
+                   ("p1", {1: "", 2: gather, 3: psum + gather})):
+    (tmp_path / d).mkdir()
+    for number, text in files.items():
+      name = "jit_other" if (d, number) == ("p1", 1) else "jit_step"
+      (tmp_path / d / f"module_{number:04d}.{name}.gpu_after_optimizations"
+       ".txt").write_text(text)
+  found = co.scheduled_modules(tmp_path / "p1")
+  assert list(found) == ["jit_step.gpu#0", "jit_step.gpu#1"]
+  assert co.main([str(tmp_path / "p0"), str(tmp_path / "p1")]) == 1
   out = capsys.readouterr().out
-  assert "differs from" in out and "at collective 0:" in out
-
-
-def test_a_module_filter_that_matches_nothing_finds_no_collectives(co, dumps):
-  f, found = co.scheduled_module(dumps["a"], "no_such_module")
-  assert f is None and found == []
+  assert "jit_step.gpu#0: the same 1 collectives" in out
+  assert "jit_step.gpu#1: " in out and "at collective 0:" in out
 
 
 def test_parses_gpu_style_async_starts(co):
@@ -88,3 +111,10 @@ def test_parses_gpu_style_async_starts(co):
   assert co.collectives(text) == [
       "all-gather-start (f32[4]{0}, f32[16]{0}) [1,4]<=[4]",
       "all-reduce-start f32[16]{0} {{0,1,2,3}}"]
+
+
+def test_a_module_filter_that_matches_nothing_finds_no_collectives(co, dumps,
+                                                                   capsys):
+  assert co.scheduled_modules(dumps["a"], "no_such_module") == {}
+  assert co.main([str(dumps["a"]), "--module", "no_such_module"]) == 1
+  assert "no module with collectives" in capsys.readouterr().out
