@@ -21,7 +21,8 @@ COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+"
     r"((?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
     r"|collective-broadcast|ragged-all-to-all)(?:-start)?|async-start)\(")
-GROUPS = re.compile(r"replica_groups=(\{[^}]*\}\}|\[[^\]]*\][^,\s]*)")
+# {{0,1},{2,3}}, [1,4]<=[4] or mesh['d'=2] {'d'}: up to the next attribute
+GROUPS = re.compile(r"replica_groups=(.*?)(?:, [\w.]+=|$)")
 
 
 def collectives(text: str) -> list[str]:
