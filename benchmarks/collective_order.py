@@ -70,7 +70,7 @@ def main(argv=None) -> int:
   parser.add_argument("dumps", nargs="+", type=pathlib.Path)
   parser.add_argument("--module", help="regex on the dump's file names")
   parser.add_argument("--lists-out", type=pathlib.Path,
-                      help="write each list to DIR/<dump>/<module>.txt")
+                      help="write each list to DIR/<dump>/<module>_<n>")
   args = parser.parse_args(argv)
   per_process = [scheduled_modules(d, args.module) for d in args.dumps]
   names = sorted(set().union(*per_process))
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     if args.lists_out:
       for d, listed in zip(args.dumps, lists):
         if listed is not None:
-          out = args.lists_out / d.name / name
+          out = args.lists_out / d.name / name.replace("#", "_")
           out.parent.mkdir(parents=True, exist_ok=True)
           out.write_text("".join(c + "\n" for c in listed))
     missing = [str(d) for d, x in zip(args.dumps, lists) if x is None]

@@ -75,7 +75,7 @@
 #            logs; NCCL_DEBUG=WARN (about 5 minutes on 4 GPUs); DUMP=1
 #            also dumps each process's compiled programs and compares the
 #            order of their collectives (benchmarks/collective_order.py;
-#            the lists in collectives_VARIANT/)
+#            the lists in collectives_VARIANT.tgz)
 #   steady   socket: the README recipe's sparse phase in the training loop
 #            (5 dense steps, then ρ = 0.05, size 64 MiB, send_early,
 #            xla_flags(1.5); RECIPE_ARGS to add or override, e.g.
@@ -273,8 +273,11 @@ procsdiag)
     wait
     echo "== $v: the last lines of process 0"
     grep -v "^ *$" "$OUT/diag_${v}_0.log" | grep -v "Gloo" | tail -n 40
-    [ "${DUMP:-0}" = 1 ] && python benchmarks/collective_order.py \
-        --lists-out "$OUT/collectives_$v" "$dumps"/${v}_*
+    if [ "${DUMP:-0}" = 1 ]; then
+      python benchmarks/collective_order.py --lists-out "$dumps/lists" \
+          "$dumps"/${v}_*
+      tar czf "$OUT/collectives_$v.tgz" -C "$dumps/lists" .
+    fi
     rm -rf "$dumps"
   done
   ;;
