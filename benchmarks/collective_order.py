@@ -7,8 +7,9 @@ directory per process (``XLA_FLAGS=--xla_dump_to=DIR``), this lists the
 collectives of each scheduled module (opcode, result shape, replica
 groups, in the order of the module's text: called computations first, then
 the entry's schedule), pairs the modules by name and compile order
-(``--module``: only file names matching a regex) and prints, per module, whether every process has
-the same list and where the first difference is.
+(``--module``: only file names matching a regex) and prints, per module,
+whether every process has the same list and where the first difference
+is.
 
   python benchmarks/collective_order.py DUMP_0 DUMP_1 ... [--module RE]
 """
