@@ -18,10 +18,15 @@ import pathlib
 import re
 import sys
 
+from jaxfuse.planning import hlo
+
+# The collectives hlo reads and two more, sync or as -start, and
+# async-start (GPU wraps some collectives in one); in every computation,
+# not only the entry (hlo.entry_instructions), with their replica groups.
+OPCODES = hlo.COLLECTIVES + ("collective-broadcast", "ragged-all-to-all")
 COLLECTIVE = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+"
-    r"((?:all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute"
-    r"|collective-broadcast|ragged-all-to-all)(?:-start)?|async-start)\(")
+    rf"((?:{'|'.join(OPCODES)})(?:-start)?|async-start)\(")
 # {{0,1},{2,3}}, [1,4]<=[4] or mesh['d'=2] {'d'}: up to the next attribute
 GROUPS = re.compile(r"replica_groups=(.*?)(?:, [\w.]+=|$)")
 
