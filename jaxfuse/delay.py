@@ -80,8 +80,7 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
     pending = jax.tree.map(
         lambda p: jnp.zeros((1,) + jnp.shape(p), jnp.result_type(p))
         if _holds(p) else jnp.zeros((1,), jnp.bool_), params)
-    last = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.result_type(p)),
-                        params) if predict else None
+    last = jax.tree.map(jnp.zeros_like, params) if predict else None
     return DelayedState(jnp.zeros((), jnp.int32),
                         transform.PerWorkerState(pending), inner.init(params),
                         last)
