@@ -22,11 +22,11 @@ from jaxfuse.planning import hlo
 
 # The collectives hlo reads and two more, sync or as -start, and
 # async-start (GPU wraps some collectives in one); in every computation,
-# not only the entry (hlo.entry_instructions), with their replica groups.
-OPCODES = hlo.COLLECTIVES + ("collective-broadcast", "ragged-all-to-all")
-COLLECTIVE = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+"
-    rf"((?:{'|'.join(OPCODES)})(?:-start)?|async-start)\(")
+# not only the entry, with their replica groups.
+OPCODES = frozenset(
+    op + suffix for op in hlo.COLLECTIVES + ("collective-broadcast",
+                                             "ragged-all-to-all")
+    for suffix in ("", "-start")) | {"async-start"}
 # {{0,1},{2,3}}, [1,4]<=[4] or mesh['d'=2] {'d'}: up to the next attribute
 GROUPS = re.compile(r"replica_groups=(.*?)(?:, [\w.]+=|$)")
 
@@ -34,12 +34,12 @@ GROUPS = re.compile(r"replica_groups=(.*?)(?:, [\w.]+=|$)")
 def collectives(text: str) -> list[str]:
   """The module's collective starts in program order, as 'op shape groups'."""
   found = []
-  for line in text.splitlines():
-    m = COLLECTIVE.match(line)
-    if m:
-      groups = GROUPS.search(line)
-      found.append(f"{m.group(2)} {m.group(1)}"
-                   + (f" {groups.group(1)}" if groups else ""))
+  for computation in hlo.computations(text):
+    for inst in computation.instructions:
+      if inst.opcode in OPCODES:
+        groups = GROUPS.search(inst.attributes)
+        found.append(f"{inst.opcode} {inst.shape}"
+                     + (f" {groups.group(1)}" if groups else ""))
   return found
 
 

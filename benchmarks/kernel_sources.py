@@ -31,13 +31,13 @@ import pathlib
 import re
 from typing import NamedTuple
 
+from jaxfuse.planning import hlo
+
 NOT_KERNELS = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast",
     "after-all", "partition-id", "replica-id", "opt-barrier",
 })
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? ([a-z][a-z\-]*)\(")
 
 
 class Frame(NamedTuple):
@@ -98,13 +98,13 @@ def kernel_sources(text: str, package: str = "jaxfuse") -> dict[str, str]:
   every computation of the module."""
   frames = stack_frames(text)
   out = {}
-  for line in text.splitlines():
-    m = _INSTRUCTION.match(line)
-    if not m or m.group(2) in NOT_KERNELS:
-      continue
-    s = re.search(r"stack_frame_id=(\d+)", line)
-    out[m.group(1)] = source_of(frames.get(int(s.group(1)), []) if s else [],
-                                package)
+  for computation in hlo.computations(text):
+    for inst in computation.instructions:
+      if inst.opcode in NOT_KERNELS:
+        continue
+      s = re.search(r"stack_frame_id=(\d+)", inst.attributes)
+      out[inst.name] = source_of(
+          frames.get(int(s.group(1)), []) if s else [], package)
   return out
 
 
@@ -112,27 +112,20 @@ def kernels_called(text: str) -> set[str]:
   """Instructions that run as kernels: those of the entry computation and
   of the computations it runs (loop bodies and conditions, branches,
   calls), not the insides of fusions (one kernel each) or reducers."""
-  comps, current = {}, None
-  for line in text.splitlines():
-    head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
-    if head:
-      current = head.group(2)
-      comps[current] = (bool(head.group(1)), [])
-    elif current and line.startswith(" "):
-      comps[current][1].append(line)
+  comps = {c.name: c for c in hlo.computations(text)}
   follow = {"while": ("condition", "body"), "call": ("to_apply",),
             "conditional": ("branch_computations", "true_computation",
                             "false_computation")}
-  todo = [n for n, (entry, _) in comps.items() if entry]
+  todo = [c.name for c in comps.values() if c.entry]
   called, out = set(todo), set()
   while todo:
-    for line in comps[todo.pop()][1]:
-      m = _INSTRUCTION.match(line)
-      if not m or m.group(2) in NOT_KERNELS:
+    for inst in comps[todo.pop()].instructions:
+      if inst.opcode in NOT_KERNELS:
         continue
-      out.add(m.group(1))
-      for key in follow.get(m.group(2), ()):
-        ref = re.search(rf"{key}=(\{{[^}}]*\}}|[%\w.\-]+)", line)
+      out.add(inst.name)
+      for key in follow.get(inst.opcode, ()):
+        ref = re.search(rf"{key}=(\{{[^}}]*\}}|[%\w.\-]+)",
+                        inst.attributes)
         for name in re.findall(r"[\w.\-]+", ref.group(1) if ref else ""):
           if name in comps and name not in called:
             called.add(name)

@@ -75,7 +75,11 @@
 #            logs; NCCL_DEBUG=WARN (about 5 minutes on 4 GPUs); DUMP=1
 #            also dumps each process's compiled programs and compares the
 #            order of their collectives (benchmarks/collective_order.py;
-#            the lists in collectives_VARIANT.tgz)
+#            the lists in collectives_VARIANT.tgz) and, like CACHE=off,
+#            runs without the persistent compilation cache (CACHE=fresh:
+#            an empty one that process 0 fills; default: out/jaxcache as
+#            earlier runs left it); VERBOSE=1 keeps XLA's INFO log (the
+#            autotuner's shards) and prints its autotuning lines
 #   steady   socket: the README recipe's sparse phase in the training loop
 #            (5 dense steps, then ρ = 0.05, size 64 MiB, send_early,
 #            xla_flags(1.5); RECIPE_ARGS to add or override, e.g.
@@ -249,7 +253,15 @@ PY
   ;;
 procsdiag)
   export $SOCKET NCCL_DEBUG=WARN
+  case "${CACHE:-keep}" in
+    off) unset JAX_COMPILATION_CACHE_DIR ;;
+    fresh) export JAX_COMPILATION_CACHE_DIR=$(mktemp -d) ;;
+    keep) ;;
+    *) echo "CACHE: off, fresh or keep, not $CACHE"; exit 2 ;;
+  esac
   [ "${DUMP:-0}" = 1 ] && unset JAX_COMPILATION_CACHE_DIR  # compile, dump
+  echo "compilation cache: ${JAX_COMPILATION_CACHE_DIR:-off}"
+  [ "${VERBOSE:-0}" = 1 ] && export TF_CPP_MIN_LOG_LEVEL=0
   n=$(nvidia-smi -L | wc -l)
   base="--preset ${PRESET:-gpt2-small} --steps 4 --log-every 1 --density 0.05
      --optimizer onebit_adamw --dense-warmup 1 --warmup-steps 0
@@ -272,7 +284,12 @@ procsdiag)
     done
     wait
     echo "== $v: the last lines of process 0"
-    grep -v "^ *$" "$OUT/diag_${v}_0.log" | grep -v "Gloo" | tail -n 40
+    grep -v "^ *$" "$OUT/diag_${v}_0.log" | grep -v "Gloo\|^[IW][0-9]\{4\} " \
+        | tail -n 40
+    if [ "${VERBOSE:-0}" = 1 ]; then
+      grep -i "autotun\|shard" "$OUT"/diag_${v}_*.log | cut -c 1-220 | tail -n 60
+      xz -f "$OUT"/diag_${v}_*.log
+    fi
     if [ "${DUMP:-0}" = 1 ]; then
       python benchmarks/collective_order.py --lists-out "$dumps/lists" \
           "$dumps"/${v}_*

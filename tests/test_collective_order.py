@@ -92,7 +92,7 @@ def test_pairs_modules_by_name_and_order_not_number(co, tmp_path, capsys):
     for number, text in files.items():
       name = "jit_other" if (d, number) == ("p1", 1) else "jit_step"
       (tmp_path / d / f"module_{number:04d}.{name}.gpu_after_optimizations"
-       ".txt").write_text(text)
+       ".txt").write_text(f"HloModule {name}\n\nENTRY %main {{\n{text}}}\n")
   found = co.scheduled_modules(tmp_path / "p1")
   assert list(found) == ["jit_step.gpu#0", "jit_step.gpu#1"]
   assert co.main([str(tmp_path / "p0"), str(tmp_path / "p1")]) == 1

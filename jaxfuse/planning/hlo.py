@@ -12,15 +12,22 @@ Two questions about a sparse step are answered from it:
 - Overlap: where each async collective starts and ends relative to the
   backward pass's instructions (``schedule``), the ops whose metadata names
   an autodiff transpose.
+
+``computations`` is the reader under both: every computation's
+instructions with their operands, metadata and attributes (the
+benchmarks' HLO tools read the same).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from typing import NamedTuple
 
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+# "%name (params) -> shape {" or "ENTRY %name ... {"; "}" closes it
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -37,46 +44,65 @@ class Instruction:
   name: str
   opcode: str
   operands: tuple[str, ...]
-  parameter: int | None   # the entry parameter number, for parameter()
+  parameter: int | None   # the parameter number, for parameter()
   op_name: str            # the JAX op it came from (metadata), or ""
   shape: str
+  attributes: str = ""    # after the operands: ", replica_groups=..., ..."
+
+
+class Computation(NamedTuple):
+  name: str
+  entry: bool
+  instructions: list[Instruction]
+
+
+def _instruction(line: str) -> Instruction | None:
+  m = _INSTRUCTION.match(line)
+  if not m:
+    return None
+  name, shape, opcode, rest = m.groups()
+  # Operands: up to the call's closing parenthesis (attributes follow).
+  depth, end = 1, len(rest)
+  for i, ch in enumerate(rest):
+    depth += (ch == "(") - (ch == ")")
+    if depth == 0:
+      end = i
+      break
+  param = _PARAMETER.search(opcode + "(" + rest[:end + 1])
+  op_name = _OP_NAME.search(rest)
+  return Instruction(
+      name, opcode, tuple(_OPERAND.findall(rest[:end])),
+      int(param.group(1)) if opcode == "parameter" and param else None,
+      op_name.group(1) if op_name else "", shape, rest[end + 1:])
+
+
+def computations(hlo_text: str) -> list[Computation]:
+  """Every computation of the module with its instructions, both in the
+  listed order (called computations before their callers; on GPU each
+  computation is listed in the order it runs)."""
+  out, current = [], None
+  for line in hlo_text.splitlines():
+    if current is None:
+      m = _COMPUTATION.match(line)
+      if m and not line.startswith("HloModule"):
+        current = Computation(m.group(2), bool(m.group(1)), [])
+    elif line.startswith("}"):
+      out.append(current)
+      current = None
+    elif (inst := _instruction(line)) is not None:
+      current.instructions.append(inst)
+  return out
 
 
 def entry_instructions(hlo_text: str) -> list[Instruction]:
   """The entry computation's instructions, in the listed order."""
-  start = hlo_text.find("\nENTRY ")
-  if start < 0:
-    if hlo_text.startswith("ENTRY "):
-      start = 0
-    else:
-      raise HloError("no ENTRY computation in this HLO text; pass "
-                     "jax.jit(f).lower(...).compile().as_text().")
-  body = hlo_text[start:].split("\n", 2)[2] if start else \
-      hlo_text.split("\n", 1)[1]
-  out = []
-  for line in body.splitlines():
-    if line.startswith("}"):
-      break
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    name, shape, opcode, rest = m.groups()
-    # Operands: up to the call's closing parenthesis (attributes follow).
-    depth, end = 1, len(rest)
-    for i, ch in enumerate(rest):
-      depth += (ch == "(") - (ch == ")")
-      if depth == 0:
-        end = i
-        break
-    param = _PARAMETER.search(opcode + "(" + rest[:end + 1])
-    op_name = _OP_NAME.search(rest)
-    out.append(Instruction(
-        name, opcode, tuple(_OPERAND.findall(rest[:end])),
-        int(param.group(1)) if opcode == "parameter" and param else None,
-        op_name.group(1) if op_name else "", shape))
-  if not out:
+  entry = [c for c in computations(hlo_text) if c.entry]
+  if not entry:
+    raise HloError("no ENTRY computation in this HLO text; pass "
+                   "jax.jit(f).lower(...).compile().as_text().")
+  if not entry[0].instructions:
     raise HloError("the ENTRY computation has no instructions I can read.")
-  return out
+  return entry[0].instructions
 
 
 def _is_collective(inst: Instruction) -> bool:
