@@ -114,5 +114,7 @@ def test_an_entry_alone_reads_and_text_without_one_is_refused():
   assert [i.name for i in hlo.entry_instructions(entry)][:2] == ["p0", "p1"]
   with pytest.raises(hlo.HloError, match="no ENTRY"):
     hlo.entry_instructions(GPU_STYLE.replace("ENTRY ", ""))
+  cut = entry[:entry.index("%agd")]        # no closing brace
+  assert [i.name for i in hlo.entry_instructions(cut)][-1] == "ars"
   with pytest.raises(hlo.HloError, match="no instructions"):
     hlo.entry_instructions("ENTRY %main () -> f32[] {\n}\n")

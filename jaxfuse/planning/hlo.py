@@ -91,6 +91,8 @@ def computations(hlo_text: str) -> list[Computation]:
       current = None
     elif (inst := _instruction(line)) is not None:
       current.instructions.append(inst)
+  if current is not None:   # text cut before the closing brace
+    out.append(current)
   return out
 
 
