@@ -18,29 +18,10 @@ import pathlib
 import re
 import sys
 
+from jaxfuse.planning.agreement import first_difference
 from jaxfuse.planning import hlo
 
-# The collectives hlo reads and two more, sync or as -start, and
-# async-start (GPU wraps some collectives in one); in every computation,
-# not only the entry, with their replica groups.
-OPCODES = frozenset(
-    op + suffix for op in hlo.COLLECTIVES + ("collective-broadcast",
-                                             "ragged-all-to-all")
-    for suffix in ("", "-start")) | {"async-start"}
-# {{0,1},{2,3}}, [1,4]<=[4] or mesh['d'=2] {'d'}: up to the next attribute
-GROUPS = re.compile(r"replica_groups=(.*?)(?:, [\w.]+=|$)")
-
-
-def collectives(text: str) -> list[str]:
-  """The module's collective starts in program order, as 'op shape groups'."""
-  found = []
-  for computation in hlo.computations(text):
-    for inst in computation.instructions:
-      if inst.opcode in OPCODES:
-        groups = GROUPS.search(inst.attributes)
-        found.append(f"{inst.opcode} {inst.shape}"
-                     + (f" {groups.group(1)}" if groups else ""))
-  return found
+collectives = hlo.collective_list   # 'opcode shape groups', in order
 
 
 def scheduled_modules(directory: pathlib.Path, pattern: str | None = None
@@ -61,14 +42,6 @@ def scheduled_modules(directory: pathlib.Path, pattern: str | None = None
       n = seen[name] = seen.get(name, -1) + 1
       found[f"{name}#{n}"] = listed
   return found
-
-
-def first_difference(a: list[str], b: list[str]) -> int | None:
-  """The first index where ``a`` and ``b`` differ (None: equal)."""
-  at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-  if at is None and len(a) != len(b):
-    at = min(len(a), len(b))
-  return at
 
 
 def main(argv=None) -> int:

@@ -478,6 +478,12 @@ def main(argv=None) -> dict:
                                profiler_options=quiet)
       tracing = True
     t0 = time.perf_counter()
+    if compiles and jax.process_count() > 1:
+      # Programs whose collectives differ between processes would hang:
+      # compare them first (the call below runs this compiled program).
+      jaxfuse.check_same_collectives(
+          step_fn.lower(params, opt_state, batch).compile(),
+          what=f"the step compiled at step {step}")
     with (jax.profiler.StepTraceAnnotation("train", step_num=step)
           if tracing else contextlib.nullcontext()):
       params, opt_state, loss = step_fn(params, opt_state, batch)

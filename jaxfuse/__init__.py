@@ -15,6 +15,8 @@ from jaxfuse import elastic
 from jaxfuse import grouped
 from jaxfuse import kernels
 from jaxfuse._compat import make_mesh
+from jaxfuse.planning.agreement import CollectivesDifferError
+from jaxfuse.planning.agreement import check_same_collectives
 from jaxfuse.compile_options import xla_flags
 from jaxfuse.compile_options import xla_options
 from jaxfuse.delay import DelayedState
@@ -60,7 +62,8 @@ from jaxfuse.transform import unit_residuals
 from jaxfuse.version import __version__
 
 __all__ = [
-    "BucketPlan", "COST_STRATEGIES", "DelayedState", "checkpoint",
+    "BucketPlan", "COST_STRATEGIES", "CollectivesDifferError", "DelayedState",
+    "check_same_collectives", "checkpoint",
     "clipping", "collectives", "delayed", "elastic",
     "first_moment", "grouped", "kernels",
     "LeafPlan", "Phase",

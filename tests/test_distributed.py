@@ -347,3 +347,31 @@ def test_profiled_costs_are_process_0s_on_every_process(tmp_path):
   assert got[1].provenance == {"process": 0, "note": "ü"}
   assert got[1].collectives["psum"].alpha == 1e-6
   assert got[1].bucket == 1e-4 and got[1].backward == (1e-3,)
+
+
+# --- the processes' compiled collectives agree, or an error says where ------
+
+@pytest.mark.multiprocess
+def test_processes_that_compiled_different_collectives_get_an_error(tmp_path):
+  """Run as they are, programs whose collectives differ between processes
+  wait for each other for ever. ``check_same_collectives`` passes the
+  same program on both processes and, when process 1 compiled an extra
+  psum, raises on both, naming the first collective that differs."""
+  worker = pathlib.Path(__file__).resolve().parent / "_agreement_worker.py"
+
+  def command(pid, num_processes, port, out):
+    return [sys.executable, str(worker), "--process-id", str(pid),
+            "--num-processes", str(num_processes), "--port", str(port),
+            "--out", str(out)]
+  import json  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  got = [json.loads(o.read_text())
+         for o in _launch(NUM_PROCESSES, tmp_path, "agree", command)]
+  same = got[0]["same"]
+  assert got[1]["same"] == same
+  assert [c.split(" ")[0] for c in same] == ["all-gather", "all-reduce"]
+  assert got[0]["error"] == got[1]["error"]
+  m = re.search(r"for the test's program: process 1 differs from process 0 "
+                r"at collective (\d+)", got[0]["error"] or "")
+  assert m and int(m.group(1)) >= 1      # the all-gather agrees
+  assert "wait for ever" in got[0]["error"]

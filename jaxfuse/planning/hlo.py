@@ -3,7 +3,7 @@ and where the scheduler put it.
 
 ``compiled.as_text()`` of a jitted step is the optimized module; on GPU its
 entry computation is listed in the order it runs (``is_scheduled=true``).
-Two questions about a sparse step are answered from it:
+Three questions about a sparse step are answered from it:
 
 - Buckets stay apart: the entry parameters each collective depends on
   (``collective_inputs``). A collective that depends on another bucket's
@@ -13,7 +13,10 @@ Two questions about a sparse step are answered from it:
   backward pass's instructions (``schedule``), the ops whose metadata names
   an autodiff transpose.
 
-``computations`` is the reader under both: every computation's
+- Agreement between processes: the collectives in the order each process
+  issues them (``collective_list``; ``jaxfuse.check_same_collectives``).
+
+``computations`` is the reader under all three: every computation's
 instructions with their operands, metadata and attributes (the
 benchmarks' HLO tools read the same).
 """
@@ -33,6 +36,17 @@ _PARAMETER = re.compile(r"parameter\((\d+)\)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
                "collective-permute")
+
+
+# What the processes of a job must issue in one order: these collectives
+# and two more, sync or as -start, and async-start (GPU wraps some
+# collectives in one).
+_ORDERED = frozenset(
+    op + suffix for op in COLLECTIVES + ("collective-broadcast",
+                                         "ragged-all-to-all")
+    for suffix in ("", "-start")) | {"async-start"}
+# {{0,1},{2,3}}, [1,4]<=[4] or mesh['d'=2] {'d'}: up to the next attribute
+_GROUPS = re.compile(r"replica_groups=(.*?)(?:, [\w.]+=|$)")
 
 
 class HloError(ValueError):
@@ -105,6 +119,19 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
   if not entry[0].instructions:
     raise HloError("the ENTRY computation has no instructions I can read.")
   return entry[0].instructions
+
+
+def collective_list(hlo_text: str) -> list[str]:
+  """Every collective start of the module, in every computation (called
+  ones first, then the entry's schedule), as "opcode shape groups"."""
+  found = []
+  for computation in computations(hlo_text):
+    for inst in computation.instructions:
+      if inst.opcode in _ORDERED:
+        groups = _GROUPS.search(inst.attributes)
+        found.append(f"{inst.opcode} {inst.shape}"
+                     + (f" {groups.group(1)}" if groups else ""))
+  return found
 
 
 def _is_collective(inst: Instruction) -> bool:
