@@ -8,7 +8,6 @@ the second's error as JSON to OUT.
       --port P --out FILE
 """
 
-import argparse
 import json
 import pathlib
 
@@ -18,6 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
+
+from _worker_args import join_job
 
 
 def compiled(mesh, extra_psum: bool):
@@ -35,14 +36,7 @@ def compiled(mesh, extra_psum: bool):
 
 
 def main():
-  p = argparse.ArgumentParser()
-  p.add_argument("--process-id", type=int, required=True)
-  p.add_argument("--num-processes", type=int, required=True)
-  p.add_argument("--port", type=int, required=True)
-  p.add_argument("--out", required=True)
-  args = p.parse_args()
-  jax.distributed.initialize(f"localhost:{args.port}", args.num_processes,
-                             args.process_id)
+  args = join_job()
   mesh = jaxfuse.make_mesh(len(jax.devices()))
   same = jaxfuse.check_same_collectives(compiled(mesh, False))
   try:

@@ -6,26 +6,17 @@ its own provenance) and writes what the call returns as JSON to OUT.
       --port P --out FILE
 """
 
-import argparse
 import pathlib
-
-import jax
 
 from jaxfuse.planning import profiling
 from jaxfuse.planning.costs import Costs
 from jaxfuse.planning.costs import LinearCost
 
+from _worker_args import join_job
+
 
 def main():
-  p = argparse.ArgumentParser()
-  p.add_argument("--process-id", type=int, required=True)
-  p.add_argument("--num-processes", type=int, required=True)
-  p.add_argument("--port", type=int, required=True)
-  p.add_argument("--out", required=True)
-  args = p.parse_args()
-  if args.num_processes > 1:
-    jax.distributed.initialize(f"localhost:{args.port}", args.num_processes,
-                               args.process_id)
+  args = join_job()
   me = args.process_id
   line = LinearCost((me + 1) * 1e-6, (me + 1) * 1e-9)
   costs = Costs({"allgather": line, "psum": line}, line, (1e-3 * (me + 1),),
