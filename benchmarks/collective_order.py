@@ -9,7 +9,9 @@ groups, in the order of the module's text: called computations first, then
 the entry's schedule), pairs the modules by name and compile order
 (``--module``: only file names matching a regex) and prints, per module,
 whether every process has the same list and where the first difference
-is.
+is: after the fact, for every program of a run that hung.
+``jaxfuse.check_same_collectives(compiled)`` makes the same comparison
+inside a training script, before the step runs.
 
   python benchmarks/collective_order.py DUMP_0 DUMP_1 ... [--module RE]
 """
