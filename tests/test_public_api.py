@@ -19,10 +19,11 @@ from jaxfuse.planning import cli
 from jaxfuse.planning import profiling
 
 PUBLIC = [
-    "BucketPlan", "COST_STRATEGIES", "DelayedState", "LeafPlan",
+    "BucketPlan", "COST_STRATEGIES", "CollectivesDifferError",
+    "DelayedState", "LeafPlan",
     "PerWorkerState", "Phase", "Plan", "PlanError", "RECIPES", "STRATEGIES",
     "Settings", "SparseSyncState", "SyncError", "SyncStats", "__version__",
-    "check_phases", "checkpoint", "clipping", "collectives", "delayed",
+    "check_phases", "check_same_collectives", "checkpoint", "clipping", "collectives", "delayed",
     "demo", "density_warmup", "elastic", "first_moment", "grouped",
     "init_state", "kernels",
     "local_adamw", "local_clip_by_global_norm", "local_params", "make_mesh",
@@ -33,7 +34,7 @@ PUBLIC = [
     "unit_residuals", "with_density", "xla_flags", "xla_options",
 ]
 PLANNING_MODULES = [
-    "backward", "bucket_cost", "cli", "cli_io", "cli_show", "costs",
+    "agreement", "backward", "bucket_cost", "cli", "cli_io", "cli_show", "costs",
     "grouping", "hlo",
     "optimal", "ordering", "planner", "profiling", "simulate", "strategies",
     "timeline_plot", "timing", "trace",
