@@ -69,6 +69,7 @@ if __name__ == "__main__":
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import pathlib
@@ -174,6 +175,24 @@ def global_values(tree):
     return tree
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def replicas_identical_everywhere(params) -> bool:
+  """Whether every device of every process holds the same bits of each
+  replicated leaf (the processes compare a hash of their own copies)."""
+  local = all(
+      all(np.array_equal(np.asarray(s.data), np.asarray(x.addressable_shards[0]
+                                                          .data))
+          for s in x.addressable_shards) for x in jax.tree.leaves(params))
+  if jax.process_count() == 1:
+    return local
+  digest = hashlib.sha256()
+  for x in jax.tree.leaves(params):
+    digest.update(np.ascontiguousarray(x.addressable_shards[0].data).tobytes())
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  mine = np.frombuffer(digest.digest() + bytes([local]), np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(mine))
+  return bool((every == every[0]).all() and every[:, -1].all())
 
 
 def scalar(x) -> float:
@@ -519,13 +538,9 @@ def main(argv=None) -> dict:
   val_curve.append({"step": start + len(losses), "val_loss": val_loss})
 
   # Replica consistency: every device holds its own copy of the params.
-  replicas_identical = all(
-      all(np.array_equal(np.asarray(s.data), np.asarray(x.addressable_shards[0]
-                                                          .data))
-          for s in x.addressable_shards) for x in jax.tree.leaves(params))
-  say(f"parameters bitwise identical on all {jax.local_device_count()} "
-      "devices" + (" of process 0" if jax.process_count() > 1 else "") +
-      f": {replicas_identical}")
+  replicas_identical = replicas_identical_everywhere(params)
+  say(f"parameters bitwise identical on all {jax.device_count()} devices: "
+      f"{replicas_identical}")
 
   # The first step of each phase includes its compilation.
   timed = [t for i, t in enumerate(step_times, start)
