@@ -2,6 +2,7 @@
 raises with (tests/test_distributed.py runs it on 2 processes)."""
 
 import jax
+from jax import monitoring
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -49,3 +50,31 @@ def test_one_process_returns_the_programs_collectives_in_order():
   assert [c.split(" ")[0] for c in listed] == ["all-gather", "all-reduce"]
   assert jaxfuse.check_same_collectives(compiled.as_text()) == listed
   assert float(f(x)) == 2 * sum(range(8))    # the step still runs
+
+
+def test_the_call_after_the_check_runs_the_checked_program():
+  """What the example relies on: the jitted call with the same arguments
+  compiles nothing more (no compile, no cache lookup); a fresh function
+  would (the listener sees compiles)."""
+  mesh = mesh_of(2)
+  step = lambda x: jax.lax.psum(jnp.sin(x), "data")
+  make = lambda: jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("data"),
+                                       out_specs=P("data")),
+                         donate_argnums=0)
+  x = lambda: jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+  events = []
+  record = lambda name, *args, **kwargs: events.append(name)
+  monitoring.register_event_listener(record)
+  monitoring.register_event_duration_secs_listener(record)
+  try:
+    f, xs = make(), x()
+    jaxfuse.check_same_collectives(f.lower(xs).compile())
+    events.clear()
+    jax.block_until_ready(f(xs))
+    assert not [e for e in events if "compil" in e]
+    g, xs = make(), x()
+    jax.block_until_ready(g(xs))
+    assert [e for e in events if "compil" in e]
+  finally:
+    monitoring.unregister_event_listener(record)
+    monitoring.unregister_event_duration_listener(record)

@@ -77,6 +77,11 @@ GPU_STYLE = textwrap.dedent("""\
       %a = f32[] parameter(0)
       %b = f32[] parameter(1)
       ROOT %s = f32[] add(%a, %b)
+    }, execution_thread="main"
+
+    %wrapped (w: f32[4]) -> f32[16] {
+      %w = f32[4]{0} parameter(0)
+      ROOT %ag = f32[16]{0} all-gather(%w), replica_groups={{0,1,2,3}}, dimensions={0}
     }
 
     ENTRY %main.9 (p0: f32[4], p1: f32[4]) -> f32[16] {
@@ -92,6 +97,77 @@ GPU_STYLE = textwrap.dedent("""\
       ROOT %out = f32[16]{0} fusion(%agd, %ard), kind=kLoop, calls=%y
     }, execution_thread="main"
     """)
+
+
+def test_computations_close_at_braces_with_attributes():
+  comps = hlo.computations(GPU_STYLE)
+  assert [(c.name, c.entry, len(c.instructions)) for c in comps] == [
+      ("add", False, 3), ("wrapped", False, 2), ("main.9", True, 10)]
+
+
+def test_operands_with_or_without_percent_types_and_comments():
+  text = textwrap.dedent("""\
+      ENTRY main {
+        a = f32[4]{0} parameter(0)
+        b = (f32[], s32[]) parameter(1)
+        c = f32[4]{0} constant({1, 2, 3, 4})
+        f = f32[4]{0} fusion(f32[4]{0} a, (f32[], s32[]) %b, c, a, a, /*index=5*/%c), kind=kLoop, calls=%x
+      }""")
+  insts = {i.name: i for i in hlo.entry_instructions(text)}
+  assert insts["f"].operands == ("a", "b", "c", "a", "a", "c")
+  assert insts["c"].operands == () and insts["b"].parameter == 1
+  assert "kind=kLoop" in insts["f"].attributes
+
+
+LOOP_THEN_GATHER = textwrap.dedent("""\
+    HloModule m
+
+    %body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+      %t = (s32[], f32[4]{0}) parameter(0)
+      %i = s32[] get-tuple-element(%t), index=0
+      %x = f32[4]{0} get-tuple-element(%t), index=1
+      %s = f32[4]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add
+      ROOT %r = (s32[], f32[4]{0}) tuple(%i, %s)
+    }
+
+    ENTRY %main (p: f32[4], q: (s32[], f32[4])) -> f32[8] {
+      %p = f32[4]{0} parameter(0)
+      %q = (s32[], f32[4]{0}) parameter(1)
+      %loop = (s32[], f32[4]{0}) while(%q), condition=%cond, body=%body
+      %g = f32[8]{0} all-gather(%p), replica_groups={{0,1}}, dimensions={0}
+      ROOT %cp = f32[4]{0} collective-permute(%p), source_target_pairs={{0,1},{1,0}}
+    }
+    """)
+
+
+def test_collective_list_puts_a_loops_collectives_where_the_loop_runs():
+  assert hlo.collective_list(LOOP_THEN_GATHER) == [
+      "while{", "all-reduce f32[4]{0} {{0,1}}", "}",
+      "all-gather f32[8]{0} {{0,1}}",
+      "collective-permute f32[4]{0} {{0,1},{1,0}}"]
+  loop = "  %loop = (s32[], f32[4]{0}) while(%q), condition=%cond, body=%body\n"
+  gather = ("  %g = f32[8]{0} all-gather(%p), replica_groups={{0,1}}, "
+            "dimensions={0}\n")
+  swapped = LOOP_THEN_GATHER.replace(loop + gather, gather + loop)
+  assert swapped != LOOP_THEN_GATHER
+  assert hlo.collective_list(swapped)[0].startswith("all-gather")
+  other_pairs = LOOP_THEN_GATHER.replace("{{0,1},{1,0}}", "{{1,0},{0,1}}")
+  assert hlo.collective_list(other_pairs) != hlo.collective_list(
+      LOOP_THEN_GATHER)
+
+
+def test_collective_list_reads_gpu_async_starts_in_schedule_order():
+  assert hlo.collective_list(GPU_STYLE) == [
+      "all-gather-start (f32[4]{0}, f32[16]{0}) {{0,1,2,3}}",
+      "all-reduce-start f32[4]{0} {{0,1,2,3}}"]
+  with pytest.raises(hlo.HloError, match="no ENTRY"):
+    hlo.collective_list(GPU_STYLE.replace("ENTRY ", ""))
+  first = "  %p1 = f32[4]{0} parameter(1)\n"
+  wrapper = ("  %as = ((f32[4]{0}), f32[16]{0}) async-start(%p1), "
+             "calls=%wrapped\n")
+  assert hlo.collective_list(GPU_STYLE.replace(first, first + wrapper))[:4] \
+      == ["async-start ((f32[4]{0}), f32[16]{0})", "async-start{",
+          "all-gather f32[16]{0} {{0,1,2,3}}", "}"]
 
 
 def test_schedule_places_async_collectives_against_the_backward():

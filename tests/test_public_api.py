@@ -23,7 +23,8 @@ PUBLIC = [
     "DelayedState", "LeafPlan",
     "PerWorkerState", "Phase", "Plan", "PlanError", "RECIPES", "STRATEGIES",
     "Settings", "SparseSyncState", "SyncError", "SyncStats", "__version__",
-    "check_phases", "check_same_collectives", "checkpoint", "clipping", "collectives", "delayed",
+    "check_phases", "check_same_collectives", "checkpoint", "clipping",
+    "collectives", "delayed",
     "demo", "density_warmup", "elastic", "first_moment", "grouped",
     "init_state", "kernels",
     "local_adamw", "local_clip_by_global_norm", "local_params", "make_mesh",
@@ -34,7 +35,8 @@ PUBLIC = [
     "unit_residuals", "with_density", "xla_flags", "xla_options",
 ]
 PLANNING_MODULES = [
-    "agreement", "backward", "bucket_cost", "cli", "cli_io", "cli_show", "costs",
+    "agreement", "backward", "bucket_cost", "cli", "cli_io", "cli_show",
+    "costs",
     "grouping", "hlo",
     "optimal", "ordering", "planner", "profiling", "simulate", "strategies",
     "timeline_plot", "timing", "trace",

@@ -31,7 +31,8 @@ _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
 # "%name (params) -> shape {" or "ENTRY %name ... {"; "}" closes it
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_OPERAND = re.compile(r"%([\w.\-]+)")
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+_COMMENT = re.compile(r"/\*.*?\*/")
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
@@ -39,14 +40,20 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
 
 
 # What the processes of a job must issue in one order: these collectives
-# and two more, sync or as -start, and async-start (GPU wraps some
-# collectives in one).
+# and two more, sync or as -start, point-to-point sends and receives, and
+# async-start (GPU wraps some collectives in one).
 _ORDERED = frozenset(
     op + suffix for op in COLLECTIVES + ("collective-broadcast",
                                          "ragged-all-to-all")
-    for suffix in ("", "-start")) | {"async-start"}
-# {{0,1},{2,3}}, [1,4]<=[4] or mesh['d'=2] {'d'}: up to the next attribute
-_GROUPS = re.compile(r"replica_groups=(.*?)(?:, [\w.]+=|$)")
+    for suffix in ("", "-start")) | {"async-start", "send", "recv"}
+# Who takes part: {{0,1},{2,3}}, [1,4]<=[4] or mesh['d'=2] {'d'} (groups),
+# {{0,1},{1,0}} (a permute's pairs); up to the next attribute.
+_PEERS = re.compile(
+    r"(?:replica_groups|source_target_pairs)=(.*?)(?:, [\w.]+=|$)")
+# The computations an instruction runs: loops, branches, calls, wrappers.
+_CALLED = re.compile(r"\b(?:body|condition|to_apply|calls|branch_computations"
+                     r"|true_computation|false_computation)="
+                     r"(\{[^}]*\}|%?[\w.\-]+)")
 
 
 class HloError(ValueError):
@@ -70,6 +77,24 @@ class Computation(NamedTuple):
   instructions: list[Instruction]
 
 
+def _operand_names(args: str) -> tuple[str, ...]:
+  """Names of the operands in "%a, f32[4]{0} %b, (f32[], s32[]) c": the
+  last word of each top-level item, with or without its %."""
+  args = _COMMENT.sub(" ", args)     # "/*index=5*/%f" every fifth operand
+  names, depth, start = [], 0, 0
+  for i, ch in enumerate(args + ","):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == "," and depth == 0:
+      words = args[start:i].split()
+      if words and _NAME.fullmatch(words[-1].lstrip("%")):
+        names.append(words[-1].lstrip("%"))
+      start = i + 1
+  return tuple(names)
+
+
 def _instruction(line: str) -> Instruction | None:
   m = _INSTRUCTION.match(line)
   if not m:
@@ -85,7 +110,9 @@ def _instruction(line: str) -> Instruction | None:
   param = _PARAMETER.search(opcode + "(" + rest[:end + 1])
   op_name = _OP_NAME.search(rest)
   return Instruction(
-      name, opcode, tuple(_OPERAND.findall(rest[:end])),
+      name, opcode,
+      () if opcode in ("constant", "parameter") else _operand_names(
+          rest[:end]),
       int(param.group(1)) if opcode == "parameter" and param else None,
       op_name.group(1) if op_name else "", shape, rest[end + 1:])
 
@@ -122,16 +149,35 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
 
 
 def collective_list(hlo_text: str) -> list[str]:
-  """Every collective start of the module, in every computation (called
-  ones first, then the entry's schedule), as "opcode shape groups"."""
-  found = []
-  for computation in computations(hlo_text):
-    for inst in computation.instructions:
-      if inst.opcode in _ORDERED:
-        groups = _GROUPS.search(inst.attributes)
-        found.append(f"{inst.opcode} {inst.shape}"
-                     + (f" {groups.group(1)}" if groups else ""))
-  return found
+  """The collectives in the order the program issues them, as "opcode
+  shape peers": the entry's in its listed order (on GPU, its schedule),
+  and each loop's, branch's or call's where the instruction that runs it
+  stands, between "OPCODE{" and "}"."""
+  comps = {c.name: c for c in computations(hlo_text)}
+  entry = [c.name for c in comps.values() if c.entry]
+  if not entry:
+    raise HloError("no ENTRY computation in this HLO text; pass "
+                   "jax.jit(f).lower(...).compile().as_text().")
+  memo: dict[str, list[str]] = {}
+
+  def listed(name: str) -> list[str]:
+    if name not in memo:
+      memo[name] = []          # a computation never calls itself
+      out = []
+      for inst in comps[name].instructions:
+        if inst.opcode in _ORDERED:
+          peers = _PEERS.search(inst.attributes)
+          out.append(f"{inst.opcode} {inst.shape}"
+                     + (f" {peers.group(1)}" if peers else ""))
+        for called in _CALLED.findall(inst.attributes):
+          for callee in re.findall(r"[\w.\-]+", called):
+            inner = listed(callee) if callee in comps else []
+            if inner:
+              out += [inst.opcode + "{", *inner, "}"]
+      memo[name] = out
+    return memo[name]
+
+  return listed(entry[0])
 
 
 def _is_collective(inst: Instruction) -> bool:
