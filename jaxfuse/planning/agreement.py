@@ -84,7 +84,7 @@ def check_same_collectives(compiled, *, what: str = "the step") -> list[str]:
   digests = _gather(digest)
   if (digests == digests[0]).all():
     return listed
-  sizes = _gather(np.asarray(payload.size, np.int64))
+  sizes = _gather(np.asarray(payload.size, np.int32))
   padded = np.zeros(int(sizes.max()), np.uint8)
   padded[:payload.size] = payload
   rows = _gather(padded)
