@@ -4,9 +4,9 @@ NCCL needs every rank to issue the collectives of a communicator in one
 order; under ``jax.distributed`` each process compiles its own program, so
 schedules that differ between processes hang the step. Given one XLA dump
 directory per process (``XLA_FLAGS=--xla_dump_to=DIR``), this lists the
-collectives of each scheduled module (opcode, result shape, replica
-groups, in the order of the module's text: called computations first, then
-the entry's schedule), pairs the modules by name and compile order
+collectives of each scheduled module (``hlo.collective_list``: opcode,
+result shape, peers, in the entry's order with each loop's or call's
+collectives where it runs), pairs the modules by name and compile order
 (``--module``: only file names matching a regex) and prints, per module,
 whether every process has the same list and where the first difference
 is: after the fact, for every program of a run that hung.

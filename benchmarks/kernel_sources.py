@@ -123,13 +123,10 @@ def kernels_called(text: str) -> set[str]:
       if inst.opcode in NOT_KERNELS:
         continue
       out.add(inst.name)
-      for key in follow.get(inst.opcode, ()):
-        ref = re.search(rf"{key}=(\{{[^}}]*\}}|[%\w.\-]+)",
-                        inst.attributes)
-        for name in re.findall(r"[\w.\-]+", ref.group(1) if ref else ""):
-          if name in comps and name not in called:
-            called.add(name)
-            todo.append(name)
+      for name in hlo.called_names(inst, follow.get(inst.opcode, ())):
+        if name in comps and name not in called:
+          called.add(name)
+          todo.append(name)
   return out
 
 

@@ -50,10 +50,10 @@ _ORDERED = frozenset(
 # {{0,1},{1,0}} (a permute's pairs); up to the next attribute.
 _PEERS = re.compile(
     r"(?:replica_groups|source_target_pairs)=(.*?)(?:, [\w.]+=|$)")
-# The computations an instruction runs: loops, branches, calls, wrappers.
-_CALLED = re.compile(r"\b(?:body|condition|to_apply|calls|branch_computations"
-                     r"|true_computation|false_computation)="
-                     r"(\{[^}]*\}|%?[\w.\-]+)")
+# The attributes that name the computations an instruction runs: loops,
+# branches, calls, reducers, fusions and async wrappers.
+CALLING = ("body", "condition", "to_apply", "calls", "branch_computations",
+           "true_computation", "false_computation")
 
 
 class HloError(ValueError):
@@ -137,15 +137,30 @@ def computations(hlo_text: str) -> list[Computation]:
   return out
 
 
-def entry_instructions(hlo_text: str) -> list[Instruction]:
-  """The entry computation's instructions, in the listed order."""
-  entry = [c for c in computations(hlo_text) if c.entry]
+def called_names(inst: Instruction, keys=CALLING) -> list[str]:
+  """The computations ``inst`` names under the attributes ``keys``
+  ("body=%b", "branch_computations={%t, %f}"), in the listed order."""
+  if not keys:
+    return []
+  refs = re.findall(rf"\b(?:{'|'.join(keys)})=(\{{[^}}]*\}}|%?[\w.\-]+)",
+                    inst.attributes)
+  return [name for ref in refs for name in re.findall(r"[\w.\-]+", ref)]
+
+
+def _entry(comps) -> Computation:
+  entry = [c for c in comps if c.entry]
   if not entry:
     raise HloError("no ENTRY computation in this HLO text; pass "
                    "jax.jit(f).lower(...).compile().as_text().")
-  if not entry[0].instructions:
+  return entry[0]
+
+
+def entry_instructions(hlo_text: str) -> list[Instruction]:
+  """The entry computation's instructions, in the listed order."""
+  entry = _entry(computations(hlo_text))
+  if not entry.instructions:
     raise HloError("the ENTRY computation has no instructions I can read.")
-  return entry[0].instructions
+  return entry.instructions
 
 
 def collective_list(hlo_text: str) -> list[str]:
@@ -154,10 +169,6 @@ def collective_list(hlo_text: str) -> list[str]:
   and each loop's, branch's or call's where the instruction that runs it
   stands, between "OPCODE{" and "}"."""
   comps = {c.name: c for c in computations(hlo_text)}
-  entry = [c.name for c in comps.values() if c.entry]
-  if not entry:
-    raise HloError("no ENTRY computation in this HLO text; pass "
-                   "jax.jit(f).lower(...).compile().as_text().")
   memo: dict[str, list[str]] = {}
 
   def listed(name: str) -> list[str]:
@@ -169,15 +180,14 @@ def collective_list(hlo_text: str) -> list[str]:
           peers = _PEERS.search(inst.attributes)
           out.append(f"{inst.opcode} {inst.shape}"
                      + (f" {peers.group(1)}" if peers else ""))
-        for called in _CALLED.findall(inst.attributes):
-          for callee in re.findall(r"[\w.\-]+", called):
-            inner = listed(callee) if callee in comps else []
-            if inner:
-              out += [inst.opcode + "{", *inner, "}"]
+        for callee in called_names(inst):
+          inner = listed(callee) if callee in comps else []
+          if inner:
+            out += [inst.opcode + "{", *inner, "}"]
       memo[name] = out
     return memo[name]
 
-  return listed(entry[0])
+  return listed(_entry(comps.values()).name)
 
 
 def _is_collective(inst: Instruction) -> bool:
