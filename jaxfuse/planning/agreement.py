@@ -66,6 +66,14 @@ def _gather(x: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x))
 
 
+def equal_on_every_process(payload: bytes) -> bool:
+  """Whether every process passed the same ``payload`` (its sha256 is
+  gathered); every process must call it, and all get the same answer."""
+  digest = np.frombuffer(hashlib.sha256(payload).digest(), np.uint8)
+  digests = _gather(digest)
+  return bool((digests == digests[0]).all())
+
+
 def check_same_collectives(compiled, *, what: str = "the step") -> list[str]:
   """Raise ``CollectivesDifferError`` unless every process compiled the
   same collectives in the same order; returns this process's list.
@@ -80,9 +88,7 @@ def check_same_collectives(compiled, *, what: str = "the step") -> list[str]:
   if jax.process_count() == 1:
     return listed
   payload = np.frombuffer("\n".join(listed).encode(), np.uint8)
-  digest = np.frombuffer(hashlib.sha256(payload.tobytes()).digest(), np.uint8)
-  digests = _gather(digest)
-  if (digests == digests[0]).all():
+  if equal_on_every_process(payload.tobytes()):
     return listed
   sizes = _gather(np.asarray(payload.size, np.int32))
   padded = np.zeros(int(sizes.max()), np.uint8)
