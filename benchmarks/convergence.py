@@ -17,7 +17,8 @@ recipe and dense get the same learning-rate grid; the best value of each
   python benchmarks/convergence.py report results/conv_tiny.json
 
 Recipes for ``lm``
-(``name[+warm][+flushN][+delay[+predict]][+early][+net][+bf16wire]``):
+(``name[+warm][+flushN][+delay[+predict]][+early][+net][+bf16wire]``
+``[+bf16sparse]``):
 ``dense`` (AdamW after a pmean), every name of ``jaxfuse.RECIPES``;
 ``+warm`` adds DGC's density ramp (``--warm-steps`` per density),
 ``+flushN`` a density-1 step every N steps (``train_lm --flush-every``),
@@ -30,7 +31,8 @@ Recipes for ``lm``
 ``jaxfuse.xla_flags``): its 3 GB/s, or half of it with ``+early`` (what
 each ran fastest with; runs before 2026-11-30 gave 3 to both),
 ``+bf16wire`` the dense warm-up on a
-bfloat16 wire (``train_lm --dense-wire bfloat16``); ``onebit_adamw`` always gets a dense warm-up
+bfloat16 wire (``train_lm --dense-wire bfloat16``), ``+bf16sparse`` the
+sparse values on one (``--sparse-wire bfloat16``); ``onebit_adamw`` always gets a dense warm-up
 of ``--dense-fraction`` of the steps. Wall time: each run's measured step
 times, compilation and evaluation excluded (each phase's first step counts
 as that phase's median step); time to dense's quality: the wall time at the
@@ -107,10 +109,12 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
       cmd += ["--network-gbytes-s", "1.5" if "early" in parts else "3"]
     elif part == "bf16wire":
       cmd += ["--dense-wire", "bfloat16"]
+    elif part == "bf16sparse":
+      cmd += ["--sparse-wire", "bfloat16"]
     else:
       raise SystemExit(f"recipe {recipe!r}: suffixes are +warm, +flushN, "
                        "+zen, +spardl, +delay, +predict, +early, +net, "
-                       "+bf16wire")
+                       "+bf16wire, +bf16sparse")
   cmd += ["--warmup-steps", str(warm), "--dense-warmup",
           str(max(1, int(args.dense_fraction * args.steps))
               if name == "onebit_adamw" else 0)]

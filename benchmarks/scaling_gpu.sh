@@ -48,7 +48,10 @@
 #            of RAMPS (default "dgc 0.0625": DGC's, or 6.25 % alone), 1000
 #            steps, all side by side on GPU 0 (so their step times are not
 #            comparable; about 6 minutes for five runs); DTYPE (default
-#            float32) the model's compute dtype for all
+#            float32) the model's compute dtype for all; each recipe run
+#            also for each sparse wire of WIRES (default "gradient"; or
+#            bfloat16: --sparse-wire) and each seed of SEEDS (default 0;
+#            dense runs seed 0)
 #   early    socket: profile the costs on this mesh, then the planner's
 #            plans at 0.05 (size 64 MiB, aligned, auto, single, cupcake,
 #            safusion) trained under jaxfuse.send_early with
@@ -195,10 +198,18 @@ one)
   $C --recipes dense --extra="$DT" --out "$OUT/one_dense.json" > "$logs/one_dense.log" 2>&1 &
   for f in ${FRACTIONS:-0.15 0.10}; do
     for r in ${RAMPS:-dgc 0.0625}; do
-      ramp=$([ "$r" = dgc ] || echo " --warmup-densities $r")
-      $C --recipes onebit_adamw+warm+bf16wire --dense-fraction $f \
-          --extra="$DT --strategy size --bucket-bytes 67108864$ramp" \
-          --out "$OUT/one_f${f}_ramp_$r.json" > "$logs/one_f${f}_ramp_$r.log" 2>&1 &
+      for w in ${WIRES:-gradient}; do
+        for seed in ${SEEDS:-0}; do
+          ramp=$([ "$r" = dgc ] || echo " --warmup-densities $r")
+          name=one_f${f}_ramp_$r
+          [ "$w" = gradient ] || name=${name}_wire_$w
+          [ "$seed" = 0 ] || name=${name}_seed$seed
+          $C --recipes onebit_adamw+warm+bf16wire --dense-fraction $f \
+              --seed $seed --extra="$DT --strategy size --bucket-bytes \
+              67108864$ramp --sparse-wire $w" \
+              --out "$OUT/$name.json" > "$logs/$name.log" 2>&1 &
+        done
+      done
     done
   done
   wait

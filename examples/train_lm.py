@@ -133,8 +133,8 @@ def plan_options(args) -> dict:
       strategy="behind" if args.sync == "behind" else args.strategy,
       estimator=args.estimator, headroom=args.headroom, seed=args.seed,
       collective=args.collective, spardl_block=args.spardl_block,
-      residual_dtype=args.residual_dtype, num_buckets=args.num_buckets,
-      costs=args.costs)
+      residual_dtype=args.residual_dtype, sparse_wire=args.sparse_wire,
+      num_buckets=args.num_buckets, costs=args.costs)
   if args.bucket_bytes:
     options["bucket_bytes"] = args.bucket_bytes
   return options

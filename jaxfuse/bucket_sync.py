@@ -202,7 +202,7 @@ def _sparse_bucket(plan, sched, b, streams, residuals, velocity, ctrl, step,
     g, rows, ids = batch.group, batch.rows, batch.units
     values, residual = jax.vmap(_to_wire, in_axes=(0, 0, 0, 0, None))(
         out.values, out.indices, out.residual, out.nonfinite,
-        batch.unit.dtype)
+        plan_lib.wire_unit(batch.unit, plan.settings).dtype)
     for i, u in enumerate(ids):
       parts[u] = (values[i], out.indices[i])
     # A non-finite step keeps the residual sparsify was given: the decayed
@@ -226,7 +226,7 @@ def _sparse_bucket(plan, sched, b, streams, residuals, velocity, ctrl, step,
          if rule.momentum else {})
   order = list(b.units)   # the bucket's layout: its ready order
   dense, kept = collectives.get(b.collective).sync(
-      [parts[u] for u in order], [sched.units[u] for u in order],
+      [parts[u] for u in order], [sched.wire_units[u] for u in order],
       axis_name, plan.settings)
   for g in b.groups:  # dropped on the way: owed still
     back = [kept[order.index(u)] for u in sched.groups[g]]

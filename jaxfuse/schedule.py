@@ -45,10 +45,16 @@ class Schedule:
   group_of_unit: tuple[int, ...]
   buckets: tuple[BucketStep, ...]
   num_leaves: int
+  wire_units: tuple[plan_lib.Unit, ...]      # as they travel, ``wire_unit``
 
   def bucket_units(self, b: BucketStep) -> tuple[plan_lib.Unit, ...]:
     """The units of bucket ``b``, in its ready order."""
     return tuple(self.units[u] for u in b.units)
+
+  def bucket_wire_units(self, b: BucketStep) -> tuple[plan_lib.Unit, ...]:
+    """The units of bucket ``b`` as its collective carries them (values in
+    ``Settings.sparse_wire``), in its ready order."""
+    return tuple(self.wire_units[u] for u in b.units)
 
 
 def compile_plan(plan: plan_lib.Plan) -> Schedule:
@@ -76,6 +82,8 @@ def compile_plan(plan: plan_lib.Plan) -> Schedule:
                             tuple(sorted({group_of_unit[u] for u in ids})),
                             placement))
   return Schedule(all_units, groups, group_dtypes, group_of_unit,
-                  tuple(steps), len(plan.leaves))
+                  tuple(steps), len(plan.leaves),
+                  tuple(plan_lib.wire_unit(u, plan.settings)
+                        for u in all_units))
 
 

@@ -157,6 +157,28 @@ def test_plan_last_bucket_bytes(workdir, capsys, monkeypatch):
                                     "--last-bucket-bytes", "0")
 
 
+def test_plan_sparse_wire(workdir, capsys, monkeypatch):
+  """``--sparse-wire bfloat16`` is saved in the plan's settings, and the
+  summary's wire bytes shrink: each sparse slot 6 bytes instead of 8."""
+  monkeypatch.chdir(workdir)
+  for wire in ("gradient", "bfloat16"):
+    assert cli.main(["plan", "tinymodel:params_only", "--strategy", "single",
+                     "--sparse-wire", wire, "-o", f"{wire}.json"]) == 0
+  capsys.readouterr()
+  exact, half = (jaxfuse.Plan.load(workdir / f"{w}.json")
+                 for w in ("gradient", "bfloat16"))
+  assert (exact.settings.sparse_wire, half.settings.sparse_wire) == (
+      "gradient", "bfloat16")
+  dense = sum(l.size * 4 for l in exact.leaves if l.mode == "dense")
+  caps = [u.capacity for u in jaxfuse.plans.units(exact)[0]]
+  assert exact.bytes_per_worker() == dense + sum(8 * c for c in caps)
+  assert half.bytes_per_worker() == dense + sum(
+      4 * (-(-c // 2) + c) for c in caps)
+  err = error_of(capsys, "plan", "tinymodel:params_only", "--sparse-wire",
+                 "float16")
+  assert "--sparse-wire" in err and "'bfloat16'" in err
+
+
 def hand_costs(num_leaves):
   return Costs({"allgather": LinearCost(1e-4, 1e-9),
                 "psum": LinearCost(1e-4, 2e-9)}, LinearCost(1e-5, 1e-8),

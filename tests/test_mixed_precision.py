@@ -224,3 +224,90 @@ def test_dense_wire_is_checked_saved_and_not_part_of_the_layout():
   del body["settings"]["full_wire"]          # a plan saved before the field
   assert jaxfuse.Plan.from_json(json.dumps(body)).settings.full_wire == (
       "gradient")
+
+
+# --- float32 gradients, sparse values on a bfloat16 wire ----------------------
+
+def _sparse_wire_plan(collective="allgather", sparse_wire="bfloat16"):
+  return list_plan(SHAPES, density=0.01, min_sparse_size=64,
+                   strategy="layerwise", collective=collective,
+                   sparse_wire=sparse_wire)
+
+
+@pytest.mark.parametrize("collective", ["allgather", "zen", "spardl"])
+def test_sparse_wire_sends_bfloat16_values_and_keeps_their_rounding(
+    mesh, collective):
+  """float32 acc, bfloat16 wire: what left the residuals is what the mean
+  holds, Σ_k (acc_k − r'_k) / K = ĝ (float32 out) up to the reduction's own
+  bfloat16 roundings: each at most 2⁻⁹ of a partial sum, so of Σ_k |sent_k|
+  (``spardl`` rounds its log₂ K merges). ``allgather`` and ``zen`` drop
+  nothing they were handed: per worker
+  r' = acc − bf16(top(acc)) exactly, and an unsent element keeps acc bit
+  for bit. (``spardl`` hands a dropped merged sum, in float32, to the
+  worker that merged it.)"""
+  plan = _sparse_wire_plan(collective)
+  leaf_of = [u.leaves[0] for u in plan_lib.units(plan)[0]]
+  state = init(plan, mesh)
+  for step in range(3):
+    grads = _float32_grads(step)
+    old = [np.asarray(r) for r in jaxfuse.unit_residuals(plan, state)]
+    synced, state = sync(plan, mesh, grads, state)
+    new = [np.asarray(r) for r in jaxfuse.unit_residuals(plan, state)]
+    for j, r0, r1 in zip(leaf_of, old, new):
+      acc = grads[j].reshape(K, -1) + r0
+      sent = acc - r1
+      assert str(synced[j].dtype) == "float32"
+      err = np.abs(np.asarray(synced[j], np.float64).ravel() -
+                   sent.astype(np.float64).mean(0))
+      assert (err <= np.log2(K) * 2**-9 * np.abs(sent).mean(0) + 1e-30).all()
+      if collective == "spardl":
+        continue
+      assert (sent != 0).any()
+      np.testing.assert_array_equal(sent, _bf16(sent))
+      assert (sent != acc)[sent != 0].mean() > 0.5   # the rounding stayed
+      np.testing.assert_array_equal(r1[sent == 0], acc[sent == 0])
+
+
+def test_sparse_wire_cuts_the_slots_to_six_bytes(mesh):
+  """Each unit's slots: c bfloat16 values (two to a word) and c int32
+  indices, against 8·c bytes on a float32 wire; the compiled all-gather
+  carries that many words."""
+  exact, half = _sparse_wire_plan(sparse_wire="gradient"), _sparse_wire_plan()
+  units = plan_lib.units(exact)[0]
+  assert exact.bytes_per_worker() == sum(8 * u.capacity for u in units)
+  assert half.bytes_per_worker() == sum(
+      4 * (-(-u.capacity // 2) + u.capacity) for u in units)
+
+  def gathered_words(plan):
+    tx = jaxfuse.sparse_sync(plan)
+    from _harness import sharded_update  # pylint: disable=g-import-not-at-top
+    text = jax.jit(sharded_update(tx, mesh, jaxfuse.state_specs(
+        init(plan, mesh)))).lower(
+            shard(mesh, [np.zeros((K,) + s, np.float32) for s in SHAPES]),
+            init(plan, mesh)).as_text()
+    shapes = [l.split("->")[-1] for l in text.splitlines()
+              if "all_gather" in l]
+    return sorted(int(np.prod([int(d) for d in s.split("<")[1].split("x")[:-1]]))
+                  for s in shapes)
+  assert [w // K for w in gathered_words(half)] == sorted(
+      -(-u.capacity // 2) + u.capacity for u in units)
+  assert [w // K for w in gathered_words(exact)] == sorted(
+      2 * u.capacity for u in units)
+
+
+def test_sparse_wire_is_checked_and_saved():
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  plan = _sparse_wire_plan()
+  with pytest.raises(plan_lib.PlanError, match="sparse_wire='float16'"):
+    dataclasses.replace(plan, settings=dataclasses.replace(
+        plan.settings, sparse_wire="float16"))
+  assert jaxfuse.Plan.from_json(plan.to_json()).settings.sparse_wire == (
+      "bfloat16")
+  body = json.loads(plan.to_json())
+  del body["settings"]["sparse_wire"]          # a plan saved before the field
+  assert jaxfuse.Plan.from_json(json.dumps(body)).settings.sparse_wire == (
+      "gradient")
+  # bfloat16 gradients already travel in bfloat16: the setting changes nothing
+  low = _plan(sparse_wire="bfloat16")
+  assert low.bytes_per_worker() == _plan().bytes_per_worker()

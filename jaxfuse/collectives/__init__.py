@@ -53,8 +53,8 @@ def bucket_steps(plan: plan_lib.Plan, num_workers: int, *,
   out = []
   for b in sched.buckets:
     if b.kind == schedule_lib.SPARSE:
-      out.append(get(b.collective).steps(sched.bucket_units(b), num_workers,
-                                         plan.settings))
+      out.append(get(b.collective).steps(sched.bucket_wire_units(b),
+                                         num_workers, plan.settings))
     elif b.kind == schedule_lib.FULL:
       leaves = [(u.size, plan_lib.full_wire_dtype(u, plan.settings))
                 for u in sched.bucket_units(b)]
@@ -78,7 +78,7 @@ def bucket_wire(plan: plan_lib.Plan, num_workers: int,
                       bucket_steps(plan, num_workers, sched=sched)):
     if (b.collective == "hier" and b.kind == schedule_lib.SPARSE and
         mesh_sizes and len(mesh_sizes) == 2):
-      out.append(hier.mesh_wire(sched.bucket_units(b), *mesh_sizes,
+      out.append(hier.mesh_wire(sched.bucket_wire_units(b), *mesh_sizes,
                                 plan.settings))
     else:
       out.append(base.wire(steps, num_workers))

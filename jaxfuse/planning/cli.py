@@ -136,7 +136,7 @@ def cmd_profile(args) -> int:
 
 PLAN_OPTIONS = ("density", "strategy", "estimator", "num_buckets",
                 "bucket_bytes", "last_bucket_bytes", "headroom",
-                "min_sparse_size", "collective", "num_workers")
+                "min_sparse_size", "collective", "sparse_wire", "num_workers")
 
 
 def _strategies() -> tuple[str, ...]:
@@ -303,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
   pl.add_argument("--collective",
                   help="sparse buckets' scheme: allgather, zen, spardl, hier "
                   "(with --costs, auto picks one per bucket)")
+  pl.add_argument("--sparse-wire", choices=("gradient", "bfloat16"),
+                  help="the sparse values' wire dtype: bfloat16 sends float32 "
+                  "slots in 6 bytes instead of 8 (default: the gradient's)")
   pl.add_argument("--workers", dest="num_workers", type=positive_int,
                   help="K to plan for (default: the costs' device count)")
   pl.set_defaults(run=cmd_plan)

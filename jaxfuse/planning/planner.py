@@ -95,7 +95,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
          collective: str = "allgather", zen_table: float = 2.0,
          zen_union: float = 1.0, spardl_teams: int = 1,
          hier_inner: str = "allgather", spardl_block: float = 2.0,
-         residual_dtype: str = "float32", num_workers: int | None = None,
+         residual_dtype: str = "float32", sparse_wire: str = "gradient",
+         num_workers: int | None = None,
          loss_fn: Callable | None = None, example_args: Sequence = (),
          ready_order: Sequence[int] | None = None,
          costs: costs_lib.Costs | str | os.PathLike | None = None
@@ -131,6 +132,9 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     residual_dtype: ``"float32"`` (residuals of low-precision leaves kept in
       float32, the wire in the gradient dtype) or ``"gradient"``
       (``plan.Settings``).
+    sparse_wire: ``"gradient"`` or ``"bfloat16"``: the sparse values' wire
+      dtype (``plan.Settings``; bfloat16 sends float32 slots in 6 bytes
+      instead of 8, each worker's rounding kept in its residual).
     num_workers: K the plan is made for (default: the costs' ``workers``);
       ``"auto"`` picks each sparse bucket's collective for it, and the
       predicted step time is for it.
@@ -188,7 +192,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
                                spardl_teams=spardl_teams,
                                hier_inner=hier_inner,
                                spardl_block=spardl_block,
-                               residual_dtype=residual_dtype)
+                               residual_dtype=residual_dtype,
+                               sparse_wire=sparse_wire)
 
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   if not flat:
@@ -272,7 +277,7 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
   for b, step in zip(plan.buckets, sched.buckets):
     times = {}
     if step.kind == schedule_lib.SPARSE:
-      units = sched.bucket_units(step)
+      units = sched.bucket_wire_units(step)
       for name in AUTO_COLLECTIVES:
         scheme = collectives.get(name)
         try:
