@@ -221,8 +221,8 @@ def build(args, devices):
             if args.strategy == "size" else {})
   plan = jaxfuse.plan(params, density=args.density, strategy=args.strategy,
                       estimator=args.estimator, headroom=args.headroom,
-                      seed=0, loss_fn=loss_fn, example_args=(tokens[:1],),
-                      **sizing)
+                      sparse_wire=args.sparse_wire, seed=0, loss_fn=loss_fn,
+                      example_args=(tokens[:1],), **sizing)
   return mesh, params, loss_fn, batch, plan
 
 
@@ -376,6 +376,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--headroom", type=float, default=PLAN_HEADROOM,
                  help="slots per leaf ⌈ρ·n·headroom⌉ for the sampled "
                  "estimators (the wire's bytes scale with it)")
+  p.add_argument("--sparse-wire", default="gradient",
+                 choices=jaxfuse.plans.SPARSE_WIRES,
+                 help="the sparse values' wire dtype (bfloat16: 6 bytes a "
+                 "float32 slot instead of 8)")
   p.add_argument("--steps", type=int, default=15)
   p.add_argument("--variants", nargs="+", default=["base", "lhs", "lhs_sol"],
                  choices=sorted(VARIANTS))

@@ -61,11 +61,12 @@
 # after the bfloat16 runs).
 # MODE=wire: the wire's slots (the estimator's and headroom's share of G)
 # under send_early with window 2 and xla_flags(GB/s, default 1.5): each
-# DTYPE:ESTIMATOR:HEADROOM[:GB/s] of WIRE_RUNS in order (default:
+# DTYPE:ESTIMATOR:HEADROOM[:GB/s[:SPARSE_WIRE]] of WIRE_RUNS in order
+# (SPARSE_WIRE: gradient, the default, or bfloat16; default runs:
 # bfloat16 dgc 1.5, topk, dgc 1.2; float32 dgc 1.5, topk; bfloat16 dgc
 # 1.5 again; fewer slots may need a lower speed, docs/choosing.md),
-# then the plain step (T1 and G) of each of WIRE_PLAIN (default
-# "bfloat16:topk:1.5").
+# then the plain step (T1 and G) of each DTYPE:ESTIMATOR:HEADROOM
+# [:SPARSE_WIRE] of WIRE_PLAIN (default "bfloat16:topk:1.5").
 # OVERLAP_ARGS: more arguments for every overlap.py run (e.g. "--dtype
 # bfloat16"). No run starts after DEADLINE_S seconds (default 480).
 # STRATEGY=aligned (or single) plans the step as that strategy instead of size 64 MiB;
@@ -196,16 +197,17 @@ wire)
   i=0
   for v in ${WIRE_RUNS:-bfloat16:dgc:1.5 bfloat16:topk:1.5 bfloat16:dgc:1.2 \
              float32:dgc:1.5 float32:topk:1.5 bfloat16:dgc:1.5}; do
-    IFS=: read -r x e h n <<< "$v"
+    IFS=: read -r x e h n w <<< "$v"
     i=$((i + 1))
     XLA_FLAGS="$(net_flags "${n:-1.5}")" \
-      run 0.05 "${i}_${x}_${e}_h${h}_net${n:-1.5}_early_w2_" $E \
-        --dtype "$x" --estimator "$e" --headroom "$h"
+      run 0.05 "${i}_${x}_${e}_h${h}_net${n:-1.5}${w:+_$w}_early_w2_" $E \
+        --dtype "$x" --estimator "$e" --headroom "$h" \
+        --sparse-wire "${w:-gradient}"
   done
   for v in ${WIRE_PLAIN:-bfloat16:topk:1.5}; do
-    IFS=: read -r x e h <<< "$v"
-    run 0.05 "${x}_${e}_h${h}_plain_" --variants base --dtype "$x" \
-        --estimator "$e" --headroom "$h"
+    IFS=: read -r x e h w <<< "$v"
+    run 0.05 "${x}_${e}_h${h}${w:+_$w}_plain_" --variants base --dtype "$x" \
+        --estimator "$e" --headroom "$h" --sparse-wire "${w:-gradient}"
   done ;;
 nccl)
   E="--variants base --send-early --skip-comm --skip-one-gpu"

@@ -65,13 +65,15 @@ def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
 
 def _layout(plan: plan_lib.Plan):
   """What must not change between phases: units (without capacity or
-  density), buckets, modes, dtypes, settings (but ``full_wire``)."""
+  density), buckets, modes, dtypes, settings (but the wire dtypes
+  ``full_wire`` and ``sparse_wire``, which the state does not hold)."""
   sched = schedule_lib.compile_plan(plan)
   return ([(u.leaves, u.size, u.dtype, u.estimator) for u in sched.units],
           tuple(b.units for b in sched.buckets),
           [(l.path, l.shape, l.dtype, l.mode) for l in plan.leaves],
           [(b.leaves, b.collective, b.sparsify) for b in plan.buckets],
-          dataclasses.replace(plan.settings, full_wire="gradient"))
+          dataclasses.replace(plan.settings, full_wire="gradient",
+                              sparse_wire="gradient"))
 
 
 _LAYOUT_PARTS = ("selection units", "buckets' units", "leaves", "buckets",

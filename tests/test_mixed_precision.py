@@ -308,6 +308,12 @@ def test_sparse_wire_is_checked_and_saved():
   del body["settings"]["sparse_wire"]          # a plan saved before the field
   assert jaxfuse.Plan.from_json(json.dumps(body)).settings.sparse_wire == (
       "gradient")
+  # the state does not hold the wire dtype: phases may differ in it
+  from jaxfuse import phases as phases_lib  # pylint: disable=g-import-not-at-top
+  assert phases_lib.layout_difference(
+      plan, _sparse_wire_plan(sparse_wire="gradient")) is None
+  assert phases_lib.layout_difference(
+      plan, _sparse_wire_plan(collective="zen")) is not None
   # bfloat16 gradients already travel in bfloat16: the setting changes nothing
   low = _plan(sparse_wire="bfloat16")
   assert low.bytes_per_worker() == _plan().bytes_per_worker()
