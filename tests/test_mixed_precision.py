@@ -42,16 +42,18 @@ def _grads(step):
   return out
 
 
-def _run(plan, mesh, steps, acc_dtype=None):
+def _run(plan, mesh, steps, acc_dtype=None, grads_of=None):
   """Per step: (acc, r', synced) per unit (one leaf each) as numpy arrays,
   acc = g + r in ``acc_dtype`` (default the residual's, as the transform
-  computes it)."""
+  computes it); g = ``grads_of(step)`` (default ``_grads``), and synced
+  checked to come out in g's dtype."""
   leaf_of = [u.leaves[0] for u in plan_lib.units(plan)[0]]
   state = init(plan, mesh)
   for step in range(steps):
-    grads = _grads(step)
+    grads = (grads_of or _grads)(step)
     old = [np.asarray(r) for r in jaxfuse.unit_residuals(plan, state)]
     synced, state = sync(plan, mesh, grads, state)
+    assert [x.dtype for x in synced] == [np.asarray(g).dtype for g in grads]
     new = [np.asarray(r) for r in jaxfuse.unit_residuals(plan, state)]
     acc = [np.asarray(grads[j], np.float32).reshape(K, -1).astype(acc_dtype or r.dtype)
            + r.astype(acc_dtype or r.dtype)
@@ -165,22 +167,13 @@ def test_dense_phase_on_a_bfloat16_wire_carries_its_rounding(mesh):
   float32 residual: x_t + r_t = sent_t + r_{t+1}, so nothing but the
   reduction's own rounding is lost."""
   dense, _ = _dense_phase("bfloat16")
-  leaf_of = [u.leaves[0] for u in plan_lib.units(dense)[0]]
-  state = init(dense, mesh)
-  for step in range(3):
-    grads = _float32_grads(step)
-    old = [np.asarray(r) for r in jaxfuse.unit_residuals(dense, state)]
-    synced, state = sync(dense, mesh, grads, state)
-    new = [np.asarray(r) for r in jaxfuse.unit_residuals(dense, state)]
-    for j, r0, r1 in zip(leaf_of, old, new):
-      acc = grads[j].reshape(K, -1) + r0
-      sent = acc - r1
-      np.testing.assert_array_equal(sent, _bf16(acc))
+  for acc, new, synced in _run(dense, mesh, 3, grads_of=_float32_grads):
+    for a, r1, s in zip(acc, new, synced):
+      sent = a - r1
+      np.testing.assert_array_equal(sent, _bf16(a))
       assert (r1 != 0).mean() > 0.5 and np.abs(r1).max() > 0
-      np.testing.assert_allclose(np.asarray(synced[j], np.float32).ravel(),
-                                 sent.astype(np.float64).mean(0),
+      np.testing.assert_allclose(s.ravel(), sent.astype(np.float64).mean(0),
                                  rtol=2**-7, atol=1e-30)
-      assert str(synced[j].dtype) == "float32"
 
 
 def test_dense_wire_halves_the_bytes_and_the_all_reduce(mesh):
@@ -205,25 +198,33 @@ def test_dense_wire_halves_the_bytes_and_the_all_reduce(mesh):
   assert reduced_types(exact) == ["tensor<3072xf32>", "tensor<4096xf32>"]
 
 
+def _check_wire_setting(plan, field):
+  """``Settings.<field>`` rejects a dtype it does not offer, naming the
+  field; a plan keeps it through JSON; a plan saved before the field loads
+  with ``"gradient"``."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  import json  # pylint: disable=g-import-not-at-top
+  with pytest.raises(plan_lib.PlanError, match=f"{field}='int8'"):
+    dataclasses.replace(plan, settings=dataclasses.replace(
+        plan.settings, **{field: "int8"}))
+  want = getattr(plan.settings, field)
+  assert getattr(jaxfuse.Plan.from_json(plan.to_json()).settings,
+                 field) == want
+  body = json.loads(plan.to_json())
+  del body["settings"][field]
+  assert getattr(jaxfuse.Plan.from_json(json.dumps(body)).settings,
+                 field) == "gradient"
+
+
 def test_dense_wire_is_checked_saved_and_not_part_of_the_layout():
   from jaxfuse import phases as phases_lib  # pylint: disable=g-import-not-at-top
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  plan = list_plan(SHAPES)
-  with pytest.raises(plan_lib.PlanError, match="full_wire='int8'"):
-    dataclasses.replace(plan, settings=dataclasses.replace(
-        plan.settings, full_wire="int8"))
+  _check_wire_setting(list_plan(SHAPES), "full_wire")
   for bad in ("fp8", "float16"):   # float16 would overflow where f32 does not
     with pytest.raises(plan_lib.PlanError, match=f"dense_wire='{bad}'"):
       _dense_phase(bad)
   half, phases = _dense_phase("bfloat16")
   assert phases_lib.layout_difference(phases[-1].plan, half) is None
-  assert jaxfuse.Plan.from_json(half.to_json()).settings.full_wire == (
-      "bfloat16")
-  import json  # pylint: disable=g-import-not-at-top
-  body = json.loads(half.to_json())
-  del body["settings"]["full_wire"]          # a plan saved before the field
-  assert jaxfuse.Plan.from_json(json.dumps(body)).settings.full_wire == (
-      "gradient")
+  _check_wire_setting(half, "full_wire")
 
 
 # --- float32 gradients, sparse values on a bfloat16 wire ----------------------
@@ -246,26 +247,18 @@ def test_sparse_wire_sends_bfloat16_values_and_keeps_their_rounding(
   for bit. (``spardl`` hands a dropped merged sum, in float32, to the
   worker that merged it.)"""
   plan = _sparse_wire_plan(collective)
-  leaf_of = [u.leaves[0] for u in plan_lib.units(plan)[0]]
-  state = init(plan, mesh)
-  for step in range(3):
-    grads = _float32_grads(step)
-    old = [np.asarray(r) for r in jaxfuse.unit_residuals(plan, state)]
-    synced, state = sync(plan, mesh, grads, state)
-    new = [np.asarray(r) for r in jaxfuse.unit_residuals(plan, state)]
-    for j, r0, r1 in zip(leaf_of, old, new):
-      acc = grads[j].reshape(K, -1) + r0
-      sent = acc - r1
-      assert str(synced[j].dtype) == "float32"
-      err = np.abs(np.asarray(synced[j], np.float64).ravel() -
+  for acc, new, synced in _run(plan, mesh, 3, grads_of=_float32_grads):
+    for a, r1, s in zip(acc, new, synced):
+      sent = a - r1
+      err = np.abs(s.astype(np.float64).ravel() -
                    sent.astype(np.float64).mean(0))
       assert (err <= np.log2(K) * 2**-9 * np.abs(sent).mean(0) + 1e-30).all()
       if collective == "spardl":
         continue
       assert (sent != 0).any()
       np.testing.assert_array_equal(sent, _bf16(sent))
-      assert (sent != acc)[sent != 0].mean() > 0.5   # the rounding stayed
-      np.testing.assert_array_equal(r1[sent == 0], acc[sent == 0])
+      assert (sent != a)[sent != 0].mean() > 0.5   # the rounding stayed
+      np.testing.assert_array_equal(r1[sent == 0], a[sent == 0])
 
 
 def test_sparse_wire_cuts_the_slots_to_six_bytes(mesh):
@@ -296,18 +289,9 @@ def test_sparse_wire_cuts_the_slots_to_six_bytes(mesh):
 
 
 def test_sparse_wire_is_checked_and_saved():
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  import json  # pylint: disable=g-import-not-at-top
   plan = _sparse_wire_plan()
-  with pytest.raises(plan_lib.PlanError, match="sparse_wire='float16'"):
-    dataclasses.replace(plan, settings=dataclasses.replace(
-        plan.settings, sparse_wire="float16"))
-  assert jaxfuse.Plan.from_json(plan.to_json()).settings.sparse_wire == (
-      "bfloat16")
-  body = json.loads(plan.to_json())
-  del body["settings"]["sparse_wire"]          # a plan saved before the field
-  assert jaxfuse.Plan.from_json(json.dumps(body)).settings.sparse_wire == (
-      "gradient")
+  assert plan.settings.sparse_wire == "bfloat16"
+  _check_wire_setting(plan, "sparse_wire")
   # the state does not hold the wire dtype: phases may differ in it
   from jaxfuse import phases as phases_lib  # pylint: disable=g-import-not-at-top
   assert phases_lib.layout_difference(
