@@ -133,7 +133,8 @@ def plan_options(args) -> dict:
       strategy="behind" if args.sync == "behind" else args.strategy,
       estimator=args.estimator, headroom=args.headroom, seed=args.seed,
       collective=args.collective, spardl_block=args.spardl_block,
-      residual_dtype=args.residual_dtype, sparse_wire=args.sparse_wire,
+      residual_dtype=args.residual_dtype,
+      sparse_wire=args.sparse_wire or "gradient",
       num_buckets=args.num_buckets, costs=args.costs)
   if args.bucket_bytes:
     options["bucket_bytes"] = args.bucket_bytes
@@ -331,6 +332,9 @@ def main(argv=None) -> dict:
         _cast(params, grad_dtype), loss_fn=loss_fn,
         example_args=(windows(train, first_starts[:batch_size // k],
                               seq_len),), **plan_options(args)))
+    if args.plan and args.sparse_wire:   # the wire is not part of the layout
+      plan = dataclasses.replace(plan, settings=dataclasses.replace(
+          plan.settings, sparse_wire=args.sparse_wire))
     say(plan.summary())
     phases = jaxfuse.density_warmup(
         plan, steps=args.warmup_steps, densities=args.warmup_densities,

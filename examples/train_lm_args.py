@@ -116,12 +116,12 @@ def parse_args(argv):
                  choices=["gradient", "bfloat16"],
                  help="the dense warm-up's wire dtype: bfloat16 halves its "
                  "bytes, each worker's rounding kept in its residual")
-  p.add_argument("--sparse-wire", default="gradient",
-                 choices=jaxfuse.plans.SPARSE_WIRES,
+  p.add_argument("--sparse-wire", choices=jaxfuse.plans.SPARSE_WIRES,
                  help="the sparse values' wire dtype (indices stay int32): "
                  "bfloat16 cuts float32 slots from 8 to 6 bytes, each "
                  "worker's rounding kept in its residual "
-                 "(Settings.sparse_wire)")
+                 "(Settings.sparse_wire; default: the gradient's, or a "
+                 "--plan's own)")
   p.add_argument("--dense-settle", type=float,
                  help="end onebit_adamw's dense warm-up early, once its "
                  "second moment moves less than this (relative L1, e.g. "

@@ -264,10 +264,14 @@ def _round_to(x, wire_dtype):
   """(x rounded to ``wire_dtype`` but still in x's dtype, the same in
   ``wire_dtype``). ``lax.reduce_precision`` rounds explicitly: XLA may drop
   a convert round trip (``xla_allow_excess_precision``, on by default on
-  GPU), which would lose the rounding we keep."""
+  GPU), which would lose the rounding we keep. A finite x beyond the wire's
+  largest value goes as that value (the rest stays in the residual), not as
+  inf."""
   if x.dtype == jnp.dtype(wire_dtype):
     return x, x
   info = jnp.finfo(wire_dtype)
+  top = jnp.asarray(info.max, x.dtype)
+  x = jnp.where(jnp.isfinite(x), jnp.clip(x, -top, top), x)
   rounded = lax.reduce_precision(x, exponent_bits=info.nexp,
                                  mantissa_bits=info.nmant)
   return rounded, rounded.astype(wire_dtype)

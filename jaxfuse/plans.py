@@ -137,10 +137,13 @@ class Settings:
     own rounding is lost. Phases may differ in it.
   sparse_wire: dtype of the selected values of sparse units on the wire
     (their indices stay int32): ``"gradient"`` (default), or
-    ``"bfloat16"`` for float32 gradients, which cuts a slot from 8 to 6
-    bytes (a quarter of a sparse bucket's traffic). As with
-    ``full_wire``, r' = acc − bf16(v) at the sent slots, so each worker's
-    rounding is sent later; only the reduction's own rounding is lost.
+    ``"bfloat16"`` for float32 (or wider) gradients, which cuts a float32
+    slot from 8 to 6 bytes (a quarter of a sparse bucket's traffic).
+    r' = acc − bf16(v) at the sent slots, so each worker's rounding is
+    sent later; the schemes decode in float32 and keep what their own sums
+    lose to the wire (ZEN's reducer, SparDL's merges, ``"hier"``'s mean
+    on host 0) in a residual: nothing is lost but float32 rounding. A
+    finite value beyond bfloat16's range goes as its largest value.
   """
   headroom: float = 1.5
   min_sparse_size: int = 1024

@@ -83,7 +83,10 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
   Low-precision gradients (``plan.settings.residual_dtype = "float32"``,
   the default): acc, r and u are float32; sent_k is rounded to the
   gradient's dtype for the wire and r' keeps the rounding, acc − sent_k
-  (a density-1 bucket's residual is then that rounding, not zero).
+  (a density-1 bucket's residual is then that rounding, not zero). So
+  does ``plan.settings.sparse_wire = "bfloat16"`` for float32 gradients,
+  and a scheme that sums on the wire's dtype keeps the sums' rounding in
+  kept: K·out + Σ_k r_k' = Σ_k acc_k holds to float32 rounding.
 
   Args:
     plan: from ``jaxfuse.plan(params, ...)`` or ``Plan.load(path)``.

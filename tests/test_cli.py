@@ -159,7 +159,8 @@ def test_plan_last_bucket_bytes(workdir, capsys, monkeypatch):
 
 def test_plan_sparse_wire(workdir, capsys, monkeypatch):
   """``--sparse-wire bfloat16`` is saved in the plan's settings, and the
-  summary's wire bytes shrink: each sparse slot 6 bytes instead of 8."""
+  plan's bytes per worker shrink: each sparse slot 6 bytes instead of 8
+  (bfloat16 values two to a word, int32 indices)."""
   monkeypatch.chdir(workdir)
   for wire in ("gradient", "bfloat16"):
     assert cli.main(["plan", "tinymodel:params_only", "--strategy", "single",

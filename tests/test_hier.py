@@ -273,6 +273,30 @@ def test_bfloat16_sparse_wire_is_exact_on_small_integers(feeds, runs):
   assert (np.asarray(run[0][2].stats.wire_bytes) == want).all()
 
 
+@pytest.mark.parametrize("inner", ["allgather", "zen", "spardl"])
+def test_bfloat16_sparse_wire_conserves_to_float32(inner):
+  """Float values (not bfloat16-representable) that overlap across workers
+  and overflow the shard selection: the bfloat16 wire's roundings (each
+  host's slots, the inner scheme's, the mean's on the local all-gather)
+  all stay in residuals, K·ĝ + Σ_k r'_k = Σ_k (g_k + r_k) to float32
+  rounding, as on a float32 wire."""
+  rng = np.random.default_rng(0)
+  spots = [2 * np.arange(C0) + (k % 2) for k in range(K)]   # shared by pairs
+  feed = [[x * np.float32(4 / 3) for x in _grads(rng, spots, integer=False)]
+          for _ in range(3)]
+  (run,) = _sync_run(_plan("hier", inner, sparse_wire="bfloat16"),
+                     jaxfuse.make_mesh(K, local=4), HIER, [feed])
+  owed = [np.zeros((K, n)) for n in SIZES[:3]]
+  for grads, (synced, res, _) in zip(feed, run):
+    for u in range(3):
+      total = (grads[u].reshape(K, -1) + owed[u]).sum(0)
+      got = K * np.asarray(synced[u], np.float64).ravel() + res[u].sum(0)
+      assert np.abs(got - total).max() <= 1e-6 * np.abs(total).max(), u
+      owed[u] = res[u].astype(np.float64)
+    assert (np.asarray(synced[0]) != np.asarray(synced[0], jnp.bfloat16)
+            ).sum() == 0          # ĝ came over the bfloat16 local wire
+
+
 def _trace(plan, mesh, axis):
   step, state = _runner(plan, mesh, axis)
   return step([np.zeros((K,) + s, np.float32) for s in SHAPES], state)

@@ -31,11 +31,11 @@ def leaf(i, size, is_sparse):
                            None)
 
 
-def layerwise(leaves, order):
+def layerwise(leaves, order, plan_settings=plan_lib.Settings()):
   """One bucket per leaf in ``order``: ready_order is the true order."""
   return plan_lib.Plan(tuple(leaves), tuple(
       plan_lib.BucketPlan((i,), "allgather" if leaves[i].mode == "sparse"
-                          else "psum") for i in order))
+                          else "psum") for i in order), plan_settings)
 
 
 @st.composite
@@ -57,7 +57,8 @@ def instances(draw, max_leaves=14):
       overlap=draw(st.sampled_from([0.0, 0.25, 0.6, 1.0])),
       forward=draw(u) * 1e-2,
       bucket=draw(st.sampled_from([0.0, 1e-4, 1e-3])))
-  return layerwise(leaves, order), costs
+  wire = draw(st.sampled_from(plan_lib.SPARSE_WIRES))  # slots of 8 or 6 B
+  return layerwise(leaves, order, plan_lib.Settings(sparse_wire=wire)), costs
 
 
 def random_cuts(rng, n):

@@ -126,7 +126,9 @@ def decode(values: jax.Array, indices: jax.Array, size: int,
   Rows are added one at a time in row order; within a row the indices are
   distinct (sentinel ``size`` and beyond are dropped), so each scatter has
   one writer per element and the sum order is fixed: bitwise the same on
-  every worker. Sums in at least float32. K defaults to the row count.
+  every worker. Sums, and returns the mean, in at least float32 (a
+  bfloat16 wire's values are not rounded again here; ``_place`` casts to
+  the gradient's dtype). K defaults to the row count.
   Past ``UNROLL_WORKERS`` rows the sum is a loop whose carry varies over
   the mesh axes the rows vary over (e.g. ``"hier"``'s host rows, which
   differ across its local axis).
@@ -145,7 +147,7 @@ def decode(values: jax.Array, indices: jax.Array, size: int,
     if axes:
       out = _compat.to_varying(out, tuple(sorted(axes)))
     out = lax.fori_loop(0, rows, add, out)
-  return (out / k).astype(values.dtype)
+  return out / k
 
 
 def bucket_offsets(units: Sequence[plan_lib.Unit]) -> list[int]:
@@ -169,8 +171,9 @@ def to_bucket(parts, units) -> tuple[jax.Array, jax.Array]:
   return jnp.concatenate(vals), jnp.concatenate(idx)
 
 
-def from_bucket(flat: jax.Array, units) -> list[jax.Array]:
+def from_bucket(flat: jax.Array, units, dtype=None) -> list[jax.Array]:
   """A (Σ n_u,) array over the bucket's index space -> one per unit, in each
-  unit's dtype."""
-  return [flat[s:s + u.size].astype(u.dtype)
+  unit's dtype, or in ``dtype`` (what a scheme hands back to the residuals:
+  its accumulation dtype, not the wire's)."""
+  return [flat[s:s + u.size].astype(dtype or u.dtype)
           for u, s in zip(units, bucket_offsets(units))]

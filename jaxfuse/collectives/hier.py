@@ -108,9 +108,10 @@ class Hier:
       mean, back = base.decode(rv[:, 0], ri[:, 0], s, hosts * size), None
     else:
       out = inner.sync([(sent, pick)], [unit], host, settings)
-      mean = (out.means[0].astype(acc) / size).astype(dtype)
+      mean = out.means[0].astype(acc) / size
       back = out.kept[0]
-    full = _compat.all_gather_invariant(mean, local).reshape(-1)[:n]  # 5
+    wire = mean.astype(dtype)
+    full = _compat.all_gather_invariant(wire, local).reshape(-1)[:n]  # 5
     means = base.from_bucket(full, units)
 
     if cs == s and acc == dtype and back is None:  # all sent, exactly
@@ -118,10 +119,15 @@ class Hier:
     kept = shard.at[pick].add(-sent.astype(acc), mode="drop")
     if back is not None:
       kept = kept + back.astype(acc)
+    if acc != dtype:
+      # The mean's rounding to the wire, K·(ĝ − wire(ĝ)) for this shard,
+      # kept once: by host 0's worker, of the H that hold the same shard.
+      kept = kept + jnp.where(lax.axis_index(host) == 0,
+                              hosts * size * (mean - wire.astype(acc)), 0)
     kept = jnp.where(jnp.isfinite(kept), kept, 0)
     kept = lax.dynamic_update_slice(jnp.zeros((s * size,), acc), kept,
                                     (lax.axis_index(local) * s,))
-    return base.Synced(means, base.from_bucket(kept[:n], units))
+    return base.Synced(means, base.from_bucket(kept[:n], units, acc))
 
   def steps(self, units, num_workers, settings):
     """The host-axis primitives, ``num_workers`` read as H (hosts).

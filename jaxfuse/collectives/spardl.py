@@ -286,12 +286,12 @@ class SparDL:
     got = _compat.all_gather_invariant(_pack(chunk(blk_v), chunk(blk_i)),
                                        axis_name)
     means = base.from_bucket(base.decode(*_unpack(got, (c,), dtype), n),
-                             units)
+                             units, _acc(dtype))
     vals = jnp.concatenate([x.reshape(-1) for x, _ in dropped])
     idx = jnp.concatenate([y.reshape(-1) for _, y in dropped])
     kept = jnp.zeros((n,), _acc(dtype)).at[idx].add(vals, mode="drop")
     kept = jnp.where(jnp.isfinite(kept), kept, 0)
-    return base.Synced(means, base.from_bucket(kept, units))
+    return base.Synced(means, base.from_bucket(kept, units, _acc(dtype)))
 
   def steps(self, units, num_workers, settings):
     """What ``sync`` hands each primitive: per SRS round its bag of m-slot

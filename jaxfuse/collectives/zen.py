@@ -329,6 +329,10 @@ class Zen(base.AnyMesh):
     slot_index = jnp.full((lay.union,), n, jnp.int32).at[
         jnp.where(take, taken, lay.union)].set(pos, mode="drop")
     mean = (sums / k).astype(dtype)
+    if jnp.dtype(dtype) != acc_dtype:
+      # The reducer keeps what its sums lose on a narrower wire:
+      # Σ = K·wire(Σ/K) + kept, up to acc_dtype's rounding.
+      kept = kept + jnp.where(take, sums - k * mean.astype(acc_dtype), 0)
     pull_values = mean.at[slot_index].get(mode="fill", fill_value=0)
     if lay.bitmap:
       part, rank = _ranks(n, k, settings.seed)
@@ -352,7 +356,7 @@ class Zen(base.AnyMesh):
     out = jnp.where(jnp.any(gathered[:, -1] != 0), jnp.nan, out).astype(dtype)
     kept = jnp.where(jnp.isfinite(kept), kept, 0)
     return base.Synced(base.from_bucket(out, units),
-                       base.from_bucket(kept, units))
+                       base.from_bucket(kept, units, acc_dtype))
 
   def steps(self, units, num_workers, settings):
     """all_to_all of K push rows, all_gather of one reduced partition."""

@@ -107,7 +107,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse.planning import costs as costs_lib
-from jaxfuse import fusion
 from jaxfuse.planning import grouping
 from jaxfuse import plans as plan_lib
 from jaxfuse.planning import simulate as simulate_lib
@@ -150,12 +149,15 @@ def plan_from_groups(base: plan_lib.Plan, groups: Sequence[Sequence[int]], *,
 
 # --- the fast objective -------------------------------------------------------
 
-def _leaf_wire_bytes(leaf: plan_lib.LeafPlan) -> int:
+def _leaf_wire_bytes(leaf: plan_lib.LeafPlan,
+                     settings: plan_lib.Settings) -> int:
+  """A dense leaf's bytes, or a sparse leaf's slots as the wire carries them
+  (``plans.wire_unit``)."""
   if leaf.mode == "dense":
     return leaf.size * jnp.dtype(leaf.dtype).itemsize
   unit = plan_lib.Unit((0,), leaf.size, leaf.capacity, leaf.density,
-                     leaf.estimator, leaf.dtype)
-  return 4 * sum(fusion.unit_words(unit))
+                       leaf.estimator, leaf.dtype)
+  return plan_lib.payload_bytes(plan_lib.wire_unit(unit, settings))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +200,7 @@ class GroupingProblem:
                tuple(costs.backward[i] for i in order),
                tuple(costs.compress.time(l.size) if s else 0.0
                      for l, s in zip(leaves, sparse)),
-               tuple(_leaf_wire_bytes(l) for l in leaves),
+               tuple(_leaf_wire_bytes(l, plan.settings) for l in leaves),
                costs.collectives["allgather"], costs.collectives["psum"],
                costs.forward, costs.overlap, costs.bucket)
 

@@ -58,11 +58,11 @@ AUTO_COLLECTIVES = ("allgather", "zen", "spardl")
 
 
 def _groups(strategy, order, nbytes, num_buckets, bucket_bytes, *,
-            leaves=None, costs=None):
+            leaves=None, costs=None, settings=None):
   """Leaf ids per group, in ready order; the cost strategies but "auto" need
-  ``leaves`` and ``costs``."""
+  ``leaves``, ``costs`` and ``settings`` (what the wire carries)."""
   if strategy in COST_STRATEGIES:
-    p = strategies.problem(leaves, order, costs)
+    p = strategies.problem(leaves, order, costs, settings)
     if strategy == "safusion":
       return strategies.safusion(p, num_buckets)
     if strategy == "asc":
@@ -244,7 +244,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
         settings)
   else:
     groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
-                     leaves=leaves, costs=costs)
+                     leaves=leaves, costs=costs, settings=settings)
     if last_bucket_bytes is not None:
       groups = grouping.cut_last(groups, nbytes, last_bucket_bytes)
   buckets = grouping.buckets_from_groups(
@@ -352,7 +352,7 @@ def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
       break
     cands += [(prefix + name, ls, _groups(name, order, nbytes, num_buckets,
                                           bucket_bytes, leaves=ls,
-                                          costs=costs))
+                                          costs=costs, settings=settings))
               for name in COST_STRATEGIES if name != "auto"]
     cands += [(prefix + name, ls, _groups(rule, order, nbytes, m, b))
               for name, rule, m, b in rules]
@@ -370,11 +370,12 @@ def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
       best = (times[name], name, ls, groups)
   _, name, ls, groups = best
 
-  p = strategies.problem(ls, order, costs)
+  p = strategies.problem(ls, order, costs, settings)
   switch = set(strategies.densify(p, groups, [nbytes[i] for i in order]))
   if switch:
     mixed = tuple(dense[i] if i in switch else l for i, l in enumerate(ls))
-    regrouped = strategies.cupcake(strategies.problem(mixed, order, costs))
+    regrouped = strategies.cupcake(strategies.problem(mixed, order, costs,
+                                                      settings))
     dense_name = f"{name}+dense({len(switch)} leaves)"
     for trial, gs in ((dense_name, groups), (dense_name + "+cupcake",
                                               regrouped)):

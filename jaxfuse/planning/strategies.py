@@ -35,12 +35,17 @@ NORMAL, MERGED, SIMULTANEOUS = "normal", "merged", "simultaneous"
 
 
 def problem(leaves: Sequence[plan_lib.LeafPlan], order: Sequence[int],
-            costs: costs_lib.Costs) -> optimal.GroupingProblem:
-  """The leaves (pytree order) in ready ``order``, with their costs."""
+            costs: costs_lib.Costs,
+            settings: plan_lib.Settings | None = None
+            ) -> optimal.GroupingProblem:
+  """The leaves (pytree order) in ready ``order``, with their costs; a
+  sparse leaf's wire bytes as ``settings`` (default ``Settings()``) send
+  its slots."""
   layerwise = grouping.buckets_from_groups(leaves, [[i] for i in order],
                                           behind=False, headroom=1.0)
   return optimal.GroupingProblem.from_plan(
-      plan_lib.Plan(tuple(leaves), layerwise), costs, order)
+      plan_lib.Plan(tuple(leaves), layerwise,
+                    settings or plan_lib.Settings()), costs, order)
 
 
 class _Line:
