@@ -126,6 +126,7 @@ def run(sync, estimator, args, model_parts, mesh, options) -> dict:
   else:
     plan = jaxfuse.plan(params, density=args.density, estimator=estimator,
                         strategy=args.strategy, loss_fn=loss_fn,
+                        sparse_wire=args.sparse_wire,
                         example_args=(local_batch,))
     # The sparse phase from the start: with no dense step before it the
     # recipe's update is zero (v = 0), but every step does its full work.
@@ -191,6 +192,9 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--batch-per-device", type=int,
                  help="default: the preset's (tiny: 32 for all devices)")
   p.add_argument("--devices", type=int, default=1)
+  p.add_argument("--sparse-wire", default="gradient",
+                 choices=jaxfuse.plans.SPARSE_WIRES,
+                 help="the sparse values' wire dtype (Settings.sparse_wire)")
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--profile-steps", type=int, default=5)

@@ -138,6 +138,13 @@ def test_show_without_costs_lists_buckets(workdir, capsys, monkeypatch):
   for i in range(NUM_LEAVES):  # layerwise: one bucket per leaf
     assert f"\nb{i} " in out
   assert "allgather/ahead" in out and "predicted" not in out
+  assert cli.main(["plan", "tinymodel:params_only", "--strategy",
+                   "layerwise", "--collective", "zen", "-o",
+                   "zen_plan.json"]) == 0
+  capsys.readouterr()
+  assert cli.main(["show", "zen_plan.json"]) == 0
+  out = capsys.readouterr().out
+  assert "zen/ahead" in out and "allgather" not in out
 
 
 def test_plan_last_bucket_bytes(workdir, capsys, monkeypatch):

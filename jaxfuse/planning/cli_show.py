@@ -43,7 +43,7 @@ def plan_table(plan, timeline=None) -> str:
     if b.collective == "psum":
       kind, capacity = "psum", "dense"
     else:
-      kind = f"allgather/{b.sparsify}"
+      kind = f"{b.collective}/{b.sparsify}"
       capacity = (b.capacity if b.sparsify == "behind" else
                   sum(plan.leaves[j].capacity for j in b.leaves))
       capacity = f"{capacity:,}"
