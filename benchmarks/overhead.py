@@ -127,6 +127,7 @@ def run(sync, estimator, args, model_parts, mesh, options) -> dict:
     plan = jaxfuse.plan(params, density=args.density, estimator=estimator,
                         strategy=args.strategy, loss_fn=loss_fn,
                         sparse_wire=args.sparse_wire,
+                        packed_indices=args.packed_indices,
                         example_args=(local_batch,))
     # The sparse phase from the start: with no dense step before it the
     # recipe's update is zero (v = 0), but every step does its full work.
@@ -195,6 +196,9 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--sparse-wire", default="gradient",
                  choices=jaxfuse.plans.SPARSE_WIRES,
                  help="the sparse values' wire dtype (Settings.sparse_wire)")
+  p.add_argument("--packed-indices", action="store_true",
+                 help="indices in ceil(log2(n+1)) bits (Settings."
+                 "packed_indices)")
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--profile-steps", type=int, default=5)

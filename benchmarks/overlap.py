@@ -221,8 +221,9 @@ def build(args, devices):
             if args.strategy == "size" else {})
   plan = jaxfuse.plan(params, density=args.density, strategy=args.strategy,
                       estimator=args.estimator, headroom=args.headroom,
-                      sparse_wire=args.sparse_wire, seed=0, loss_fn=loss_fn,
-                      example_args=(tokens[:1],), **sizing)
+                      sparse_wire=args.sparse_wire,
+                      packed_indices=args.packed_indices, seed=0,
+                      loss_fn=loss_fn, example_args=(tokens[:1],), **sizing)
   return mesh, params, loss_fn, batch, plan
 
 
@@ -380,6 +381,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  choices=jaxfuse.plans.SPARSE_WIRES,
                  help="the sparse values' wire dtype (bfloat16: 6 bytes a "
                  "float32 slot instead of 8)")
+  p.add_argument("--packed-indices", action="store_true",
+                 help="indices in ceil(log2(n+1)) bits (Settings."
+                 "packed_indices)")
   p.add_argument("--steps", type=int, default=15)
   p.add_argument("--variants", nargs="+", default=["base", "lhs", "lhs_sol"],
                  choices=sorted(VARIANTS))

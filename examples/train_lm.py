@@ -135,6 +135,7 @@ def plan_options(args) -> dict:
       collective=args.collective, spardl_block=args.spardl_block,
       residual_dtype=args.residual_dtype,
       sparse_wire=args.sparse_wire or "gradient",
+      packed_indices=args.packed_indices,
       num_buckets=args.num_buckets, costs=args.costs)
   if args.bucket_bytes:
     options["bucket_bytes"] = args.bucket_bytes
@@ -332,9 +333,12 @@ def main(argv=None) -> dict:
         _cast(params, grad_dtype), loss_fn=loss_fn,
         example_args=(windows(train, first_starts[:batch_size // k],
                               seq_len),), **plan_options(args)))
-    if args.plan and args.sparse_wire:   # the wire is not part of the layout
+    if args.plan and (args.sparse_wire or args.packed_indices):
+      # the wire is not part of the layout
       plan = dataclasses.replace(plan, settings=dataclasses.replace(
-          plan.settings, sparse_wire=args.sparse_wire))
+          plan.settings,
+          sparse_wire=args.sparse_wire or plan.settings.sparse_wire,
+          packed_indices=args.packed_indices or plan.settings.packed_indices))
     say(plan.summary())
     phases = jaxfuse.density_warmup(
         plan, steps=args.warmup_steps, densities=args.warmup_densities,

@@ -122,6 +122,10 @@ def parse_args(argv):
                  "worker's rounding kept in its residual "
                  "(Settings.sparse_wire; default: the gradient's, or a "
                  "--plan's own)")
+  p.add_argument("--packed-indices", action="store_true",
+                 help="allgather buckets send each index in "
+                 "ceil(log2(n+1)) bits instead of 32, losslessly "
+                 "(Settings.packed_indices)")
   p.add_argument("--dense-settle", type=float,
                  help="end onebit_adamw's dense warm-up early, once its "
                  "second moment moves less than this (relative L1, e.g. "

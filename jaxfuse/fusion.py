@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse.plans import Unit
+from jaxfuse.plans import index_words
 from jaxfuse.plans import num_words
 
 INDEX_DTYPE = np.dtype(np.int32)
@@ -62,8 +63,55 @@ def from_words(words: jax.Array, dtype, count: int) -> jax.Array:
 
 def unit_words(unit: Unit) -> tuple[int, int]:
   """Words of the unit's values and of its indices."""
-  return num_words(unit.capacity, unit.dtype), num_words(unit.capacity,
-                                                         INDEX_DTYPE)
+  return num_words(unit.capacity, unit.dtype), index_words(unit)
+
+
+# --- indices in b bits: 32 of them fill b words -------------------------------
+
+def pack_indices(x: jax.Array, bits: int, size: int) -> jax.Array:
+  """(..., c) int32 indices in [0, size] -> (..., ⌈c·b/32⌉) uint32 words,
+  index i in bits [i·b, (i+1)·b) (little end first); anything outside
+  [0, size] goes as ``size``, the empty slot. b = 32: a bitcast.
+
+  Every 32 indices fill exactly b words, so each word's parts (at most
+  ⌈32/b⌉ + 1 indices) have static positions and shifts."""
+  if bits == 32:
+    return to_words(x.astype(jnp.int32))
+  c, lead = x.shape[-1], x.shape[:-1]
+  x = jnp.where((x < 0) | (x > size), size, x).astype(jnp.uint32)
+  x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, -c % 32)])
+  x = x.reshape(*lead, -1, 32)
+  words = []
+  for w in range(bits):                 # word w of each 32-index block
+    word = jnp.zeros(x.shape[:-1], jnp.uint32)
+    for k in range(32 * w // bits, min(32, (32 * w + 31) // bits + 1)):
+      shift = k * bits - 32 * w         # where index k starts in word w
+      word = word | (x[..., k] << shift if shift >= 0 else
+                     x[..., k] >> -shift)
+    words.append(word)
+  out = jnp.stack(words, axis=-1).reshape(*lead, -1)
+  return out[..., :math.ceil(c * bits / 32)]
+
+
+def unpack_indices(words: jax.Array, bits: int, count: int) -> jax.Array:
+  """Inverse of ``pack_indices``: (..., W) words -> (..., count) int32."""
+  if bits == 32:
+    return from_words(words, INDEX_DTYPE, count)
+  lead = words.shape[:-1]
+  blocks = -(-count // 32)
+  words = jnp.pad(words, [(0, 0)] * len(lead) +
+                  [(0, blocks * bits - words.shape[-1])])
+  words = words.reshape(*lead, blocks, bits)
+  mask = jnp.uint32((1 << bits) - 1)
+  out = []
+  for k in range(32):
+    w, shift = divmod(k * bits, 32)
+    x = words[..., w] >> shift
+    if shift + bits > 32:               # runs on into the next word
+      x = x | (words[..., w + 1] << (32 - shift))
+    out.append(x & mask)
+  x = jnp.stack(out, axis=-1).reshape(*lead, -1)[..., :count]
+  return x.astype(jnp.int32)
 
 
 def shape_groups(units) -> list[list[int]]:
@@ -71,7 +119,8 @@ def shape_groups(units) -> list[list[int]]:
   group in order of first appearance."""
   groups = {}
   for n, u in enumerate(units):
-    groups.setdefault((u.size, u.capacity, jnp.dtype(u.dtype)), []).append(n)
+    groups.setdefault((u.size, u.capacity, jnp.dtype(u.dtype), u.index_bits),
+                      []).append(n)
   return list(groups.values())
 
 
@@ -82,9 +131,11 @@ def pack_groups(parts, units) -> jax.Array:
   per unit, one bitcast per group."""
   words = []
   for members in shape_groups(units):
-    for k in (0, 1):
-      words.append(to_words(jnp.stack([parts[n][k] for n in members]))
-                   .reshape(-1))
+    u = units[members[0]]
+    words.append(to_words(jnp.stack([parts[n][0] for n in members]))
+                 .reshape(-1))
+    words.append(pack_indices(jnp.stack([parts[n][1] for n in members]),
+                              u.index_bits, u.size).reshape(-1))
   return jnp.concatenate(words)
 
 
@@ -100,8 +151,8 @@ def unpack_groups(words: jax.Array, units) -> list:
     v = from_words(words[..., start:start + g * nv].reshape(*lead, g, nv),
                    u.dtype, u.capacity)
     start += g * nv
-    i = from_words(words[..., start:start + g * ni].reshape(*lead, g, ni),
-                   INDEX_DTYPE, u.capacity)
+    i = unpack_indices(words[..., start:start + g * ni].reshape(*lead, g, ni),
+                       u.index_bits, u.capacity)
     start += g * ni
     out.append((members, v, i))
   return out

@@ -33,6 +33,10 @@ SPARSE_COLLECTIVES = ("allgather", "zen", "spardl", "hier")  # jaxfuse.collectiv
 RESIDUAL_DTYPES = ("float32", "gradient")  # Settings.residual_dtype
 FULL_WIRES = ("gradient", "bfloat16")  # Settings.full_wire
 SPARSE_WIRES = ("gradient", "bfloat16")  # Settings.sparse_wire
+# The schemes that send a unit's slots as ``fusion.pack_groups`` packs them,
+# so ``Settings.packed_indices`` applies ("hier": its host all-gather with
+# hier_inner="allgather").
+PACKED_COLLECTIVES = ("allgather", "hier")
 COLLECTIVES = SPARSE_COLLECTIVES + ("psum",)
 SPARSIFY = ("ahead", "behind")
 MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
@@ -144,6 +148,10 @@ class Settings:
     lose to the wire (ZEN's reducer, SparDL's merges, ``"hier"``'s mean
     on host 0) in a residual: nothing is lost but float32 rounding. A
     finite value beyond bfloat16's range goes as its largest value.
+  packed_indices: ``"allgather"`` (and ``"hier"`` over an all-gather)
+    send each index in b = ⌈log₂(n + 1)⌉ bits instead of 32 (n: the
+    unit's size, n itself the empty slot), c indices in ⌈c·b/32⌉ words:
+    lossless, 22 bits for a 768 × 3072 matrix. ZEN and SparDL keep int32.
   """
   headroom: float = 1.5
   min_sparse_size: int = 1024
@@ -160,6 +168,7 @@ class Settings:
   residual_dtype: str = "float32"
   full_wire: str = "gradient"
   sparse_wire: str = "gradient"
+  packed_indices: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +305,9 @@ def check_plan(plan: Plan) -> None:
   if s.sparse_wire not in SPARSE_WIRES:
     raise PlanError(f"settings.sparse_wire={s.sparse_wire!r}; use one of "
                     f"{', '.join(map(repr, SPARSE_WIRES))}.")
+  if not isinstance(s.packed_indices, bool):
+    raise PlanError(f"settings.packed_indices={s.packed_indices!r} must be "
+                    "True or False.")
   if s.residual_dtype not in RESIDUAL_DTYPES:
     raise PlanError(f"settings.residual_dtype={s.residual_dtype!r}; use one "
                     f"of {RESIDUAL_DTYPES}.")
@@ -379,6 +391,7 @@ class Unit:
   density: float
   estimator: str
   dtype: str
+  index_bits: int = 32      # bits of an index on the wire (``wire_unit``)
 
 
 def units(plan: Plan
@@ -461,13 +474,24 @@ def full_wire_dtype(unit: Unit, settings: Settings) -> str:
   return _narrower(unit.dtype, settings.full_wire)
 
 
-def wire_unit(unit: Unit, settings: Settings) -> Unit:
-  """``unit`` as its slots travel: the values' dtype the narrower of the
-  gradient's and ``Settings.sparse_wire`` (what the collectives pack,
-  decode and count bytes by)."""
+def index_bits(size: int) -> int:
+  """Bits that hold an index in [0, size] (``size``: the empty slot)."""
+  return max(1, int(size).bit_length())
+
+
+def wire_unit(unit: Unit, settings: Settings,
+              collective: str = "allgather") -> Unit:
+  """``unit`` as its slots travel in a bucket of ``collective``: the
+  values' dtype the narrower of the gradient's and
+  ``Settings.sparse_wire``, and its indices' bits (``index_bits(size)``
+  with ``Settings.packed_indices`` for ``PACKED_COLLECTIVES``, else 32):
+  what the collectives pack, decode and count bytes by."""
   dtype = _narrower(unit.dtype, settings.sparse_wire)
-  return unit if dtype == unit.dtype else dataclasses.replace(unit,
-                                                              dtype=dtype)
+  bits = (index_bits(unit.size) if settings.packed_indices and
+          collective in PACKED_COLLECTIVES else 32)
+  if (dtype, bits) == (unit.dtype, unit.index_bits):
+    return unit
+  return dataclasses.replace(unit, dtype=dtype, index_bits=bits)
 
 
 def is_full(unit: Unit) -> bool:
@@ -486,11 +510,16 @@ def num_words(count: int, dtype) -> int:
   return math.ceil(count * np.dtype(dtype).itemsize / 4)
 
 
+def index_words(unit: Unit) -> int:
+  """uint32 words that hold the unit's c indices of ``unit.index_bits``
+  bits each, back to back (32: one word each)."""
+  return math.ceil(unit.capacity * unit.index_bits / 32)
+
+
 def payload_bytes(unit: Unit) -> int:
-  """Bytes of one worker's slots of a unit: c values and c int32 indices,
-  each padded to whole uint32 words (``fusion.pack_groups``)."""
-  return 4 * (num_words(unit.capacity, unit.dtype) +
-              num_words(unit.capacity, np.int32))
+  """Bytes of one worker's slots of a unit: c values and c indices, each
+  padded to whole uint32 words (``fusion.pack_groups``)."""
+  return 4 * (num_words(unit.capacity, unit.dtype) + index_words(unit))
 
 
 def bucket_payload_bytes(plan: Plan) -> list[int]:
@@ -510,6 +539,7 @@ def bucket_payload_bytes(plan: Plan) -> list[int]:
           full_wire_dtype(all_units[u], plan.settings)).itemsize
                      for u in unit_ids))
     else:
-      out.append(sum(payload_bytes(wire_unit(all_units[u], plan.settings))
+      out.append(sum(payload_bytes(wire_unit(all_units[u], plan.settings,
+                                             b.collective))
                      for u in unit_ids))
   return out

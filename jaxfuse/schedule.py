@@ -81,9 +81,12 @@ def compile_plan(plan: plan_lib.Plan) -> Schedule:
                             tuple(ids),
                             tuple(sorted({group_of_unit[u] for u in ids})),
                             placement))
+  collective_of = {u: b.collective for b, ids in zip(plan.buckets, per_bucket)
+                   for u in ids}
   return Schedule(all_units, groups, group_dtypes, group_of_unit,
                   tuple(steps), len(plan.leaves),
-                  tuple(plan_lib.wire_unit(u, plan.settings)
-                        for u in all_units))
+                  tuple(plan_lib.wire_unit(unit, plan.settings,
+                                           collective_of[u])
+                        for u, unit in enumerate(all_units)))
 
 

@@ -182,6 +182,25 @@ def sync(plan, mesh, grads, state, *, fast_compile: bool = False):
                                                   state)
 
 
+def gathered_words(plan, mesh) -> list[int]:
+  """Per ``all_gather`` of the lowered sync step of ``plan`` (a flat list
+  of leaves), the uint32 words each worker contributes, sorted."""
+  import re  # pylint: disable=g-import-not-at-top
+  tx = jaxfuse.sparse_sync(plan)
+  state = init(plan, mesh)
+  grads = [np.zeros((NUM_WORKERS,) + tuple(l.shape), jnp.dtype(l.dtype))
+           for l in plan.leaves]
+  text = jax.jit(sharded_update(tx, mesh, jaxfuse.state_specs(state))).lower(
+      shard(mesh, grads), state).as_text()
+  out = []
+  for line in text.splitlines():
+    if "all_gather" in line:
+      dims = re.findall(r"tensor<([0-9x]+)xui32>", line.split("->")[-1])
+      out.append(math.prod(int(d) for d in dims[-1].split("x")) //
+                 NUM_WORKERS)
+  return sorted(out)
+
+
 def list_plan(shapes, dtype="float32", **kwargs):
   """A plan for params given as a flat list of shapes."""
   params = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]

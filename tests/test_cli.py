@@ -182,6 +182,15 @@ def test_plan_sparse_wire(workdir, capsys, monkeypatch):
   assert exact.bytes_per_worker() == dense + sum(8 * c for c in caps)
   assert half.bytes_per_worker() == dense + sum(
       4 * (-(-c // 2) + c) for c in caps)
+  assert cli.main(["plan", "tinymodel:params_only", "--strategy", "single",
+                   "--packed-indices", "-o", "packed.json"]) == 0
+  capsys.readouterr()
+  packed = jaxfuse.Plan.load(workdir / "packed.json")
+  assert packed.settings.packed_indices and not exact.settings.packed_indices
+  units = jaxfuse.plans.units(packed)[0]
+  assert packed.bytes_per_worker() == dense + sum(
+      4 * (u.capacity + -(-u.capacity * u.size.bit_length() // 32))
+      for u in units)
   err = error_of(capsys, "plan", "tinymodel:params_only", "--sparse-wire",
                  "float16")
   assert "--sparse-wire" in err and "'bfloat16'" in err

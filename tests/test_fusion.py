@@ -63,14 +63,41 @@ def test_words_of_rows_are_each_rows_words(dtype, rows, count, seed):
                                 bits)
 
 
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 32), count=st.integers(1, 100),
+       rows=st.integers(1, 3), seed=st.integers(0, 1000))
+def test_packed_indices_round_trip(bits, count, rows, seed):
+  """c indices of b bits in ⌈c·b/32⌉ words, back bit for bit; one outside
+  [0, size] comes back as size (the empty slot)."""
+  size = 2**bits - 1 if bits < 32 else 2**31 - 2
+  rng = np.random.default_rng(seed)
+  x = rng.integers(0, size, (rows, count), endpoint=True).astype(np.int32)
+  words = fusion.pack_indices(jnp.asarray(x), bits, size)
+  assert words.dtype == jnp.uint32
+  assert words.shape == (rows, -(-count * bits // 32))
+  np.testing.assert_array_equal(
+      np.asarray(fusion.unpack_indices(words, bits, count)), x)
+  # each index's bits at i·b: read them back with Python integers
+  stream = sum(int(w) << (32 * n) for n, w in enumerate(np.asarray(words[0])))
+  assert [(stream >> (i * bits)) & (2**bits - 1) for i in range(count)] == [
+      int(v) for v in x[0]]
+  if bits < 31:
+    bad = x.copy()
+    bad[0, 0], bad[-1, -1] = -1, size + 1
+    back = fusion.unpack_indices(fusion.pack_indices(jnp.asarray(bad), bits,
+                                                     size), bits, count)
+    assert np.asarray(back)[0, 0] == np.asarray(back)[-1, -1] == size
+
+
 @settings(max_examples=25, deadline=None)
 @given(kinds=st.lists(st.sampled_from([(100, 5, "float32"), (100, 5, "bfloat16"),
                                        (100, 3, "float32"), (40, 5, "float16")]),
                       min_size=1, max_size=7),
-       seed=st.integers(0, 1000))
-def test_groups_pack_every_units_slots_and_give_them_back(kinds, seed):
+       packed=st.booleans(), seed=st.integers(0, 1000))
+def test_groups_pack_every_units_slots_and_give_them_back(kinds, packed, seed):
   rng = np.random.default_rng(seed)
-  units = [plan_lib.Unit((n,), size, cap, 0.05, "dgc", dtype)
+  units = [plan_lib.Unit((n,), size, cap, 0.05, "dgc", dtype,
+                         plan_lib.index_bits(size) if packed else 32)
            for n, (size, cap, dtype) in enumerate(kinds)]
   parts = [(jnp.asarray(rng.standard_normal(u.capacity).astype(u.dtype)),
             jnp.asarray(rng.integers(0, u.size + 1, u.capacity), jnp.int32))

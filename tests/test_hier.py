@@ -33,7 +33,8 @@ pytestmark = pytest.mark.skipif(len(jax.devices()) < K,
                                 reason="needs 8 devices")
 
 
-def _plan(collective, inner="allgather", sparse_wire="gradient"):
+def _plan(collective, inner="allgather", sparse_wire="gradient",
+          packed_indices=False):
   mk = functools.partial(plan_lib.LeafPlan, dtype="float32")
   leaves = (mk("[0]", SHAPES[0], mode="sparse", density=C0 / SIZES[0],
                capacity=C0, estimator="topk"),
@@ -47,7 +48,8 @@ def _plan(collective, inner="allgather", sparse_wire="gradient"):
              plan_lib.BucketPlan((1, 2), collective),
              plan_lib.BucketPlan((3,), "psum"))
   return plan_lib.Plan(leaves, buckets, plan_lib.Settings(
-      hier_inner=inner, sparse_wire=sparse_wire))
+      hier_inner=inner, sparse_wire=sparse_wire,
+      packed_indices=packed_indices))
 
 
 def _params():
@@ -271,6 +273,26 @@ def test_bfloat16_sparse_wire_is_exact_on_small_integers(feeds, runs):
     want += (hosts - 1) * 4 * (-(-min(s, c) // 2) + min(s, c))  # words
     want += -(-2 * (local - 1) * (3 * s * local) // local)
   assert (np.asarray(run[0][2].stats.wire_bytes) == want).all()
+
+
+def test_packed_indices_on_the_host_axis(feeds, runs):
+  """``packed_indices``: the host all-gather sends each shard index in
+  ⌈log₂(S + 1)⌉ bits (S = 256: 9; 276: 9); ĝ and the residuals equal the
+  flat run's bitwise, with drops too."""
+  _, out = runs
+  mesh = jaxfuse.make_mesh(K, local=4)
+  ample, drops = _sync_run(_plan("hier", packed_indices=True), mesh, HIER,
+                           feeds[:2])
+  _check_equal(ample, out["flat"][0])
+  _check_equal(drops, out["2x4"][1])
+  hosts, local = 2, 4
+  want = -(-2 * (K - 1) * 7 * 4 // K)
+  for n, c in ((SIZES[0], C0), (SIZES[1] + SIZES[2], 551)):
+    s = -(-n // local)
+    m = min(s, c)
+    want += (hosts - 1) * 4 * (m + -(-m * 9 // 32))
+    want += -(-2 * (local - 1) * (4 * s * local) // local)
+  assert (np.asarray(ample[0][2].stats.wire_bytes) == want).all()
 
 
 @pytest.mark.parametrize("inner", ["allgather", "zen", "spardl"])

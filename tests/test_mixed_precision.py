@@ -18,7 +18,7 @@ import pytest
 import jaxfuse
 from jaxfuse import plans as plan_lib
 
-from _harness import init, list_plan, shard, sync
+from _harness import gathered_words, init, list_plan, shard, sync
 from _harness import NUM_WORKERS as K
 
 SHAPES = [(4096,), (48, 64)]
@@ -294,21 +294,9 @@ def test_sparse_wire_cuts_the_slots_to_six_bytes(mesh):
   assert half.bytes_per_worker() == sum(
       4 * (-(-u.capacity // 2) + u.capacity) for u in units)
 
-  def gathered_words(plan):
-    tx = jaxfuse.sparse_sync(plan)
-    from _harness import sharded_update  # pylint: disable=g-import-not-at-top
-    text = jax.jit(sharded_update(tx, mesh, jaxfuse.state_specs(
-        init(plan, mesh)))).lower(
-            shard(mesh, [np.zeros((K,) + s, np.float32) for s in SHAPES]),
-            init(plan, mesh)).as_text()
-    shapes = [l.split("->")[-1] for l in text.splitlines()
-              if "all_gather" in l]
-    return sorted(int(np.prod([int(d) for d in s.split("<")[1].split("x")[:-1]]))
-                  for s in shapes)
-  assert [w // K for w in gathered_words(half)] == sorted(
+  assert gathered_words(half, mesh) == sorted(
       -(-u.capacity // 2) + u.capacity for u in units)
-  assert [w // K for w in gathered_words(exact)] == sorted(
-      2 * u.capacity for u in units)
+  assert gathered_words(exact, mesh) == sorted(2 * u.capacity for u in units)
 
 
 def test_sparse_wire_is_checked_and_saved():

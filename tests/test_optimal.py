@@ -57,8 +57,10 @@ def instances(draw, max_leaves=14):
       overlap=draw(st.sampled_from([0.0, 0.25, 0.6, 1.0])),
       forward=draw(u) * 1e-2,
       bucket=draw(st.sampled_from([0.0, 1e-4, 1e-3])))
-  wire = draw(st.sampled_from(plan_lib.SPARSE_WIRES))  # slots of 8 or 6 B
-  return layerwise(leaves, order, plan_lib.Settings(sparse_wire=wire)), costs
+  wire = draw(st.sampled_from(plan_lib.SPARSE_WIRES))  # values of 4 or 2 B
+  packed = draw(st.booleans())                 # indices of 32 or ~17 bits
+  return layerwise(leaves, order, plan_lib.Settings(
+      sparse_wire=wire, packed_indices=packed)), costs
 
 
 def random_cuts(rng, n):

@@ -16,7 +16,8 @@ import pytest
 import jaxfuse
 from jaxfuse import plans as plan_lib
 
-from _harness import init, list_plan, shard, sharded_update, sync
+from _harness import gathered_words, init, list_plan, shard, sharded_update
+from _harness import sync
 from _harness import NUM_WORKERS as K
 
 
@@ -347,6 +348,36 @@ def test_wire_bytes_match_the_buffers(mesh):
   # of the 40 dense bytes sends 2(K-1)/K of them.
   expect = (K - 1) * payload + math.ceil(2 * (K - 1) * 40 / K)
   np.testing.assert_array_equal(np.asarray(state.stats.wire_bytes), expect)
+
+
+def test_packed_indices_send_the_same_in_fewer_bytes(mesh):
+  """``packed_indices``: the 1000- and 3000-element leaves' indices in 10
+  and 12 bits; ĝ and the residuals bitwise as with int32 indices, on
+  c + ⌈c·b/32⌉ words a unit."""
+  shapes = [(1000,), (3000,), (10,)]
+  plain, packed = (list_plan(shapes, density=0.01, strategy="single",
+                             min_sparse_size=100, packed_indices=p)
+                   for p in (False, True))
+  units, _ = plan_lib.units(packed)
+  bits = {1000: 10, 3000: 12}
+  payload = sum(4 * (u.capacity + -(-u.capacity * bits[u.size] // 32))
+                for u in units)
+  assert packed.bytes_per_worker() == payload + 4 * 10
+  assert plain.bytes_per_worker() == sum(8 * u.capacity for u in units) + 40
+  assert gathered_words(packed, mesh) == [payload // 4]   # one bucket
+  rng = np.random.default_rng(0)
+  states = [init(plain, mesh), init(packed, mesh)]
+  for _ in range(2):
+    grads = [jnp.asarray(rng.normal(size=(K,) + s), jnp.float32)
+             for s in shapes]
+    (a, states[0]), (b, states[1]) = (sync(p, mesh, grads, st) for p, st in
+                                      zip((plain, packed), states))
+    for x, y in zip(a + list(jaxfuse.unit_residuals(plain, states[0])),
+                    b + list(jaxfuse.unit_residuals(packed, states[1]))):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  expect = (K - 1) * payload + math.ceil(2 * (K - 1) * 40 / K)
+  np.testing.assert_array_equal(np.asarray(states[1].stats.wire_bytes),
+                                expect)
 
 
 def test_integer_leaves_are_dense_and_pass_through(mesh):

@@ -98,7 +98,7 @@ class Hier:
       pick = lax.top_k(key, cs)[1].astype(jnp.int32)
     sent = shard[pick].astype(dtype)
     pick = jnp.where(sent != 0, pick, s)  # zeros: empty slots
-    unit = _shard_unit(s, cs, dtype)
+    unit = _shard_unit(s, cs, dtype, settings)
     if settings.hier_inner == "allgather":                          # 4
       # Built in rather than inner.sync: one division by K = H·L, the
       # rounding of a flat "allgather".
@@ -139,7 +139,8 @@ class Hier:
     ``mesh_wire``.
     """
     n, _, cs, dtype = _layout(units, 1)
-    return _host_steps(_shard_unit(n, cs, dtype), num_workers, settings)
+    return _host_steps(_shard_unit(n, cs, dtype, settings), num_workers,
+                       settings)
 
   def local_steps(self, units, local: int) -> tuple[base.Step, ...]:
     """The dense local-axis traffic: the reduce-scatter (in ≥ float32) and
@@ -155,7 +156,8 @@ def mesh_wire(units, hosts: int, local: int, settings) -> base.Wire:
   """Bytes one worker sends and receives per step for a ``"hier"`` bucket
   on an H × L mesh: its host-axis steps on H plus its local steps on L."""
   _, s, cs, dtype = _layout(units, local)
-  parts = (base.wire(_host_steps(_shard_unit(s, cs, dtype), hosts, settings),
+  parts = (base.wire(_host_steps(_shard_unit(s, cs, dtype, settings), hosts,
+                                 settings),
                      hosts),
            base.wire(Hier().local_steps(units, local), local))
   return base.Wire(sum(p.sent for p in parts), sum(p.received for p in parts))
@@ -188,9 +190,13 @@ def _layout(units, local: int):
   return n, s, min(s, sum(u.capacity for u in units)), dtype
 
 
-def _shard_unit(s, cs, dtype) -> plan_lib.Unit:
-  """A shard as a selection unit, what the host-axis scheme moves."""
-  return plan_lib.Unit((), s, cs, cs / s, "topk", str(jnp.dtype(dtype)))
+def _shard_unit(s, cs, dtype, settings=None) -> plan_lib.Unit:
+  """A shard as a selection unit, what the host-axis scheme moves (its
+  indices packed as ``settings`` say when an all-gather moves it)."""
+  unit = plan_lib.Unit((), s, cs, cs / s, "topk", str(jnp.dtype(dtype)))
+  if settings is None:
+    return unit
+  return plan_lib.wire_unit(unit, settings, settings.hier_inner)
 
 
 def _host_steps(unit, hosts, settings):

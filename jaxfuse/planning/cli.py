@@ -136,7 +136,8 @@ def cmd_profile(args) -> int:
 
 PLAN_OPTIONS = ("density", "strategy", "estimator", "num_buckets",
                 "bucket_bytes", "last_bucket_bytes", "headroom",
-                "min_sparse_size", "collective", "sparse_wire", "num_workers")
+                "min_sparse_size", "collective", "sparse_wire",
+                "packed_indices", "num_workers")
 
 
 def _strategies() -> tuple[str, ...]:
@@ -306,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
   pl.add_argument("--sparse-wire", choices=("gradient", "bfloat16"),
                   help="the sparse values' wire dtype: bfloat16 sends float32 "
                   "slots in 6 bytes instead of 8 (default: the gradient's)")
+  pl.add_argument("--packed-indices", action="store_true", default=None,
+                  help="allgather buckets send each index in "
+                  "ceil(log2(n+1)) bits instead of 32 (lossless)")
   pl.add_argument("--workers", dest="num_workers", type=positive_int,
                   help="K to plan for (default: the costs' device count)")
   pl.set_defaults(run=cmd_plan)

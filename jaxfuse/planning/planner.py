@@ -96,7 +96,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
          zen_union: float = 1.0, spardl_teams: int = 1,
          hier_inner: str = "allgather", spardl_block: float = 2.0,
          residual_dtype: str = "float32", sparse_wire: str = "gradient",
-         num_workers: int | None = None,
+         packed_indices: bool = False, num_workers: int | None = None,
          loss_fn: Callable | None = None, example_args: Sequence = (),
          ready_order: Sequence[int] | None = None,
          costs: costs_lib.Costs | str | os.PathLike | None = None
@@ -135,6 +135,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     sparse_wire: ``"gradient"`` or ``"bfloat16"``: the sparse values' wire
       dtype (``plan.Settings``; bfloat16 sends float32 slots in 6 bytes
       instead of 8, each worker's rounding kept in its residual).
+    packed_indices: ``"allgather"`` buckets send each index in
+      ⌈log₂(n + 1)⌉ bits instead of 32 (lossless; ``plan.Settings``).
     num_workers: K the plan is made for (default: the costs' ``workers``);
       ``"auto"`` picks each sparse bucket's collective for it, and the
       predicted step time is for it.
@@ -193,7 +195,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
                                hier_inner=hier_inner,
                                spardl_block=spardl_block,
                                residual_dtype=residual_dtype,
-                               sparse_wire=sparse_wire)
+                               sparse_wire=sparse_wire,
+                               packed_indices=packed_indices)
 
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   if not flat:
@@ -277,9 +280,10 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
   for b, step in zip(plan.buckets, sched.buckets):
     times = {}
     if step.kind == schedule_lib.SPARSE:
-      units = sched.bucket_wire_units(step)
       for name in AUTO_COLLECTIVES:
         scheme = collectives.get(name)
+        units = [plan_lib.wire_unit(u, plan.settings, name)
+                 for u in sched.bucket_units(step)]
         try:
           scheme.check("auto", num_workers, plan.settings)
           steps = scheme.steps(units, num_workers, plan.settings)
