@@ -7,7 +7,9 @@ dtype)::
   words = [ bits(V_1) ‖ bits(I_1) ‖ bits(V_2) ‖ bits(I_2) ‖ … ]
 
 with V_g, I_g the (G, c) values and indices of group g's units (values keep
-their dtype's bits, 16-bit values two to a word, each row whole words), so
+their dtype's bits, 16-bit values two to a word; indices int32, or
+``Unit.index_bits`` each back to back, ``pack_indices``; each row whole
+words), so
 a single ``all_gather`` moves it and each group unpacks with one bitcast
 (``pack_groups``). A dense bucket
 becomes one flat array per dtype, all reduced by a single multi-operand
@@ -68,29 +70,41 @@ def unit_words(unit: Unit) -> tuple[int, int]:
 
 # --- indices in b bits: 32 of them fill b words -------------------------------
 
+def _bit_tables(bits: int):
+  """Static tables of one 32-index block in ``bits`` words: per word w and
+  part t, the index k that lands there and its shift (k·b − 32·w: left if
+  ≥ 0, right if < 0; parts past the word are masked); per index k, its
+  first word and the shift into it."""
+  parts = -(-32 // bits) + 1
+  k = np.arange(bits)[:, None] * 32 // bits + np.arange(parts)[None, :]
+  shift = k * bits - 32 * np.arange(bits)[:, None]
+  valid = (k < 32) & (shift < 32)
+  first, into = np.divmod(np.arange(32) * bits, 32)
+  return np.minimum(k, 31), shift, valid, first, into
+
+
 def pack_indices(x: jax.Array, bits: int, size: int) -> jax.Array:
   """(..., c) int32 indices in [0, size] -> (..., ⌈c·b/32⌉) uint32 words,
-  index i in bits [i·b, (i+1)·b) (little end first); anything outside
+  index i in bits [i·b, (i+1)·b) (low bits first); anything outside
   [0, size] goes as ``size``, the empty slot. b = 32: a bitcast.
 
   Every 32 indices fill exactly b words, so each word's parts (at most
-  ⌈32/b⌉ + 1 indices) have static positions and shifts."""
+  ⌈32/b⌉ + 1 indices) have static positions and shifts: one gather and
+  a sum of disjoint bit fields per block."""
   if bits == 32:
     return to_words(x.astype(jnp.int32))
   c, lead = x.shape[-1], x.shape[:-1]
   x = jnp.where((x < 0) | (x > size), size, x).astype(jnp.uint32)
   x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, -c % 32)])
   x = x.reshape(*lead, -1, 32)
-  words = []
-  for w in range(bits):                 # word w of each 32-index block
-    word = jnp.zeros(x.shape[:-1], jnp.uint32)
-    for k in range(32 * w // bits, min(32, (32 * w + 31) // bits + 1)):
-      shift = k * bits - 32 * w         # where index k starts in word w
-      word = word | (x[..., k] << shift if shift >= 0 else
-                     x[..., k] >> -shift)
-    words.append(word)
-  out = jnp.stack(words, axis=-1).reshape(*lead, -1)
-  return out[..., :math.ceil(c * bits / 32)]
+  k, shift, valid, _, _ = _bit_tables(bits)
+  v = x[..., k]                                       # (..., B, bits, parts)
+  left = v << jnp.asarray(np.clip(shift, 0, 31), jnp.uint32)
+  right = v >> jnp.asarray(np.clip(-shift, 0, 31), jnp.uint32)
+  field = jnp.where(jnp.asarray(valid), jnp.where(jnp.asarray(shift >= 0),
+                                                  left, right), 0)
+  words = jnp.sum(field, axis=-1, dtype=jnp.uint32)   # disjoint bits: OR
+  return words.reshape(*lead, -1)[..., :math.ceil(c * bits / 32)]
 
 
 def unpack_indices(words: jax.Array, bits: int, count: int) -> jax.Array:
@@ -100,18 +114,15 @@ def unpack_indices(words: jax.Array, bits: int, count: int) -> jax.Array:
   lead = words.shape[:-1]
   blocks = -(-count // 32)
   words = jnp.pad(words, [(0, 0)] * len(lead) +
-                  [(0, blocks * bits - words.shape[-1])])
-  words = words.reshape(*lead, blocks, bits)
-  mask = jnp.uint32((1 << bits) - 1)
-  out = []
-  for k in range(32):
-    w, shift = divmod(k * bits, 32)
-    x = words[..., w] >> shift
-    if shift + bits > 32:               # runs on into the next word
-      x = x | (words[..., w + 1] << (32 - shift))
-    out.append(x & mask)
-  x = jnp.stack(out, axis=-1).reshape(*lead, -1)[..., :count]
-  return x.astype(jnp.int32)
+                  [(0, blocks * bits + 1 - words.shape[-1])])
+  *_, first, into = _bit_tables(bits)
+  rows = jnp.arange(blocks)[:, None] * bits + first   # (B, 32) word of index
+  into = jnp.asarray(into, jnp.uint32)
+  low = words[..., rows] >> into
+  high = jnp.where(jnp.asarray(into == 0), 0,
+                   words[..., rows + 1] << (32 - jnp.maximum(into, 1)))
+  x = (low | high) & jnp.uint32((1 << bits) - 1)
+  return x.reshape(*lead, -1)[..., :count].astype(jnp.int32)
 
 
 def shape_groups(units) -> list[list[int]]:
