@@ -85,14 +85,18 @@ def _bit_tables(bits: int):
 
 def pack_indices(x: jax.Array, bits: int, size: int) -> jax.Array:
   """(..., c) int32 indices in [0, size] -> (..., ⌈c·b/32⌉) uint32 words,
-  index i in bits [i·b, (i+1)·b) (low bits first); anything outside
-  [0, size] goes as ``size``, the empty slot. b = 32: a bitcast.
+  index i in bits [i·b, (i+1)·b) (low bits first); for b < 32 anything
+  outside [0, size] goes as ``size``, the empty slot. b = 32: a bitcast,
+  as is.
 
   Every 32 indices fill exactly b words, so each word's parts (at most
   ⌈32/b⌉ + 1 indices) have static positions and shifts: one gather and
   a sum of disjoint bit fields per block."""
   if bits == 32:
     return to_words(x.astype(jnp.int32))
+  if not 0 <= size < 2**bits:
+    raise ValueError(f"pack_indices: size {size} does not fit {bits} bits "
+                     "(plans.index_bits(size)).")
   c, lead = x.shape[-1], x.shape[:-1]
   x = jnp.where((x < 0) | (x > size), size, x).astype(jnp.uint32)
   x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, -c % 32)])

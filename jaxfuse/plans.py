@@ -33,10 +33,6 @@ SPARSE_COLLECTIVES = ("allgather", "zen", "spardl", "hier")  # jaxfuse.collectiv
 RESIDUAL_DTYPES = ("float32", "gradient")  # Settings.residual_dtype
 FULL_WIRES = ("gradient", "bfloat16")  # Settings.full_wire
 SPARSE_WIRES = ("gradient", "bfloat16")  # Settings.sparse_wire
-# The schemes that send a unit's slots as ``fusion.pack_groups`` packs them,
-# so ``Settings.packed_indices`` applies ("hier": its host all-gather with
-# hier_inner="allgather").
-PACKED_COLLECTIVES = ("allgather", "hier")
 COLLECTIVES = SPARSE_COLLECTIVES + ("psum",)
 SPARSIFY = ("ahead", "behind")
 MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
@@ -479,16 +475,27 @@ def index_bits(size: int) -> int:
   return max(1, int(size).bit_length())
 
 
+def packs_indices(collective: str, settings: Settings) -> bool:
+  """Whether ``collective`` sends indices in ``index_bits`` under
+  ``settings``: ``Settings.packed_indices`` for the schemes that move
+  slots as ``fusion.pack_groups`` packs them, ``"allgather"`` and
+  ``"hier"`` over one (``hier_inner="allgather"``); ZEN and SparDL keep
+  int32."""
+  return settings.packed_indices and (
+      collective == "allgather" or
+      (collective == "hier" and settings.hier_inner == "allgather"))
+
+
 def wire_unit(unit: Unit, settings: Settings,
               collective: str = "allgather") -> Unit:
   """``unit`` as its slots travel in a bucket of ``collective``: the
   values' dtype the narrower of the gradient's and
   ``Settings.sparse_wire``, and its indices' bits (``index_bits(size)``
-  with ``Settings.packed_indices`` for ``PACKED_COLLECTIVES``, else 32):
-  what the collectives pack, decode and count bytes by."""
+  where ``packs_indices``, else 32): what the collectives pack, decode and
+  count bytes by."""
   dtype = _narrower(unit.dtype, settings.sparse_wire)
-  bits = (index_bits(unit.size) if settings.packed_indices and
-          collective in PACKED_COLLECTIVES else 32)
+  bits = (index_bits(unit.size) if packs_indices(collective, settings)
+          else 32)
   if (dtype, bits) == (unit.dtype, unit.index_bits):
     return unit
   return dataclasses.replace(unit, dtype=dtype, index_bits=bits)

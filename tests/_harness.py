@@ -182,22 +182,30 @@ def sync(plan, mesh, grads, state, *, fast_compile: bool = False):
                                                   state)
 
 
-def gathered_words(plan, mesh) -> list[int]:
-  """Per ``all_gather`` of the lowered sync step of ``plan`` (a flat list
-  of leaves), the uint32 words each worker contributes, sorted."""
+def gathered_words(plan, mesh, axis_name="data") -> list[int]:
+  """Per uint32 ``all_gather`` of the lowered sync step of ``plan`` (a
+  flat list of leaves) over the mesh axes ``axis_name``, the words each
+  member contributes (its result over the group size), sorted."""
   import re  # pylint: disable=g-import-not-at-top
-  tx = jaxfuse.sparse_sync(plan)
-  state = init(plan, mesh)
-  grads = [np.zeros((NUM_WORKERS,) + tuple(l.shape), jnp.dtype(l.dtype))
+  tx = jaxfuse.sparse_sync(plan, axis_name=axis_name)
+  params = [np.zeros(l.shape, jnp.dtype(l.dtype)) for l in plan.leaves]
+  state = jaxfuse.init_state(tx, params, mesh, axis_name)
+  specs = jaxfuse.state_specs(state, axis_name)
+  grads = [np.zeros((mesh.size,) + tuple(l.shape), jnp.dtype(l.dtype))
            for l in plan.leaves]
-  text = jax.jit(sharded_update(tx, mesh, jaxfuse.state_specs(state))).lower(
-      shard(mesh, grads), state).as_text()
+  step = jax.shard_map(lambda g, s: tx.update([x[0] for x in g], s),
+                       mesh=mesh, in_specs=(P(axis_name), specs),
+                       out_specs=(P(), specs))
+  text = jax.jit(step).lower(jax.device_put(grads, NamedSharding(
+      mesh, P(axis_name))), state).as_text()
   out = []
   for line in text.splitlines():
-    if "all_gather" in line:
-      dims = re.findall(r"tensor<([0-9x]+)xui32>", line.split("->")[-1])
-      out.append(math.prod(int(d) for d in dims[-1].split("x")) //
-                 NUM_WORKERS)
+    dims = re.findall(r"tensor<([0-9x]+)xui32>", line.split("->")[-1])
+    if "all_gather" in line and dims:
+      group = re.search(r"replica_groups = dense<.*?> : tensor<\d+x(\d+)x",
+                        line)
+      members = int(group.group(1)) if group else mesh.size
+      out.append(math.prod(int(d) for d in dims[-1].split("x")) // members)
   return sorted(out)
 
 

@@ -5,6 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxfuse import fusion
 from jaxfuse import plans as plan_lib
@@ -81,12 +82,17 @@ def test_packed_indices_round_trip(bits, count, rows, seed):
   stream = sum(int(w) << (32 * n) for n, w in enumerate(np.asarray(words[0])))
   assert [(stream >> (i * bits)) & (2**bits - 1) for i in range(count)] == [
       int(v) for v in x[0]]
-  if bits < 31:
-    bad = x.copy()
-    bad[0, 0], bad[-1, -1] = -1, size + 1
-    back = fusion.unpack_indices(fusion.pack_indices(jnp.asarray(bad), bits,
-                                                     size), bits, count)
-    assert np.asarray(back)[0, 0] == np.asarray(back)[-1, -1] == size
+  if bits < 32:   # a smaller size, and indices past it or below 0
+    small = 2**(bits - 1) + rng.integers(0, 2**(bits - 1) - 1, endpoint=True)
+    bad = np.minimum(x, small)
+    bad[0, 0], bad[-1, -1] = -1, rng.integers(small + 1, 2**bits,
+                                              endpoint=True)
+    back = np.asarray(fusion.unpack_indices(fusion.pack_indices(
+        jnp.asarray(bad), bits, int(small)), bits, count))
+    want = np.where((bad < 0) | (bad > small), small, bad)
+    np.testing.assert_array_equal(back, want)
+    with pytest.raises(ValueError, match="does not fit"):
+      fusion.pack_indices(jnp.asarray(x), bits, 2**bits)
 
 
 @settings(max_examples=25, deadline=None)

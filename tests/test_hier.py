@@ -23,6 +23,7 @@ from jaxfuse import plans as plan_lib
 from jaxfuse.collectives import hier
 
 from _harness import assert_replicas_identical
+from _harness import gathered_words
 
 K, C0 = 8, 64
 HIER = ("host", "local")
@@ -293,6 +294,10 @@ def test_packed_indices_on_the_host_axis(feeds, runs):
     want += (hosts - 1) * 4 * (m + -(-m * 9 // 32))
     want += -(-2 * (local - 1) * (4 * s * local) // local)
   assert (np.asarray(ample[0][2].stats.wire_bytes) == want).all()
+  # the compiled host all-gathers: c_s values and ⌈9·c_s/32⌉ index words
+  assert gathered_words(_plan("hier", packed_indices=True), mesh, HIER) == [
+      C0 + -(-9 * C0 // 32), 276 + -(-9 * 276 // 32)]
+  assert gathered_words(_plan("hier"), mesh, HIER) == [2 * C0, 2 * 276]
 
 
 @pytest.mark.parametrize("inner", ["allgather", "zen", "spardl"])

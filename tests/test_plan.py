@@ -1,5 +1,6 @@
 """Plans: strategies, backward-ready order, JSON, and every bad input."""
 
+import dataclasses
 import inspect
 import json
 import math
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 
 import jaxfuse
+from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
+from jaxfuse import schedule
 
 from _harness import gathered_words, init, list_plan, shard, sharded_update
 from _harness import sync
@@ -378,6 +381,32 @@ def test_packed_indices_send_the_same_in_fewer_bytes(mesh):
   expect = (K - 1) * payload + math.ceil(2 * (K - 1) * 40 / K)
   np.testing.assert_array_equal(np.asarray(states[1].stats.wire_bytes),
                                 expect)
+
+
+@pytest.mark.parametrize("collective,settings", [
+    ("zen", {}), ("spardl", {}), ("hier", {"hier_inner": "zen"}),
+    ("hier", {"hier_inner": "spardl"})])
+def test_packed_indices_leave_other_schemes_int32(collective, settings):
+  """ZEN and SparDL (alone or over hier's hosts) move int32 indices
+  whatever ``packed_indices`` says: their units, bytes and steps are the
+  unpacked ones."""
+  def made(packed):
+    base = list_plan([(1000,), (3000,)], density=0.01, strategy="single",
+                     min_sparse_size=100, packed_indices=packed)
+    return plan_lib.Plan(base.leaves, tuple(
+        dataclasses.replace(b, collective=collective) for b in base.buckets),
+        dataclasses.replace(base.settings, **settings))
+  plain, packed = made(False), made(True)
+  assert packed.settings.packed_indices
+  assert packed.bytes_per_worker() == plain.bytes_per_worker()
+  sched = schedule.compile_plan(packed)
+  assert {u.index_bits for u in sched.wire_units} == {32}
+  assert collectives.bucket_steps(packed, 4) == collectives.bucket_steps(
+      plain, 4)
+  with_ag = dataclasses.replace(packed, buckets=tuple(
+      dataclasses.replace(b, collective="allgather") for b in packed.buckets))
+  assert {u.index_bits for u in schedule.compile_plan(
+      with_ag).wire_units} == {10, 12}
 
 
 def test_integer_leaves_are_dense_and_pass_through(mesh):

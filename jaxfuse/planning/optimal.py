@@ -149,15 +149,16 @@ def plan_from_groups(base: plan_lib.Plan, groups: Sequence[Sequence[int]], *,
 
 # --- the fast objective -------------------------------------------------------
 
-def _leaf_wire_bytes(leaf: plan_lib.LeafPlan,
-                     settings: plan_lib.Settings) -> int:
-  """A dense leaf's bytes, or a sparse leaf's slots as the wire carries them
-  (``plans.wire_unit``)."""
+def _leaf_wire_bytes(leaf: plan_lib.LeafPlan, settings: plan_lib.Settings,
+                     collective: str) -> int:
+  """A dense leaf's bytes, or a sparse leaf's slots as ``collective``
+  carries them (``plans.wire_unit``)."""
   if leaf.mode == "dense":
     return leaf.size * jnp.dtype(leaf.dtype).itemsize
   unit = plan_lib.Unit((0,), leaf.size, leaf.capacity, leaf.density,
                        leaf.estimator, leaf.dtype)
-  return plan_lib.payload_bytes(plan_lib.wire_unit(unit, settings))
+  return plan_lib.payload_bytes(plan_lib.wire_unit(unit, settings,
+                                                   collective))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,11 +197,13 @@ class GroupingProblem:
                                f"{len(plan.leaves)} leaf ids once.")
     leaves = [plan.leaves[i] for i in order]
     sparse = tuple(l.mode == "sparse" for l in leaves)
+    collective_of = {j: b.collective for b in plan.buckets for j in b.leaves}
     return cls(order, sparse,
                tuple(costs.backward[i] for i in order),
                tuple(costs.compress.time(l.size) if s else 0.0
                      for l, s in zip(leaves, sparse)),
-               tuple(_leaf_wire_bytes(l, plan.settings) for l in leaves),
+               tuple(_leaf_wire_bytes(plan.leaves[i], plan.settings,
+                                      collective_of[i]) for i in order),
                costs.collectives["allgather"], costs.collectives["psum"],
                costs.forward, costs.overlap, costs.bucket)
 

@@ -58,11 +58,12 @@ AUTO_COLLECTIVES = ("allgather", "zen", "spardl")
 
 
 def _groups(strategy, order, nbytes, num_buckets, bucket_bytes, *,
-            leaves=None, costs=None, settings=None):
+            leaves=None, costs=None, settings=None, collective="allgather"):
   """Leaf ids per group, in ready order; the cost strategies but "auto" need
-  ``leaves``, ``costs`` and ``settings`` (what the wire carries)."""
+  ``leaves``, ``costs``, ``settings`` and ``collective`` (what the wire
+  carries)."""
   if strategy in COST_STRATEGIES:
-    p = strategies.problem(leaves, order, costs, settings)
+    p = strategies.problem(leaves, order, costs, settings, collective)
     if strategy == "safusion":
       return strategies.safusion(p, num_buckets)
     if strategy == "asc":
@@ -247,7 +248,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
         settings)
   else:
     groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
-                     leaves=leaves, costs=costs, settings=settings)
+                     leaves=leaves, costs=costs, settings=settings,
+                     collective=collective)
     if last_bucket_bytes is not None:
       groups = grouping.cut_last(groups, nbytes, last_bucket_bytes)
   buckets = grouping.buckets_from_groups(

@@ -36,13 +36,14 @@ NORMAL, MERGED, SIMULTANEOUS = "normal", "merged", "simultaneous"
 
 def problem(leaves: Sequence[plan_lib.LeafPlan], order: Sequence[int],
             costs: costs_lib.Costs,
-            settings: plan_lib.Settings | None = None
-            ) -> optimal.GroupingProblem:
+            settings: plan_lib.Settings | None = None,
+            collective: str = "allgather") -> optimal.GroupingProblem:
   """The leaves (pytree order) in ready ``order``, with their costs; a
-  sparse leaf's wire bytes as ``settings`` (default ``Settings()``) send
-  its slots."""
+  sparse leaf's wire bytes as ``collective`` sends its slots under
+  ``settings`` (default ``Settings()``)."""
   layerwise = grouping.buckets_from_groups(leaves, [[i] for i in order],
-                                          behind=False, headroom=1.0)
+                                          behind=False, headroom=1.0,
+                                          collective=collective)
   return optimal.GroupingProblem.from_plan(
       plan_lib.Plan(tuple(leaves), layerwise,
                     settings or plan_lib.Settings()), costs, order)
