@@ -136,7 +136,7 @@ class Settings:
     the next step: x_t + r_t = wire_t + r_{t+1}, so only the reduction's
     own rounding is lost. Phases may differ in it.
   sparse_wire: dtype of the selected values of sparse units on the wire
-    (their indices stay int32): ``"gradient"`` (default), or
+    (their indices: ``packed_indices``): ``"gradient"`` (default), or
     ``"bfloat16"`` for float32 (or wider) gradients, which cuts a float32
     slot from 8 to 6 bytes (a quarter of a sparse bucket's traffic).
     r' = acc − bf16(v) at the sent slots, so each worker's rounding is
