@@ -185,7 +185,7 @@ def sync(plan, mesh, grads, state, *, fast_compile: bool = False):
 def gathered_words(plan, mesh, axis_name="data") -> list[int]:
   """Per uint32 ``all_gather`` of the lowered sync step of ``plan`` (a
   flat list of leaves) over the mesh axes ``axis_name``, the words each
-  member contributes (its result over the group size), sorted."""
+  member contributes (its operand), sorted."""
   import re  # pylint: disable=g-import-not-at-top
   tx = jaxfuse.sparse_sync(plan, axis_name=axis_name)
   params = [np.zeros(l.shape, jnp.dtype(l.dtype)) for l in plan.leaves]
@@ -200,12 +200,10 @@ def gathered_words(plan, mesh, axis_name="data") -> list[int]:
       mesh, P(axis_name))), state).as_text()
   out = []
   for line in text.splitlines():
-    dims = re.findall(r"tensor<([0-9x]+)xui32>", line.split("->")[-1])
+    operand = line.rsplit(" : ", 1)[-1].split("->")[0]   # (tensor<…>)
+    dims = re.findall(r"tensor<([0-9x]+)xui32>", operand)
     if "all_gather" in line and dims:
-      group = re.search(r"replica_groups = dense<.*?> : tensor<\d+x(\d+)x",
-                        line)
-      members = int(group.group(1)) if group else mesh.size
-      out.append(math.prod(int(d) for d in dims[-1].split("x")) // members)
+      out.append(math.prod(int(d) for d in dims[0].split("x")))
   return sorted(out)
 
 
