@@ -117,7 +117,8 @@ def parse_args(argv):
                  help="the dense warm-up's wire dtype: bfloat16 halves its "
                  "bytes, each worker's rounding kept in its residual")
   p.add_argument("--sparse-wire", choices=jaxfuse.plans.SPARSE_WIRES,
-                 help="the sparse values' wire dtype (indices stay int32): "
+                 help="the sparse values' wire dtype (indices: "
+                 "--packed-indices): "
                  "bfloat16 cuts float32 slots from 8 to 6 bytes, each "
                  "worker's rounding kept in its residual "
                  "(Settings.sparse_wire; default: the gradient's, or a "

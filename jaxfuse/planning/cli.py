@@ -28,6 +28,7 @@ import inspect
 import sys
 from typing import Sequence
 
+from jaxfuse import plans as plan_lib
 from jaxfuse.planning.cli_io import Parser
 from jaxfuse.planning.cli_io import UsageError
 from jaxfuse.planning.cli_io import load_costs
@@ -304,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
   pl.add_argument("--collective",
                   help="sparse buckets' scheme: allgather, zen, spardl, hier "
                   "(with --costs, auto picks one per bucket)")
-  pl.add_argument("--sparse-wire", choices=("gradient", "bfloat16"),
+  pl.add_argument("--sparse-wire", choices=plan_lib.SPARSE_WIRES,
                   help="the sparse values' wire dtype: bfloat16 sends float32 "
                   "slots in 6 bytes instead of 8 (default: the gradient's)")
   pl.add_argument("--packed-indices", action="store_true", default=None,

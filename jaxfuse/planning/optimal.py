@@ -202,8 +202,8 @@ class GroupingProblem:
                tuple(costs.backward[i] for i in order),
                tuple(costs.compress.time(l.size) if s else 0.0
                      for l, s in zip(leaves, sparse)),
-               tuple(_leaf_wire_bytes(plan.leaves[i], plan.settings,
-                                      collective_of[i]) for i in order),
+               tuple(_leaf_wire_bytes(l, plan.settings, collective_of[i])
+                     for i, l in zip(order, leaves)),
                costs.collectives["allgather"], costs.collectives["psum"],
                costs.forward, costs.overlap, costs.bucket)
 
