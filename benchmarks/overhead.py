@@ -63,6 +63,7 @@ from jaxfuse.kernels import fused_pass  # pylint: disable=wrong-import-position
 from jaxfuse.planning import timing  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
 from train_lm import make_train_step  # pylint: disable=wrong-import-position
+from train_lm_args import add_wire_args  # pylint: disable=wrong-import-position
 
 AXIS = "data"
 
@@ -193,12 +194,7 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--batch-per-device", type=int,
                  help="default: the preset's (tiny: 32 for all devices)")
   p.add_argument("--devices", type=int, default=1)
-  p.add_argument("--sparse-wire", default="gradient",
-                 choices=jaxfuse.plans.SPARSE_WIRES,
-                 help="the sparse values' wire dtype (Settings.sparse_wire)")
-  p.add_argument("--packed-indices", action="store_true",
-                 help="indices in ceil(log2(n+1)) bits (Settings."
-                 "packed_indices)")
+  add_wire_args(p)
   p.add_argument("--steps", type=int, default=30)
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--profile-steps", type=int, default=5)

@@ -66,6 +66,7 @@ from lm_model import build_model
 from lm_model import corpus_batch
 from lm_model import make_loss
 from lm_model import PRESETS
+from train_lm_args import add_wire_args
 from train_lm_args import PLAN_HEADROOM
 
 AXIS = "data"
@@ -377,13 +378,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--headroom", type=float, default=PLAN_HEADROOM,
                  help="slots per leaf ⌈ρ·n·headroom⌉ for the sampled "
                  "estimators (the wire's bytes scale with it)")
-  p.add_argument("--sparse-wire", default="gradient",
-                 choices=jaxfuse.plans.SPARSE_WIRES,
-                 help="the sparse values' wire dtype (bfloat16: 6 bytes a "
-                 "float32 slot instead of 8)")
-  p.add_argument("--packed-indices", action="store_true",
-                 help="indices in ceil(log2(n+1)) bits (Settings."
-                 "packed_indices)")
+  add_wire_args(p)
   p.add_argument("--steps", type=int, default=15)
   p.add_argument("--variants", nargs="+", default=["base", "lhs", "lhs_sol"],
                  choices=sorted(VARIANTS))

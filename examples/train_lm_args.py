@@ -88,6 +88,24 @@ def _counts(text):
   return counts[0] if len(counts) == 1 and "," not in text else counts
 
 
+def add_wire_args(p, sparse_wire_default="gradient"):
+  """``--sparse-wire`` and ``--packed-indices`` (``Settings.sparse_wire``,
+  ``Settings.packed_indices``), shared with the benchmark scripts."""
+  p.add_argument("--sparse-wire", choices=jaxfuse.plans.SPARSE_WIRES,
+                 default=sparse_wire_default,
+                 help="the sparse values' wire dtype (indices: "
+                 "--packed-indices): "
+                 "bfloat16 cuts float32 slots from 8 to 6 bytes, each "
+                 "worker's rounding kept in its residual "
+                 "(Settings.sparse_wire; default: %s)" % (
+                     "the gradient's, or a --plan's own"
+                     if sparse_wire_default is None else sparse_wire_default))
+  p.add_argument("--packed-indices", action="store_true",
+                 help="allgather buckets send each index in "
+                 "ceil(log2(n+1)) bits instead of 32, losslessly "
+                 "(Settings.packed_indices)")
+
+
 def parse_args(argv):
   p = argparse.ArgumentParser(description=DESCRIPTION)
   p.add_argument("--sync", choices=("dense", "jaxfuse", "behind"),
@@ -116,17 +134,7 @@ def parse_args(argv):
                  choices=["gradient", "bfloat16"],
                  help="the dense warm-up's wire dtype: bfloat16 halves its "
                  "bytes, each worker's rounding kept in its residual")
-  p.add_argument("--sparse-wire", choices=jaxfuse.plans.SPARSE_WIRES,
-                 help="the sparse values' wire dtype (indices: "
-                 "--packed-indices): "
-                 "bfloat16 cuts float32 slots from 8 to 6 bytes, each "
-                 "worker's rounding kept in its residual "
-                 "(Settings.sparse_wire; default: the gradient's, or a "
-                 "--plan's own)")
-  p.add_argument("--packed-indices", action="store_true",
-                 help="allgather buckets send each index in "
-                 "ceil(log2(n+1)) bits instead of 32, losslessly "
-                 "(Settings.packed_indices)")
+  add_wire_args(p, sparse_wire_default=None)
   p.add_argument("--dense-settle", type=float,
                  help="end onebit_adamw's dense warm-up early, once its "
                  "second moment moves less than this (relative L1, e.g. "
