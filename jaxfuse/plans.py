@@ -533,7 +533,8 @@ def bucket_payload_bytes(plan: Plan) -> list[int]:
   """Bytes one worker contributes to each bucket per step: its packed
   (values ‖ indices) slots, or the leaves themselves where all is sent.
   What reaches the wire for K workers depends on the collective
-  (``jaxfuse.collectives``)."""
+  (``jaxfuse.collectives``; ``"hier"`` counts the slots a worker selects,
+  C = Σ_u c_u, although its host-axis shard sends min(⌈N/L⌉, C))."""
   all_units, per_bucket = units(plan)
   out = []
   for b, unit_ids in zip(plan.buckets, per_bucket):
