@@ -2,7 +2,8 @@
 parsed, and handed to ``jaxfuse.send_early`` as its window),
 ``--trace-steps`` (checked, and resolved against the run's steps), the
 plan's options (``--headroom`` reaching the plan's slot counts) and
-``--predict`` (the gradient at ``jaxfuse.predicted_params``)."""
+``--predict`` (the gradient at ``jaxfuse.predicted_params``), and the
+log's bytes line (what a worker sends against a dense all-reduce)."""
 
 import math
 
@@ -124,3 +125,24 @@ def test_trace_steps_default_to_the_last_five_within_the_run(example):
                      r"within this run's 0:200"):
     train_lm.trace_steps(
         parse("--trace-dir", "t", "--trace-steps", "300:305"), 0, 200)
+
+
+def test_the_log_names_what_a_worker_sends_against_a_dense_all_reduce(
+    example):
+  """Two sparse leaves of 500 and 150 exact slots (8 bytes each) on one
+  all-gather each: a worker sends its 5,200 B to each of K − 1 = 3 peers,
+  15,600 B, against a ring all-reduce's 2·3/4 of the 52,000 dense bytes."""
+  train_lm, args_lib = example
+  args = args_lib.parse_args(["--density", "0.05", "--strategy", "size",
+                              "--bucket-bytes", "10000", "--estimator",
+                              "topk"])
+  params = {"a": np.zeros((100, 100), np.float32),
+            "b": np.zeros((3000,), np.float32)}
+  plan = train_lm.jaxfuse.plan(params, **train_lm.plan_options(args))
+  assert plan.bytes_per_worker() == 5_200
+  assert train_lm.sent_line(plan, 4, 52_000) == (
+      "; sent per worker on 4 workers 15,600 B = 0.2000 x a dense "
+      "all-reduce (78,000 B)")
+  assert train_lm.sent_line(None, 4, 52_000).endswith(
+      "78,000 B = 1.0000 x a dense all-reduce (78,000 B)")
+  assert train_lm.sent_line(plan, 1, 52_000) == ""   # one worker sends none
