@@ -93,6 +93,8 @@ from lm_model import windows
 from train_lm_args import SEND_EARLY_WINDOW
 from train_lm_args import parse_args
 from train_lm_args import parse_xla_options
+from train_lm_args import trace_dir
+from train_lm_args import trace_steps
 
 AXIS = "data"
 
@@ -235,25 +237,6 @@ def make_optimizer(args, schedule, decay_mask, plan):
     options["momentum"] = args.momentum
   rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
   return jaxfuse.delayed(rule, predict=args.predict) if args.delay else rule
-
-
-def trace_steps(args, start: int, steps: int) -> range:
-  """The steps ``--trace-dir`` records: ``--trace-steps A:B`` (A to B-1),
-  by default the last five; empty without ``--trace-dir``."""
-  if not args.trace_dir:
-    return range(0)
-  first, stop = args.trace_steps or (max(start, steps - 5), steps)
-  if not start <= first < stop <= steps:
-    raise SystemExit(f"--trace-steps {first}:{stop}: give steps within "
-                     f"this run's {start}:{steps} (A:B traces steps A to "
-                     "B-1)")
-  return range(first, stop)
-
-
-def trace_dir(args) -> str:
-  """``--trace-dir``, one folder per process where there are several."""
-  return (args.trace_dir if jax.process_count() == 1 else
-          os.path.join(args.trace_dir, f"process_{jax.process_index()}"))
 
 
 def make_eval_step(loss_fn, mesh):

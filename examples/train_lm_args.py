@@ -1,4 +1,5 @@
-"""The command line of ``train_lm.py`` (its options and their checks).
+"""The command line of ``train_lm.py`` (its options, their checks, and
+what they resolve to: the traced steps and their folder).
 
 Imported after ``train_lm`` has set up the simulated CPU devices: it
 imports JAX.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 
 import jax
 
@@ -313,3 +315,22 @@ def parse_args(argv):
     p.error(f"--network-gbytes-s {args.network_gbytes_s:g}: give the "
             "network's bandwidth in GB/s, a number > 0")
   return args
+
+
+def trace_steps(args, start: int, steps: int) -> range:
+  """The steps ``--trace-dir`` records: ``--trace-steps A:B`` (A to B-1),
+  by default the last five; empty without ``--trace-dir``."""
+  if not args.trace_dir:
+    return range(0)
+  first, stop = args.trace_steps or (max(start, steps - 5), steps)
+  if not start <= first < stop <= steps:
+    raise SystemExit(f"--trace-steps {first}:{stop}: give steps within "
+                     f"this run's {start}:{steps} (A:B traces steps A to "
+                     "B-1)")
+  return range(first, stop)
+
+
+def trace_dir(args) -> str:
+  """``--trace-dir``, one folder per process where there are several."""
+  return (args.trace_dir if jax.process_count() == 1 else
+          os.path.join(args.trace_dir, f"process_{jax.process_index()}"))

@@ -111,19 +111,19 @@ def test_headroom_sets_the_plans_slots(example, headroom):
 
 
 def test_trace_steps_default_to_the_last_five_within_the_run(example):
-  train_lm, args_lib = example
+  _, args_lib = example
   parse = lambda *a: args_lib.parse_args(list(a))
-  assert train_lm.trace_steps(parse(), 0, 100) == range(0)
-  assert train_lm.trace_steps(parse("--trace-dir", "t"), 0, 100) == range(
+  assert args_lib.trace_steps(parse(), 0, 100) == range(0)
+  assert args_lib.trace_steps(parse("--trace-dir", "t"), 0, 100) == range(
       95, 100)
-  assert train_lm.trace_steps(parse("--trace-dir", "t"), 98, 100) == range(
+  assert args_lib.trace_steps(parse("--trace-dir", "t"), 98, 100) == range(
       98, 100)                                   # resumed near the end
-  assert train_lm.trace_steps(
+  assert args_lib.trace_steps(
       parse("--trace-dir", "t", "--trace-steps", "300:305"), 0, 1000) == (
           range(300, 305))
   with pytest.raises(SystemExit, match=r"--trace-steps 300:305: give steps "
                      r"within this run's 0:200"):
-    train_lm.trace_steps(
+    args_lib.trace_steps(
         parse("--trace-dir", "t", "--trace-steps", "300:305"), 0, 200)
 
 
