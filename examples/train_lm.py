@@ -176,8 +176,8 @@ def sent_line(plan, k: int, dense_bytes: int) -> str:
       jaxfuse.collectives.Step("allreduce", dense_bytes), k).sent
   sent = dense if plan is None else sum(
       w.sent for w in jaxfuse.collectives.bucket_wire(plan, k))
-  return (f"; sent per worker on {k} workers {sent:,} B = "
-          f"{sent / dense:.4f} x a dense all-reduce ({dense:,} B)")
+  return (f"; on {k} workers each sends {sent:,} B = "
+          f"{sent / dense:.4f} x a dense all-reduce's ({dense:,} B)")
 
 
 def replicated(tree, mesh):
@@ -363,7 +363,7 @@ def main(argv=None) -> dict:
     say(f"resumed from step {start} of {args.checkpoint_dir} (saved on "
         f"{jaxfuse.checkpoint.saved_workers(mngr, start) or '?'} workers, "
         f"now {k})")
-  say(f"{num_params:,} params; payload per worker per step "
+  say(f"{num_params:,} params; wire bytes per worker per step "
       f"{wire_bytes:,} B = {wire_bytes / dense_bytes:.4f} x dense "
       f"({dense_bytes:,} B){sent_line(plan, k, dense_bytes)}; optimizer "
       f"{args.optimizer}")

@@ -141,8 +141,8 @@ def test_the_log_names_what_a_worker_sends_against_a_dense_all_reduce(
   plan = train_lm.jaxfuse.plan(params, **train_lm.plan_options(args))
   assert plan.bytes_per_worker() == 5_200
   assert train_lm.sent_line(plan, 4, 52_000) == (
-      "; sent per worker on 4 workers 15,600 B = 0.2000 x a dense "
-      "all-reduce (78,000 B)")
+      "; on 4 workers each sends 15,600 B = 0.2000 x a dense "
+      "all-reduce's (78,000 B)")
   assert train_lm.sent_line(None, 4, 52_000).endswith(
-      "78,000 B = 1.0000 x a dense all-reduce (78,000 B)")
+      "78,000 B = 1.0000 x a dense all-reduce's (78,000 B)")
   assert train_lm.sent_line(plan, 1, 52_000) == ""   # one worker sends none
