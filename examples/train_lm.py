@@ -169,13 +169,15 @@ def init_distributed(args) -> None:
 
 def sent_line(plan, k: int, dense_bytes: int) -> str:
   """What each worker sends per step on K workers (its buckets' schemes),
-  against a ring all-reduce of the dense gradients (2(K−1)/K of them)."""
+  against a ring all-reduce of the dense gradients (2(K−1)/K of them;
+  ``jaxfuse.collectives.bytes_sent``)."""
   if k < 2:
     return ""
-  dense = jaxfuse.collectives.base.step_wire(
-      jaxfuse.collectives.Step("allreduce", dense_bytes), k).sent
-  sent = dense if plan is None else sum(
-      w.sent for w in jaxfuse.collectives.bucket_wire(plan, k))
+  if plan is None:
+    sent = dense = jaxfuse.collectives.base.step_wire(
+        jaxfuse.collectives.Step("allreduce", dense_bytes), k).sent
+  else:
+    sent, dense = jaxfuse.collectives.bytes_sent(plan, k)
   return (f"; on {k} workers each sends {sent:,} B = "
           f"{sent / dense:.4f} x a dense all-reduce's ({dense:,} B)")
 

@@ -196,6 +196,29 @@ def test_plan_sparse_wire(workdir, capsys, monkeypatch):
   assert "--sparse-wire" in err and "'bfloat16'" in err
 
 
+def test_show_workers_gives_what_a_worker_sends(workdir, capsys,
+                                                monkeypatch):
+  """``show --workers 4`` adds what one worker sends: the sparse bucket's
+  8-byte slots to each of its 3 peers, the dense biases' ring all-reduce
+  (2·3/4 of their bytes), against the all-reduce of all 542,752 bytes."""
+  monkeypatch.chdir(workdir)
+  assert cli.main(["plan", "tinymodel:params_only", "--strategy", "single",
+                   "--workers", "4", "-o", "sent_plan.json"]) == 0
+  out = capsys.readouterr().out
+  plan = jaxfuse.Plan.load(workdir / "sent_plan.json")
+  slots = sum(l.capacity for l in plan.leaves if l.mode == "sparse")
+  biases = 4 * (512 + 8)
+  sent = 3 * 8 * slots + 3 * biases // 2
+  dense = 3 * 4 * (256 * 512 + 512 + 512 * 8 + 8) // 2
+  line = (f"on 4 workers each sends {sent:,} B, {100 * sent / dense:.2f}% "
+          f"of a dense all-reduce's {dense:,} B")
+  assert line in out
+  assert cli.main(["show", "sent_plan.json", "--workers", "4"]) == 0
+  assert line in capsys.readouterr().out
+  assert cli.main(["show", "sent_plan.json"]) == 0   # no K: payload only
+  assert "each sends" not in capsys.readouterr().out
+
+
 def hand_costs(num_leaves):
   return Costs({"allgather": LinearCost(1e-4, 1e-9),
                 "psum": LinearCost(1e-4, 2e-9)}, LinearCost(1e-5, 1e-8),

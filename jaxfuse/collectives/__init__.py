@@ -85,6 +85,20 @@ def bucket_wire(plan: plan_lib.Plan, num_workers: int,
   return out
 
 
+def bytes_sent(plan: plan_lib.Plan, num_workers: int,
+               mesh_sizes: tuple[int, ...] | None = None) -> tuple[int, int]:
+  """(what one worker sends per step under ``plan`` on K workers, what it
+  sends in a ring all-reduce of the dense gradients, ⌈2(K−1)/K · D⌉).
+
+  The payload (``plan.bytes_per_worker()``) understates the first for an
+  all-gather, which hands it to each of the K − 1 others: on 8 workers a
+  payload of 0.157 × D sends 0.60 × the all-reduce's bytes."""
+  sent = sum(w.sent for w in bucket_wire(plan, num_workers, mesh_sizes))
+  dense = base.step_wire(Step("allreduce", plan.dense_bytes()),
+                         num_workers).sent
+  return sent, dense
+
+
 __all__ = ["AllGather", "Hier", "Psum", "SCHEMES", "Scheme", "SchemeError", "SparDL",
            "Step", "Synced", "Wire", "Zen", "base", "bucket_steps",
-           "bucket_wire", "get"]
+           "bucket_wire", "bytes_sent", "get"]

@@ -38,6 +38,7 @@ from jaxfuse.planning.cli_io import parse_size
 from jaxfuse.planning.cli_io import positive_int
 from jaxfuse.planning.cli_io import save
 from jaxfuse.planning.cli_io import unit_float
+from jaxfuse.planning.cli_show import bytes_line
 from jaxfuse.planning.cli_show import cmd_show
 from jaxfuse.planning.cli_show import measured_table
 from jaxfuse.planning.cli_show import plan_table
@@ -175,13 +176,12 @@ def cmd_plan(args) -> int:
     raise UsageError(f"plan: {e}") from e
   save(plan, args.output, "plan")
   sparse = sum(l.mode == "sparse" for l in plan.leaves)
-  wire, dense = plan.bytes_per_worker(), plan.dense_bytes()
   print(f"saved {args.output}: {len(plan.leaves)} leaves ({sparse} sparse), "
         f"{len(plan.buckets)} buckets, strategy "
         f"{plan.provenance.get('strategy')}, ready order from "
         f"{plan.provenance.get('ready_order')}")
-  print(f"  wire bytes per worker {wire:,} of {dense:,} dense "
-        f"({100 * wire / max(dense, 1):.2f}%)")
+  print("  " + bytes_line(plan, args.num_workers or (costs and
+                                                     costs.workers)))
   if costs is not None and len(costs.backward) == len(plan.leaves):
     t = simulate.simulate(plan, costs)
     winner = plan.provenance.get("auto", {}).get("winner")
@@ -338,6 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
                   help="a jax.profiler trace: its perfetto_trace.json.gz "
                   "(or .json, .json.xz), or a directory holding one (the "
                   "newest)")
+  sh.add_argument("--workers", dest="num_workers", type=positive_int,
+                  metavar="K", help="also give what a worker sends on K "
+                  "workers against a dense all-reduce (default: the "
+                  "costs' device count)")
   sh.add_argument("--step", type=int, metavar="N",
                   help="with --measured: draw the step with step_num N "
                   "(default: the step of median span)")

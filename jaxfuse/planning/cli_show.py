@@ -141,6 +141,22 @@ def trace_eta(hidden_share: float, ideal) -> float:
   return 1.0 if eta is None else min(1.0, max(0.0, eta))
 
 
+def bytes_line(plan, num_workers: int | None) -> str:
+  """The plan's payload against dense and, for K > 1 workers, what one
+  worker sends against a dense ring all-reduce
+  (``collectives.bytes_sent``)."""
+  from jaxfuse import collectives  # pylint: disable=g-import-not-at-top
+  wire, dense = plan.bytes_per_worker(), plan.dense_bytes()
+  line = (f"wire bytes per worker {wire:,} of {dense:,} dense "
+          f"({100 * wire / max(dense, 1):.2f}%)")
+  if num_workers and num_workers > 1:
+    sent, dense_sent = collectives.bytes_sent(plan, num_workers)
+    line += (f"; on {num_workers} workers each sends {sent:,} B, "
+             f"{100 * sent / max(dense_sent, 1):.2f}% of a dense "
+             f"all-reduce's {dense_sent:,} B")
+  return line
+
+
 def cmd_show(args) -> int:
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
   plan = load_plan(args.plan)
@@ -174,9 +190,7 @@ def cmd_show(args) -> int:
         f"strategy {prov.get('strategy', '?')}, ready order from "
         f"{prov.get('ready_order', '?')}")
   print(plan_table(plan, timeline))
-  wire, dense = plan.bytes_per_worker(), plan.dense_bytes()
-  print(f"wire bytes per worker {wire:,} of {dense:,} dense "
-        f"({100 * wire / max(dense, 1):.2f}%)")
+  print(bytes_line(plan, args.num_workers or (costs and costs.workers)))
   if timeline is not None:
     t = timeline
     print(f"predicted step {ms(t.iteration)} = forward {ms(t.forward)} + "
@@ -185,7 +199,7 @@ def cmd_show(args) -> int:
     print(f"communication {ms(t.communication)}, hidden {ms(t.hidden)} "
           f"({100 * t.overlap_ratio:.0f}% overlap; η = {costs.overlap:.2f}); "
           f"a dense all-reduce of every gradient: "
-          f"{ms(costs.comm_time('psum', dense))}")
+          f"{ms(costs.comm_time('psum', plan.dense_bytes()))}")
     if note:
       print(note)
   if measured is not None:
