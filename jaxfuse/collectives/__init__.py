@@ -92,7 +92,9 @@ def bytes_sent(plan: plan_lib.Plan, num_workers: int,
 
   The payload (``plan.bytes_per_worker()``) understates the first for an
   all-gather, which hands it to each of the K − 1 others: on 8 workers a
-  payload of 0.157 × D sends 0.60 × the all-reduce's bytes."""
+  payload of 0.157 × D sends 0.60 × the all-reduce's bytes. A ``"hier"``
+  bucket counts both axes with ``mesh_sizes`` (H, L); without them its
+  host-axis steps on K (``bucket_wire``)."""
   sent = sum(w.sent for w in bucket_wire(plan, num_workers, mesh_sizes))
   dense = base.step_wire(Step("allreduce", plan.dense_bytes()),
                          num_workers).sent
