@@ -174,8 +174,7 @@ def sent_line(plan, k: int, dense_bytes: int) -> str:
   if k < 2:
     return ""
   if plan is None:
-    sent = dense = jaxfuse.collectives.base.step_wire(
-        jaxfuse.collectives.Step("allreduce", dense_bytes), k).sent
+    sent = dense = jaxfuse.collectives.all_reduce_sent(dense_bytes, k)
   else:
     sent, dense = jaxfuse.collectives.bytes_sent(plan, k)
   return (f"; on {k} workers each sends {sent:,} B = "

@@ -96,11 +96,15 @@ def bytes_sent(plan: plan_lib.Plan, num_workers: int,
   bucket counts both axes with ``mesh_sizes`` (H, L); without them its
   host-axis steps on K (``bucket_wire``)."""
   sent = sum(w.sent for w in bucket_wire(plan, num_workers, mesh_sizes))
-  dense = base.step_wire(Step("allreduce", plan.dense_bytes()),
-                         num_workers).sent
-  return sent, dense
+  return sent, all_reduce_sent(plan.dense_bytes(), num_workers)
+
+
+def all_reduce_sent(nbytes: int, num_workers: int) -> int:
+  """Bytes one worker sends in a ring all-reduce of ``nbytes`` on K
+  workers: ⌈2(K−1)/K · nbytes⌉."""
+  return base.step_wire(Step("allreduce", nbytes), num_workers).sent
 
 
 __all__ = ["AllGather", "Hier", "Psum", "SCHEMES", "Scheme", "SchemeError", "SparDL",
            "Step", "Synced", "Wire", "Zen", "base", "bucket_steps",
-           "bucket_wire", "bytes_sent", "get"]
+           "all_reduce_sent", "bucket_wire", "bytes_sent", "get"]
