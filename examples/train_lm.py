@@ -74,6 +74,7 @@ import json
 import math
 import pathlib
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,9 @@ from train_lm_args import parse_args
 from train_lm_args import parse_xla_options
 from train_lm_args import trace_dir
 from train_lm_args import trace_steps
+from train_lm_record import log_line
+from train_lm_record import RunRecord
+from train_lm_record import stats_line
 
 AXIS = "data"
 
@@ -247,6 +251,53 @@ def make_eval_step(loss_fn, mesh):
                                out_specs=P()))
 
 
+class SyncSetup(NamedTuple):
+  """How the gradients are synchronized: the plan (None: dense ``pmean``),
+  its phases, the optimizer state and its partition specs, and the payload
+  a worker sends per step."""
+  plan: object
+  phases: tuple
+  opt_state: object
+  opt_specs: object
+  wire_bytes: int
+
+
+def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
+               grad_dtype, say) -> SyncSetup:
+  """The plan (``--plan`` or ``jaxfuse.plan`` from ``example_batch``, one
+  worker's shard), the warm-up phases and the state on ``mesh``."""
+  k = mesh.devices.size
+  dense_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+  if args.sync == "dense":
+    return SyncSetup(None, (jaxfuse.Phase(0, None, None),),
+                     replicated(make_opt(None).init(params), mesh), P(),
+                     dense_bytes)
+  plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
+      _cast(params, grad_dtype), loss_fn=loss_fn,
+      example_args=(example_batch,), **plan_options(args)))
+  if args.plan and (args.sparse_wire or args.packed_indices):
+    # the wire is not part of the layout
+    plan = dataclasses.replace(plan, settings=dataclasses.replace(
+        plan.settings,
+        sparse_wire=args.sparse_wire or plan.settings.sparse_wire,
+        packed_indices=args.packed_indices or plan.settings.packed_indices))
+  say(plan.summary())
+  phases = jaxfuse.density_warmup(
+      plan, steps=args.warmup_steps, densities=args.warmup_densities,
+      dense_steps=args.dense_warmup, dense_wire=args.dense_wire,
+      num_workers=k)
+  if len(phases) > 1:
+    say("warm-up: " + ", ".join(
+        f"steps {p.start}-{p.stop or steps} density "
+        f"{p.plan.provenance.get('phase_density', args.density):g}"
+        for p in phases))
+  opt_state = jaxfuse.init_state(make_opt(phases[0].plan),
+                                 _cast(params, grad_dtype), mesh, AXIS)
+  return SyncSetup(plan, phases, opt_state,
+                   jaxfuse.state_specs(opt_state, AXIS),
+                   plan.bytes_per_worker())
+
+
 def main(argv=None) -> dict:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   if args.network_gbytes_s:   # before JAX starts its GPU backend
@@ -317,39 +368,12 @@ def main(argv=None) -> dict:
       end_value=lr / 10)
   decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
   make_opt = functools.partial(make_optimizer, args, schedule, decay_mask)
-  plan = None
   if args.plan:
     args.sync = "jaxfuse"
-  if args.sync == "dense":
-    opt = make_opt(None)
-    phases = (jaxfuse.Phase(0, None, None),)
-    opt_state = replicated(opt.init(params), mesh)
-    opt_specs, wire_bytes = P(), dense_bytes
-  else:
-    plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
-        _cast(params, grad_dtype), loss_fn=loss_fn,
-        example_args=(windows(train, first_starts[:batch_size // k],
-                              seq_len),), **plan_options(args)))
-    if args.plan and (args.sparse_wire or args.packed_indices):
-      # the wire is not part of the layout
-      plan = dataclasses.replace(plan, settings=dataclasses.replace(
-          plan.settings,
-          sparse_wire=args.sparse_wire or plan.settings.sparse_wire,
-          packed_indices=args.packed_indices or plan.settings.packed_indices))
-    say(plan.summary())
-    phases = jaxfuse.density_warmup(
-        plan, steps=args.warmup_steps, densities=args.warmup_densities,
-        dense_steps=args.dense_warmup, dense_wire=args.dense_wire,
-        num_workers=k)
-    if len(phases) > 1:
-      say("warm-up: " + ", ".join(
-          f"steps {p.start}-{p.stop or steps} density "
-          f"{p.plan.provenance.get('phase_density', args.density):g}"
-          for p in phases))
-    opt_state = jaxfuse.init_state(make_opt(phases[0].plan),
-                                   _cast(params, grad_dtype), mesh, AXIS)
-    opt_specs = jaxfuse.state_specs(opt_state, AXIS)
-    wire_bytes = plan.bytes_per_worker()
+  plan, phases, opt_state, opt_specs, wire_bytes = setup_sync(
+      args, steps, params, loss_fn,
+      windows(train, first_starts[:batch_size // k], seq_len), mesh,
+      make_opt, grad_dtype, say)
   start, mngr = 0, None
   if args.checkpoint_dir:
     mngr = jaxfuse.checkpoint.manager(args.checkpoint_dir)
@@ -376,9 +400,7 @@ def main(argv=None) -> dict:
                                       for b in eval_batches]))
 
   tokens_per_step = batch_size * seq_len
-  losses, step_times, log, stats, val_curve = [], [], [], {}, []
-  phase_of_step, compile_steps = [], []
-  dispatch_times = []  # host seconds to hand each step to the runtime
+  record, stats = RunRecord(start), {}
   batch = first_batch
   phase_id, train_step = -1, None
   flush_step = None  # a density-1 step: pays every residual back
@@ -389,8 +411,6 @@ def main(argv=None) -> dict:
   # checkpoint, --dense-settle), so the host's work hides behind the GPU's.
   pipeline = (args.pipeline == "on" or (args.pipeline == "auto" and
                                         jax.devices()[0].platform == "gpu"))
-  last_done = None   # when the last step whose loss was read finished
-  queued_steps = 0   # steps queued before the one before them was read
 
   # What a step's bookkeeping does (``finish``); each reads params or state.
   logs = lambda step: ((step + 1) % args.log_every == 0 or step == start
@@ -405,14 +425,9 @@ def main(argv=None) -> dict:
 
   def finish(step, loss, t0, phase, rng_state) -> bool:
     """Wait for step's loss and do its bookkeeping; False: stop here."""
-    nonlocal settle_prev, phases, last_done
+    nonlocal settle_prev, phases
     loss = scalar(jax.block_until_ready(loss))
-    done = time.perf_counter()
-    # A step queued behind another starts when that one ends.
-    step_times.append(done - max(t0, last_done or t0))
-    last_done = done
-    losses.append(loss)
-    phase_of_step.append(phase)
+    record.add_step(loss, t0, time.perf_counter(), phase)
     if settles(step, phase):
       settle_now = jaxfuse.second_moment(opt_state)
       if settle_prev is not None and step + 1 < phases[0].stop:
@@ -433,33 +448,20 @@ def main(argv=None) -> dict:
                               {"rng": rng_state})
       say(f"checkpoint saved at step {step + 1}", flush=True)
     if logs(step):
-      since = max(start, step + 1 - args.log_every)  # since the last log
-      recent = [t for i, t in enumerate(step_times[since - start:], since)
-                if i not in compile_steps] or step_times[since - start:]
-      entry = {"step": step + 1, "loss": loss,
-               "loss_avg": float(np.mean(losses[since - start:])),
-               "step_time_s": float(np.mean(recent)),
-               "tokens_per_s": tokens_per_step / float(np.mean(recent))}
-      line = (f"step {step + 1:5d}  loss {loss:.4f} "
-              f"(avg {entry['loss_avg']:.4f})  "
-              f"{entry['tokens_per_s']:9,.0f} tok/s  "
-              f"{1e3 * entry['step_time_s']:7.1f} ms/step"
-              + (" (compile)" if step == start else ""))
+      entry = record.log_entry(step, args.log_every, tokens_per_step)
+      line = log_line(entry, compiling=step == start)
       if plan is not None:   # the plan that made the logged step's stats
         made_by = phases[phase].plan if phase >= 0 else flush_plan
         stats.update(jaxfuse.summarize(global_values(
             jaxfuse.sync_stats(opt_state)), made_by))
         entry["stats"] = dict(stats)
-        line += (f"  density {stats.get('density', 1.0):.4f}  fill "
-                 f"{stats.get('slot_fill', 1.0):.2f}  missing "
-                 f"{stats['missing_leaves']:g}  overflow {stats['overflow']:g}"
-                 f"  sent {stats['wire_bytes']:,} B")
-      log.append(entry)
+        line += stats_line(stats)
       say(line, flush=True)
     if evaluates(step):
-      val_curve.append({"step": step + 1, "val_loss": evaluate(params)})
+      record.val_curve.append({"step": step + 1,
+                               "val_loss": evaluate(params)})
       say(f"step {step + 1:5d}  validation loss "
-          f"{val_curve[-1]['val_loss']:.4f}", flush=True)
+          f"{record.val_curve[-1]['val_loss']:.4f}", flush=True)
     if not math.isfinite(loss):
       say(f"loss is {loss} at step {step + 1}; stopping")
       return False
@@ -488,7 +490,7 @@ def main(argv=None) -> dict:
     compiles = not any(f is step_fn for f in called)
     if compiles:                                 # this call compiles it
       called.append(step_fn)
-      compile_steps.append(step)
+      record.compile_steps.append(step)
     starts_trace = bool(traced) and step == traced.start
     # Read the queued step before compiling, and before a trace (which
     # holds its own steps only).
@@ -512,7 +514,7 @@ def main(argv=None) -> dict:
     with (jax.profiler.StepTraceAnnotation("train", step_num=step)
           if tracing else contextlib.nullcontext()):
       params, opt_state, loss = step_fn(params, opt_state, batch)
-      dispatch_times.append(time.perf_counter() - t0)
+      record.dispatch_times.append(time.perf_counter() - t0)
       if tracing:     # each traced step's kernels inside its marker
         jax.block_until_ready((params, opt_state, loss))
     this = (step, loss, t0, -1 if step_fn is flush_step else phase_id,
@@ -520,7 +522,7 @@ def main(argv=None) -> dict:
     if step + 1 < steps:  # the next batch, drawn while the GPU works
       batch = draw(rng, train)
     if queued is not None:
-      queued_steps += 1
+      record.queued_steps += 1
       if not finish(*queued):
         queued = None
         break
@@ -541,27 +543,16 @@ def main(argv=None) -> dict:
     finish(*queued)
 
   val_loss = evaluate(params) if eval_batches else float("nan")
-  val_curve.append({"step": start + len(losses), "val_loss": val_loss})
+  record.val_curve.append({"step": start + len(record.losses),
+                           "val_loss": val_loss})
 
   # Replica consistency: every device holds its own copy of the params.
   replicas_identical = replicas_identical_everywhere(params)
   say(f"parameters bitwise identical on all {jax.device_count()} devices: "
       f"{replicas_identical}")
 
-  # The first step of each phase includes its compilation.
-  timed = [t for i, t in enumerate(step_times, start)
-           if i not in compile_steps]
-  timed = timed or step_times
-  mean_step = float(np.mean(timed))
-  # Per phase: the median of its steps, its compile step and flushes left out
-  # (the last phase is the recipe's steady state: what throughput means).
-  phase_steps = []
-  for i in range(len(phases)):
-    own = [t for j, (t, ph) in enumerate(zip(step_times, phase_of_step), start)
-           if ph == i and j not in compile_steps]
-    if own:
-      phase_steps.append({"phase": i, "steps": len(own),
-                          "median_step_s": float(np.median(own))})
+  timing = record.timing(len(phases), tokens_per_step)
+  losses = record.losses
   result = {
       "config": {**vars(args), "steps": steps, "batch_size": batch_size,
                  "seq_len": seq_len, "lr": lr, "num_devices": k,
@@ -569,22 +560,13 @@ def main(argv=None) -> dict:
                  "device_kind": jax.devices()[0].device_kind,
                  "model": dataclasses.asdict(model.cfg),
                  "num_params": num_params, "compiler_options": xla_options},
-      "start_step": start,  # > 0 when resumed: losses are of steps start..
-      "log": log, "losses": losses, "step_times_s": step_times,
-      "dispatch_times_s": dispatch_times,
-      "phase_of_step": phase_of_step, "compile_steps": compile_steps,
+      **record.as_dict(),  # start_step > 0 when resumed: losses from there
       "phases": [{"start": p.start, "stop": p.stop, "density": (
           p.plan.provenance.get("phase_density", args.density)
           if p.plan is not None else 1.0)} for p in phases],
-      "val_curve": val_curve,
-      "pipeline": pipeline, "queued_steps": queued_steps,
+      "pipeline": pipeline,
       "traced_steps": [traced.start, traced.stop] if traced else None,
-      "first_step_s": step_times[0], "mean_step_time_s": mean_step,
-      "median_step_time_s": float(np.median(timed)),
-      "phase_steps": phase_steps,
-      "steady_step_time_s": (phase_steps[-1]["median_step_s"] if phase_steps
-                             else float(np.median(timed))),
-      "tokens_per_s": tokens_per_step / mean_step,
+      **timing,
       "final_train_loss": losses[-1],
       "final_val_loss": val_loss if eval_batches else None,
       "wire_bytes": wire_bytes, "dense_bytes": dense_bytes,
@@ -599,8 +581,9 @@ def main(argv=None) -> dict:
       + (f" strategy={plan.provenance['strategy']} density={args.density}"
            f" estimator={args.estimator}" if plan is not None else "")
       + f"  loss {losses[0]:.3f} -> {losses[-1]:.3f}  val {val_loss:.3f}  "
-      f"{result['tokens_per_s']:,.0f} tok/s  {1e3 * mean_step:.1f} ms/step "
-      f"(first step {step_times[0]:.1f} s)  wire/dense "
+      f"{result['tokens_per_s']:,.0f} tok/s  "
+      f"{1e3 * timing['mean_step_time_s']:.1f} ms/step "
+      f"(first step {timing['first_step_s']:.1f} s)  wire/dense "
       f"{result['wire_ratio']:.4f}  wall {result['wall_time_s']:.0f} s")
   if args.json_out and jax.process_index() == 0:
     pathlib.Path(args.json_out).write_text(json.dumps(result, indent=1))
