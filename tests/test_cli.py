@@ -219,6 +219,42 @@ def test_show_workers_gives_what_a_worker_sends(workdir, capsys,
   assert "each sends" not in capsys.readouterr().out
 
 
+def test_show_local_counts_hier_on_its_mesh(workdir, capsys, monkeypatch):
+  """``--local 2`` on 4 workers: a ``hier`` bucket of N elements and C
+  slots sends, on 2 hosts × 2 devices, its shard's c_s = min(⌈N/2⌉, C)
+  8-byte slots to the other host plus the local ring all-reduce of
+  ⌈N/2⌉·2 elements at (4 + 4)/2 bytes (2·1/2 of it); without ``--local``
+  its host steps count on K = 4 (3 × 8·C). ``--local`` that does not
+  divide K is refused before anything is written."""
+  monkeypatch.chdir(workdir)
+  assert cli.main(["plan", "tinymodel:params_only", "--strategy", "single",
+                   "--collective", "hier", "--workers", "4", "--local", "2",
+                   "-o", "hier_plan.json"]) == 0
+  out = capsys.readouterr().out
+  plan = jaxfuse.Plan.load(workdir / "hier_plan.json")
+  assert {b.collective for b in plan.buckets} == {"hier", "psum"}
+  n = 256 * 512 + 512 * 8
+  c = sum(l.capacity for l in plan.leaves if l.mode == "sparse")
+  shard = -(-n // 2)
+  biases = 3 * 4 * (512 + 8) // 2
+  dense = 3 * 4 * (n + 512 + 8) // 2
+  on_mesh = 8 * min(shard, c) + 8 * shard + biases
+  assert (f"on 4 workers (2 hosts x 2) each sends {on_mesh:,} B, "
+          f"{100 * on_mesh / dense:.2f}% of a dense all-reduce's {dense:,} B"
+          in out)
+  assert cli.main(["show", "hier_plan.json", "--workers", "4"]) == 0
+  on_k = 3 * 8 * c + biases
+  assert f"on 4 workers each sends {on_k:,} B" in capsys.readouterr().out
+  assert cli.main(["plan", "tinymodel:params_only", "--collective", "hier",
+                   "--workers", "4", "--local", "3",
+                   "-o", "not_written.json"]) == cli.EXIT_USAGE
+  assert ("--local 3: 4 workers do not split into hosts of 3 devices"
+          in capsys.readouterr().err)
+  assert not (workdir / "not_written.json").exists()
+  assert cli.main(["show", "hier_plan.json", "--local", "2"]) == cli.EXIT_USAGE
+  assert "give --workers K" in capsys.readouterr().err
+
+
 def hand_costs(num_leaves):
   return Costs({"allgather": LinearCost(1e-4, 1e-9),
                 "psum": LinearCost(1e-4, 2e-9)}, LinearCost(1e-5, 1e-8),

@@ -39,6 +39,7 @@ from jaxfuse.planning.cli_io import positive_int
 from jaxfuse.planning.cli_io import save
 from jaxfuse.planning.cli_io import unit_float
 from jaxfuse.planning.cli_show import bytes_line
+from jaxfuse.planning.cli_show import host_mesh
 from jaxfuse.planning.cli_show import cmd_show
 from jaxfuse.planning.cli_show import measured_table
 from jaxfuse.planning.cli_show import plan_table
@@ -167,6 +168,7 @@ def cmd_plan(args) -> int:
     kwargs["costs"] = costs
     if "strategy" not in kwargs and "auto" in _strategies():
       kwargs["strategy"] = "auto"
+  host_mesh(args.num_workers or (costs and costs.workers), args.local)
   loss_fn, params, example_args = load_model(args.model)
   if loss_fn is not None:
     kwargs.update(loss_fn=loss_fn, example_args=example_args)
@@ -181,7 +183,8 @@ def cmd_plan(args) -> int:
         f"{plan.provenance.get('strategy')}, ready order from "
         f"{plan.provenance.get('ready_order')}")
   print("  " + bytes_line(plan, args.num_workers or (costs and
-                                                     costs.workers)))
+                                                     costs.workers),
+                         args.local))
   if costs is not None and len(costs.backward) == len(plan.leaves):
     t = simulate.simulate(plan, costs)
     winner = plan.provenance.get("auto", {}).get("winner")
@@ -313,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                   "ceil(log2(n+1)) bits instead of 32 (lossless)")
   pl.add_argument("--workers", dest="num_workers", type=positive_int,
                   help="K to plan for (default: the costs' device count)")
+  pl.add_argument("--local", type=positive_int, metavar="L",
+                  help="devices per host: count a hier bucket's bytes sent "
+                  "on the (K/L, L) mesh of jaxfuse.make_mesh(local=L)")
   pl.set_defaults(run=cmd_plan)
 
   sh = sub.add_parser(
@@ -342,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                   metavar="K", help="also give what a worker sends on K "
                   "workers against a dense all-reduce (default: the "
                   "costs' device count)")
+  sh.add_argument("--local", type=positive_int, metavar="L",
+                  help="devices per host: count a hier bucket's bytes sent "
+                  "on the (K/L, L) mesh of jaxfuse.make_mesh(local=L)")
   sh.add_argument("--step", type=int, metavar="N",
                   help="with --measured: draw the step with step_num N "
                   "(default: the step of median span)")

@@ -141,17 +141,37 @@ def trace_eta(hidden_share: float, ideal) -> float:
   return 1.0 if eta is None else min(1.0, max(0.0, eta))
 
 
-def bytes_line(plan, num_workers: int | None) -> str:
+def host_mesh(num_workers: int | None, local: int | None):
+  """``--local L``'s mesh (K/L hosts, L devices each), or None without
+  it; raises ``UsageError`` unless K is known and a multiple of L."""
+  if local is None:
+    return None
+  if not num_workers:
+    raise UsageError(f"--local {local} splits K workers into hosts: give "
+                     "--workers K (or --costs from a profile of K devices)")
+  if num_workers % local:
+    raise UsageError(f"--local {local}: {num_workers} workers do not split "
+                     f"into hosts of {local} devices; give the devices per "
+                     f"host, a divisor of {num_workers}")
+  return num_workers // local, local
+
+
+def bytes_line(plan, num_workers: int | None,
+               local: int | None = None) -> str:
   """The plan's payload against dense and, for K > 1 workers, what one
   worker sends against a dense ring all-reduce
-  (``collectives.bytes_sent``)."""
+  (``collectives.bytes_sent``; ``"hier"`` buckets on the (K/L, L) mesh
+  when ``local`` L is given, else their host-axis steps on K)."""
   from jaxfuse import collectives  # pylint: disable=g-import-not-at-top
   wire, dense = plan.bytes_per_worker(), plan.dense_bytes()
   line = (f"wire bytes per worker {wire:,} of {dense:,} dense "
           f"({100 * wire / max(dense, 1):.2f}%)")
+  mesh = host_mesh(num_workers, local)
   if num_workers and num_workers > 1:
-    sent, dense_sent = collectives.bytes_sent(plan, num_workers)
-    line += (f"; on {num_workers} workers each sends {sent:,} B, "
+    sent, dense_sent = collectives.bytes_sent(plan, num_workers, mesh)
+    line += (f"; on {num_workers} workers"
+             + (f" ({mesh[0]} hosts x {local})" if mesh else "")
+             + f" each sends {sent:,} B, "
              f"{100 * sent / max(dense_sent, 1):.2f}% of a dense "
              f"all-reduce's {dense_sent:,} B")
   return line
@@ -169,6 +189,7 @@ def cmd_show(args) -> int:
   if (args.step is not None or args.device is not None) and not args.measured:
     raise UsageError("--step and --device choose what --measured TRACE "
                      "shows; add --measured.")
+  host_mesh(args.num_workers or (costs and costs.workers), args.local)
   measured = step = None
   if args.measured:
     measured, step = _read_measured(args)
@@ -190,7 +211,8 @@ def cmd_show(args) -> int:
         f"strategy {prov.get('strategy', '?')}, ready order from "
         f"{prov.get('ready_order', '?')}")
   print(plan_table(plan, timeline))
-  print(bytes_line(plan, args.num_workers or (costs and costs.workers)))
+  print(bytes_line(plan, args.num_workers or (costs and costs.workers),
+                   args.local))
   if timeline is not None:
     t = timeline
     print(f"predicted step {ms(t.iteration)} = forward {ms(t.forward)} + "
