@@ -25,7 +25,8 @@ GPUs it uses all of them (or --devices N):
   python examples/train_lm.py --steps 50 --json-out /tmp/run.json
   python examples/train_lm.py --strategy auto --costs costs.json
   python examples/train_lm.py --plan plan.json     # from `jaxfuse plan`
-  python examples/train_lm.py --xla-option xla_gpu_all_reduce_combine_threshold_bytes=0
+  python examples/train_lm.py \
+      --xla-option xla_gpu_all_reduce_combine_threshold_bytes=0
   python examples/train_lm.py --grad-dtype bfloat16   # float32 residuals
   python examples/train_lm.py --checkpoint-dir ck --checkpoint-every 100
   python examples/train_lm.py --checkpoint-dir ck --resume --cpu-devices 4
@@ -196,7 +197,9 @@ def global_values(tree):
   """numpy copies of (possibly multi-process) arrays, whole."""
   if jax.process_count() == 1:
     return tree
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils
+  # pylint: enable=g-import-not-at-top
   return multihost_utils.process_allgather(tree, tiled=True)
 
 

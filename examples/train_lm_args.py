@@ -178,7 +178,8 @@ def parse_args(argv):
   p.add_argument("--eval-every", type=int, default=0,
                  help="validation loss every N steps too (0: at the end)")
   p.add_argument("--strategy", default="aligned",
-                 choices=[s for s in jaxfuse.STRATEGIES + jaxfuse.COST_STRATEGIES
+                 choices=[s for s in (jaxfuse.STRATEGIES +
+                                      jaxfuse.COST_STRATEGIES)
                           if s != "behind"],
                  help="plan strategy for --sync jaxfuse (the cost-model ones "
                  "need --costs)")

@@ -1,4 +1,5 @@
-"""``python -m jaxfuse``: the ``jaxfuse`` command (see ``jaxfuse.planning.cli``)."""
+"""``python -m jaxfuse``: the ``jaxfuse`` command (see
+``jaxfuse.planning.cli``)."""
 
 import sys
 

@@ -1,7 +1,8 @@
 """The few JAX and optax APIs that moved between versions, guarded in one place.
 
-Supported: JAX >= 0.10 (``jax.shard_map``, ``jax.make_mesh(..., axis_types=...)``
-and varying-manual-axes typing all exist there).
+Supported: JAX >= 0.10 (``jax.shard_map``,
+``jax.make_mesh(..., axis_types=...)`` and varying-manual-axes typing all
+exist there).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def varying_axes(x) -> frozenset:
   vma = getattr(aval, "vma", None)
   if vma is None:
     mat = getattr(aval, "mat", None)
-    vma = getattr(mat, "varying", frozenset()) if mat is not None else frozenset()
+    vma = (getattr(mat, "varying", frozenset()) if mat is not None
+           else frozenset())
   return frozenset(vma)
 
 
@@ -91,7 +93,9 @@ def pallas_triton():
   """``jax.experimental.pallas.triton``, or None where this JAX no longer
   ships Pallas's Triton backend (deprecated in JAX 0.12)."""
   try:
-    from jax.experimental.pallas import triton  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from jax.experimental.pallas import triton
+    # pylint: enable=g-import-not-at-top
   except ImportError:
     return None
   return triton
@@ -182,7 +186,9 @@ def ordered_effects(effects) -> list:
   (``io_callback(ordered=True)``, state); all but the collectives' named-axis
   effects where JAX's internal registry has moved."""
   try:
-    from jax._src import effects as effects_lib  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from jax._src import effects as effects_lib
+    # pylint: enable=g-import-not-at-top
     return [e for e in effects if effects_lib.ordered_effects.contains(e)]
   except (ImportError, AttributeError):
     return [e for e in effects if type(e).__name__ != "NamedAxisEffect"]
@@ -195,7 +201,9 @@ def xla_hints(start_early: bool = False):
   import contextlib  # pylint: disable=g-import-not-at-top
   if not start_early:
     return contextlib.nullcontext()
-  from jax.experimental import xla_metadata  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental import xla_metadata
+  # pylint: enable=g-import-not-at-top
   return xla_metadata.set_xla_metadata(scheduler_hint="force_delay_async")
 
 

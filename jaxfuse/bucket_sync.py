@@ -118,15 +118,15 @@ def blends(plan, sched, gids) -> set[int]:
   comes as rows is formed in the pass whatever it holds: below): those
   whose leaves are all matrices, vectors or scalars. A gradient of more
   dimensions (an attention projection's (d, heads, head_dim), a
-  convolution's kernel) is often a slice of a fused dot's result or in another layout; the kernel
-  would need it copied out first, costing what forming x saves, whereas
-  XLA fuses the slice or transpose into forming x itself (gpt2-small on
-  an H200: 48 such copies, 0.7 ms a step). A group whose m comes as rows
-  (``jaxfuse.grouped``) is always formed in the pass: XLA reads a row of
-  m's stack for such a gradient at half the speed it reads an array of
-  its own (1.5 against 0.75 ms a step), and the pass reads the rows as
-  they are (with the copies of g: 0.12–0.22 ms a step faster pipelined,
-  the same GPU time)."""
+  convolution's kernel) is often a slice of a fused dot's result or in
+  another layout; the kernel would need it copied out first, costing what
+  forming x saves, whereas XLA fuses the slice or transpose into forming x
+  itself (gpt2-small on an H200: 48 such copies, 0.7 ms a step). A group
+  whose m comes as rows (``jaxfuse.grouped``) is always formed in the pass:
+  XLA reads a row of m's stack for such a gradient at half the speed it
+  reads an array of its own (1.5 against 0.75 ms a step), and the pass reads
+  the rows as they are (with the copies of g: 0.12–0.22 ms a step faster
+  pipelined, the same GPU time)."""
   return {g for g in gids
           if all(len(plan.leaves[j].shape) <= 2 for u in sched.groups[g]
                  for j in sched.units[u].leaves)}

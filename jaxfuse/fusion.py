@@ -50,7 +50,8 @@ def to_words(x: jax.Array) -> jax.Array:
 
 
 def from_words(words: jax.Array, dtype, count: int) -> jax.Array:
-  """Inverse of ``to_words`` on the last axis: (..., W) words -> (..., count)."""
+  """Inverse of ``to_words`` on the last axis: (..., W) words ->
+  (..., count)."""
   dtype = jnp.dtype(dtype)
   lead = words.shape[:-1]
   if dtype.itemsize == 4:

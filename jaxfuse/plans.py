@@ -29,7 +29,8 @@ FORMAT = "jaxfuse.plan"
 FORMAT_VERSION = 1
 MODES = ("sparse", "dense")
 ESTIMATORS = ("topk", "dgc", "gaussian", "redsync", "sidco")
-SPARSE_COLLECTIVES = ("allgather", "zen", "spardl", "hier")  # jaxfuse.collectives
+# jaxfuse.collectives
+SPARSE_COLLECTIVES = ("allgather", "zen", "spardl", "hier")
 RESIDUAL_DTYPES = ("float32", "gradient")  # Settings.residual_dtype
 FULL_WIRES = ("gradient", "bfloat16")  # Settings.full_wire
 SPARSE_WIRES = ("gradient", "bfloat16")  # Settings.sparse_wire
@@ -272,7 +273,8 @@ def _check_density(where: str, density) -> None:
 
 
 def check_plan(plan: Plan) -> None:
-  """Internal consistency: every field known, every leaf in exactly one bucket."""
+  """Internal consistency: every field known, every leaf in exactly one
+  bucket."""
   s = plan.settings
   if not s.headroom >= 1:
     raise PlanError(f"settings.headroom={s.headroom} must be >= 1.")

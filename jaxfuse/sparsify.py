@@ -8,7 +8,8 @@ residual r, one step is::
   M   = { i : |acc_i| ≥ τ, acc_i ≠ 0 }      (true count m = |M|)
   (v, idx) = first c members of M in a rotated order starting at a random
              offset, so overflow never favours low indices
-  r'  = acc − scatter(idx, v)               (exactly: acc with sent slots zeroed)
+  r'  = acc − scatter(idx, v)               (exactly: acc with sent slots
+                                             zeroed)
 
 If M is empty but acc is not zero, the largest |acc_i| is sent alone, so no
 non-zero unit ever goes a step without sending (SAFusion's "no tensor
@@ -126,7 +127,8 @@ def dgc_threshold(grad, residual, *, density, salt_, settings):
 
 
 def gaussian_threshold(a, *, density, salt_, settings, signed=None):
-  """GaussianK: acc ~ N(μ, σ²) ⇒ P(|acc| ≥ τ) = ρ at τ = |μ| + σ·Φ⁻¹(1 − ρ/2)."""
+  """GaussianK: acc ~ N(μ, σ²) ⇒ P(|acc| ≥ τ) = ρ at
+  τ = |μ| + σ·Φ⁻¹(1 − ρ/2)."""
   del salt_, settings
   x = a if signed is None else signed
   mu, sigma = jnp.mean(x), jnp.std(x)
@@ -201,7 +203,8 @@ def controller(ctrl_unit: Control, count, target: int, tau) -> Control:
                    -0.5 * ctrl_unit.log_step)
   flag = right_way & ~ctrl_unit.flag
   step = jnp.sign(step) * jnp.clip(jnp.abs(step), MIN_LOG_STEP, MAX_LOG_STEP)
-  log_scale = jnp.clip(ctrl_unit.log_scale + step, -MAX_LOG_SCALE, MAX_LOG_SCALE)
+  log_scale = jnp.clip(ctrl_unit.log_scale + step, -MAX_LOG_SCALE,
+                       MAX_LOG_SCALE)
   return Control(tau * jnp.exp(log_scale - ctrl_unit.log_scale), log_scale,
                  step, flag)
 

@@ -117,7 +117,8 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
   """
   if not isinstance(plan, plan_lib.Plan):
     raise TypeError(f"sparse_sync expects a jaxfuse.Plan, got "
-                    f"{type(plan).__name__}; make one with jaxfuse.plan(params).")
+                    f"{type(plan).__name__}; make one with "
+                    "jaxfuse.plan(params).")
   _check_unit_interval("momentum", momentum, closed_low=True)
   _check_unit_interval("residual_decay", residual_decay, closed_high=True)
   if not isinstance(nesterov, bool) or not isinstance(mask_momentum, bool):

@@ -105,6 +105,6 @@ def all_reduce_sent(nbytes: int, num_workers: int) -> int:
   return base.step_wire(Step("allreduce", nbytes), num_workers).sent
 
 
-__all__ = ["AllGather", "Hier", "Psum", "SCHEMES", "Scheme", "SchemeError", "SparDL",
-           "Step", "Synced", "Wire", "Zen", "base", "bucket_steps",
+__all__ = ["AllGather", "Hier", "Psum", "SCHEMES", "Scheme", "SchemeError",
+           "SparDL", "Step", "Synced", "Wire", "Zen", "base", "bucket_steps",
            "all_reduce_sent", "bucket_wire", "bytes_sent", "get"]

@@ -79,7 +79,8 @@ class Hier:
     _inner(where, settings, host, _compat.axis_size(host))
 
   def sync(self, parts, units, axis_name, settings) -> base.Synced:
-    where = f"the 'hier' bucket of leaves {[j for u in units for j in u.leaves]}"
+    where = ("the 'hier' bucket of leaves "
+             f"{[j for u in units for j in u.leaves]}")
     host, local = _axes(where, axis_name)
     hosts, size = lax.axis_size(host), lax.axis_size(local)
     inner = _inner(where, settings, host, hosts)  # checked on the H hosts

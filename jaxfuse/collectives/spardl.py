@@ -37,11 +37,12 @@ Non-finite sums are sent first (NaN ranks above every |v|) and never kept.
 
 Capacity rule: m = min(⌈N/G⌉, max(1, ⌊b·C/G⌋)), rounded up to a multiple of
 T; b = ``settings.spardl_block`` = 2 by default (the bound below; a larger b
-drops less in merges for b/2 times the bytes). With T = 1 a worker receives (K−1)·m slots in the reduce-scatter and
-(K−1)·m in the all-gather: 2(K−1)·m ≤ 4(K−1)/K·C pairs (Table I's
-4(P−1)/P·k with k = C; holds whenever 2C ≥ K), where ``"allgather"``
-receives (K−1)·C. A block of ⌈N/G⌉ ≤ m elements never drops anything.
-Teams add log₂T blocks (R-SAG) or (T−1)·m/T slots (B-SAG) and gather m/T.
+drops less in merges for b/2 times the bytes). With T = 1 a worker receives
+(K−1)·m slots in the reduce-scatter and (K−1)·m in the all-gather: 2(K−1)·m ≤
+4(K−1)/K·C pairs (Table I's 4(P−1)/P·k with k = C; holds whenever 2C ≥ K),
+where ``"allgather"`` receives (K−1)·C. A block of ⌈N/G⌉ ≤ m elements never
+drops anything. Teams add log₂T blocks (R-SAG) or (T−1)·m/T slots (B-SAG) and
+gather m/T.
 """
 
 from __future__ import annotations

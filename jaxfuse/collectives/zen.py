@@ -151,7 +151,7 @@ def layout(units: Sequence[plan_lib.Unit], num_workers: int,
   return Layout(size, slots, dtype, r1, r2, push, union, class_max, bitmap)
 
 
-# --- in-graph pieces ------------------------------------------------------------
+# --- in-graph pieces ----------------------------------------------------------
 
 def _acc_dtype(dtype):
   return jnp.promote_types(dtype, jnp.float32)
@@ -270,7 +270,7 @@ def _hash(indices, lay: Layout, num_workers: int, seed: int):
                            r2=lay.r2, seed=seed, backend="auto")
 
 
-# --- the scheme -------------------------------------------------------------------
+# --- the scheme ---------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Zen(base.AnyMesh):

@@ -4,8 +4,8 @@ Every kernel has a pure-jnp reference with the same semantics. Dispatch:
 
   JAXFUSE_KERNELS=auto       (default) Pallas on GPU, the reference elsewhere
                              and on a JAX without Pallas's Triton backend
-  JAXFUSE_KERNELS=pallas     always Pallas (off GPU: Pallas interpret mode, slow,
-                             and not inside shard_map with check_vma=True)
+  JAXFUSE_KERNELS=pallas     always Pallas (off GPU: Pallas interpret mode,
+                             slow, and not inside shard_map with check_vma=True)
   JAXFUSE_KERNELS=reference  never Pallas
 
 or ``jaxfuse.kernels.set_backend(...)`` at run time (before tracing: the

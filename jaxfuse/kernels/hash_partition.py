@@ -1,4 +1,5 @@
-"""ZEN hierarchical hashing (Algorithm 1): lossless, balanced index partitioning.
+"""ZEN hierarchical hashing (Algorithm 1): lossless, balanced index
+partitioning.
 
 Given the selected indices ``I ⊂ [0, G)`` of one worker's gradient (a fixed
 capacity ``N`` of int32 slots; the sentinel ``G`` marks an empty slot), split
@@ -56,12 +57,12 @@ of one vector that hit the same claim word are not serialized) each claimant
 writes a token unique to its input position and reads it back (ZEN's
 read-after-write check, Technique #4) to keep one winner.  (Doing the same
 on the GPU left tokens in the table on an H200, cause not established; the
-atomic claim alone is race-free there.)  The serial region takes one ``atomic_add`` per partition and
-block: the failed lanes of a block are ranked within their partition, the
-first of each group reserves the group, and each lane writes at
-``r1 + base + rank`` (warp-aggregated atomics).  Claim words and counters are
-float32 (exact for integers below 2^24) because JAX 0.10's Triton lowering
-turns every vector ``atomic_add`` into a float add; see ``_pallas``.
+atomic claim alone is race-free there.)  The serial region takes one
+``atomic_add`` per partition and block: the failed lanes of a block are ranked
+within their partition, the first of each group reserves the group, and each
+lane writes at ``r1 + base + rank`` (warp-aggregated atomics).  Claim words and
+counters are float32 (exact for integers below 2^24) because JAX 0.10's Triton
+lowering turns every vector ``atomic_add`` into a float add; see ``_pallas``.
 
 Determinism.  Slot positions depend on thread timing, the *set* of indices in
 each row does not (it is ``{idx ∈ I : h0(idx) = p}``).  :func:`extract` sorts
@@ -115,7 +116,7 @@ class HashPartition(NamedTuple):
   stored: jax.Array
 
 
-# --- hashing -------------------------------------------------------------------
+# --- hashing ------------------------------------------------------------------
 
 def _mix32_int(x: int) -> int:
   """lowbias32 on a Python int (for deriving keys on the host)."""
@@ -186,10 +187,11 @@ def imbalance_ratio(counts) -> jax.Array:
   return jnp.where(total > 0, ratio, 1.0)
 
 
-# --- sizes and checks -----------------------------------------------------------
+# --- sizes and checks ---------------------------------------------------------
 
 def default_sizes(num_indices: int) -> tuple[int, int]:
-  """(r1, r2) per partition from the paper: r1 = 2N, r2 = max(r1/10, min(N, 32)).
+  """(r1, r2) per partition from the paper: r1 = 2N,
+  r2 = max(r1/10, min(N, 32)).
 
   N is the capacity (the length of the index array, an upper bound on
   |I| = |G|·d_G).  Taking ``r2 ≥ N`` for small N makes overflow impossible
@@ -258,7 +260,7 @@ def _finish(table, serial_requests, stored, *, n, width, r2,
   return HashPartition(table, counts, serial_counts, overflowed, stored)
 
 
-# --- reference (pure jnp) ---------------------------------------------------------
+# --- reference (pure jnp) -----------------------------------------------------
 
 def _reference(indices, cfg: _Config) -> HashPartition:
   """The seeds' keys and G are traced: one compilation per shape and sizes."""
@@ -328,7 +330,7 @@ def hash_partition_reference(indices, num_partitions: int, tensor_size: int, *,
   return _reference(indices, cfg)
 
 
-# --- Pallas (Triton) kernel ---------------------------------------------------------
+# --- Pallas (Triton) kernel ---------------------------------------------------
 
 def _next_pow2(x: int) -> int:
   return 1 << max(int(x) - 1, 0).bit_length()
@@ -339,7 +341,9 @@ def _hash_kernel(idx_ref, table_in, claim_in, counter_in,
                  cfg: _Config, block: int, n_pad: int, use_masks: bool):
   """One program places `block` consecutive input slots."""
   del table_in, claim_in, counter_in   # aliased to the outputs
-  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental import pallas as pl
+  # pylint: enable=g-import-not-at-top
   plt = _compat.pallas_triton()
 
   n, g, r1, r2 = cfg.num_partitions, cfg.tensor_size, cfg.r1, cfg.r2
@@ -410,7 +414,9 @@ def _hash_kernel(idx_ref, table_in, claim_in, counter_in,
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _pallas(indices, cfg: _Config, block: int, interpret: bool,
             num_warps: int) -> HashPartition:
-  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental import pallas as pl
+  # pylint: enable=g-import-not-at-top
 
   n, g, r1, r2 = cfg.num_partitions, cfg.tensor_size, cfg.r1, cfg.r2
   num = indices.shape[0]
@@ -493,7 +499,7 @@ def hash_partition_pallas(indices, num_partitions: int, tensor_size: int, *,
   return _pallas(indices, cfg, block_size, bool(interpret), num_warps)
 
 
-# --- dispatch and extraction ---------------------------------------------------------
+# --- dispatch and extraction --------------------------------------------------
 
 def hash_partition(indices, num_partitions: int, tensor_size: int, *,
                    backend: str = "auto", **kwargs) -> HashPartition:

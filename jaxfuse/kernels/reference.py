@@ -143,7 +143,8 @@ def select(acc: jax.Array, tau: jax.Array, capacity: int,
   total = inclusive[-1]
   before = jnp.where(offset > 0, inclusive[jnp.maximum(offset - 1, 0)], 0)
   pos = jnp.arange(n, dtype=jnp.int32)
-  rank = jnp.where(pos >= offset, inclusive - before, inclusive + total - before) - 1
+  rank = jnp.where(pos >= offset, inclusive - before,
+                   inclusive + total - before) - 1
   slot = jnp.where(mask & (rank < capacity), rank, capacity)
   indices = jnp.full((capacity,), n, jnp.int32).at[slot].set(pos, mode="drop")
   values = acc.at[indices].get(mode="fill", fill_value=0)

@@ -548,7 +548,8 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
                   stage: int | None = None, num_warps: int | None = None,
                   interpret: bool = False
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Drop-in for :func:`jaxfuse.kernels.reference.select` as three Pallas kernels.
+  """Drop-in for :func:`jaxfuse.kernels.reference.select` as three Pallas
+  kernels.
 
   Args:
     acc: flat float array (float32, bfloat16 or float16) of n elements.

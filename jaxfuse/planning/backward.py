@@ -35,7 +35,8 @@ FREE_PRIMITIVES = frozenset({
 
 def machine_rates(device=None, *, repeats: int = 5,
                   warmup: int = 2) -> tuple[float, float]:
-  """(FLOP/s of a float32 matmul, bytes/s of an elementwise op) on ``device``."""
+  """(FLOP/s of a float32 matmul, bytes/s of an elementwise op) on
+  ``device``."""
   device = device or jax.local_devices()[0]
   cpu = device.platform == "cpu"
   m, n = (384, 2**21) if cpu else (4096, 2**26)
@@ -126,7 +127,9 @@ def _graph(jaxpr, rates, atoms: list, env: dict, keys: dict,
   for i, eqn in enumerate(jaxpr.eqns):
     key = prefix + (i,)
     subs, trips, combine = _opaque_jaxprs(eqn)
-    sub = None if subs else ordering._sub_jaxprs(eqn)  # pylint: disable=protected-access
+    # pylint: disable=protected-access
+    sub = None if subs else ordering._sub_jaxprs(eqn)
+    # pylint: enable=protected-access
     if sub is not None:
       if len(sub.invars) == len(eqn.invars):
         inner = {sv: deps_of([v]) for sv, v in zip(sub.invars, eqn.invars)}

@@ -1,4 +1,5 @@
-"""What a sparse bucket computes beyond its units' compression (``Costs.bucket``).
+"""What a sparse bucket computes beyond its units' compression
+(``Costs.bucket``).
 
 A sparse bucket runs kernels of its own besides its units' compression: its
 selection call (one exact k-th largest per bucket), reductions, packing and

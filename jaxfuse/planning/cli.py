@@ -54,7 +54,7 @@ __all__ = ["EXIT_USAGE", "PLAN_OPTIONS", "UsageError", "build_parser",
 EXIT_USAGE = 2
 
 
-# --- profile ------------------------------------------------------------------------
+# --- profile ------------------------------------------------------------------
 
 def format_costs(costs) -> str:
   """A few lines: the fitted lines, γ, η, forward and backward."""
@@ -74,7 +74,9 @@ def format_costs(costs) -> str:
                  "measures it)")
   lines += [f"  {name:9s} compute {line(c, 'slot')}"
             for name, c in costs.schemes.items()]
-  from jaxfuse.planning.costs import SCHEMES  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning.costs import SCHEMES
+  # pylint: enable=g-import-not-at-top
   unmeasured = [s for s in SCHEMES if s not in costs.schemes]
   if unmeasured:
     lines.append(f"  {', '.join(unmeasured)} compute not measured (taken "
@@ -135,7 +137,7 @@ def cmd_profile(args) -> int:
   return 0
 
 
-# --- plan -----------------------------------------------------------------------------
+# --- plan ---------------------------------------------------------------------
 
 PLAN_OPTIONS = ("density", "strategy", "estimator", "num_buckets",
                 "bucket_bytes", "last_bucket_bytes", "headroom",
@@ -195,7 +197,7 @@ def cmd_plan(args) -> int:
         (f" --costs {args.costs}" if args.costs else ""))
   return 0
 
-# --- the parser ------------------------------------------------------------------------
+# --- the parser ---------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
   from jaxfuse.version import __version__  # pylint: disable=g-import-not-at-top

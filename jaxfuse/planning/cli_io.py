@@ -29,7 +29,7 @@ class Parser(argparse.ArgumentParser):
                      "--help)")
 
 
-# --- argument helpers ------------------------------------------------------------
+# --- argument helpers ---------------------------------------------------------
 
 def parse_size(text: str) -> int:
   """'4096', '64K', '1M', '2MiB', '1.5G' -> bytes or elements (powers of 2)."""

@@ -51,7 +51,8 @@ def plan_table(plan, timeline=None) -> str:
            f"{w:,}"]
     if timeline is not None:
       t = timeline.buckets[i]
-      row += [f"{t.ready * 1e3:.3f}", f"{(t.comm_end - t.comm_start) * 1e3:.3f}",
+      row += [f"{t.ready * 1e3:.3f}",
+              f"{(t.comm_end - t.comm_start) * 1e3:.3f}",
               f"{t.comm_start * 1e3:.3f}", f"{t.comm_end * 1e3:.3f}"]
     first, last = plan.leaves[b.leaves[0]].path, plan.leaves[b.leaves[-1]].path
     row.append(_short(first) + ("" if len(b.leaves) == 1 else
@@ -228,7 +229,9 @@ def cmd_show(args) -> int:
     _show_measured(measured, step, timeline, lambda eta: simulate.simulate(
         plan, costs.replace(overlap=eta)))
   if args.output:
-    from jaxfuse.planning import timeline_plot  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from jaxfuse.planning import timeline_plot
+    # pylint: enable=g-import-not-at-top
     try:
       if measured is None:
         timeline_plot.plot_timeline(plan, timeline, args.output)

@@ -44,7 +44,8 @@ def buckets_from_groups(leaves, groups, *, behind: bool, headroom: float,
     sparse = [i for i in group if leaves[i].mode == "sparse"]
     dense = [i for i in group if leaves[i].mode == "dense"]
     if sparse and behind:
-      density, estimator = leaves[sparse[0]].density, leaves[sparse[0]].estimator
+      density, estimator = (leaves[sparse[0]].density,
+                            leaves[sparse[0]].estimator)
       size = sum(leaves[i].size for i in sparse)
       cap = plan_lib.capacity(density, size, estimator, headroom)
       buckets.append(plan_lib.BucketPlan(tuple(sparse), collective, "behind",

@@ -144,10 +144,10 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     loss_fn, example_args: ``loss_fn(params, *example_args)``; its gradient's
       jaxpr gives the backward-ready order. Without it, reverse pytree order.
     ready_order: leaf ids in ready order, overriding ``loss_fn``.
-    costs: a ``jaxfuse.planning.costs.Costs`` or the path of its JSON, measured for
-      this model (``costs.backward`` per leaf, pytree order). Needed by
-      ``COST_STRATEGIES``; with any strategy it adds the simulated step time
-      to ``plan.provenance["predicted_iteration"]``.
+    costs: a ``jaxfuse.planning.costs.Costs`` or the path of its JSON,
+      measured for this model (``costs.backward`` per leaf, pytree order).
+      Needed by ``COST_STRATEGIES``; with any strategy it adds the simulated
+      step time to ``plan.provenance["predicted_iteration"]``.
   """
   if strategy is None:
     strategy = "single" if num_workers == 1 else "aligned"
@@ -160,7 +160,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   if not isinstance(density, (int, float)) or not 0 < density <= 1:
     raise plan_lib.PlanError(f"density={density!r} must be in (0, 1].")
   if not (isinstance(num_buckets, int) and num_buckets >= 1):
-    raise plan_lib.PlanError(f"num_buckets={num_buckets!r} must be an int >= 1.")
+    raise plan_lib.PlanError(
+        f"num_buckets={num_buckets!r} must be an int >= 1.")
   if not bucket_bytes > 0:
     raise plan_lib.PlanError(f"bucket_bytes={bucket_bytes!r} must be > 0.")
   if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
@@ -187,7 +188,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   if not (isinstance(min_sparse_size, int) and min_sparse_size >= 1):
     raise plan_lib.PlanError(
         f"min_sparse_size={min_sparse_size!r} must be an int >= 1.")
-  settings = plan_lib.Settings(headroom=headroom, min_sparse_size=min_sparse_size,
+  settings = plan_lib.Settings(headroom=headroom,
+                               min_sparse_size=min_sparse_size,
                                refresh=refresh, feedback=feedback,
                                sample_fraction=sample_fraction,
                                sidco_stages=sidco_stages, seed=seed,
@@ -227,7 +229,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
       raise plan_lib.PlanError(
           f"ready_order must list each of the {len(leaves)} leaf ids once.")
   elif loss_fn is not None:
-    order, source = ordering.ready_order(loss_fn, params, *example_args), "jaxpr"
+    order, source = (ordering.ready_order(loss_fn, params, *example_args),
+                     "jaxpr")
   else:
     order, source = ordering.reverse_order(len(leaves)), "reverse_pytree"
 
@@ -305,10 +308,10 @@ def _load_costs(costs, strategy, num_leaves):
   if costs is None:
     if strategy in COST_STRATEGIES:
       raise plan_lib.PlanError(
-          f"strategy={strategy!r} needs costs=: a jaxfuse.planning.costs.Costs or the "
-          "path of a costs JSON. Measure them on the training mesh with "
-          "`jaxfuse profile`, or load a file with "
-          "jaxfuse.planning.costs.Costs.load(path).")
+          f"strategy={strategy!r} needs costs=: a "
+          "jaxfuse.planning.costs.Costs or the path of a costs JSON. Measure "
+          "them on the training mesh with `jaxfuse profile`, or load a file "
+          "with jaxfuse.planning.costs.Costs.load(path).")
     return None
   if isinstance(costs, (str, os.PathLike)):
     try:

@@ -130,7 +130,7 @@ def default_compress_sizes() -> tuple[int, ...]:
   return DEFAULT_COMPRESS_SIZES[_platform_key()]
 
 
-# --- collectives ----------------------------------------------------------------
+# --- collectives --------------------------------------------------------------
 
 def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
                      parallel: int = 1, axis_name: str = "data"):
@@ -229,7 +229,7 @@ def measure_contention(mesh, nbytes: int, alpha: float, *, chain: int = 4,
                  "alpha": alpha}
 
 
-# --- compression -----------------------------------------------------------------
+# --- compression --------------------------------------------------------------
 
 def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
                      density: float = 0.01, headroom: float = 1.5,
@@ -365,7 +365,7 @@ def _time_sparse_steps(mesh, size_lists, strategy, *, repeats, warmup,
                     warmup=warmup, repeats=repeats)
 
 
-# --- overlap --------------------------------------------------------------------
+# --- overlap ------------------------------------------------------------------
 
 def measure_overlap(mesh, loss_fn: Callable, params,
                     example_args: Sequence = (), *, repeats: int = 5,
@@ -399,7 +399,7 @@ def measure_overlap(mesh, loss_fn: Callable, params,
   return eta, {"backward": t_bwd, "comm": t_comm, "both": t_both}
 
 
-# --- everything -------------------------------------------------------------------
+# --- everything ---------------------------------------------------------------
 
 def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
             example_args: Sequence = (), sizes: Sequence[int] | None = None,
@@ -531,7 +531,9 @@ def same_on_every_process(costs: costs_lib.Costs) -> costs_lib.Costs:
   an error). ``profile`` returns this, so all processes plan alike."""
   if jax.process_count() == 1:
     return costs
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils
+  # pylint: enable=g-import-not-at-top
   text = costs.to_json().encode() if jax.process_index() == 0 else b""
   size = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
   buf = np.zeros(size, np.uint8)

@@ -1,8 +1,8 @@
 """Cost-model groupings: SAFusion §3.3, Cupcake Alg. 1, ASC-WFBP, MG-WFBP.
 
-Pure functions over a ``GroupingProblem`` (``jaxfuse.planning.optimal``): the leaves
-in backward-ready order, positions p = 0 … N-1, with backward b_p,
-compression h_p (sparse leaves, one unit each), wire bytes w_p, the two
+Pure functions over a ``GroupingProblem`` (``jaxfuse.planning.optimal``):
+the leaves in backward-ready order, positions p = 0 … N-1, with backward
+b_p, compression h_p (sparse leaves, one unit each), wire bytes w_p, the two
 collective lines and η. Each returns groups of leaf ids in ready order;
 ``jaxfuse.plan`` turns a group into a sparse and a dense bucket. Times below
 are those of the papers' ideal timeline (one link, wait-free backprop):
@@ -15,7 +15,8 @@ are those of the papers' ideal timeline (one link, wait-free backprop):
 
 ``densify`` switches groups to dense where the simulator says sparse does not
 pay. Which of all the plans wins is decided in ``jaxfuse.planning.planner`` by
-``jaxfuse.planning.simulate``; docs/planner.md has the maths and the XLA mapping.
+``jaxfuse.planning.simulate``; docs/planner.md has the maths and the XLA
+mapping.
 """
 
 from __future__ import annotations

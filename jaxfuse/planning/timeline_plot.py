@@ -133,7 +133,8 @@ def draw_timeline(ax, plan: plan_lib.Plan, timeline: simulate_lib.Timeline,
 def plot_timeline(plan: plan_lib.Plan, timeline: simulate_lib.Timeline,
                   path: str | os.PathLike | None = None, *,
                   title: str | None = None):
-  """Draw ``timeline`` (from ``jaxfuse.planning.simulate.simulate(plan, costs)``).
+  """Draw ``timeline`` (from
+  ``jaxfuse.planning.simulate.simulate(plan, costs)``).
 
   Saves to ``path`` (format from its suffix, e.g. ``.png``, ``.svg``) when
   given; returns the matplotlib ``Figure``.
