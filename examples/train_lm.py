@@ -197,9 +197,7 @@ def global_values(tree):
   """numpy copies of (possibly multi-process) arrays, whole."""
   if jax.process_count() == 1:
     return tree
-  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils
-  # pylint: enable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return multihost_utils.process_allgather(tree, tiled=True)
 
 

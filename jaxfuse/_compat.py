@@ -93,9 +93,7 @@ def pallas_triton():
   """``jax.experimental.pallas.triton``, or None where this JAX no longer
   ships Pallas's Triton backend (deprecated in JAX 0.12)."""
   try:
-    # pylint: disable=g-import-not-at-top
-    from jax.experimental.pallas import triton
-    # pylint: enable=g-import-not-at-top
+    from jax.experimental.pallas import triton  # pylint: disable=g-import-not-at-top
   except ImportError:
     return None
   return triton
@@ -186,9 +184,7 @@ def ordered_effects(effects) -> list:
   (``io_callback(ordered=True)``, state); all but the collectives' named-axis
   effects where JAX's internal registry has moved."""
   try:
-    # pylint: disable=g-import-not-at-top
-    from jax._src import effects as effects_lib
-    # pylint: enable=g-import-not-at-top
+    from jax._src import effects as effects_lib  # pylint: disable=g-import-not-at-top
     return [e for e in effects if effects_lib.ordered_effects.contains(e)]
   except (ImportError, AttributeError):
     return [e for e in effects if type(e).__name__ != "NamedAxisEffect"]
@@ -201,9 +197,7 @@ def xla_hints(start_early: bool = False):
   import contextlib  # pylint: disable=g-import-not-at-top
   if not start_early:
     return contextlib.nullcontext()
-  # pylint: disable=g-import-not-at-top
-  from jax.experimental import xla_metadata
-  # pylint: enable=g-import-not-at-top
+  from jax.experimental import xla_metadata  # pylint: disable=g-import-not-at-top
   return xla_metadata.set_xla_metadata(scheduler_hint="force_delay_async")
 
 

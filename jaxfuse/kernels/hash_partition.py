@@ -341,9 +341,7 @@ def _hash_kernel(idx_ref, table_in, claim_in, counter_in,
                  cfg: _Config, block: int, n_pad: int, use_masks: bool):
   """One program places `block` consecutive input slots."""
   del table_in, claim_in, counter_in   # aliased to the outputs
-  # pylint: disable=g-import-not-at-top
-  from jax.experimental import pallas as pl
-  # pylint: enable=g-import-not-at-top
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
   plt = _compat.pallas_triton()
 
   n, g, r1, r2 = cfg.num_partitions, cfg.tensor_size, cfg.r1, cfg.r2
@@ -414,9 +412,7 @@ def _hash_kernel(idx_ref, table_in, claim_in, counter_in,
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _pallas(indices, cfg: _Config, block: int, interpret: bool,
             num_warps: int) -> HashPartition:
-  # pylint: disable=g-import-not-at-top
-  from jax.experimental import pallas as pl
-  # pylint: enable=g-import-not-at-top
+  from jax.experimental import pallas as pl  # pylint: disable=g-import-not-at-top
 
   n, g, r1, r2 = cfg.num_partitions, cfg.tensor_size, cfg.r1, cfg.r2
   num = indices.shape[0]

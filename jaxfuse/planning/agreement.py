@@ -62,9 +62,7 @@ def describe_difference(lists: list[list[str]], what: str) -> str | None:
 
 def _gather(x: np.ndarray) -> np.ndarray:
   """Every process's ``x`` (same shape everywhere), stacked by process."""
-  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils
-  # pylint: enable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   return np.asarray(multihost_utils.process_allgather(x))
 
 

@@ -127,9 +127,7 @@ def _graph(jaxpr, rates, atoms: list, env: dict, keys: dict,
   for i, eqn in enumerate(jaxpr.eqns):
     key = prefix + (i,)
     subs, trips, combine = _opaque_jaxprs(eqn)
-    # pylint: disable=protected-access
-    sub = None if subs else ordering._sub_jaxprs(eqn)
-    # pylint: enable=protected-access
+    sub = None if subs else ordering._sub_jaxprs(eqn)  # pylint: disable=protected-access
     if sub is not None:
       if len(sub.invars) == len(eqn.invars):
         inner = {sv: deps_of([v]) for sv, v in zip(sub.invars, eqn.invars)}

@@ -74,9 +74,7 @@ def format_costs(costs) -> str:
                  "measures it)")
   lines += [f"  {name:9s} compute {line(c, 'slot')}"
             for name, c in costs.schemes.items()]
-  # pylint: disable=g-import-not-at-top
-  from jaxfuse.planning.costs import SCHEMES
-  # pylint: enable=g-import-not-at-top
+  from jaxfuse.planning.costs import SCHEMES  # pylint: disable=g-import-not-at-top
   unmeasured = [s for s in SCHEMES if s not in costs.schemes]
   if unmeasured:
     lines.append(f"  {', '.join(unmeasured)} compute not measured (taken "

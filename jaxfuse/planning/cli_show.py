@@ -229,9 +229,7 @@ def cmd_show(args) -> int:
     _show_measured(measured, step, timeline, lambda eta: simulate.simulate(
         plan, costs.replace(overlap=eta)))
   if args.output:
-    # pylint: disable=g-import-not-at-top
-    from jaxfuse.planning import timeline_plot
-    # pylint: enable=g-import-not-at-top
+    from jaxfuse.planning import timeline_plot  # pylint: disable=g-import-not-at-top
     try:
       if measured is None:
         timeline_plot.plot_timeline(plan, timeline, args.output)

@@ -531,9 +531,7 @@ def same_on_every_process(costs: costs_lib.Costs) -> costs_lib.Costs:
   an error). ``profile`` returns this, so all processes plan alike."""
   if jax.process_count() == 1:
     return costs
-  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils
-  # pylint: enable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   text = costs.to_json().encode() if jax.process_index() == 0 else b""
   size = int(multihost_utils.broadcast_one_to_all(np.int32(len(text))))
   buf = np.zeros(size, np.uint8)
