@@ -43,9 +43,19 @@ def test_quickstart_runs_as_written(monkeypatch, capsys):
   held_out = draw()
   start = float(loss_fn(init_params(), held_out))
   total = 60
+  data = [draw() for _ in range(total)]
+
+  def batches():
+    # As the README says for CPU devices: each step waits for the one
+    # before (its ``loss``; XLA's CPU collectives can abort when steps
+    # queue up), here where the loop draws the next batch.
+    for batch in data:
+      jax.block_until_ready(user.get("loss"))
+      yield batch
+
   user = dict(init_params=init_params, loss_fn=loss_fn, batch=draw(),
               total=total, schedule=optax.constant_schedule(3e-3),
-              batches=iter([draw() for _ in range(total)]))
+              batches=batches())
   exec(compile(_quickstart(), "README.md (Quickstart)", "exec"), user)  # pylint: disable=exec-used
   phases, params = user["phases"], user["params"]
   assert len(phases) >= 2 and phases[-1].stop is None
