@@ -43,17 +43,20 @@ def test_quickstart_runs_as_written(monkeypatch, capsys):
   held_out = draw()
   start = float(loss_fn(init_params(), held_out))
   total = 60
+  example = draw()
   data = [draw() for _ in range(total)]
 
   def batches():
     # As the README says for CPU devices: each step waits for the one
     # before (its ``loss``; XLA's CPU collectives can abort when steps
     # queue up), here where the loop draws the next batch.
-    for batch in data:
-      jax.block_until_ready(user.get("loss"))
+    for i, batch in enumerate(data):
+      if i:    # not silently None: the loop must still name its result
+        assert "loss" in user, "the Quickstart's loop no longer binds loss"
+        jax.block_until_ready(user["loss"])
       yield batch
 
-  user = dict(init_params=init_params, loss_fn=loss_fn, batch=draw(),
+  user = dict(init_params=init_params, loss_fn=loss_fn, batch=example,
               total=total, schedule=optax.constant_schedule(3e-3),
               batches=batches())
   exec(compile(_quickstart(), "README.md (Quickstart)", "exec"), user)  # pylint: disable=exec-used
