@@ -168,7 +168,8 @@ def cmd_plan(args) -> int:
     kwargs["costs"] = costs
     if "strategy" not in kwargs and "auto" in _strategies():
       kwargs["strategy"] = "auto"
-  host_mesh(args.num_workers or (costs and costs.workers), args.local)
+  workers = args.num_workers or (costs and costs.workers)
+  mesh = host_mesh(workers, args.local)   # refused before planning
   loss_fn, params, example_args = load_model(args.model)
   if loss_fn is not None:
     kwargs.update(loss_fn=loss_fn, example_args=example_args)
@@ -182,9 +183,7 @@ def cmd_plan(args) -> int:
         f"{len(plan.buckets)} buckets, strategy "
         f"{plan.provenance.get('strategy')}, ready order from "
         f"{plan.provenance.get('ready_order')}")
-  print("  " + bytes_line(plan, args.num_workers or (costs and
-                                                     costs.workers),
-                         args.local))
+  print("  " + bytes_line(plan, workers, mesh))
   if costs is not None and len(costs.backward) == len(plan.leaves):
     t = simulate.simulate(plan, costs)
     winner = plan.provenance.get("auto", {}).get("winner")

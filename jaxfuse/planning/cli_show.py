@@ -157,21 +157,19 @@ def host_mesh(num_workers: int | None, local: int | None):
   return num_workers // local, local
 
 
-def bytes_line(plan, num_workers: int | None,
-               local: int | None = None) -> str:
+def bytes_line(plan, num_workers: int | None, mesh=None) -> str:
   """The plan's payload against dense and, for K > 1 workers, what one
   worker sends against a dense ring all-reduce
-  (``collectives.bytes_sent``; ``"hier"`` buckets on the (K/L, L) mesh
-  when ``local`` L is given, else their host-axis steps on K)."""
+  (``collectives.bytes_sent``; ``"hier"`` buckets on ``mesh`` (H, L),
+  ``host_mesh``'s, when given, else their host-axis steps on K)."""
   from jaxfuse import collectives  # pylint: disable=g-import-not-at-top
   wire, dense = plan.bytes_per_worker(), plan.dense_bytes()
   line = (f"wire bytes per worker {wire:,} of {dense:,} dense "
           f"({100 * wire / max(dense, 1):.2f}%)")
-  mesh = host_mesh(num_workers, local)
   if num_workers and num_workers > 1:
     sent, dense_sent = collectives.bytes_sent(plan, num_workers, mesh)
     line += (f"; on {num_workers} workers"
-             + (f" ({mesh[0]} hosts x {local})" if mesh else "")
+             + (f" ({mesh[0]} hosts x {mesh[1]})" if mesh else "")
              + f" each sends {sent:,} B, "
              f"{100 * sent / max(dense_sent, 1):.2f}% of a dense "
              f"all-reduce's {dense_sent:,} B")
@@ -190,7 +188,8 @@ def cmd_show(args) -> int:
   if (args.step is not None or args.device is not None) and not args.measured:
     raise UsageError("--step and --device choose what --measured TRACE "
                      "shows; add --measured.")
-  host_mesh(args.num_workers or (costs and costs.workers), args.local)
+  workers = args.num_workers or (costs and costs.workers)
+  mesh = host_mesh(workers, args.local)
   measured = step = None
   if args.measured:
     measured, step = _read_measured(args)
@@ -212,8 +211,7 @@ def cmd_show(args) -> int:
         f"strategy {prov.get('strategy', '?')}, ready order from "
         f"{prov.get('ready_order', '?')}")
   print(plan_table(plan, timeline))
-  print(bytes_line(plan, args.num_workers or (costs and costs.workers),
-                   args.local))
+  print(bytes_line(plan, workers, mesh))
   if timeline is not None:
     t = timeline
     print(f"predicted step {ms(t.iteration)} = forward {ms(t.forward)} + "
