@@ -268,11 +268,10 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
   """The plan (``--plan`` or ``jaxfuse.plan`` from ``example_batch``, one
   worker's shard), the warm-up phases and the state on ``mesh``."""
   k = mesh.devices.size
-  dense_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
-  if args.sync == "dense":
+  if args.sync == "dense":   # the wire is every parameter's gradient
     return SyncSetup(None, (jaxfuse.Phase(0, None, None),),
                      replicated(make_opt(None).init(params), mesh), P(),
-                     dense_bytes)
+                     sum(x.nbytes for x in jax.tree.leaves(params)))
   plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
       _cast(params, grad_dtype), loss_fn=loss_fn,
       example_args=(example_batch,), **plan_options(args)))
