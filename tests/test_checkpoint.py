@@ -203,6 +203,8 @@ def _check_legacy(tmp_path, ocp, old, extra, state, plan, like, mesh):
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert a.sharding == b.sharding
+  if K < 2:    # one GPU: no smaller worker count to restore onto
+    return
   current = checkpoint.manager(tmp_path / "current")
   checkpoint.save(current, 1, state, plan)
   half = jaxfuse.make_mesh(K // 2)

@@ -26,8 +26,11 @@ from jaxfuse.planning import optimal
 
 from _harness import fast_jit
 from _harness import mesh_of
+from _harness import NUM_WORKERS
 
-WORKERS = 4
+# Four workers on CPU devices; on a GPU run every GPU up to four (one GPU
+# is one worker: the split backward still runs on the GPU's compiler).
+WORKERS = min(4, NUM_WORKERS)
 
 
 def _dims(layers):

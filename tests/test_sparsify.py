@@ -142,13 +142,18 @@ def test_topk_selects_exactly_k(mesh):
 
 
 def test_estimators_on_real_model_gradients(mesh, lm_gradients):
-  """Gradients of the example language model (a few steps of training)."""
+  """Gradients of the example language model (a few steps of training):
+  on every worker, the mean count after the controller's first 20 steps is
+  within half of the target. Each worker on its own (one GPU is one
+  worker): the controller's count swings from step to step on these
+  gradients (over 10 steps one worker's mean ran from 0.37 to 1.8 × the
+  target), so the mean is taken over 40 steps (0.7-1.4 × on 1-8 workers)."""
   for estimator in ESTIMATORS:
     counts, leaf = _density_run(mesh, lambda t: lm_gradients[t % len(
-        lm_gradients)], estimator, n=lm_gradients[0].shape[1], steps=30)
+        lm_gradients)], estimator, n=lm_gradients[0].shape[1], steps=60)
     k = jaxfuse.plans.target_count(leaf.density, leaf.size)
-    late = counts[-10:].mean()
-    assert 0.5 * k <= late <= 1.5 * k, (estimator, late, k)
+    late = counts[20:].mean(axis=0)
+    assert np.all((0.5 * k <= late) & (late <= 1.5 * k)), (estimator, late, k)
 
 
 def test_nonfinite_gradient_propagates_and_keeps_residual(mesh):
