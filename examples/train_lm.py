@@ -254,13 +254,11 @@ def make_eval_step(loss_fn, mesh):
 
 class SyncSetup(NamedTuple):
   """How the gradients are synchronized: the plan (None: dense ``pmean``),
-  its phases, the optimizer state and its partition specs, and the payload
-  a worker sends per step."""
+  its phases, and the optimizer state and its partition specs."""
   plan: object
   phases: tuple
   opt_state: object
   opt_specs: object
-  wire_bytes: int
 
 
 def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
@@ -268,10 +266,9 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
   """The plan (``--plan`` or ``jaxfuse.plan`` from ``example_batch``, one
   worker's shard), the warm-up phases and the state on ``mesh``."""
   k = mesh.devices.size
-  if args.sync == "dense":   # the wire is every parameter's gradient
+  if args.sync == "dense":
     return SyncSetup(None, (jaxfuse.Phase(0, None, None),),
-                     replicated(make_opt(None).init(params), mesh), P(),
-                     sum(x.nbytes for x in jax.tree.leaves(params)))
+                     replicated(make_opt(None).init(params), mesh), P())
   plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
       _cast(params, grad_dtype), loss_fn=loss_fn,
       example_args=(example_batch,), **plan_options(args)))
@@ -294,8 +291,7 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
   opt_state = jaxfuse.init_state(make_opt(phases[0].plan),
                                  _cast(params, grad_dtype), mesh, AXIS)
   return SyncSetup(plan, phases, opt_state,
-                   jaxfuse.state_specs(opt_state, AXIS),
-                   plan.bytes_per_worker())
+                   jaxfuse.state_specs(opt_state, AXIS))
 
 
 def main(argv=None) -> dict:
@@ -370,10 +366,12 @@ def main(argv=None) -> dict:
   make_opt = functools.partial(make_optimizer, args, schedule, decay_mask)
   if args.plan:
     args.sync = "jaxfuse"
-  plan, phases, opt_state, opt_specs, wire_bytes = setup_sync(
+  plan, phases, opt_state, opt_specs = setup_sync(
       args, steps, params, loss_fn,
       windows(train, first_starts[:batch_size // k], seq_len), mesh,
       make_opt, grad_dtype, say)
+  # the payload a worker sends per step (dense: every gradient)
+  wire_bytes = plan.bytes_per_worker() if plan else dense_bytes
   start, mngr = 0, None
   if args.checkpoint_dir:
     mngr = jaxfuse.checkpoint.manager(args.checkpoint_dir)
