@@ -41,7 +41,7 @@ PRESETS = {
                  steps=300, batch=32, lr=3e-3, warmup=20),
     "gpt2-small": dict(model=ModelConfig(layers=12, d_model=768, heads=12,
                                          seq_len=1024),
-                       steps=1000, batch_per_device=8, lr=6e-4, warmup=100),
+                       steps=1000, batch_per_device=8, lr=3e-4, warmup=100),
 }
 
 
