@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+
+import numpy as np
 
 
 def read(text: str, *, fmt: str, max_version: int, error: type[Exception],
@@ -26,5 +30,41 @@ def read(text: str, *, fmt: str, max_version: int, error: type[Exception],
 
 
 def write(fields: dict, *, fmt: str, version: int) -> str:
-  """``fields`` as the JSON text of a ``fmt`` file, header first."""
-  return json.dumps({"format": fmt, "version": version, **fields}, indent=1)
+  """``fields`` as the JSON text of a ``fmt`` file, header first (numpy
+  scalars as their Python values)."""
+  return json.dumps({"format": fmt, "version": version, **fields}, indent=1,
+                    default=_plain)
+
+
+def _plain(x):
+  if isinstance(x, np.generic):
+    return x.item()
+  raise TypeError(f"{type(x).__name__} {x!r} is not JSON serializable")
+
+
+def read_file(path: str | os.PathLike, *, error: type[Exception],
+              what: str) -> str:
+  """The text of ``path``; ``error`` naming the file if it is not UTF-8."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  except UnicodeDecodeError as e:
+    raise error(f"{os.fspath(path)} is not a {what} (not UTF-8 text: {e}).") \
+        from None
+
+
+def save(path: str | os.PathLike, text: str) -> None:
+  """Write ``text`` to ``path`` whole or not at all: into a temporary file
+  beside it, then renamed over it, so a failure never leaves ``path``
+  empty or half-written."""
+  path = os.fspath(path)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
+                             prefix=f".{os.path.basename(path)}.",
+                             suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    os.unlink(tmp)
+    raise

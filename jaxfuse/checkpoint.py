@@ -92,12 +92,30 @@ def save(mngr, step: int, state: Any, plan: plan_lib.Plan | None,
   and ``extra`` (JSON: e.g. the data loader's position) as checkpoint
   ``step``; a step already saved raises ``CheckpointError``."""
   ocp = _ocp()
+  if not plan_lib.is_int(step) or step < 0:
+    raise CheckpointError(f"step={step!r} must be an int >= 0.")
+  step = int(step)
   if step in mngr.all_steps():
     raise CheckpointError(f"step {step} is already saved in "
                           f"{mngr.directory}; resume from it or pick a new "
                           "step.")
+  if state is None or not jax.tree.leaves(state):
+    raise CheckpointError("state has no arrays to save; pass the train "
+                          "state (e.g. (params, opt_state)).")
+  if plan is not None:
+    plan_lib.require_plan(plan, "checkpoint.save")
   plan_json = json.loads(plan.to_json()) if plan is not None else {}
+  if extra is not None and not isinstance(extra, dict):
+    raise CheckpointError(f"extra must be a dict of JSON values, got "
+                          f"{type(extra).__name__}.")
   extra = dict(extra or {})
+  for key, value in extra.items():
+    try:
+      json.dumps(value)
+    except (TypeError, ValueError) as e:
+      raise CheckpointError(
+          f"extra[{key!r}]={value!r} is not JSON ({e}); convert it first, "
+          "e.g. int(x) for a numpy integer. Nothing was written.") from None
   for key in (WORKERS, LAYOUT):
     if key in extra:
       raise CheckpointError(f"extra: the key {key!r} is jaxfuse's own; "

@@ -100,9 +100,7 @@ def clip_by_bucket_norm(plan: plan_lib.Plan, max_norm: float,
   doc). Its state, (B,) norms, differs per worker: wrap it in
   ``jaxfuse.per_worker`` (the recipes do) so ``init_state`` shards it."""
   check_max_norm(max_norm)
-  if not isinstance(plan, plan_lib.Plan):
-    raise TypeError(f"clip_by_bucket_norm expects a jaxfuse.Plan, got "
-                    f"{type(plan).__name__}.")
+  plan_lib.require_plan(plan, "clip_by_bucket_norm")
   num_buckets = len(plan.buckets)
   size_shares = jnp.asarray(_size_shares(plan))
 

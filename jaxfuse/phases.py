@@ -41,8 +41,8 @@ class Phase:
 def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
   """The same plan with every sparse unit at ``density`` (capacities
   recomputed as the planner does; 1 sends everything with a ``pmean``)."""
-  if (not isinstance(density, (int, float)) or isinstance(density, bool)
-      or not 0 < density <= 1):
+  plan_lib.require_plan(plan, "with_density")
+  if not plan_lib.is_real(density) or not 0 < density <= 1:
     raise plan_lib.PlanError(f"with_density: density={density!r} must be in "
                              "(0, 1].")
   headroom = plan.settings.headroom
@@ -155,6 +155,10 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
       (measured, 4 × H200 over sockets: the 25 % phase took 335 ms a step,
       the bfloat16 dense one 145 ms). None: every density as given.
   """
+  plan_lib.require_plan(plan, "density_warmup")
+  if densities is not None and not isinstance(densities, (list, tuple)):
+    raise plan_lib.PlanError(f"density_warmup: densities={densities!r} must "
+                             "be a list of densities, e.g. (0.0625,).")
   if num_workers is not None and (not isinstance(num_workers, int) or
                                   isinstance(num_workers, bool) or
                                   num_workers < 1):
@@ -185,6 +189,11 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
   if densities is None:
     densities = [d for d in DGC_RAMP if d > final] if steps else []
   densities = list(densities)
+  below = [d for d in densities if not (plan_lib.is_real(d) and final < d <= 1)]
+  if below:
+    raise plan_lib.PlanError(
+        f"density_warmup: densities {below} must each be in ({final:g}, 1]: "
+        "a warm-up sends more than the plan it ends with.")
   if densities and not steps:
     raise plan_lib.PlanError("density_warmup: densities given with steps=0; "
                              "give steps per warm-up density.")
@@ -217,4 +226,6 @@ def phase_index(phases: Sequence[Phase], step: int) -> int:
   for i, phase in enumerate(phases):
     if phase.stop is None or step < phase.stop:
       return i
-  raise AssertionError("the last phase has stop=None")
+  raise ValueError(f"phase_index: no phase trains step {step}: the last of "
+                   f"{len(phases)} phases must have stop=None (as "
+                   "density_warmup's does).")

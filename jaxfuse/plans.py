@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import numbers
 import os
 from typing import Any, Mapping
 
@@ -258,31 +259,66 @@ class Plan:
     return cls(leaves, buckets, settings, provenance)
 
   def save(self, path: str | os.PathLike) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-      f.write(self.to_json())
+    """Write the plan's JSON to ``path`` (whole, or the old file kept)."""
+    _jsonfile.save(path, self.to_json())
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> "Plan":
-    with open(path, encoding="utf-8") as f:
-      return cls.from_json(f.read())
+    return cls.from_json(_jsonfile.read_file(path, error=PlanError,
+                                             what="jaxfuse plan"))
 
 
 def _check_density(where: str, density) -> None:
-  if not isinstance(density, (int, float)) or not 0 < density <= 1:
+  if not is_real(density) or not 0 < density <= 1:
     raise PlanError(f"{where}: density={density!r} must be in (0, 1].")
+
+
+def is_real(x) -> bool:
+  """A real number (Python or numpy), not a bool."""
+  return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def is_int(x) -> bool:
+  """An integer (Python or numpy), not a bool."""
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_dtype_name(name) -> bool:
+  try:
+    return isinstance(name, str) and bool(jax.numpy.dtype(name).name)
+  except TypeError:
+    return False
+
+
+def require_plan(plan, where: str) -> None:
+  """TypeError unless ``plan`` is a ``Plan`` (``where``: the caller)."""
+  if not isinstance(plan, Plan):
+    raise TypeError(f"{where} expects a jaxfuse.Plan, got "
+                    f"{type(plan).__name__}; make one with "
+                    "jaxfuse.plan(params).")
 
 
 def check_plan(plan: Plan) -> None:
   """Internal consistency: every field known, every leaf in exactly one
   bucket."""
   s = plan.settings
-  if not s.headroom >= 1:
-    raise PlanError(f"settings.headroom={s.headroom} must be >= 1.")
+  if not (is_real(s.headroom) and math.isfinite(s.headroom)
+          and s.headroom >= 1):
+    raise PlanError(f"settings.headroom={s.headroom!r} must be a finite "
+                    "number >= 1.")
+  if not (is_int(s.min_sparse_size) and s.min_sparse_size >= 1):
+    raise PlanError(f"settings.min_sparse_size={s.min_sparse_size!r} must "
+                    "be an integer >= 1.")
+  if not isinstance(s.feedback, bool):
+    raise PlanError(f"settings.feedback={s.feedback!r} must be True or "
+                    "False.")
+  if not is_int(s.seed):
+    raise PlanError(f"settings.seed={s.seed!r} must be an integer.")
   if not (isinstance(s.refresh, int) and s.refresh >= 1):
     raise PlanError(f"settings.refresh={s.refresh!r} must be an integer >= 1.")
-  if not 0 < s.sample_fraction <= 1:
-    raise PlanError(f"settings.sample_fraction={s.sample_fraction} must be "
-                    "in (0, 1].")
+  if not (is_real(s.sample_fraction) and 0 < s.sample_fraction <= 1):
+    raise PlanError(f"settings.sample_fraction={s.sample_fraction!r} must "
+                    "be a number in (0, 1].")
   if not (isinstance(s.sidco_stages, int) and 1 <= s.sidco_stages <= 8):
     raise PlanError(f"settings.sidco_stages={s.sidco_stages!r} must be 1..8.")
   if not (isinstance(s.zen_table, (int, float)) and s.zen_table >= 1):
@@ -311,6 +347,13 @@ def check_plan(plan: Plan) -> None:
                     f"of {RESIDUAL_DTYPES}.")
   for leaf in plan.leaves:
     where = f"leaf {leaf.path}"
+    if not (isinstance(leaf.shape, tuple) and
+            all(is_int(d) and d >= 0 for d in leaf.shape)):
+      raise PlanError(f"{where}: shape={leaf.shape!r} must be a list of "
+                      "integers >= 0.")
+    if not _is_dtype_name(leaf.dtype):
+      raise PlanError(f"{where}: dtype={leaf.dtype!r} is not a dtype name "
+                      "(e.g. 'float32').")
     if leaf.mode not in MODES:
       raise PlanError(f"{where}: mode={leaf.mode!r}; use one of {MODES}.")
     if leaf.size == 0:

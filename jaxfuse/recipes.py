@@ -125,6 +125,7 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   velocity instead of about 1/ρ, and its release stays a stable step at a
   rate tuned for dense (docs/convergence.md, "SGD with momentum").
   """
+  plan_lib.require_plan(plan, "sgd")
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
@@ -144,6 +145,7 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                 clip_norm: float | None = None, axis_name: str = "data"
                 ) -> optax.GradientTransformationExtraArgs:
   """AdamW preconditioned on each worker, error feedback on the update."""
+  plan_lib.require_plan(plan, "local_adamw")
   return optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
@@ -157,6 +159,7 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                clip_norm: float | None = None, axis_name: str = "data"
                ) -> optax.GradientTransformationExtraArgs:
   """The baseline: sparse-sync the gradient, then AdamW (clip after sync)."""
+  plan_lib.require_plan(plan, "sync_adamw")
   _check_clip(clip_norm)
   return optax.chain(
       transform.sparse_sync(plan, axis_name),
@@ -194,6 +197,7 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   waits for another's gradients); the dense phase records the bucket norms
   that the first sparse step's shares start from.
   """
+  plan_lib.require_plan(plan, "onebit_adamw")
   _check_betas(b1=b1, b2=b2)
   _check_clip(clip_norm)
   sched = schedule_lib.compile_plan(plan)
@@ -333,6 +337,7 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
          clip_norm: float | None = None, axis_name: str = "data"
          ) -> optax.GradientTransformationExtraArgs:
   """DeMo: the decaying local momentum is the error-feedback buffer."""
+  plan_lib.require_plan(plan, "demo")
   return optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, residual_decay=momentum),

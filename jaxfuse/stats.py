@@ -165,6 +165,12 @@ def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
   rest is padding, there for the static shapes; ``headroom`` sets it,
   about 1/headroom for the sampled estimators, 1 for ``"topk"``).
   """
+  plan_lib.require_plan(plan, "summarize")
+  if np.shape(stats.selected)[-1] != len(plan.leaves):
+    raise ValueError(f"summarize: the stats have "
+                     f"{np.shape(stats.selected)[-1]} leaves, the plan "
+                     f"{len(plan.leaves)}: pass the plan of the phase that "
+                     "ran the step.")
   sparse = np.array([l.mode == "sparse" for l in plan.leaves])
   sizes = np.array([l.size for l in plan.leaves], np.float64)
   selected = np.asarray(stats.selected, np.float64)

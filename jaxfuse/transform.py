@@ -115,10 +115,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     (read where they are), and for groups of matrices and vectors when m
     comes leaf by leaf (``bucket_sync.blends``).
   """
-  if not isinstance(plan, plan_lib.Plan):
-    raise TypeError(f"sparse_sync expects a jaxfuse.Plan, got "
-                    f"{type(plan).__name__}; make one with "
-                    "jaxfuse.plan(params).")
+  plan_lib.require_plan(plan, "sparse_sync")
   _check_unit_interval("momentum", momentum, closed_low=True)
   _check_unit_interval("residual_decay", residual_decay, closed_high=True)
   if not isinstance(nesterov, bool) or not isinstance(mask_momentum, bool):
@@ -332,7 +329,16 @@ def unit_residuals(plan: plan_lib.Plan, state: SparseSyncState,
   """The residual (or velocity) of each selection unit, in
   ``plans.units`` order: views of the state's per-group arrays, each with
   the state's leading worker axis (K outside ``shard_map``)."""
+  plan_lib.require_plan(plan, "unit_residuals")
   arrays = state.velocity if velocity else state.residuals
+  all_units, per_bucket = plan_lib.units(plan)
+  want = [(len(g), all_units[g[0]].size)
+          for g in plan_lib.group_units(all_units, per_bucket)]
+  have = [tuple(a.shape[-2:]) for a in arrays]
+  if want != have:
+    raise SyncError(f"unit_residuals: the state's groups are {have} (units "
+                    f"× elements), the plan's {want}: pass the plan the "
+                    "state was made for.")
   return [arrays[g][:, i] for g, i in plan_lib.unit_rows(plan)]
 
 
@@ -347,6 +353,15 @@ def local_params(params, axis_name: str | tuple = "data"):
   axis by JAX itself; differentiating this view instead keeps each worker's
   own gradient for ``sparse_sync`` to sparsify. No data moves.
   """
+  if isinstance(axis_name, list):
+    axis_name = tuple(axis_name)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  for name in names:
+    if not isinstance(name, str) or _compat.axis_size(name) is None:
+      raise SyncError(
+          f"local_params: {name!r} is not an axis of the enclosing "
+          "jax.shard_map; call it inside the per-worker step, with the "
+          "mesh's axis name (jaxfuse.make_mesh() names it 'data').")
   return _compat.to_varying(params, axis_name)
 
 
@@ -441,6 +456,16 @@ def init_state(optimizer: optax.GradientTransformation, params,
                mesh: jax.sharding.Mesh, axis_name: str | tuple = "data"):
   """``optimizer.init(params)`` with per-worker leaves sharded over the axis
   (or the tuple of axes)."""
+  if isinstance(optimizer, plan_lib.Plan) or not (
+      callable(getattr(optimizer, "init", None)) and
+      callable(getattr(optimizer, "update", None))):
+    raise TypeError(f"init_state expects an optax transform (e.g. "
+                    f"jaxfuse.onebit_adamw(plan, lr)), got "
+                    f"{type(optimizer).__name__}.")
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"init_state expects the jax.sharding.Mesh the step "
+                    f"runs on, got {type(mesh).__name__}; make one with "
+                    "jaxfuse.make_mesh().")
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)

@@ -229,14 +229,35 @@ def assert_replicas_identical(arrays, num_devices: int | None = None):
       np.testing.assert_array_equal(c, copies[0])
 
 
+def cuda_lowering_context():
+  """Where this JAX lowers Pallas for CUDA only for a known GPU (0.12 on):
+  an abstract H100 to lower for, no GPU needed; else nothing."""
+  if not hasattr(jax.sharding, "AbstractDevice"):
+    return contextlib.nullcontext()
+  try:
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
+                                      num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",),
+                                     (jax.sharding.AxisType.Explicit,),
+                                     abstract_device=dev)
+  except TypeError:
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
 def triton_kernels_for_cuda(jitted, *specs) -> int:
   """How many Triton kernels ``jitted`` lowers to for CUDA at ``specs``
-  (``jax.export``; no GPU needed where this JAX lowers for CUDA without
-  one, else the test is skipped)."""
+  (``jax.export``, for an abstract H100 where this JAX has them and
+  nothing is sharded over a mesh of this host's devices, which a
+  ``shard_map`` inside must match; no GPU needed where this JAX lowers
+  for CUDA without one, else the test is skipped)."""
+  sharded = any(isinstance(getattr(s, "sharding", None),
+                           jax.sharding.NamedSharding) for s in specs)
   try:
-    exported = export.export(jitted, platforms=["cuda"], disabled_checks=[
-        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-            *specs)
+    with contextlib.nullcontext() if sharded else cuda_lowering_context():
+      exported = export.export(jitted, platforms=["cuda"], disabled_checks=[
+          export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+              *specs)
   except RuntimeError as e:
     if "GPU" not in str(e):
       raise

@@ -461,3 +461,21 @@ def test_profile_summary_says_what_was_not_measured():
   # Measured as 0 (timing noise below α) is a measurement: shown as such.
   assert "bucket    0 µs per sparse bucket" in cli.format_costs(
       old.replace(provenance={"bucket": {}}))
+
+
+def test_plan_refuses_to_write_over_its_costs(workdir, capsys, monkeypatch,
+                                              tmp_path):
+  """-o naming the --costs file is refused and the costs stay; a headroom
+  of inf is one line of error, not a traceback."""
+  monkeypatch.chdir(workdir)
+  costs = tmp_path / "c.json"
+  hand_costs(NUM_LEAVES).save(costs)
+  before = costs.read_text()
+  assert "would overwrite the costs" in error_of(
+      capsys, "plan", "tinymodel:make", "--costs", str(costs), "-o",
+      str(costs))
+  assert costs.read_text() == before
+  assert "headroom=inf must be a finite number" in error_of(
+      capsys, "plan", "tinymodel:make", "--headroom", "inf", "-o",
+      str(tmp_path / "p.json"))
+  assert not (tmp_path / "p.json").exists()

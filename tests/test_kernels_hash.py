@@ -4,7 +4,6 @@ Lossless (every index exactly once), deterministic extraction, balance
 (Definition 8 / Theorem 2) and worker consistency of h0.
 """
 
-import contextlib
 import functools
 import math
 
@@ -18,6 +17,7 @@ import pytest
 
 from jaxfuse.kernels import hash_partition as hp
 
+from _harness import cuda_lowering_context
 from _harness import triton_kernels_for_cuda
 
 G = 10_000
@@ -285,20 +285,6 @@ def test_dispatch_and_argument_checks():
   assert hp.default_sizes(10) == (20, 10)
 
 
-def _cuda_lowering_context():
-  if not hasattr(jax.sharding, "AbstractDevice"):
-    return contextlib.nullcontext()
-  try:
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3",
-                                      num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",),
-                                     (jax.sharding.AxisType.Explicit,),
-                                     abstract_device=dev)
-  except TypeError:
-    return contextlib.nullcontext()
-  return jax.sharding.use_abstract_mesh(mesh)
-
-
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 def test_kernel_lowers_to_triton_ir():
   """The kernel goes through Pallas' Triton lowering (TTIR), no GPU needed.
@@ -311,7 +297,7 @@ def test_kernel_lowers_to_triton_ir():
   fn = functools.partial(hp._pallas, cfg=cfg, block=128, interpret=False,
                          num_warps=4)
   try:
-    with _cuda_lowering_context():
+    with cuda_lowering_context():
       text = jax.jit(fn).trace(idx).lower(lowering_platforms=("cuda",)).as_text()
   except RuntimeError as e:
     if "GPU" in str(e):

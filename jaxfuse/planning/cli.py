@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 from typing import Sequence
 
@@ -158,6 +159,11 @@ def cmd_plan(args) -> int:
   if args.overlap is not None and not args.costs:
     raise UsageError("--overlap replaces the costs' η: give --costs "
                      "COSTS.json too.")
+  if args.costs and (os.path.realpath(args.costs) ==
+                     os.path.realpath(args.output)):
+    raise UsageError(f"-o {args.output} is the --costs file; the plan "
+                     "would overwrite the costs. Give -o another name "
+                     "(e.g. plan.json).")
   if args.costs:
     if "costs" not in inspect.signature(jaxfuse.plan).parameters:
       raise UsageError("--costs: this jaxfuse's plan() takes no costs yet; "

@@ -371,13 +371,13 @@ class Costs:
       raise CostsError(f"costs JSON: {e}") from None
 
   def save(self, path: str | os.PathLike) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-      f.write(self.to_json())
+    """Write the costs' JSON to ``path`` (whole, or the old file kept)."""
+    _jsonfile.save(path, self.to_json())
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> "Costs":
-    with open(path, encoding="utf-8") as f:
-      return cls.from_json(f.read())
+    return cls.from_json(_jsonfile.read_file(path, error=CostsError,
+                                             what="jaxfuse costs file"))
 
 
 def _measured_workers(provenance: Mapping[str, Any]) -> int:

@@ -157,18 +157,27 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   if estimator not in plan_lib.ESTIMATORS:
     raise plan_lib.PlanError(
         f"estimator={estimator!r}; use one of {plan_lib.ESTIMATORS}.")
-  if not isinstance(density, (int, float)) or not 0 < density <= 1:
-    raise plan_lib.PlanError(f"density={density!r} must be in (0, 1].")
+  if not plan_lib.is_real(density) or not 0 < density <= 1:
+    raise plan_lib.PlanError(f"density={density!r} must be a number in "
+                             "(0, 1].")
+  density = float(density)   # numpy scalars too
   if not (isinstance(num_buckets, int) and num_buckets >= 1):
     raise plan_lib.PlanError(
         f"num_buckets={num_buckets!r} must be an int >= 1.")
-  if not bucket_bytes > 0:
-    raise plan_lib.PlanError(f"bucket_bytes={bucket_bytes!r} must be > 0.")
-  if (isinstance(headroom, bool) or not isinstance(headroom, numbers.Real)
-      or not headroom >= 1):
+  if not (plan_lib.is_int(bucket_bytes) and bucket_bytes > 0):
+    raise plan_lib.PlanError(f"bucket_bytes={bucket_bytes!r} must be an int "
+                             "> 0 (dense bytes, e.g. 64 * 2**20).")
+  bucket_bytes = int(bucket_bytes)
+  if not (plan_lib.is_real(headroom) and math.isfinite(headroom)
+          and headroom >= 1):
     raise plan_lib.PlanError(
-        f"headroom={headroom!r} must be a number >= 1 (slots per leaf over "
-        f"the target count ⌈ρ·n⌉; {plan_lib.Settings.headroom} by default).")
+        f"headroom={headroom!r} must be a finite number >= 1 (slots per leaf "
+        f"over the target count ⌈ρ·n⌉; {plan_lib.Settings.headroom} by "
+        "default).")
+  if num_workers is not None and not (plan_lib.is_int(num_workers)
+                                      and num_workers >= 1):
+    raise plan_lib.PlanError(f"num_workers={num_workers!r} must be an int "
+                             ">= 1 (the workers the plan is for) or None.")
   if last_bucket_bytes is not None and (
       isinstance(last_bucket_bytes, bool) or
       not isinstance(last_bucket_bytes, numbers.Integral) or
@@ -210,6 +219,11 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     shape = tuple(int(d) for d in np.shape(x))
     dtype = str(jax.numpy.result_type(x))
     size = math.prod(shape)
+    if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
+      raise plan_lib.PlanError(
+          f"leaf {name}: {dtype} parameters are not supported (jaxfuse "
+          "averages and sparsifies real gradients); keep the real and "
+          "imaginary parts as two float leaves.")
     if size == 0:
       raise plan_lib.PlanError(
           f"leaf {name}: has zero elements; remove it from the parameters.")
@@ -224,13 +238,15 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
                                       size, None))
 
   if ready_order is not None:
-    order, source = [int(i) for i in ready_order], "given"
-    if not plan_lib.is_leaf_order(order, len(leaves)):
+    order, source = list(ready_order), "given"
+    if not (all(plan_lib.is_int(i) for i in order) and
+            plan_lib.is_leaf_order([int(i) for i in order], len(leaves))):
       raise plan_lib.PlanError(
-          f"ready_order must list each of the {len(leaves)} leaf ids once.")
+          f"ready_order must list each of the {len(leaves)} leaf ids "
+          "(ints, pytree order) once.")
+    order = [int(i) for i in order]
   elif loss_fn is not None:
-    order, source = (ordering.ready_order(loss_fn, params, *example_args),
-                     "jaxpr")
+    order, source = _backward_order(loss_fn, params, example_args), "jaxpr"
   else:
     order, source = ordering.reverse_order(len(leaves)), "reverse_pytree"
 
@@ -301,6 +317,21 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
     report.append(times)
   return plan_lib.Plan(plan.leaves, tuple(buckets), plan.settings,
                        plan.provenance), report
+
+
+def _backward_order(loss_fn, params, example_args) -> list[int]:
+  """``ordering.ready_order``, with the user's loss named when it fails."""
+  if not callable(loss_fn):
+    raise plan_lib.PlanError(f"loss_fn={loss_fn!r} must be a function "
+                             "loss_fn(params, *example_args).")
+  try:
+    return ordering.ready_order(loss_fn, params, *tuple(example_args))
+  except Exception as e:  # the user's code: any error
+    raise plan_lib.PlanError(
+        "reading the backward order: jax.grad(loss_fn)(params, "
+        f"*example_args) raised {type(e).__name__}: {e}. Give example_args "
+        "as one worker's batch, the arguments loss_fn takes after params."
+    ) from e
 
 
 def _load_costs(costs, strategy, num_leaves):

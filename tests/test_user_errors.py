@@ -1,0 +1,261 @@
+"""Bad input from a user: an exception that names the argument, field or
+leaf and the fix, raised before anything is written; never an internal
+TypeError, an XLA trace or a silently wrong result."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxfuse
+from jaxfuse.planning.costs import Costs, LinearCost
+
+from _harness import mesh_of
+
+PARAMS = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}
+
+
+@pytest.fixture(scope="module")
+def plan():
+  return jaxfuse.plan(PARAMS, density=0.05)
+
+
+# --- jaxfuse.plan's arguments ------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(density=True), "density=True must be a number in (0, 1]"),
+    (dict(density="0.05"), "density='0.05' must be a number"),
+    (dict(strategy="size", bucket_bytes="25M"),
+     "bucket_bytes='25M' must be an int > 0"),
+    (dict(strategy="size", bucket_bytes=2.5e7), "bucket_bytes=25000000.0"),
+    (dict(headroom=float("inf")), "headroom=inf must be a finite number"),
+    (dict(sample_fraction="x"), "sample_fraction='x' must be a number"),
+    (dict(seed="abc"), "seed='abc' must be an integer"),
+    (dict(feedback="no"), "feedback='no' must be True or False"),
+    (dict(min_sparse_size=2.5), "min_sparse_size=2.5 must be an int"),
+    (dict(num_workers=0), "num_workers=0 must be an int >= 1"),
+    (dict(num_workers=True), "num_workers=True must be an int >= 1"),
+    (dict(ready_order=["a", "b"]), "ready_order must list each of the 2"),
+    (dict(ready_order=[0, 0]), "ready_order must list each of the 2"),
+    (dict(loss_fn="f"), "loss_fn='f' must be a function"),
+])
+def test_plan_names_the_bad_argument(kwargs, message):
+  with pytest.raises(jaxfuse.PlanError) as e:
+    jaxfuse.plan(PARAMS, **kwargs)
+  assert message in str(e.value)
+
+
+def test_numpy_scalars_are_numbers_and_save_as_json(tmp_path):
+  """A numpy density, bucket size or count is accepted as its value, and
+  the plan that records it saves and loads."""
+  made = jaxfuse.plan(PARAMS, density=np.float32(0.0625), strategy="size",
+                      bucket_bytes=np.int64(4096), num_workers=np.int32(2))
+  want = jaxfuse.plan(PARAMS, density=0.0625, strategy="size",
+                      bucket_bytes=4096, num_workers=2)
+  assert made.leaves == want.leaves and made.buckets == want.buckets
+  made.save(tmp_path / "p.json")
+  loaded = jaxfuse.Plan.load(tmp_path / "p.json")
+  assert loaded.leaves == want.leaves and loaded.buckets == want.buckets
+  assert jaxfuse.with_density(made, np.float64(0.5)).leaves[1].density == 0.5
+
+
+def test_complex_leaves_are_refused_not_left_unaveraged():
+  with pytest.raises(jaxfuse.PlanError, match=r"leaf \['c'\]: complex64 "
+                     "parameters are not supported"):
+    jaxfuse.plan(dict(PARAMS, c=jnp.ones(8, jnp.complex64)))
+
+
+def test_a_failing_loss_names_example_args():
+  def loss_fn(params, x):
+    return jnp.sum(params["w"] @ x)
+  with pytest.raises(jaxfuse.PlanError, match=r"reading the backward order: "
+                     r"jax\.grad\(loss_fn\).*dot_general.*Give example_args "
+                     "as one worker's batch"):
+    jaxfuse.plan(PARAMS, loss_fn=loss_fn, example_args=(jnp.ones((3, 3)),))
+  with pytest.raises(jaxfuse.PlanError, match="missing 1 required"):
+    jaxfuse.plan(PARAMS, loss_fn=loss_fn)   # example_args left out
+
+
+# --- plan files ---------------------------------------------------------------
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda j: j["leaves"][0].update(shape="64x32"),
+     "leaf ['b']: shape=('6', '4', 'x', '3', '2') must be a list of integers"),
+    (lambda j: j["leaves"][1].update(shape=[64, -64]),
+     "leaf ['w']: shape=(64, -64)"),
+    (lambda j: j["leaves"][1].update(dtype="float33"),
+     "leaf ['w']: dtype='float33' is not a dtype name"),
+    (lambda j: j["settings"].update(headroom="1.5"),
+     "settings.headroom='1.5' must be a finite number >= 1"),
+    (lambda j: j["settings"].update(min_sparse_size=-5),
+     "settings.min_sparse_size=-5 must be an integer >= 1"),
+    (lambda j: j["settings"].update(seed="x"),
+     "settings.seed='x' must be an integer"),
+])
+def test_a_plan_file_with_a_wrong_field_is_named(plan, edit, message):
+  body = json.loads(plan.to_json())
+  edit(body)
+  with pytest.raises(jaxfuse.PlanError) as e:
+    jaxfuse.Plan.from_json(json.dumps(body))
+  assert message in str(e.value)
+
+
+def test_a_binary_file_is_not_a_plan(tmp_path):
+  path = tmp_path / "plan.json"
+  path.write_bytes(b"\xff\xfe\x00 not text")
+  with pytest.raises(jaxfuse.PlanError, match=f"{path} is not a jaxfuse "
+                     r"plan \(not UTF-8"):
+    jaxfuse.Plan.load(path)
+
+
+class _NotJson:
+  pass
+
+
+def _costs():
+  return Costs({"allgather": LinearCost(1e-4, 1e-9),
+                "psum": LinearCost(1e-4, 2e-9)}, LinearCost(1e-5, 1e-8),
+               (1e-3, 1e-3), overlap=0.5, forward=2e-3)
+
+
+@pytest.mark.parametrize("kind", ["plan", "costs"])
+def test_a_failed_save_keeps_the_old_file(tmp_path, plan, kind):
+  """The file saved before is kept whole, byte for byte, and no temporary
+  file is left beside it."""
+  good = plan if kind == "plan" else _costs()
+  path = tmp_path / f"{kind}.json"
+  good.save(path)
+  before = path.read_bytes()
+  bad = dataclasses.replace(good, provenance={"x": _NotJson()})
+  with pytest.raises(TypeError, match="_NotJson"):
+    bad.save(path)
+  assert path.read_bytes() == before
+  assert os.listdir(tmp_path) == [path.name]
+  type(good).load(path)   # still readable
+
+
+# --- the wrong object where a plan, optimizer or mesh goes --------------------
+
+@pytest.mark.parametrize("call,where", [
+    (lambda: jaxfuse.sgd(None, 0.1), "sgd"),
+    (lambda: jaxfuse.onebit_adamw(PARAMS, 1e-3), "onebit_adamw"),
+    (lambda: jaxfuse.local_adamw(PARAMS, 1e-3), "local_adamw"),
+    (lambda: jaxfuse.sync_adamw(PARAMS, 1e-3), "sync_adamw"),
+    (lambda: jaxfuse.sparse_sync(PARAMS), "sparse_sync"),
+    (lambda: jaxfuse.with_density(PARAMS, 0.1), "with_density"),
+    (lambda: jaxfuse.density_warmup(PARAMS, steps=1), "density_warmup"),
+])
+def test_a_recipe_or_helper_given_no_plan_says_so(call, where):
+  with pytest.raises(TypeError, match=f"^{where} expects a jaxfuse.Plan, got "
+                     r"\w+; make one with jaxfuse.plan\(params\)"):
+    call()
+
+
+def test_init_state_names_what_it_was_given(plan):
+  mesh = mesh_of(1)
+  with pytest.raises(TypeError, match="init_state expects an optax "
+                     "transform.*got Plan"):
+    jaxfuse.init_state(plan, PARAMS, mesh)
+  with pytest.raises(TypeError, match="init_state expects the "
+                     "jax.sharding.Mesh.*got NoneType"):
+    jaxfuse.init_state(jaxfuse.sgd(plan, 0.1), PARAMS, None)
+
+
+def test_summarize_and_unit_residuals_check_the_plan(plan):
+  mesh = mesh_of(1)
+  state = jaxfuse.init_state(jaxfuse.sparse_sync(plan), PARAMS, mesh)
+  stats = jaxfuse.sync_stats(state)
+  other = jaxfuse.plan(dict(PARAMS, c=jnp.ones((32, 32))), density=0.05)
+  with pytest.raises(ValueError, match="summarize: the stats have 2 leaves, "
+                     "the plan 3: pass the plan of the phase"):
+    jaxfuse.summarize(stats, other)
+  with pytest.raises(TypeError, match="^summarize expects a jaxfuse.Plan"):
+    jaxfuse.summarize(stats, PARAMS)
+  wider = jaxfuse.plan({"w": jnp.ones((64, 128)), "b": jnp.ones(64)},
+                       density=0.05)
+  with pytest.raises(jaxfuse.SyncError, match=r"unit_residuals: the state's "
+                     r"groups are \[\(1, 4096\)\] \(units × elements\), the "
+                     r"plan's \[\(1, 8192\)\]"):
+    jaxfuse.unit_residuals(wider, state)
+  rows = jaxfuse.unit_residuals(plan, state)
+  assert [r.shape for r in rows] == [(1, 4096)]
+
+
+def test_send_early_needs_a_function():
+  with pytest.raises(TypeError, match="send_early wraps the per-worker step "
+                     "function; got int"):
+    jaxfuse.send_early(3)
+
+
+# --- phases -------------------------------------------------------------------
+
+def test_density_warmup_densities(plan):
+  with pytest.raises(jaxfuse.PlanError, match=r"densities=0\.25 must be a "
+                     "list of densities"):
+    jaxfuse.density_warmup(plan, steps=10, densities=0.25)
+  with pytest.raises(jaxfuse.PlanError, match=r"densities \[0\.01, 'x'\] "
+                     r"must each be in \(0\.05, 1\]: a warm-up sends more"):
+    jaxfuse.density_warmup(plan, steps=10, densities=(0.25, 0.01, "x"))
+  with pytest.raises(ValueError, match="phase_index: no phase trains step "
+                     "3: the last of 0 phases must have stop=None"):
+    jaxfuse.phase_index([], 3)
+
+
+# --- local_params ---------------------------------------------------------------
+
+def test_local_params_outside_shard_map_or_on_another_axis():
+  with pytest.raises(jaxfuse.SyncError, match="local_params: 'data' is not "
+                     "an axis of the enclosing jax.shard_map"):
+    jaxfuse.local_params(PARAMS)
+  mesh = mesh_of(1)
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+
+  def step(axis):
+    def local(params):
+      grads = jax.grad(lambda q: jnp.sum(q["w"]))(
+          jaxfuse.local_params(params, axis))
+      return jax.lax.psum(grads["w"], "data")
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(),),
+                                 out_specs=P()))
+  with pytest.raises(jaxfuse.SyncError, match="local_params: 'batch' is "
+                     "not an axis"):
+    step("batch")(params)
+  # a list of axes is taken as the tuple: each worker's gradient, summed
+  summed = step(["data"])(params)
+  np.testing.assert_array_equal(np.asarray(summed),
+                                np.full((64, 64), mesh.size, np.float32))
+
+
+# --- checkpoints ---------------------------------------------------------------
+
+@pytest.mark.parametrize("step,extra,message", [
+    ("5", {}, "step='5' must be an int >= 0"),
+    (-1, {}, "step=-1 must be an int >= 0"),
+    (True, {}, "step=True must be an int >= 0"),
+    (3, {"pos": np.int64(3)}, "is not JSON (Object of type int64"),
+    (3, [1, 2], "extra must be a dict of JSON values, got list"),
+])
+def test_checkpoint_save_refuses_before_writing(tmp_path, plan, step, extra,
+                                                message):
+  pytest.importorskip("orbax.checkpoint")
+  from jaxfuse import checkpoint  # pylint: disable=g-import-not-at-top
+  mngr = checkpoint.manager(tmp_path / "run")
+  with pytest.raises(checkpoint.CheckpointError) as e:
+    checkpoint.save(mngr, step, {"w": jnp.ones(4)}, plan, extra=extra)
+  assert message in str(e.value)
+  if isinstance(extra, dict) and extra:
+    assert "extra['pos']=" in str(e.value) and "int(x)" in str(e.value)
+  assert list(mngr.all_steps()) == []
+  assert os.listdir(tmp_path / "run") == []
+  with pytest.raises(checkpoint.CheckpointError, match="state has no arrays"):
+    checkpoint.save(mngr, 3, None, plan)
+  checkpoint.save(mngr, 3, {"w": jnp.ones(4)}, plan, extra={"pos": 3})
+  mngr.wait_until_finished()
+  assert list(mngr.all_steps()) == [3]
+  assert checkpoint.saved_extra(mngr) == {"pos": 3}
