@@ -78,8 +78,12 @@ def test_plan_checks(tmp_path, trained):
   checkpoint.save(mngr, 2, state, plan)
   like = jax.tree.map(jnp.zeros_like, state)
   # Only densities differ (a warm-up phase): the state fits.
-  step, _ = checkpoint.restore(mngr, like, jaxfuse.with_density(plan, 0.2))
+  step, restored = checkpoint.restore(mngr, like,
+                                      jaxfuse.with_density(plan, 0.2))
   assert step == 2
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert checkpoint.saved_plan(mngr) == plan
   other = list_plan([(64, 64), (32,)], density=0.05, min_sparse_size=256,
                     estimator="topk")

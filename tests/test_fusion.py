@@ -31,17 +31,23 @@ def test_words_round_trip_bitwise(dtype, count, seed):
 def test_sparse_buffer_round_trip_with_leading_worker_axis():
   units = [plan_lib.Unit((0,), 100, 5, 0.05, "dgc", "float32"),
            plan_lib.Unit((1,), 50, 3, 0.05, "dgc", "bfloat16")]
-  parts = [(jnp.arange(5, dtype=jnp.float32) - 2.5,
-            jnp.array([1, 7, 99, 100, 100], jnp.int32)),
-           (jnp.array([1.5, -2, 3], jnp.bfloat16),
-            jnp.array([49, 0, 50], jnp.int32))]
-  words = fusion.pack_groups(parts, units)
-  assert words.shape == (5 + 5 + 2 + 3,)
-  stacked = jnp.stack([words, words])  # as all_gather returns it: (K, W)
+  # two workers' different slots
+  parts = [[(jnp.arange(5, dtype=jnp.float32) - 2.5,
+             jnp.array([1, 7, 99, 100, 100], jnp.int32)),
+            (jnp.array([1.5, -2, 3], jnp.bfloat16),
+             jnp.array([49, 0, 50], jnp.int32))],
+           [(jnp.array([9, 8, 7, 6, 5], jnp.float32),
+             jnp.array([0, 2, 4, 6, 100], jnp.int32)),
+            (jnp.array([-0.5, 0, 4], jnp.bfloat16),
+             jnp.array([3, 50, 50], jnp.int32))]]
+  words = [fusion.pack_groups(p, units) for p in parts]
+  assert words[0].shape == (5 + 5 + 2 + 3,)
+  stacked = jnp.stack(words)  # as all_gather returns it: (K, W)
   groups = fusion.unpack_groups(stacked, units)
   assert [members for members, _, _ in groups] == [[0], [1]]
-  for (v, i), (_, v2, i2) in zip(parts, groups):
+  for n, (_, v2, i2) in enumerate(groups):
     for k in range(2):
+      v, i = parts[k][n]
       np.testing.assert_array_equal(np.asarray(v2[k, 0]), np.asarray(v))
       np.testing.assert_array_equal(np.asarray(i2[k, 0]), np.asarray(i))
 
@@ -105,13 +111,14 @@ def test_groups_pack_every_units_slots_and_give_them_back(kinds, packed, seed):
   units = [plan_lib.Unit((n,), size, cap, 0.05, "dgc", dtype,
                          plan_lib.index_bits(size) if packed else 32)
            for n, (size, cap, dtype) in enumerate(kinds)]
-  parts = [(jnp.asarray(rng.standard_normal(u.capacity).astype(u.dtype)),
-            jnp.asarray(rng.integers(0, u.size + 1, u.capacity), jnp.int32))
-           for u in units]
-  words = fusion.pack_groups(parts, units)
+  parts = [[(jnp.asarray(rng.standard_normal(u.capacity).astype(u.dtype)),
+             jnp.asarray(rng.integers(0, u.size + 1, u.capacity), jnp.int32))
+            for u in units] for _ in range(2)]    # two workers' slots
+  words = [fusion.pack_groups(p, units) for p in parts]
   # each unit's payload, in one buffer
-  assert words.shape == (sum(plan_lib.payload_bytes(u) for u in units) // 4,)
-  gathered = jnp.stack([words, words[::-1], words])[::2]   # (K=2, W)
+  assert words[0].shape == (sum(plan_lib.payload_bytes(u)
+                                for u in units) // 4,)
+  gathered = jnp.stack(words)   # (K=2, W)
   seen = []
   for members, values, indices in fusion.unpack_groups(gathered, units):
     assert {(units[n].size, units[n].capacity, units[n].dtype)
@@ -122,8 +129,8 @@ def test_groups_pack_every_units_slots_and_give_them_back(kinds, packed, seed):
       for k in range(2):
         np.testing.assert_array_equal(
             np.asarray(values[k, row]).view(np.uint8),
-            np.asarray(parts[n][0]).view(np.uint8))
+            np.asarray(parts[k][n][0]).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(indices[k, row]),
-                                      np.asarray(parts[n][1]))
+                                      np.asarray(parts[k][n][1]))
     seen += members
   assert sorted(seen) == list(range(len(units)))

@@ -87,9 +87,17 @@ def test_hash_partition_auto_follows_the_switch(no_triton, monkeypatch):
                       lambda *a, **k: called.append(1))
   monkeypatch.setattr(hp.jax, "default_backend", lambda: "gpu")
   kernels.set_backend("auto")
+  idx = np.arange(8, dtype=np.int32) * 3
   with pytest.warns(RuntimeWarning):
-    out = hp.hash_partition(np.arange(8, dtype=np.int32) * 3, 2, 64)
-  assert not called and out is not None
+    out = hp.hash_partition(idx, 2, 64)
+  assert not called   # the reference ran: its lists, bit for bit
+  want = hp.hash_partition_reference(idx, 2, 64)
+  np.testing.assert_array_equal(np.asarray(hp.extract(out)),
+                                np.asarray(hp.extract(want)))
+  np.testing.assert_array_equal(np.asarray(out.counts),
+                                np.asarray(want.counts))
+  listed = np.asarray(hp.extract(out)).ravel()
+  assert sorted(listed[listed < 64].tolist()) == idx.tolist()   # each once
 
 
 def test_imports_and_trains_where_the_module_is_gone(tmp_path):

@@ -144,8 +144,12 @@ def test_warmup_phases_share_one_state_bitwise(mesh):
       step = jax.jit(jax.shard_map(local, mesh=mesh,
                                    in_specs=(P("data"), specs),
                                    out_specs=(P(), specs, specs)))
-    grads = shard(mesh, [rng.normal(size=(K,) + s).astype(np.float32)
-                         for s in shapes])
+    grads_np = [rng.normal(size=(K,) + s).astype(np.float32) for s in shapes]
+    grads = shard(mesh, grads_np)
+    owes = lambda tree, velocity=False: [
+        np.asarray(x, np.float64) for x in jaxfuse.unit_residuals(
+            phases[i].plan, tree, velocity=velocity)]
+    r_prev, u_prev = owes(state), owes(state, velocity=True)
     synced, new, received = jax.block_until_ready(step(grads, state))
     assert _bits(received) == _bits(state), f"step {t}: state changed"
     assert jax.tree.map(jax.typeof, new) == types
@@ -160,6 +164,15 @@ def test_warmup_phases_share_one_state_bitwise(mesh):
       for j in sparse:
         assert (selected[:, j] <= phases[i].plan.leaves[j].capacity).all()
         assert (selected[:, j] > 0).all()
+      # what the workers owe carries over the switch: Σ_k (r_k + u_k') =
+      # K·ĝ + Σ_k r_k', r and u from the state the last phase left
+      for u, unit in enumerate(plan_lib.units(phases[i].plan)[0]):
+        (j,) = unit.leaves
+        owed = r_prev[u] + 0.9 * u_prev[u] + grads_np[j].reshape(K, -1)
+        sent = K * np.asarray(synced[j], np.float64).ravel()
+        np.testing.assert_allclose(
+            sent + owes(new)[u].sum(0), owed.sum(0), rtol=1e-5,
+            atol=1e-5 * (1 + np.abs(owed).max()), err_msg=f"step {t}")
     state = new
   assert [len(x) for x in traces] == [1, 1, 1]
 

@@ -422,15 +422,22 @@ def test_integer_leaves_are_dense_and_pass_through(mesh):
     grads = jax.grad(lambda p: jnp.sum(x @ p["w"]) + 0.0 * p["n"].sum(),
                      allow_int=True)(jaxfuse.local_params(params))
     updates, state = tx.update(grads, state)
+    passed.append((updates["n"].dtype, updates["n"].shape))
     return updates["w"], state
 
+  passed = []
   f = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")),
                     out_specs=(P(), specs))
   x = jnp.arange(K * 64, dtype=jnp.float32).reshape(K, 1, 64)
   w, state = jax.jit(f)(params, state, shard(mesh, x))
+  assert passed == [(jax.dtypes.float0, (3,))]   # n's float0 gradient as is
   assert not np.asarray(state.stats.missing).any()
-  # w's gradient on worker k is x_k broadcast over columns: all workers' sent
-  # entries land in w, the mean of the selected slots.
+  # w's gradient on worker k is x_k down the rows (g_k[i, j] = x_k[i]): what
+  # the workers sent (K·w) and kept (their residuals) is all of it
   selected = np.asarray(state.stats.selected)[:, 1]
   assert 0 < np.count_nonzero(np.asarray(w)) <= selected.sum()
-  assert np.all(np.isfinite(np.asarray(w)))
+  (kept,) = jaxfuse.unit_residuals(plan, state)
+  grads = np.repeat(np.asarray(x).reshape(K, 64, 1), 64, axis=2)
+  np.testing.assert_allclose(K * np.asarray(w, np.float64).ravel() +
+                             np.asarray(kept, np.float64).sum(0),
+                             grads.reshape(K, -1).sum(0), rtol=1e-6)

@@ -71,18 +71,42 @@ def test_a_dense_phase_is_full_with_the_same_layout():
   assert len(plan_lib.units(plan)[0]) == len(sparse.units)
 
 
-@pytest.mark.parametrize("strategy", ["layerwise", "single", "size", "behind"])
-def test_the_schedule_agrees_with_the_plans_views(strategy):
+# Worked by hand: leaves a (600), b (20), c (512), d (5), e (2304) in
+# pytree order; no loss, so ready order is reverse pytree: e, d, c, b, a.
+# b and d are below min_sparse_size (dense). Capacity ⌈0.05·n·1.5⌉: e 173,
+# c 39, a 45; c and a concatenated ("behind") ⌈0.05·1112·1.5⌉ = 84. "size"
+# closes a bucket once it reaches 4096 bytes: e (9216 B) alone, then c and
+# a (2048 + 2400 B). Units of one bucket share a state group only if they
+# have the same size, and none do here.
+HAND = {
+    "single": dict(units=[((4,), 2304, 173), ((2,), 512, 39), ((0,), 600, 45)],
+                   bucket_units=[(0, 1, 2), ()],
+                   placement=[((0, ((4, 0),)), (1, ((2, 0),)), (2, ((0, 0),))),
+                              ()]),
+    "size": dict(units=[((4,), 2304, 173), ((2,), 512, 39), ((0,), 600, 45)],
+                 bucket_units=[(0,), (1, 2), ()],
+                 placement=[((0, ((4, 0),)),),
+                            ((1, ((2, 0),)), (2, ((0, 0),))), ()]),
+    "behind": dict(units=[((4,), 2304, 173), ((2, 0), 1112, 84)],
+                   bucket_units=[(0,), (1,), ()],
+                   placement=[((0, ((4, 0),)),), ((1, ((2, 0), (0, 512))),),
+                              ()]),
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(HAND))
+def test_the_schedule_of_a_hand_worked_plan(strategy):
   plan = _plan(strategy, **({"bucket_bytes": 4096}
                             if strategy in ("size", "behind") else {}))
   sched = schedule.compile_plan(plan)
-  all_units, per_bucket = plan_lib.units(plan)
-  assert sched.units == all_units
-  assert tuple(b.units for b in sched.buckets) == per_bucket
-  assert sched.groups == plan_lib.state_groups(plan)
-  assert sched.group_of_unit == tuple(g for g, _ in plan_lib.unit_rows(plan))
-  for b, ids in zip(sched.buckets, per_bucket):
-    assert sched.bucket_units(b) == tuple(all_units[u] for u in ids)
-    for u, leaves in b.placement:
-      assert tuple(o for _, o in leaves) == plan_lib.leaf_offsets(
-          plan, all_units[u])
+  want = HAND[strategy]
+  assert [(u.leaves, u.size, u.capacity) for u in sched.units] == \
+      want["units"]
+  assert [b.units for b in sched.buckets] == want["bucket_units"]
+  assert [b.placement for b in sched.buckets] == want["placement"]
+  num_units = len(want["units"])
+  assert sched.groups == tuple((u,) for u in range(num_units))
+  assert sched.group_of_unit == tuple(range(num_units))
+  assert [b.kind for b in sched.buckets] == [schedule.SPARSE] * (
+      len(sched.buckets) - 1) + [schedule.PSUM]
+  assert sched.buckets[-1].leaves == (3, 1)
