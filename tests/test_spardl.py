@@ -244,3 +244,31 @@ def test_sparse_sync_refuses_teams_that_cannot_form():
   # "bucket 0: …" from check_axes, or "spardl bucket of leaves [0]: …"
   with pytest.raises(base.SchemeError, match="bucket.*spardl_teams=4"):
     sync(plan, mesh, [np.ones((6, 600), np.float32)], init(plan, mesh))
+
+
+def test_a_merges_drops_stay_on_the_worker_that_merged():
+  """K = 2, one unit of 40 (blocks [0, 20) and [20, 40)), c = m = 4 slots.
+  Worker 1 sends its block-0 slots to worker 0, which merges them with its
+  own (index 3 summed: 3 + 1), keeps the top 4 by |v| and keeps what the
+  cut drops (0.25 at index 5) in its own residual; worker 1 keeps nothing.
+  Worked by hand from the module's steps, not from its code."""
+  mesh = mesh_of(2)
+  unit = plan_lib.Unit((0,), 40, 4, 0.1, "topk", "float32")
+  values = np.array([[5.0, -0.5, 3.0, 1.0], [1.0, 0.25, -4.0, -1.5]],
+                    np.float32)
+  indices = np.array([[1, 2, 3, 25], [3, 5, 6, 30]], np.int32)
+
+  def f(v, i):
+    out = spardl.SparDL().sync([(v[0], i[0])], [unit], "data",
+                               plan_lib.Settings())
+    return out.means[0], out.kept[0][None]
+  means, kept = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
+                                      out_specs=(P(), P("data"))))(
+      _shard(mesh, values), _shard(mesh, indices))
+  want_mean = np.zeros(40)
+  want_mean[[1, 2, 3, 6, 25, 30]] = [5.0, -0.5, 4.0, -4.0, 1.0, -1.5]
+  np.testing.assert_array_equal(np.asarray(means, np.float64),
+                                want_mean / 2)
+  want_kept = np.zeros((2, 40))
+  want_kept[0, 5] = 0.25
+  np.testing.assert_array_equal(np.asarray(kept, np.float64), want_kept)
