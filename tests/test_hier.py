@@ -396,3 +396,31 @@ def test_shard_unit_shape():
   units = plan_lib.units(_plan("hier"))[0]
   assert hier._layout(units[1:3], 4)[:3] == (1101, 276, 276)
   assert hier._layout(units[:1], 2)[:3] == (1024, 512, C0)
+
+
+def test_a_shards_unsent_entries_stay_on_the_worker_holding_it():
+  """2 hosts × 2 local workers, one unit of 8 (shards [0, 4) and [4, 8)),
+  c = 2 slots, so each shard sends c_s = 2. Host 0's workers send
+  {0: 1, 5: 2} and {1: −3, 2: 0.5}; host 1's send nothing. Worker (0, 0)
+  holds shard 0, y = [1, −3, 0.5, 0]: it sends −3 and 1 and keeps 0.5,
+  which came from worker (0, 1); every other residual stays zero.
+  Worked by hand from the module's steps."""
+  mesh = jaxfuse.make_mesh(4, local=2)
+  unit = plan_lib.Unit((0,), 8, 2, 0.25, "topk", "float32")
+  values = np.array([[1.0, 2.0], [-3.0, 0.5], [0, 0], [0, 0]], np.float32)
+  indices = np.array([[0, 5], [1, 2], [8, 8], [8, 8]], np.int32)
+
+  def f(v, i):
+    out = collectives.get("hier").sync([(v[0], i[0])], [unit], HIER,
+                                       plan_lib.Settings())
+    return out.means[0], out.kept[0][None]
+  spec = P(HIER)
+  means, kept = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec,
+                                      out_specs=(P(), spec)))(
+      jax.device_put(values, NamedSharding(mesh, spec)),
+      jax.device_put(indices, NamedSharding(mesh, spec)))
+  np.testing.assert_array_equal(np.asarray(means, np.float64),
+                                np.array([1, -3, 0, 0, 0, 2, 0, 0]) / 4)
+  want_kept = np.zeros((4, 8))
+  want_kept[0, 2] = 0.5
+  np.testing.assert_array_equal(np.asarray(kept, np.float64), want_kept)
