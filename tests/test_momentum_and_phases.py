@@ -49,7 +49,8 @@ def _momentum_sync_fn(plan_json, mesh, momentum, nesterov, mask_momentum):
        momentum=st.sampled_from([0.5, 0.9]),
        nesterov=st.booleans(), mask_momentum=st.booleans(),
        strategy=st.sampled_from(["layerwise", "single", "aligned"]),
-       estimator=st.sampled_from(["topk", "dgc", "gaussian"]),
+       estimator=st.sampled_from(["topk", "dgc", "gaussian", "redsync",
+                                  "sidco"]),
        seed=st.integers(0, 2**16))
 def test_momentum_conserves_what_workers_owe(mesh, shapes, density, momentum,
                                              nesterov, mask_momentum,
