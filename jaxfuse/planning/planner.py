@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 from typing import Callable, Sequence
 
@@ -178,10 +177,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
                                       and num_workers >= 1):
     raise plan_lib.PlanError(f"num_workers={num_workers!r} must be an int "
                              ">= 1 (the workers the plan is for) or None.")
-  if last_bucket_bytes is not None and (
-      isinstance(last_bucket_bytes, bool) or
-      not isinstance(last_bucket_bytes, numbers.Integral) or
-      last_bucket_bytes <= 0):
+  if last_bucket_bytes is not None and not (
+      plan_lib.is_int(last_bucket_bytes) and last_bucket_bytes > 0):
     raise plan_lib.PlanError(f"last_bucket_bytes={last_bucket_bytes!r} "
                              "must be an int > 0 (bytes) or None.")
   if last_bucket_bytes is not None and strategy in COST_STRATEGIES:
@@ -238,13 +235,13 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
                                       size, None))
 
   if ready_order is not None:
-    order, source = list(ready_order), "given"
-    if not (all(plan_lib.is_int(i) for i in order) and
-            plan_lib.is_leaf_order([int(i) for i in order], len(leaves))):
+    given = list(ready_order)
+    ints = all(plan_lib.is_int(i) for i in given)
+    order, source = [int(i) for i in given] if ints else [], "given"
+    if not (ints and plan_lib.is_leaf_order(order, len(leaves))):
       raise plan_lib.PlanError(
           f"ready_order must list each of the {len(leaves)} leaf ids "
           "(ints, pytree order) once.")
-    order = [int(i) for i in order]
   elif loss_fn is not None:
     order, source = _backward_order(loss_fn, params, example_args), "jaxpr"
   else:
