@@ -50,8 +50,7 @@ class BucketClipState(NamedTuple):
 
 def check_max_norm(max_norm) -> None:
   if max_norm is not None and not (
-      isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
-      and max_norm > 0):
+      plan_lib.is_real(max_norm) and max_norm > 0):
     raise ClipError(f"clip_norm={max_norm!r} must be a number > 0 (or None: "
                     "no clipping).")
 

@@ -15,9 +15,12 @@ with them and 59.9–61.6 ms without; the same model trained dense went from
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
+
+from jaxfuse import plan_checks
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -76,11 +79,11 @@ def xla_flags(network_gbytes_s: float, *, gpus_per_node: int = 1) -> str:
   only start a collective once its input exists, and the plain step makes
   the sparse buckets' inputs after the whole backward.
   """
-  if not (isinstance(network_gbytes_s, (int, float)) and
-          not isinstance(network_gbytes_s, bool) and network_gbytes_s > 0):
+  if not (plan_checks.is_real(network_gbytes_s) and math.isfinite(network_gbytes_s)
+          and network_gbytes_s > 0):
     raise ValueError(f"network_gbytes_s={network_gbytes_s!r} must be a "
                      "number > 0 (GB/s between nodes).")
-  if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+  if not plan_checks.is_int(gpus_per_node) or gpus_per_node < 1:
     raise ValueError(f"gpus_per_node={gpus_per_node!r} must be an int >= 1.")
   options = (f"nic_speed_gbps={network_gbytes_s:g},"
              f"gpus_per_node={gpus_per_node},partition_size={gpus_per_node},"

@@ -65,6 +65,7 @@ from jax.extend import core as jex
 
 from jaxfuse import _compat
 from jaxfuse import compile_options
+from jaxfuse import plan_checks
 
 # Primitives that move data between workers (names as in jaxprs).
 COLLECTIVES = frozenset({
@@ -123,8 +124,7 @@ def send_early(step, *, window: int | None = 2, start_early: bool = True,
   if not isinstance(finish_under_last, bool):
     raise ValueError(f"send_early: finish_under_last={finish_under_last!r} "
                      "must be True or False.")
-  if window is not None and (isinstance(window, bool) or
-                             not isinstance(window, int) or window < 1):
+  if window is not None and (not plan_checks.is_int(window) or window < 1):
     raise ValueError(f"send_early: window={window!r} must be an integer "
                      ">= 1 (points of the backward) or None.")
 

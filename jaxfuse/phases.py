@@ -159,8 +159,7 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
   if densities is not None and not isinstance(densities, (list, tuple)):
     raise plan_lib.PlanError(f"density_warmup: densities={densities!r} must "
                              "be a list of densities, e.g. (0.0625,).")
-  if num_workers is not None and (not isinstance(num_workers, int) or
-                                  isinstance(num_workers, bool) or
+  if num_workers is not None and (not plan_lib.is_int(num_workers) or
                                   num_workers < 1):
     raise plan_lib.PlanError(f"density_warmup: num_workers={num_workers!r} "
                              "must be an integer >= 1 (the mesh size).")
@@ -168,19 +167,18 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
     raise plan_lib.PlanError(
         f"density_warmup: dense_wire={dense_wire!r}; use one of "
         f"{', '.join(map(repr, plan_lib.FULL_WIRES))}.")
-  is_count = lambda v: isinstance(v, int) and not isinstance(v, bool)
-  per_density = not is_count(steps)
+  per_density = not plan_lib.is_int(steps)
   if per_density:
     counts = list(steps) if isinstance(steps, (list, tuple)) else None
     if (counts is None or densities is None or
         len(counts) != len(densities) or
-        not all(is_count(c) and c >= 1 for c in counts)):
+        not all(plan_lib.is_int(c) and c >= 1 for c in counts)):
       raise plan_lib.PlanError(
           f"density_warmup: steps={steps!r}: give one integer >= 1 per "
           "density of densities= (or one integer for all).")
   for name, value in (("steps", 0 if per_density else steps),
                       ("dense_steps", dense_steps)):
-    if not is_count(value) or value < 0:
+    if not plan_lib.is_int(value) or value < 0:
       raise plan_lib.PlanError(f"density_warmup: {name}={value!r} must be an "
                                "integer >= 0.")
   final = max([l.density for l in plan.leaves if l.mode == "sparse"] +
@@ -197,8 +195,9 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
   if densities and not steps:
     raise plan_lib.PlanError("density_warmup: densities given with steps=0; "
                              "give steps per warm-up density.")
-  ramp = list(zip(densities, counts if per_density
-                  else [steps] * len(densities)))
+  ramp = [(float(d), int(n)) for d, n in zip(
+      densities, counts if per_density else [steps] * len(densities))]
+  dense_steps = int(dense_steps)
   def dense_plan():
     return dataclasses.replace(with_density(plan, 1.0),
                                settings=dataclasses.replace(

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import numbers
 import os
 from typing import Any, Mapping
 
@@ -25,34 +24,18 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import _jsonfile
+# the fields' names, the number checks and PlanError, used through here
+from jaxfuse.plan_checks import (  # pylint: disable=unused-import
+    COLLECTIVES, ESTIMATORS, FULL_WIRES, MAX_LEAF_SIZE, MODES,
+    RESIDUAL_DTYPES, SPARSE_COLLECTIVES, SPARSE_WIRES, SPARSIFY, PlanError,
+    check_plan, is_int, is_leaf_order, is_real)
 
 FORMAT = "jaxfuse.plan"
 FORMAT_VERSION = 1
-MODES = ("sparse", "dense")
-ESTIMATORS = ("topk", "dgc", "gaussian", "redsync", "sidco")
-# jaxfuse.collectives
-SPARSE_COLLECTIVES = ("allgather", "zen", "spardl", "hier")
-RESIDUAL_DTYPES = ("float32", "gradient")  # Settings.residual_dtype
-FULL_WIRES = ("gradient", "bfloat16")  # Settings.full_wire
-SPARSE_WIRES = ("gradient", "bfloat16")  # Settings.sparse_wire
-COLLECTIVES = SPARSE_COLLECTIVES + ("psum",)
-SPARSIFY = ("ahead", "behind")
-MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
-
-
-class PlanError(ValueError):
-  """A plan that is malformed or does not match the parameters."""
-
-
 def leaf_paths(tree) -> list[str]:
   """``jax.tree_util.keystr`` of every leaf, in pytree order."""
   return [jax.tree_util.keystr(p)
           for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def is_leaf_order(order, num_leaves: int) -> bool:
-  """Whether ``order`` lists each leaf id 0 … num_leaves − 1 exactly once."""
-  return sorted(order) == list(range(num_leaves))
 
 
 def capacity_for(density: float, size: int, headroom: float) -> int:
@@ -268,152 +251,12 @@ class Plan:
                                              what="jaxfuse plan"))
 
 
-def _check_density(where: str, density) -> None:
-  if not is_real(density) or not 0 < density <= 1:
-    raise PlanError(f"{where}: density={density!r} must be in (0, 1].")
-
-
-def is_real(x) -> bool:
-  """A real number (Python or numpy), not a bool."""
-  return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def is_int(x) -> bool:
-  """An integer (Python or numpy), not a bool."""
-  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_dtype_name(name) -> bool:
-  try:
-    return isinstance(name, str) and bool(jax.numpy.dtype(name).name)
-  except TypeError:
-    return False
-
-
 def require_plan(plan, where: str) -> None:
   """TypeError unless ``plan`` is a ``Plan`` (``where``: the caller)."""
   if not isinstance(plan, Plan):
     raise TypeError(f"{where} expects a jaxfuse.Plan, got "
                     f"{type(plan).__name__}; make one with "
                     "jaxfuse.plan(params).")
-
-
-def check_plan(plan: Plan) -> None:
-  """Internal consistency: every field known, every leaf in exactly one
-  bucket."""
-  s = plan.settings
-  if not (is_real(s.headroom) and math.isfinite(s.headroom)
-          and s.headroom >= 1):
-    raise PlanError(f"settings.headroom={s.headroom!r} must be a finite "
-                    "number >= 1.")
-  if not (is_int(s.min_sparse_size) and s.min_sparse_size >= 1):
-    raise PlanError(f"settings.min_sparse_size={s.min_sparse_size!r} must "
-                    "be an integer >= 1.")
-  if not isinstance(s.feedback, bool):
-    raise PlanError(f"settings.feedback={s.feedback!r} must be True or "
-                    "False.")
-  if not is_int(s.seed):
-    raise PlanError(f"settings.seed={s.seed!r} must be an integer.")
-  if not (isinstance(s.refresh, int) and s.refresh >= 1):
-    raise PlanError(f"settings.refresh={s.refresh!r} must be an integer >= 1.")
-  if not (is_real(s.sample_fraction) and 0 < s.sample_fraction <= 1):
-    raise PlanError(f"settings.sample_fraction={s.sample_fraction!r} must "
-                    "be a number in (0, 1].")
-  if not (isinstance(s.sidco_stages, int) and 1 <= s.sidco_stages <= 8):
-    raise PlanError(f"settings.sidco_stages={s.sidco_stages!r} must be 1..8.")
-  if not (isinstance(s.zen_table, (int, float)) and s.zen_table >= 1):
-    raise PlanError(f"settings.zen_table={s.zen_table!r} must be >= 1.")
-  if not (isinstance(s.zen_union, (int, float)) and 0 < s.zen_union <= 1):
-    raise PlanError(f"settings.zen_union={s.zen_union!r} must be in (0, 1].")
-  if not (isinstance(s.spardl_teams, int) and s.spardl_teams >= 1):
-    raise PlanError(f"settings.spardl_teams={s.spardl_teams!r} must be an "
-                    "integer >= 1 (1: no teams).")
-  if not (isinstance(s.spardl_block, (int, float)) and s.spardl_block > 0):
-    raise PlanError(f"settings.spardl_block={s.spardl_block!r} must be > 0.")
-  if s.hier_inner not in ("allgather", "zen", "spardl"):
-    raise PlanError(f"settings.hier_inner={s.hier_inner!r}; use one of "
-                    "('allgather', 'zen', 'spardl').")
-  if s.full_wire not in FULL_WIRES:
-    raise PlanError(f"settings.full_wire={s.full_wire!r}; use one of "
-                    f"{', '.join(map(repr, FULL_WIRES))}.")
-  if s.sparse_wire not in SPARSE_WIRES:
-    raise PlanError(f"settings.sparse_wire={s.sparse_wire!r}; use one of "
-                    f"{', '.join(map(repr, SPARSE_WIRES))}.")
-  if not isinstance(s.packed_indices, bool):
-    raise PlanError(f"settings.packed_indices={s.packed_indices!r} must be "
-                    "True or False.")
-  if s.residual_dtype not in RESIDUAL_DTYPES:
-    raise PlanError(f"settings.residual_dtype={s.residual_dtype!r}; use one "
-                    f"of {RESIDUAL_DTYPES}.")
-  for leaf in plan.leaves:
-    where = f"leaf {leaf.path}"
-    if not (isinstance(leaf.shape, tuple) and
-            all(is_int(d) and d >= 0 for d in leaf.shape)):
-      raise PlanError(f"{where}: shape={leaf.shape!r} must be a list of "
-                      "integers >= 0.")
-    if not _is_dtype_name(leaf.dtype):
-      raise PlanError(f"{where}: dtype={leaf.dtype!r} is not a dtype name "
-                      "(e.g. 'float32').")
-    if leaf.mode not in MODES:
-      raise PlanError(f"{where}: mode={leaf.mode!r}; use one of {MODES}.")
-    if leaf.size == 0:
-      raise PlanError(f"{where}: has zero elements; remove it from the "
-                      "parameters or give it a non-empty shape.")
-    if leaf.size > MAX_LEAF_SIZE:
-      raise PlanError(f"{where}: {leaf.size} elements exceed int32 indices; "
-                      "split the parameter.")
-    _check_density(where, leaf.density)
-    if leaf.mode == "sparse":
-      if not _is_float(leaf.dtype):
-        raise PlanError(f"{where}: dtype {leaf.dtype} cannot be sparse; "
-                        "make it dense.")
-      if leaf.estimator not in ESTIMATORS:
-        raise PlanError(f"{where}: estimator={leaf.estimator!r}; use one of "
-                        f"{ESTIMATORS}.")
-      if not (isinstance(leaf.capacity, int) and
-              1 <= leaf.capacity <= leaf.size):
-        raise PlanError(f"{where}: capacity={leaf.capacity!r} must be an "
-                        f"integer in [1, {leaf.size}]; raise density or "
-                        "headroom.")
-  seen = []
-  for i, b in enumerate(plan.buckets):
-    where = f"bucket {i}"
-    if not b.leaves:
-      raise PlanError(f"{where}: has no leaves.")
-    if b.collective not in COLLECTIVES:
-      raise PlanError(f"{where}: collective={b.collective!r}; use one of "
-                      f"{COLLECTIVES}.")
-    if b.sparsify not in SPARSIFY:
-      raise PlanError(f"{where}: sparsify={b.sparsify!r}; use one of "
-                      f"{SPARSIFY}.")
-    if any(not isinstance(j, int) or not 0 <= j < len(plan.leaves)
-           for j in b.leaves):
-      raise PlanError(f"{where}: leaf ids {list(b.leaves)} out of range "
-                      f"[0, {len(plan.leaves)}).")
-    modes = {plan.leaves[j].mode for j in b.leaves}
-    if len(modes) != 1:
-      raise PlanError(f"{where}: mixes sparse and dense leaves; a bucket "
-                      "holds one mode.")
-    mode = modes.pop()
-    want = SPARSE_COLLECTIVES if mode == "sparse" else ("psum",)
-    if b.collective not in want:
-      raise PlanError(f"{where}: {mode} leaves need collective "
-                      f"{' or '.join(map(repr, want))}, not {b.collective!r}.")
-    if b.sparsify == "behind" and mode == "sparse":
-      size = sum(plan.leaves[j].size for j in b.leaves)
-      if size > MAX_LEAF_SIZE:
-        raise PlanError(f"{where}: fused size {size} exceeds int32 indices.")
-      _check_density(where, b.density)
-      if b.estimator not in ESTIMATORS:
-        raise PlanError(f"{where}: estimator={b.estimator!r}; use one of "
-                        f"{ESTIMATORS}.")
-      if not (isinstance(b.capacity, int) and 1 <= b.capacity <= size):
-        raise PlanError(f"{where}: capacity={b.capacity!r} must be in "
-                        f"[1, {size}].")
-    seen.extend(b.leaves)
-  if not is_leaf_order(seen, len(plan.leaves)):
-    raise PlanError("every leaf must be in exactly one bucket; got leaf ids "
-                    f"{sorted(seen)} for {len(plan.leaves)} leaves.")
 
 
 def _is_float(dtype: str) -> bool:

@@ -101,6 +101,21 @@ def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
   return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
 
+def _require_trainable(plan, where: str) -> None:
+  """A ``Plan`` whose every leaf is floating point: a recipe updates every
+  leaf, and an integer leaf's gradient (``float0``) supports no arithmetic."""
+  plan_lib.require_plan(plan, where)
+  ints = [f"{l.path} ({l.dtype})" for l in plan.leaves
+          if not _compat.is_float_dtype(l.dtype)]
+  if ints:
+    raise plan_lib.PlanError(
+        f"{where}: leaves {ints[:5]} are not floating point and cannot be "
+        "trained. Plan and differentiate the floating-point parameters "
+        "only (keep integer state in a tree of its own), or chain "
+        "jaxfuse.sparse_sync, which passes their float0 gradients "
+        "through, with transforms that handle them.")
+
+
 def _tail(learning_rate, weight_decay, mask):
   return optax.chain(optax.add_decayed_weights(weight_decay, mask),
                      optax.scale_by_learning_rate(learning_rate))
@@ -125,7 +140,7 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   velocity instead of about 1/ρ, and its release stays a stable step at a
   rate tuned for dense (docs/convergence.md, "SGD with momentum").
   """
-  plan_lib.require_plan(plan, "sgd")
+  _require_trainable(plan, "sgd")
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
@@ -145,7 +160,7 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                 clip_norm: float | None = None, axis_name: str = "data"
                 ) -> optax.GradientTransformationExtraArgs:
   """AdamW preconditioned on each worker, error feedback on the update."""
-  plan_lib.require_plan(plan, "local_adamw")
+  _require_trainable(plan, "local_adamw")
   return optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
@@ -159,7 +174,7 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                clip_norm: float | None = None, axis_name: str = "data"
                ) -> optax.GradientTransformationExtraArgs:
   """The baseline: sparse-sync the gradient, then AdamW (clip after sync)."""
-  plan_lib.require_plan(plan, "sync_adamw")
+  _require_trainable(plan, "sync_adamw")
   _check_clip(clip_norm)
   return optax.chain(
       transform.sparse_sync(plan, axis_name),
@@ -197,7 +212,7 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   waits for another's gradients); the dense phase records the bucket norms
   that the first sparse step's shares start from.
   """
-  plan_lib.require_plan(plan, "onebit_adamw")
+  _require_trainable(plan, "onebit_adamw")
   _check_betas(b1=b1, b2=b2)
   _check_clip(clip_norm)
   sched = schedule_lib.compile_plan(plan)
@@ -337,7 +352,7 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
          clip_norm: float | None = None, axis_name: str = "data"
          ) -> optax.GradientTransformationExtraArgs:
   """DeMo: the decaying local momentum is the error-feedback buffer."""
-  plan_lib.require_plan(plan, "demo")
+  _require_trainable(plan, "demo")
   return optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, residual_decay=momentum),
@@ -350,7 +365,7 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 
 def _check_betas(**betas):
   for name, value in betas.items():
-    if not (isinstance(value, (int, float)) and 0 <= value < 1):
+    if not (plan_lib.is_real(value) and 0 <= value < 1):
       raise transform.SyncError(f"{name}={value!r} must be in [0, 1).")
 
 

@@ -203,7 +203,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
 
 
 def _check_unit_interval(name, x, closed_low=False, closed_high=False):
-  ok = isinstance(x, (int, float)) and not isinstance(x, bool) and (
+  ok = plan_lib.is_real(x) and (
       (0 <= x if closed_low else 0 < x) and (x <= 1 if closed_high else x < 1))
   if not ok:
     interval = (("[" if closed_low else "(") + "0, 1" +

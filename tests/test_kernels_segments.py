@@ -16,7 +16,6 @@ from hypothesis import settings
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 import numpy as np
 import pytest
 

@@ -65,10 +65,51 @@ def test_numpy_scalars_are_numbers_and_save_as_json(tmp_path):
   assert jaxfuse.with_density(made, np.float64(0.5)).leaves[1].density == 0.5
 
 
+def test_numpy_scalars_elsewhere_are_their_values(plan):
+  """Numbers a user computes with numpy (np.int64 step counts, np.float32
+  betas) mean what their Python values mean, wherever a number goes."""
+  got = jaxfuse.density_warmup(plan, dense_steps=np.int64(10),
+                               steps=np.int32(5),
+                               densities=[np.float32(0.25)],
+                               num_workers=np.int64(2))
+  want = jaxfuse.density_warmup(plan, dense_steps=10, steps=5,
+                                densities=[0.25], num_workers=2)
+  assert [(p.start, p.stop, p.plan) for p in got] == [
+      (p.start, p.stop, p.plan) for p in want]
+  assert all(type(p.start) is int for p in got)   # pylint: disable=unidiomatic-typecheck
+  assert (jaxfuse.xla_flags(np.float64(1.5), gpus_per_node=np.int64(4)) ==
+          jaxfuse.xla_flags(1.5, gpus_per_node=4))
+  with pytest.raises(ValueError, match="network_gbytes_s=inf must be"):
+    jaxfuse.xla_flags(float("inf"))
+  jaxfuse.send_early(lambda x: x, window=np.int64(2))
+  jaxfuse.onebit_adamw(plan, 1e-3, b1=np.float32(0.9), clip_norm=np.float64(1))
+  jaxfuse.sparse_sync(plan, momentum=np.float32(0.9))
+  # a hand-made plan whose capacity and bucket ids are numpy integers
+  leaf = dataclasses.replace(plan.leaves[0],
+                             capacity=np.int64(plan.leaves[0].capacity))
+  bucket = dataclasses.replace(plan.buckets[0], leaves=tuple(
+      np.int32(i) for i in plan.buckets[0].leaves))
+  made = dataclasses.replace(plan, leaves=(leaf,) + plan.leaves[1:],
+                             buckets=(bucket,) + plan.buckets[1:])
+  assert jaxfuse.Plan.from_json(made.to_json()) == plan
+
+
 def test_complex_leaves_are_refused_not_left_unaveraged():
   with pytest.raises(jaxfuse.PlanError, match=r"leaf \['c'\]: complex64 "
                      "parameters are not supported"):
     jaxfuse.plan(dict(PARAMS, c=jnp.ones(8, jnp.complex64)))
+
+
+@pytest.mark.parametrize("recipe", sorted(jaxfuse.recipes.RECIPES))
+def test_a_recipe_refuses_integer_leaves_it_cannot_train(recipe):
+  """An integer leaf's gradient is float0, which no recipe's arithmetic
+  takes: refused when the optimizer is made, naming the leaf, not a
+  float0 TypeError from inside the traced step."""
+  made = jaxfuse.plan(dict(PARAMS, n=jnp.arange(3)), density=0.05)
+  with pytest.raises(jaxfuse.PlanError, match=(
+      rf"^{recipe}: leaves \[\"\['n'\] \(int32\)\"\] are not floating point")):
+    jaxfuse.recipes.RECIPES[recipe](made, 1e-3)
+  jaxfuse.recipes.RECIPES[recipe](jaxfuse.plan(PARAMS, density=0.05), 1e-3)
 
 
 def test_a_failing_loss_names_example_args():

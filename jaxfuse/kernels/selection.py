@@ -66,7 +66,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxfuse import _compat
-from jaxfuse.kernels import reference
 from jaxfuse.kernels.compare import comparison_threshold
 
 plgpu = _compat.pallas_triton()  # None: this JAX has no Triton backend
