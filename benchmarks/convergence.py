@@ -33,7 +33,10 @@ each ran fastest with; runs before 2026-11-30 gave 3 to both),
 ``+bf16wire`` the dense warm-up on a
 bfloat16 wire (``train_lm --dense-wire bfloat16``), ``+bf16sparse`` the
 sparse values on one (``--sparse-wire bfloat16``); ``onebit_adamw`` always gets a dense warm-up
-of ``--dense-fraction`` of the steps. Wall time: each run's measured step
+of ``--dense-fraction`` of the steps. Every run states its plan and warm-up
+to ``train_lm`` (the ``aligned`` plan, the dense warm-up on the gradient's
+wire, DGC's ramp for ``+warm``) rather than take the example's defaults,
+which are the README recipe's; ``--extra`` overrides them. Wall time: each run's measured step
 times, compilation and evaluation excluded (each phase's first step counts
 as that phase's median step); time to dense's quality: the wall time at the
 first evaluation whose validation loss is at or below dense's final one.
@@ -115,6 +118,9 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
       raise SystemExit(f"recipe {recipe!r}: suffixes are +warm, +flushN, "
                        "+zen, +spardl, +delay, +predict, +early, +net, "
                        "+bf16wire, +bf16sparse")
+  if "bf16wire" not in parts:
+    cmd += ["--dense-wire", "gradient"]
+  cmd += ["--strategy", "aligned", "--warmup-densities", "dgc"]
   cmd += ["--warmup-steps", str(warm), "--dense-warmup",
           str(max(1, int(args.dense_fraction * args.steps))
               if name == "onebit_adamw" else 0)]

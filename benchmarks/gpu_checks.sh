@@ -85,7 +85,8 @@ PY
   bf16)
     steps="${2:-300}"
     common=(--steps "$steps" --optimizer onebit_adamw --dense-warmup $((steps / 6))
-            --warmup-steps 0 --eval-batches 8 --log-every 50)
+            --warmup-steps 0 --strategy aligned --dense-wire gradient
+            --eval-batches 8 --log-every 50)
     for run in "f32 --grad-dtype float32" "bf16 --grad-dtype bfloat16" \
                "bf16_res16 --grad-dtype bfloat16 --residual-dtype gradient" \
                "dense_f32 --sync dense --grad-dtype float32" \

@@ -7,9 +7,11 @@ the same order; only the gradient synchronization differs:
 
   dense    jax.lax.pmean of the gradients, then AdamW (or SGD, --optimizer sgd)
   jaxfuse  the --optimizer recipe around jaxfuse.sparse_sync(plan), plan =
-           --strategy; default jaxfuse.onebit_adamw at density 0.05, dense
-           for the first 25 % of the steps, then DGC's density ramp
-           (docs/convergence.md)
+           --strategy; by default the README recipe: jaxfuse.onebit_adamw
+           at density 0.05 on a `size` 64 MiB plan, dense (on a bfloat16
+           wire) for the first 10 % of the steps, then 5 % at density
+           6.25 % (docs/convergence.md); on GPUs over a slow network add
+           --send-early --network-gbytes-s 1.5
   behind   as jaxfuse, with jaxfuse.plan(strategy="behind")
 
 On a CPU-only machine it runs on 8 simulated devices (--cpu-devices); on
@@ -92,7 +94,9 @@ from lm_model import make_loss
 from lm_model import PRESETS
 from lm_model import sample_starts
 from lm_model import windows
+from train_lm_args import ONEBIT_WARMUP_DENSITIES
 from train_lm_args import SEND_EARLY_WINDOW
+from train_lm_args import SIZE_BUCKET_BYTES
 from train_lm_args import parse_args
 from train_lm_args import parse_xla_options
 from train_lm_args import trace_dir
@@ -146,6 +150,8 @@ def plan_options(args) -> dict:
       num_buckets=args.num_buckets, costs=args.costs)
   if args.bucket_bytes:
     options["bucket_bytes"] = args.bucket_bytes
+  elif options["strategy"] == "size":
+    options["bucket_bytes"] = SIZE_BUCKET_BYTES
   return options
 
 
@@ -252,6 +258,17 @@ def make_eval_step(loss_fn, mesh):
                                out_specs=P()))
 
 
+def resolve_warmup_steps(args, steps: int) -> None:
+  """``--dense-warmup`` and ``--warmup-steps`` left out: the README
+  recipe's for onebit_adamw (10 % of the steps dense, then 5 % at each
+  warm-up density), none for the other optimizers."""
+  onebit = args.optimizer == "onebit_adamw"
+  if args.dense_warmup is None:
+    args.dense_warmup = max(1, steps // 10) if onebit else 0
+  if args.warmup_steps is None:
+    args.warmup_steps = steps // 20 if onebit else 0
+
+
 class SyncSetup(NamedTuple):
   """How the gradients are synchronized: the plan (None: dense ``pmean``),
   its phases, and the optimizer state and its partition specs."""
@@ -279,6 +296,13 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
         sparse_wire=args.sparse_wire or plan.settings.sparse_wire,
         packed_indices=args.packed_indices or plan.settings.packed_indices))
   say(plan.summary())
+  if args.warmup_densities == "dgc" or (args.warmup_densities is None and
+                                        args.optimizer != "onebit_adamw"):
+    args.warmup_densities = None   # density_warmup's default: DGC's ramp
+  elif args.warmup_densities is None:
+    args.warmup_densities = [d for d in ONEBIT_WARMUP_DENSITIES
+                             if d > jaxfuse.phases.final_density(plan)
+                             and args.warmup_steps]
   phases = jaxfuse.density_warmup(
       plan, steps=args.warmup_steps, densities=args.warmup_densities,
       dense_steps=args.dense_warmup, dense_wire=args.dense_wire,
@@ -310,8 +334,7 @@ def main(argv=None) -> dict:
   k = mesh.devices.size
   steps = args.steps or preset["steps"]
   onebit = args.optimizer == "onebit_adamw"
-  if args.dense_warmup is None:   # 1-bit Adam's dense stage: 25 % of steps
-    args.dense_warmup = max(1, steps // 4) if onebit else 0
+  resolve_warmup_steps(args, steps)
   if onebit and args.sync != "dense" and args.dense_warmup < 20:
     say(f"warning: a dense warm-up of {args.dense_warmup} step(s). "
         "onebit_adamw freezes Adam's second moment v after it, and a "
@@ -319,8 +342,6 @@ def main(argv=None) -> dict:
         "v = 0 and later steps by m / eps; the loss can blow up. The README "
         "recipe warms up 10 % of the steps, 1-bit Adam 15-25 % "
         "(--dense-warmup, --steps).")
-  if args.warmup_steps is None:   # then DGC's ramp, 5 % of steps a density
-    args.warmup_steps = steps // 20 if onebit else 0
   batch_size = (args.batch_size or preset.get("batch")
                 or preset["batch_per_device"] * k)
   if batch_size % k:

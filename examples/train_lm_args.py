@@ -23,6 +23,9 @@ SEND_EARLY_WINDOW = inspect.signature(
     jaxfuse.send_early).parameters["window"].default
 # jaxfuse.plan's slots per sparse leaf over ⌈ρ·n⌉, read where it is defined.
 PLAN_HEADROOM = inspect.signature(jaxfuse.plan).parameters["headroom"].default
+# The README recipe's defaults where they are not jaxfuse's own.
+ONEBIT_WARMUP_DENSITIES = (0.0625,)   # those above the plan's density
+SIZE_BUCKET_BYTES = 64 * 2**20        # --strategy size
 
 
 def parse_xla_options(items) -> dict:
@@ -55,6 +58,9 @@ def parse_xla_options(items) -> dict:
 
 
 def _densities(text):
+  """"0.25,0.0625" -> [0.25, 0.0625]; "dgc" -> "dgc" (DGC's ramp)."""
+  if text.strip().lower() == "dgc":
+    return "dgc"
   try:
     return [float(x) for x in text.split(",") if x.strip()]
   except ValueError:
@@ -124,18 +130,21 @@ def parse_args(argv):
   p.add_argument("--momentum", type=float,
                  help="momentum of sgd (default 0.9) and demo (0.999)")
   p.add_argument("--warmup-steps", type=_counts,
-                 help="steps at each warm-up density (DGC's ramp 25%%, "
-                 "6.25%%, 1.56%%, 0.4%% above --density); default 5%% of "
-                 "the steps for onebit_adamw, else 0; or one count per "
-                 "--warmup-densities entry, e.g. 50,50,150. A density whose "
-                 "all-gather moves at least the dense step's bytes on this "
-                 "mesh runs dense (on --dense-wire) instead")
+                 help="steps at each warm-up density (--warmup-densities); "
+                 "default 5%% of the steps for onebit_adamw, else 0; or one "
+                 "count per --warmup-densities entry, e.g. 50,50,150. A "
+                 "density whose all-gather moves at least the dense step's "
+                 "bytes on this mesh runs dense (on --dense-wire) instead")
   p.add_argument("--warmup-densities", type=_densities,
-                 help="comma-separated warm-up densities instead of DGC's")
-  p.add_argument("--dense-wire", default="gradient",
+                 help="comma-separated warm-up densities, or dgc for DGC's "
+                 "ramp (25%%, 6.25%%, 1.56%%, 0.4%%); default 0.0625 for "
+                 "onebit_adamw (the README recipe), else dgc; only those "
+                 "above the plan's density")
+  p.add_argument("--dense-wire", default="bfloat16",
                  choices=["gradient", "bfloat16"],
-                 help="the dense warm-up's wire dtype: bfloat16 halves its "
-                 "bytes, each worker's rounding kept in its residual")
+                 help="the dense warm-up's wire dtype: bfloat16 (default) "
+                 "halves its bytes, each worker's rounding kept in its "
+                 "residual; gradient: the gradient's own dtype")
   add_wire_args(p, sparse_wire_default=None)
   p.add_argument("--dense-settle", type=float,
                  help="end onebit_adamw's dense warm-up early, once its "
@@ -147,7 +156,7 @@ def parse_args(argv):
                  help="steps between --dense-settle's checks")
   p.add_argument("--dense-warmup", type=int,
                  help="dense steps first (onebit_adamw needs them; default "
-                 "25%% of the steps for it, else 0)")
+                 "10%% of the steps for it, else 0)")
   p.add_argument("--delay", action="store_true",
                  help="apply the recipe to the previous step's gradients "
                  "(jaxfuse.delayed): its communication can then overlap the "
@@ -177,12 +186,12 @@ def parse_args(argv):
                  "one dense all-reduce pays every residual back)")
   p.add_argument("--eval-every", type=int, default=0,
                  help="validation loss every N steps too (0: at the end)")
-  p.add_argument("--strategy", default="aligned",
+  p.add_argument("--strategy", default="size",
                  choices=[s for s in (jaxfuse.STRATEGIES +
                                       jaxfuse.COST_STRATEGIES)
                           if s != "behind"],
-                 help="plan strategy for --sync jaxfuse (the cost-model ones "
-                 "need --costs)")
+                 help="plan strategy for --sync jaxfuse (default size, the "
+                 "README recipe's; the cost-model ones need --costs)")
   p.add_argument("--costs", help="costs JSON from `jaxfuse profile`")
   p.add_argument("--collective", default="allgather",
                  choices=["allgather", "zen", "spardl"],
@@ -192,7 +201,9 @@ def parse_args(argv):
   p.add_argument("--num-buckets", type=int, default=4,
                  help="buckets for --strategy aligned/safusion")
   p.add_argument("--bucket-bytes", type=int,
-                 help="dense bytes per bucket for --strategy size")
+                 help="dense bytes per bucket for --strategy size (default "
+                 f"{SIZE_BUCKET_BYTES // 2**20} MiB) and behind (default "
+                 "jaxfuse.plan's)")
   p.add_argument("--plan", help="a plan JSON (`jaxfuse plan`) to use instead "
                  "of making one; implies --sync jaxfuse")
   p.add_argument("--estimator", default="dgc", choices=jaxfuse.plans.ESTIMATORS)
@@ -293,7 +304,7 @@ def parse_args(argv):
               "not know where the dense phase ended; give a fixed "
               "--dense-warmup instead")
   if isinstance(args.warmup_steps, list) and (
-      args.warmup_densities is None or
+      not isinstance(args.warmup_densities, list) or
       len(args.warmup_densities) != len(args.warmup_steps)):
     p.error(f"--warmup-steps {','.join(map(str, args.warmup_steps))}: one "
             "count per --warmup-densities entry; give as many densities")

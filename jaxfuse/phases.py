@@ -181,9 +181,7 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
     if not plan_lib.is_int(value) or value < 0:
       raise plan_lib.PlanError(f"density_warmup: {name}={value!r} must be an "
                                "integer >= 0.")
-  final = max([l.density for l in plan.leaves if l.mode == "sparse"] +
-              [b.density for b in plan.buckets if b.sparsify == "behind"
-               and b.collective != "psum"] or [1.0])
+  final = final_density(plan)
   if densities is None:
     densities = [d for d in DGC_RAMP if d > final] if steps else []
   densities = list(densities)
@@ -218,6 +216,14 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
   phases.append(Phase(start, None, plan))
   check_phases(phases)
   return tuple(phases)
+
+
+def final_density(plan: plan_lib.Plan) -> float:
+  """The plan's largest sparse density (1.0 for an all-dense plan): a
+  warm-up density must lie above it."""
+  return max([l.density for l in plan.leaves if l.mode == "sparse"] +
+             [b.density for b in plan.buckets if b.sparsify == "behind"
+              and b.collective != "psum"] or [1.0])
 
 
 def phase_index(phases: Sequence[Phase], step: int) -> int:

@@ -6,6 +6,8 @@ plan's options (``--headroom`` reaching the plan's slot counts) and
 log's bytes line (what a worker sends against a dense all-reduce)."""
 
 import math
+import pathlib
+import re
 
 import jax
 import numpy as np
@@ -146,3 +148,72 @@ def test_the_log_names_what_a_worker_sends_against_a_dense_all_reduce(
   assert train_lm.sent_line(None, 4, 52_000).endswith(
       "78,000 B = 1.0000 x a dense all-reduce's (78,000 B)")
   assert train_lm.sent_line(plan, 1, 52_000) == ""   # one worker sends none
+
+
+@pytest.mark.parametrize("density", [0.05, 0.1])
+def test_the_defaults_are_the_readme_recipe(example, density):
+  """examples/train_lm.py with no plan or warm-up flags trains the README
+  recipe: onebit_adamw on a `size` 64 MiB plan; 10 % of the steps dense
+  on a bfloat16 wire, then 5 % at density 6.25 % (left out when the plan
+  is as dense), then the plan. DGC's ramp is one flag away."""
+  train_lm, args_lib = example
+  jaxfuse = train_lm.jaxfuse
+  k = min(2, jax.device_count())   # one GPU: one worker
+  params = {"w": np.zeros((64, 64), np.float32),
+            "b": np.zeros((64,), np.float32)}
+  loss_fn = lambda p, x: ((x @ p["w"] + p["b"]) ** 2).mean()
+  batch = np.ones((4, 64), np.float32)
+  mesh = jaxfuse.make_mesh(k, train_lm.AXIS)
+
+  def phases_of(argv):
+    args = args_lib.parse_args(["--density", str(density)] + argv)
+    train_lm.resolve_warmup_steps(args, 1000)
+    make_opt = lambda plan: train_lm.make_optimizer(
+        args, 1e-3, jax.tree.map(lambda x: x.ndim >= 2, params), plan)
+    return train_lm.setup_sync(args, 1000, params, loss_fn, batch, mesh,
+                               make_opt, np.float32, lambda *a: None).phases
+
+  plan = jaxfuse.plan(params, density=density, strategy="size",
+                      bucket_bytes=64 * 2**20, loss_fn=loss_fn,
+                      example_args=(batch,))
+  assert plan.provenance["parameters"]["bucket_bytes"] == 64 * 2**20
+  ramp = (0.0625,) if density < 0.0625 else ()
+  want = jaxfuse.density_warmup(plan, dense_steps=100,
+                                steps=50 if ramp else 0, densities=ramp,
+                                dense_wire="bfloat16", num_workers=k)
+  got = phases_of([])
+  assert [(p.start, p.stop, p.plan) for p in got] == [
+      (p.start, p.stop, p.plan) for p in want]
+  assert got[0].plan.settings.full_wire == "bfloat16"
+  assert [p.stop for p in got] == ([100, 150, None] if ramp else [100, None])
+  dgc = jaxfuse.density_warmup(plan, dense_steps=100, steps=50,
+                               dense_wire="bfloat16", num_workers=k)
+  assert [(p.start, p.stop, p.plan) for p in phases_of(
+      ["--warmup-densities", "dgc"])] == [(p.start, p.stop, p.plan)
+                                          for p in dgc]
+  # on 2 workers DGC's 25 % runs dense (its all-gather would move more
+  # than the dense step); 6.25 % (when above ρ) stays sparse
+  want_stops = {2: [150, 200, None] if ramp else [150, None],
+                1: [100, 150, 200, None] if ramp else [100, 150, None]}[k]
+  assert [p.stop for p in dgc] == want_stops
+
+
+def test_the_readme_spells_out_the_defaults(example):
+  """The README's spelled-out recipe flags change nothing of the
+  defaults: the two cannot drift apart unnoticed."""
+  train_lm, args_lib = example
+  readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+  spelled = re.search(r"spelled out, the same run is `([^`]*)`", readme,
+                      re.S).group(1).split()
+  assert "--strategy" in spelled and "--dense-warmup" in spelled
+  base = ["--preset", "gpt2-small", "--steps", "1000"]
+  default, given = (args_lib.parse_args(base + extra)
+                    for extra in ([], spelled))
+  for args in (default, given):
+    train_lm.resolve_warmup_steps(args, 1000)
+  assert train_lm.plan_options(default) == train_lm.plan_options(given)
+  for field in ("optimizer", "density", "dense_warmup", "dense_wire",
+                "warmup_steps"):
+    assert getattr(default, field) == getattr(given, field), field
+  assert default.warmup_densities is None   # resolved against the plan
+  assert given.warmup_densities == list(args_lib.ONEBIT_WARMUP_DENSITIES)
