@@ -65,8 +65,8 @@ case "$1" in
     echo "suite rc=$?"; tail -n 30 "$out/suite.log" ;;
   resume)
     ck="$(mktemp -d)"
-    common=(--steps "${2:-100}" --optimizer local_adamw --eval-batches 2
-            --log-every 10 --checkpoint-dir "$ck")
+    common=(--steps "${2:-100}" --optimizer local_adamw --strategy aligned
+            --eval-batches 2 --log-every 10 --checkpoint-dir "$ck")
     lm "${common[@]}" --checkpoint-every $(( ${2:-100} / 2 )) \
       --json-out "$out/resume_straight.json" > "$out/resume_straight.log" 2>&1
     rm -rf "$ck/${2:-100}"

@@ -68,7 +68,7 @@ def main(argv=None) -> list[dict]:
   rows = [run_one(t, s, args, extra) for t in args.transports
           for s in args.syncs]
   # Throughput is the last phase's (the recipe's steady state: onebit_adamw
-  # trains its first quarter dense), the median of its steps.
+  # trains its first steps dense), the median of its steps.
   print(f"\n{'transport':10} {'sync':8} {'step ms':>9} {'tokens/s':>11} "
         f"{'vs dense':>9} {'final loss':>10}")
   for r in rows:

@@ -364,8 +364,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--density", type=float, default=0.05)
   p.add_argument("--strategy", default="size",
                  choices=("size", "single", "aligned"),
-                 help="the plan's strategy (aligned: 4 buckets, what "
-                 "examples/train_lm.py uses by default)")
+                 help="the plan's strategy (size: the README recipe's and "
+                 "examples/train_lm.py's default; aligned: 4 buckets)")
   p.add_argument("--plan", help="a saved plan (plan.save) to run instead "
                  "of --strategy (its density is the plan's; give the same "
                  "--density for the file names)")

@@ -136,10 +136,11 @@ def parse_args(argv):
                  "density whose all-gather moves at least the dense step's "
                  "bytes on this mesh runs dense (on --dense-wire) instead")
   p.add_argument("--warmup-densities", type=_densities,
-                 help="comma-separated warm-up densities, or dgc for DGC's "
-                 "ramp (25%%, 6.25%%, 1.56%%, 0.4%%); default 0.0625 for "
-                 "onebit_adamw (the README recipe), else dgc; only those "
-                 "above the plan's density")
+                 help="comma-separated warm-up densities, each above the "
+                 "plan's, or dgc for DGC's ramp (25%%, 6.25%%, 1.56%%, "
+                 "0.4%%: those above the plan's density); default 0.0625 "
+                 "for onebit_adamw (the README recipe; none when the plan "
+                 "is as dense), else dgc")
   p.add_argument("--dense-wire", default="bfloat16",
                  choices=["gradient", "bfloat16"],
                  help="the dense warm-up's wire dtype: bfloat16 (default) "
@@ -307,7 +308,9 @@ def parse_args(argv):
       not isinstance(args.warmup_densities, list) or
       len(args.warmup_densities) != len(args.warmup_steps)):
     p.error(f"--warmup-steps {','.join(map(str, args.warmup_steps))}: one "
-            "count per --warmup-densities entry; give as many densities")
+            "count per --warmup-densities entry; give as many densities as "
+            "a list (e.g. --warmup-densities 0.25,0.0625: the default and "
+            "dgc have as many as lie above the plan's density)")
   if not args.headroom >= 1:
     p.error(f"--headroom {args.headroom:g}: give a number >= 1 (slots per "
             f"sparse leaf over the ⌈ρ·n⌉ it selects; {PLAN_HEADROOM:g} by "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import numbers
 
 import jax
 from jax import lax
@@ -33,10 +34,13 @@ def make_mesh(num_devices: int | None = None, axis_name="data",
   """
   devices = list(jax.devices() if devices is None else devices)
   num_devices = len(devices) if num_devices is None else num_devices
-  if num_devices < 1 or num_devices > len(devices):
+  if not (isinstance(num_devices, numbers.Integral) and
+          not isinstance(num_devices, bool) and
+          1 <= num_devices <= len(devices)):
     raise ValueError(
-        f"num_devices={num_devices}: this process sees {len(devices)} devices; "
-        "pick a number between 1 and that.")
+        f"num_devices={num_devices!r}: this process sees {len(devices)} "
+        "devices; pick an integer between 1 and that.")
+  num_devices = int(num_devices)
   if local is None:
     return jax.make_mesh((num_devices,), (axis_name,),
                          axis_types=(jax.sharding.AxisType.Explicit,),
@@ -46,9 +50,11 @@ def make_mesh(num_devices: int | None = None, axis_name="data",
           all(isinstance(a, str) for a in names)):
     raise ValueError(f"axis_name={axis_name!r}: a 2-level mesh (local=...) "
                      "takes a pair of axis names, e.g. ('host', 'local').")
-  if not (isinstance(local, int) and 1 <= local and num_devices % local == 0):
+  if not (isinstance(local, numbers.Integral) and not isinstance(local, bool)
+          and 1 <= local and num_devices % local == 0):
     raise ValueError(f"local={local!r} must be a positive integer dividing "
                      f"num_devices={num_devices}.")
+  local = int(local)
   grid = np.array(devices[:num_devices], dtype=object).reshape(-1, local)
   if jax.process_count() > 1:
     devices = sorted(devices, key=lambda d: d.process_index)  # stable

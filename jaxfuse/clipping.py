@@ -100,6 +100,7 @@ def clip_by_bucket_norm(plan: plan_lib.Plan, max_norm: float,
   ``jaxfuse.per_worker`` (the recipes do) so ``init_state`` shards it."""
   check_max_norm(max_norm)
   plan_lib.require_plan(plan, "clip_by_bucket_norm")
+  max_norm = float(max_norm)
   num_buckets = len(plan.buckets)
   size_shares = jnp.asarray(_size_shares(plan))
 

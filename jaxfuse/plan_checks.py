@@ -48,6 +48,17 @@ def is_int(x) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def as_python(x):
+  """A numpy integer or real as the Python int or float of its value
+  (JAX takes numpy scalars as typed: ``bf16 * np.float32(0.9)`` is float32,
+  ``bf16 * 0.9`` bfloat16); anything else as it is."""
+  if is_int(x):
+    return int(x)
+  if is_real(x):
+    return float(x)
+  return x
+
+
 def is_dtype_name(name) -> bool:
   try:
     return isinstance(name, str) and bool(jax.numpy.dtype(name).name)

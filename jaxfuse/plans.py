@@ -28,7 +28,7 @@ from jaxfuse import _jsonfile
 from jaxfuse.plan_checks import (  # pylint: disable=unused-import
     COLLECTIVES, ESTIMATORS, FULL_WIRES, MAX_LEAF_SIZE, MODES,
     RESIDUAL_DTYPES, SPARSE_COLLECTIVES, SPARSE_WIRES, SPARSIFY, PlanError,
-    check_plan, is_int, is_leaf_order, is_real)
+    as_python, check_plan, is_int, is_leaf_order, is_real)
 
 FORMAT = "jaxfuse.plan"
 FORMAT_VERSION = 1

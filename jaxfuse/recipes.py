@@ -89,6 +89,7 @@ def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
   _check_clip(max_norm)
   if max_norm is None:
     return optax.identity()
+  max_norm = float(max_norm)
 
   def update_fn(updates, state, params=None):
     del params
@@ -141,6 +142,9 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   rate tuned for dense (docs/convergence.md, "SGD with momentum").
   """
   _require_trainable(plan, "sgd")
+  learning_rate, momentum, clip_norm, weight_decay, residual_decay = map(
+      plan_lib.as_python, (learning_rate, momentum, clip_norm, weight_decay,
+                           residual_decay))
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
@@ -161,6 +165,9 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                 ) -> optax.GradientTransformationExtraArgs:
   """AdamW preconditioned on each worker, error feedback on the update."""
   _require_trainable(plan, "local_adamw")
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = map(
+      plan_lib.as_python, (learning_rate, b1, b2, eps, weight_decay,
+                           clip_norm))
   return optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
@@ -175,6 +182,9 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                ) -> optax.GradientTransformationExtraArgs:
   """The baseline: sparse-sync the gradient, then AdamW (clip after sync)."""
   _require_trainable(plan, "sync_adamw")
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = map(
+      plan_lib.as_python, (learning_rate, b1, b2, eps, weight_decay,
+                           clip_norm))
   _check_clip(clip_norm)
   return optax.chain(
       transform.sparse_sync(plan, axis_name),
@@ -213,6 +223,9 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   that the first sparse step's shares start from.
   """
   _require_trainable(plan, "onebit_adamw")
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = map(
+      plan_lib.as_python, (learning_rate, b1, b2, eps, weight_decay,
+                           clip_norm))
   _check_betas(b1=b1, b2=b2)
   _check_clip(clip_norm)
   sched = schedule_lib.compile_plan(plan)
@@ -353,6 +366,8 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
          ) -> optax.GradientTransformationExtraArgs:
   """DeMo: the decaying local momentum is the error-feedback buffer."""
   _require_trainable(plan, "demo")
+  learning_rate, momentum, weight_decay, clip_norm = map(
+      plan_lib.as_python, (learning_rate, momentum, weight_decay, clip_norm))
   return optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, residual_decay=momentum),

@@ -118,6 +118,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
   plan_lib.require_plan(plan, "sparse_sync")
   _check_unit_interval("momentum", momentum, closed_low=True)
   _check_unit_interval("residual_decay", residual_decay, closed_high=True)
+  momentum, residual_decay = float(momentum), float(residual_decay)
   if not isinstance(nesterov, bool) or not isinstance(mask_momentum, bool):
     raise SyncError(f"sparse_sync: nesterov={nesterov!r} and mask_momentum="
                     f"{mask_momentum!r} must be True or False.")

@@ -17,6 +17,8 @@ import jaxfuse
 from jaxfuse.planning.costs import Costs, LinearCost
 
 from _harness import mesh_of
+from _harness import NUM_WORKERS
+from _harness import shard
 
 PARAMS = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}
 
@@ -92,6 +94,18 @@ def test_numpy_scalars_elsewhere_are_their_values(plan):
   made = dataclasses.replace(plan, leaves=(leaf,) + plan.leaves[1:],
                              buckets=(bucket,) + plan.buckets[1:])
   assert jaxfuse.Plan.from_json(made.to_json()) == plan
+  # jaxfuse.plan keeps plain numbers whatever it is given
+  kw = dict(density=0.05, num_buckets=2, min_sparse_size=64, refresh=2,
+            sample_fraction=0.5, spardl_teams=2, num_workers=4,
+            collective="spardl", costs=_costs())
+  numpy_kw = {k: np.int64(v) if isinstance(v, int) else
+              np.float64(v) if isinstance(v, float) else v
+              for k, v in kw.items()}
+  got = jaxfuse.plan(PARAMS, **numpy_kw)
+  assert got == jaxfuse.plan(PARAMS, **kw)
+  assert all(type(v) in (int, float, bool, str)  # pylint: disable=unidiomatic-typecheck
+             for v in dataclasses.asdict(got.settings).values())
+  assert jaxfuse.make_mesh(np.int64(2)).size == 2
 
 
 def test_complex_leaves_are_refused_not_left_unaveraged():
@@ -110,6 +124,50 @@ def test_a_recipe_refuses_integer_leaves_it_cannot_train(recipe):
       rf"^{recipe}: leaves \[\"\['n'\] \(int32\)\"\] are not floating point")):
     jaxfuse.recipes.RECIPES[recipe](made, 1e-3)
   jaxfuse.recipes.RECIPES[recipe](jaxfuse.plan(PARAMS, density=0.05), 1e-3)
+
+
+@pytest.mark.parametrize("make", [
+    lambda plan, n: jaxfuse.sparse_sync(plan, momentum=n(0.9),
+                                        residual_decay=n(0.8)),
+    lambda plan, n: jaxfuse.demo(plan, n(1e-2), momentum=n(0.9),
+                                 weight_decay=n(1e-4), clip_norm=n(1.0)),
+    lambda plan, n: jaxfuse.onebit_adamw(plan, n(1e-3), b1=n(0.9),
+                                         b2=n(0.99), eps=n(1e-8),
+                                         clip_norm=n(1.0)),
+], ids=["sparse_sync", "demo", "onebit_adamw"])
+def test_numpy_hyperparameters_step_as_python_floats(make):
+  """JAX takes numpy scalars as typed: bf16 · np.float32(0.9) is float32.
+  Given as numpy numbers, the hyperparameters must still keep a bfloat16
+  residual bfloat16 and give bitwise the steps Python floats give."""
+  mesh = mesh_of(NUM_WORKERS)
+  params = {"w": jnp.ones((64, 64), jnp.bfloat16),
+            "b": jnp.ones(64, jnp.bfloat16)}
+  made = jaxfuse.plan(params, density=0.05, min_sparse_size=64,
+                      residual_dtype="gradient")
+  rng = np.random.default_rng(0)
+  grads = [{k: jnp.asarray(rng.normal(size=(NUM_WORKERS,) + v.shape),
+                           jnp.bfloat16) for k, v in params.items()}
+           for _ in range(2)]
+  runs = []
+  for number in (float, np.float32):
+    tx = make(made, number)
+    state = jaxfuse.init_state(tx, params, mesh)
+    step = jax.jit(jax.shard_map(
+        lambda g, s, p: tx.update(jax.tree.map(lambda x: x[0], g), s, p),
+        mesh=mesh, in_specs=(P("data"), jaxfuse.state_specs(state), P()),
+        out_specs=(P(), jaxfuse.state_specs(state))))
+    out = []
+    for g in grads:
+      update, state = step(shard(mesh, g), state, params)
+      out.append(update)
+    runs.append((out, state))
+  (want, want_state), (got, got_state) = runs
+  assert (jax.tree.map(lambda x: x.dtype, got_state) ==
+          jax.tree.map(lambda x: x.dtype, want_state))
+  for a, b in zip(jax.tree.leaves((got, got_state)),
+                  jax.tree.leaves((want, want_state))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                  np.asarray(b, np.float32))
 
 
 def test_a_failing_loss_names_example_args():

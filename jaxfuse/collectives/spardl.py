@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse import _compat
+from jaxfuse import plan_checks
 from jaxfuse.collectives import base
 
 INDEX_BYTES = 4  # int32 indices
@@ -101,7 +102,7 @@ def check_teams(where: str, num_workers: int, teams: int) -> None:
   ok = [d for d in range(1, k + 1) if k % d == 0 and k // d >= 2]
   fix = (f"set spardl_teams to one of {ok} (a divisor of {k} leaving teams "
          "of at least 2 workers; 1: no teams).")
-  if not isinstance(t, int) or t < 1:
+  if not plan_checks.is_int(t) or t < 1:
     raise base.SchemeError(f"{where}: spardl_teams={t!r}; {fix}")
   if k % t:
     raise base.SchemeError(f"{where}: spardl_teams={t} does not divide the "

@@ -56,6 +56,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from jaxfuse import _jsonfile
+from jaxfuse import plan_checks
 
 FORMAT = "jaxfuse.costs"
 FORMAT_VERSION = 2   # 2 added ``bucket`` and ``schemes`` (a version-1
@@ -203,7 +204,7 @@ class Costs:
       raise CostsError(f"collectives has {sorted(names)}; it needs "
                        f"{list(COLLECTIVES)} and may have "
                        f"{list(OPTIONAL_COLLECTIVES)}.")
-    if not (isinstance(self.workers, int) and self.workers >= 2):
+    if not (plan_checks.is_int(self.workers) and self.workers >= 2):
       raise CostsError(f"workers={self.workers!r} must be an integer >= 2 "
                        "(the devices the collectives were measured on).")
     for name in names:
@@ -252,8 +253,9 @@ class Costs:
     """One wire primitive of x = ``nbytes`` per worker on K workers (module
     docstring: the ring algorithm of the line measured on K₀)."""
     k0, k = self.workers, self.workers if num_workers is None else num_workers
-    if not (isinstance(k, int) and k >= 1):
+    if not (plan_checks.is_int(k) and k >= 1):
       raise CostsError(f"num_workers={num_workers!r} must be an int >= 1.")
+    k = int(k)
     if primitive not in PRIMITIVE_LINE:
       raise CostsError(f"primitive {primitive!r}; use one of "
                        f"{tuple(PRIMITIVE_LINE)}.")

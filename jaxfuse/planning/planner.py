@@ -160,7 +160,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     raise plan_lib.PlanError(f"density={density!r} must be a number in "
                              "(0, 1].")
   density = float(density)   # numpy scalars too
-  if not (isinstance(num_buckets, int) and num_buckets >= 1):
+  if not (plan_lib.is_int(num_buckets) and num_buckets >= 1):
     raise plan_lib.PlanError(
         f"num_buckets={num_buckets!r} must be an int >= 1.")
   if not (plan_lib.is_int(bucket_bytes) and bucket_bytes > 0):
@@ -191,9 +191,16 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   if collective not in plan_lib.SPARSE_COLLECTIVES:
     raise plan_lib.PlanError(f"collective={collective!r}; use one of "
                              f"{plan_lib.SPARSE_COLLECTIVES}.")
-  if not (isinstance(min_sparse_size, int) and min_sparse_size >= 1):
+  if not (plan_lib.is_int(min_sparse_size) and min_sparse_size >= 1):
     raise plan_lib.PlanError(
         f"min_sparse_size={min_sparse_size!r} must be an int >= 1.")
+  # numpy numbers as Python's: a plan holds plain values
+  (num_buckets, min_sparse_size, num_workers, headroom, refresh,
+   sample_fraction, sidco_stages, seed, zen_table, zen_union, spardl_teams,
+   spardl_block) = map(plan_lib.as_python, (
+       num_buckets, min_sparse_size, num_workers, headroom, refresh,
+       sample_fraction, sidco_stages, seed, zen_table, zen_union,
+       spardl_teams, spardl_block))
   settings = plan_lib.Settings(headroom=headroom,
                                min_sparse_size=min_sparse_size,
                                refresh=refresh, feedback=feedback,

@@ -254,7 +254,7 @@ def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
   if estimator not in plan_lib.ESTIMATORS:
     raise ProfileError(f"estimator={estimator!r}; use one of "
                        f"{plan_lib.ESTIMATORS}.")
-  if not (isinstance(chain, int) and chain >= 1):
+  if not (plan_lib.is_int(chain) and chain >= 1):
     raise ProfileError(f"chain={chain!r} must be an int >= 1.")
   device = device or jax.local_devices()[0]
   mesh = jax.sharding.Mesh(np.array([device]), ("data",))
