@@ -66,6 +66,13 @@ def is_dtype_name(name) -> bool:
     return False
 
 
+def one_of(field: str, value, choices) -> None:
+  """PlanError naming ``field`` unless ``value`` is one of ``choices``."""
+  if value not in choices:
+    raise PlanError(f"{field}={value!r}; use one of "
+                    f"{', '.join(map(repr, choices))}.")
+
+
 def check_plan(plan) -> None:
   """Internal consistency: every field known, every leaf in exactly one
   bucket."""
@@ -98,21 +105,13 @@ def check_plan(plan) -> None:
                     "integer >= 1 (1: no teams).")
   if not (is_real(s.spardl_block) and s.spardl_block > 0):
     raise PlanError(f"settings.spardl_block={s.spardl_block!r} must be > 0.")
-  if s.hier_inner not in ("allgather", "zen", "spardl"):
-    raise PlanError(f"settings.hier_inner={s.hier_inner!r}; use one of "
-                    "('allgather', 'zen', 'spardl').")
-  if s.full_wire not in FULL_WIRES:
-    raise PlanError(f"settings.full_wire={s.full_wire!r}; use one of "
-                    f"{', '.join(map(repr, FULL_WIRES))}.")
-  if s.sparse_wire not in SPARSE_WIRES:
-    raise PlanError(f"settings.sparse_wire={s.sparse_wire!r}; use one of "
-                    f"{', '.join(map(repr, SPARSE_WIRES))}.")
+  one_of("settings.hier_inner", s.hier_inner, ("allgather", "zen", "spardl"))
+  one_of("settings.full_wire", s.full_wire, FULL_WIRES)
+  one_of("settings.sparse_wire", s.sparse_wire, SPARSE_WIRES)
   if not isinstance(s.packed_indices, bool):
     raise PlanError(f"settings.packed_indices={s.packed_indices!r} must be "
                     "True or False.")
-  if s.residual_dtype not in RESIDUAL_DTYPES:
-    raise PlanError(f"settings.residual_dtype={s.residual_dtype!r}; use one "
-                    f"of {RESIDUAL_DTYPES}.")
+  one_of("settings.residual_dtype", s.residual_dtype, RESIDUAL_DTYPES)
   for leaf in plan.leaves:
     where = f"leaf {leaf.path}"
     if not (isinstance(leaf.shape, tuple) and
@@ -122,8 +121,7 @@ def check_plan(plan) -> None:
     if not is_dtype_name(leaf.dtype):
       raise PlanError(f"{where}: dtype={leaf.dtype!r} is not a dtype name "
                       "(e.g. 'float32').")
-    if leaf.mode not in MODES:
-      raise PlanError(f"{where}: mode={leaf.mode!r}; use one of {MODES}.")
+    one_of(f"{where}: mode", leaf.mode, MODES)
     if leaf.size == 0:
       raise PlanError(f"{where}: has zero elements; remove it from the "
                       "parameters or give it a non-empty shape.")
@@ -135,9 +133,7 @@ def check_plan(plan) -> None:
       if not _compat.is_float_dtype(leaf.dtype):
         raise PlanError(f"{where}: dtype {leaf.dtype} cannot be sparse; "
                         "make it dense.")
-      if leaf.estimator not in ESTIMATORS:
-        raise PlanError(f"{where}: estimator={leaf.estimator!r}; use one of "
-                        f"{ESTIMATORS}.")
+      one_of(f"{where}: estimator", leaf.estimator, ESTIMATORS)
       if not (is_int(leaf.capacity) and
               1 <= leaf.capacity <= leaf.size):
         raise PlanError(f"{where}: capacity={leaf.capacity!r} must be an "
@@ -148,12 +144,8 @@ def check_plan(plan) -> None:
     where = f"bucket {i}"
     if not b.leaves:
       raise PlanError(f"{where}: has no leaves.")
-    if b.collective not in COLLECTIVES:
-      raise PlanError(f"{where}: collective={b.collective!r}; use one of "
-                      f"{COLLECTIVES}.")
-    if b.sparsify not in SPARSIFY:
-      raise PlanError(f"{where}: sparsify={b.sparsify!r}; use one of "
-                      f"{SPARSIFY}.")
+    one_of(f"{where}: collective", b.collective, COLLECTIVES)
+    one_of(f"{where}: sparsify", b.sparsify, SPARSIFY)
     if any(not is_int(j) or not 0 <= j < len(plan.leaves)
            for j in b.leaves):
       raise PlanError(f"{where}: leaf ids {list(b.leaves)} out of range "
@@ -172,9 +164,7 @@ def check_plan(plan) -> None:
       if size > MAX_LEAF_SIZE:
         raise PlanError(f"{where}: fused size {size} exceeds int32 indices.")
       check_density(where, b.density)
-      if b.estimator not in ESTIMATORS:
-        raise PlanError(f"{where}: estimator={b.estimator!r}; use one of "
-                        f"{ESTIMATORS}.")
+      one_of(f"{where}: estimator", b.estimator, ESTIMATORS)
       if not (is_int(b.capacity) and 1 <= b.capacity <= size):
         raise PlanError(f"{where}: capacity={b.capacity!r} must be in "
                         f"[1, {size}].")
