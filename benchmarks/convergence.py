@@ -36,8 +36,8 @@ sparse values on one (``--sparse-wire bfloat16``); ``onebit_adamw`` always gets 
 of ``--dense-fraction`` of the steps. Every run states its plan and warm-up
 to ``train_lm`` (the ``aligned`` plan, the dense warm-up on the gradient's
 wire, DGC's ramp for ``+warm``) rather than take the example's defaults,
-which are the README recipe's; ``--extra`` overrides them. Wall time: each run's measured step
-times, compilation and evaluation excluded (each phase's first step counts
+which are the README recipe's; ``--extra`` overrides them. Wall time:
+each run's measured step times, compilation and evaluation excluded (each phase's first step counts
 as that phase's median step); time to dense's quality: the wall time at the
 first evaluation whose validation loss is at or below dense's final one.
 

@@ -79,8 +79,8 @@ def xla_flags(network_gbytes_s: float, *, gpus_per_node: int = 1) -> str:
   only start a collective once its input exists, and the plain step makes
   the sparse buckets' inputs after the whole backward.
   """
-  if not (plan_checks.is_real(network_gbytes_s) and math.isfinite(network_gbytes_s)
-          and network_gbytes_s > 0):
+  if not (plan_checks.is_real(network_gbytes_s) and
+          math.isfinite(network_gbytes_s) and network_gbytes_s > 0):
     raise ValueError(f"network_gbytes_s={network_gbytes_s!r} must be a "
                      "number > 0 (GB/s between nodes).")
   if not plan_checks.is_int(gpus_per_node) or gpus_per_node < 1:
