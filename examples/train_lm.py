@@ -300,9 +300,9 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
                                         args.optimizer != "onebit_adamw"):
     args.warmup_densities = None   # density_warmup's default: DGC's ramp
   elif args.warmup_densities is None:
-    args.warmup_densities = [d for d in ONEBIT_WARMUP_DENSITIES
-                             if d > jaxfuse.phases.final_density(plan)
-                             and args.warmup_steps]
+    final = jaxfuse.phases.final_density(plan)
+    args.warmup_densities = ([d for d in ONEBIT_WARMUP_DENSITIES
+                              if d > final] if args.warmup_steps else [])
   phases = jaxfuse.density_warmup(
       plan, steps=args.warmup_steps, densities=args.warmup_densities,
       dense_steps=args.dense_warmup, dense_wire=args.dense_wire,

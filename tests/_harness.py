@@ -154,13 +154,18 @@ def _sync_fn(plan_json, mesh, options=()):
                  compiler_options=dict(options) or None)
 
 
-def sharded_update(tx, mesh, specs, local_grads=None):
+def sharded_update(tx, mesh, specs, local_grads=None, with_params=False):
   """``tx.update`` under ``shard_map``: (K, ...) grads in, (synced, state) out.
 
   ``local_grads`` maps the worker's (1, ...) blocks to its gradients
-  (default: drop the leading axis of each).
+  (default: drop the leading axis of each). ``with_params``: a third
+  argument, the replicated params, passed on to ``tx.update``.
   """
   local_grads = local_grads or (lambda g: jax.tree.map(lambda x: x[0], g))
+  if with_params:
+    return jax.shard_map(lambda g, s, p: tx.update(local_grads(g), s, p),
+                         mesh=mesh, in_specs=(P("data"), specs, P()),
+                         out_specs=(P(), specs))
   return jax.shard_map(lambda g, s: tx.update(local_grads(g), s), mesh=mesh,
                        in_specs=(P("data"), specs), out_specs=(P(), specs))
 

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfuse
 
-from _harness import NUM_WORKERS, mesh_of
+from _harness import NUM_WORKERS, mesh_of, sharded_update
 
 RECIPES = sorted(jaxfuse.recipes.RECIPES)
 
@@ -44,20 +44,14 @@ def _traced_step(tx, params, mesh):
   """(state in, (updates, state out)) as ShapeDtypeStructs of one step
   under ``shard_map``, the gradients each worker's own."""
   state = jaxfuse.init_state(tx, params, mesh)
-  specs = jaxfuse.state_specs(state)
-
-  def local(params, state, grads):
-    grads = jax.tree.map(lambda g: g[0], grads)
-    return tx.update(grads, state, params)
-
-  step = jax.shard_map(local, mesh=mesh, in_specs=(P(), specs, P("data")),
-                       out_specs=(P(), specs))
+  step = sharded_update(tx, mesh, jaxfuse.state_specs(state),
+                        with_params=True)
   grads = jax.tree.map(
       lambda p: jax.ShapeDtypeStruct((NUM_WORKERS,) + p.shape, p.dtype,
                                      sharding=NamedSharding(mesh, P("data"))),
       params)
   params = jax.device_put(params, NamedSharding(mesh, P()))
-  return state, jax.eval_shape(step, params, state, grads)
+  return state, jax.eval_shape(step, grads, state, params)
 
 
 def _avals(tree):

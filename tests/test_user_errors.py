@@ -19,6 +19,7 @@ from jaxfuse.planning.costs import Costs, LinearCost
 from _harness import mesh_of
 from _harness import NUM_WORKERS
 from _harness import shard
+from _harness import sharded_update
 
 PARAMS = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}
 
@@ -152,10 +153,8 @@ def test_numpy_hyperparameters_step_as_python_floats(make):
   for number in (float, np.float32):
     tx = make(made, number)
     state = jaxfuse.init_state(tx, params, mesh)
-    step = jax.jit(jax.shard_map(
-        lambda g, s, p: tx.update(jax.tree.map(lambda x: x[0], g), s, p),
-        mesh=mesh, in_specs=(P("data"), jaxfuse.state_specs(state), P()),
-        out_specs=(P(), jaxfuse.state_specs(state))))
+    step = jax.jit(sharded_update(tx, mesh, jaxfuse.state_specs(state),
+                                  with_params=True))
     out = []
     for g in grads:
       update, state = step(shard(mesh, g), state, params)
