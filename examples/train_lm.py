@@ -96,11 +96,12 @@ from lm_model import sample_starts
 from lm_model import windows
 from train_lm_args import ONEBIT_WARMUP_DENSITIES
 from train_lm_args import SEND_EARLY_WINDOW
-from train_lm_args import SIZE_BUCKET_BYTES
 from train_lm_args import parse_args
 from train_lm_args import parse_xla_options
+from train_lm_args import plan_options
 from train_lm_args import trace_dir
 from train_lm_args import trace_steps
+from train_lm_args import warmup_phases
 from train_lm_record import log_line
 from train_lm_record import RunRecord
 from train_lm_record import stats_line
@@ -135,24 +136,6 @@ def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
                        out_specs=(P(), opt_specs, P()))
   return jax.jit(step, donate_argnums=(0, 1),
                  compiler_options=compiler_options or None)
-
-
-def plan_options(args) -> dict:
-  """``jaxfuse.plan``'s keyword arguments from the command line."""
-  options = dict(
-      density=args.density,
-      strategy="behind" if args.sync == "behind" else args.strategy,
-      estimator=args.estimator, headroom=args.headroom, seed=args.seed,
-      collective=args.collective, spardl_block=args.spardl_block,
-      residual_dtype=args.residual_dtype,
-      sparse_wire=args.sparse_wire or "gradient",
-      packed_indices=args.packed_indices,
-      num_buckets=args.num_buckets, costs=args.costs)
-  if args.bucket_bytes:
-    options["bucket_bytes"] = args.bucket_bytes
-  elif options["strategy"] == "size":
-    options["bucket_bytes"] = SIZE_BUCKET_BYTES
-  return options
 
 
 def _cast(tree, dtype):
@@ -241,13 +224,18 @@ def make_optimizer(args, schedule, decay_mask, plan):
     else:
       rule = optax.adamw(schedule, weight_decay=args.weight_decay,
                          mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(clip) if clip
+    rule = optax.chain(optax.clip_by_global_norm(clip) if clip
                        else optax.identity(), rule)
+    # the gradient is the mean here, the same on every worker
+    return (rule if args.apply_if_finite is None else
+            optax.apply_if_finite(rule, args.apply_if_finite))
   options = dict(weight_decay=args.weight_decay, mask=decay_mask,
                  clip_norm=clip, axis_name=AXIS)
   if args.momentum is not None:
     options["momentum"] = args.momentum
   rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
+  if args.apply_if_finite is not None:
+    rule = jaxfuse.apply_if_finite(rule, args.apply_if_finite)
   return jaxfuse.delayed(rule, predict=args.predict) if args.delay else rule
 
 
@@ -296,17 +284,13 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
         sparse_wire=args.sparse_wire or plan.settings.sparse_wire,
         packed_indices=args.packed_indices or plan.settings.packed_indices))
   say(plan.summary())
-  if args.warmup_densities == "dgc" or (args.warmup_densities is None and
-                                        args.optimizer != "onebit_adamw"):
-    args.warmup_densities = None   # density_warmup's default: DGC's ramp
-  elif args.warmup_densities is None:
+  if args.warmup_densities is None and args.optimizer != "onebit_adamw":
+    args.warmup_densities = "dgc"
+  elif args.warmup_densities is None:   # resolved here: the run's JSON says
     final = jaxfuse.phases.final_density(plan)
     args.warmup_densities = ([d for d in ONEBIT_WARMUP_DENSITIES
                               if d > final] if args.warmup_steps else [])
-  phases = jaxfuse.density_warmup(
-      plan, steps=args.warmup_steps, densities=args.warmup_densities,
-      dense_steps=args.dense_warmup, dense_wire=args.dense_wire,
-      num_workers=k)
+  phases = warmup_phases(args, plan, args.dense_warmup, k)
   if len(phases) > 1:
     say("warm-up: " + ", ".join(
         f"steps {p.start}-{p.stop or steps} density "
@@ -455,10 +439,7 @@ def main(argv=None) -> dict:
             f"{args.dense_settle_every} steps (--dense-settle "
             f"{args.dense_settle:g})")
         if change < args.dense_settle:   # replicated: every host agrees
-          phases = jaxfuse.density_warmup(
-              plan, steps=args.warmup_steps,
-              densities=args.warmup_densities, dense_steps=step + 1,
-              dense_wire=args.dense_wire, num_workers=k)
+          phases = warmup_phases(args, plan, step + 1, k)
           say(f"dense phase ends at step {phases[0].stop}")
       settle_prev = settle_now
     if saves(step):

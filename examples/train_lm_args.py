@@ -1,5 +1,6 @@
 """The command line of ``train_lm.py`` (its options, their checks, and
-what they resolve to: the traced steps and their folder).
+what they resolve to: the plan's options, the warm-up phases, the traced
+steps and their folder).
 
 Imported after ``train_lm`` has set up the simulated CPU devices: it
 imports JAX.
@@ -158,6 +159,10 @@ def parse_args(argv):
   p.add_argument("--dense-warmup", type=int,
                  help="dense steps first (onebit_adamw needs them; default "
                  "10%% of the steps for it, else 0)")
+  p.add_argument("--apply-if-finite", type=int, metavar="N",
+                 help="skip a step whose update has a NaN or Inf, on every "
+                 "worker (jaxfuse.apply_if_finite; optax's with --sync "
+                 "dense), applying it anyway after N skips in a row")
   p.add_argument("--delay", action="store_true",
                  help="apply the recipe to the previous step's gradients "
                  "(jaxfuse.delayed): its communication can then overlap the "
@@ -289,6 +294,9 @@ def parse_args(argv):
     p.error("--optimizer onebit_adamw freezes Adam's second moment after a "
             "dense warm-up: give --dense-warmup N (the README recipe: 10%% "
             "of the steps; 1-bit Adam: 15-25%%)")
+  if args.apply_if_finite is not None and args.apply_if_finite < 0:
+    p.error(f"--apply-if-finite {args.apply_if_finite}: give the number of "
+            "skips in a row (>= 0) after which a step is applied anyway")
   if args.delay and args.sync == "dense":
     p.error("--delay delays a jaxfuse recipe; --sync dense has none")
   if args.predict and not args.delay:
@@ -323,6 +331,9 @@ def parse_args(argv):
             "--send-early too")
   if args.send_early_window is None:
     args.send_early_window = SEND_EARLY_WINDOW
+  if (args.bucket_bytes is None and args.strategy == "size" and
+      args.sync == "jaxfuse" and not args.plan):
+    args.bucket_bytes = SIZE_BUCKET_BYTES
   if args.trace_steps is not None and not args.trace_dir:
     p.error("--trace-steps picks the steps --trace-dir records; give "
             "--trace-dir too")
@@ -330,6 +341,32 @@ def parse_args(argv):
     p.error(f"--network-gbytes-s {args.network_gbytes_s:g}: give the "
             "network's bandwidth in GB/s, a number > 0")
   return args
+
+
+def plan_options(args) -> dict:
+  """``jaxfuse.plan``'s keyword arguments from the command line."""
+  options = dict(
+      density=args.density,
+      strategy="behind" if args.sync == "behind" else args.strategy,
+      estimator=args.estimator, headroom=args.headroom, seed=args.seed,
+      collective=args.collective, spardl_block=args.spardl_block,
+      residual_dtype=args.residual_dtype,
+      sparse_wire=args.sparse_wire or "gradient",
+      packed_indices=args.packed_indices,
+      num_buckets=args.num_buckets, costs=args.costs)
+  if args.bucket_bytes:
+    options["bucket_bytes"] = args.bucket_bytes
+  return options
+
+
+def warmup_phases(args, plan, dense_steps: int, k: int) -> tuple:
+  """The run's phases: ``dense_steps`` dense, then the warm-up densities
+  (``"dgc"``: ``density_warmup``'s default, DGC's ramp)."""
+  densities = args.warmup_densities
+  return jaxfuse.density_warmup(
+      plan, steps=args.warmup_steps,
+      densities=None if densities == "dgc" else densities,
+      dense_steps=dense_steps, dense_wire=args.dense_wire, num_workers=k)
 
 
 def trace_steps(args, start: int, steps: int) -> range:

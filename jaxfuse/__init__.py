@@ -22,6 +22,8 @@ from jaxfuse.compile_options import xla_options
 from jaxfuse.delay import DelayedState
 from jaxfuse.delay import delayed
 from jaxfuse.delay import predicted_params
+from jaxfuse.nonfinite import ApplyIfFiniteState
+from jaxfuse.nonfinite import apply_if_finite
 from jaxfuse.overlap import send_early
 from jaxfuse.plans import BucketPlan
 from jaxfuse.plans import LeafPlan
@@ -62,7 +64,7 @@ from jaxfuse.transform import unit_residuals
 from jaxfuse.version import __version__
 
 __all__ = [
-    "BucketPlan", "COST_STRATEGIES", "CollectivesDifferError", "DelayedState",
+    "ApplyIfFiniteState", "apply_if_finite", "BucketPlan", "COST_STRATEGIES", "CollectivesDifferError", "DelayedState",
     "check_same_collectives", "checkpoint",
     "clipping", "collectives", "delayed", "elastic",
     "first_moment", "grouped", "kernels",

@@ -423,12 +423,41 @@ def _at_least_float32(tree):
   return jax.tree.map(widen, tree)
 
 
-def _is_sync_state(x) -> bool:
+def is_sync_state(x) -> bool:
   return isinstance(x, SparseSyncState)
 
 
-def _is_worker_state(x) -> bool:
+def is_worker_state(x) -> bool:
   return isinstance(x, (SparseSyncState, PerWorkerState))
+
+
+# optax wrappers that branch on, or keep, the gradient they are given: around
+# a jaxfuse optimizer that is each worker's own, so the workers would part.
+_LOCAL_WRAPPERS = {
+    optax.ApplyIfFiniteState: (
+        "optax.apply_if_finite decides on each worker's own gradient, so one "
+        "worker would skip the collectives the others run. Use "
+        "jaxfuse.apply_if_finite(optimizer, max_consecutive_errors): it "
+        "decides on the synced update, the same on every worker."),
+    optax.MultiStepsState: (
+        "optax.MultiSteps runs the optimizer, and so its collectives, on "
+        "every micro-step, and keeps each worker's own accumulated gradient "
+        "as state no PartitionSpec can hold. Accumulate the micro-batches' "
+        "gradients inside the step instead, before opt.update (a lax.scan "
+        "over micro-batches: docs/choosing.md, \"Gradient accumulation\")."),
+}
+
+
+def _refuse_local_wrappers(opt_state) -> None:
+  """``SyncError`` for an optax wrapper of ``_LOCAL_WRAPPERS`` around a
+  state with per-worker parts (it may follow ``sparse_sync`` in a chain)."""
+  wrappers = tuple(_LOCAL_WRAPPERS)
+  for x in jax.tree.leaves(opt_state,
+                           is_leaf=lambda x: isinstance(x, wrappers)):
+    if isinstance(x, wrappers) and any(
+        is_worker_state(y) for y in jax.tree.leaves(x, is_leaf=is_worker_state)):
+      raise SyncError(f"{type(x).__name__} holds a jaxfuse state: "
+                      f"{_LOCAL_WRAPPERS[type(x)]}")
 
 
 def per_worker_mask(tree):
@@ -436,10 +465,10 @@ def per_worker_mask(tree):
   True at the leaves of ``sparse_sync``'s and ``per_worker``'s states (a
   leading worker axis), False elsewhere."""
   def mark(x):
-    if _is_worker_state(x):
+    if is_worker_state(x):
       return jax.tree.map(lambda _: True, x)
     return False
-  return jax.tree.map(mark, tree, is_leaf=_is_worker_state)
+  return jax.tree.map(mark, tree, is_leaf=is_worker_state)
 
 
 def state_specs(opt_state, axis_name: str | tuple = "data"):
@@ -449,13 +478,16 @@ def state_specs(opt_state, axis_name: str | tuple = "data"):
   ``P(axis_name)`` (a tuple of axes: the leading axis over all of them,
   host-major); everything else (Adam moments after the sync, counts,
   …) is replicated, ``P()``. Works on real or abstract (``jax.eval_shape``)
-  states.
+  states. Refuses the optax wrappers that cannot wrap a sync
+  (``optax.apply_if_finite``, ``optax.MultiSteps``), naming what to use.
   """
+  _refuse_local_wrappers(opt_state)
+
   def spec(x):
-    if _is_worker_state(x):
+    if is_worker_state(x):
       return jax.tree.map(lambda _: P(axis_name), x)
     return P()
-  return jax.tree.map(spec, opt_state, is_leaf=_is_worker_state)
+  return jax.tree.map(spec, opt_state, is_leaf=is_worker_state)
 
 
 def init_state(optimizer: optax.GradientTransformation, params,
@@ -484,7 +516,7 @@ def init_state(optimizer: optax.GradientTransformation, params,
 
 def sync_stats(opt_state) -> SyncStats:
   """The ``SyncStats`` inside an optimizer state (first ``sparse_sync``)."""
-  for x in jax.tree.leaves(opt_state, is_leaf=_is_sync_state):
-    if _is_sync_state(x):
+  for x in jax.tree.leaves(opt_state, is_leaf=is_sync_state):
+    if is_sync_state(x):
       return x.stats
   raise SyncError("no sparse_sync state in this optimizer state.")

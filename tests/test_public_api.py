@@ -19,11 +19,11 @@ from jaxfuse.planning import cli
 from jaxfuse.planning import profiling
 
 PUBLIC = [
-    "BucketPlan", "COST_STRATEGIES", "CollectivesDifferError",
+    "ApplyIfFiniteState", "BucketPlan", "COST_STRATEGIES", "CollectivesDifferError",
     "DelayedState", "LeafPlan",
     "PerWorkerState", "Phase", "Plan", "PlanError", "RECIPES", "STRATEGIES",
     "Settings", "SparseSyncState", "SyncError", "SyncStats", "__version__",
-    "check_phases", "check_same_collectives", "checkpoint", "clipping",
+    "apply_if_finite", "check_phases", "check_same_collectives", "checkpoint", "clipping",
     "collectives", "delayed",
     "demo", "density_warmup", "elastic", "first_moment", "grouped",
     "init_state", "kernels",

@@ -86,6 +86,8 @@ def test_a_step_keeps_the_state_and_the_parameters_dtypes(recipe, data):
              for k, v in options.items()}
   make = jaxfuse.recipes.RECIPES[recipe]
   tx = make(phase.plan, number(1e-3), **options)
+  if draw(st.booleans(), "apply_if_finite"):
+    tx = jaxfuse.apply_if_finite(tx, 2)
   if draw(st.booleans(), "delayed") and recipe != "sync_adamw":
     tx = jaxfuse.delayed(tx)
   state, (updates, new_state) = _traced_step(tx, params, mesh)

@@ -36,6 +36,8 @@ def example():
     (["--headroom", "0.8"], "--headroom 0.8: give a number >= 1"),
     (["--predict"], "--predict predicts where a delayed gradient lands: add "
      "--delay"),
+    (["--apply-if-finite", "-1"], "--apply-if-finite -1: give the number of "
+     "skips in a row (>= 0)"),
 ])
 def test_bad_arguments_stop_with_the_fix(example, capsys, argv, message):
   _, args_lib = example
@@ -165,13 +167,17 @@ def test_the_defaults_are_the_readme_recipe(example, density):
   batch = np.ones((4, 64), np.float32)
   mesh = jaxfuse.make_mesh(k, train_lm.AXIS)
 
+  resolved = {}   # the warm-up densities the run's JSON records
+
   def phases_of(argv):
     args = args_lib.parse_args(["--density", str(density)] + argv)
     train_lm.resolve_warmup_steps(args, 1000)
     make_opt = lambda plan: train_lm.make_optimizer(
         args, 1e-3, jax.tree.map(lambda x: x.ndim >= 2, params), plan)
-    return train_lm.setup_sync(args, 1000, params, loss_fn, batch, mesh,
-                               make_opt, np.float32, lambda *a: None).phases
+    phases = train_lm.setup_sync(args, 1000, params, loss_fn, batch, mesh,
+                                 make_opt, np.float32, lambda *a: None).phases
+    resolved[" ".join(argv)] = args.warmup_densities
+    return phases
 
   plan = jaxfuse.plan(params, density=density, strategy="size",
                       bucket_bytes=64 * 2**20, loss_fn=loss_fn,
@@ -186,11 +192,13 @@ def test_the_defaults_are_the_readme_recipe(example, density):
       (p.start, p.stop, p.plan) for p in want]
   assert got[0].plan.settings.full_wire == "bfloat16"
   assert [p.stop for p in got] == ([100, 150, None] if ramp else [100, None])
+  assert resolved[""] == list(ramp)
   dgc = jaxfuse.density_warmup(plan, dense_steps=100, steps=50,
                                dense_wire="bfloat16", num_workers=k)
   assert [(p.start, p.stop, p.plan) for p in phases_of(
       ["--warmup-densities", "dgc"])] == [(p.start, p.stop, p.plan)
                                           for p in dgc]
+  assert resolved["--warmup-densities dgc"] == "dgc"
   # on 2 workers DGC's 25 % runs dense (its all-gather would move more
   # than the dense step); 6.25 % (when above ρ) stays sparse
   want_stops = {2: [150, 200, None] if ramp else [150, None],
@@ -217,3 +225,41 @@ def test_the_readme_spells_out_the_defaults(example):
     assert getattr(default, field) == getattr(given, field), field
   assert default.warmup_densities is None   # resolved against the plan
   assert given.warmup_densities == list(args_lib.ONEBIT_WARMUP_DENSITIES)
+
+
+@pytest.mark.parametrize("argv, bucket_bytes", [
+    ([], 64 * 2**20),                              # the README recipe's
+    (["--bucket-bytes", "1000"], 1000),
+    (["--strategy", "aligned"], None),             # jaxfuse.plan's own
+    (["--sync", "behind"], None),
+    (["--sync", "dense"], None),                   # no plan at all
+])
+def test_the_bucket_size_is_resolved_where_the_run_records_it(
+    example, argv, bucket_bytes):
+  """The run's JSON (``config``) holds the bucket size the plan was made
+  with, not the flag's absence."""
+  train_lm, args_lib = example
+  args = args_lib.parse_args(argv)
+  assert args.bucket_bytes == bucket_bytes
+  assert train_lm.plan_options(args).get("bucket_bytes") == bucket_bytes
+
+
+@pytest.mark.parametrize("sync", ["jaxfuse", "dense"])
+def test_apply_if_finite_wraps_the_update_rule(example, sync):
+  """jaxfuse's wrapper around a recipe (it decides on the synced update),
+  optax's around the dense rule (its gradient is already the mean); inside
+  --delay."""
+  train_lm, args_lib = example
+  params = {"w": jax.ShapeDtypeStruct((64, 64), np.float32)}
+  plan = (train_lm.jaxfuse.plan(params, density=0.05) if sync == "jaxfuse"
+          else None)
+  for delay in ([], ["--delay"]) if sync == "jaxfuse" else ([],):
+    args = args_lib.parse_args(["--sync", sync, "--apply-if-finite", "2",
+                                "--optimizer", "sgd", *delay])
+    opt = train_lm.make_optimizer(args, 1e-3, None, plan)
+    state = jax.eval_shape(opt.init, params)
+    if delay:
+      state = state.inner
+    want = (train_lm.jaxfuse.ApplyIfFiniteState if sync == "jaxfuse"
+            else optax.ApplyIfFiniteState)
+    assert type(state) is want   # pylint: disable=unidiomatic-typecheck

@@ -1,0 +1,113 @@
+"""``apply_if_finite``: skip a step whose synced update is not finite, on
+every worker at once.
+
+``optax.apply_if_finite(inner, n)`` skips ``inner`` when the gradient it is
+given has a NaN or Inf. Around a jaxfuse optimizer that gradient is each
+worker's own: one worker would skip the collectives the others run, and the
+counts it keeps would differ per worker (``state_specs`` refuses it). This
+one decides on what ``inner`` returns: the update after the sync, the same
+on every worker (a leaf with a NaN/Inf on any worker comes out non-finite
+on every worker, as a dense ``pmean`` would). With u, s' = inner(g, s)::
+
+  finite  = all(isfinite(u))
+  skipped = 0 if finite else skipped + 1
+  apply   = finite or skipped > max_consecutive_errors
+  out, s  = (u, s') if apply else (0, s)
+
+The whole inner state is kept on a skipped step, residuals and moments
+included, as if the step had not run (what a worker sent stays owed in its
+residual); only ``sparse_sync``'s stats are the new step's, so
+``stats.nonfinite`` names the leaves that caused the skip. The inner
+optimizer runs every step, so every worker issues the same collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxfuse import _compat
+from jaxfuse import delay
+from jaxfuse import plan_checks
+from jaxfuse import transform
+
+
+class ApplyIfFiniteState(NamedTuple):
+  """Replicated counts (the decision is the same on every worker)."""
+  notfinite_count: jax.Array   # consecutive skipped steps, int32
+  last_finite: jax.Array       # the last step's update was finite, bool
+  total_notfinite: jax.Array   # skipped steps in all, int32
+  inner: Any                   # the inner optimizer's state
+
+
+def _floats(x) -> bool:
+  return _compat.is_float_dtype(jnp.result_type(x))
+
+
+def _is_delayed(x) -> bool:
+  return isinstance(x, delay.DelayedState)
+
+
+def _keep_new_stats(kept, new):
+  """``kept`` with each ``sparse_sync`` state's stats taken from ``new``."""
+  def pick(k, n):
+    return k._replace(stats=n.stats) if transform.is_sync_state(k) else k
+  return jax.tree.map(pick, kept, new, is_leaf=transform.is_sync_state)
+
+
+def apply_if_finite(inner: optax.GradientTransformation,
+                    max_consecutive_errors: int
+                    ) -> optax.GradientTransformationExtraArgs:
+  """``inner``, with a step skipped on every worker when its synced update
+  has a NaN or Inf (module doc); after more than ``max_consecutive_errors``
+  skips in a row the update is applied anyway, as in optax.
+
+  Wrap a whole jaxfuse recipe: ``apply_if_finite(jaxfuse.onebit_adamw(plan,
+  lr), 5)``. With ``jaxfuse.delayed``, put ``delayed`` outside.
+  """
+  if not (plan_checks.is_int(max_consecutive_errors) and
+          max_consecutive_errors >= 0):
+    raise transform.SyncError(
+        f"apply_if_finite: max_consecutive_errors={max_consecutive_errors!r}"
+        " must be an integer >= 0 (the skips in a row before an update is "
+        "applied anyway).")
+  limit = int(max_consecutive_errors)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    state = inner.init(params)
+    if any(_is_delayed(x) for x in jax.tree.leaves(state, is_leaf=_is_delayed)):
+      raise transform.SyncError(
+          "apply_if_finite around jaxfuse.delayed would skip the delayed "
+          "gradient again on every later step; put delayed outside: "
+          "jaxfuse.delayed(jaxfuse.apply_if_finite(optimizer, n)).")
+    return ApplyIfFiniteState(jnp.zeros((), jnp.int32),
+                              jnp.array(True, jnp.bool_),
+                              jnp.zeros((), jnp.int32), state)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if not isinstance(state, ApplyIfFiniteState):
+      raise transform.SyncError(
+          f"apply_if_finite expects its ApplyIfFiniteState, got "
+          f"{type(state).__name__}; create the state with "
+          "jaxfuse.init_state(optimizer, ...).")
+    out, new_inner = inner.update(updates, state.inner, params, **extra_args)
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u))
+                                for u in jax.tree.leaves(out) if _floats(u)]
+                               or [jnp.array(True)]))
+    skipped = jnp.where(finite, 0, state.notfinite_count + 1)
+    apply = finite | (skipped > limit)
+    out = jax.tree.map(
+        lambda u: jnp.where(apply, u, jnp.zeros_like(u)) if _floats(u) else u,
+        out)
+    kept = jax.tree.map(lambda old, new: jnp.where(apply, new, old),
+                        state.inner, new_inner)
+    return out, ApplyIfFiniteState(
+        skipped.astype(jnp.int32), finite,
+        state.total_notfinite + (~finite).astype(jnp.int32),
+        _keep_new_stats(kept, new_inner))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,180 @@
+"""``jaxfuse.apply_if_finite``: a step whose gradient has a NaN on one worker
+is skipped on every worker, and training goes on exactly as if that step had
+never run; optax's wrappers that would part the workers are refused."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxfuse
+
+from _harness import NUM_WORKERS, mesh_of, shard
+
+K = NUM_WORKERS
+SHAPES = {"w": (64, 48), "b": (48,)}
+
+
+def _params():
+  rng = np.random.default_rng(1)
+  return {k: rng.normal(size=s).astype(np.float32) / 8
+          for k, s in SHAPES.items()}
+
+
+def _plan(collective="allgather"):
+  return jaxfuse.plan(_params(), density=0.05, min_sparse_size=64,
+                      collective=collective)
+
+
+def _grads(seed, nan=False):
+  """(K, ...) gradients; ``nan``: one NaN in "w" on the last worker only."""
+  rng = np.random.default_rng(seed)
+  g = {k: rng.normal(size=(K,) + s).astype(np.float32)
+       for k, s in SHAPES.items()}
+  if nan:
+    g["w"][K - 1, 3, 5] = np.nan
+  return g
+
+
+def _runner(tx, mesh):
+  """(state, step): step(params, state, grads) -> (params, state, updates)
+  under shard_map, compiled once."""
+  params = jax.device_put(_params(), NamedSharding(mesh, P()))
+  state = jaxfuse.init_state(tx, params, mesh)
+  specs = jaxfuse.state_specs(state)
+
+  def local(params, state, grads):
+    updates, state = tx.update(jax.tree.map(lambda x: x[0], grads), state,
+                               params)
+    return optax.apply_updates(params, updates), state, updates
+
+  step = jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs, P())))
+
+  def run(params, state, grads):
+    out = step(params, state, shard(mesh, grads))
+    return jax.block_until_ready(out)
+  return params, state, run
+
+
+def _equal(a, b) -> bool:
+  return all(np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b),
+                             strict=True))
+
+
+RECIPES = {
+    "sgd": lambda plan: jaxfuse.sgd(plan, 0.05, momentum=0.9),
+    "sgd_zen": lambda plan: jaxfuse.sgd(plan, 0.05, momentum=0.9),
+    "sgd_spardl": lambda plan: jaxfuse.sgd(plan, 0.05),
+    "local_adamw": lambda plan: jaxfuse.local_adamw(plan, 1e-3),
+    "sync_adamw": lambda plan: jaxfuse.sync_adamw(plan, 1e-3),
+    "onebit_adamw_dense": lambda plan: jaxfuse.onebit_adamw(
+        jaxfuse.with_density(plan, 1.0), 1e-3),
+    "demo": lambda plan: jaxfuse.demo(plan, 0.05, clip_norm=1.0),
+    "onebit_adamw_sparse": lambda plan: jaxfuse.onebit_adamw(plan, 1e-3),
+}
+COLLECTIVE = {"sgd_zen": "zen", "sgd_spardl": "spardl"}
+# the first step's optimizer, where not the recipe's own: 1-bit Adam's
+# sparse phase follows a dense step (its update is zero until then)
+FIRST = {"onebit_adamw_sparse": RECIPES["onebit_adamw_dense"]}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_a_skipped_step_is_as_if_it_never_ran(recipe):
+  """Steps g1, g_nan, g2 against g1, g2: the NaN step moves nothing, keeps
+  the whole inner state, and what follows is bitwise the run without it."""
+  collective = COLLECTIVE.get(recipe, "allgather")
+  if collective != "allgather" and K < 2:
+    pytest.skip(f"{collective} needs 2 or more workers")
+  mesh = mesh_of(K)
+  plan = _plan(collective)
+  tx = jaxfuse.apply_if_finite(RECIPES[recipe](plan), 3)
+  params, state, run = _runner(tx, mesh)
+  if recipe in FIRST:
+    _, _, first = _runner(jaxfuse.apply_if_finite(FIRST[recipe](plan), 3),
+                          mesh)
+    p1, s1, _ = first(params, state, _grads(1))
+  else:
+    p1, s1, _ = run(params, state, _grads(1))
+  p_nan, s_nan, u_nan = run(p1, s1, _grads(2, nan=True))
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(u_nan))
+  assert _equal(p_nan, p1)
+  is_sync = lambda s: isinstance(s, jaxfuse.SparseSyncState)
+  stats_free = lambda tree: jax.tree.map(
+      lambda s: s._replace(stats=()) if is_sync(s) else s, tree,
+      is_leaf=is_sync)
+  assert _equal(stats_free(s_nan.inner), stats_free(s1.inner))
+  # the stats are the skipped step's: they name the leaf and the worker
+  nonfinite = np.asarray(jaxfuse.sync_stats(s_nan).nonfinite)
+  w = [l.path for l in plan.leaves].index("['w']")
+  assert nonfinite[K - 1, w] and not nonfinite[:K - 1, w].any()
+  assert (int(s_nan.notfinite_count), bool(s_nan.last_finite),
+          int(s_nan.total_notfinite)) == (1, False, 1)
+
+  p2, s2, _ = run(p_nan, s_nan, _grads(3))
+  q2, t2, _ = run(p1, s1, _grads(3))
+  assert _equal(p2, q2) and _equal(s2.inner, t2.inner)
+  assert not _equal(p2, p1)          # a real step was taken
+  assert (int(s2.notfinite_count), bool(s2.last_finite),
+          int(s2.total_notfinite)) == (0, True, 1)
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_after_max_consecutive_errors_the_update_is_applied(limit):
+  """optax's rule: the (limit + 1)-th non-finite step in a row goes
+  through (here a NaN update); a finite step resets the count."""
+  mesh = mesh_of(K)
+  tx = jaxfuse.apply_if_finite(jaxfuse.sgd(_plan(), 0.05), limit)
+  params, state, run = _runner(tx, mesh)
+  for n in range(1, limit + 2):
+    params, state, updates = run(params, state, _grads(n, nan=True))
+    finite = all(np.isfinite(np.asarray(u)).all()
+                 for u in jax.tree.leaves(updates))
+    assert finite == (n <= limit), n
+    assert int(state.notfinite_count) == n
+  params, state, _ = run(params, state, _grads(9))
+  assert (int(state.notfinite_count), int(state.total_notfinite)) == (
+      0, limit + 1)
+
+
+def test_optax_wrappers_that_would_part_the_workers_are_refused():
+  """Around a sync, optax.apply_if_finite and optax.MultiSteps decide on or
+  keep each worker's own gradient: refused with what to use; after the
+  sync (its output is the same everywhere) they are fine."""
+  mesh = mesh_of(K)
+  params, plan = _params(), _plan()
+  with pytest.raises(jaxfuse.SyncError, match="jaxfuse.apply_if_finite"):
+    jaxfuse.init_state(optax.apply_if_finite(jaxfuse.sgd(plan, 0.1), 3),
+                       params, mesh)
+  with pytest.raises(jaxfuse.SyncError, match="Gradient accumulation"):
+    jaxfuse.state_specs(jax.eval_shape(
+        optax.MultiSteps(jaxfuse.onebit_adamw(plan, 1e-3), 4).init, params))
+  after = optax.chain(jaxfuse.sparse_sync(plan),
+                      optax.apply_if_finite(optax.sgd(0.1), 3))
+  specs = jaxfuse.state_specs(jaxfuse.init_state(after, params, mesh))
+  assert specs[1].notfinite_count == P()
+  assert all(s == P("data") for s in jax.tree.leaves(
+      specs[0], is_leaf=lambda x: isinstance(x, P)))
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True, "3"])
+def test_max_consecutive_errors_must_be_a_count(limit):
+  with pytest.raises(jaxfuse.SyncError, match="max_consecutive_errors"):
+    jaxfuse.apply_if_finite(jaxfuse.sgd(_plan(), 0.1), limit)
+
+
+def test_delayed_goes_outside():
+  """Inside, a skip would bring the delayed NaN gradient back every step."""
+  params, plan = _params(), _plan()
+  with pytest.raises(jaxfuse.SyncError, match="put delayed outside"):
+    jaxfuse.apply_if_finite(jaxfuse.delayed(jaxfuse.sgd(plan, 0.1)), 3
+                            ).init(params)
+  state = jaxfuse.delayed(jaxfuse.apply_if_finite(
+      jaxfuse.sgd(plan, 0.1), 3)).init(params)
+  assert isinstance(state.inner, jaxfuse.ApplyIfFiniteState)
+  assert jnp.dtype(state.inner.notfinite_count.dtype) == jnp.int32
