@@ -22,9 +22,11 @@ and prints::
 * pipelined: ms per step with the steps dispatched back to back and one
   wait at the end (the host's own time per step hides behind the GPU's).
 
-``--top N`` also prints, per row, the N kernels after which the GPU waits
-longest (host-bound launches, a host sync, or the gap between two waited-for
-steps). Every row runs in this one process, dense included, so the rows
+``--apply-if-finite N`` adds, per estimator, a row with the recipe inside
+``jaxfuse.apply_if_finite`` (``--strategy size --bucket-mb 64 --clip 1.0``:
+the README recipe's plan and clip). ``--top N`` also prints, per row, the
+N kernels after which the GPU waits longest (host-bound launches, a host
+sync, or the gap between two waited-for steps). Every row runs in this one process, dense included, so the rows
 compare::
 
   python benchmarks/overhead.py --preset gpt2-small --estimators dgc topk \\
@@ -113,8 +115,10 @@ def gpu_kernels(trace_dir: str, steps: int, timeline: str | None = None
           "by_name_launches": {k: v / steps for k, v in launches.items()}}
 
 
-def run(sync, estimator, args, model_parts, mesh, options) -> dict:
-  """Compile and time one train step; ``sync`` "dense" or "jaxfuse"."""
+def run(sync, estimator, args, model_parts, mesh, options,
+        finite: bool = False) -> dict:
+  """Compile and time one train step; ``sync`` "dense" or "jaxfuse";
+  ``finite``: the recipe inside ``jaxfuse.apply_if_finite``."""
   params, loss_fn, batches, local_batch = model_parts
   lr = 1e-4
   decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
@@ -125,14 +129,19 @@ def run(sync, estimator, args, model_parts, mesh, options) -> dict:
                                NamedSharding(mesh, P()))
     specs, plan = P(), None
   else:
+    sizing = ({"bucket_bytes": int(args.bucket_mb * 2**20)}
+              if args.bucket_mb else {})
     plan = jaxfuse.plan(params, density=args.density, estimator=estimator,
-                        strategy=args.strategy, loss_fn=loss_fn,
+                        strategy=args.strategy, loss_fn=loss_fn, **sizing,
                         sparse_wire=args.sparse_wire,
                         packed_indices=args.packed_indices,
                         example_args=(local_batch,))
     # The sparse phase from the start: with no dense step before it the
     # recipe's update is zero (v = 0), but every step does its full work.
-    opt = jaxfuse.onebit_adamw(plan, lr, weight_decay=0.01, mask=decay_mask)
+    opt = jaxfuse.onebit_adamw(plan, lr, weight_decay=0.01, mask=decay_mask,
+                               clip_norm=args.clip or None)
+    if finite:
+      opt = jaxfuse.apply_if_finite(opt, args.apply_if_finite)
     opt_state = jaxfuse.init_state(opt, params, mesh)
     specs = jaxfuse.state_specs(opt_state)
   step = make_train_step(loss_fn, opt, mesh, specs, sync, options)
@@ -146,7 +155,8 @@ def run(sync, estimator, args, model_parts, mesh, options) -> dict:
         compiled.as_text())
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  out = {"sync": sync, "estimator": estimator if plan else None,
+  out = {"sync": sync + ("+finite" if finite else ""),
+         "estimator": estimator if plan else None,
          "compile_s": compile_s,
          "step_bytes": float((cost or {}).get("bytes accessed", float("nan"))),
          "hlo_fusions": compiled.as_text().count(" fusion(")}
@@ -191,6 +201,14 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--density", type=float, default=0.01)
   p.add_argument("--estimators", nargs="+", default=["dgc", "topk"])
   p.add_argument("--strategy", default="aligned")
+  p.add_argument("--bucket-mb", type=float,
+                 help="bucket size for --strategy size (jaxfuse.plan's "
+                 "default otherwise; the README recipe: 64)")
+  p.add_argument("--clip", type=float, default=0.0,
+                 help="the recipe's clip_norm (0: off; the example's 1.0)")
+  p.add_argument("--apply-if-finite", type=int, metavar="N",
+                 help="also each estimator's row with the recipe inside "
+                 "jaxfuse.apply_if_finite(..., N)")
   p.add_argument("--batch-per-device", type=int,
                  help="default: the preset's (tiny: 32 for all devices)")
   p.add_argument("--devices", type=int, default=1)
@@ -268,17 +286,19 @@ def main(argv=None) -> list[dict]:
   parts = (params, loss_fn, batches, local_batch)
   options = {} if args.xla_defaults else jaxfuse.xla_options()
   rows = [run("dense", None, args, parts, mesh, options)]
-  rows += [run("jaxfuse", e, args, parts, mesh, options)
-           for e in args.estimators]
+  for e in args.estimators:
+    rows.append(run("jaxfuse", e, args, parts, mesh, options))
+    if args.apply_if_finite is not None:
+      rows.append(run("jaxfuse", e, args, parts, mesh, options, finite=True))
   dense = rows[0]
-  print(f"\n{'sync':8} {'estimator':9} {'step ms':>8} {'over dense':>11} "
+  print(f"\n{'sync':15} {'estimator':9} {'step ms':>8} {'over dense':>11} "
         f"{'compile s':>9} {'x dense':>7} {'step GB':>8} {'kernels':>8} "
         f"{'kernel ms':>9} {'idle ms':>7} {'pipelined':>9}")
   for r in rows:
     over = r["step_ms"] - dense["step_ms"]
     r["overhead_ms"] = over
     r["compile_vs_dense"] = r["compile_s"] / dense["compile_s"]
-    print(f"{r['sync']:8} {r['estimator'] or '-':9} {r['step_ms']:8.2f} "
+    print(f"{r['sync']:15} {r['estimator'] or '-':9} {r['step_ms']:8.2f} "
           f"{over:+7.2f} ms {r['compile_s']:9.1f} "
           f"{r['compile_vs_dense']:7.2f} {r['step_bytes'] / 1e9:8.2f} "
           f"{r.get('kernels_per_step', float('nan')):8.0f} "

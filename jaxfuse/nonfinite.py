@@ -12,13 +12,18 @@ on every worker, as a dense ``pmean`` would). With u, s' = inner(g, s)::
   finite  = all(isfinite(u))
   skipped = 0 if finite else skipped + 1
   apply   = finite or skipped > max_consecutive_errors
-  out, s  = (u, s') if apply else (0, s)
+  out, s  = (u, s') if apply else (0, s with sparse_sync's states from s')
 
-The whole inner state is kept on a skipped step, residuals and moments
-included, as if the step had not run (what a worker sent stays owed in its
-residual); only ``sparse_sync``'s stats are the new step's, so
-``stats.nonfinite`` names the leaves that caused the skip. The inner
-optimizer runs every step, so every worker issues the same collectives.
+A skipped step keeps the inner state as it was (moments, counts, per-worker
+states), except ``sparse_sync``'s own: it has already kept the residual and
+velocity of each non-finite unit on the worker that had the NaN, so nothing
+is poisoned; the other workers' residuals give up what they sent in the
+skipped step (a dense ``apply_if_finite`` drops the whole step's gradient),
+and its stats are the skipped step's, so ``stats.nonfinite`` names the leaves
+and the worker. Keeping the residuals too would hold the old and the new
+alive together: on 1 × H200 (gpt2-small) +3.5 ms a step against +0.7.
+The inner optimizer runs every step, so every worker issues the same
+collectives.
 """
 
 from __future__ import annotations
@@ -51,11 +56,14 @@ def _is_delayed(x) -> bool:
   return isinstance(x, delay.DelayedState)
 
 
-def _keep_new_stats(kept, new):
-  """``kept`` with each ``sparse_sync`` state's stats taken from ``new``."""
-  def pick(k, n):
-    return k._replace(stats=n.stats) if transform.is_sync_state(k) else k
-  return jax.tree.map(pick, kept, new, is_leaf=transform.is_sync_state)
+def _select(apply, old, new):
+  """``new`` where ``apply``, else ``old``; ``sparse_sync``'s states always
+  ``new`` (module doc)."""
+  def pick(o, n):
+    if transform.is_sync_state(o):
+      return n
+    return jnp.where(apply, n, o)
+  return jax.tree.map(pick, old, new, is_leaf=transform.is_sync_state)
 
 
 def apply_if_finite(inner: optax.GradientTransformation,
@@ -103,11 +111,9 @@ def apply_if_finite(inner: optax.GradientTransformation,
     out = jax.tree.map(
         lambda u: jnp.where(apply, u, jnp.zeros_like(u)) if _floats(u) else u,
         out)
-    kept = jax.tree.map(lambda old, new: jnp.where(apply, new, old),
-                        state.inner, new_inner)
     return out, ApplyIfFiniteState(
         skipped.astype(jnp.int32), finite,
         state.total_notfinite + (~finite).astype(jnp.int32),
-        _keep_new_stats(kept, new_inner))
+        _select(apply, state.inner, new_inner))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
