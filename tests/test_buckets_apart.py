@@ -81,14 +81,19 @@ def _compiled_step(mesh, plan, opt, params, x):
 LEAF_OF = dict(enumerate(sorted(SHAPES)))
 
 
-@pytest.mark.parametrize("recipe", sorted(jaxfuse.RECIPES))
-def test_each_collective_waits_for_its_own_leaves_only(recipe):
+@pytest.mark.parametrize("recipe, finite", [
+    *[(r, False) for r in sorted(jaxfuse.RECIPES)],
+    ("onebit_adamw", True), ("sgd", True)])   # in jaxfuse.apply_if_finite
+def test_each_collective_waits_for_its_own_leaves_only(recipe, finite):
   mesh, params, x = _problem(0)
   plan = jaxfuse.plan(params, density=0.1, strategy="layerwise",
                       min_sparse_size=64, loss_fn=loss_fn,
                       example_args=(jnp.ones((2, 24 * len(SHAPES))),))
   assert sum(b.collective == "allgather" for b in plan.buckets) == 5
-  text = _compiled_step(mesh, plan, _recipe(recipe, plan), params, x)
+  opt = _recipe(recipe, plan)
+  if finite:   # its check of the synced update comes after every collective
+    opt = jaxfuse.apply_if_finite(opt, 3)
+  text = _compiled_step(mesh, plan, opt, params, x)
   bucket_of = {plan.leaves[j].path[2:-2]: b
                for b, bk in enumerate(plan.buckets) for j in bk.leaves}
   found = hlo.collective_inputs(text)

@@ -68,8 +68,9 @@ def _problem(layers, seed=0, biases=False, scales=False):
 
 def _setup(layers, recipe="onebit_adamw", bucket_bytes=6000, density=0.2,
            seed=0, biases=False, scales=False, num_buckets=None,
-           collective="allgather", groups=None):
-  """``num_buckets``: plan ``aligned`` with that many groups, else
+           collective="allgather", groups=None, finite=False):
+  """``finite``: the recipe inside ``jaxfuse.apply_if_finite``;
+  ``num_buckets``: plan ``aligned`` with that many groups, else
   ``size`` with ``bucket_bytes``; ``collective``: the sparse buckets'
   scheme; ``groups``: then regroup the plan into these groups (positions
   in the backward-ready order; each a sparse and a dense bucket)."""
@@ -86,6 +87,8 @@ def _setup(layers, recipe="onebit_adamw", bucket_bytes=6000, density=0.2,
     plan = optimal.plan_from_groups(
         plan, [[order[i] for i in group] for group in groups])
   opt = jaxfuse.RECIPES[recipe](plan, 1e-2, clip_norm=1.0)
+  if finite:
+    opt = jaxfuse.apply_if_finite(opt, 3)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   x = jax.device_put(x, NamedSharding(mesh, P("data")))
   state = jaxfuse.init_state(opt, params, mesh)
@@ -171,10 +174,14 @@ def _check_order(plan, eqns, shapes, window=None):
   return checked
 
 
-@pytest.mark.parametrize("recipe", sorted(set(jaxfuse.RECIPES) - {"sgd"}))
-def test_same_results_bitwise(recipe):
-  """Two steps of each recipe (``sgd``: the property test below)."""
-  plan, wrap, local, args = _setup(2, recipe, bucket_bytes=2000)
+@pytest.mark.parametrize("recipe, finite", [
+    *[(r, False) for r in sorted(set(jaxfuse.RECIPES) - {"sgd"})],
+    ("onebit_adamw", True)])
+def test_same_results_bitwise(recipe, finite):
+  """Two steps of each recipe (``sgd``: the property test below), and of
+  one inside ``jaxfuse.apply_if_finite``."""
+  plan, wrap, local, args = _setup(2, recipe, bucket_bytes=2000,
+                                   finite=finite)
   assert len(plan.buckets) >= 2
   # both compiled alike, with XLA:CPU's quicker codegen (the same HLO)
   plain = fast_jit(wrap(local))
