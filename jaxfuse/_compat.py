@@ -168,6 +168,15 @@ def all_gather_invariant(x, axis_name: str):
   return parallel.all_gather_invariant(x, axis_name)
 
 
+def is_tracer(x) -> bool:
+  """Whether ``x`` is a traced value (inside ``jit``, ``grad``, ...)."""
+  tracer = getattr(jax.core, "Tracer", None)
+  if tracer is None:   # moved out of jax.core
+    from jax._src import core  # pylint: disable=g-import-not-at-top
+    tracer = core.Tracer
+  return isinstance(x, tracer)
+
+
 def is_float_dtype(dtype) -> bool:
   try:
     return bool(jax.numpy.issubdtype(jax.numpy.dtype(dtype),

@@ -49,13 +49,17 @@ def is_int(x) -> bool:
 
 
 def as_python(x):
-  """A numpy integer or real as the Python int or float of its value
-  (JAX takes numpy scalars as typed: ``bf16 * np.float32(0.9)`` is float32,
-  ``bf16 * 0.9`` bfloat16); anything else as it is."""
+  """A numpy integer or real, or a concrete 0-d JAX array, as the Python
+  number of its value (JAX takes numpy scalars as typed: ``bf16 *
+  np.float32(0.9)`` is float32, ``bf16 * 0.9`` bfloat16); anything else
+  (a traced value included) as it is."""
   if is_int(x):
     return int(x)
   if is_real(x):
     return float(x)
+  if (isinstance(x, jax.Array) and not _compat.is_tracer(x) and x.ndim == 0
+      and x.dtype != bool):
+    return x.item()
   return x
 
 

@@ -56,6 +56,34 @@ from jaxfuse import transform
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 
+# What each recipe fixes when its step is traced (the state's layout, a
+# branch, a kernel's constants): ``optax.inject_hyperparams`` must keep
+# these static; the others (learning_rate, weight_decay, eps, local_adamw's
+# betas) may be injected and changed between steps.
+STATIC_ARGS = {
+    "sgd": ("momentum", "clip_norm", "residual_decay"),
+    "local_adamw": ("clip_norm",),
+    "sync_adamw": ("clip_norm",),
+    "onebit_adamw": ("b1", "b2", "clip_norm"),
+    "demo": ("momentum", "clip_norm"),
+}
+
+
+def _numbers(where: str, **values) -> list:
+  """``values`` as Python numbers where given as numbers (numpy scalars,
+  concrete JAX scalars: ``plan_checks.as_python``); a traced value stays
+  traced, unless it is one of ``STATIC_ARGS[where]`` (``SyncError``)."""
+  traced = [name for name in STATIC_ARGS[where]
+            if _compat.is_tracer(values.get(name))]
+  if traced:
+    raise transform.SyncError(
+        f"{where}: {', '.join(traced)} must be known when the step is "
+        "traced (each shapes the state or the program), not traced. "
+        "With optax.inject_hyperparams keep them static: "
+        f"optax.inject_hyperparams(jaxfuse.{where}, "
+        f"static_args=jaxfuse.recipes.STATIC_ARGS[{where!r}]).")
+  return [plan_lib.as_python(v) for v in values.values()]
+
 
 def _check_clip(max_norm):
   try:
@@ -142,9 +170,10 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   rate tuned for dense (docs/convergence.md, "SGD with momentum").
   """
   _require_trainable(plan, "sgd")
-  learning_rate, momentum, clip_norm, weight_decay, residual_decay = map(
-      plan_lib.as_python, (learning_rate, momentum, clip_norm, weight_decay,
-                           residual_decay))
+  learning_rate, momentum, clip_norm, weight_decay, residual_decay = _numbers(
+      "sgd", learning_rate=learning_rate, momentum=momentum,
+      clip_norm=clip_norm, weight_decay=weight_decay,
+      residual_decay=residual_decay)
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
@@ -165,9 +194,9 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                 ) -> optax.GradientTransformationExtraArgs:
   """AdamW preconditioned on each worker, error feedback on the update."""
   _require_trainable(plan, "local_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = map(
-      plan_lib.as_python, (learning_rate, b1, b2, eps, weight_decay,
-                           clip_norm))
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
+      "local_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+      weight_decay=weight_decay, clip_norm=clip_norm)
   return optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
@@ -182,9 +211,9 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                ) -> optax.GradientTransformationExtraArgs:
   """The baseline: sparse-sync the gradient, then AdamW (clip after sync)."""
   _require_trainable(plan, "sync_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = map(
-      plan_lib.as_python, (learning_rate, b1, b2, eps, weight_decay,
-                           clip_norm))
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
+      "sync_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+      weight_decay=weight_decay, clip_norm=clip_norm)
   _check_clip(clip_norm)
   return optax.chain(
       transform.sparse_sync(plan, axis_name),
@@ -223,9 +252,9 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   that the first sparse step's shares start from.
   """
   _require_trainable(plan, "onebit_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = map(
-      plan_lib.as_python, (learning_rate, b1, b2, eps, weight_decay,
-                           clip_norm))
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
+      "onebit_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+      weight_decay=weight_decay, clip_norm=clip_norm)
   _check_betas(b1=b1, b2=b2)
   _check_clip(clip_norm)
   sched = schedule_lib.compile_plan(plan)
@@ -366,8 +395,9 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
          ) -> optax.GradientTransformationExtraArgs:
   """DeMo: the decaying local momentum is the error-feedback buffer."""
   _require_trainable(plan, "demo")
-  learning_rate, momentum, weight_decay, clip_norm = map(
-      plan_lib.as_python, (learning_rate, momentum, weight_decay, clip_norm))
+  learning_rate, momentum, weight_decay, clip_norm = _numbers(
+      "demo", learning_rate=learning_rate, momentum=momentum,
+      weight_decay=weight_decay, clip_norm=clip_norm)
   return optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, residual_decay=momentum),

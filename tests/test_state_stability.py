@@ -40,6 +40,10 @@ def _options(recipe, draw):
   return options
 
 
+def _jax_scalar(value):
+  return jnp.asarray(value, jnp.float32)
+
+
 def _traced_step(tx, params, mesh):
   """(state in, (updates, state out)) as ShapeDtypeStructs of one step
   under ``shard_map``, the gradients each worker's own."""
@@ -80,8 +84,9 @@ def test_a_step_keeps_the_state_and_the_parameters_dtypes(recipe, data):
       dense_wire=draw(st.sampled_from(["gradient", "bfloat16"])))
   phase = draw(st.sampled_from(phases), "phase")
   options = _options(recipe, draw)
-  # numbers as a user may give them: JAX types numpy scalars
-  number = draw(st.sampled_from([float, np.float32]), "number type")
+  # numbers as a user may give them: JAX types numpy and JAX scalars
+  number = draw(st.sampled_from([float, np.float32, _jax_scalar]),
+                "number type")
   options = {k: number(v) if type(v) is float else v  # pylint: disable=unidiomatic-typecheck
              for k, v in options.items()}
   make = jaxfuse.recipes.RECIPES[recipe]
