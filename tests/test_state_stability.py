@@ -115,3 +115,26 @@ def test_a_float32_constant_in_the_state_path_would_be_caught():
       lambda p: jax.tree.map(jnp.zeros_like, p), update), float32_state=False)
   state, (_, new_state) = _traced_step(tx, params, mesh)
   assert _avals(new_state) != _avals(state)
+
+
+@pytest.mark.parametrize("collective", ["allgather", "zen", "spardl"])
+@pytest.mark.parametrize("recipe", ["onebit_adamw", "sgd"])
+def test_x64_keeps_float32_and_float64_states(recipe, collective):
+  """With ``jax_enable_x64`` Python numbers trace as 64-bit: a float32
+  model must not turn float64 anywhere, and a float64 model steps in
+  float64."""
+  mesh = mesh_of(NUM_WORKERS)
+  with jax.enable_x64(True):
+    for dtype in (jnp.float32, jnp.float64):
+      params = _params(dtype)
+      plan = jaxfuse.plan(params, density=0.05, min_sparse_size=64,
+                          strategy="size", bucket_bytes=20_000,
+                          collective=collective, packed_indices=True)
+      for phase in jaxfuse.density_warmup(plan, dense_steps=1, steps=0):
+        tx = jaxfuse.RECIPES[recipe](phase.plan, 1e-3, clip_norm=1.0)
+        state, (updates, new_state) = _traced_step(tx, params, mesh)
+        assert _avals(new_state) == _avals(state), (dtype, phase.start)
+        assert _avals(updates) == _avals(params), (dtype, phase.start)
+        if dtype == jnp.float32:
+          assert not any(jnp.dtype(x.dtype) == jnp.float64
+                         for x in jax.tree.leaves(state)), phase.start
