@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
@@ -448,6 +449,39 @@ _LOCAL_WRAPPERS = {
 }
 
 
+def _refuse_one_workers_state(opt_state, axis_name) -> None:
+  """``SyncError`` for per-worker leaves holding one worker's shape (leading
+  axis 1, not sharded over the axis) where there are several devices: a
+  state from ``optimizer.init(params)`` (or flax's ``TrainState.create``)
+  instead of ``init_state``. Abstract states pass."""
+  if jax.device_count() == 1:
+    return
+  names = set(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+
+  def sharded_over_axis(x) -> bool:
+    sharding = getattr(x, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or not len(spec):
+      return False
+    first = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    return bool(names & set(first))
+
+  for state in jax.tree.leaves(opt_state, is_leaf=is_worker_state):
+    if not is_worker_state(state):
+      continue
+    for x in jax.tree.leaves(state):
+      if (isinstance(x, (jax.Array, np.ndarray)) and not _compat.is_tracer(x)
+          and x.ndim and x.shape[0] == 1 and not sharded_over_axis(x)):
+        raise SyncError(
+            f"the {type(state).__name__} in this state holds one worker's "
+            f"shape {x.shape} (leading axis 1) on {jax.device_count()} "
+            "devices: it was made by optimizer.init(params) (or flax's "
+            "TrainState.create). Make it with jaxfuse.init_state(optimizer, "
+            "params, mesh), which gives each worker its own part "
+            "(with a TrainState: state.replace(opt_state=jaxfuse.init_state("
+            "...))).")
+
+
 def _refuse_local_wrappers(opt_state) -> None:
   """``SyncError`` for an optax wrapper of ``_LOCAL_WRAPPERS`` around a
   state with per-worker parts (it may follow ``sparse_sync`` in a chain)."""
@@ -482,6 +516,7 @@ def state_specs(opt_state, axis_name: str | tuple = "data"):
   (``optax.apply_if_finite``, ``optax.MultiSteps``), naming what to use.
   """
   _refuse_local_wrappers(opt_state)
+  _refuse_one_workers_state(opt_state, axis_name)
 
   def spec(x):
     if is_worker_state(x):

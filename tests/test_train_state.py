@@ -1,0 +1,99 @@
+"""docs/choosing.md's flax ``TrainState`` snippet, run as written: it steps
+exactly as the plain Quickstart step; a state left as ``TrainState.create``
+made it (one worker's shapes) is refused, naming the fix."""
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxfuse
+
+from _harness import NUM_WORKERS, mesh_of, shard
+
+DOC = pathlib.Path(__file__).parents[1] / "docs" / "choosing.md"
+K = NUM_WORKERS
+
+
+def _snippet() -> str:
+  section = DOC.read_text().split("## With flax's `TrainState`", 1)[1]
+  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def _loss_fn(p, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+
+def _problem():
+  rng = np.random.default_rng(0)
+  params = {"w1": rng.normal(size=(32, 64)).astype(np.float32) / 6,
+            "w2": rng.normal(size=(64, 8)).astype(np.float32) / 8}
+  batches = [(rng.normal(size=(4 * K, 32)).astype(np.float32),
+              rng.normal(size=(4 * K, 8)).astype(np.float32))
+             for _ in range(3)]
+  return params, batches
+
+
+def test_train_state_steps_as_the_plain_step():
+  mesh = mesh_of(K)
+  params, batches = _problem()
+  start = params["w1"]
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  opt = jaxfuse.sgd(plan, 0.05, momentum=0.9)
+
+  class Model:   # what TrainState keeps of the model: apply_fn
+    apply = staticmethod(lambda variables, x: x)
+
+  # its own copy of the parameters: the snippet's step donates its state
+  user = dict(jax=jax, jaxfuse=jaxfuse, train_state=train_state, P=P,
+              model=Model, params=jax.tree.map(jnp.copy, params), opt=opt,
+              mesh=mesh, loss_fn=_loss_fn)
+  exec(_snippet(), user)  # pylint: disable=exec-used
+
+  opt_state = jaxfuse.init_state(opt, params, mesh)
+  specs = jaxfuse.state_specs(opt_state)
+
+  def local(params, opt_state, batch):
+    grads = jax.grad(_loss_fn)(jaxfuse.local_params(params), batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  plain = jax.jit(jax.shard_map(local, mesh=mesh,
+                                in_specs=(P(), specs, P("data")),
+                                out_specs=(P(), specs)))
+  state, p, s = user["state"], params, opt_state
+  for batch in batches:
+    batch = shard(mesh, batch)
+    state, _ = user["train_step"](state, batch)
+    p, s = plain(p, s, batch)
+    jax.block_until_ready((state, p))
+  assert int(state.step) == len(batches)
+  for a, b in zip(jax.tree.leaves((state.params, state.opt_state)),
+                  jax.tree.leaves((p, s)), strict=True):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  assert not np.array_equal(np.asarray(p["w1"]), start)
+
+
+def test_a_state_of_one_workers_shapes_is_refused():
+  if len(jax.devices()) < 2:
+    pytest.skip("one device: one worker's shapes are the state's")
+  params, _ = _problem()
+  opt = jaxfuse.sgd(jaxfuse.plan(params, density=0.1, min_sparse_size=64),
+                    0.05)
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=opt)
+  with pytest.raises(jaxfuse.SyncError, match=r"jaxfuse.init_state\("):
+    jaxfuse.state_specs(state.opt_state)
+  with pytest.raises(jaxfuse.SyncError, match="TrainState.create"):
+    jaxfuse.state_specs(opt.init(params))
+  fixed = state.replace(opt_state=jaxfuse.init_state(opt, params,
+                                                     mesh_of(K)))
+  jaxfuse.state_specs(fixed.opt_state)   # what the snippet does: accepted
