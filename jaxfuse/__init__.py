@@ -64,7 +64,8 @@ from jaxfuse.transform import unit_residuals
 from jaxfuse.version import __version__
 
 __all__ = [
-    "ApplyIfFiniteState", "apply_if_finite", "BucketPlan", "COST_STRATEGIES", "CollectivesDifferError", "DelayedState",
+    "ApplyIfFiniteState", "apply_if_finite", "BucketPlan", "COST_STRATEGIES",
+    "CollectivesDifferError", "DelayedState",
     "check_same_collectives", "checkpoint",
     "clipping", "collectives", "delayed", "elastic",
     "first_moment", "grouped", "kernels",

@@ -22,9 +22,8 @@ skipped step (a dense ``apply_if_finite`` drops the whole step's gradient),
 and its stats are the skipped step's, so ``stats.nonfinite`` names the leaves
 and the worker. Keeping the residuals too would hold the old and the new
 alive together: on 1 × H200 (gpt2-small) 2 ms of kernel time a step
-against 1.
-The inner optimizer runs every step, so every worker issues the same
-collectives.
+against 1. The inner optimizer runs every step, so every worker issues the
+same collectives.
 """
 
 from __future__ import annotations

@@ -185,3 +185,28 @@ def test_delayed_goes_outside():
       jaxfuse.sgd(plan, 0.1), 3)).init(params)
   assert isinstance(state.inner, jaxfuse.ApplyIfFiniteState)
   assert jnp.dtype(state.inner.notfinite_count.dtype) == jnp.int32
+
+
+def test_a_wrapped_state_checkpoints_and_restores(tmp_path):
+  """apply_if_finite around an inject_hyperparams recipe: its state (counts,
+  a bool, the hyperparameters' dict, the per-worker sync state) saves and
+  comes back bitwise, sharded as it was."""
+  mesh = mesh_of(K)
+  plan = _plan()
+  tx = jaxfuse.apply_if_finite(optax.inject_hyperparams(
+      jaxfuse.sgd, static_args=jaxfuse.recipes.STATIC_ARGS["sgd"])(
+          plan=plan, learning_rate=0.05), 3)
+  params, state, run = _runner(tx, mesh)
+  params, state, _ = run(params, state, _grads(1))
+  params, state, _ = run(params, state, _grads(2, nan=True))
+  mngr = jaxfuse.checkpoint.manager(tmp_path)
+  jaxfuse.checkpoint.save(mngr, 2, {"params": params, "opt": state}, plan)
+  like = jax.tree.map(jnp.zeros_like, {"params": params, "opt": state})
+  step, back = jaxfuse.checkpoint.restore(mngr, like, plan)
+  assert step == 2 and int(back["opt"].total_notfinite) == 1
+  for a, b in zip(jax.tree.leaves((params, state)),
+                  jax.tree.leaves((back["params"], back["opt"])),
+                  strict=True):
+    # (the skipped step's stats hold the NaN worker's threshold, NaN)
+    assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    assert b.sharding == a.sharding
