@@ -51,6 +51,20 @@ def repo_modules(folder: str, *names: str):
     sys.path.remove(path)
 
 
+def doc_snippet(doc: str, heading: str) -> str:
+  """The first ```python block after ``heading`` in the repository's
+  ``doc`` (e.g. "docs/choosing.md")."""
+  import re  # pylint: disable=g-import-not-at-top
+  section = (REPO / doc).read_text().split(heading, 1)[1]
+  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def mlp_loss(p, batch):
+  """A two-layer model's squared error: p = {"w1", "w2"}, batch = (x, y)."""
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+
 def cpu_env(num_devices: int = 8,
             compile_cache: str | os.PathLike | None = None) -> dict[str, str]:
   """Environment of a child process on ``num_devices`` CPU devices (the

@@ -2,9 +2,6 @@
 inside the step give one large batch's step, with the sync's collectives
 issued once per step, not once per micro-batch."""
 
-import pathlib
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,20 +13,9 @@ from jax.sharding import PartitionSpec as P
 import jaxfuse
 from jaxfuse import overlap
 
-from _harness import NUM_WORKERS, all_eqns, mesh_of
+from _harness import NUM_WORKERS, all_eqns, doc_snippet, mesh_of, mlp_loss
 
-DOC = pathlib.Path(__file__).parents[1] / "docs" / "choosing.md"
 K = NUM_WORKERS
-
-
-def _snippet() -> str:
-  section = DOC.read_text().split("## Gradient accumulation", 1)[1]
-  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
-def _loss_fn(p, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
 
 def _step(local, mesh, specs):
@@ -55,12 +41,13 @@ def test_micro_batches_inside_the_step_are_one_large_batch():
   specs = jaxfuse.state_specs(state)
 
   user = dict(jax=jax, jnp=jnp, optax=optax, jaxfuse=jaxfuse,
-              loss_fn=_loss_fn, opt=opt)
-  exec(_snippet(), user)  # pylint: disable=exec-used
+              loss_fn=mlp_loss, opt=opt)
+  snippet = doc_snippet("docs/choosing.md", "## Gradient accumulation")
+  exec(snippet, user)  # pylint: disable=exec-used
   assert user["M"] > 1
 
   def large(params, opt_state, batch):    # the Quickstart's step
-    loss, grads = jax.value_and_grad(_loss_fn)(jaxfuse.local_params(params),
+    loss, grads = jax.value_and_grad(mlp_loss)(jaxfuse.local_params(params),
                                                batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state,

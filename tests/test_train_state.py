@@ -2,9 +2,6 @@
 exactly as the plain Quickstart step; a state left as ``TrainState.create``
 made it (one worker's shapes) is refused, naming the fix."""
 
-import pathlib
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,20 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfuse
 
-from _harness import NUM_WORKERS, mesh_of, shard
+from _harness import NUM_WORKERS, doc_snippet, mesh_of, mlp_loss, shard
 
-DOC = pathlib.Path(__file__).parents[1] / "docs" / "choosing.md"
 K = NUM_WORKERS
-
-
-def _snippet() -> str:
-  section = DOC.read_text().split("## With flax's `TrainState`", 1)[1]
-  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
-def _loss_fn(p, batch):
-  x, y = batch
-  return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
 
 def _problem():
@@ -56,14 +42,15 @@ def test_train_state_steps_as_the_plain_step():
   # its own copy of the parameters: the snippet's step donates its state
   user = dict(jax=jax, jaxfuse=jaxfuse, train_state=train_state, P=P,
               model=Model, params=jax.tree.map(jnp.copy, params), opt=opt,
-              mesh=mesh, loss_fn=_loss_fn)
-  exec(_snippet(), user)  # pylint: disable=exec-used
+              mesh=mesh, loss_fn=mlp_loss)
+  snippet = doc_snippet("docs/choosing.md", "## With flax's `TrainState`")
+  exec(snippet, user)  # pylint: disable=exec-used
 
   opt_state = jaxfuse.init_state(opt, params, mesh)
   specs = jaxfuse.state_specs(opt_state)
 
   def local(params, opt_state, batch):
-    grads = jax.grad(_loss_fn)(jaxfuse.local_params(params), batch)
+    grads = jax.grad(mlp_loss)(jaxfuse.local_params(params), batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
