@@ -205,6 +205,11 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
 
 
 def _check_unit_interval(name, x, closed_low=False, closed_high=False):
+  if _compat.is_tracer(x):
+    raise SyncError(
+        f"sparse_sync: {name} is a traced value; it must be a Python number "
+        "known when the step is traced (it shapes the state or the "
+        "program). With optax.inject_hyperparams, name it in static_args.")
   ok = plan_lib.is_real(x) and (
       (0 <= x if closed_low else 0 < x) and (x <= 1 if closed_high else x < 1))
   if not ok:

@@ -98,3 +98,18 @@ def test_static_hyperparameters_left_to_inject_name_the_fix(recipe):
   with pytest.raises(jaxfuse.SyncError,
                      match=rf"static_args=jaxfuse.recipes.STATIC_ARGS\['{recipe}'\]"):
     jaxfuse.init_state(injected, params, mesh)
+
+
+def test_sparse_sync_names_static_args_too():
+  mesh = mesh_of(K)
+  params, _, plan = _setup()
+  injected = optax.inject_hyperparams(jaxfuse.sparse_sync)(plan=plan,
+                                                           momentum=0.9)
+  with pytest.raises(jaxfuse.SyncError, match="momentum is a traced value.*"
+                     "static_args"):
+    jaxfuse.init_state(injected, params, mesh)
+  fixed = optax.inject_hyperparams(
+      jaxfuse.sparse_sync, static_args=("momentum", "residual_decay"))(
+          plan=plan, momentum=0.9)
+  state = jaxfuse.init_state(fixed, params, mesh)
+  assert state.inner_state.velocity   # the static momentum made its state
