@@ -455,28 +455,36 @@ _LOCAL_WRAPPERS = {
 
 
 def _refuse_one_workers_state(opt_state, axis_name) -> None:
-  """``SyncError`` for per-worker leaves holding one worker's shape (leading
-  axis 1, not sharded over the axis) where there are several devices: a
-  state from ``optimizer.init(params)`` (or flax's ``TrainState.create``)
-  instead of ``init_state``. Abstract states pass."""
+  """``SyncError`` for per-worker leaves holding one worker's shape where
+  there are several devices: leading axis 1, and either on a mesh whose
+  worker axes have more than one device but not sharded over them, or no
+  mesh's at all (numpy, one device's array). That is a state from
+  ``optimizer.init(params)`` (or flax's ``TrainState.create``) instead of
+  ``init_state``. Abstract states pass."""
   if jax.device_count() == 1:
     return
-  names = set(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+  _, names = _axis_names(axis_name)
 
-  def sharded_over_axis(x) -> bool:
-    sharding = getattr(x, "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    if spec is None or not len(spec):
+  def one_workers(x) -> bool:
+    if not (isinstance(x, (jax.Array, np.ndarray)) and
+            not _compat.is_tracer(x) and x.ndim and x.shape[0] == 1):
       return False
-    first = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-    return bool(names & set(first))
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      return True
+    workers = 1
+    for n in names:
+      workers *= dict(sharding.mesh.shape).get(n, 1)
+    spec = sharding.spec
+    first = (spec[0] if len(spec) and isinstance(spec[0], tuple)
+             else tuple(spec[:1]))
+    return workers > 1 and not set(names) & set(first)
 
   for state in jax.tree.leaves(opt_state, is_leaf=is_worker_state):
     if not is_worker_state(state):
       continue
     for x in jax.tree.leaves(state):
-      if (isinstance(x, (jax.Array, np.ndarray)) and not _compat.is_tracer(x)
-          and x.ndim and x.shape[0] == 1 and not sharded_over_axis(x)):
+      if one_workers(x):
         raise SyncError(
             f"the {type(state).__name__} in this state holds one worker's "
             f"shape {x.shape} (leading axis 1) on {jax.device_count()} "

@@ -81,6 +81,14 @@ def test_a_state_of_one_workers_shapes_is_refused():
     jaxfuse.state_specs(state.opt_state)
   with pytest.raises(jaxfuse.SyncError, match="TrainState.create"):
     jaxfuse.state_specs(opt.init(params))
-  fixed = state.replace(opt_state=jaxfuse.init_state(opt, params,
-                                                     mesh_of(K)))
-  jaxfuse.state_specs(fixed.opt_state)   # what the snippet does: accepted
+  mesh = mesh_of(K)
+  with pytest.raises(jaxfuse.SyncError, match="one worker's shape"):
+    jaxfuse.state_specs(jax.device_put(opt.init(params),   # replicated
+                                       NamedSharding(mesh, P())))
+  # accepted: what the snippet does, and a one-device mesh's state (its
+  # arrays carry P(): XLA drops an axis of size 1 from their specs)
+  fixed = state.replace(opt_state=jaxfuse.init_state(opt, params, mesh))
+  one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  for ok in (fixed.opt_state, jaxfuse.init_state(opt, params, one)):
+    specs = jaxfuse.state_specs(ok)
+    assert specs[1].residuals[0] == P("data")
