@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jaxfuse
 from jaxfuse import recipes
 
-from _harness import NUM_WORKERS, mesh_of, shard
+from _harness import NUM_WORKERS, fast_jit, mesh_of, shard
 
 K = NUM_WORKERS
 SHAPES = {"w": (64, 48), "b": (48,)}
@@ -40,7 +40,7 @@ def _steps(tx, params, grads, mesh, set_lr=None):
                                params)
     return optax.apply_updates(params, updates), state
 
-  step = jax.jit(jax.shard_map(local, mesh=mesh,
+  step = fast_jit(jax.shard_map(local, mesh=mesh,
                                in_specs=(P(), specs, P("data")),
                                out_specs=(P(), specs)))
   for g in grads:
