@@ -41,8 +41,8 @@ def _steps(tx, params, grads, mesh, set_lr=None):
     return optax.apply_updates(params, updates), state
 
   step = fast_jit(jax.shard_map(local, mesh=mesh,
-                               in_specs=(P(), specs, P("data")),
-                               out_specs=(P(), specs)))
+                                in_specs=(P(), specs, P("data")),
+                                out_specs=(P(), specs)))
   for g in grads:
     if set_lr is not None:
       old = state.hyperparams["learning_rate"]

@@ -1,6 +1,7 @@
 """``jaxfuse.apply_if_finite``: a step whose gradient has a NaN on one worker
-is skipped on every worker, and training goes on exactly as if that step had
-never run; optax's wrappers that would part the workers are refused."""
+is skipped on every worker, the optimizer's state kept but for
+sparse_sync's, and training goes on; optax's wrappers that would part the
+workers are refused."""
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +41,9 @@ def _grads(seed, nan=False):
 
 
 def _runner(tx, mesh):
-  """(state, step): step(params, state, grads) -> (params, state, updates)
-  under shard_map, compiled once."""
+  """(params, state, run): the placed parameters, the initial state, and
+  run(params, state, grads) -> (params, state, updates), one step under
+  shard_map, compiled once."""
   params = jax.device_put(_params(), NamedSharding(mesh, P()))
   state = jaxfuse.init_state(tx, params, mesh)
   specs = jaxfuse.state_specs(state)
@@ -52,8 +54,8 @@ def _runner(tx, mesh):
     return optax.apply_updates(params, updates), state, updates
 
   step = fast_jit(jax.shard_map(local, mesh=mesh,
-                               in_specs=(P(), specs, P("data")),
-                               out_specs=(P(), specs, P())))
+                                in_specs=(P(), specs, P("data")),
+                                out_specs=(P(), specs, P())))
 
   def run(params, state, grads):
     out = step(params, state, shard(mesh, grads))
@@ -176,15 +178,22 @@ def test_max_consecutive_errors_must_be_a_count(limit):
 
 
 def test_delayed_goes_outside():
-  """Inside, a skip would bring the delayed NaN gradient back every step."""
+  """Inside, a skip would bring the delayed NaN gradient back every step;
+  outside, the NaN gradient is skipped once, one step late."""
   params, plan = _params(), _plan()
   with pytest.raises(jaxfuse.SyncError, match="put delayed outside"):
     jaxfuse.apply_if_finite(jaxfuse.delayed(jaxfuse.sgd(plan, 0.1)), 3
                             ).init(params)
-  state = jaxfuse.delayed(jaxfuse.apply_if_finite(
-      jaxfuse.sgd(plan, 0.1), 3)).init(params)
-  assert isinstance(state.inner, jaxfuse.ApplyIfFiniteState)
-  assert jnp.dtype(state.inner.notfinite_count.dtype) == jnp.int32
+  tx = jaxfuse.delayed(jaxfuse.apply_if_finite(jaxfuse.sgd(plan, 0.1), 3))
+  params, state, run = _runner(tx, mesh_of(K))
+  counts = []
+  for grads in (_grads(1), _grads(2, nan=True), _grads(3), _grads(4)):
+    params, state, _ = run(params, state, grads)
+    counts.append((int(state.inner.notfinite_count),
+                   int(state.inner.total_notfinite)))
+  assert counts == [(0, 0), (0, 0), (1, 1), (0, 1)]
+  assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(
+      params))
 
 
 def test_a_wrapped_state_checkpoints_and_restores(tmp_path):
