@@ -185,6 +185,11 @@ def is_float_dtype(dtype) -> bool:
     return False
 
 
+def is_float_value(x) -> bool:
+  """Whether ``x`` (an array, scalar or ShapeDtypeStruct) holds floats."""
+  return is_float_dtype(jax.numpy.result_type(x))
+
+
 def global_norm(tree):
   """√Σ x² over a pytree: ``optax.tree.norm`` (optax ≥ 0.2.5), else the
   deprecated ``optax.global_norm``."""

@@ -200,12 +200,9 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   return step, out
 
 
-def _is_sync(x) -> bool:
-  return isinstance(x, transform.SparseSyncState)
-
-
 def _has_sync_state(tree) -> bool:
-  return any(_is_sync(x) for x in jax.tree.leaves(tree, is_leaf=_is_sync))
+  return any(transform.is_sync_state(x)
+             for x in jax.tree.leaves(tree, is_leaf=transform.is_sync_state))
 
 
 def _is_onebit(x) -> bool:
@@ -253,7 +250,8 @@ def _per_unit(tree, plan):
   return jax.tree.map(
       lambda x: x._replace(residuals=split(x.residuals),
                            velocity=split(x.velocity) if x.velocity else ())
-      if _is_sync(x) else x, tree, is_leaf=_is_sync)
+      if transform.is_sync_state(x) else x, tree,
+      is_leaf=transform.is_sync_state)
 
 
 def _grouped(tree, plan, stack):
@@ -265,7 +263,8 @@ def _grouped(tree, plan, stack):
   return jax.tree.map(
       lambda x: x._replace(residuals=join(x.residuals),
                            velocity=join(x.velocity))
-      if _is_sync(x) else x, tree, is_leaf=_is_sync)
+      if transform.is_sync_state(x) else x, tree,
+      is_leaf=transform.is_sync_state)
 
 
 def _on_host(like, saved_k):

@@ -53,10 +53,6 @@ class DelayedState(NamedTuple):
   last_update: Any = None            # u_{t−1} (predict=True), else None
 
 
-def _holds(x) -> bool:
-  return _compat.is_float_dtype(jnp.result_type(x))
-
-
 def delayed(inner: optax.GradientTransformation, *, predict: bool = False
             ) -> optax.GradientTransformationExtraArgs:
   """``inner`` applied to the previous step's gradients (module doc).
@@ -79,7 +75,7 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
   def init_fn(params):
     pending = jax.tree.map(
         lambda p: jnp.zeros((1,) + jnp.shape(p), jnp.result_type(p))
-        if _holds(p) else jnp.zeros((1,), jnp.bool_), params)
+        if _compat.is_float_value(p) else jnp.zeros((1,), jnp.bool_), params)
     last = jax.tree.map(jnp.zeros_like, params) if predict else None
     return DelayedState(jnp.zeros((), jnp.int32),
                         transform.PerWorkerState(pending), inner.init(params),
@@ -90,8 +86,9 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
       raise transform.SyncError(
           f"delayed expects its DelayedState, got {type(state).__name__}; "
           "create the state with jaxfuse.init_state(optimizer, ...).")
+    floats = _compat.is_float_value
     previous = jax.tree.map(
-        lambda g, p: p[0].astype(g.dtype) if _holds(g) else g,
+        lambda g, p: p[0].astype(g.dtype) if floats(g) else g,
         updates, state.pending.inner)
     out, new_inner = inner.update(previous, state.inner, params, **extra_args)
     first = state.count == 0
@@ -99,7 +96,7 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
     new_inner = jax.tree.map(lambda old, new: jnp.where(first, old, new),
                              state.inner, new_inner)
     pending = jax.tree.map(
-        lambda g, p: g.astype(p.dtype)[None] if _holds(g) else p,
+        lambda g, p: g.astype(p.dtype)[None] if floats(g) else p,
         updates, state.pending.inner)
     last = (jax.tree.map(lambda o, l: o.astype(l.dtype), out,
                          state.last_update) if predict else None)
@@ -132,5 +129,5 @@ def predicted_params(params, opt_state):
         "predicted_params: params do not have the structure the optimizer "
         "state was created for (jaxfuse.init_state(optimizer, params, "
         "mesh)).")
-  return jax.tree.map(lambda p, u: (p + u.astype(p.dtype)) if _holds(p)
-                      else p, params, last)
+  return jax.tree.map(lambda p, u: (p + u.astype(p.dtype))
+                      if _compat.is_float_value(p) else p, params, last)

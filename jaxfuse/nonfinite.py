@@ -48,10 +48,6 @@ class ApplyIfFiniteState(NamedTuple):
   inner: Any                   # the inner optimizer's state
 
 
-def _floats(x) -> bool:
-  return _compat.is_float_dtype(jnp.result_type(x))
-
-
 def _is_delayed(x) -> bool:
   return isinstance(x, delay.DelayedState)
 
@@ -103,13 +99,14 @@ def apply_if_finite(inner: optax.GradientTransformation,
           f"{type(state).__name__}; create the state with "
           "jaxfuse.init_state(optimizer, ...).")
     out, new_inner = inner.update(updates, state.inner, params, **extra_args)
+    floats = _compat.is_float_value
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(u))
-                                for u in jax.tree.leaves(out) if _floats(u)]
+                                for u in jax.tree.leaves(out) if floats(u)]
                                or [jnp.array(True)]))
     skipped = jnp.where(finite, 0, state.notfinite_count + 1)
     apply = finite | (skipped > limit)
     out = jax.tree.map(
-        lambda u: jnp.where(apply, u, jnp.zeros_like(u)) if _floats(u) else u,
+        lambda u: jnp.where(apply, u, jnp.zeros_like(u)) if floats(u) else u,
         out)
     return out, ApplyIfFiniteState(
         skipped.astype(jnp.int32), finite,
