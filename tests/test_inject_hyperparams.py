@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jaxfuse
 from jaxfuse import recipes
 
-from _harness import NUM_WORKERS, fast_jit, mesh_of, shard
+from _harness import NUM_WORKERS, fast_jit, mesh_of, shard, sharded_update
 
 K = NUM_WORKERS
 SHAPES = {"w": (64, 48), "b": (48,)}
@@ -35,14 +35,13 @@ def _steps(tx, params, grads, mesh, set_lr=None):
   state = jaxfuse.init_state(tx, params, mesh)
   specs = jaxfuse.state_specs(state)
 
-  def local(params, state, g):
-    updates, state = tx.update(jax.tree.map(lambda x: x[0], g), state,
-                               params)
+  update = sharded_update(tx, mesh, specs, with_params=True)
+
+  def train(params, state, grads):
+    updates, state = update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  step = fast_jit(jax.shard_map(local, mesh=mesh,
-                                in_specs=(P(), specs, P("data")),
-                                out_specs=(P(), specs)))
+  step = fast_jit(train)
   for g in grads:
     if set_lr is not None:
       old = state.hyperparams["learning_rate"]

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfuse
 
-from _harness import NUM_WORKERS, fast_jit, mesh_of, shard
+from _harness import NUM_WORKERS, fast_jit, mesh_of, shard, sharded_update
 
 K = NUM_WORKERS
 SHAPES = {"w": (64, 48), "b": (48,)}
@@ -48,14 +48,13 @@ def _runner(tx, mesh):
   state = jaxfuse.init_state(tx, params, mesh)
   specs = jaxfuse.state_specs(state)
 
-  def local(params, state, grads):
-    updates, state = tx.update(jax.tree.map(lambda x: x[0], grads), state,
-                               params)
+  update = sharded_update(tx, mesh, specs, with_params=True)
+
+  def train(params, state, grads):
+    updates, state = update(grads, state, params)
     return optax.apply_updates(params, updates), state, updates
 
-  step = fast_jit(jax.shard_map(local, mesh=mesh,
-                                in_specs=(P(), specs, P("data")),
-                                out_specs=(P(), specs, P())))
+  step = fast_jit(train)
 
   def run(params, state, grads):
     out = step(params, state, shard(mesh, grads))
