@@ -13,6 +13,11 @@ from jaxfuse import plans as plan_lib
 
 DTYPES = ["float32", "bfloat16", "float16", "int32", "int8"]
 
+# one compiled program per shape, as in a step, instead of every small op
+# compiled on its own for each example's new shapes
+_to_words = jax.jit(fusion.to_words)
+_from_words = jax.jit(fusion.from_words, static_argnums=(1, 2))
+
 
 @settings(max_examples=60, deadline=None)
 @given(dtype=st.sampled_from(DTYPES), count=st.integers(1, 37),
@@ -22,10 +27,10 @@ def test_words_round_trip_bitwise(dtype, count, seed):
   bits = rng.integers(0, 2**8, size=count * jnp.dtype(dtype).itemsize,
                       dtype=np.uint8)
   x = jnp.asarray(bits.view(jnp.dtype(dtype)))
-  words = fusion.to_words(x)
+  words = _to_words(x)
   assert words.dtype == jnp.uint32
   assert words.shape == (plan_lib.num_words(count, dtype),)
-  back = fusion.from_words(words, dtype, count)
+  back = _from_words(words, dtype, count)
   np.testing.assert_array_equal(np.asarray(back).view(np.uint8), bits)
 
 
@@ -61,19 +66,20 @@ def test_words_of_rows_are_each_rows_words(dtype, rows, count, seed):
   bits = rng.integers(0, 2**8, size=rows * count * jnp.dtype(dtype).itemsize,
                       dtype=np.uint8)
   x = jnp.asarray(bits.view(jnp.dtype(dtype)).reshape(rows, count))
-  words = fusion.to_words(x)
+  words = _to_words(x)
   assert words.shape == (rows, plan_lib.num_words(count, dtype))
   for r in range(rows):
     np.testing.assert_array_equal(np.asarray(words[r]),
-                                  np.asarray(fusion.to_words(x[r])))
-  back = fusion.from_words(words, dtype, count)
+                                  np.asarray(_to_words(x[r])))
+  back = _from_words(words, dtype, count)
   np.testing.assert_array_equal(np.asarray(back).view(np.uint8).reshape(-1),
                                 bits)
 
 
-# one compiled program per shape instead of every op compiled on its own
 _pack = jax.jit(fusion.pack_indices, static_argnums=(1, 2))
 _unpack = jax.jit(fusion.unpack_indices, static_argnums=(1, 2))
+_pack_groups = jax.jit(fusion.pack_groups, static_argnums=1)
+_unpack_groups = jax.jit(fusion.unpack_groups, static_argnums=1)
 
 
 @settings(max_examples=60, deadline=None)
@@ -120,13 +126,15 @@ def test_groups_pack_every_units_slots_and_give_them_back(kinds, packed, seed):
   parts = [[(jnp.asarray(rng.standard_normal(u.capacity).astype(u.dtype)),
              jnp.asarray(rng.integers(0, u.size + 1, u.capacity), jnp.int32))
             for u in units] for _ in range(2)]    # two workers' slots
-  words = [fusion.pack_groups(p, units) for p in parts]
+  units = tuple(units)
+  words = [_pack_groups(p, units) for p in parts]
   # each unit's payload, in one buffer
   assert words[0].shape == (sum(plan_lib.payload_bytes(u)
                                 for u in units) // 4,)
   gathered = jnp.stack(words)   # (K=2, W)
   seen = []
-  for members, values, indices in fusion.unpack_groups(gathered, units):
+  for members, values, indices in _unpack_groups(gathered, units):
+    members = [int(n) for n in members]    # jit returned them as arrays
     assert {(units[n].size, units[n].capacity, units[n].dtype)
             for n in members} == {kinds[members[0]]}
     assert values.shape == indices.shape == (2, len(members),
