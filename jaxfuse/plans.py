@@ -199,11 +199,16 @@ class Plan:
       missing = [p for p in planned if p not in paths]
       extra = [p for p in paths if p not in planned]
       if missing or extra:
+        part = ("" if extra else
+                " An optax wrapper such as optax.multi_transform or "
+                "optax.masked hands its optimizer a part of the tree: make "
+                "the plan from that part (docs/choosing.md, \"Freezing "
+                "parameters, and optax.multi_transform\").")
         raise PlanError(
             "plan and parameters have different leaves: "
             f"in the plan only {missing[:5]}, in the parameters only "
             f"{extra[:5]}. Make the plan from these parameters "
-            "(jaxfuse.plan(params, ...)).")
+            f"(jaxfuse.plan(params, ...)).{part}")
       raise PlanError("plan and parameters list their leaves in a different "
                       "order; make the plan from these parameters.")
     for (_, x), leaf in zip(flat, self.leaves):
