@@ -6,6 +6,7 @@ import importlib
 import math
 import os
 import pathlib
+import subprocess
 import sys
 
 import jax
@@ -25,6 +26,25 @@ NUM_WORKERS = int(os.environ.get("JAXFUSE_TEST_WORKERS") or (
 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# XLA's classic CPU emitters, which conftest turns on where XLA has them
+_CLASSIC_FLAG = "--xla_cpu_use_fusion_emitters=false"
+CLASSIC_EMITTERS = _CLASSIC_FLAG in os.environ.get("XLA_FLAGS", "").split()
+
+
+def run_under_fusion_emitters(request) -> None:
+  """Run the calling test again in a child pytest with XLA's default
+  (fusion) CPU emitters, and fail where it fails: for a test that compares
+  two programs bit for bit whose last bits the classic emitters round
+  differently."""
+  flags = os.environ["XLA_FLAGS"].replace(
+      _CLASSIC_FLAG, "--xla_cpu_use_fusion_emitters=true")
+  child = subprocess.run(
+      [sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+       request.node.nodeid], cwd=REPO, env=dict(os.environ, XLA_FLAGS=flags),
+      capture_output=True, text=True, timeout=600, check=False)
+  assert child.returncode == 0 and " passed" in child.stdout, (
+      child.stdout[-5000:] + child.stderr[-2000:])
 
 
 def all_eqns(jaxpr):

@@ -11,6 +11,8 @@ anywhere, e.g. 2 to try a GPU-sized mesh on CPU).
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -29,6 +31,28 @@ if (os.environ["JAX_PLATFORMS"] == "cpu" and
     "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_backend_optimization_level=0")
+# ... and with XLA's classic CPU emitters where this XLA still has them
+# (JAX 0.10; the first interpreter's part of the suite on 2 cores: 14 min
+# 15 s -> 8 min 57 s, most of it compiling). An XLA that does not know a
+# flag aborts the process, so a child process tries it first (~2 s).
+# ``_harness.CLASSIC_EMITTERS`` says where it is on.
+_CLASSIC = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flag: str) -> bool:
+  import resource  # pylint: disable=g-import-not-at-top
+  probe = subprocess.run(   # an abort writes no core file
+      [sys.executable, "-c", "import jax; jax.devices('cpu')"],
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flag},
+      capture_output=True, timeout=300, check=False,
+      preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))
+  return probe.returncode == 0
+
+
+if (os.environ["JAX_PLATFORMS"] == "cpu" and
+    "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", "") and
+    _xla_accepts(_CLASSIC)):
+  os.environ["XLA_FLAGS"] += " " + _CLASSIC
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position

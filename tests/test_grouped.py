@@ -19,7 +19,8 @@ import jaxfuse
 from jaxfuse import grouped
 from jaxfuse import kernels
 
-from _harness import list_plan, mesh_of, pass1_segments, shard
+from _harness import CLASSIC_EMITTERS, list_plan, mesh_of, pass1_segments
+from _harness import run_under_fusion_emitters, shard
 
 ON_GPU = (os.environ.get("JAXFUSE_TEST_GPU") == "1"
           and jax.default_backend() == "gpu")
@@ -136,10 +137,15 @@ def _onebit_steps(plan, backend, grads, dense_steps):
   return out
 
 
-def test_onebit_on_the_pallas_pass_is_the_reference_bit_for_bit():
+def test_onebit_on_the_pallas_pass_is_the_reference_bit_for_bit(request):
   """The fused pass reads the Grouped m's rows where they are and forms
   1-bit Adam's stream itself: updates and states equal the XLA
-  reference's, every step (one dense, three sparse)."""
+  reference's, every step (one dense, three sparse). Under XLA's default
+  emitters: the classic CPU ones round the in-kernel blend's last bit
+  unlike the reference's in about 1 % of the elements."""
+  if CLASSIC_EMITTERS:
+    run_under_fusion_emitters(request)
+    return
   plan = list_plan(SHAPES, density=0.05, min_sparse_size=256,
                    strategy="single")
   assert [r.shape for r in grouped.group(grouped.layout(plan), [
