@@ -390,7 +390,6 @@ def test_console_script_and_test_extra_are_declared():
 
 
 @pytest.mark.example
-@pytest.mark.second
 def test_example_lm_profile_auto_plan_show_and_train(tmp_path, compile_cache):
   """The README's workflow on the example LM: profile it, plan with "auto"
   from those costs, draw the plan, and train two steps with it. (The steps
