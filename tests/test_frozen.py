@@ -34,6 +34,17 @@ def loss_fn(p, batch):
   return mlp_loss({"w1": p["embed"], "w2": p["head"]}, batch)
 
 
+def _whole_tree_step(opt, mesh, specs):
+  """The Quickstart's step: the whole tree differentiated and stepped."""
+  def local(params, opt_state, batch):
+    grads = jax.grad(loss_fn)(jaxfuse.local_params(params), batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+  return jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs)))
+
+
 def _collectives(step, *args):
   return [e for e in all_eqns(jax.make_jaxpr(step)(*args).jaxpr)
           if e.primitive.name in overlap.COLLECTIVES]
@@ -111,16 +122,7 @@ def test_multi_transform_with_set_to_zero_fails_the_replication_check():
                                "frozen": optax.set_to_zero()},
                               {"embed": "frozen", "head": "train"})
   state = jaxfuse.init_state(opt, params, mesh)
-  specs = jaxfuse.state_specs(state)
-
-  def local(params, opt_state, batch):
-    grads = jax.grad(loss_fn)(jaxfuse.local_params(params), batch)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  step = jax.jit(jax.shard_map(local, mesh=mesh,
-                               in_specs=(P(), specs, P("data")),
-                               out_specs=(P(), specs)))
+  step = _whole_tree_step(opt, mesh, jaxfuse.state_specs(state))
   with pytest.raises(Exception, match=r"out_specs\[0\] is P\(\)"):
     step(params, state, batches[0])
 
@@ -141,13 +143,7 @@ def test_multi_transform_of_jaxfuse_parts_steps_each_part_alone():
   alone = {name: jaxfuse.init_state(
       tx, {k: params[k] for k in labels if labels[k] == name}, mesh)
            for name, tx in parts.items()}
-  specs = jaxfuse.state_specs(state)
   alone_specs = jaxfuse.state_specs(alone)
-
-  def local(params, opt_state, batch):
-    grads = jax.grad(loss_fn)(jaxfuse.local_params(params), batch)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
 
   def local_alone(params, states, batch):
     grads = jax.grad(loss_fn)(jaxfuse.local_params(params), batch)
@@ -159,10 +155,10 @@ def test_multi_transform_of_jaxfuse_parts_steps_each_part_alone():
       out.update(optax.apply_updates(part(params), updates))
     return out, new
 
-  step, step_alone = (
-      jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), sp, P("data")),
-                            out_specs=(P(), sp)))
-      for fn, sp in ((local, specs), (local_alone, alone_specs)))
+  step = _whole_tree_step(opt, mesh, jaxfuse.state_specs(state))
+  step_alone = jax.jit(jax.shard_map(
+      local_alone, mesh=mesh, in_specs=(P(), alone_specs, P("data")),
+      out_specs=(P(), alone_specs)))
   mine, theirs = (params, state), (jax.tree.map(jnp.copy, params), alone)
   for batch in batches[:2]:
     mine = step(*mine, batch)
