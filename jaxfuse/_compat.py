@@ -105,6 +105,18 @@ def pallas_triton():
   return triton
 
 
+def x32(fn):
+  """``fn`` traced with JAX's 32-bit defaults whatever ``jax_enable_x64``
+  says. The kernels are written for int32 and float32: under x64, Python
+  numbers and integer sums inside them would turn 64-bit (a ref store of an
+  int64 into an int32 buffer, ``pl.cdiv`` of an int32 by an int64)."""
+  @functools.wraps(fn)
+  def in_x32(*args, **kwargs):
+    with jax.enable_x64(False):
+      return fn(*args, **kwargs)
+  return in_x32
+
+
 def triton_params(kernel: str, num_warps: int):
   """``CompilerParams(num_warps=...)`` of Pallas's Triton backend, or an
   ImportError naming ``kernel`` and the fix where this JAX has none."""

@@ -347,6 +347,7 @@ def _result(cfg, values, indices, residual, scal) -> PassResult:
                     scal[6] > 0)
 
 
+@_compat.x32
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def sparsify_pass_pallas(x: jax.Array, r: jax.Array, tau, capacity: int,
                          offset, *, block: int | None = None,
@@ -389,6 +390,7 @@ def sparsify_pass_rows_reference(xs, r, taus, capacity: int,
       x_, r_, t, capacity, o))(x, r, taus, offsets)
 
 
+@_compat.x32
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
                               offsets, *, block: int | None = None,
@@ -418,6 +420,7 @@ def sparsify_pass_rows_pallas(xs, r: jax.Array, taus, capacity: int,
       scan_blocks=scan_blocks, names=names)], interpret, names)[0]
 
 
+@_compat.x32
 @functools.partial(jax.jit, static_argnames=("capacities",) + _STATIC[1:])
 def sparsify_pass_bucket_pallas(xs, r, taus, capacities: tuple[int, ...],
                                 offsets, *, block: int | None = None,

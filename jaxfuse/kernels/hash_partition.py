@@ -453,6 +453,7 @@ def _pallas(indices, cfg: _Config, block: int, interpret: bool,
                  sentinel=g)
 
 
+@_compat.x32
 def hash_partition_pallas(indices, num_partitions: int, tensor_size: int, *,
                           r1: int | None = None, r2: int | None = None,
                           k: int = 3, seed: int = 0,

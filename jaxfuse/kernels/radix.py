@@ -68,6 +68,7 @@ def _radix_kernel(k_ref, n_ref, bits_ref, out_ref, *, width, tile):
   out_ref[i] = t
 
 
+@_compat.x32
 @functools.partial(jax.jit, static_argnames=("lengths", "tile", "num_warps",
                                              "interpret"))
 def radix_rows_pallas(bits: jax.Array, k: jax.Array, lengths=None, *,

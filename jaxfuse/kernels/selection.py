@@ -541,6 +541,7 @@ def _run(acc, taus, capacity, offset, *, band, block, tile, stage, num_warps,
 _STATIC = ("capacity", "block", "tile", "stage", "num_warps", "interpret")
 
 
+@_compat.x32
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
                   block: int | None = None, tile: int | None = None,
@@ -577,6 +578,7 @@ def select_pallas(acc: jax.Array, tau, capacity: int, offset, *,
   return values, indices, count
 
 
+@_compat.x32
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def select_band_pallas(acc: jax.Array, lo, hi, capacity: int, *,
                        block: int | None = None, tile: int | None = None,

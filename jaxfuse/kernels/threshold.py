@@ -31,6 +31,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from jaxfuse import _compat
 from jaxfuse.kernels import reference
 from jaxfuse.kernels import selection
 
@@ -126,6 +127,7 @@ def _kth_fn(k: int, interpret: bool, single_from: int, batched_from: int):
   return kth
 
 
+@_compat.x32
 @functools.partial(jax.jit, static_argnames=("k", "interpret", "pays_from"))
 def kth_largest_magnitude(x: jax.Array, k: int, *, interpret: bool = False,
                           pays_from: tuple[int, int] = (0, 0)) -> jax.Array:
