@@ -114,6 +114,8 @@ def x32(fn):
   def in_x32(*args, **kwargs):
     with jax.enable_x64(False):
       return fn(*args, **kwargs)
+  if hasattr(fn, "clear_cache"):     # a jitted fn's, for tests and users
+    in_x32.clear_cache = fn.clear_cache
   return in_x32
 
 
