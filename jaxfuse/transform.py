@@ -337,15 +337,15 @@ def unit_residuals(plan: plan_lib.Plan, state: SparseSyncState,
   the state's leading worker axis (K outside ``shard_map``)."""
   plan_lib.require_plan(plan, "unit_residuals")
   arrays = state.velocity if velocity else state.residuals
-  sched = schedule_lib.compile_plan(plan)
-  want = [(len(g), sched.units[g[0]].size) for g in sched.groups]
+  all_units, per_bucket = plan_lib.units(plan)
+  want = [(len(g), all_units[g[0]].size)
+          for g in plan_lib.group_units(all_units, per_bucket)]
   have = [tuple(a.shape[-2:]) for a in arrays]
   if want != have:
     raise SyncError(f"unit_residuals: the state's groups are {have} (units "
                     f"× elements), the plan's {want}: pass the plan the "
                     "state was made for.")
-  return [arrays[g][:, sched.groups[g].index(u)]
-          for u, g in enumerate(sched.group_of_unit)]
+  return [arrays[g][:, i] for g, i in plan_lib.unit_rows(plan)]
 
 
 # --- helpers for users --------------------------------------------------------
