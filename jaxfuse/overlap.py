@@ -48,7 +48,8 @@ What it needs of ``step``: the collectives at the top level of its jaxpr
 (not inside a ``jax.jit`` or a loop of the step's own; ``jax.nn``'s jitted
 helpers elsewhere are fine), and a backward pass that is not one opaque
 call (``lax.scan`` over layers makes all gradients ready at once, so there
-is nothing to overlap). Steps with ordered effects (``io_callback``) run
+is nothing to overlap; ``jax.checkpoint``'d layers are fine, each layer's
+backward one equation whose products ``work`` counts). Steps with ordered effects (``io_callback``) run
 unchanged, with a warning.
 """
 
@@ -222,12 +223,18 @@ def fenced_order(jaxpr) -> tuple[list[int], list[int]]:
 
 
 def work(eqn) -> float:
-  """Multiply-adds of a heavy equation (0 for the others):
-  ``dot_general`` out·Π(contracting dims); a convolution out·(kernel size
-  per output feature)."""
+  """Multiply-adds of a heavy equation: ``dot_general`` out·Π(contracting
+  dims); a convolution out·(kernel size per output feature). An equation
+  holding jaxprs (a ``jax.checkpoint``'d layer's backward, a nested
+  ``jit``, a custom derivative) counts theirs: a ``scan`` its body's
+  × length, a ``cond`` its heaviest branch; 0 for the others."""
   name = eqn.primitive.name
   if name not in HEAVY:
-    return 0.0
+    inner = [sum(map(work, getattr(j, "jaxpr", j).eqns))
+             for j in jex.jaxprs_in_params(eqn.params)]
+    if name == "cond":
+      return max(inner, default=0.0)
+    return sum(inner) * (eqn.params["length"] if name == "scan" else 1)
   out = math.prod(eqn.outvars[0].aval.shape)
   if name == "dot_general":
     (contract, _), _ = eqn.params["dimension_numbers"]

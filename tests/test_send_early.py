@@ -37,11 +37,14 @@ def _dims(layers):
   return [32 + 2 * i for i in range(layers + 1)]   # > 1024 elements: sparse
 
 
-def _problem(layers, seed=0, biases=False, scales=False):
+def _problem(layers, seed=0, biases=False, scales=False, remat=False):
   """A tanh chain; with ``biases`` each layer is {"w", "b"} and the plan
   puts each small (dense) bias in a bucket of its own after its layer's.
   With ``scales``, "b" scales the layer's input instead (as a LayerNorm's
-  scale does): its gradient needs the product x̄ = ȳ·wᵀ past w's."""
+  scale does): its gradient needs the product x̄ = ȳ·wᵀ past w's. With
+  ``remat``, each layer but the last (an LM's head) is a
+  ``jax.checkpoint``: its backward, recompute included, is one equation of
+  the step."""
   rng = np.random.default_rng(seed)
   dims = _dims(layers)
   params = {f"l{i}": jnp.asarray(0.4 * rng.normal(size=(dims[i], dims[i + 1])),
@@ -54,28 +57,31 @@ def _problem(layers, seed=0, biases=False, scales=False):
               for k, w in params.items()}
   x = jnp.asarray(rng.normal(size=(2 * WORKERS, dims[0])), jnp.float32)
 
+  def layer(q, x):
+    if biases:
+      return jnp.tanh(x @ q["w"] + q["b"])
+    if scales:
+      return jnp.tanh((x * q["b"]) @ q["w"])
+    return jnp.tanh(x @ q)
+
   def loss_fn(p, x):
     for i in range(layers):
-      if biases:
-        x = jnp.tanh(x @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
-      elif scales:
-        x = jnp.tanh((x * p[f"l{i}"]["b"]) @ p[f"l{i}"]["w"])
-      else:
-        x = jnp.tanh(x @ p[f"l{i}"])
+      rematted = remat and i < layers - 1
+      x = (jax.checkpoint(layer) if rematted else layer)(p[f"l{i}"], x)
     return jnp.mean(x ** 2)
   return params, x, loss_fn
 
 
 def _setup(layers, recipe="onebit_adamw", bucket_bytes=6000, density=0.2,
            seed=0, biases=False, scales=False, num_buckets=None,
-           collective="allgather", groups=None, finite=False):
+           collective="allgather", groups=None, finite=False, remat=False):
   """``finite``: the recipe inside ``jaxfuse.apply_if_finite``;
   ``num_buckets``: plan ``aligned`` with that many groups, else
   ``size`` with ``bucket_bytes``; ``collective``: the sparse buckets'
   scheme; ``groups``: then regroup the plan into these groups (positions
   in the backward-ready order; each a sparse and a dense bucket)."""
   mesh = mesh_of(WORKERS)
-  params, x, loss_fn = _problem(layers, seed, biases, scales)
+  params, x, loss_fn = _problem(layers, seed, biases, scales, remat)
   grouping = (dict(strategy="size", bucket_bytes=bucket_bytes)
               if num_buckets is None else
               dict(strategy="aligned", num_buckets=num_buckets))
@@ -399,6 +405,49 @@ def test_work_counts_multiply_adds():
   assert overlap.work(conv) == (1 * 6 * 6 * 6) * (2 * 3 * 3)
   (tanh,) = jax.make_jaxpr(jnp.tanh)(jnp.ones(3)).jaxpr.eqns
   assert overlap.work(tanh) == 0
+
+
+def test_work_counts_what_nested_jaxprs_hold():
+  """A checkpointed layer's backward (the recompute's product and the two
+  of its transpose), a jit, a scan (its body × length) and a cond (its
+  heaviest branch) count the products inside them."""
+  def only(fn, *shapes, where=lambda e: True):
+    (e,) = [e for e in jax.make_jaxpr(fn)(*[jnp.ones(s) for s in shapes])
+            .jaxpr.eqns if where(e) and e.primitive.name not in overlap.HEAVY
+            and jax.extend.core.jaxprs_in_params(e.params)]
+    return e
+  mm = 3 * 5 * 4                                          # (3,4) @ (4,5)
+  layer = jax.checkpoint(lambda w, x: jnp.sum(jnp.tanh(x @ w)))
+  backward = only(jax.grad(layer, argnums=(0, 1)), (4, 5), (3, 4),
+                  where=overlap.is_backward)
+  assert overlap.work(backward) == 3 * mm
+  assert overlap.work(only(jax.jit(jnp.matmul), (3, 4), (4, 5))) == mm
+
+  def body(c, w):
+    return c @ w, None
+  scan = only(lambda c, ws: jax.lax.scan(body, c, ws)[0], (3, 4), (7, 4, 4))
+  assert overlap.work(scan) == 7 * (3 * 4 * 4)
+  cond = only(lambda p, a, b, c: jax.lax.cond(p > 0, lambda: a @ b,
+                                              lambda: (a @ b) @ c),
+              (), (3, 4), (4, 5), (5, 5),
+              where=lambda e: e.primitive.name == "cond")
+  assert overlap.work(cond) == mm + 3 * 5 * 5
+
+
+def test_checkpointed_layers_keep_the_window_and_chain():
+  """Layers under ``jax.checkpoint`` (the head plain, as in an LM): each
+  one's backward is one equation whose products are nested in it; they
+  still count as the backward's work, so each bucket keeps a point of its
+  own. Counting only the top level, the head's products were all the
+  work, every later fence shared one point, and the collectives were
+  neither chained nor bounded by the window."""
+  plan, wrap, local, args = _setup(6, remat=True)
+  shapes = {int(k[1:]): tuple(v.shape) for k, v in args[0].items()}
+  assert len(plan.buckets) >= 4
+  for window in (1, 2, None):
+    early = jaxfuse.send_early(local, window=window)
+    assert _check_order(plan, _body(wrap(early), args), shapes,
+                        window=window) >= 10
 
 
 def test_plain_step_has_no_such_order():

@@ -214,12 +214,19 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
                                sparse_wire=sparse_wire,
                                packed_indices=packed_indices)
 
+  _refuse_nnx_object(params)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   if not flat:
     raise plan_lib.PlanError("params has no array leaves to plan for.")
   leaves = []
   for path, x in flat:
     name = jax.tree_util.keystr(path)
+    if _is_key(x):
+      raise plan_lib.PlanError(
+          f"leaf {name}: holds {x.dtype} values (PRNG keys), which have no "
+          "gradient; plan the trained parameters only (with flax NNX: "
+          "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, "
+          "docs/choosing.md, \"With flax NNX\").")
     shape = tuple(int(d) for d in np.shape(x))
     dtype = str(jax.numpy.result_type(x))
     size = math.prod(shape)
@@ -321,6 +328,29 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
     report.append(times)
   return plan_lib.Plan(plan.leaves, tuple(buckets), plan.settings,
                        plan.provenance), report
+
+
+def _is_key(x) -> bool:
+  """Whether ``x`` is an array of an extended dtype (PRNG keys)."""
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype,
+                                                     jax.dtypes.extended)
+
+
+def _refuse_nnx_object(params) -> None:
+  """A flax NNX object (a ``Module``, an ``Optimizer``) holds more than
+  parameters (batch statistics, RNG state, its optimizer's state); its
+  ``nnx.Param`` part is what a plan covers. Detected by the class's
+  module, so that flax stays an optional dependency."""
+  nnx = [c.__name__ for c in type(params).__mro__
+         if c.__module__.startswith("flax.nnx")]
+  if nnx and "State" not in nnx:
+    raise plan_lib.PlanError(
+        f"params is a flax NNX {nnx[0]} ({type(params).__name__}), which "
+        "can hold batch statistics, RNG state or an optimizer's state "
+        "besides parameters; plan its parameters: `graphdef, params, rest = nnx.split(model, nnx.Param, "
+        "...)`, then `jaxfuse.plan(params, ...)` (docs/choosing.md, \"With "
+        "flax NNX\").")
 
 
 def _backward_order(loss_fn, params, example_args) -> list[int]:
