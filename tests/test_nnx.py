@@ -100,11 +100,13 @@ def test_nnx_snippet_steps_as_a_plain_dict_and_averages_batch_stats():
       h = (np.asarray(batch[0], np.float64) @ kernel + bias).reshape(
           K, ROWS, -1)
       mean, var = h.mean(axis=1), h.var(axis=1)
+      # tolerances for a GPU's TF32 products; one worker's statistics
+      # instead of the mean differ by up to about 1e-2
       np.testing.assert_allclose(np.asarray(rest["norm"]["mean"][...]),
-                                 0.01 * mean.mean(axis=0), rtol=1e-4,
-                                 atol=1e-7)
+                                 0.01 * mean.mean(axis=0), rtol=0, atol=2e-5)
       np.testing.assert_allclose(np.asarray(rest["norm"]["var"][...]),
-                                 0.99 + 0.01 * var.mean(axis=0), rtol=1e-5)
+                                 0.99 + 0.01 * var.mean(axis=0), rtol=0,
+                                 atol=5e-5)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(pure),
                   strict=True):
     assert np.array_equal(np.asarray(a), np.asarray(b))

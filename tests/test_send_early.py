@@ -180,14 +180,16 @@ def _check_order(plan, eqns, shapes, window=None):
   return checked
 
 
-@pytest.mark.parametrize("recipe, finite", [
-    *[(r, False) for r in sorted(set(jaxfuse.RECIPES) - {"sgd"})],
-    ("onebit_adamw", True)])
-def test_same_results_bitwise(recipe, finite):
-  """Two steps of each recipe (``sgd``: the property test below), and of
-  one inside ``jaxfuse.apply_if_finite``."""
-  plan, wrap, local, args = _setup(2, recipe, bucket_bytes=2000,
-                                   finite=finite)
+@pytest.mark.parametrize("recipe, finite, remat", [
+    *[(r, False, False) for r in sorted(set(jaxfuse.RECIPES) - {"sgd"})],
+    ("onebit_adamw", True, False), ("onebit_adamw", False, True)])
+def test_same_results_bitwise(recipe, finite, remat):
+  """Two steps of each recipe (``sgd``: the property test below), of one
+  inside ``jaxfuse.apply_if_finite``, and of one on ``jax.checkpoint``'d
+  layers."""
+  plan, wrap, local, args = _setup(3 if remat else 2, recipe,
+                                   bucket_bytes=2000, finite=finite,
+                                   remat=remat)
   assert len(plan.buckets) >= 2
   # both compiled alike, with XLA:CPU's quicker codegen (the same HLO)
   plain = fast_jit(wrap(local))
