@@ -507,6 +507,38 @@ def _refuse_local_wrappers(opt_state) -> None:
                       f"{_LOCAL_WRAPPERS[type(x)]}")
 
 
+# optax.inject_hyperparams's states (the stateful one from optax 0.2.3 on)
+_INJECTED = tuple(k for k in (
+    getattr(optax, "InjectHyperparamsState", None),
+    getattr(optax, "InjectStatefulHyperparamsState", None)) if k is not None)
+
+
+def _refuse_narrow_hyperparams(opt_state) -> None:
+  """``SyncError`` for ``optax.inject_hyperparams`` keeping a jaxfuse
+  optimizer's hyperparameters in a float narrower than float32. optax
+  stores them in the parameters' dtype unless told otherwise; in bfloat16
+  b2 = 0.999 is 1.0, so Adam's bias correction 1 − b2ᵗ is 0 and every
+  update NaN, and ε = 1e-8 is 0 in float16."""
+  for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
+      x, _INJECTED)):
+    if not isinstance(x, _INJECTED) or not any(
+        is_worker_state(y) for y in jax.tree.leaves(x,
+                                                    is_leaf=is_worker_state)):
+      continue
+    narrow = {name: str(v.dtype) for name, v in x.hyperparams.items()
+              if hasattr(v, "dtype") and _compat.is_float_dtype(v.dtype)
+              and jnp.dtype(v.dtype).itemsize < 4}
+    if narrow:
+      raise SyncError(
+          f"optax.inject_hyperparams keeps {sorted(narrow)} in "
+          f"{sorted(set(narrow.values()))} (the parameters' dtype, optax's "
+          "default), too narrow for an optimizer's constants: in bfloat16 "
+          "b2=0.999 is 1.0 and Adam's bias correction divides by zero. "
+          "Pass hyperparam_dtype=jnp.float32: optax.inject_hyperparams("
+          "jaxfuse.<recipe>, static_args=..., hyperparam_dtype=jnp.float32)"
+          ".")
+
+
 def per_worker_mask(tree):
   """The same structure as ``tree`` (any pytree holding optimizer states),
   True at the leaves of ``sparse_sync``'s and ``per_worker``'s states (a
@@ -529,6 +561,7 @@ def state_specs(opt_state, axis_name: str | tuple = "data"):
   (``optax.apply_if_finite``, ``optax.MultiSteps``), naming what to use.
   """
   _refuse_local_wrappers(opt_state)
+  _refuse_narrow_hyperparams(opt_state)
   _refuse_one_workers_state(opt_state, axis_name)
 
   def spec(x):

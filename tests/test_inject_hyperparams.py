@@ -4,6 +4,7 @@ steps without a recompile; those that shape the step must stay static, and
 leaving them out of ``static_args`` names the fix."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -112,3 +113,33 @@ def test_sparse_sync_names_static_args_too():
           plan=plan, momentum=0.9)
   state = jaxfuse.init_state(fixed, params, mesh)
   assert state.inner_state.velocity   # the static momentum made its state
+
+
+@pytest.mark.parametrize("recipe", ["sync_adamw", "sgd"])
+def test_hyperparameters_of_a_bfloat16_model_must_be_float32(recipe):
+  """optax keeps injected values in the parameters' dtype by default: in
+  bfloat16 sync_adamw's b2 = 0.999 is 1.0 and every update NaN (the state
+  check names the fix); with ``hyperparam_dtype=jnp.float32`` a bfloat16
+  model steps as the recipe without the wrapper, to bfloat16 rounding."""
+  mesh = mesh_of(K)
+  params, grads, _ = _setup()
+  params = {k: v.astype(jnp.bfloat16) for k, v in params.items()}
+  plan = jaxfuse.plan(params, density=1.0)
+  make = jaxfuse.RECIPES[recipe]
+  inject = lambda **kw: optax.inject_hyperparams(
+      make, static_args=recipes.STATIC_ARGS[recipe], **kw)(
+          plan=plan, learning_rate=1e-2)
+  with pytest.raises(jaxfuse.SyncError,
+                     match=r"'learning_rate'.*hyperparam_dtype=jnp.float32"):
+    jaxfuse.init_state(inject(), params, mesh)
+  bf16_grads = [jax.tree.map(lambda g: g.astype(jnp.bfloat16), g)
+                for g in grads]
+  got, _ = _steps(inject(hyperparam_dtype=jnp.float32), params, bf16_grads,
+                  mesh)
+  want, _ = _steps(make(plan, 1e-2), params, bf16_grads, mesh)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, rtol=2 ** -7, atol=1e-3)
+  assert not np.allclose(np.asarray(got["w"], np.float32),
+                         np.asarray(params["w"], np.float32))
