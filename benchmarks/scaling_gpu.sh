@@ -54,7 +54,9 @@
 #            dense runs seed 0)
 #   early    socket: profile the costs on this mesh, then the planner's
 #            plans at 0.05 (size 64 MiB, aligned, auto, single, cupcake,
-#            safusion) trained under jaxfuse.send_early with
+#            safusion) trained under jaxfuse.send_early (its defaults;
+#            RECIPE_ARGS="--send-early-window 1" for the 2026-11-28/29
+#            figures' window) with
 #            jaxfuse.xla_flags(3), predicted at the overlap η that the size
 #            plan measures against its one-GPU step (about 10 minutes on
 #            4 GPUs; STRATEGIES="aligned auto" e.g. to fit a shorter
@@ -227,7 +229,7 @@ early)
       ${LAST_MB:+--last-mb $LAST_MB} \
       --strategies ${STRATEGIES:-aligned auto single cupcake safusion} \
       --run-timeout ${RUN_TIMEOUT:-150} \
-      --train-args "--dense-warmup 1 --warmup-steps 0 --send-early --network-gbytes-s 3" \
+      --train-args "--dense-warmup 1 --warmup-steps 0 --send-early --network-gbytes-s 3 ${RECIPE_ARGS:-}" \
       2>&1 | grep --line-buffered -v "^==" | tee "$OUT/measure_early.log"
   if [ "${PLAIN:-0}" = 1 ]; then
     $MEASURE --out "$OUT/measure_plain.json" measure --transport socket \

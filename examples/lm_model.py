@@ -155,11 +155,13 @@ def _target(preset: str, batch: int):
   return make_loss(model), params, tokens
 
 
-def tiny():
-  """The tiny preset, 4 sequences per worker (32 over 8 workers)."""
-  return _target("tiny", 4)
+def tiny(batch: int = 4):
+  """The tiny preset, ``batch`` sequences per worker (4: 32 over 8
+  workers)."""
+  return _target("tiny", batch)
 
 
-def gpt2_small():
-  """The gpt2-small preset, 8 sequences of 1024 bytes per worker."""
-  return _target("gpt2-small", 8)
+def gpt2_small(batch: int = 8):
+  """The gpt2-small preset, ``batch`` sequences of 1024 bytes per
+  worker."""
+  return _target("gpt2-small", batch)

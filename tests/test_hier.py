@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxfuse
@@ -424,3 +425,44 @@ def test_a_shards_unsent_entries_stay_on_the_worker_holding_it():
   want_kept = np.zeros((4, 8))
   want_kept[0, 2] = 0.5
   np.testing.assert_array_equal(np.asarray(kept, np.float64), want_kept)
+
+
+@pytest.mark.parametrize("recipe", ["sgd", "onebit_adamw"])
+def test_recipes_over_the_host_and_local_axes_equal_flat_bitwise(feeds,
+                                                                  recipe):
+  """A recipe given ``axis_name=("host", "local")`` steps as on the flat
+  axis with ``"allgather"`` (the ample integer feed and β = ½: every sum
+  is exact),
+  through ``onebit_adamw``'s dense phase and its sparse one: the recipes
+  carry the pair of axes to every collective and to their clip."""
+  def train(name, mesh, axis):
+    plan = _plan(name)
+    make = lambda plan: jaxfuse.RECIPES[recipe](
+        plan, 0.5, axis_name=axis, clip_norm=1e4,
+        **({"momentum": 0.5} if recipe == "sgd" else {"b1": 0.5}))
+    phases = ((jaxfuse.with_density(plan, 1.0), plan)
+              if recipe == "onebit_adamw" else (plan,))
+    state = jaxfuse.init_state(make(plan), _params(), mesh, axis)
+    specs = jaxfuse.state_specs(state, axis)
+    params = _params()
+    for phase in phases:
+      opt = make(phase)
+
+      def local(g, s, p, opt=opt):
+        updates, s = opt.update([x[0] for x in g], s, p)
+        return optax.apply_updates(p, updates), s
+
+      step = jax.jit(jax.shard_map(local, mesh=mesh,
+                                   in_specs=(P(axis), specs, P()),
+                                   out_specs=(P(), specs)))
+      for g in feeds[0]:
+        params, state = step(jax.device_put(g, NamedSharding(mesh, P(axis))),
+                             state, params)
+        jax.block_until_ready(params)
+    return params
+
+  want = train("allgather", jaxfuse.make_mesh(K), "data")
+  got = train("hier", jaxfuse.make_mesh(K, local=4), HIER)
+  for a, b in zip(got, want, strict=True):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  assert any(np.any(np.asarray(a)) for a in got)
