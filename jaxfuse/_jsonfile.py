@@ -58,7 +58,11 @@ def save(path: str | os.PathLike, text: str) -> None:
   beside it, then renamed over it, so a failure never leaves ``path``
   empty or half-written."""
   path = os.fspath(path)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
+  folder = os.path.dirname(path) or "."
+  if not os.path.isdir(folder):
+    raise FileNotFoundError(f"cannot write {path}: the folder {folder} does "
+                            "not exist; make it first (os.makedirs).")
+  fd, tmp = tempfile.mkstemp(dir=folder,
                              prefix=f".{os.path.basename(path)}.",
                              suffix=".tmp")
   try:

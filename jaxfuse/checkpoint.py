@@ -78,6 +78,10 @@ def manager(directory: str | os.PathLike, *, max_to_keep: int | None = 3,
   ``save_async``: return from ``save`` while the arrays are written (call
   ``manager.wait_until_finished()`` before exiting)."""
   ocp = _ocp()
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise CheckpointError(f"{os.fspath(directory)} is a file, not a "
+                          "folder: give checkpoint.manager a folder (made "
+                          "if missing).")
   options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep, enable_async_checkpointing=save_async,
       create=True)
@@ -184,8 +188,9 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
         **{STATE: ocp.args.StandardRestore(target)}))[STATE]
   except (ValueError, KeyError, TypeError) as e:
     raise CheckpointError(
-        f"checkpoint {step} does not fit this train state ({e}); restore "
-        "with the same model and optimizer it was saved with.") from None
+        f"checkpoint {step} does not fit this train state ({_short(e)}); "
+        "restore with the same model and optimizer it was saved with, and "
+        "give `like` the whole state that was saved.") from None
   if elastic_k:
     host = elastic.resize_tree(jax.tree.map(np.asarray, out),
                                transform.per_worker_mask(saved_like), new_k)
@@ -198,6 +203,14 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
     out = jax.tree.map(lambda x, l: jax.device_put(x, l.sharding), out,
                        abstract(like))
   return step, out
+
+
+def _short(error: Exception, limit: int = 400) -> str:
+  """orbax's message on one line, without its advice for its own API
+  (``partial_restore``), cut at ``limit`` characters."""
+  text = " ".join(str(error).split())
+  text = text.split(" If this mismatch is intentional", 1)[0]
+  return text if len(text) <= limit else text[:limit] + " …"
 
 
 def _has_sync_state(tree) -> bool:

@@ -67,6 +67,7 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
   ``jaxfuse.init_state`` and pass ``jaxfuse.state_specs`` as usual.
   Non-float leaves (no gradient) pass through undelayed.
   """
+  transform.require_transform(inner, "delayed")
   if not isinstance(predict, bool):
     raise transform.SyncError(f"delayed: predict={predict!r} must be True "
                               "or False.")

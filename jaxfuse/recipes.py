@@ -82,7 +82,17 @@ def _numbers(where: str, **values) -> list:
         "With optax.inject_hyperparams keep them static: "
         f"optax.inject_hyperparams(jaxfuse.{where}, "
         f"static_args=jaxfuse.recipes.STATIC_ARGS[{where!r}]).")
-  return [plan_lib.as_python(v) for v in values.values()]
+  out = [plan_lib.as_python(v) for v in values.values()]
+  for name, v in zip(values, out):
+    numeric = isinstance(v, (np.ndarray, jax.Array)) and (
+        jnp.issubdtype(v.dtype, jnp.number))
+    if not (v is None or callable(v) or _compat.is_tracer(v) or numeric or
+            (isinstance(v, (int, float)) and not isinstance(v, bool))):
+      raise transform.SyncError(
+          f"{where}: {name}={v!r} must be a number (or, for "
+          "learning_rate, an optax schedule), e.g. 0.05, not a "
+          f"{type(v).__name__}.")
+  return out
 
 
 def _check_clip(max_norm):

@@ -174,6 +174,15 @@ def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
   sparse = np.array([l.mode == "sparse" for l in plan.leaves])
   sizes = np.array([l.size for l in plan.leaves], np.float64)
   selected = np.asarray(stats.selected, np.float64)
+  for unit in plan_lib.units(plan)[0]:
+    most = selected[..., list(unit.leaves)].sum(-1).max()
+    if most > unit.capacity:
+      name = plan.leaves[unit.leaves[0]].path
+      raise ValueError(
+          f"summarize: leaf {name} selected {int(most)} elements, more "
+          f"than the {unit.capacity} slots this plan gives it: the stats "
+          "come from another phase's plan (e.g. a dense warm-up step); "
+          "pass the plan of the phase that ran the step.")
   out = {
       "wire_bytes": int(np.asarray(stats.wire_bytes).max()),
       "missing_leaves": float(np.asarray(stats.missing).sum(-1).mean()),

@@ -244,11 +244,14 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
     if (vma_on and _compat.is_float_dtype(g.dtype) and
         not set(names) <= _compat.varying_axes(g)):
       raise SyncError(
-          f"gradient {leaf.path} is already the same on every worker: JAX "
-          f"summed it over {axis_name!r} when differentiating replicated "
-          "parameters. Differentiate with respect to "
+          f"gradient {leaf.path} is already the same on every worker, so "
+          "there is nothing left to sync. Either JAX summed it over "
+          f"{axis_name!r} when differentiating replicated parameters "
+          "(differentiate with respect to "
           f"jaxfuse.local_params(params, {axis_name!r}) to get each "
-          "worker's own gradient.")
+          "worker's own gradient), or the step averaged it itself "
+          "(jax.lax.pmean/psum of the gradients): pass each worker's own "
+          "gradient to opt.update, which averages it.")
     out.append(g)
   return out
 
@@ -495,6 +498,67 @@ def _refuse_one_workers_state(opt_state, axis_name) -> None:
             "...))).")
 
 
+def _children(x) -> list:
+  """The immediate children of a pytree node (none for a leaf)."""
+  if jax.tree_util.treedef_is_leaf(jax.tree.structure(x)):
+    return []
+  return jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
+
+
+def _refuse_local_state_before_sync(opt_state) -> None:
+  """``SyncError`` for a transform chained before ``sparse_sync`` that
+  keeps per-parameter float state outside ``per_worker``: it sees each
+  worker's own gradient, so its state differs per worker, and
+  ``shard_map`` would stop at ``out_specs=P()`` with JAX's advice to turn
+  the check off. Chains are plain tuples of states."""
+  def holds_sync(x) -> bool:
+    return any(is_sync_state(y)
+               for y in jax.tree.leaves(x, is_leaf=is_sync_state))
+
+  def local_floats(x) -> bool:
+    return any(not is_worker_state(y) and np.ndim(y) >= 1 and
+               _compat.is_float_dtype(getattr(y, "dtype", None))
+               for y in jax.tree.leaves(x, is_leaf=is_worker_state)
+               if hasattr(y, "dtype"))
+
+  def visit(x) -> None:
+    if is_worker_state(x):
+      return
+    if type(x) is tuple:  # pylint: disable=unidiomatic-typecheck
+      first = next((i for i, y in enumerate(x) if holds_sync(y)), 0)
+      for y in x[:first]:
+        if local_floats(y):
+          raise SyncError(
+              f"a transform chained before jaxfuse.sparse_sync keeps "
+              f"per-parameter state ({type(y).__name__}): it sees each "
+              "worker's own gradient, so its state differs per worker. "
+              "Wrap it, optax.chain(jaxfuse.per_worker(<transform>), "
+              "jaxfuse.sparse_sync(plan), ...), or move it after the sync.")
+    for child in _children(x):
+      visit(child)
+
+  visit(opt_state)
+
+
+def _refuse_axes_off_the_mesh(opt_state, axis_name) -> None:
+  """``SyncError`` when the state's arrays live on a mesh without the
+  worker axes ``axis_name`` names (``state_specs(state, "batch")`` for a
+  state made on a ``"data"`` mesh)."""
+  _, names = _axis_names(axis_name)
+  for x in jax.tree.leaves(opt_state):
+    if _compat.is_tracer(x):
+      return
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      if not set(names) <= set(sharding.mesh.axis_names):
+        raise SyncError(
+            f"state_specs: axis_name={axis_name!r}, but this state lives on "
+            f"a mesh with axes {tuple(sharding.mesh.axis_names)}; pass the "
+            "axis name the state was made with (jaxfuse.init_state(..., "
+            "axis_name=...)).")
+      return
+
+
 def _refuse_local_wrappers(opt_state) -> None:
   """``SyncError`` for an optax wrapper of ``_LOCAL_WRAPPERS`` around a
   state with per-worker parts (it may follow ``sparse_sync`` in a chain)."""
@@ -561,7 +625,9 @@ def state_specs(opt_state, axis_name: str | tuple = "data"):
   (``optax.apply_if_finite``, ``optax.MultiSteps``), naming what to use.
   """
   _refuse_local_wrappers(opt_state)
+  _refuse_local_state_before_sync(opt_state)
   _refuse_narrow_hyperparams(opt_state)
+  _refuse_axes_off_the_mesh(opt_state, axis_name)
   _refuse_one_workers_state(opt_state, axis_name)
 
   def spec(x):
@@ -571,16 +637,22 @@ def state_specs(opt_state, axis_name: str | tuple = "data"):
   return jax.tree.map(spec, opt_state, is_leaf=is_worker_state)
 
 
+def require_transform(optimizer, where: str) -> None:
+  """``TypeError`` unless ``optimizer`` is an optax transform (has callable
+  ``init`` and ``update``; a ``Plan`` is not one)."""
+  if isinstance(optimizer, plan_lib.Plan) or not (
+      callable(getattr(optimizer, "init", None)) and
+      callable(getattr(optimizer, "update", None))):
+    raise TypeError(f"{where} expects an optax transform (e.g. "
+                    f"jaxfuse.onebit_adamw(plan, lr)), got "
+                    f"{type(optimizer).__name__}.")
+
+
 def init_state(optimizer: optax.GradientTransformation, params,
                mesh: jax.sharding.Mesh, axis_name: str | tuple = "data"):
   """``optimizer.init(params)`` with per-worker leaves sharded over the axis
   (or the tuple of axes)."""
-  if isinstance(optimizer, plan_lib.Plan) or not (
-      callable(getattr(optimizer, "init", None)) and
-      callable(getattr(optimizer, "update", None))):
-    raise TypeError(f"init_state expects an optax transform (e.g. "
-                    f"jaxfuse.onebit_adamw(plan, lr)), got "
-                    f"{type(optimizer).__name__}.")
+  require_transform(optimizer, "init_state")
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"init_state expects the jax.sharding.Mesh the step "
                     f"runs on, got {type(mesh).__name__}; make one with "

@@ -19,7 +19,10 @@ def _quickstart() -> str:
   return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_quickstart_runs_as_written(monkeypatch, capsys):
+def _run_quickstart(monkeypatch, total):
+  """The Quickstart on ``total`` batches (no more exist: a loop that ran
+  past ``total`` would stop the test); (user's names, the loss function,
+  a held-out batch, the initial params)."""
   # It sets XLA_FLAGS for GPUs (read once, when JAX starts: a no-op here);
   # put the variable back afterwards for the tests that start processes.
   monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
@@ -41,8 +44,6 @@ def test_quickstart_runs_as_written(monkeypatch, capsys):
     return jnp.mean((h @ p["w2"] + p["b2"] - y) ** 2)
 
   held_out = draw()
-  start = float(loss_fn(init_params(), held_out))
-  total = 60
   example = draw()
   data = [draw() for _ in range(total)]
 
@@ -60,10 +61,32 @@ def test_quickstart_runs_as_written(monkeypatch, capsys):
               total=total, schedule=optax.constant_schedule(3e-3),
               batches=batches())
   exec(compile(_quickstart(), "README.md (Quickstart)", "exec"), user)  # pylint: disable=exec-used
+  user["consumed"] = sum(1 for _ in user["batches"]) == 0
+  return user, loss_fn, held_out, init_params()
+
+
+def test_quickstart_runs_as_written(monkeypatch, capsys):
+  user, loss_fn, held_out, first = _run_quickstart(monkeypatch, 60)
+  start = float(loss_fn(first, held_out))
   phases, params = user["phases"], user["params"]
+  assert user["consumed"]
   assert len(phases) >= 2 and phases[-1].stop is None
   assert phases[0].plan.provenance.get("phase_density", 1.0) == 1.0
   # One line per phase (its last loss and the sync statistics).
   assert len(capsys.readouterr().out.strip().splitlines()) >= len(phases)
   end = float(loss_fn(jax.device_get(params), held_out))
   assert end < 0.5 * start, (start, end)
+
+
+def test_quickstart_on_a_short_run_trains_exactly_its_steps(monkeypatch):
+  """``total`` = 6: the warm-up arithmetic keeps one dense step (onebit's
+  sparse phase moves nothing before one) and a ramp step, and the loop
+  stops at ``total`` whatever the phases' bounds."""
+  user, _, _, first = _run_quickstart(monkeypatch, 6)
+  phases = user["phases"]
+  assert phases[0].start == 0 and phases[0].stop >= 1
+  assert phases[0].plan.provenance.get("phase_density", 1.0) == 1.0
+  assert user["consumed"]
+  moved = [not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+           zip(jax.tree.leaves(user["params"]), jax.tree.leaves(first))]
+  assert all(moved)

@@ -357,3 +357,118 @@ def test_checkpoint_save_refuses_before_writing(tmp_path, plan, step, extra,
   mngr.wait_until_finished()
   assert list(mngr.all_steps()) == [3]
   assert checkpoint.saved_extra(mngr) == {"pos": 3}
+
+
+def test_checkpoint_files_and_trees_that_do_not_fit(tmp_path, plan):
+  """A file given as the checkpoint folder; a restore target missing part
+  of the saved tree (orbax's message shortened, without its advice for
+  an argument jaxfuse does not take); a float32 checkpoint restored with
+  a bfloat16 plan names the leaf and both dtypes."""
+  pytest.importorskip("orbax.checkpoint")
+  from jaxfuse import checkpoint  # pylint: disable=g-import-not-at-top
+  (tmp_path / "afile").write_text("x")
+  with pytest.raises(checkpoint.CheckpointError, match="afile is a file, "
+                     "not a folder"):
+    checkpoint.manager(tmp_path / "afile")
+  mngr = checkpoint.manager(tmp_path / "run")
+  checkpoint.save(mngr, 1, {"params": PARAMS, "more": {"w": jnp.ones(8)}},
+                  plan)
+  mngr.wait_until_finished()
+  with pytest.raises(checkpoint.CheckpointError) as e:
+    checkpoint.restore(mngr, {"params": PARAMS}, plan)
+  assert "does not fit this train state" in str(e.value)
+  assert "give `like` the whole state" in str(e.value)
+  assert "partial_restore" not in str(e.value) and len(str(e.value)) < 800
+  half = jaxfuse.plan(jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS),
+                      density=0.05)
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"leaves \(\['b'\]: float32 \[64\] dense, against "
+                     r"bfloat16 \[64\] dense\)"):
+    checkpoint.restore(mngr, {"params": PARAMS, "more": {"w": jnp.ones(8)}},
+                       half)
+
+
+def test_a_plan_saved_into_a_missing_folder_names_it(tmp_path, plan):
+  with pytest.raises(FileNotFoundError, match="the folder .*nowhere does "
+                     "not exist"):
+    plan.save(tmp_path / "nowhere" / "plan.json")
+  assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize("tree,message", [
+    ({"w": jnp.ones((64, 64)), "name": "mlp"},
+     r"leaf \['name'\]: a str, not an array"),
+    (dataclasses.make_dataclass("Model", ["w"])(jnp.ones((64, 64))),
+     r"params: a Model, not an array.*register_dataclass"),
+    ({"w": jnp.ones((64, 64)), "key": jax.random.key(0)},
+     r"leaf \['key'\]: holds key<fry> values \(PRNG keys\)"),
+])
+def test_a_leaf_that_is_no_parameter_is_named(tree, message):
+  with pytest.raises(jaxfuse.PlanError, match=message):
+    jaxfuse.plan(tree, density=0.05)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(learning_rate="0.05"), "learning_rate='0.05' must be a number"),
+    (dict(learning_rate=0.05, weight_decay="1e-4"),
+     "weight_decay='1e-4' must be a number"),
+    (dict(learning_rate=True), "learning_rate=True must be a number"),
+])
+@pytest.mark.parametrize("recipe", ["sgd", "onebit_adamw"])
+def test_recipe_numbers_are_numbers(plan, recipe, kwargs, message):
+  with pytest.raises(jaxfuse.SyncError, match=f"{recipe}: {message}"):
+    jaxfuse.RECIPES[recipe](plan, **kwargs)
+
+
+def test_wrappers_and_agreement_name_what_they_were_given(plan):
+  for wrap in (lambda x: jaxfuse.apply_if_finite(x, 3), jaxfuse.delayed):
+    with pytest.raises(TypeError, match="expects an optax transform.*got "
+                       "Plan"):
+      wrap(plan)
+  from jaxfuse.planning import agreement  # pylint: disable=g-import-not-at-top
+  with pytest.raises(TypeError, match=r"expects the compiled step, "
+                     r"jax.jit\(f\).lower\(\*args\).compile\(\)"):
+    agreement.check_same_collectives(jax.jit(lambda x: x))
+
+
+def test_state_specs_checks_the_axis_and_what_runs_before_the_sync(plan):
+  import optax  # pylint: disable=g-import-not-at-top
+  mesh = mesh_of(NUM_WORKERS)
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  state = jaxfuse.init_state(jaxfuse.sgd(plan, 0.1), params, mesh)
+  with pytest.raises(jaxfuse.SyncError, match=r"axis_name='batch', but this "
+                     r"state lives on a mesh with axes \('data',\)"):
+    jaxfuse.state_specs(state, "batch")
+  # Adam's moments of each worker's own gradient, before the sync
+  bare = optax.chain(optax.scale_by_adam(), jaxfuse.sparse_sync(plan),
+                     optax.scale(-1e-3))
+  with pytest.raises(jaxfuse.SyncError, match=r"before jaxfuse.sparse_sync "
+                     r"keeps per-parameter state \(ScaleByAdamState\).*"
+                     r"jaxfuse.per_worker"):
+    jaxfuse.init_state(bare, params, mesh)
+  wrapped = optax.chain(jaxfuse.per_worker(optax.scale_by_adam()),
+                        jaxfuse.sparse_sync(plan), optax.scale(-1e-3))
+  stateless = optax.chain(optax.clip(1.0), jaxfuse.sparse_sync(plan),
+                          optax.adam(1e-3))
+  for opt in (wrapped, stateless, *(make(plan, 1e-3) for make in
+                                    jaxfuse.RECIPES.values())):
+    jaxfuse.state_specs(jaxfuse.init_state(opt, params, mesh))
+
+
+def test_summarize_with_another_phases_plan_is_refused(plan):
+  """Stats of a dense step read with the sparse plan would give a share of
+  the slots above 1."""
+  dense = jaxfuse.with_density(plan, 1.0)
+  mesh = mesh_of(1)
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  tx = jaxfuse.sparse_sync(dense)
+  state = jaxfuse.init_state(tx, params, mesh)
+  specs = jaxfuse.state_specs(state)
+  update = sharded_update(tx, mesh, specs)
+  grads = jax.tree.map(lambda x: np.ones((1,) + x.shape, np.float32), PARAMS)
+  _, state = update(shard(mesh, grads), state)
+  stats = jaxfuse.sync_stats(state)
+  assert jaxfuse.summarize(stats, dense)["slot_fill"] == 1.0   # every slot
+  with pytest.raises(ValueError, match=r"leaf \['w'\] selected 4096 "
+                     r"elements, more than the 308 slots"):
+    jaxfuse.summarize(stats, plan)

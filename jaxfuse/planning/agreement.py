@@ -83,6 +83,13 @@ def check_same_collectives(compiled, *, what: str = "the step") -> list[str]:
   it only reads the list. Calling the jitted function with the same
   arguments afterwards runs this compiled program, not a new compile.
   """
+  if not (isinstance(compiled, str) or callable(getattr(compiled, "as_text",
+                                                        None))):
+    raise TypeError(
+        f"check_same_collectives expects the compiled step, "
+        f"jax.jit(f).lower(*args).compile() (or its as_text()), got "
+        f"{type(compiled).__name__}; lower and compile the jitted "
+        "function first.")
   text = compiled if isinstance(compiled, str) else compiled.as_text()
   listed = hlo.collective_list(text)
   if jax.process_count() == 1:

@@ -227,8 +227,16 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
           "gradient; plan the trained parameters only (with flax NNX: "
           "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, "
           "docs/choosing.md, \"With flax NNX\").")
+    try:
+      dtype = str(jax.numpy.result_type(x))
+    except TypeError:
+      raise plan_lib.PlanError(
+          f"{f'leaf {name}' if name else 'params'}: a {type(x).__name__}, "
+          "not an array: params must be "
+          "a pytree of arrays. Register a dataclass as a pytree "
+          "(jax.tree_util.register_dataclass, flax.struct.dataclass) and "
+          "keep strings and other settings out of the tree.") from None
     shape = tuple(int(d) for d in np.shape(x))
-    dtype = str(jax.numpy.result_type(x))
     size = math.prod(shape)
     if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
       raise plan_lib.PlanError(
