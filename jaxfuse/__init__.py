@@ -51,13 +51,13 @@ from jaxfuse.recipes import sync_adamw
 from jaxfuse.transform import SparseSyncState
 from jaxfuse.transform import SyncError
 from jaxfuse.stats import SyncStats
-from jaxfuse.transform import init_state
+from jaxfuse.placement import init_state
 from jaxfuse.transform import local_params
 from jaxfuse.transform import per_worker
 from jaxfuse.transform import per_worker_mask
 from jaxfuse.transform import PerWorkerState
 from jaxfuse.transform import sparse_sync
-from jaxfuse.transform import state_specs
+from jaxfuse.placement import state_specs
 from jaxfuse.stats import summarize
 from jaxfuse.transform import sync_stats
 from jaxfuse.transform import unit_residuals

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse import _compat
+from jaxfuse import placement
 from jaxfuse import transform
 
 
@@ -67,7 +68,7 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
   ``jaxfuse.init_state`` and pass ``jaxfuse.state_specs`` as usual.
   Non-float leaves (no gradient) pass through undelayed.
   """
-  transform.require_transform(inner, "delayed")
+  placement.require_transform(inner, "delayed")
   if not isinstance(predict, bool):
     raise transform.SyncError(f"delayed: predict={predict!r} must be True "
                               "or False.")

@@ -36,6 +36,7 @@ import optax
 
 from jaxfuse import _compat
 from jaxfuse import delay
+from jaxfuse import placement
 from jaxfuse import plan_checks
 from jaxfuse import transform
 
@@ -72,7 +73,7 @@ def apply_if_finite(inner: optax.GradientTransformation,
   Wrap a whole jaxfuse recipe: ``apply_if_finite(jaxfuse.onebit_adamw(plan,
   lr), 5)``. With ``jaxfuse.delayed``, put ``delayed`` outside.
   """
-  transform.require_transform(inner, "apply_if_finite")
+  placement.require_transform(inner, "apply_if_finite")
   if not (plan_checks.is_int(max_consecutive_errors) and
           max_consecutive_errors >= 0):
     raise transform.SyncError(

@@ -5,8 +5,9 @@ gradients; returns the worker-averaged gradients, identical on every worker.
 
 Per-worker state (residuals, thresholds, stats) has a leading axis of size 1
 inside ``shard_map``; globally that axis has size K, sharded over the data
-axis. ``init_state`` builds it that way and ``state_specs`` gives the
-``PartitionSpec``s to pass through ``shard_map`` and ``jax.jit``.
+axis. ``jaxfuse.placement.init_state`` builds it that way and
+``state_specs`` gives the ``PartitionSpec``s to pass through ``shard_map``
+and ``jax.jit``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 from jaxfuse import _compat
 from jaxfuse import bucket_sync
@@ -440,169 +439,6 @@ def is_worker_state(x) -> bool:
   return isinstance(x, (SparseSyncState, PerWorkerState))
 
 
-# optax wrappers that branch on, or keep, the gradient they are given: around
-# a jaxfuse optimizer that is each worker's own, so the workers would part.
-_LOCAL_WRAPPERS = {
-    optax.ApplyIfFiniteState: (
-        "optax.apply_if_finite decides on each worker's own gradient, so one "
-        "worker would skip the collectives the others run. Use "
-        "jaxfuse.apply_if_finite(optimizer, max_consecutive_errors): it "
-        "decides on the synced update, the same on every worker."),
-    optax.MultiStepsState: (
-        "optax.MultiSteps runs the optimizer, and so its collectives, on "
-        "every micro-step, and keeps each worker's own accumulated gradient "
-        "as state no PartitionSpec can hold. Accumulate the micro-batches' "
-        "gradients inside the step instead, before opt.update (a lax.scan "
-        "over micro-batches: docs/choosing.md, \"Gradient accumulation\")."),
-}
-
-
-def _refuse_one_workers_state(opt_state, axis_name) -> None:
-  """``SyncError`` for per-worker leaves holding one worker's shape where
-  there are several devices: leading axis 1, and either on a mesh whose
-  worker axes have more than one device but not sharded over them, or no
-  mesh's at all (numpy, one device's array). That is a state from
-  ``optimizer.init(params)`` (or flax's ``TrainState.create``) instead of
-  ``init_state``. Abstract states pass."""
-  if jax.device_count() == 1:
-    return
-  _, names = _axis_names(axis_name)
-
-  def one_workers(x) -> bool:
-    if not (isinstance(x, (jax.Array, np.ndarray)) and
-            not _compat.is_tracer(x) and x.ndim and x.shape[0] == 1):
-      return False
-    sharding = getattr(x, "sharding", None)
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-      return True
-    workers = 1
-    for n in names:
-      workers *= dict(sharding.mesh.shape).get(n, 1)
-    spec = sharding.spec
-    first = (spec[0] if len(spec) and isinstance(spec[0], tuple)
-             else tuple(spec[:1]))
-    return workers > 1 and not set(names) & set(first)
-
-  for state in jax.tree.leaves(opt_state, is_leaf=is_worker_state):
-    if not is_worker_state(state):
-      continue
-    for x in jax.tree.leaves(state):
-      if one_workers(x):
-        raise SyncError(
-            f"the {type(state).__name__} in this state holds one worker's "
-            f"shape {x.shape} (leading axis 1) on {jax.device_count()} "
-            "devices: it was made by optimizer.init(params) (or flax's "
-            "TrainState.create). Make it with jaxfuse.init_state(optimizer, "
-            "params, mesh), which gives each worker its own part "
-            "(with a TrainState: state.replace(opt_state=jaxfuse.init_state("
-            "...))).")
-
-
-def _children(x) -> list:
-  """The immediate children of a pytree node (none for a leaf)."""
-  if jax.tree_util.treedef_is_leaf(jax.tree.structure(x)):
-    return []
-  return jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
-
-
-def _refuse_local_state_before_sync(opt_state) -> None:
-  """``SyncError`` for a transform chained before ``sparse_sync`` that
-  keeps per-parameter float state outside ``per_worker``: it sees each
-  worker's own gradient, so its state differs per worker, and
-  ``shard_map`` would stop at ``out_specs=P()`` with JAX's advice to turn
-  the check off. Chains are plain tuples of states."""
-  def holds_sync(x) -> bool:
-    return any(is_sync_state(y)
-               for y in jax.tree.leaves(x, is_leaf=is_sync_state))
-
-  def local_floats(x) -> bool:
-    return any(not is_worker_state(y) and np.ndim(y) >= 1 and
-               _compat.is_float_dtype(getattr(y, "dtype", None))
-               for y in jax.tree.leaves(x, is_leaf=is_worker_state)
-               if hasattr(y, "dtype"))
-
-  def visit(x) -> None:
-    if is_worker_state(x):
-      return
-    if type(x) is tuple:  # pylint: disable=unidiomatic-typecheck
-      first = next((i for i, y in enumerate(x) if holds_sync(y)), 0)
-      for y in x[:first]:
-        if local_floats(y):
-          raise SyncError(
-              f"a transform chained before jaxfuse.sparse_sync keeps "
-              f"per-parameter state ({type(y).__name__}): it sees each "
-              "worker's own gradient, so its state differs per worker. "
-              "Wrap it, optax.chain(jaxfuse.per_worker(<transform>), "
-              "jaxfuse.sparse_sync(plan), ...), or move it after the sync.")
-    for child in _children(x):
-      visit(child)
-
-  visit(opt_state)
-
-
-def _refuse_axes_off_the_mesh(opt_state, axis_name) -> None:
-  """``SyncError`` when the state's arrays live on a mesh without the
-  worker axes ``axis_name`` names (``state_specs(state, "batch")`` for a
-  state made on a ``"data"`` mesh)."""
-  _, names = _axis_names(axis_name)
-  for x in jax.tree.leaves(opt_state):
-    if _compat.is_tracer(x):
-      return
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      if not set(names) <= set(sharding.mesh.axis_names):
-        raise SyncError(
-            f"state_specs: axis_name={axis_name!r}, but this state lives on "
-            f"a mesh with axes {tuple(sharding.mesh.axis_names)}; pass the "
-            "axis name the state was made with (jaxfuse.init_state(..., "
-            "axis_name=...)).")
-      return
-
-
-def _refuse_local_wrappers(opt_state) -> None:
-  """``SyncError`` for an optax wrapper of ``_LOCAL_WRAPPERS`` around a
-  state with per-worker parts (it may follow ``sparse_sync`` in a chain)."""
-  wrappers = tuple(_LOCAL_WRAPPERS)
-  for x in jax.tree.leaves(opt_state,
-                           is_leaf=lambda x: isinstance(x, wrappers)):
-    if isinstance(x, wrappers) and any(
-        is_worker_state(y) for y in jax.tree.leaves(x, is_leaf=is_worker_state)):
-      raise SyncError(f"{type(x).__name__} holds a jaxfuse state: "
-                      f"{_LOCAL_WRAPPERS[type(x)]}")
-
-
-# optax.inject_hyperparams's states (the stateful one from optax 0.2.3 on)
-_INJECTED = tuple(k for k in (
-    getattr(optax, "InjectHyperparamsState", None),
-    getattr(optax, "InjectStatefulHyperparamsState", None)) if k is not None)
-
-
-def _refuse_narrow_hyperparams(opt_state) -> None:
-  """``SyncError`` for ``optax.inject_hyperparams`` keeping a jaxfuse
-  optimizer's hyperparameters in a float narrower than float32. optax
-  stores them in the parameters' dtype unless told otherwise; in bfloat16
-  b2 = 0.999 is 1.0, so Adam's bias correction 1 − b2ᵗ is 0 and every
-  update NaN, and ε = 1e-8 is 0 in float16."""
-  for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
-      x, _INJECTED)):
-    if not isinstance(x, _INJECTED) or not any(
-        is_worker_state(y) for y in jax.tree.leaves(x,
-                                                    is_leaf=is_worker_state)):
-      continue
-    narrow = {name: str(v.dtype) for name, v in x.hyperparams.items()
-              if hasattr(v, "dtype") and _compat.is_float_dtype(v.dtype)
-              and jnp.dtype(v.dtype).itemsize < 4}
-    if narrow:
-      raise SyncError(
-          f"optax.inject_hyperparams keeps {sorted(narrow)} in "
-          f"{sorted(set(narrow.values()))} (the parameters' dtype, optax's "
-          "default), too narrow for an optimizer's constants: in bfloat16 "
-          "b2=0.999 is 1.0 and Adam's bias correction divides by zero. "
-          "Pass hyperparam_dtype=jnp.float32: optax.inject_hyperparams("
-          "jaxfuse.<recipe>, static_args=..., hyperparam_dtype=jnp.float32)"
-          ".")
-
-
 def per_worker_mask(tree):
   """The same structure as ``tree`` (any pytree holding optimizer states),
   True at the leaves of ``sparse_sync``'s and ``per_worker``'s states (a
@@ -612,59 +448,6 @@ def per_worker_mask(tree):
       return jax.tree.map(lambda _: True, x)
     return False
   return jax.tree.map(mark, tree, is_leaf=is_worker_state)
-
-
-def state_specs(opt_state, axis_name: str | tuple = "data"):
-  """``PartitionSpec`` tree for an optimizer state holding ``sparse_sync``.
-
-  The leaves of ``sparse_sync``'s and ``per_worker``'s states get
-  ``P(axis_name)`` (a tuple of axes: the leading axis over all of them,
-  host-major); everything else (Adam moments after the sync, counts,
-  …) is replicated, ``P()``. Works on real or abstract (``jax.eval_shape``)
-  states. Refuses the optax wrappers that cannot wrap a sync
-  (``optax.apply_if_finite``, ``optax.MultiSteps``), naming what to use.
-  """
-  _refuse_local_wrappers(opt_state)
-  _refuse_local_state_before_sync(opt_state)
-  _refuse_narrow_hyperparams(opt_state)
-  _refuse_axes_off_the_mesh(opt_state, axis_name)
-  _refuse_one_workers_state(opt_state, axis_name)
-
-  def spec(x):
-    if is_worker_state(x):
-      return jax.tree.map(lambda _: P(axis_name), x)
-    return P()
-  return jax.tree.map(spec, opt_state, is_leaf=is_worker_state)
-
-
-def require_transform(optimizer, where: str) -> None:
-  """``TypeError`` unless ``optimizer`` is an optax transform (has callable
-  ``init`` and ``update``; a ``Plan`` is not one)."""
-  if isinstance(optimizer, plan_lib.Plan) or not (
-      callable(getattr(optimizer, "init", None)) and
-      callable(getattr(optimizer, "update", None))):
-    raise TypeError(f"{where} expects an optax transform (e.g. "
-                    f"jaxfuse.onebit_adamw(plan, lr)), got "
-                    f"{type(optimizer).__name__}.")
-
-
-def init_state(optimizer: optax.GradientTransformation, params,
-               mesh: jax.sharding.Mesh, axis_name: str | tuple = "data"):
-  """``optimizer.init(params)`` with per-worker leaves sharded over the axis
-  (or the tuple of axes)."""
-  require_transform(optimizer, "init_state")
-  if not isinstance(mesh, jax.sharding.Mesh):
-    raise TypeError(f"init_state expects the jax.sharding.Mesh the step "
-                    f"runs on, got {type(mesh).__name__}; make one with "
-                    "jaxfuse.make_mesh().")
-  axis_name, names = _axis_names(axis_name)
-  if not set(names) <= set(mesh.axis_names):
-    raise SyncError(f"mesh has axes {mesh.axis_names}, not {axis_name!r}; "
-                    "make the mesh with jaxfuse.make_mesh() or pass axis_name.")
-  specs = state_specs(jax.eval_shape(optimizer.init, params), axis_name)
-  init = jax.shard_map(optimizer.init, mesh=mesh, in_specs=(P(),),
-                       out_specs=specs)
-  return jax.jit(init)(params)
 
 
 def sync_stats(opt_state) -> SyncStats:

@@ -76,6 +76,7 @@ def early_step(mesh, strategy: str, *, units: int, width: int, estimator: str,
   on ``mesh``, every layer sparse, planned as ``strategy``."""
   # pylint: disable=g-import-not-at-top
   from jaxfuse import overlap
+  from jaxfuse import placement
   from jaxfuse import transform
   from jaxfuse.planning import planner
   # pylint: enable=g-import-not-at-top
@@ -86,8 +87,8 @@ def early_step(mesh, strategy: str, *, units: int, width: int, estimator: str,
   opt = transform.sparse_sync(plan, axis_name=axis_name)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   x = jax.device_put(x, NamedSharding(mesh, P()))
-  state = transform.init_state(opt, params, mesh, axis_name=axis_name)
-  specs = transform.state_specs(state, axis_name)
+  state = placement.init_state(opt, params, mesh, axis_name=axis_name)
+  specs = placement.state_specs(state, axis_name)
 
   def local(params, state, x):
     grads = jax.grad(loss_fn)(transform.local_params(params, axis_name), x)

@@ -333,6 +333,7 @@ def _sparse_step(mesh, sizes, strategy, *, estimator, density, headroom,
   leaves of ``sizes`` (standard normal, the same on every device of
   ``mesh``), planned as ``strategy`` with every leaf sparse and moved by
   ``collective``, and the arguments to call it with."""
+  from jaxfuse import placement  # pylint: disable=g-import-not-at-top
   from jaxfuse import transform  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(sum(sizes))
@@ -342,8 +343,8 @@ def _sparse_step(mesh, sizes, strategy, *, estimator, density, headroom,
                       estimator=estimator, headroom=headroom,
                       min_sparse_size=1, collective=collective)
   opt = transform.sparse_sync(plan, axis_name=axis_name)
-  state = transform.init_state(opt, grads, mesh, axis_name=axis_name)
-  specs = transform.state_specs(state, axis_name)
+  state = placement.init_state(opt, grads, mesh, axis_name=axis_name)
+  specs = placement.state_specs(state, axis_name)
   step = _jit(jax.shard_map(
       lambda g, s: opt.update(_compat.to_varying(g, axis_name), s),
       mesh=mesh, in_specs=(P(), specs), out_specs=(P(), specs)))
