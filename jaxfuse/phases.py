@@ -235,6 +235,9 @@ def final_density(plan: plan_lib.Plan) -> float:
 
 def phase_index(phases: Sequence[Phase], step: int) -> int:
   """Index of the phase that trains ``step``."""
+  if not plan_lib.is_int(step) or step < 0:
+    raise ValueError(f"phase_index: step={step!r} must be an integer >= 0 "
+                     "(steps count from 0).")
   for i, phase in enumerate(phases):
     if phase.stop is None or step < phase.stop:
       return i

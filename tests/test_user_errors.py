@@ -303,6 +303,12 @@ def test_density_warmup_densities(plan):
   with pytest.raises(ValueError, match="phase_index: no phase trains step "
                      "3: the last of 0 phases must have stop=None"):
     jaxfuse.phase_index([], 3)
+  phases = jaxfuse.density_warmup(plan, steps=10)
+  for bad in (-1, 2.0, "3"):
+    with pytest.raises(ValueError, match=f"phase_index: step={bad!r} must "
+                       "be an integer >= 0"):
+      jaxfuse.phase_index(phases, bad)
+  assert jaxfuse.phase_index(phases, np.int64(10)) == 1
 
 
 # --- local_params ---------------------------------------------------------------
