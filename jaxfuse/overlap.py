@@ -49,8 +49,8 @@ What it needs of ``step``: the collectives at the top level of its jaxpr
 helpers elsewhere are fine), and a backward pass that is not one opaque
 call (``lax.scan`` over layers makes all gradients ready at once, so there
 is nothing to overlap; ``jax.checkpoint``'d layers are fine, each layer's
-backward one equation whose products ``work`` counts). Steps with ordered effects (``io_callback``) run
-unchanged, with a warning.
+backward one equation whose products ``work`` counts). Steps with ordered
+effects (``io_callback``) run unchanged, with a warning.
 """
 
 from __future__ import annotations
@@ -222,19 +222,34 @@ def fenced_order(jaxpr) -> tuple[list[int], list[int]]:
   return order, fences
 
 
+def control_flow(eqn) -> tuple[list, int, str]:
+  """(sub-jaxprs, trip count, "sum" or "max") of a control-flow equation:
+  a ``scan`` its body × length, a ``cond`` its heaviest branch, a
+  ``while`` its body and condition once (the trip count is not static);
+  ``([], 1, "sum")`` for the others."""
+  p = eqn.params
+  if eqn.primitive.name == "scan":
+    return [p["jaxpr"]], int(p.get("length", 1)), "sum"
+  if "branches" in p:
+    return list(p["branches"]), 1, "max"
+  if "body_jaxpr" in p:
+    return [p["body_jaxpr"], p["cond_jaxpr"]], 1, "sum"
+  return [], 1, "sum"
+
+
 def work(eqn) -> float:
   """Multiply-adds of a heavy equation: ``dot_general`` out·Π(contracting
   dims); a convolution out·(kernel size per output feature). An equation
-  holding jaxprs (a ``jax.checkpoint``'d layer's backward, a nested
-  ``jit``, a custom derivative) counts theirs: a ``scan`` its body's
-  × length, a ``cond`` its heaviest branch; 0 for the others."""
+  holding jaxprs counts theirs: control flow as ``control_flow`` says,
+  any other (a ``jax.checkpoint``'d layer's backward, a nested ``jit``, a
+  custom derivative; a Pallas kernel's one block) their sum."""
   name = eqn.primitive.name
   if name not in HEAVY:
-    inner = [sum(map(work, getattr(j, "jaxpr", j).eqns))
-             for j in jex.jaxprs_in_params(eqn.params)]
-    if name == "cond":
-      return max(inner, default=0.0)
-    return sum(inner) * (eqn.params["length"] if name == "scan" else 1)
+    subs, trips, combine = control_flow(eqn)
+    subs = subs or list(jex.jaxprs_in_params(eqn.params))
+    inner = [sum(map(work, getattr(j, "jaxpr", j).eqns)) for j in subs]
+    return trips * (max(inner, default=0.0) if combine == "max" else
+                    sum(inner))
   out = math.prod(eqn.outvars[0].aval.shape)
   if name == "dot_general":
     (contract, _), _ = eqn.params["dimension_numbers"]

@@ -234,7 +234,9 @@ def final_density(plan: plan_lib.Plan) -> float:
 
 
 def phase_index(phases: Sequence[Phase], step: int) -> int:
-  """Index of the phase that trains ``step``."""
+  """Index of the phase that trains ``step`` (an int, numpy or concrete JAX
+  integer: e.g. a ``TrainState``'s step)."""
+  step = plan_lib.as_python(step)
   if not plan_lib.is_int(step) or step < 0:
     raise ValueError(f"phase_index: step={step!r} must be an integer >= 0 "
                      "(steps count from 0).")

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxfuse import _compat
 from jaxfuse import plans as plan_lib
 from jaxfuse.transform import SyncError
-from jaxfuse.transform import _axis_names  # pylint: disable=protected-access
+from jaxfuse.transform import axis_names
 from jaxfuse.transform import is_sync_state
 from jaxfuse.transform import is_worker_state
 
@@ -54,7 +54,7 @@ def _refuse_one_workers_state(opt_state, axis_name) -> None:
   ``init_state``. Abstract states pass."""
   if jax.device_count() == 1:
     return
-  _, names = _axis_names(axis_name)
+  _, names = axis_names(axis_name)
 
   def one_workers(x) -> bool:
     if not (isinstance(x, (jax.Array, np.ndarray)) and
@@ -93,32 +93,48 @@ def _children(x) -> list:
   return jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
 
 
+def _holds(tree, kind) -> bool:
+  """Whether ``tree`` holds a node for which ``kind(node)`` is true."""
+  return any(kind(y) for y in jax.tree.leaves(tree, is_leaf=kind))
+
+
+def _local_floats(x) -> bool:
+  """Per-parameter float arrays (ndim ≥ 1) outside any worker state."""
+  return any(not is_worker_state(y) and np.ndim(y) >= 1 and
+             _compat.is_float_dtype(getattr(y, "dtype", None))
+             for y in jax.tree.leaves(x, is_leaf=is_worker_state)
+             if hasattr(y, "dtype"))
+
+
+def _state_name(x) -> str:
+  """The type of the first optax state (a NamedTuple) in ``x`` that holds
+  per-parameter floats: a nested chain names its transform's state."""
+  if hasattr(x, "_fields") and _local_floats(x):
+    return type(x).__name__
+  for child in _children(x):
+    if _local_floats(child):
+      return _state_name(child)
+  return type(x).__name__
+
+
 def _refuse_local_state_before_sync(opt_state) -> None:
   """``SyncError`` for a transform chained before ``sparse_sync`` that
   keeps per-parameter float state outside ``per_worker``: it sees each
   worker's own gradient, so its state differs per worker, and
   ``shard_map`` would stop at ``out_specs=P()`` with JAX's advice to turn
-  the check off. Chains are plain tuples of states."""
-  def holds_sync(x) -> bool:
-    return any(is_sync_state(y)
-               for y in jax.tree.leaves(x, is_leaf=is_sync_state))
-
-  def local_floats(x) -> bool:
-    return any(not is_worker_state(y) and np.ndim(y) >= 1 and
-               _compat.is_float_dtype(getattr(y, "dtype", None))
-               for y in jax.tree.leaves(x, is_leaf=is_worker_state)
-               if hasattr(y, "dtype"))
-
+  the check off. Chains are plain tuples of states (``optax.named_chain``'s
+  dict is not read: a dict is also a parameter tree)."""
   def visit(x) -> None:
     if is_worker_state(x):
       return
     if type(x) is tuple:  # pylint: disable=unidiomatic-typecheck
-      first = next((i for i, y in enumerate(x) if holds_sync(y)), 0)
+      first = next((i for i, y in enumerate(x) if _holds(y, is_sync_state)),
+                   0)
       for y in x[:first]:
-        if local_floats(y):
+        if _local_floats(y):
           raise SyncError(
               f"a transform chained before jaxfuse.sparse_sync keeps "
-              f"per-parameter state ({type(y).__name__}): it sees each "
+              f"per-parameter state ({_state_name(y)}): it sees each "
               "worker's own gradient, so its state differs per worker. "
               "Wrap it, optax.chain(jaxfuse.per_worker(<transform>), "
               "jaxfuse.sparse_sync(plan), ...), or move it after the sync.")
@@ -132,7 +148,7 @@ def _refuse_axes_off_the_mesh(opt_state, axis_name) -> None:
   """``SyncError`` when the state's arrays live on a mesh without the
   worker axes ``axis_name`` names (``state_specs(state, "batch")`` for a
   state made on a ``"data"`` mesh)."""
-  _, names = _axis_names(axis_name)
+  _, names = axis_names(axis_name)
   for x in jax.tree.leaves(opt_state):
     if _compat.is_tracer(x):
       return
@@ -153,8 +169,7 @@ def _refuse_local_wrappers(opt_state) -> None:
   wrappers = tuple(_LOCAL_WRAPPERS)
   for x in jax.tree.leaves(opt_state,
                            is_leaf=lambda x: isinstance(x, wrappers)):
-    if isinstance(x, wrappers) and any(
-        is_worker_state(y) for y in jax.tree.leaves(x, is_leaf=is_worker_state)):
+    if isinstance(x, wrappers) and _holds(x, is_worker_state):
       raise SyncError(f"{type(x).__name__} holds a jaxfuse state: "
                       f"{_LOCAL_WRAPPERS[type(x)]}")
 
@@ -173,9 +188,7 @@ def _refuse_narrow_hyperparams(opt_state) -> None:
   update NaN, and ε = 1e-8 is 0 in float16."""
   for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
       x, _INJECTED)):
-    if not isinstance(x, _INJECTED) or not any(
-        is_worker_state(y) for y in jax.tree.leaves(x,
-                                                    is_leaf=is_worker_state)):
+    if not (isinstance(x, _INJECTED) and _holds(x, is_worker_state)):
       continue
     narrow = {name: str(v.dtype) for name, v in x.hyperparams.items()
               if hasattr(v, "dtype") and _compat.is_float_dtype(v.dtype)
@@ -234,7 +247,7 @@ def init_state(optimizer: optax.GradientTransformation, params,
     raise TypeError(f"init_state expects the jax.sharding.Mesh the step "
                     f"runs on, got {type(mesh).__name__}; make one with "
                     "jaxfuse.make_mesh().")
-  axis_name, names = _axis_names(axis_name)
+  axis_name, names = axis_names(axis_name)
   if not set(names) <= set(mesh.axis_names):
     raise SyncError(f"mesh has axes {mesh.axis_names}, not {axis_name!r}; "
                     "make the mesh with jaxfuse.make_mesh() or pass axis_name.")

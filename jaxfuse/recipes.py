@@ -86,12 +86,13 @@ def _numbers(where: str, **values) -> list:
   for name, v in zip(values, out):
     numeric = isinstance(v, (np.ndarray, jax.Array)) and (
         jnp.issubdtype(v.dtype, jnp.number))
-    if not (v is None or callable(v) or _compat.is_tracer(v) or numeric or
+    if not ((v is None and name == "clip_norm") or callable(v) or
+            _compat.is_tracer(v) or numeric or
             (isinstance(v, (int, float)) and not isinstance(v, bool))):
       raise transform.SyncError(
           f"{where}: {name}={v!r} must be a number (or, for "
-          "learning_rate, an optax schedule), e.g. 0.05, not a "
-          f"{type(v).__name__}.")
+          "learning_rate, an optax schedule), e.g. 0.05, not "
+          f"{'None' if v is None else 'a ' + type(v).__name__}.")
   return out
 
 

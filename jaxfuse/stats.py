@@ -177,9 +177,11 @@ def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
   for unit in plan_lib.units(plan)[0]:
     most = selected[..., list(unit.leaves)].sum(-1).max()
     if most > unit.capacity:
-      name = plan.leaves[unit.leaves[0]].path
+      paths = [plan.leaves[j].path for j in unit.leaves]
+      name = (f"leaf {paths[0]}" if len(paths) == 1 else
+              f"the bucket of leaves {paths[0]} … {paths[-1]}")
       raise ValueError(
-          f"summarize: leaf {name} selected {int(most)} elements, more "
+          f"summarize: {name} selected {int(most)} elements, more "
           f"than the {unit.capacity} slots this plan gives it: the stats "
           "come from another phase's plan (e.g. a dense warm-up step); "
           "pass the plan of the phase that ran the step.")

@@ -124,7 +124,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
                     f"{mask_momentum!r} must be True or False.")
   if nesterov and momentum == 0:
     raise SyncError("sparse_sync: nesterov=True needs momentum > 0.")
-  axis_name, _ = _axis_names(axis_name)
+  axis_name, _ = axis_names(axis_name)
   sched = schedule_lib.compile_plan(plan)
   lay = grouped.layout(plan, sched)   # of a Grouped blend's m
   groups, group_dtypes = sched.groups, sched.group_dtypes
@@ -229,7 +229,7 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
         f"{[p for p in paths if p not in planned][:5]}, in the plan only "
         f"{[l.path for l in plan.leaves if l.path not in set(paths)][:5]}. "
         "Make the plan from the parameters you differentiate.")
-  _, names = _axis_names(axis_name)
+  _, names = axis_names(axis_name)
   vma_on = set(names) <= _compat.varying_axes(lax.axis_index(axis_name))
   out = []
   for (_, g), leaf in zip(flat, plan.leaves):
@@ -352,7 +352,7 @@ def unit_residuals(plan: plan_lib.Plan, state: SparseSyncState,
 
 # --- helpers for users --------------------------------------------------------
 
-def _axis_names(axis_name):
+def axis_names(axis_name):
   """``axis_name`` (a list taken as the tuple) and its names, a tuple."""
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
@@ -369,7 +369,7 @@ def local_params(params, axis_name: str | tuple = "data"):
   axis by JAX itself; differentiating this view instead keeps each worker's
   own gradient for ``sparse_sync`` to sparsify. No data moves.
   """
-  axis_name, names = _axis_names(axis_name)
+  axis_name, names = axis_names(axis_name)
   for name in names:
     if not isinstance(name, str) or _compat.axis_size(name) is None:
       raise SyncError(

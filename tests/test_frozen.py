@@ -183,6 +183,7 @@ def test_multi_transform_state_checkpoints_and_resizes(tmp_path):
   leaf's mean over workers (what they still owe: ``jaxfuse.elastic``)."""
   if K < 2:
     pytest.skip("one worker: nothing to resize")
+  pytest.importorskip("orbax.checkpoint")
   mesh = mesh_of(K)
   params, batches = _problem(mesh)
   opt = optax.multi_transform(

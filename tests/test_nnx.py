@@ -127,6 +127,7 @@ def test_nnx_snippet_steps_as_a_plain_dict_and_averages_batch_stats():
 
 
 def test_nnx_trees_checkpoint_and_restore_bitwise(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
   mesh = mesh_of(K)
   _, user = _run_snippet(mesh)
   params, rest, opt_state = user["params"], user["rest"], user["opt_state"]
@@ -154,9 +155,17 @@ def test_a_module_or_a_key_is_refused_naming_the_split():
   model = MLP(nnx.Rngs(0))
   with pytest.raises(jaxfuse.PlanError, match=r"nnx\.split\(model, nnx\.Param"):
     jaxfuse.plan(model, density=0.05)
+  with pytest.raises(jaxfuse.PlanError, match=r"params\['model'\] is a "
+                     r"flax NNX Module \(MLP\)"):
+    jaxfuse.plan({"model": model}, density=0.05)
+  # the whole state: its RNG state and batch statistics are no parameters
   with pytest.raises(jaxfuse.PlanError,
-                     match=r"leaf \['drop'\]\['rngs'\]\['key'\]"):
+                     match=r"params\['drop'\]\['rngs'\]\['count'\] is an "
+                     r"nnx.RngCount \(RngState\)"):
     jaxfuse.plan(nnx.state(model), density=0.05)
+  with pytest.raises(jaxfuse.PlanError, match=r"params\['norm'\]\['mean'\] "
+                     r"is an nnx.BatchStat"):
+    jaxfuse.plan(nnx.state(model, nnx.Not(nnx.RngState)), density=0.05)
   # the parameters alone are planned, every leaf a float one
   plan = jaxfuse.plan(nnx.state(model, nnx.Param), density=0.05)
   assert {leaf.dtype for leaf in plan.leaves} == {"float32"}

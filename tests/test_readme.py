@@ -71,7 +71,7 @@ def test_quickstart_runs_as_written(monkeypatch, capsys):
   phases, params = user["phases"], user["params"]
   assert user["consumed"]
   assert len(phases) >= 2 and phases[-1].stop is None
-  assert phases[0].plan.provenance.get("phase_density", 1.0) == 1.0
+  assert all(l.density == 1.0 for l in phases[0].plan.leaves)   # dense
   # One line per phase (its last loss and the sync statistics).
   assert len(capsys.readouterr().out.strip().splitlines()) >= len(phases)
   end = float(loss_fn(jax.device_get(params), held_out))
@@ -85,7 +85,7 @@ def test_quickstart_on_a_short_run_trains_exactly_its_steps(monkeypatch):
   user, _, _, first = _run_quickstart(monkeypatch, 6)
   phases = user["phases"]
   assert phases[0].start == 0 and phases[0].stop >= 1
-  assert phases[0].plan.provenance.get("phase_density", 1.0) == 1.0
+  assert all(l.density == 1.0 for l in phases[0].plan.leaves)   # dense
   assert user["consumed"]
   moved = [not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
            zip(jax.tree.leaves(user["params"]), jax.tree.leaves(first))]

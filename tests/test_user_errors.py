@@ -309,6 +309,7 @@ def test_density_warmup_densities(plan):
                        "be an integer >= 0"):
       jaxfuse.phase_index(phases, bad)
   assert jaxfuse.phase_index(phases, np.int64(10)) == 1
+  assert jaxfuse.phase_index(phases, jnp.int32(10)) == 1   # a TrainState.step
 
 
 # --- local_params ---------------------------------------------------------------
@@ -403,9 +404,15 @@ def test_a_plan_saved_into_a_missing_folder_names_it(tmp_path, plan):
 
 @pytest.mark.parametrize("tree,message", [
     ({"w": jnp.ones((64, 64)), "name": "mlp"},
-     r"leaf \['name'\]: a str, not an array"),
+     r"leaf \['name'\]: a str, not a numeric array"),
     (dataclasses.make_dataclass("Model", ["w"])(jnp.ones((64, 64))),
-     r"params: a Model, not an array.*register_dataclass"),
+     r"params: a Model, not a numeric array.*register_dataclass"),
+    ({"w": jnp.ones((64, 64)), "dtype": "bfloat16"},
+     r"leaf \['dtype'\]: a str, not a numeric array"),
+    ({"w": jnp.ones((64, 64)), "t": jnp.float32},
+     r"leaf \['t'\]: the type float32, not a numeric array"),
+    ({"w": jnp.ones((64, 64)), "s": np.array(["a", "b"])},
+     r"leaf \['s'\]: an array of <U1, not a numeric array"),
     ({"w": jnp.ones((64, 64)), "key": jax.random.key(0)},
      r"leaf \['key'\]: holds key<fry> values \(PRNG keys\)"),
 ])
@@ -419,6 +426,10 @@ def test_a_leaf_that_is_no_parameter_is_named(tree, message):
     (dict(learning_rate=0.05, weight_decay="1e-4"),
      "weight_decay='1e-4' must be a number"),
     (dict(learning_rate=True), "learning_rate=True must be a number"),
+    # optax reads a None rate as "no scaling": the update would ascend
+    (dict(learning_rate=None), "learning_rate=None must be a number"),
+    (dict(learning_rate=0.05, weight_decay=None),
+     "weight_decay=None must be a number"),
 ])
 @pytest.mark.parametrize("recipe", ["sgd", "onebit_adamw"])
 def test_recipe_numbers_are_numbers(plan, recipe, kwargs, message):

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse import overlap
 from jaxfuse.planning import ordering
 from jaxfuse.planning.timing import ProfileError
 from jaxfuse.planning.timing import jit as _jit
@@ -85,18 +86,6 @@ def equation_work(eqn) -> tuple[float, float]:
   return flops, float(max(out_bytes, in_bytes))
 
 
-def _opaque_jaxprs(eqn) -> tuple[list, int, str]:
-  """(sub-jaxprs, trip count, how to combine) of control flow we don't enter."""
-  p = eqn.params
-  if eqn.primitive.name == "scan":
-    return [p["jaxpr"]], int(p.get("length", 1)), "sum"
-  if "branches" in p:
-    return list(p["branches"]), 1, "max"
-  if "body_jaxpr" in p:
-    return [p["body_jaxpr"], p["cond_jaxpr"]], 1, "sum"
-  return [], 1, "sum"
-
-
 def _roofline(flops: float, nbytes: float, rates) -> float:
   return max(flops / rates[0], nbytes / rates[1])
 
@@ -126,7 +115,7 @@ def _graph(jaxpr, rates, atoms: list, env: dict, keys: dict,
                                for a in env.get(v, ())})
   for i, eqn in enumerate(jaxpr.eqns):
     key = prefix + (i,)
-    subs, trips, combine = _opaque_jaxprs(eqn)
+    subs, trips, combine = overlap.control_flow(eqn)
     sub = None if subs else ordering._sub_jaxprs(eqn)  # pylint: disable=protected-access
     if sub is not None:
       if len(sub.invars) == len(eqn.invars):

@@ -221,21 +221,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   leaves = []
   for path, x in flat:
     name = jax.tree_util.keystr(path)
-    if _is_key(x):
-      raise plan_lib.PlanError(
-          f"leaf {name}: holds {x.dtype} values (PRNG keys), which have no "
-          "gradient; plan the trained parameters only (with flax NNX: "
-          "`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, "
-          "docs/choosing.md, \"With flax NNX\").")
-    try:
-      dtype = str(jax.numpy.result_type(x))
-    except TypeError:
-      raise plan_lib.PlanError(
-          f"{f'leaf {name}' if name else 'params'}: a {type(x).__name__}, "
-          "not an array: params must be "
-          "a pytree of arrays. Register a dataclass as a pytree "
-          "(jax.tree_util.register_dataclass, flax.struct.dataclass) and "
-          "keep strings and other settings out of the tree.") from None
+    dtype = _leaf_dtype(name, x)
     shape = tuple(int(d) for d in np.shape(x))
     size = math.prod(shape)
     if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
@@ -338,27 +324,73 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
                        plan.provenance), report
 
 
-def _is_key(x) -> bool:
-  """Whether ``x`` is an array of an extended dtype (PRNG keys)."""
+_NNX_SPLIT = ("`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, "
+              "then `jaxfuse.plan(params, ...)` (docs/choosing.md, \"With "
+              "flax NNX\")")
+
+
+def _leaf_dtype(name: str, x) -> str:
+  """The dtype of a parameter leaf: an array (or array-like with shape and
+  dtype) or a Python/numpy number; ``PlanError`` naming the leaf for
+  anything else (a string, a dtype, an unregistered dataclass, PRNG
+  keys)."""
+  where = f"leaf {name}" if name else "params"
   dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype,
-                                                     jax.dtypes.extended)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    raise plan_lib.PlanError(
+        f"{where}: holds {dtype} values (PRNG keys), which have no "
+        f"gradient; plan the trained parameters only (with flax NNX, "
+        f"{_NNX_SPLIT}).")
+  numeric = isinstance(x, (bool, int, float, complex, np.number)) or (
+      hasattr(x, "shape") and dtype is not None and (
+          jax.numpy.issubdtype(dtype, jax.numpy.number) or
+          jax.numpy.issubdtype(dtype, jax.numpy.bool_)))
+  if not numeric:
+    what = (f"the type {x.__name__}" if isinstance(x, type) else
+            f"an array of {dtype}" if hasattr(x, "shape") else
+            f"a {type(x).__name__}")
+    raise plan_lib.PlanError(
+        f"{where}: {what}, not a numeric array: params must be a pytree of "
+        "arrays. Register a dataclass as a pytree "
+        "(jax.tree_util.register_dataclass, flax.struct.dataclass) and keep "
+        "strings, dtypes and other settings out of the tree.")
+  return str(jax.numpy.result_type(x))
+
+
+def _nnx_classes(x) -> list[str]:
+  """Names of the flax NNX classes ``x`` is an instance of (none when flax
+  is not in use: detected by the classes' module, so that flax stays an
+  optional dependency)."""
+  return [c.__name__ for c in type(x).__mro__
+          if c.__module__.startswith("flax.nnx")]
+
+
+# NNX variable types that hold no trained parameters
+_NNX_STATE = ("BatchStat", "RngState", "Cache", "Intermediate", "OptState")
 
 
 def _refuse_nnx_object(params) -> None:
-  """A flax NNX object (a ``Module``, an ``Optimizer``) holds more than
-  parameters (batch statistics, RNG state, its optimizer's state); its
-  ``nnx.Param`` part is what a plan covers. Detected by the class's
-  module, so that flax stays an optional dependency."""
-  nnx = [c.__name__ for c in type(params).__mro__
-         if c.__module__.startswith("flax.nnx")]
-  if nnx and "State" not in nnx:
-    raise plan_lib.PlanError(
-        f"params is a flax NNX {nnx[0]} ({type(params).__name__}), which "
-        "can hold batch statistics, RNG state or an optimizer's state "
-        "besides parameters; plan its parameters: `graphdef, params, rest = nnx.split(model, nnx.Param, "
-        "...)`, then `jaxfuse.plan(params, ...)` (docs/choosing.md, \"With "
-        "flax NNX\").")
+  """A flax NNX object (a ``Module``, an ``Optimizer``) anywhere in
+  ``params``, or an NNX variable that is no parameter (batch statistics,
+  RNG state, an optimizer's state): its ``nnx.Param`` part is what a plan
+  covers."""
+  def stop(x) -> bool:
+    names = _nnx_classes(x)
+    return bool(names) and "State" not in names
+  for path, x in jax.tree_util.tree_flatten_with_path(params,
+                                                       is_leaf=stop)[0]:
+    names = _nnx_classes(x)
+    where = (f"params{jax.tree_util.keystr(path)}" if path else "params")
+    if names and "Variable" not in names and "State" not in names:
+      raise plan_lib.PlanError(
+          f"{where} is a flax NNX {names[0]} ({type(x).__name__}), which "
+          "can hold batch statistics, RNG state or an optimizer's state "
+          f"besides parameters; plan its parameters: {_NNX_SPLIT}.")
+    kind = next((n for n in names if n in _NNX_STATE), None)
+    if kind:
+      raise plan_lib.PlanError(
+          f"{where} is an nnx.{type(x).__name__} ({kind}), not a "
+          f"parameter; plan the model's parameters: {_NNX_SPLIT}.")
 
 
 def _backward_order(loss_fn, params, example_args) -> list[int]:
