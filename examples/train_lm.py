@@ -51,16 +51,20 @@ import sys
 
 
 def _cpu_devices_env(argv) -> None:
-  """Ask for simulated CPU devices; must happen before jax is imported."""
-  n = "8"
+  """Ask for simulated CPU devices; must happen before jax is imported.
+  ``--cpu-devices N`` wins over an exported ``JAX_NUM_CPU_DEVICES``, which
+  wins over the default 8."""
+  n, given = "8", False
   for i, a in enumerate(argv):
     if a == "--cpu-devices" and i + 1 < len(argv):
-      n = argv[i + 1]
+      n, given = argv[i + 1], True
     elif a.startswith("--cpu-devices="):
-      n = a.split("=", 1)[1]
+      n, given = a.split("=", 1)[1], True
   if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
     return  # the user chose a count the old way; leave it
-  os.environ.setdefault("JAX_NUM_CPU_DEVICES", n)
+  if given:
+    os.environ["JAX_NUM_CPU_DEVICES"] = n
+  n = os.environ.setdefault("JAX_NUM_CPU_DEVICES", n)
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={n}")
 
@@ -88,6 +92,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfuse
 from jaxfuse.planning import agreement
+from jaxfuse.planning.costs import CostsError
 from lm_model import build_model
 from lm_model import load_corpus
 from lm_model import make_loss
@@ -99,6 +104,7 @@ from train_lm_args import SEND_EARLY_WINDOW
 from train_lm_args import parse_args
 from train_lm_args import parse_xla_options
 from train_lm_args import plan_options
+from train_lm_args import resolve_warmup_steps
 from train_lm_args import trace_dir
 from train_lm_args import trace_steps
 from train_lm_args import warmup_phases
@@ -246,17 +252,6 @@ def make_eval_step(loss_fn, mesh):
                                out_specs=P()))
 
 
-def resolve_warmup_steps(args, steps: int) -> None:
-  """``--dense-warmup`` and ``--warmup-steps`` left out: the README
-  recipe's for onebit_adamw (10 % of the steps dense, then 5 % at each
-  warm-up density), none for the other optimizers."""
-  onebit = args.optimizer == "onebit_adamw"
-  if args.dense_warmup is None:
-    args.dense_warmup = max(1, steps // 10) if onebit else 0
-  if args.warmup_steps is None:
-    args.warmup_steps = steps // 20 if onebit else 0
-
-
 class SyncSetup(NamedTuple):
   """How the gradients are synchronized: the plan (None: dense ``pmean``),
   its phases, and the optimizer state and its partition specs."""
@@ -382,7 +377,14 @@ def main(argv=None) -> dict:
     mngr = jaxfuse.checkpoint.manager(args.checkpoint_dir)
   elif args.resume:
     raise SystemExit("--resume needs --checkpoint-dir")
+  if args.resume and not mngr.all_steps():
+    say(f"--resume: no checkpoint in {args.checkpoint_dir} yet; starting at "
+        "step 0")
   if args.resume and mngr.all_steps():
+    if mngr.latest_step() >= steps:
+      raise SystemExit(f"--resume: {args.checkpoint_dir} holds step "
+                       f"{mngr.latest_step()}, at or past --steps {steps}: "
+                       "nothing left to train (raise --steps to go on)")
     start, state = jaxfuse.checkpoint.restore(
         mngr, {"params": params, "opt": opt_state}, plan)
     params, opt_state = state["params"], state["opt"]
@@ -591,4 +593,10 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except (jaxfuse.PlanError, jaxfuse.SyncError,
+          jaxfuse.checkpoint.CheckpointError,
+          CostsError) as e:
+    # what the library refused, as one line (argparse's errors' style)
+    raise SystemExit(f"train_lm.py: error: {e}") from None

@@ -63,10 +63,13 @@ def _densities(text):
   if text.strip().lower() == "dgc":
     return "dgc"
   try:
-    return [float(x) for x in text.split(",") if x.strip()]
+    densities = [float(x) for x in text.split(",") if x.strip()]
   except ValueError:
+    densities = []
+  if not densities:
     raise argparse.ArgumentTypeError(
-        f"{text!r}: give densities like 0.25,0.0625") from None
+        f"{text!r}: give densities like 0.25,0.0625")
+  return densities
 
 
 def _step_range(text):
@@ -289,11 +292,28 @@ def parse_args(argv):
   p.add_argument("--num-processes", type=int)
   p.add_argument("--process-id", type=int)
   args = p.parse_args(argv)
+  _check_numbers(p, args)
   if args.optimizer == "onebit_adamw" and args.sync != "dense" and (
       args.dense_warmup == 0):
     p.error("--optimizer onebit_adamw freezes Adam's second moment after a "
-            "dense warm-up: give --dense-warmup N (the README recipe: 10%% "
-            "of the steps; 1-bit Adam: 15-25%%)")
+            "dense warm-up: give --dense-warmup N (the README recipe: 10% "
+            "of the steps)")
+  if args.momentum is not None and args.optimizer not in ("sgd", "demo"):
+    p.error(f"--momentum is sgd's and demo's; --optimizer "
+            f"{args.optimizer} has none (its betas are fixed)")
+  if args.plan and args.sync != "jaxfuse":
+    p.error(f"--plan is a jaxfuse plan; --sync {args.sync} makes none "
+            "(leave --sync out, or leave --plan out)")
+  for flag, path in (("--plan", args.plan), ("--costs", args.costs)):
+    if path and not os.path.isfile(path):
+      p.error(f"{flag} {path}: no such file")
+  if args.json_out and not os.path.isdir(
+      os.path.dirname(os.path.abspath(args.json_out))):
+    p.error(f"--json-out {args.json_out}: its folder does not exist (make "
+            "it first: the results are written at the end of the run)")
+  if args.checkpoint_dir and os.path.isfile(args.checkpoint_dir):
+    p.error(f"--checkpoint-dir {args.checkpoint_dir} is a file; give a "
+            "folder (made if missing)")
   if args.apply_if_finite is not None and args.apply_if_finite < 0:
     p.error(f"--apply-if-finite {args.apply_if_finite}: give the number of "
             "skips in a row (>= 0) after which a step is applied anyway")
@@ -341,6 +361,47 @@ def parse_args(argv):
     p.error(f"--network-gbytes-s {args.network_gbytes_s:g}: give the "
             "network's bandwidth in GB/s, a number > 0")
   return args
+
+
+def _check_numbers(p, args) -> None:
+  """``p.error`` for counts and sizes out of range (0 would otherwise read
+  as "the preset's", a negative step count fail deep inside)."""
+  positive = (("--steps", args.steps), ("--batch-size", args.batch_size),
+              ("--seq-len", args.seq_len), ("--lr", args.lr),
+              ("--bucket-bytes", args.bucket_bytes),
+              ("--log-every", args.log_every),
+              ("--corpus-mb", args.corpus_mb))
+  for flag, value in positive:
+    if value is not None and not value > 0:
+      p.error(f"{flag} {value:g}: give a number > 0" + (
+          " (leave it out for the preset's)" if flag in (
+              "--steps", "--batch-size", "--seq-len", "--lr") else ""))
+  for flag, value in (("--eval-every", args.eval_every),
+                      ("--eval-batches", args.eval_batches),
+                      ("--checkpoint-every", args.checkpoint_every),
+                      ("--dense-warmup", args.dense_warmup)):
+    if value is not None and value < 0:
+      p.error(f"{flag} {value}: give a number >= 0")
+  if not 0 < args.density <= 1:
+    p.error(f"--density {args.density:g}: give a share of each sparse "
+            "leaf in (0, 1]")
+
+
+def resolve_warmup_steps(args, steps: int) -> None:
+  """``--dense-warmup`` and ``--warmup-steps`` left out: the README
+  recipe's for onebit_adamw (10 % of the steps dense, then 5 % at each
+  warm-up density), none for the other optimizers. A ``--dense-warmup``
+  as long as the run is refused: no step would be sparse."""
+  onebit = args.optimizer == "onebit_adamw"
+  given = args.dense_warmup is not None
+  if not given:
+    args.dense_warmup = max(1, steps // 10) if onebit else 0
+  if args.warmup_steps is None:
+    args.warmup_steps = steps // 20 if onebit else 0
+  if given and args.sync != "dense" and args.dense_warmup >= steps:
+    raise SystemExit(f"--dense-warmup {args.dense_warmup} covers all {steps} "
+                     "steps, so no step would be sparse: give fewer dense "
+                     "steps, or --sync dense for dense training")
 
 
 def plan_options(args) -> dict:

@@ -61,7 +61,7 @@ def save(path: str | os.PathLike, text: str) -> None:
   folder = os.path.dirname(path) or "."
   if not os.path.isdir(folder):
     raise FileNotFoundError(f"cannot write {path}: the folder {folder} does "
-                            "not exist; make it first (os.makedirs).")
+                            "not exist; make it first")
   fd, tmp = tempfile.mkstemp(dir=folder,
                              prefix=f".{os.path.basename(path)}.",
                              suffix=".tmp")

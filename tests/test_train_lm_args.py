@@ -6,6 +6,7 @@ plan's options (``--headroom`` reaching the plan's slot counts) and
 log's bytes line (what a worker sends against a dense all-reduce)."""
 
 import math
+import os
 import pathlib
 import re
 
@@ -38,12 +39,59 @@ def example():
      "--delay"),
     (["--apply-if-finite", "-1"], "--apply-if-finite -1: give the number of "
      "skips in a row (>= 0)"),
+    # 0 used to read as "the preset's"; a negative count failed deep inside
+    (["--steps", "0"], "--steps 0: give a number > 0 (leave it out for the "
+     "preset's)"),
+    (["--steps", "-1"], "--steps -1: give a number > 0"),
+    (["--lr", "0"], "--lr 0: give a number > 0"),
+    (["--batch-size", "0"], "--batch-size 0: give a number > 0"),
+    (["--log-every", "0"], "--log-every 0: give a number > 0"),
+    (["--bucket-bytes", "0"], "--bucket-bytes 0: give a number > 0"),
+    (["--corpus-mb", "0"], "--corpus-mb 0: give a number > 0"),
+    (["--eval-every", "-1"], "--eval-every -1: give a number >= 0"),
+    (["--dense-warmup", "-5"], "--dense-warmup -5: give a number >= 0"),
+    (["--density", "1.5"], "--density 1.5: give a share of each sparse leaf "
+     "in (0, 1]"),
+    (["--dense-warmup", "0"], "the README recipe: 10% of the steps)"),
+    (["--momentum", "0.5"], "--momentum is sgd's and demo's; --optimizer "
+     "onebit_adamw has none"),
+    (["--plan", "p.json", "--sync", "dense"], "--plan is a jaxfuse plan; "
+     "--sync dense makes none"),
+    (["--plan", "/nonexistent/p.json"], "--plan /nonexistent/p.json: no "
+     "such file"),
+    (["--json-out", "/nonexistent/r.json"], "its folder does not exist"),
+    (["--warmup-densities", ","], "',': give densities like 0.25,0.0625"),
 ])
 def test_bad_arguments_stop_with_the_fix(example, capsys, argv, message):
   _, args_lib = example
   with pytest.raises(SystemExit):
     args_lib.parse_args(argv)
   assert message in capsys.readouterr().err
+
+
+def test_a_dense_warmup_as_long_as_the_run_is_refused(example):
+  train_lm, args_lib = example
+  args = args_lib.parse_args(["--dense-warmup", "10"])
+  with pytest.raises(SystemExit, match="--dense-warmup 10 covers all 3 "
+                     "steps, so no step would be sparse"):
+    train_lm.resolve_warmup_steps(args, 3)
+  args = args_lib.parse_args(["--dense-warmup", "10", "--sync", "dense"])
+  train_lm.resolve_warmup_steps(args, 3)   # dense training: every step is
+  assert args.dense_warmup == 10
+
+
+def test_cpu_devices_flag_wins_over_the_exported_count(example,
+                                                       monkeypatch):
+  train_lm, _ = example
+  monkeypatch.setenv("XLA_FLAGS", "")
+  monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
+  train_lm._cpu_devices_env(["--cpu-devices", "4"])  # pylint: disable=protected-access
+  assert os.environ["JAX_NUM_CPU_DEVICES"] == "4"
+  assert "device_count=4" in os.environ["XLA_FLAGS"]
+  monkeypatch.setenv("XLA_FLAGS", "")
+  train_lm._cpu_devices_env([])  # pylint: disable=protected-access
+  assert os.environ["JAX_NUM_CPU_DEVICES"] == "4"   # exported: kept
+  assert "device_count=4" in os.environ["XLA_FLAGS"]
 
 
 def test_the_window_reaches_send_early(example, monkeypatch):
