@@ -110,7 +110,10 @@ def load_corpus(cap_bytes: int = 8 * 2**20,
     total += len(data)
   data = np.frombuffer(b"".join(chunks)[:cap_bytes], np.uint8)
   if data.size < 100_000:
-    raise RuntimeError(f"only {data.size} bytes of stdlib source under {root}")
+    raise RuntimeError(
+        f"a corpus of {data.size:,} bytes: too small to train and validate "
+        f"on (cap {cap_bytes:,} bytes of the standard library's source "
+        f"under {root}); give at least 0.1 MB (--corpus-mb)")
   split = int(data.size * (1 - val_fraction))
   return data[:split], data[split:]
 

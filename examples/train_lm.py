@@ -99,6 +99,8 @@ from lm_model import make_loss
 from lm_model import PRESETS
 from lm_model import sample_starts
 from lm_model import windows
+from train_lm_args import AXIS
+from train_lm_args import make_optimizer
 from train_lm_args import ONEBIT_WARMUP_DENSITIES
 from train_lm_args import SEND_EARLY_WINDOW
 from train_lm_args import parse_args
@@ -112,7 +114,6 @@ from train_lm_record import log_line
 from train_lm_record import RunRecord
 from train_lm_record import stats_line
 
-AXIS = "data"
 
 
 def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
@@ -218,33 +219,6 @@ def scalar(x) -> float:
   return float(np.asarray(x.addressable_data(0)))
 
 
-def make_optimizer(args, schedule, decay_mask, plan):
-  """The update rule of ``--optimizer``; ``plan`` None: its dense twin
-  (the gradients are ``pmean``ed first: AdamW, or SGD with momentum)."""
-  clip = args.clip if args.clip > 0 else None
-  if plan is None:
-    if args.optimizer == "sgd":
-      rule = optax.chain(optax.add_decayed_weights(args.weight_decay,
-                                                   decay_mask),
-                         optax.sgd(schedule, momentum=args.momentum or 0.9))
-    else:
-      rule = optax.adamw(schedule, weight_decay=args.weight_decay,
-                         mask=decay_mask)
-    rule = optax.chain(optax.clip_by_global_norm(clip) if clip
-                       else optax.identity(), rule)
-    # the gradient is the mean here, the same on every worker
-    return (rule if args.apply_if_finite is None else
-            optax.apply_if_finite(rule, args.apply_if_finite))
-  options = dict(weight_decay=args.weight_decay, mask=decay_mask,
-                 clip_norm=clip, axis_name=AXIS)
-  if args.momentum is not None:
-    options["momentum"] = args.momentum
-  rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
-  if args.apply_if_finite is not None:
-    rule = jaxfuse.apply_if_finite(rule, args.apply_if_finite)
-  return jaxfuse.delayed(rule, predict=args.predict) if args.delay else rule
-
-
 def make_eval_step(loss_fn, mesh):
   def local(params, batch):
     return jax.lax.pmean(loss_fn(params, batch), AXIS)
@@ -278,6 +252,10 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
         plan.settings,
         sparse_wire=args.sparse_wire or plan.settings.sparse_wire,
         packed_indices=args.packed_indices or plan.settings.packed_indices))
+  if args.plan:   # the plan's, not the flags', in the log and the JSON
+    args.density = jaxfuse.phases.final_density(plan)
+    args.estimator = next((l.estimator for l in plan.leaves
+                           if l.mode == "sparse"), args.estimator)
   say(plan.summary())
   if args.warmup_densities is None and args.optimizer != "onebit_adamw":
     args.warmup_densities = "dgc"
@@ -309,6 +287,10 @@ def main(argv=None) -> dict:
   t_start = time.perf_counter()
   preset = PRESETS[args.preset]
   jaxfuse.kernels.set_backend(args.kernels)
+  if args.kernels == "pallas" and jax.default_backend() != "gpu":
+    raise SystemExit("--kernels pallas compiles the Pallas kernels for a GPU;"
+                     f" on {jax.default_backend()} use --kernels auto (the "
+                     "XLA reference there)")
   mesh = jaxfuse.make_mesh(args.devices, AXIS)
   k = mesh.devices.size
   steps = args.steps or preset["steps"]
@@ -385,8 +367,13 @@ def main(argv=None) -> dict:
       raise SystemExit(f"--resume: {args.checkpoint_dir} holds step "
                        f"{mngr.latest_step()}, at or past --steps {steps}: "
                        "nothing left to train (raise --steps to go on)")
-    start, state = jaxfuse.checkpoint.restore(
-        mngr, {"params": params, "opt": opt_state}, plan)
+    try:
+      start, state = jaxfuse.checkpoint.restore(
+          mngr, {"params": params, "opt": opt_state}, plan)
+    except jaxfuse.checkpoint.CheckpointError as e:
+      raise SystemExit(f"train_lm.py: error: --resume: {e} Resume with the "
+                       "flags of the run that saved it, or give a new "
+                       "--checkpoint-dir.") from None
     params, opt_state = state["params"], state["opt"]
     rng.bit_generator.state = jaxfuse.checkpoint.saved_extra(mngr)["rng"]
     first_batch = draw(rng, train)

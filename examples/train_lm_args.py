@@ -1,6 +1,6 @@
 """The command line of ``train_lm.py`` (its options, their checks, and
-what they resolve to: the plan's options, the warm-up phases, the traced
-steps and their folder).
+what they resolve to: the update rule, the plan's options, the warm-up
+phases, the traced steps and their folder).
 
 Imported after ``train_lm`` has set up the simulated CPU devices: it
 imports JAX.
@@ -13,9 +13,12 @@ import inspect
 import os
 
 import jax
+import optax
 
 import jaxfuse
 from lm_model import PRESETS
+
+AXIS = "data"   # the mesh axis of the workers
 
 DESCRIPTION = ("Data-parallel byte-level language model, dense vs. jaxfuse "
                "gradient sync.")
@@ -369,8 +372,7 @@ def _check_numbers(p, args) -> None:
   positive = (("--steps", args.steps), ("--batch-size", args.batch_size),
               ("--seq-len", args.seq_len), ("--lr", args.lr),
               ("--bucket-bytes", args.bucket_bytes),
-              ("--log-every", args.log_every),
-              ("--corpus-mb", args.corpus_mb))
+              ("--log-every", args.log_every))
   for flag, value in positive:
     if value is not None and not value > 0:
       p.error(f"{flag} {value:g}: give a number > 0" + (
@@ -382,6 +384,9 @@ def _check_numbers(p, args) -> None:
                       ("--dense-warmup", args.dense_warmup)):
     if value is not None and value < 0:
       p.error(f"{flag} {value}: give a number >= 0")
+  if not args.corpus_mb >= 0.1:
+    p.error(f"--corpus-mb {args.corpus_mb:g}: give at least 0.1 (MB of the "
+            "standard library's source to train and validate on)")
   if not 0 < args.density <= 1:
     p.error(f"--density {args.density:g}: give a share of each sparse "
             "leaf in (0, 1]")
@@ -402,6 +407,33 @@ def resolve_warmup_steps(args, steps: int) -> None:
     raise SystemExit(f"--dense-warmup {args.dense_warmup} covers all {steps} "
                      "steps, so no step would be sparse: give fewer dense "
                      "steps, or --sync dense for dense training")
+
+
+def make_optimizer(args, schedule, decay_mask, plan):
+  """The update rule of ``--optimizer``; ``plan`` None: its dense twin
+  (the gradients are ``pmean``ed first: AdamW, or SGD with momentum)."""
+  clip = args.clip if args.clip > 0 else None
+  if plan is None:
+    if args.optimizer == "sgd":
+      rule = optax.chain(optax.add_decayed_weights(args.weight_decay,
+                                                   decay_mask),
+                         optax.sgd(schedule, momentum=args.momentum or 0.9))
+    else:
+      rule = optax.adamw(schedule, weight_decay=args.weight_decay,
+                         mask=decay_mask)
+    rule = optax.chain(optax.clip_by_global_norm(clip) if clip
+                       else optax.identity(), rule)
+    # the gradient is the mean here, the same on every worker
+    return (rule if args.apply_if_finite is None else
+            optax.apply_if_finite(rule, args.apply_if_finite))
+  options = dict(weight_decay=args.weight_decay, mask=decay_mask,
+                 clip_norm=clip, axis_name=AXIS)
+  if args.momentum is not None:
+    options["momentum"] = args.momentum
+  rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
+  if args.apply_if_finite is not None:
+    rule = jaxfuse.apply_if_finite(rule, args.apply_if_finite)
+  return jaxfuse.delayed(rule, predict=args.predict) if args.delay else rule
 
 
 def plan_options(args) -> dict:

@@ -47,7 +47,7 @@ def example():
     (["--batch-size", "0"], "--batch-size 0: give a number > 0"),
     (["--log-every", "0"], "--log-every 0: give a number > 0"),
     (["--bucket-bytes", "0"], "--bucket-bytes 0: give a number > 0"),
-    (["--corpus-mb", "0"], "--corpus-mb 0: give a number > 0"),
+    (["--corpus-mb", "0.01"], "--corpus-mb 0.01: give at least 0.1"),
     (["--eval-every", "-1"], "--eval-every -1: give a number >= 0"),
     (["--dense-warmup", "-5"], "--dense-warmup -5: give a number >= 0"),
     (["--density", "1.5"], "--density 1.5: give a share of each sparse leaf "
