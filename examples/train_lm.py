@@ -115,7 +115,6 @@ from train_lm_record import RunRecord
 from train_lm_record import stats_line
 
 
-
 def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
                     compiler_options=None, grad_dtype=None, send_early=False,
                     window=SEND_EARLY_WINDOW, predict=False):
