@@ -79,9 +79,14 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
         lambda p: jnp.zeros((1,) + jnp.shape(p), jnp.result_type(p))
         if _compat.is_float_value(p) else jnp.zeros((1,), jnp.bool_), params)
     last = jax.tree.map(jnp.zeros_like, params) if predict else None
+    inner_state = inner.init(params)
+    is_delayed = lambda x: isinstance(x, DelayedState)
+    if any(map(is_delayed, jax.tree.leaves(inner_state, is_leaf=is_delayed))):
+      raise transform.SyncError(
+          "delayed(delayed(...)): the gradients would be two steps old; "
+          "wrap the optimizer in jaxfuse.delayed once.")
     return DelayedState(jnp.zeros((), jnp.int32),
-                        transform.PerWorkerState(pending), inner.init(params),
-                        last)
+                        transform.PerWorkerState(pending), inner_state, last)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, DelayedState):

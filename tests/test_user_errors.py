@@ -442,6 +442,10 @@ def test_wrappers_and_agreement_name_what_they_were_given(plan):
     with pytest.raises(TypeError, match="expects an optax transform.*got "
                        "Plan"):
       wrap(plan)
+  twice = jaxfuse.delayed(jaxfuse.delayed(jaxfuse.sgd(plan, 0.1)))
+  with pytest.raises(jaxfuse.SyncError, match=r"delayed\(delayed\(\.\.\.\)\)"
+                     ": the gradients would be two steps old"):
+    twice.init(PARAMS)
   from jaxfuse.planning import agreement  # pylint: disable=g-import-not-at-top
   with pytest.raises(TypeError, match=r"expects the compiled step, "
                      r"jax.jit\(f\).lower\(\*args\).compile\(\)"):
