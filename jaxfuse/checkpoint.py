@@ -214,8 +214,7 @@ def _short(error: Exception, limit: int = 400) -> str:
 
 
 def _has_sync_state(tree) -> bool:
-  return any(transform.is_sync_state(x)
-             for x in jax.tree.leaves(tree, is_leaf=transform.is_sync_state))
+  return transform.holds(tree, transform.is_sync_state)
 
 
 def _is_onebit(x) -> bool:
@@ -223,7 +222,7 @@ def _is_onebit(x) -> bool:
 
 
 def _has_onebit(tree) -> bool:
-  return any(_is_onebit(x) for x in jax.tree.leaves(tree, is_leaf=_is_onebit))
+  return transform.holds(tree, _is_onebit)
 
 
 def _leafwise_moments(tree):

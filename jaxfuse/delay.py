@@ -80,8 +80,7 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
         if _compat.is_float_value(p) else jnp.zeros((1,), jnp.bool_), params)
     last = jax.tree.map(jnp.zeros_like, params) if predict else None
     inner_state = inner.init(params)
-    is_delayed = lambda x: isinstance(x, DelayedState)
-    if any(map(is_delayed, jax.tree.leaves(inner_state, is_leaf=is_delayed))):
+    if transform.holds(inner_state, lambda x: isinstance(x, DelayedState)):
       raise transform.SyncError(
           "delayed(delayed(...)): the gradients would be two steps old; "
           "wrap the optimizer in jaxfuse.delayed once.")

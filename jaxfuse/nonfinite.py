@@ -85,7 +85,7 @@ def apply_if_finite(inner: optax.GradientTransformation,
 
   def init_fn(params):
     state = inner.init(params)
-    if any(_is_delayed(x) for x in jax.tree.leaves(state, is_leaf=_is_delayed)):
+    if transform.holds(state, _is_delayed):
       raise transform.SyncError(
           "apply_if_finite around jaxfuse.delayed would skip the delayed "
           "gradient again on every later step; put delayed outside: "

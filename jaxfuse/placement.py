@@ -24,6 +24,7 @@ from jaxfuse import _compat
 from jaxfuse import plans as plan_lib
 from jaxfuse.transform import SyncError
 from jaxfuse.transform import axis_names
+from jaxfuse.transform import holds
 from jaxfuse.transform import is_sync_state
 from jaxfuse.transform import is_worker_state
 
@@ -93,11 +94,6 @@ def _children(x) -> list:
   return jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
 
 
-def _holds(tree, kind) -> bool:
-  """Whether ``tree`` holds a node for which ``kind(node)`` is true."""
-  return any(kind(y) for y in jax.tree.leaves(tree, is_leaf=kind))
-
-
 def _local_floats(x) -> bool:
   """Per-parameter float arrays (ndim ≥ 1) outside any worker state."""
   return any(not is_worker_state(y) and np.ndim(y) >= 1 and
@@ -128,7 +124,7 @@ def _refuse_local_state_before_sync(opt_state) -> None:
     if is_worker_state(x):
       return
     if type(x) is tuple:  # pylint: disable=unidiomatic-typecheck
-      first = next((i for i, y in enumerate(x) if _holds(y, is_sync_state)),
+      first = next((i for i, y in enumerate(x) if holds(y, is_sync_state)),
                    0)
       for y in x[:first]:
         if _local_floats(y):
@@ -169,7 +165,7 @@ def _refuse_local_wrappers(opt_state) -> None:
   wrappers = tuple(_LOCAL_WRAPPERS)
   for x in jax.tree.leaves(opt_state,
                            is_leaf=lambda x: isinstance(x, wrappers)):
-    if isinstance(x, wrappers) and _holds(x, is_worker_state):
+    if isinstance(x, wrappers) and holds(x, is_worker_state):
       raise SyncError(f"{type(x).__name__} holds a jaxfuse state: "
                       f"{_LOCAL_WRAPPERS[type(x)]}")
 
@@ -188,7 +184,7 @@ def _refuse_narrow_hyperparams(opt_state) -> None:
   update NaN, and ε = 1e-8 is 0 in float16."""
   for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(
       x, _INJECTED)):
-    if not (isinstance(x, _INJECTED) and _holds(x, is_worker_state)):
+    if not (isinstance(x, _INJECTED) and holds(x, is_worker_state)):
       continue
     narrow = {name: str(v.dtype) for name, v in x.hyperparams.items()
               if hasattr(v, "dtype") and _compat.is_float_dtype(v.dtype)

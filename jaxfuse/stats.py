@@ -174,7 +174,8 @@ def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
   sparse = np.array([l.mode == "sparse" for l in plan.leaves])
   sizes = np.array([l.size for l in plan.leaves], np.float64)
   selected = np.asarray(stats.selected, np.float64)
-  for unit in plan_lib.units(plan)[0]:
+  units = plan_lib.units(plan)[0]
+  for unit in units:
     most = selected[..., list(unit.leaves)].sum(-1).max()
     if most > unit.capacity:
       paths = [plan.leaves[j].path for j in unit.leaves]
@@ -195,6 +196,6 @@ def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
     sent = selected[:, sparse].sum(-1).mean()
     out["density"] = float(sent / sizes[sparse].sum())
     # a unit's capacity: a leaf's, or one for a "behind" bucket's leaves
-    slots = sum(u.capacity for u in plan_lib.units(plan)[0])
+    slots = sum(u.capacity for u in units)
     out["slot_fill"] = float(sent / slots)
   return out

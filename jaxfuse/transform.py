@@ -439,6 +439,12 @@ def is_worker_state(x) -> bool:
   return isinstance(x, (SparseSyncState, PerWorkerState))
 
 
+def holds(tree, kind) -> bool:
+  """Whether ``tree`` holds a node for which ``kind(node)`` is true (e.g.
+  ``is_sync_state``), searched as ``jax.tree.leaves(tree, is_leaf=kind)``."""
+  return any(kind(y) for y in jax.tree.leaves(tree, is_leaf=kind))
+
+
 def per_worker_mask(tree):
   """The same structure as ``tree`` (any pytree holding optimizer states),
   True at the leaves of ``sparse_sync``'s and ``per_worker``'s states (a
