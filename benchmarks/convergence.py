@@ -127,15 +127,13 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
   return cmd + list(args.extra)
 
 
-LM_RECIPES = ("dense", "sgd", "onebit_adamw", "local_adamw", "sync_adamw",
-              "demo")   # dense, then examples/train_lm.py's --optimizer
-
-
 def run_lm(args) -> dict:
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  names = ("dense", *sorted(jaxfuse.RECIPES))   # train_lm's --optimizer
   for recipe in args.recipes:   # each checked before any run starts
-    if recipe.partition("+")[0] not in LM_RECIPES:
+    if recipe.partition("+")[0] not in names:
       raise SystemExit(f"recipe {recipe!r}: its name is one of "
-                       f"{', '.join(LM_RECIPES)}, then +suffixes")
+                       f"{', '.join(names)}, then +suffixes")
     lm_command(recipe, 0.0, args)
   jobs = [(r, lr) for r in args.recipes
           for lr in args.lrs_for.get(r.partition("+")[0], args.lrs)]
