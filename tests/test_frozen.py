@@ -129,17 +129,24 @@ def test_multi_transform_with_set_to_zero_fails_the_replication_check():
     step(params, state, batches[0])
 
 
+# two jaxfuse parts, each with the plan of its part of the tree
+LABELS = {"embed": "sparse", "head": "dense"}
+
+
+def _parts(params):
+  return {"sparse": jaxfuse.sgd(jaxfuse.plan(
+              {"embed": params["embed"]}, density=0.1, min_sparse_size=64),
+              0.05, momentum=0.9),
+          "dense": jaxfuse.sync_adamw(jaxfuse.plan({"head": params["head"]},
+                                                   density=1.0), 1e-2)}
+
+
 def test_multi_transform_of_jaxfuse_parts_steps_each_part_alone():
   """Each part's optimizer (its own plan) inside ``multi_transform``
   steps its part exactly as it does alone on that part's gradients."""
   mesh = mesh_of(K)
   params, batches = _problem(mesh)
-  parts = {"sparse": jaxfuse.sgd(jaxfuse.plan(
-               {"embed": params["embed"]}, density=0.1, min_sparse_size=64),
-               0.05, momentum=0.9),
-           "dense": jaxfuse.sync_adamw(jaxfuse.plan({"head": params["head"]},
-                                                    density=1.0), 1e-2)}
-  labels = {"embed": "sparse", "head": "dense"}
+  parts, labels = _parts(params), LABELS
   opt = optax.multi_transform(parts, labels)
   state = jaxfuse.init_state(opt, params, mesh)
   alone = {name: jaxfuse.init_state(
@@ -186,13 +193,7 @@ def test_multi_transform_state_checkpoints_and_resizes(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   mesh = mesh_of(K)
   params, batches = _problem(mesh)
-  opt = optax.multi_transform(
-      {"sparse": jaxfuse.sgd(jaxfuse.plan({"embed": params["embed"]},
-                                          density=0.1, min_sparse_size=64),
-                             0.05, momentum=0.9),
-       "dense": jaxfuse.sync_adamw(jaxfuse.plan({"head": params["head"]},
-                                                density=1.0), 1e-2)},
-      {"embed": "sparse", "head": "dense"})
+  opt = optax.multi_transform(_parts(params), LABELS)
   state = jaxfuse.init_state(opt, params, mesh)
   step = _whole_tree_step(opt, mesh, jaxfuse.state_specs(state))
   saved = (jax.tree.map(jnp.copy, params), state)
