@@ -42,7 +42,6 @@ import numpy as np
 
 from jaxfuse import elastic
 from jaxfuse import grouped
-from jaxfuse import phases
 from jaxfuse import plans as plan_lib
 from jaxfuse import recipes
 from jaxfuse import schedule as schedule_lib
@@ -316,7 +315,7 @@ def _check_plan(saved: dict, plan: plan_lib.Plan | None, step: int) -> None:
   except plan_lib.PlanError as e:
     raise CheckpointError(f"checkpoint {step}: its plan does not load "
                           f"({e}).") from None
-  part = phases.layout_difference(old, plan)
+  part = schedule_lib.layout_difference(old, plan)
   if part:
     raise CheckpointError(
         f"checkpoint {step} was saved with a plan whose {part} differ from "

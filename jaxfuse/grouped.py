@@ -56,7 +56,7 @@ def layout(plan: plan_lib.Plan,
   (the only scheme whose decode writes a group as one array) as rows,
   every other leaf loose (``sched``: the plan's schedule, if compiled
   already). It depends on the plan's layout only
-  (``phases.layout_difference``), so every phase of a warm-up shares it."""
+  (``schedule.layout_difference``), so every phase of a warm-up shares it."""
   sched = sched or schedule_lib.compile_plan(plan)
   gather = {g for b in sched.buckets if b.collective == "allgather"
             for g in b.groups}

@@ -63,39 +63,6 @@ def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
   return plan_lib.Plan(leaves, tuple(buckets), plan.settings, provenance)
 
 
-def _layout(plan: plan_lib.Plan):
-  """What must not change between phases: units (without capacity or
-  density), buckets, modes, dtypes, settings (but the wire dtypes
-  ``full_wire`` and ``sparse_wire``, which the state does not hold)."""
-  sched = schedule_lib.compile_plan(plan)
-  return ([(l.path, l.shape, l.dtype, l.mode) for l in plan.leaves],
-          [(u.leaves, u.size, u.dtype, u.estimator) for u in sched.units],
-          tuple(b.units for b in sched.buckets),
-          [(b.leaves, b.collective, b.sparsify) for b in plan.buckets],
-          dataclasses.replace(plan.settings, full_wire="gradient",
-                              sparse_wire="gradient"))
-
-
-_LAYOUT_PARTS = ("leaves", "selection units", "buckets' units", "buckets",
-                 "settings")
-
-
-def layout_difference(a: plan_lib.Plan, b: plan_lib.Plan) -> str | None:
-  """The first part of the layout (``_LAYOUT_PARTS``) in which two plans
-  differ, or None: plans with one layout have state of the same shapes.
-  For the leaves, the first that differs, e.g. "leaves (['w']: float32
-  [64, 64] dense, against bfloat16 [64, 64] dense)"."""
-  for name, x, y in zip(_LAYOUT_PARTS, _layout(a), _layout(b)):
-    if x != y:
-      if name == "leaves" and len(x) == len(y):
-        (p, s, d, m), (q, t, e, n) = next(
-            (u, v) for u, v in zip(x, y) if u != v)
-        return (f"leaves ({p}: {d} {list(s)} {m}, against "
-                f"{f'{q}: ' if q != p else ''}{e} {list(t)} {n})")
-      return name
-  return None
-
-
 def check_phases(phases: Sequence[Phase]) -> None:
   """Raise ``PlanError`` naming the phase and field that break the schedule:
   phases must tile [0, ∞) in order and share one layout."""
@@ -119,7 +86,7 @@ def check_phases(phases: Sequence[Phase]) -> None:
     if not last and not phase.stop > phase.start:
       raise plan_lib.PlanError(f"phases[{i}]: stop={phase.stop} must be > "
                                f"start={phase.start}.")
-    name = layout_difference(phases[0].plan, phase.plan)
+    name = schedule_lib.layout_difference(phases[0].plan, phase.plan)
     if name:
       raise plan_lib.PlanError(
           f"phases[{i}].plan: its {name} differ from phases[0].plan's; a "

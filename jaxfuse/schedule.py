@@ -8,11 +8,18 @@ mechanism that runs buckets elsewhere (inside the backward pass, a step
 later) reads the same object, and so do the wire accounting
 (``collectives.bucket_steps``), the simulator, the planner, the warm-up
 phases' layout check and the checkpoint's per-unit view.
+
+A plan's *layout* (``layout``) is what its state's arrays mean: which
+leaf each residual row belongs to. Plans of one layout (a warm-up's
+phases) share a state; ``layout_digest`` is the layout reduced to short
+hashes that a state carries in its pytree structure, so that a step can
+refuse a state made for another layout at trace time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 from jaxfuse import plans as plan_lib
 
@@ -90,3 +97,50 @@ def compile_plan(plan: plan_lib.Plan) -> Schedule:
                         for u, unit in enumerate(all_units)))
 
 
+def layout(plan: plan_lib.Plan, sched: Schedule | None = None) -> tuple:
+  """What a state's arrays mean, which must not change between phases
+  (``LAYOUT_PARTS``): leaves, units (without capacity or density),
+  buckets, modes, dtypes, settings (but the wire dtypes ``full_wire`` and
+  ``sparse_wire``, which the state does not hold)."""
+  sched = sched or compile_plan(plan)
+  return (tuple((l.path, l.shape, l.dtype, l.mode) for l in plan.leaves),
+          tuple((u.leaves, u.size, u.dtype, u.estimator)
+                for u in sched.units),
+          tuple(b.units for b in sched.buckets),
+          tuple((b.leaves, b.collective, b.sparsify) for b in plan.buckets),
+          dataclasses.replace(plan.settings, full_wire="gradient",
+                              sparse_wire="gradient"))
+
+
+LAYOUT_PARTS = ("leaves", "selection units", "buckets' units", "buckets",
+                "settings")
+
+
+def layout_difference(a: plan_lib.Plan, b: plan_lib.Plan) -> str | None:
+  """The first part of the layout (``LAYOUT_PARTS``) in which two plans
+  differ, or None: plans with one layout have state of the same shapes.
+  For the leaves, the first that differs, e.g. "leaves (['w']: float32
+  [64, 64] dense, against bfloat16 [64, 64] dense)"."""
+  for name, x, y in zip(LAYOUT_PARTS, layout(a), layout(b)):
+    if x != y:
+      if name == "leaves" and len(x) == len(y):
+        (p, s, d, m), (q, t, e, n) = next(
+            (u, v) for u, v in zip(x, y) if u != v)
+        return (f"leaves ({p}: {d} {list(s)} {m}, against "
+                f"{f'{q}: ' if q != p else ''}{e} {list(t)} {n})")
+      return name
+  return None
+
+
+def layout_digest(plan: plan_lib.Plan,
+                  sched: Schedule | None = None) -> tuple[str, ...]:
+  """One short hash per part of ``layout`` (``LAYOUT_PARTS``): equal
+  digests, equal layouts (up to a 64-bit hash collision)."""
+  return tuple(hashlib.sha256(repr(part).encode()).hexdigest()[:16]
+               for part in layout(plan, sched))
+
+
+def digest_difference(a: tuple[str, ...], b: tuple[str, ...]) -> str | None:
+  """The first part of the layout in which two digests differ, or None."""
+  return next((name for name, x, y in zip(LAYOUT_PARTS, a, b) if x != y),
+              None)

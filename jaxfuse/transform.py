@@ -34,12 +34,38 @@ from jaxfuse.stats import SyncStats
 class SparseSyncState(NamedTuple):
   """Per-worker state. ``residuals`` and ``velocity`` hold one (1, G, size)
   array per state group (``plans.state_groups``: a bucket's units of one
-  size and dtype); ``unit_residuals`` gives them per unit."""
+  size and dtype); ``unit_residuals`` gives them per unit.
+
+  ``layout`` is the plan's ``schedule.layout_digest``: no array, it lives
+  in the pytree structure (auxiliary data, like a dict's keys), so a
+  step sees it at trace time and refuses a state made for a plan of
+  another layout, and a checkpoint holds the same arrays as without it.
+  """
   step: jax.Array                   # (1,) int32
   residuals: tuple[jax.Array, ...]  # per state group, (1, G, size)
   control: sparsify.Control         # per unit, (1, max(U, 1))
   stats: SyncStats                  # per leaf, (1, L)
   velocity: tuple[jax.Array, ...] = ()  # as residuals; momentum > 0
+  layout: tuple[str, ...] = ()      # static; () for a state of unknown plan
+
+
+_ARRAY_FIELDS = SparseSyncState._fields[:-1]
+
+
+def _children_with_keys(state: SparseSyncState):
+  return ([(jax.tree_util.GetAttrKey(f), getattr(state, f))
+           for f in _ARRAY_FIELDS], state.layout)
+
+
+def _from_children(layout, children) -> SparseSyncState:
+  return SparseSyncState(*children, layout=layout)
+
+
+# The array fields keep the keys a plain NamedTuple's have (checkpoints
+# and key paths are unchanged); ``layout`` goes into the tree structure.
+jax.tree_util.register_pytree_with_keys(
+    SparseSyncState, _children_with_keys, _from_children,
+    lambda state: (tuple(state[:-1]), state.layout))
 
 
 class SyncError(ValueError):
@@ -126,6 +152,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     raise SyncError("sparse_sync: nesterov=True needs momentum > 0.")
   axis_name, _ = axis_names(axis_name)
   sched = schedule_lib.compile_plan(plan)
+  digest = schedule_lib.layout_digest(plan, sched)
   lay = grouped.layout(plan, sched)   # of a Grouped blend's m
   groups, group_dtypes = sched.groups, sched.group_dtypes
   all_units = sched.units
@@ -144,7 +171,8 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
         control=jax.tree.map(lambda x: x[None], sparsify.initial_control(
             max(1, len(all_units)))),
         stats=stats_lib.empty_stats(sched.num_leaves),
-        velocity=zeros() if momentum else ())
+        velocity=zeros() if momentum else (),
+        layout=digest)
 
   def update_fn(updates, state, params=None, *, blend=None, **extra_args):
     del params, extra_args
@@ -160,7 +188,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     if blend is not None:
       parts, m_rows = _check_blend(plan, lay, updates, flat, blend)
       flat = kernels.formed(parts)   # what a dense bucket reads
-    _check_state(state, groups, all_units, momentum)
+    _check_state(state, groups, all_units, momentum, digest)
     for b in sched.buckets:
       scheme = collectives.get(b.collective)
       scheme.check(f"bucket {b.index}", num_workers, settings)
@@ -197,7 +225,8 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
                if ctrl_chunks else state.control)
     new_state = SparseSyncState(state.step + 1,
                                 tuple(r[None] for r in residuals), control,
-                                stats, tuple(v[None] for v in velocity))
+                                stats, tuple(v[None] for v in velocity),
+                                digest)
     return jax.tree.unflatten(jax.tree.structure(updates), synced), new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -305,10 +334,17 @@ def _check_blend(plan, lay, updates, flat, blend
   return kernels.Blend([x for _, x in m_flat], list(flat), beta), m_rows
 
 
-def _check_state(state, groups, all_units, momentum) -> None:
+def _check_state(state, groups, all_units, momentum, digest) -> None:
   if not isinstance(state, SparseSyncState):
     raise SyncError(f"expected a SparseSyncState, got {type(state).__name__}; "
                     "create the state with jaxfuse.init_state(...).")
+  part = state.layout and schedule_lib.digest_difference(state.layout, digest)
+  if part:
+    raise SyncError(
+        f"sparse_sync state was made for a plan of another layout (its "
+        f"{part} differ from this plan's): its residuals belong to other "
+        "leaves. Create the state with jaxfuse.init_state for this plan; "
+        "a warm-up changes only densities (jaxfuse.with_density).")
   shapes = [(len(ids), all_units[ids[0]].size) for ids in groups]
   if state.step.shape != (1,) or len(state.residuals) != len(groups):
     raise SyncError(
@@ -346,6 +382,12 @@ def unit_residuals(plan: plan_lib.Plan, state: SparseSyncState,
   if want != have:
     raise SyncError(f"unit_residuals: the state's groups are {have} (units "
                     f"× elements), the plan's {want}: pass the plan the "
+                    "state was made for.")
+  part = state.layout and schedule_lib.digest_difference(
+      state.layout, schedule_lib.layout_digest(plan))
+  if part:
+    raise SyncError(f"unit_residuals: the state was made for a plan of "
+                    f"another layout (its {part} differ): pass the plan the "
                     "state was made for.")
   return [arrays[g][:, i] for g, i in plan_lib.unit_rows(plan)]
 

@@ -285,6 +285,60 @@ def test_summarize_and_unit_residuals_check_the_plan(plan):
   assert [r.shape for r in rows] == [(1, 4096)]
 
 
+def test_a_state_of_another_layout_with_the_same_shapes_is_refused():
+  # Two leaves of one shape in one bucket: plans with the two ready orders
+  # have states of the same shapes whose residual rows belong to the
+  # other leaf.
+  params = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
+  first, second = (jaxfuse.plan(params, density=0.05, strategy="single",
+                                ready_order=order) for order in ([0, 1], [1, 0]))
+  mesh = mesh_of(2)
+  state = jaxfuse.init_state(jaxfuse.sparse_sync(first), params, mesh)
+  other = jaxfuse.init_state(jaxfuse.sparse_sync(second), params, mesh)
+  shapes = lambda s: [x.shape for x in jax.tree.leaves(s)]
+  assert shapes(state) == shapes(other) and state.layout != other.layout
+  grads = shard(mesh, jax.tree.map(lambda x: jnp.stack([x, 2 * x]), params))
+
+  def step(plan):
+    tx = jaxfuse.sparse_sync(plan)
+    return jax.jit(sharded_update(tx, mesh, jaxfuse.state_specs(state)))
+
+  with pytest.raises(jaxfuse.SyncError, match=r"sparse_sync state was made "
+                     r"for a plan of another layout \(its selection units "
+                     r"differ from this plan's\).*jaxfuse.init_state"):
+    step(second)(grads, state)
+  with pytest.raises(jaxfuse.SyncError, match="unit_residuals: the state "
+                     "was made for a plan of another layout"):
+    jaxfuse.unit_residuals(second, state)
+  # a warm-up phase's plan (another density) shares the layout and the state
+  assert len(jaxfuse.unit_residuals(jaxfuse.with_density(first, 0.2),
+                                    state)) == 2
+  _, after = step(jaxfuse.with_density(first, 0.2))(grads, state)
+  assert after.layout == state.layout
+  assert np.asarray(after.step).tolist() == [1, 1]
+
+
+def test_the_layout_is_no_array_and_keeps_the_key_paths():
+  # A checkpoint holds the arrays under the key paths of the fields: the
+  # same as a plain NamedTuple's, so checkpoints saved before the layout
+  # was carried restore, and no array is added.
+  import typing  # pylint: disable=g-import-not-at-top
+  fields = jaxfuse.SparseSyncState._fields[:-1]
+  plain = typing.NamedTuple("Plain", [(f, typing.Any) for f in fields])
+  plan = jaxfuse.plan(PARAMS, density=0.05)
+  state = jaxfuse.init_state(jaxfuse.sparse_sync(plan, momentum=0.9), PARAMS,
+                             mesh_of(1))
+  assert state.layout and all(isinstance(h, str) for h in state.layout)
+  as_plain = plain(*(getattr(state, f) for f in fields))
+  keys = lambda t: [jax.tree_util.keystr(k) for k, _ in
+                    jax.tree_util.tree_flatten_with_path(t)[0]]
+  assert keys(state) == keys(as_plain)
+  assert len(jax.tree.leaves(state)) == len(jax.tree.leaves(as_plain))
+  back = jax.tree.unflatten(jax.tree.structure(state),
+                            jax.tree.leaves(as_plain))
+  assert back.layout == state.layout
+
+
 def test_send_early_needs_a_function():
   with pytest.raises(TypeError, match="send_early wraps the per-worker step "
                      "function; got int"):
