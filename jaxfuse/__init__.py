@@ -58,6 +58,7 @@ from jaxfuse.transform import per_worker_mask
 from jaxfuse.transform import PerWorkerState
 from jaxfuse.transform import sparse_sync
 from jaxfuse.placement import state_specs
+from jaxfuse.relayout import relayout
 from jaxfuse.stats import summarize
 from jaxfuse.transform import sync_stats
 from jaxfuse.transform import unit_residuals
@@ -74,7 +75,7 @@ __all__ = [
     "SparseSyncState", "SyncError", "SyncStats", "check_phases", "demo",
     "density_warmup", "init_state", "local_adamw", "local_clip_by_global_norm",
     "local_params", "make_mesh", "onebit_adamw", "per_worker",
-    "per_worker_mask", "phase_index", "plan", "predicted_params",
+    "per_worker_mask", "phase_index", "plan", "predicted_params", "relayout",
     "second_moment", "second_moment_change", "send_early", "sgd",
     "sparse_sync", "state_specs", "summarize",
     "sync_adamw",

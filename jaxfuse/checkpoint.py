@@ -319,9 +319,9 @@ def _check_plan(saved: dict, plan: plan_lib.Plan | None, step: int) -> None:
   if part:
     raise CheckpointError(
         f"checkpoint {step} was saved with a plan whose {part} differ from "
-        "this plan's, so its per-worker state does not fit; resume with the "
-        "saved plan (it is in the checkpoint: jaxfuse.checkpoint.saved_plan"
-        "(manager)) or start a new run.")
+        "this plan's, so its per-worker state does not fit; restore with the "
+        "saved plan (jaxfuse.checkpoint.saved_plan(manager)), then carry the "
+        "state to this plan with jaxfuse.relayout(state, saved, plan).")
 
 
 def saved_extra(mngr, step: int | None = None) -> dict:

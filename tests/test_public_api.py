@@ -29,7 +29,7 @@ PUBLIC = [
     "init_state", "kernels",
     "local_adamw", "local_clip_by_global_norm", "local_params", "make_mesh",
     "onebit_adamw", "per_worker", "per_worker_mask", "phase_index", "plan",
-    "predicted_params", "second_moment", "second_moment_change",
+    "predicted_params", "relayout", "second_moment", "second_moment_change",
     "send_early", "sgd",
     "sparse_sync", "state_specs", "summarize", "sync_adamw", "sync_stats",
     "unit_residuals", "with_density", "xla_flags", "xla_options",

@@ -1,0 +1,179 @@
+"""Carry a train state from one plan to another plan of the same leaves.
+
+A state belongs to its plan's layout (``schedule.layout``): which leaf
+each residual row holds, how ``onebit_adamw``'s m is grouped, one clip
+norm per bucket. ``relayout(tree, old, new)`` rebuilds each such piece
+for ``new`` (another strategy, bucket size, ready order or estimator),
+moving every leaf's numbers to where ``new`` keeps them::
+
+  r_new[leaf] = r_old[leaf]   (residual and velocity, per worker; m)
+
+so what the workers owe, (1/K)·Σ_k r_k, is unchanged and a step after
+the switch sends what the old plan would have left owed. The controller
+keeps a unit's threshold where ``new`` has the same unit (its leaves and
+estimator) and starts afresh elsewhere; per-bucket clip norms restart
+at 0 (the next step's shares are then the buckets' sizes); step counts
+and per-leaf stats are kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse import clipping
+from jaxfuse import grouped
+from jaxfuse import plans as plan_lib
+from jaxfuse import recipes
+from jaxfuse import schedule as schedule_lib
+from jaxfuse import sparsify
+from jaxfuse import transform
+
+
+def relayout(tree: Any, old: plan_lib.Plan, new: plan_lib.Plan) -> Any:
+  """``tree`` (a train state, or any pytree holding optimizer states made
+  with ``old``) with its plan-shaped parts rebuilt for ``new``; arrays
+  keep their shardings. ``new`` must have ``old``'s leaves (paths,
+  shapes, dtypes, dense or sparse)."""
+  plan_lib.require_plan(old, "relayout")
+  plan_lib.require_plan(new, "relayout")
+  _check_leaves(old, new)
+  move = _Move(old, new)
+  kinds = (transform.SparseSyncState, recipes.OnebitState,
+           clipping.BucketClipState)
+  is_part = lambda x: isinstance(x, kinds)
+
+  def rebuild(x):
+    if isinstance(x, recipes.OnebitState):
+      return x._replace(mu=move.moment(x.mu, jax.tree.structure(x.nu)),
+                        sync=move.sync(x.sync),
+                        clip=jax.tree.map(rebuild, x.clip, is_leaf=is_part))
+    if isinstance(x, transform.SparseSyncState):
+      return move.sync(x)
+    if isinstance(x, clipping.BucketClipState):
+      return move.clip(x)
+    return x
+
+  return jax.tree.map(rebuild, tree, is_leaf=is_part)
+
+
+def _check_leaves(old: plan_lib.Plan, new: plan_lib.Plan) -> None:
+  for j, (a, b) in enumerate(zip(old.leaves, new.leaves)):
+    if (a.path, a.shape, a.dtype, a.mode) != (b.path, b.shape, b.dtype,
+                                              b.mode):
+      raise plan_lib.PlanError(
+          f"relayout: leaf {j} is {a.path} {a.dtype} {list(a.shape)} "
+          f"{a.mode} in the old plan and {b.path} {b.dtype} "
+          f"{list(b.shape)} {b.mode} in the new one; both plans must be "
+          "made from the same parameters with the same dense/sparse "
+          "split (min_size, dense leaves).")
+  if len(old.leaves) != len(new.leaves):
+    raise plan_lib.PlanError(
+        f"relayout: the old plan has {len(old.leaves)} leaves, the new "
+        f"{len(new.leaves)}; make both from the same parameters.")
+
+
+class _Move:
+  """Where each leaf sits in both plans' state groups."""
+
+  def __init__(self, old: plan_lib.Plan, new: plan_lib.Plan):
+    self.old, self.new = old, new
+    self.old_sched = schedule_lib.compile_plan(old)
+    self.new_sched = schedule_lib.compile_plan(new)
+    self.old_digest = schedule_lib.layout_digest(old, self.old_sched)
+    self.new_digest = schedule_lib.layout_digest(new, self.new_sched)
+
+  @staticmethod
+  def _rows(sched):
+    """Per group: per row, ((leaf id, offset), …)."""
+    where = {u: leaves for b in sched.buckets for u, leaves in b.placement}
+    return [[where[u] for u in ids] for ids in sched.groups]
+
+  def _per_leaf(self, arrays) -> dict[int, jax.Array]:
+    """Each sparse leaf's (K, size) slice of the old groups' (K, G, n)."""
+    out = {}
+    for array, rows in zip(arrays, self._rows(self.old_sched)):
+      for i, placed in enumerate(rows):
+        for j, start in placed:
+          out[j] = array[:, i, start:start + self.old.leaves[j].size]
+    return out
+
+  def _groups(self, per_leaf, like) -> tuple[jax.Array, ...]:
+    """The new plan's (K, G, n) groups from per-leaf slices, in the new
+    groups' dtypes, sharded as ``like`` (an old group array)."""
+    sharding = getattr(like, "sharding", None)
+    out = []
+    for rows, dtype in zip(self._rows(self.new_sched),
+                           self.new_sched.group_dtypes):
+      stacked = jnp.stack([jnp.concatenate([per_leaf[j] for j, _ in placed],
+                                           axis=1) for placed in rows],
+                          axis=1).astype(dtype)
+      out.append(stacked if sharding is None else
+                 jax.device_put(stacked, _leading(sharding)))
+    return tuple(out)
+
+  def sync(self, state: transform.SparseSyncState
+           ) -> transform.SparseSyncState:
+    part = state.layout and schedule_lib.digest_difference(state.layout,
+                                                           self.old_digest)
+    if part:
+      raise plan_lib.PlanError(
+          f"relayout: a sparse_sync state in the tree was made for another "
+          f"plan than the old one (its {part} differ); relayout each part "
+          "of an optax.multi_transform with its own plans.")
+    like = state.residuals[0] if state.residuals else None
+    carry = lambda arrays: (self._groups(self._per_leaf(arrays), like)
+                            if arrays else ())
+    return state._replace(residuals=carry(state.residuals),
+                          velocity=carry(state.velocity),
+                          control=self._control(state.control),
+                          layout=self.new_digest)
+
+  def _control(self, control: sparsify.Control) -> sparsify.Control:
+    """Per new unit: the old unit's column where it is the same unit
+    (leaves, estimator), else the initial control."""
+    key = lambda u: (u.leaves, u.estimator)
+    old_of = {key(u): i for i, u in enumerate(self.old_sched.units)}
+    workers = control.threshold.shape[0]
+    fresh = sparsify.initial_control(max(1, len(self.new_sched.units)))
+
+    def column(i, u, field, start):
+      if u is not None and key(u) in old_of:
+        return field[:, old_of[key(u)]]
+      return jnp.broadcast_to(start[i], (workers,))
+
+    units = list(self.new_sched.units) or [None]
+    return jax.tree.map(
+        lambda field, start: _like(jnp.stack(
+            [column(i, u, field, start) for i, u in enumerate(units)],
+            axis=1), field),
+        control, fresh)
+
+  def clip(self, state: clipping.BucketClipState) -> clipping.BucketClipState:
+    norms = state.norms
+    zeros = jnp.zeros(norms.shape[:-1] + (len(self.new.buckets),),
+                      norms.dtype)
+    return clipping.BucketClipState(_like(zeros, norms))
+
+  def moment(self, mu: grouped.Grouped, treedef) -> grouped.Grouped:
+    tree = grouped.ungroup(grouped.layout(self.old, self.old_sched), mu,
+                           treedef)
+    out = grouped.group(grouped.layout(self.new, self.new_sched), tree)
+    like = (mu.rows + mu.loose)[0] if (mu.rows or mu.loose) else None
+    return jax.tree.map(lambda x: _like(x, like), out)
+
+
+def _leading(sharding):
+  """``sharding`` on the leading axis only (a group's worker axis)."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
+  return sharding
+
+
+def _like(x: jax.Array, like) -> jax.Array:
+  """``x`` placed as ``like`` is laid along its leading axis."""
+  sharding = getattr(like, "sharding", None)
+  return x if sharding is None else jax.device_put(x, _leading(sharding))

@@ -1,0 +1,178 @@
+"""``jaxfuse.relayout``: a state carried from one plan to another of the
+same leaves keeps what every worker owes, leaf by leaf."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse import schedule
+from jaxfuse import sparsify
+
+from _harness import NUM_WORKERS as K
+from _harness import shard, sharded_update
+
+# Two leaves of one shape (a swap would go unseen by the shapes), one of
+# another, and a dense bias.
+PARAMS = {"a": jnp.ones((32, 48)), "b": jnp.ones((32, 48)),
+          "c": jnp.ones((40, 40)), "bias": jnp.ones(16)}
+
+
+def _plans():
+  old = jaxfuse.plan(PARAMS, density=0.05, strategy="aligned", num_buckets=3,
+                     estimator="dgc")
+  # one concatenated unit per bucket, in the other ready order
+  behind = jaxfuse.plan(PARAMS, density=0.05, strategy="behind",
+                        bucket_bytes=16 * 1024, estimator="dgc",
+                        ready_order=[3, 2, 1, 0])
+  # per-leaf units again, in the other order
+  reordered = jaxfuse.plan(PARAMS, density=0.05, strategy="single",
+                           estimator="dgc", ready_order=[3, 2, 1, 0])
+  return old, behind, reordered
+
+
+def _grads(seed):
+  keys = jax.random.split(jax.random.key(seed), len(PARAMS))
+  return {name: jax.random.normal(k, (K,) + x.shape)
+          for k, (name, x) in zip(keys, sorted(PARAMS.items()))}
+
+
+def _step(tx, mesh, state):
+  return jax.jit(sharded_update(tx, mesh, jaxfuse.state_specs(state)))
+
+
+def _onebit_step(tx, mesh, state, seed):
+  step = jax.jit(sharded_update(tx, mesh, jaxfuse.state_specs(state),
+                                with_params=True))
+  return step(shard(mesh, _grads(seed)), state, PARAMS)[1]
+
+
+def _trained(plan, mesh, momentum):
+  tx = jaxfuse.sparse_sync(plan, momentum=momentum)
+  state = jaxfuse.init_state(tx, PARAMS, mesh)
+  step = _step(tx, mesh, state)
+  for seed in range(3):
+    _, state = step(shard(mesh, _grads(seed)), state)
+    jax.block_until_ready(state)
+  return state
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_dense_step_after_relayout_sends_what_the_old_plan_owed(
+    mesh, momentum):
+  # A density-1 step sends everything owed, (1/K)·Σ_k (x_k + r_k) per
+  # element: through the old plan, or through the new one after relayout,
+  # the same numbers leave.
+  old, behind, reordered = _plans()
+  state = _trained(old, mesh, momentum)
+  assert all(np.abs(np.asarray(r)).max() > 0 for r in state.residuals)
+  grads = shard(mesh, _grads(7))
+  full = lambda plan, s: _step(
+      jaxfuse.sparse_sync(jaxfuse.with_density(plan, 1.0), momentum=momentum),
+      mesh, s)(grads, s)[0]
+  want = full(old, state)
+  for new in (behind, reordered):
+    moved = jaxfuse.relayout(state, old, new)
+    assert moved.layout == jaxfuse.init_state(
+        jaxfuse.sparse_sync(new, momentum=momentum), PARAMS, mesh).layout
+    assert all(r.sharding.spec[0] == "data" for r in moved.residuals)
+    got = full(new, moved)
+    for name in PARAMS:
+      np.testing.assert_allclose(np.asarray(got[name]),
+                                 np.asarray(want[name]), rtol=1e-6,
+                                 atol=1e-7, err_msg=name)
+    # and the sparse step runs on it
+    _, after = _step(jaxfuse.sparse_sync(new, momentum=momentum), mesh,
+                     moved)(grads, moved)
+    assert np.asarray(after.step).tolist() == [4] * K
+
+
+def test_thresholds_are_kept_for_the_same_units_only(mesh):
+  old, behind, reordered = _plans()
+  state = _trained(old, mesh, 0.0)
+  old_units = schedule.compile_plan(old).units
+  before = np.asarray(state.control.threshold)
+  assert (before > 0).all()
+  moved = jaxfuse.relayout(state, old, reordered)
+  after = np.asarray(moved.control.threshold)
+  for u, unit in enumerate(schedule.compile_plan(reordered).units):
+    (o,) = [i for i, v in enumerate(old_units) if v.leaves == unit.leaves]
+    np.testing.assert_array_equal(after[:, u], before[:, o])
+  # behind: each unit joins several leaves, none is an old unit; topk:
+  # the old units with another estimator
+  topk = jaxfuse.plan(PARAMS, density=0.05, strategy="aligned",
+                      num_buckets=3, estimator="topk")
+  fresh = sparsify.initial_control(1)
+  for new in (behind, topk):
+    moved = jaxfuse.relayout(state, old, new)
+    for field, start in zip(moved.control, fresh):
+      np.testing.assert_array_equal(
+          np.asarray(field), np.broadcast_to(np.asarray(start[0]),
+                                             field.shape))
+
+
+def test_onebit_moments_move_and_clip_norms_restart(mesh):
+  old, behind, _ = _plans()
+  make = lambda plan: jaxfuse.onebit_adamw(plan, 1e-3, clip_norm=1.0)
+  phases = {0: jaxfuse.with_density(old, 1.0), 1: old}
+  state = jaxfuse.init_state(make(old), PARAMS, mesh)
+  for seed, phase in enumerate((0, 1, 1)):
+    state = _onebit_step(make(phases[phase]), mesh, state, seed)
+    jax.block_until_ready(state)
+  moved = jaxfuse.relayout(state, old, behind)
+  want = jaxfuse.first_moment(state, old)
+  got = jaxfuse.first_moment(moved, behind)
+  for name in PARAMS:
+    np.testing.assert_array_equal(np.asarray(got[name]),
+                                  np.asarray(want[name]))
+    assert np.abs(np.asarray(want[name])).max() > 0
+  (one, _), (moved_one, _) = state, moved   # (OnebitState, the rest)
+  for x, y in zip(jax.tree.leaves(one.nu), jax.tree.leaves(moved_one.nu)):
+    assert x is y
+  norms = moved_one.clip.inner.norms
+  assert np.asarray(one.clip.inner.norms).any()
+  assert norms.shape == (K, len(behind.buckets))
+  assert not np.asarray(norms).any()
+  after = _onebit_step(make(behind), mesh, moved, 9)
+  assert int(np.asarray(after[0].count)) == 4
+
+
+def test_resuming_a_checkpoint_with_a_new_plan(tmp_path, mesh):
+  # The README's recipe: restore with the saved plan, then relayout.
+  from jaxfuse import checkpoint  # pylint: disable=g-import-not-at-top
+  old, behind, _ = _plans()
+  state = _trained(old, mesh, 0.9)
+  mngr = checkpoint.manager(tmp_path)
+  checkpoint.save(mngr, 3, {"opt": state}, old)
+  like = {"opt": jaxfuse.init_state(jaxfuse.sparse_sync(behind, momentum=0.9),
+                                    PARAMS, mesh)}
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r"saved_plan\(manager\)\), then carry the state "
+                     r"to this plan with jaxfuse.relayout"):
+    checkpoint.restore(mngr, like, behind)
+  saved = checkpoint.saved_plan(mngr)
+  like = {"opt": jaxfuse.init_state(jaxfuse.sparse_sync(saved, momentum=0.9),
+                                    PARAMS, mesh)}
+  step, restored = checkpoint.restore(mngr, like, saved)
+  got = jaxfuse.relayout(restored, saved, behind)["opt"]
+  want = jaxfuse.relayout(state, old, behind)
+  assert step == 3 and got.layout == want.layout
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_what_relayout_refuses(mesh):
+  old, behind, reordered = _plans()
+  state = _trained(old, mesh, 0.0)
+  wider = jaxfuse.plan(dict(PARAMS, c=jnp.ones((40, 41))), density=0.05)
+  with pytest.raises(jaxfuse.PlanError, match=r"relayout: leaf 3 is \['c'\] "
+                     r"float32 \[40, 40\] sparse in the old plan and \['c'\] "
+                     r"float32 \[40, 41\] sparse in the new one"):
+    jaxfuse.relayout(state, old, wider)
+  with pytest.raises(jaxfuse.PlanError, match="relayout: a sparse_sync state "
+                     "in the tree was made for another plan than the old "
+                     "one"):
+    jaxfuse.relayout(state, behind, reordered)
+  with pytest.raises(TypeError, match="relayout expects a jaxfuse.Plan"):
+    jaxfuse.relayout(state, old, PARAMS)
