@@ -226,6 +226,13 @@ def main():
       out[f"{variant}/stats/{field}"] = fetch(v)
     out[f"{variant}/step"] = fetch(sync_state.step)
 
+  # --- the last state carried to a one-bucket plan (global arrays) ---------
+  moved = jaxfuse.relayout(sync_state, plan, jaxfuse.plan(
+      params_np, density=0.05, strategy="single"))
+  for g, r in enumerate(moved.residuals):
+    assert r.sharding.spec[0] == "data", r.sharding
+    out[f"relayout/residual/{g}"] = fetch(r)
+
   # --- hierarchical (host = process) against flat, sparse_sync alone -------
   hmesh = jaxfuse.make_mesh(local=LOCAL)
   assert hmesh.axis_names == ("host", "local")

@@ -171,6 +171,21 @@ def test_every_process_wrote_the_same_global_values(runs):
       np.testing.assert_array_equal(other[k], dist[0][k], err_msg=k)
 
 
+def test_relayout_of_global_arrays_moves_every_residual(runs):
+  # relayout on arrays spread over processes: the same arrays as on one
+  # process, and each worker's residuals are the same numbers, regrouped.
+  ref, dist = runs
+  moved = _keys(ref, "relayout")
+  for k in moved:
+    np.testing.assert_array_equal(dist[0][k], ref[k], err_msg=k)
+  old = [ref[k] for k in _keys(ref, "exact", "residual")]
+  new = [ref[k] for k in moved]
+  per_worker = lambda arrays: np.sort(np.concatenate(
+      [a.reshape(a.shape[0], -1) for a in arrays], axis=1), axis=1)
+  assert np.abs(old[0]).max() > 0
+  np.testing.assert_array_equal(per_worker(new), per_worker(old))
+
+
 def test_plan_uses_both_allgather_and_psum_buckets(runs):
   ref, dist = runs
   assert set(ref["bucket_collectives"]) == {"allgather", "psum"}
