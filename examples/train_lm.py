@@ -37,7 +37,10 @@ GPUs it uses all of them (or --devices N):
   bash scripts/launch_local.sh 2      # 2 local processes, 4 CPU devices each
 
 --resume on another device count redistributes the per-worker state
-(jaxfuse.elastic); the global batch must divide over the new count.
+(jaxfuse.elastic); the global batch must divide over the new count. With
+a plan of another layout (``--plan``, ``--strategy``, ``--estimator``,
+...) it restores with the saved plan and carries the optimizer state over
+(jaxfuse.relayout).
 
 Tokens/s excludes step 1 (compilation); every step is timed to completion.
 
@@ -366,10 +369,21 @@ def main(argv=None) -> dict:
       raise SystemExit(f"--resume: {args.checkpoint_dir} holds step "
                        f"{mngr.latest_step()}, at or past --steps {steps}: "
                        "nothing left to train (raise --steps to go on)")
+    # a plan of another layout (--plan, --strategy, ...): restore with the
+    # saved plan, then carry the optimizer state over to this one
+    saved = jaxfuse.checkpoint.saved_plan(mngr)
+    carry = bool(plan and saved and
+                 jaxfuse.schedule.layout_difference(saved, plan))
     try:
+      like = (jaxfuse.init_state(make_opt(saved), _cast(params, grad_dtype),
+                                 mesh, AXIS) if carry else opt_state)
       start, state = jaxfuse.checkpoint.restore(
-          mngr, {"params": params, "opt": opt_state}, plan)
-    except jaxfuse.checkpoint.CheckpointError as e:
+          mngr, {"params": params, "opt": like}, saved if carry else plan)
+      if carry:
+        state["opt"] = jaxfuse.relayout(state["opt"], saved, plan)
+        say("--resume: the saved plan's layout differs from this run's; "
+            "the optimizer state was carried over (jaxfuse.relayout)")
+    except (jaxfuse.checkpoint.CheckpointError, jaxfuse.PlanError) as e:
       raise SystemExit(f"train_lm.py: error: --resume: {e} Resume with the "
                        "flags of the run that saved it, or give a new "
                        "--checkpoint-dir.") from None

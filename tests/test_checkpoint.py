@@ -171,6 +171,18 @@ def test_example_killed_after_a_save_resumes_bitwise(tmp_path, compile_cache):
   assert [p["steps"] for p in a["phase_steps"]] == [11]
   assert [p["steps"] for p in b["phase_steps"]] == [5]
   assert a["steady_step_time_s"] == float(np.median(a["step_times_s"][1:]))
+  # Two more steps with a plan of another layout: the state is carried over.
+  cmd, env = _example(tmp_path, compile_cache, "replanned", "--checkpoint-dir",
+                      tmp_path / "a", "--resume", "--steps", "14",
+                      "--strategy", "aligned")
+  r = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                     timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "resumed from step 12" in r.stdout
+  assert "optimizer state was carried over (jaxfuse.relayout)" in r.stdout
+  c = json.loads((tmp_path / "replanned.json").read_text())
+  assert c["start_step"] == 12 and len(c["losses"]) == 2
+  assert all(np.isfinite(c["losses"]))
 
 
 def test_a_jaxfuse_0_1_checkpoint_is_regrouped(tmp_path, mesh):
