@@ -107,6 +107,12 @@ def save(mngr, step: int, state: Any, plan: plan_lib.Plan | None,
                           "state (e.g. (params, opt_state)).")
   if plan is not None:
     plan_lib.require_plan(plan, "checkpoint.save")
+    part = transform.layout_mismatch(state, plan)
+    if part:
+      raise CheckpointError(
+          f"checkpoint.save: the state was made for a plan whose {part} "
+          "differ from `plan`'s; save it with the plan it was made with "
+          "(restoring checks the state against it). Nothing was written.")
   plan_json = json.loads(plan.to_json()) if plan is not None else {}
   if extra is not None and not isinstance(extra, dict):
     raise CheckpointError(f"extra must be a dict of JSON values, got "
@@ -165,6 +171,13 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   step = _resolve(mngr, step)
   saved = _json_item(mngr, step, PLAN)
   _check_plan(saved, plan, step)
+  part = plan is not None and transform.layout_mismatch(like, plan)
+  if part:
+    raise CheckpointError(
+        f"`like` was made for a plan whose {part} differ from `plan`'s: "
+        "build it with the plan you restore with (jaxfuse.init_state("
+        "make_opt(plan), ...)); to train on with another plan, carry the "
+        "restored state over with jaxfuse.relayout.")
   extra = _json_item(mngr, step, EXTRA) or {}
   saved_k = extra.get(WORKERS)
   layout = extra.get(LAYOUT, 1)

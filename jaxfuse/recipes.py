@@ -366,6 +366,11 @@ def first_moment(state: Any, plan: plan_lib.Plan) -> Any:
   writes it (``jaxfuse.grouped``). Raises ``SyncError`` when ``state``
   holds no such state, ``PlanError`` for another plan's state."""
   one = _onebit_state(state, "first_moment")
+  part = transform.layout_mismatch(one.sync, plan)
+  if part:
+    raise plan_lib.PlanError(
+        f"first_moment: the state was made for a plan whose {part} differ "
+        "from this plan's; pass the plan the state was made for.")
   return grouped.ungroup(grouped.layout(plan), one.mu,
                          jax.tree.structure(one.nu))
 

@@ -13,7 +13,11 @@ the switch sends what the old plan would have left owed. The controller
 keeps a unit's threshold where ``new`` has the same unit (its leaves and
 estimator) and starts afresh elsewhere; per-bucket clip norms restart
 at 0 (the next step's shares are then the buckets' sizes); step counts
-and per-leaf stats are kept.
+and per-leaf stats are kept. Bit for bit, except with
+``residual_dtype="gradient"`` where a leaf leaves a group of a wider
+dtype (a ``"behind"`` unit joining bfloat16 and float32 leaves) for one
+of its own dtype: its numbers are rounded to that dtype, as a step of
+the new plan rounds its residual.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ def relayout(tree: Any, old: plan_lib.Plan, new: plan_lib.Plan) -> Any:
   plan_lib.require_plan(old, "relayout")
   plan_lib.require_plan(new, "relayout")
   _check_leaves(old, new)
+  if not transform.holds(tree, transform.is_sync_state):
+    raise plan_lib.PlanError(
+        "relayout: the tree holds no sparse_sync state; pass the optimizer "
+        "state (or the train state holding it).")
   move = _Move(old, new)
   kinds = (transform.SparseSyncState, recipes.OnebitState,
            clipping.BucketClipState)

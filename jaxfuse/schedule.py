@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
+import numbers
 
 from jaxfuse import plans as plan_lib
 
@@ -135,9 +137,31 @@ def layout_difference(a: plan_lib.Plan, b: plan_lib.Plan) -> str | None:
 def layout_digest(plan: plan_lib.Plan,
                   sched: Schedule | None = None) -> tuple[str, ...]:
   """One short hash per part of ``layout`` (``LAYOUT_PARTS``): equal
-  digests, equal layouts (up to a 64-bit hash collision)."""
-  return tuple(hashlib.sha256(repr(part).encode()).hexdigest()[:16]
+  digests, equal layouts under ``==`` (2 and 2.0, a numpy scalar and its
+  Python number alike; up to a 64-bit hash collision)."""
+  return tuple(hashlib.sha256(repr(_plain(part)).encode()).hexdigest()[:16]
                for part in layout(plan, sched))
+
+
+def _plain(x):
+  """``x`` with numbers as Python ints (integral values) or floats,
+  containers and dataclasses as tuples: values equal under ``==`` get
+  one ``repr``."""
+  if x is None or isinstance(x, (bool, str)):
+    return x
+  if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+    return int(x)
+  if isinstance(x, numbers.Real):
+    v = float(x)
+    return int(v) if math.isfinite(v) and v.is_integer() else v
+  if dataclasses.is_dataclass(x):
+    return (type(x).__name__,) + tuple(
+        (f.name, _plain(getattr(x, f.name))) for f in dataclasses.fields(x))
+  if isinstance(x, dict):
+    return tuple(sorted((str(k), _plain(v)) for k, v in x.items()))
+  if isinstance(x, (tuple, list)):
+    return tuple(_plain(v) for v in x)
+  return x.item() if hasattr(x, "item") else x
 
 
 def digest_difference(a: tuple[str, ...], b: tuple[str, ...]) -> str | None:

@@ -342,9 +342,12 @@ def _check_state(state, groups, all_units, momentum, digest) -> None:
   if part:
     raise SyncError(
         f"sparse_sync state was made for a plan of another layout (its "
-        f"{part} differ from this plan's): its residuals belong to other "
-        "leaves. Create the state with jaxfuse.init_state for this plan; "
-        "a warm-up changes only densities (jaxfuse.with_density).")
+        f"{part} differ from this plan's)"
+        f"{'' if part == 'settings' else ': its rows hold other leaves here'}"
+        ". Carry it to this plan with jaxfuse.relayout(state, its_plan, "
+        "plan) and step it with this plan's transform, or make a new one "
+        "with jaxfuse.init_state; a warm-up phase changes only densities "
+        "(jaxfuse.with_density).")
   shapes = [(len(ids), all_units[ids[0]].size) for ids in groups]
   if state.step.shape != (1,) or len(state.residuals) != len(groups):
     raise SyncError(
@@ -383,8 +386,7 @@ def unit_residuals(plan: plan_lib.Plan, state: SparseSyncState,
     raise SyncError(f"unit_residuals: the state's groups are {have} (units "
                     f"× elements), the plan's {want}: pass the plan the "
                     "state was made for.")
-  part = state.layout and schedule_lib.digest_difference(
-      state.layout, schedule_lib.layout_digest(plan))
+  part = layout_mismatch(state, plan)
   if part:
     raise SyncError(f"unit_residuals: the state was made for a plan of "
                     f"another layout (its {part} differ): pass the plan the "
@@ -496,6 +498,19 @@ def per_worker_mask(tree):
       return jax.tree.map(lambda _: True, x)
     return False
   return jax.tree.map(mark, tree, is_leaf=is_worker_state)
+
+
+def layout_mismatch(tree, plan: plan_lib.Plan) -> str | None:
+  """The first layout part (``schedule.LAYOUT_PARTS``) in which a
+  ``SparseSyncState`` in ``tree`` differs from ``plan``'s layout; None
+  when every one has it (or carries none)."""
+  digest = schedule_lib.layout_digest(plan)
+  for x in jax.tree.leaves(tree, is_leaf=is_sync_state):
+    part = (is_sync_state(x) and x.layout
+            and schedule_lib.digest_difference(x.layout, digest))
+    if part:
+      return part
+  return None
 
 
 def sync_stats(opt_state) -> SyncStats:

@@ -154,6 +154,16 @@ def test_resuming_a_checkpoint_with_a_new_plan(tmp_path, mesh):
                      r"to this plan with jaxfuse.relayout"):
     checkpoint.restore(mngr, like, behind)
   saved = checkpoint.saved_plan(mngr)
+  # the saved plan with a `like` of the new plan: its arrays would be
+  # read as the new layout's
+  with pytest.raises(checkpoint.CheckpointError, match="`like` was made for "
+                     "a plan whose selection units differ from `plan`'s"):
+    checkpoint.restore(mngr, like, saved)
+  with pytest.raises(checkpoint.CheckpointError, match="checkpoint.save: the "
+                     "state was made for a plan whose selection units "
+                     "differ from `plan`'s.*Nothing was written"):
+    checkpoint.save(mngr, 4, like, saved)
+  assert mngr.all_steps() == [3]
   like = {"opt": jaxfuse.init_state(jaxfuse.sparse_sync(saved, momentum=0.9),
                                     PARAMS, mesh)}
   step, restored = checkpoint.restore(mngr, like, saved)
@@ -230,3 +240,35 @@ def test_what_relayout_refuses(mesh):
     jaxfuse.relayout(state, behind, reordered)
   with pytest.raises(TypeError, match="relayout expects a jaxfuse.Plan"):
     jaxfuse.relayout(state, old, PARAMS)
+  with pytest.raises(jaxfuse.PlanError, match="relayout: the tree holds no "
+                     "sparse_sync state; pass the optimizer state"):
+    jaxfuse.relayout(PARAMS, old, behind)
+
+
+def test_first_moment_checks_the_plan(mesh):
+  old, behind, _ = _plans()
+  state = jaxfuse.init_state(jaxfuse.onebit_adamw(old, 1e-3), PARAMS, mesh)
+  moved = jaxfuse.relayout(state, old, behind)
+  with pytest.raises(jaxfuse.PlanError, match="first_moment: the state was "
+                     "made for a plan whose selection units differ"):
+    jaxfuse.first_moment(moved, old)
+  assert sorted(jaxfuse.first_moment(moved, behind)) == sorted(PARAMS)
+
+
+def test_plans_equal_under_eq_share_a_layout_digest(mesh):
+  # 2 and 2.0, a numpy scalar and its float: equal plans, one state
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  two, two_f = (jaxfuse.plan(PARAMS, density=0.05, headroom=h)
+                for h in (2, 2.0))
+  assert two == two_f
+  assert schedule.layout_digest(two) == schedule.layout_digest(two_f)
+  numpy_seed = dataclasses.replace(two, settings=dataclasses.replace(
+      two.settings, headroom=np.float64(2.0)))
+  assert schedule.layout_digest(numpy_seed) == schedule.layout_digest(two)
+  other = jaxfuse.plan(PARAMS, density=0.05, headroom=2.5)
+  assert schedule.digest_difference(schedule.layout_digest(other),
+                                    schedule.layout_digest(two)) == "settings"
+  state = jaxfuse.init_state(jaxfuse.sparse_sync(two), PARAMS, mesh)
+  grads = shard(mesh, _grads(0))
+  _, after = _step(jaxfuse.sparse_sync(two_f), mesh, state)(grads, state)
+  assert after.layout == state.layout
