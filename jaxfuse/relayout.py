@@ -68,6 +68,10 @@ def relayout(tree: Any, old: plan_lib.Plan, new: plan_lib.Plan) -> Any:
 
 
 def _check_leaves(old: plan_lib.Plan, new: plan_lib.Plan) -> None:
+  if len(old.leaves) != len(new.leaves):
+    raise plan_lib.PlanError(
+        f"relayout: the old plan has {len(old.leaves)} leaves, the new "
+        f"{len(new.leaves)}; make both from the same parameters.")
   for j, (a, b) in enumerate(zip(old.leaves, new.leaves)):
     if (a.path, a.shape, a.dtype, a.mode) != (b.path, b.shape, b.dtype,
                                               b.mode):
@@ -76,11 +80,7 @@ def _check_leaves(old: plan_lib.Plan, new: plan_lib.Plan) -> None:
           f"{a.mode} in the old plan and {b.path} {b.dtype} "
           f"{list(b.shape)} {b.mode} in the new one; both plans must be "
           "made from the same parameters with the same dense/sparse "
-          "split (min_size, dense leaves).")
-  if len(old.leaves) != len(new.leaves):
-    raise plan_lib.PlanError(
-        f"relayout: the old plan has {len(old.leaves)} leaves, the new "
-        f"{len(new.leaves)}; make both from the same parameters.")
+          "split (the same min_sparse_size).")
 
 
 class _Move:

@@ -234,6 +234,10 @@ def test_what_relayout_refuses(mesh):
                      r"float32 \[40, 40\] sparse in the old plan and \['c'\] "
                      r"float32 \[40, 41\] sparse in the new one"):
     jaxfuse.relayout(state, old, wider)
+  more = jaxfuse.plan(dict(PARAMS, d=jnp.ones((40, 40))), density=0.05)
+  with pytest.raises(jaxfuse.PlanError, match="relayout: the old plan has 4 "
+                     "leaves, the new 5; make both from the same parameters"):
+    jaxfuse.relayout(state, old, more)
   with pytest.raises(jaxfuse.PlanError, match="relayout: a sparse_sync state "
                      "in the tree was made for another plan than the old "
                      "one"):
