@@ -53,6 +53,11 @@ def test_divisible_counts_are_group_means_and_copies():
                                 np.repeat(x[:4], 2, axis=0))
   steps = np.array([[5], [5], [7], [7]], np.int32)
   np.testing.assert_array_equal(elastic.resize(steps, 2), [[5], [7]])
+  # each new worker covers two old ones equally: the first of them
+  ids = np.array([[1], [2], [3], [4]], np.int32)
+  np.testing.assert_array_equal(elastic.resize(ids, 2), [[1], [3]])
+  # 3 -> 2: new worker 0 covers old 0 (2/3 of it) and old 1 (1/3)
+  np.testing.assert_array_equal(elastic.resize(ids[:3], 2), [[1], [3]])
 
 
 def _setup(k):

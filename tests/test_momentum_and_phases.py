@@ -312,6 +312,24 @@ def test_density_warmup_rejects_bad_steps(kwargs, field):
     jaxfuse.density_warmup(_small_plan(), **kwargs)
 
 
+@pytest.mark.parametrize("estimator", ["dgc", "topk"])
+@pytest.mark.parametrize("strategy", ["aligned", "behind"])
+def test_with_density_sets_every_sparse_units_capacity(strategy, estimator):
+  # per leaf (sparsify ahead) and per bucket (behind: one unit of the
+  # bucket's leaves): c = capacity(ρ', n), the same as a plan made at ρ'
+  plan = _small_plan(strategy=strategy, estimator=estimator)
+  half = jaxfuse.with_density(plan, 0.3)
+  made = _small_plan(strategy=strategy, estimator=estimator, density=0.3)
+  units = plan_lib.units(half)[0]
+  assert units == plan_lib.units(made)[0]
+  for unit in units:
+    assert unit.density == 0.3
+    assert unit.capacity == plan_lib.capacity(0.3, unit.size, estimator,
+                                              plan.settings.headroom)
+  assert sum(u.capacity for u in units) > sum(
+      u.capacity for u in plan_lib.units(plan)[0])
+
+
 @pytest.mark.parametrize("density", [0, -0.5, 1.5, True])
 def test_with_density_rejects_out_of_range(density):
   with pytest.raises(jaxfuse.PlanError, match="density"):

@@ -72,6 +72,16 @@ def test_redsync_bisects_to_the_target_count(density):
   assert np.sum(a >= tau - 1.01 * width) > k
 
 
+def test_redsync_keeps_its_bound_when_values_sit_on_a_midpoint():
+  # mean 1, max 3: the first midpoint is 2, where 49 of the 101 values
+  # sit; τ must end above them (a count taken with > would stop at 2)
+  a = np.array([3.0] + [2.0] * 49 + [0.0] * 51, np.float32)
+  tau = float(sparsify.redsync_threshold(jnp.asarray(a), density=0.05,
+                                         salt_=None, settings=SETTINGS))
+  assert np.sum(a >= tau) <= math.ceil(0.05 * a.size)
+  assert 2.0 < tau <= 3.0
+
+
 @pytest.mark.parametrize("n", [300, 100_000])
 def test_dgc_is_the_rank_of_its_sample(n):
   """The round(ρ·s)-th largest |g + r| of the s = max(f·n, 256) sampled
