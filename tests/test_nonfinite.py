@@ -132,6 +132,31 @@ def test_a_skipped_step_moves_nothing_and_keeps_the_state(recipe):
           int(s2.total_notfinite)) == (0, True, 1)
 
 
+@pytest.mark.parametrize("decay", [1.0, 0.8])
+@pytest.mark.parametrize("sparse_wire", ["gradient", "bfloat16"])
+def test_a_non_finite_worker_keeps_its_residual_as_it_was(sparse_wire, decay):
+  """sparse_sync alone: the worker whose gradient has a NaN keeps the
+  residual it had, undecayed (residual_decay) and free of the wire's
+  rounding; the other workers step."""
+  mesh = mesh_of(K)
+  plan = jaxfuse.plan(_params(), density=0.05, min_sparse_size=64,
+                      sparse_wire=sparse_wire)
+  tx = jaxfuse.sparse_sync(plan, residual_decay=decay)
+  state = jaxfuse.init_state(tx, _params(), mesh)
+  step = fast_jit(sharded_update(tx, mesh, jaxfuse.state_specs(state)))
+  _, s1 = jax.block_until_ready(step(shard(mesh, _grads(1)), state))
+  _, s2 = jax.block_until_ready(step(shard(mesh, _grads(2, nan=True)), s1))
+  (u,) = [i for i, unit in enumerate(jaxfuse.schedule.compile_plan(
+      plan).units) if plan.leaves[unit.leaves[0]].path == "['w']"]
+  before = np.asarray(jaxfuse.unit_residuals(plan, s1)[u])
+  after = np.asarray(jaxfuse.unit_residuals(plan, s2)[u])
+  assert np.abs(before[K - 1]).max() > 0
+  np.testing.assert_array_equal(after[K - 1], before[K - 1])
+  assert all(np.isfinite(np.asarray(r)).all() for r in s2.residuals)
+  if K > 1:
+    assert not np.array_equal(after[:K - 1], before[:K - 1])
+
+
 @pytest.mark.parametrize("limit", [0, 1])
 def test_after_max_consecutive_errors_the_update_is_applied(limit):
   """optax's rule: the (limit + 1)-th non-finite step in a row goes
