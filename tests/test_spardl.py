@@ -157,6 +157,19 @@ def test_sync_conserves_is_identical_and_lossless_when_it_fits(
   assert all(np.all(np.isfinite(np.asarray(r))) for r in state.residuals)
 
 
+def test_bsag_conserves_on_a_bfloat16_wire():
+  """Teams of a count that is no power of two (B-SAG): each merge hands
+  back the rounding of its sums to the wire's bfloat16, split over the
+  teams that hold the sum; K·ĝ + Σ_k r'_k = Σ_k acc_k still holds."""
+  k, teams, shapes = 6, 3, [(600,)]
+  mesh = mesh_of(k)
+  plan = list_plan(shapes, density=0.3, collective="spardl",
+                   estimator="topk", min_sparse_size=100, strategy="single",
+                   spardl_teams=teams, sparse_wire="bfloat16")
+  for _ in _random_steps(plan, mesh, k, shapes, 5):
+    pass
+
+
 @settings(max_examples=4, deadline=None)
 @given(k=st.sampled_from([3, 5, 7]),
        shapes=st.lists(st.sampled_from([(300,), (12, 50)]), min_size=1,
