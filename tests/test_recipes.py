@@ -361,6 +361,28 @@ def test_onebit_adamw_dense_then_sparse_matches_reference(mesh):
   assert int(onebit.count) == 4 and int(onebit.nu_count) == 2
 
 
+def test_onebit_adamw_with_a_bfloat16_leaf_steps_the_others_alike(mesh):
+  """A bfloat16 leaf among the gradients: the sparse phase forms
+  x = b1·m + (1 − b1)·g leaf by leaf (XLA) instead of in the fused pass;
+  the float32 leaves step as with all-float32 gradients."""
+  plan, params, grads = _problem(9, 4)
+  half_params = dict(params, b=params["b"].astype(jnp.bfloat16))
+  half_grads = [dict(g, b=g["b"].astype(jnp.bfloat16)) for g in grads]
+  half_plan = jaxfuse.plan(
+      {n: jax.ShapeDtypeStruct(np.shape(p), p.dtype)
+       for n, p in half_params.items()},
+      density=DENSITY, min_sparse_size=64, estimator="topk")
+  make = lambda p: jaxfuse.onebit_adamw(p, LR, eps=1e-3, weight_decay=WD,
+                                        mask=DECAY_MASK)
+  full, half = (_run(mesh, [(make(jaxfuse.with_density(p, 1.0)), 2),
+                            (make(p), 2)], ps, gs)[0]
+                for p, ps, gs in ((plan, params, grads),
+                                  (half_plan, half_params, half_grads)))
+  for t, (a, b) in enumerate(zip(full, half)):
+    np.testing.assert_allclose(b["w"], a["w"], rtol=1e-5, atol=1e-7,
+                               err_msg=f"step {t}")
+
+
 def test_onebit_adamw_dense_phase_is_dense_adamw_with_its_clip(mesh):
   """The dense phase clips the mean gradient, as dense AdamW does (not each
   worker's: on 8 workers that changes the run)."""
