@@ -2,6 +2,7 @@
 across the bucket by the radix select) equal ``sparsify_unit`` on each unit
 alone (off GPU: with ``lax.top_k``), bitwise."""
 
+import dataclasses
 import functools
 
 import jax
@@ -27,7 +28,7 @@ SHAPES = [(60, 100), (40, 25), (60, 100), (30_000,), (6, 500), (30_000,),
 @pytest.mark.parametrize("estimator,method,ties", [
     ("dgc", "radix", False), ("topk", "radix", False),
     ("dgc", "pallas", False), ("topk", "pallas", False),
-    ("topk", "radix", True)])
+    ("topk", "radix", True), ("dgc+gaussian", "radix", False)])
 def test_bucket_equals_each_unit_alone(estimator, method, ties, monkeypatch):
   """With the k-th largests from XLA's radix reductions or from the
   one-kernel radix select (``kernels.radix``, interpreted off GPU).
@@ -38,9 +39,21 @@ def test_bucket_equals_each_unit_alone(estimator, method, ties, monkeypatch):
   monkeypatch.setattr(bucket_pass, "_kth", lambda rows, ranks: (
       radix_select.kth_largest_rows(rows, ranks, method=method)
       if rows else []))
-  plan = list_plan(SHAPES, density=0.01, estimator=estimator,
+  first, *other = estimator.split("+")
+  plan = list_plan(SHAPES, density=0.01, estimator=first,
                    strategy="aligned", num_buckets=1,
                    min_sparse_size=256)
+  if other:   # a hand-made plan: the second leaf of each shape on another
+    # estimator of the same capacity, so that one state group's rows
+    # differ in estimator alone
+    shapes, leaves = set(), []
+    for l in plan.leaves:
+      if l.shape in shapes:
+        l = dataclasses.replace(l, estimator=other[0])
+      shapes.add(l.shape)
+      leaves.append(l)
+    plan = dataclasses.replace(plan, leaves=tuple(leaves))
+    assert len({l.estimator for l in plan.leaves}) == 2
   all_units, bucket_units = plan_lib.units(plan)
   groups = plan_lib.state_groups(plan)
   gids = sorted({g for g, ids in enumerate(groups) for u in ids
