@@ -42,6 +42,7 @@ import numpy as np
 
 from jaxfuse import elastic
 from jaxfuse import grouped
+from jaxfuse import placement
 from jaxfuse import plans as plan_lib
 from jaxfuse import recipes
 from jaxfuse import schedule as schedule_lib
@@ -259,15 +260,10 @@ def _per_unit(tree, plan):
   jaxfuse 0.1 kept them: one (K, n) array per unit (shapes only)."""
   group_of_unit = schedule_lib.compile_plan(plan).group_of_unit
 
-  def rows(sharding):         # the group's sharding, on its leading axis
-    if isinstance(sharding, jax.sharding.NamedSharding):
-      return jax.sharding.NamedSharding(
-          sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
-    return sharding
-
   def unit_like(a):           # a row of a group's (K, G, n) array
-    return jax.ShapeDtypeStruct((a.shape[0],) + tuple(a.shape[2:]), a.dtype,
-                                sharding=rows(getattr(a, "sharding", None)))
+    return jax.ShapeDtypeStruct(
+        (a.shape[0],) + tuple(a.shape[2:]), a.dtype,
+        sharding=placement.on_worker_axis(getattr(a, "sharding", None)))
 
   split = lambda arrays: tuple(unit_like(arrays[g]) for g in group_of_unit)
 

@@ -62,10 +62,9 @@ def layout(plan: plan_lib.Plan,
             for g in b.groups}
   group_ids = tuple(g for g in range(len(sched.groups)) if g in gather)
   groups = tuple(sched.groups[g] for g in group_ids)
-  units = {u: leaves for b in sched.buckets for u, leaves in b.placement}
+  units = sched.unit_placement()
   in_rows = {j for ids in groups for u in ids for j, _ in units[u]}
-  return Layout(group_ids, groups,
-                tuple(units[u] for u in range(len(sched.units))),
+  return Layout(group_ids, groups, units,
                 tuple(j for j in range(len(plan.leaves)) if j not in in_rows),
                 tuple(l.shape for l in plan.leaves),
                 tuple(l.path for l in plan.leaves))

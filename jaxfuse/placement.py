@@ -46,6 +46,15 @@ _LOCAL_WRAPPERS = {
 }
 
 
+def on_worker_axis(sharding):
+  """``sharding`` kept on the leading (worker) axis only, replicated over
+  the rest: for an array cut from a per-worker state array (a group's
+  row, a leaf's slice of it) or stacked into one."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, P(*sharding.spec[:1]))
+  return sharding
+
+
 def _refuse_one_workers_state(opt_state, axis_name) -> None:
   """``SyncError`` for per-worker leaves holding one worker's shape where
   there are several devices: leading axis 1, and either on a mesh whose

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from jaxfuse import clipping
 from jaxfuse import grouped
+from jaxfuse import placement
 from jaxfuse import plans as plan_lib
 from jaxfuse import recipes
 from jaxfuse import schedule as schedule_lib
@@ -93,33 +94,23 @@ class _Move:
     self.old_digest = schedule_lib.layout_digest(old, self.old_sched)
     self.new_digest = schedule_lib.layout_digest(new, self.new_sched)
 
-  @staticmethod
-  def _rows(sched):
-    """Per group: per row, ((leaf id, offset), …)."""
-    where = {u: leaves for b in sched.buckets for u, leaves in b.placement}
-    return [[where[u] for u in ids] for ids in sched.groups]
-
-  def _per_leaf(self, arrays) -> dict[int, jax.Array]:
-    """Each sparse leaf's (K, size) slice of the old groups' (K, G, n)."""
-    out = {}
-    for array, rows in zip(arrays, self._rows(self.old_sched)):
-      for i, placed in enumerate(rows):
-        for j, start in placed:
-          out[j] = array[:, i, start:start + self.old.leaves[j].size]
-    return out
+  def _per_leaf(self, state, velocity: bool) -> dict[int, jax.Array]:
+    """Each sparse leaf's (K, size) slice of its old unit's row."""
+    rows = transform.unit_residuals(self.old, state, velocity=velocity)
+    return {j: rows[u][:, start:start + self.old.leaves[j].size]
+            for u, placed in enumerate(self.old_sched.unit_placement())
+            for j, start in placed}
 
   def _groups(self, per_leaf, like) -> tuple[jax.Array, ...]:
     """The new plan's (K, G, n) groups from per-leaf slices, in the new
     groups' dtypes, sharded as ``like`` (an old group array)."""
-    sharding = getattr(like, "sharding", None)
+    placed_in = self.new_sched.unit_placement()
     out = []
-    for rows, dtype in zip(self._rows(self.new_sched),
-                           self.new_sched.group_dtypes):
-      stacked = jnp.stack([jnp.concatenate([per_leaf[j] for j, _ in placed],
-                                           axis=1) for placed in rows],
-                          axis=1).astype(dtype)
-      out.append(stacked if sharding is None else
-                 jax.device_put(stacked, _leading(sharding)))
+    for ids, dtype in zip(self.new_sched.groups, self.new_sched.group_dtypes):
+      stacked = jnp.stack([jnp.concatenate([per_leaf[j] for j, _ in
+                                            placed_in[u]], axis=1)
+                           for u in ids], axis=1).astype(dtype)
+      out.append(_like(stacked, like))
     return tuple(out)
 
   def sync(self, state: transform.SparseSyncState
@@ -132,10 +123,10 @@ class _Move:
           f"plan than the old one (its {part} differ); relayout each part "
           "of an optax.multi_transform with its own plans.")
     like = state.residuals[0] if state.residuals else None
-    carry = lambda arrays: (self._groups(self._per_leaf(arrays), like)
-                            if arrays else ())
-    return state._replace(residuals=carry(state.residuals),
-                          velocity=carry(state.velocity),
+    carry = lambda velocity: (
+        self._groups(self._per_leaf(state, velocity), like)
+        if (state.velocity if velocity else state.residuals) else ())
+    return state._replace(residuals=carry(False), velocity=carry(True),
                           control=self._control(state.control),
                           layout=self.new_digest)
 
@@ -173,15 +164,8 @@ class _Move:
     return jax.tree.map(lambda x: _like(x, like), out)
 
 
-def _leading(sharding):
-  """``sharding`` on the leading axis only (a group's worker axis)."""
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    return jax.sharding.NamedSharding(
-        sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:1]))
-  return sharding
-
-
 def _like(x: jax.Array, like) -> jax.Array:
   """``x`` placed as ``like`` is laid along its leading axis."""
   sharding = getattr(like, "sharding", None)
-  return x if sharding is None else jax.device_put(x, _leading(sharding))
+  return (x if sharding is None else
+          jax.device_put(x, placement.on_worker_axis(sharding)))

@@ -60,6 +60,11 @@ class Schedule:
     """The units of bucket ``b``, in its ready order."""
     return tuple(self.units[u] for u in b.units)
 
+  def unit_placement(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per unit (``units`` order): ((leaf id, offset in the unit), …)."""
+    where = {u: leaves for b in self.buckets for u, leaves in b.placement}
+    return tuple(where[u] for u in range(len(self.units)))
+
   def bucket_wire_units(self, b: BucketStep) -> tuple[plan_lib.Unit, ...]:
     """The units of bucket ``b`` as its collective carries them (values in
     ``Settings.sparse_wire``), in its ready order."""
