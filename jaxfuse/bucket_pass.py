@@ -16,7 +16,10 @@ reductions instead of a sort per group)::
      ``sparsify.topk_finish``
   5. per batch: controller and checks (``sparsify.unit_result``)
 
-Bitwise the same as ``sparsify.sparsify_unit`` on each unit alone.
+Bitwise the same as ``sparsify.sparsify_unit`` on each unit alone (on GPU
+the controller's float fields, τ and the kept threshold, may differ by an
+ulp: XLA may fuse a batch's arithmetic differently, so only a magnitude
+lying between the two τ would be selected differently).
 """
 
 from __future__ import annotations
