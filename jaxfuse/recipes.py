@@ -156,6 +156,46 @@ def _require_trainable(plan, where: str) -> None:
         "through, with transforms that handle them.")
 
 
+def _kinds(state) -> tuple:
+  """A state's type and its parts' types (a chain's state is a tuple)."""
+  parts = (tuple(type(x).__name__ for x in state)
+           if isinstance(state, tuple) else ())
+  return (type(state).__name__,) + parts
+
+
+def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation
+            ) -> optax.GradientTransformationExtraArgs:
+  """``tx``, whose update first checks that the state has the parts its
+  init makes (types, at the top level; ``sparse_sync`` checks its own
+  state's layout), naming the recipe instead of optax's chain error."""
+  tx = optax.with_extra_args_support(tx)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    treedef = jax.tree.structure(updates)
+    if treedef.num_leaves == len(plan.leaves):
+      like = jax.tree.unflatten(treedef, [
+          jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.leaves])
+      try:
+        want = _kinds(jax.eval_shape(tx.init, like))
+      except plan_lib.PlanError:   # other leaves: sparse_sync names them
+        want = None
+      if want is not None and _kinds(state) != want:
+        raise transform.SyncError(
+            f"{name}: the optimizer state is not one this optimizer made "
+            f"(it is {_show(_kinds(state))}; {name}'s is {_show(want)}: "
+            f"another recipe's, or {name}'s with other settings such as "
+            f"clip_norm). Create it with jaxfuse.init_state({name}(plan, "
+            "...), params, mesh), or restore a checkpoint into a `like` "
+            "made so.")
+    return tx.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+def _show(kinds: tuple) -> str:
+  return kinds[0] + (f"({', '.join(kinds[1:])})" if len(kinds) > 1 else "")
+
+
 def _tail(learning_rate, weight_decay, mask):
   return optax.chain(optax.add_decayed_weights(weight_decay, mask),
                      optax.scale_by_learning_rate(learning_rate))
@@ -188,14 +228,14 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
-  return optax.chain(
+  return _recipe("sgd", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, momentum=momentum,
                             nesterov=nesterov, mask_momentum=mask_momentum,
                             residual_decay=residual_decay),
       optax.masked(optax.trace(momentum, nesterov), dense_mask)
       if momentum and any(dense) else optax.identity(),
-      _tail(learning_rate, weight_decay, mask))
+      _tail(learning_rate, weight_decay, mask)))
 
 
 def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
@@ -208,11 +248,11 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
       "local_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  return optax.chain(
+  return _recipe("local_adamw", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
       transform.sparse_sync(plan, axis_name),
-      _tail(learning_rate, weight_decay, mask))
+      _tail(learning_rate, weight_decay, mask)))
 
 
 def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
@@ -226,11 +266,11 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       "sync_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
   _check_clip(clip_norm)
-  return optax.chain(
+  return _recipe("sync_adamw", plan, optax.chain(
       transform.sparse_sync(plan, axis_name),
       optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(),
       optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay,
-                  mask=mask))
+                  mask=mask)))
 
 
 class OnebitState(NamedTuple):
@@ -278,6 +318,7 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   bucket_clip = _bucket_clip(plan, clip_norm, axis_name)
 
   def init_fn(params):
+    plan.validate(params)   # names the leaves that differ, before grouping
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
                          params)
     return OnebitState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
@@ -329,8 +370,9 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
     new_state = OnebitState(count, nu_count, mu, nu, sync_state, clip_state)
     return cast(step, updates), new_state
 
-  return optax.chain(optax.GradientTransformationExtraArgs(init_fn, update_fn),
-                     _tail(learning_rate, weight_decay, mask))
+  return _recipe("onebit_adamw", plan, optax.chain(
+      optax.GradientTransformationExtraArgs(init_fn, update_fn),
+      _tail(learning_rate, weight_decay, mask)))
 
 
 def second_moment(state: Any, b2: float = 0.999) -> list:
@@ -414,14 +456,14 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   learning_rate, momentum, weight_decay, clip_norm = _numbers(
       "demo", learning_rate=learning_rate, momentum=momentum,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  return optax.chain(
+  return _recipe("demo", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, residual_decay=momentum),
       optax.GradientTransformation(
           lambda _: optax.EmptyState(),
           lambda u, s, p=None: (jax.tree.map(jnp.sign, u), s))
       if sign else optax.identity(),
-      _tail(learning_rate, weight_decay, mask))
+      _tail(learning_rate, weight_decay, mask)))
 
 
 def _check_betas(**betas):

@@ -139,13 +139,25 @@ def layout_difference(a: plan_lib.Plan, b: plan_lib.Plan) -> str | None:
   return None
 
 
+class LayoutDigest(tuple):
+  """A plan's ``layout_digest``: a tuple of hashes (equal to the plain
+  tuple of them) whose repr names the parts, so a JAX pytree error about
+  a state's structure says that a plan's layout differs."""
+  __slots__ = ()
+
+  def __repr__(self):
+    return "jaxfuse plan layout(" + ", ".join(
+        f"{name}={h}" for name, h in zip(LAYOUT_PARTS, self)) + ")"
+
+
 def layout_digest(plan: plan_lib.Plan,
-                  sched: Schedule | None = None) -> tuple[str, ...]:
+                  sched: Schedule | None = None) -> LayoutDigest:
   """One short hash per part of ``layout`` (``LAYOUT_PARTS``): equal
   digests, equal layouts under ``==`` (2 and 2.0, a numpy scalar and its
   Python number alike; up to a 64-bit hash collision)."""
-  return tuple(hashlib.sha256(repr(_plain(part)).encode()).hexdigest()[:16]
-               for part in layout(plan, sched))
+  return LayoutDigest(
+      hashlib.sha256(repr(_plain(part)).encode()).hexdigest()[:16]
+      for part in layout(plan, sched))
 
 
 def _plain(x):

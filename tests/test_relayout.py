@@ -174,6 +174,29 @@ def test_resuming_a_checkpoint_with_a_new_plan(tmp_path, mesh):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_the_old_specs_name_the_plan_layout(mesh):
+  # After relayout the old state's specs carry the old layout: shard_map's
+  # structure error must say that a jaxfuse plan layout differs (not only
+  # hashes), and the new state's specs step it.
+  old, behind, _ = _plans()
+  state = _trained(old, mesh, 0.0)
+  moved = jaxfuse.relayout(state, old, behind)
+  tx = jaxfuse.sparse_sync(behind)
+  stale = jax.jit(sharded_update(tx, mesh, jaxfuse.state_specs(state)))
+  with pytest.raises(ValueError, match=r"jaxfuse plan layout\(leaves="):
+    stale(shard(mesh, _grads(4)), moved)
+  _, after = _step(tx, mesh, moved)(shard(mesh, _grads(4)), moved)
+  assert int(np.asarray(after.step)[0]) == 4
+  # the digest is its plain tuple of hashes to ==, hash and a restored
+  # state's structure (a serializer gives back a plain tuple)
+  plain = tuple(moved.layout)
+  assert type(plain) is tuple and moved.layout == plain
+  assert hash(moved.layout) == hash(plain)
+  assert (jax.tree.structure(moved._replace(layout=plain))
+          == jax.tree.structure(moved))
+  assert repr(moved.layout).startswith("jaxfuse plan layout(leaves=")
+
+
 def _per_leaf(plan, state, velocity):
   """Each sparse leaf's (K, size) rows, read through unit_residuals."""
   out = {}

@@ -265,6 +265,50 @@ def test_init_state_names_what_it_was_given(plan):
     jaxfuse.init_state(jaxfuse.sgd(plan, 0.1), PARAMS, None)
 
 
+@pytest.mark.parametrize("recipe", sorted(jaxfuse.RECIPES))
+def test_every_recipe_names_the_leaves_that_differ_from_its_plan(plan,
+                                                                 recipe):
+  # A renamed leaf of the same shape (which onebit_adamw's grouping read
+  # as another leaf of the wrong shape) and an extra leaf.
+  opt = jaxfuse.RECIPES[recipe](plan, 1e-3)
+  for params, only in [({"W": PARAMS["w"], "b": PARAMS["b"]},
+                        r"in the plan only \[\"\['w'\]\"\], in the "
+                        r"parameters only \[\"\['W'\]\"\]"),
+                       (dict(PARAMS, c=jnp.ones(3)),
+                        r"in the plan only \[\], in the parameters only "
+                        r"\[\"\['c'\]\"\]")]:
+    with pytest.raises(jaxfuse.PlanError, match="plan and parameters have "
+                       "different leaves: " + only):
+      jaxfuse.init_state(opt, params, mesh_of(1))
+
+
+@pytest.mark.parametrize("made,used", [
+    ("onebit_adamw", "sgd"), ("sgd", "onebit_adamw"),
+    ("sync_adamw", "local_adamw"), ("sgd", "sgd+clip")])
+def test_a_state_of_another_recipe_is_named(plan, made, used):
+  # optax's chain would say only "The number of updates and states has to
+  # be the same in chain!" (or nothing, where the lengths agree).
+  mesh = mesh_of(1)
+  make = lambda name: (jaxfuse.sgd(plan, 0.1, clip_norm=1.0)
+                       if name == "sgd+clip"
+                       else jaxfuse.RECIPES[name](plan, 1e-3))
+  state = jaxfuse.init_state(make(made), PARAMS, mesh)
+  name = used.split("+")[0]
+  step = jax.jit(sharded_update(make(used), mesh,
+                                jaxfuse.state_specs(state), with_params=True))
+  grads = {k: jnp.ones((1,) + v.shape) for k, v in PARAMS.items()}
+  with pytest.raises(jaxfuse.SyncError, match=(
+      f"^{name}: the optimizer state is not one this optimizer made \\(it "
+      r"is tuple\((\w+, )*\w+\); " + name + r"'s is tuple\(.*init_state\("
+      + name)):
+    step(shard(mesh, grads), state, PARAMS)
+  same = jaxfuse.init_state(make(used), PARAMS, mesh)
+  _, after = jax.jit(sharded_update(
+      make(used), mesh, jaxfuse.state_specs(same), with_params=True))(
+          shard(mesh, grads), same, PARAMS)
+  assert jax.tree.structure(after) == jax.tree.structure(same)
+
+
 def test_summarize_and_unit_residuals_check_the_plan(plan):
   mesh = mesh_of(1)
   state = jaxfuse.init_state(jaxfuse.sparse_sync(plan), PARAMS, mesh)
