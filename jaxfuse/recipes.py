@@ -225,6 +225,8 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       "sgd", learning_rate=learning_rate, momentum=momentum,
       clip_norm=clip_norm, weight_decay=weight_decay,
       residual_decay=residual_decay)
+  _check_betas("sgd", momentum=momentum)
+  _check_betas("sgd", upper_closed=True, residual_decay=residual_decay)
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
@@ -248,6 +250,7 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
       "local_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
+  _check_betas("local_adamw", b1=b1, b2=b2)
   return _recipe("local_adamw", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
@@ -265,6 +268,7 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
       "sync_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
+  _check_betas("sync_adamw", b1=b1, b2=b2)
   _check_clip(clip_norm)
   return _recipe("sync_adamw", plan, optax.chain(
       transform.sparse_sync(plan, axis_name),
@@ -306,7 +310,7 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
       "onebit_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  _check_betas(b1=b1, b2=b2)
+  _check_betas("onebit_adamw", b1=b1, b2=b2)
   _check_clip(clip_norm)
   sched = schedule_lib.compile_plan(plan)
   dense_phase = all(b.kind != schedule_lib.SPARSE for b in sched.buckets)
@@ -381,7 +385,7 @@ def second_moment(state: Any, b2: float = 0.999) -> list:
   anywhere inside an optimizer state. ν is replicated (the dense phase
   updates it from the synced gradient), so every worker and host reads the
   same values. Raises ``SyncError`` when ``state`` holds no such state."""
-  _check_betas(b2=b2)
+  _check_betas("second_moment", b2=b2)
   one = _onebit_state(state, "second_moment")
   count = int(jax.device_get(one.nu_count))
   scale = 1.0 / (1.0 - b2 ** max(count, 1))
@@ -456,6 +460,7 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   learning_rate, momentum, weight_decay, clip_norm = _numbers(
       "demo", learning_rate=learning_rate, momentum=momentum,
       weight_decay=weight_decay, clip_norm=clip_norm)
+  _check_betas("demo", upper_closed=True, momentum=momentum)
   return _recipe("demo", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, residual_decay=momentum),
@@ -466,10 +471,18 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       _tail(learning_rate, weight_decay, mask)))
 
 
-def _check_betas(**betas):
+def _check_betas(where: str, upper_closed: bool = False, **betas):
+  """Each of ``betas`` in [0, 1) (``upper_closed``: (0, 1]); a traced
+  one (``optax.inject_hyperparams``) is not checked."""
   for name, value in betas.items():
-    if not (plan_lib.is_real(value) and 0 <= value < 1):
-      raise transform.SyncError(f"{name}={value!r} must be in [0, 1).")
+    if _compat.is_tracer(value) or isinstance(value, (np.ndarray, jax.Array)):
+      continue
+    ok = plan_lib.is_real(value) and (0 < value <= 1 if upper_closed
+                                      else 0 <= value < 1)
+    if not ok:
+      raise transform.SyncError(
+          f"{where}: {name}={value!r} must be in "
+          f"{'(0, 1]' if upper_closed else '[0, 1)'}.")
 
 
 RECIPES = {

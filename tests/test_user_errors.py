@@ -5,6 +5,7 @@ TypeError, an XLA trace or a silently wrong result."""
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -534,6 +535,23 @@ def test_a_leaf_that_is_no_parameter_is_named(tree, message):
 def test_recipe_numbers_are_numbers(plan, recipe, kwargs, message):
   with pytest.raises(jaxfuse.SyncError, match=f"{recipe}: {message}"):
     jaxfuse.RECIPES[recipe](plan, **kwargs)
+
+
+@pytest.mark.parametrize("recipe,kwargs,interval", [
+    ("sgd", dict(momentum=1.0), "[0, 1)"),
+    ("sgd", dict(momentum=-0.1), "[0, 1)"),
+    ("sgd", dict(residual_decay=0.0), "(0, 1]"),
+    ("demo", dict(momentum=1.5), "(0, 1]"),   # its residual decay
+    ("onebit_adamw", dict(b1=1.0), "[0, 1)"),
+    ("local_adamw", dict(b1=1.0), "[0, 1)"),   # m would stay 0: 0/0
+    ("sync_adamw", dict(b2=1.5), "[0, 1)"),    # √ of a negative v
+])
+def test_recipe_rates_outside_their_range_name_the_recipe(plan, recipe,
+                                                          kwargs, interval):
+  (name, value), = kwargs.items()
+  with pytest.raises(jaxfuse.SyncError, match=(
+      f"^{recipe}: {name}={value!r} must be in {re.escape(interval)}")):
+    jaxfuse.RECIPES[recipe](plan, 0.1, **kwargs)
 
 
 def test_wrappers_and_agreement_name_what_they_were_given(plan):
