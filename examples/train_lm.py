@@ -112,6 +112,7 @@ from train_lm_args import plan_options
 from train_lm_args import resolve_warmup_steps
 from train_lm_args import trace_dir
 from train_lm_args import trace_steps
+from train_lm_args import warmup_line
 from train_lm_args import warmup_phases
 from train_lm_record import log_line
 from train_lm_record import RunRecord
@@ -267,10 +268,7 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
                               if d > final] if args.warmup_steps else [])
   phases = warmup_phases(args, plan, args.dense_warmup, k)
   if len(phases) > 1:
-    say("warm-up: " + ", ".join(
-        f"steps {p.start}-{p.stop or steps} density "
-        f"{p.plan.provenance.get('phase_density', args.density):g}"
-        for p in phases))
+    say(warmup_line(args, phases, steps, k))
   opt_state = jaxfuse.init_state(make_opt(phases[0].plan),
                                  _cast(params, grad_dtype), mesh, AXIS)
   return SyncSetup(plan, phases, opt_state,

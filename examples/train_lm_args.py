@@ -462,6 +462,23 @@ def warmup_phases(args, plan, dense_steps: int, k: int) -> tuple:
       dense_steps=dense_steps, dense_wire=args.dense_wire, num_workers=k)
 
 
+def warmup_line(args, phases, steps: int, k: int) -> str:
+  """'warm-up: steps 0-30 density 1, ...', naming a warm-up density that
+  runs dense on K workers (``density_warmup``'s ``num_workers``)."""
+  ran = [p.plan.provenance.get("phase_density", args.density)
+         for p in phases]
+  line = "warm-up: " + ", ".join(f"steps {p.start}-{p.stop or steps} "
+                                 f"density {d:g}" for p, d in zip(phases, ran))
+  asked = args.warmup_densities
+  dense = ([] if asked == "dgc" or not args.warmup_steps else
+           [d for d in asked if not any(abs(d - r) < 1e-12 for r in ran)])
+  if dense:
+    line += (f" (density {', '.join(f'{d:g}' for d in dense)} runs dense "
+             f"on {k} workers: its all-gather would receive at least a "
+             "dense step's bytes)")
+  return line
+
+
 def trace_steps(args, start: int, steps: int) -> range:
   """The steps ``--trace-dir`` records: ``--trace-steps A:B`` (A to B-1),
   by default the last five; empty without ``--trace-dir``."""

@@ -1,9 +1,16 @@
 """jaxfuse: sparsify-ahead, fused gradient synchronization for JAX (Optax).
 
+  mesh = jaxfuse.make_mesh()                       # axis "data"
   plan = jaxfuse.plan(params, density=0.05)
+  state = jaxfuse.init_state(jaxfuse.onebit_adamw(plan, 3e-4), params, mesh)
+  specs = jaxfuse.state_specs(state)               # P("data") per worker
   for phase in jaxfuse.density_warmup(plan, dense_steps=250, steps=50):
     opt = jaxfuse.onebit_adamw(phase.plan, 3e-4)   # or jaxfuse.sgd(plan, 0.1)
-    step = jax.jit(train_step(opt), compiler_options=jaxfuse.xla_options())
+    # local(params, state, batch): grads of jaxfuse.local_params(params),
+    # then opt.update (the README's Quickstart)
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), specs,
+                   P("data")), out_specs=(P(), specs, P())),
+                   compiler_options=jaxfuse.xla_options())
     ...                                  # steps phase.start .. phase.stop
 """
 

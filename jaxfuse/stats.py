@@ -31,8 +31,10 @@ class SyncStats(NamedTuple):
   missing: the leaf had a non-zero gradient and sent nothing (SAFusion's
     tensor missing).
   nonfinite: the leaf's gradient had a NaN or Inf (its residual was kept).
-  wire_bytes: bytes this worker sent on the wire this step (its buckets'
-    schemes on K workers: ``collectives.bucket_wire``).
+  wire_bytes: bytes this worker sent on the network this step (its
+    buckets' schemes on K workers, ``collectives.bucket_wire``: an
+    all-gather of a P-byte payload sends (K − 1)·P), one per worker; not
+    the payload (``plan.bytes_per_worker()``).
   """
   selected: jax.Array
   candidates: jax.Array

@@ -3,7 +3,7 @@
 # under jax.distributed on localhost, each with 8/N simulated CPU devices
 # (the same 8 workers as the one-process demo; gloo carries the collectives).
 #   bash scripts/launch_local.sh N [train_lm.py arguments...]
-# e.g.  bash scripts/launch_local.sh 2 --steps 50
+# e.g.  bash scripts/launch_local.sh 2 --steps 200
 # Process 0 prints; every process's log is in $LOGDIR (default a temp dir).
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 n="${1:?usage: launch_local.sh N [train_lm.py arguments...]}"; shift

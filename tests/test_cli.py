@@ -378,6 +378,16 @@ def test_help_and_sizes(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert f"usage: jaxfuse {command}" in out and "--output" in out
+    if command == "plan":   # jaxfuse.plan's defaults, as docs/cli.md gives
+      flat = " ".join(out.split())
+      for option, default in [("--density", "0.01"), ("--estimator", "dgc"),
+                              ("--num-buckets", "4"),
+                              ("--bucket-bytes", "25M"),
+                              ("--headroom", "1.5"),
+                              ("--min-sparse-size", "1024"),
+                              ("--collective", "allgather")]:
+        help_text = flat.split(f" {option} ", 2)[-1].split(" --", 1)[0]
+        assert f"(default: {default})" in help_text, (option, help_text)
   assert [cli.parse_size(s) for s in ("4096", "64K", "1M", "2MiB")] == [
       4096, 65536, 2**20, 2**21]
 

@@ -334,7 +334,7 @@ def test_bad_costs():
   sizes, order = [5000, 10, 3000], [2, 1, 0]
   with pytest.raises(jaxfuse.PlanError,
                      match=r"costs.backward has 2 times but params has 3 "
-                     "leaves.*jaxfuse profile"):
+                     "leaves.*jaxfuse profile --model MODULE:FUNCTION"):
     make(sizes, order, make_costs([1.0, 1.0]), "cupcake")
   with pytest.raises(jaxfuse.PlanError, match="costs.backward has 4"):
     make(sizes, order, make_costs([1.0] * 4), "layerwise")

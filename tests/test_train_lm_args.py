@@ -200,6 +200,27 @@ def test_the_log_names_what_a_worker_sends_against_a_dense_all_reduce(
   assert train_lm.sent_line(plan, 1, 52_000) == ""   # one worker sends none
 
 
+def test_the_warmup_line_names_a_density_that_runs_dense(example):
+  """At ρ = 6.25 % with 1.5 slots per element sent, an all-gather
+  receives 0.0625·1.5·8 B·(K − 1) per element: 5.25 B on 8 workers, more
+  than a bfloat16 ring all-reduce's 2·(7/8)·2 B = 3.5 (that phase runs
+  dense), 0.75 B on 2 workers, less than 2 B (it stays)."""
+  train_lm, args_lib = example
+  args = args_lib.parse_args(["--density", "0.05", "--dense-warmup", "20",
+                              "--warmup-steps", "10", "--warmup-densities",
+                              "0.0625", "--dense-wire", "bfloat16"])
+  plan = train_lm.jaxfuse.plan({"w": np.zeros((100, 100), np.float32)},
+                               density=0.05, estimator="topk")
+  line = lambda k: args_lib.warmup_line(
+      args, args_lib.warmup_phases(args, plan, 20, k), 100, k)
+  assert line(8) == ("warm-up: steps 0-30 density 1, steps 30-100 density "
+                     "0.05 (density 0.0625 runs dense on 8 workers: its "
+                     "all-gather would receive at least a dense step's "
+                     "bytes)")
+  assert line(2) == ("warm-up: steps 0-20 density 1, steps 20-30 density "
+                     "0.0625, steps 30-100 density 0.05")
+
+
 @pytest.mark.parametrize("density", [0.05, 0.1])
 def test_the_defaults_are_the_readme_recipe(example, density):
   """examples/train_lm.py with no plan or warm-up flags trains the README

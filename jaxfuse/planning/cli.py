@@ -202,6 +202,15 @@ def cmd_plan(args) -> int:
 
 # --- the parser ---------------------------------------------------------------
 
+def _plan_default(name: str) -> str:
+  """' (default: X)' for ``jaxfuse.plan``'s argument ``name``."""
+  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
+  value = inspect.signature(planner.plan).parameters[name].default
+  if name.endswith("bytes"):
+    value = f"{value // 2**20}M"
+  return f" (default: {value})"
+
+
 def build_parser() -> argparse.ArgumentParser:
   from jaxfuse.version import __version__  # pylint: disable=g-import-not-at-top
   fmt = argparse.RawDescriptionHelpFormatter
@@ -226,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="measure the cost model on the current devices",
       description=(
           "Measure the cost model on the current devices and save it as "
-          "JSON: collective times α + β·bytes (all_gather, psum) over the "
+          "JSON: collective times α + β·bytes (all_gather, psum, all_to_all, "
+          "ppermute) over the "
           "mesh's data axis, compression time α + β·elements, the "
           "contention γ of two simultaneous collectives, and the overlap η "
           "XLA achieves between backward compute and communication. With "
@@ -292,27 +302,34 @@ def build_parser() -> argparse.ArgumentParser:
                   "the ideal schedule would hide that your step hides, e.g. "
                   "under send_early (`jaxfuse show --measured TRACE`)")
   pl.add_argument("--density", type=unit_float,
-                  help="share of each sparse leaf sent per step, in (0, 1]")
+                  help="share of each sparse leaf sent per step, in (0, 1]"
+                  + _plan_default("density"))
   pl.add_argument("--strategy", help="how to cut the leaves into buckets: "
-                  + ", ".join(_strategies()))
+                  + ", ".join(_strategies()) + " (default: auto with "
+                  "--costs, else aligned; single for --workers 1)")
   pl.add_argument("--estimator", help="threshold estimator: topk, dgc, "
-                  "gaussian, redsync, sidco")
+                  "gaussian, redsync, sidco" + _plan_default("estimator"))
   pl.add_argument("--num-buckets", type=positive_int,
-                  help="buckets of the aligned strategy")
+                  help="buckets of the aligned strategy"
+                  + _plan_default("num_buckets"))
   pl.add_argument("--bucket-bytes", type=parse_size,
-                  help="dense bytes per bucket of the size strategy, e.g. 25M")
+                  help="dense bytes per bucket of the size strategy, e.g. "
+                  "25M" + _plan_default("bucket_bytes"))
   pl.add_argument("--last-bucket-bytes", type=parse_size,
                   help="cut a rule strategy's last group so that its final "
                   "part holds at most this many bytes, e.g. 16M (under "
                   "send_early on a slow network, what the step waits for "
                   "at its end)")
   pl.add_argument("--headroom", type=float,
-                  help="capacity over target count, >= 1")
+                  help="capacity over target count, >= 1"
+                  + _plan_default("headroom"))
   pl.add_argument("--min-sparse-size", type=positive_int,
-                  help="leaves with fewer elements go dense")
+                  help="leaves with fewer elements go dense"
+                  + _plan_default("min_sparse_size"))
   pl.add_argument("--collective",
-                  help="sparse buckets' scheme: allgather, zen, spardl, hier "
-                  "(with --costs, auto picks one per bucket)")
+                  help="sparse buckets' scheme: allgather, zen, spardl, hier"
+                  + _plan_default("collective")
+                  + "; with --costs, auto picks one per bucket")
   pl.add_argument("--sparse-wire", choices=plan_lib.SPARSE_WIRES,
                   help="the sparse values' wire dtype: bfloat16 sends float32 "
                   "slots in 6 bytes instead of 8 (default: the gradient's)")

@@ -301,7 +301,8 @@ class Costs:
     if len(self.backward) != num_leaves:
       raise CostsError(f"costs.backward has {len(self.backward)} times but "
                        f"{holder} has {num_leaves} leaves; measure the costs "
-                       "for this model (`jaxfuse profile`).")
+                       "for this model (`jaxfuse profile --model "
+                       "MODULE:FUNCTION`).")
 
   # --- JSON -------------------------------------------------------------------
   def to_json(self) -> str:
