@@ -129,7 +129,8 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     A transform whose ``update`` must run inside ``jax.shard_map`` over
     ``axis_name`` on per-worker gradients (differentiate with respect to
     ``jaxfuse.local_params(params)``); the updates it returns are the worker
-    mean ``(1/K)·Σ_k sent_k``, the same on every worker.
+    mean ``(1/K)·Σ_k sent_k``, the same on every worker: a gradient,
+    not an update (chain an optimizer after it, or use a recipe).
     ``update(updates, state, params, blend=(m, β))`` syncs the stream
     x = β·m + (1 − β)·updates instead (1-bit Adam's local momentum; m a
     tree like the updates, or a ``jaxfuse.grouped.Grouped`` of
