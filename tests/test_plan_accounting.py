@@ -1,0 +1,124 @@
+"""``jaxfuse.plans``' bookkeeping: the state groups' key (size and dtype),
+a "behind" unit's dtype, capacities, and the wire bytes of packed indices
+and density-1 buckets. Every expected value is worked by hand."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxfuse
+from jaxfuse import plans as plan_lib
+from jaxfuse import schedule
+
+from _harness import NUM_WORKERS as K
+from _harness import init, sync
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_units_of_one_size_but_two_dtypes_get_a_state_group_each():
+  # a (bfloat16) and b (float32), both 4096 elements, in one sparse bucket.
+  # Ready order is reverse pytree order: unit 0 is b, unit 1 is a. A state
+  # group is one (G, n) array of one dtype, so they cannot share one.
+  params = {"a": _sds((64, 64), jnp.bfloat16), "b": _sds((64, 64), jnp.float32)}
+  plan = jaxfuse.plan(params, density=0.05, strategy="single",
+                      min_sparse_size=64, residual_dtype="gradient")
+  assert len(plan.buckets) == 1
+  assert plan_lib.state_groups(plan) == ((0,), (1,))
+  sched = schedule.compile_plan(plan)
+  assert sched.group_dtypes == ("float32", "bfloat16")
+  state = jax.eval_shape(jaxfuse.sparse_sync(plan).init, params)
+  assert [(r.shape, str(r.dtype)) for r in state.residuals] == [
+      ((1, 1, 4096), "float32"), ((1, 1, 4096), "bfloat16")]
+
+
+def test_a_behind_bucket_of_mixed_dtypes_goes_on_the_wire_promoted():
+  # "behind" over a (bfloat16, 4096) then b (float32, 1024): one unit of
+  # 5120 elements whose values are float32 (bfloat16 and float32 promote to
+  # float32), capacity ⌈0.05·5120·1.5⌉ = 384: 384 float32 values and 384
+  # int32 indices, 8 bytes a slot.
+  params = {"a": _sds((64, 64), jnp.bfloat16), "b": _sds((32, 32), jnp.float32)}
+  plan = jaxfuse.plan(params, density=0.05, strategy="behind",
+                      min_sparse_size=64, ready_order=[0, 1])
+  (bucket,) = plan.buckets
+  assert bucket.leaves == (0, 1) and bucket.capacity == 384
+  (unit,), _ = plan_lib.units(plan)
+  assert unit.dtype == "float32"
+  assert plan.bytes_per_worker() == 384 * 8
+
+
+def test_packed_index_bits_hold_the_empty_slot():
+  # An index of a unit of n elements is in [0, n], n itself the empty slot:
+  # n = 4096 needs 13 bits (4096 = 2**12 does not fit in 12), n = 4095 12.
+  assert plan_lib.index_bits(4096) == 13
+  assert plan_lib.index_bits(4095) == 12
+  assert plan_lib.index_bits(1) == 1
+  # 4096 elements at density 0.01, "topk": c = ⌈40.96⌉ = 41 slots; packed
+  # indices take ⌈41·13/32⌉ = 17 words, the values 41 words: 232 bytes.
+  plan = jaxfuse.plan([_sds((4096,), jnp.float32)], density=0.01,
+                      estimator="topk", min_sparse_size=64,
+                      packed_indices=True)
+  assert plan.leaves[0].capacity == 41
+  assert plan.bytes_per_worker() == 4 * (41 + 17)
+
+
+def test_hier_over_allgather_packs_indices_too():
+  # Settings.packed_indices covers "allgather" and "hier" over an
+  # all-gather (hier_inner="allgather"), not "hier" over ZEN.
+  params = [_sds((4096,), jnp.float32)]
+  packed = jaxfuse.plan(params, density=0.01, estimator="topk",
+                        min_sparse_size=64, packed_indices=True,
+                        collective="hier")
+  assert packed.bytes_per_worker() == 4 * (41 + 17)
+  over_zen = jaxfuse.plan(params, density=0.01, estimator="topk",
+                          min_sparse_size=64, packed_indices=True,
+                          collective="hier", hier_inner="zen")
+  assert over_zen.bytes_per_worker() == 4 * (41 + 41)
+
+
+def test_a_density_one_bucket_counts_its_full_wire_dtype():
+  # A dense warm-up phase (density 1) of a float32 leaf of 4096 elements
+  # with full_wire="bfloat16" sends 2 bytes an element, not 4.
+  plan = jaxfuse.plan([_sds((4096,), jnp.float32)], density=0.05,
+                      min_sparse_size=64)
+  dense = jaxfuse.with_density(plan, 1.0)
+  assert dense.bytes_per_worker() == 4096 * 4
+  half = dataclasses.replace(
+      dense, settings=dataclasses.replace(dense.settings,
+                                          full_wire="bfloat16"))
+  assert half.bytes_per_worker() == 4096 * 2
+
+
+def test_topk_capacity_is_the_target_count_without_headroom():
+  # "topk" selects exactly k = ⌈ρ·n⌉: 10000 elements at 0.01 -> 100 slots
+  # (the sampled estimators: ⌈0.01·10000·1.5⌉ = 150).
+  params = [_sds((10000,), jnp.float32)]
+  assert jaxfuse.plan(params, estimator="topk").leaves[0].capacity == 100
+  assert jaxfuse.plan(params, estimator="dgc").leaves[0].capacity == 150
+
+
+def test_a_bfloat16_wire_never_rounds_a_float16_gradient(mesh):
+  # Settings.full_wire / sparse_wire = "bfloat16" take the narrower of the
+  # gradient's dtype and bfloat16; float16 is no wider, so a float16
+  # gradient keeps its own dtype (bfloat16 has 3 fewer mantissa bits).
+  unit = plan_lib.Unit((0,), 4096, 41, 0.01, "topk", "float16")
+  wide = dataclasses.replace(plan_lib.Settings(), full_wire="bfloat16",
+                             sparse_wire="bfloat16")
+  assert plan_lib.full_wire_dtype(unit, wide) == "float16"
+  assert plan_lib.wire_unit(unit, wide).dtype == "float16"
+  # A dense warm-up phase of a float16 leaf, every worker sending
+  # 1 + 2**-10 (exact in float16; bfloat16 rounds it to 1): the mean is
+  # 1 + 2**-10.
+  plan = jaxfuse.with_density(jaxfuse.plan(
+      [_sds((4096,), jnp.float16)], density=0.05, min_sparse_size=64), 1.0)
+  plan = dataclasses.replace(plan, settings=dataclasses.replace(
+      plan.settings, full_wire="bfloat16"))
+  value = np.float16(1 + 2**-10)
+  grads = [np.full((K, 4096), value, np.float16)]
+  synced, _ = sync(plan, mesh, grads, init(plan, mesh), fast_compile=True)
+  np.testing.assert_array_equal(np.asarray(synced[0]),
+                                np.full((4096,), value, np.float16))
