@@ -297,3 +297,47 @@ def test_a_leafwise_onebit_moment_is_regrouped(tmp_path, mesh):
   with pytest.raises(checkpoint.CheckpointError, match="saved without a "
                      "plan, which regrouping it needs"):
     checkpoint.restore(bare, jaxfuse.init_state(opt, params, mesh), None)
+
+
+def _state(value):
+  return {"w": jnp.full((4,), value, jnp.float32)}
+
+
+def test_step_zero_is_saved_and_a_negative_step_is_not(tmp_path):
+  mngr = checkpoint.manager(tmp_path)
+  checkpoint.save(mngr, 0, _state(1.0), None)
+  mngr.wait_until_finished()
+  step, back = checkpoint.restore(mngr, _state(0.0), None)
+  assert step == 0
+  np.testing.assert_array_equal(np.asarray(back["w"]), np.ones(4))
+  with pytest.raises(checkpoint.CheckpointError, match="step=-1 must be"):
+    checkpoint.save(mngr, -1, _state(1.0), None)
+
+
+@pytest.mark.parametrize("key", [checkpoint.WORKERS, checkpoint.LAYOUT])
+def test_both_of_jaxfuses_keys_are_reserved_in_extra(tmp_path, key):
+  mngr = checkpoint.manager(tmp_path)
+  with pytest.raises(checkpoint.CheckpointError, match="is jaxfuse's own"):
+    checkpoint.save(mngr, 1, _state(1.0), None, extra={key: 3})
+  assert mngr.all_steps() == []
+
+
+def test_the_latest_step_is_the_highest_whatever_the_order_saved(tmp_path):
+  mngr = checkpoint.manager(tmp_path, max_to_keep=None)
+  for step in (5, 7, 6):
+    checkpoint.save(mngr, step, _state(float(step)), None,
+                    extra={"at": step})
+  mngr.wait_until_finished()
+  step, back = checkpoint.restore(mngr, _state(0.0), None)
+  assert step == 7
+  np.testing.assert_array_equal(np.asarray(back["w"]), np.full(4, 7.0))
+  assert checkpoint.saved_extra(mngr) == {"at": 7}
+  assert checkpoint.saved_extra(mngr, 5) == {"at": 5}
+
+
+def test_a_manager_keeps_the_last_three_steps_by_default(tmp_path):
+  mngr = checkpoint.manager(tmp_path)
+  for step in range(1, 6):
+    checkpoint.save(mngr, step, _state(float(step)), None)
+  mngr.wait_until_finished()
+  assert sorted(mngr.all_steps()) == [3, 4, 5]

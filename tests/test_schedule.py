@@ -4,11 +4,15 @@ in the plan's order; warm-up phases compile to the same layout."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxfuse
 from jaxfuse import plans as plan_lib
 from jaxfuse import schedule
+
+from _harness import NUM_WORKERS as K
+from _harness import init, sync
 
 SHAPES = {"a": (30, 20), "b": (20,), "c": (64, 8), "d": (5,), "e": (48, 48)}
 
@@ -110,3 +114,48 @@ def test_the_schedule_of_a_hand_worked_plan(strategy):
   assert [b.kind for b in sched.buckets] == [schedule.SPARSE] * (
       len(sched.buckets) - 1) + [schedule.PSUM]
   assert sched.buckets[-1].leaves == (3, 1)
+
+
+# --- a bucket is one pmean only when every unit has density 1 -----------------
+
+def _mixed_plan():
+  # One all-gather bucket of two 4096-element "topk" units: a at density 1
+  # (all 4096 slots), b at 0.05 (⌈0.05·4096⌉ = 205 slots), e.g. a plan
+  # file edited by hand.
+  leaf = lambda path, density, capacity: plan_lib.LeafPlan(
+      path, (4096,), "float32", "sparse", density, capacity, "topk")
+  return plan_lib.Plan((leaf("[0]", 1.0, 4096), leaf("[1]", 0.05, 205)),
+                       (plan_lib.BucketPlan((0, 1), "allgather"),))
+
+
+def test_a_bucket_with_one_sparse_unit_is_not_full():
+  plan = _mixed_plan()
+  (step,) = schedule.compile_plan(plan).buckets
+  assert step.kind == schedule.SPARSE
+  full = jaxfuse.with_density(plan, 1.0)
+  assert schedule.compile_plan(full).buckets[0].kind == schedule.FULL
+
+
+def test_the_sparse_unit_of_such_a_bucket_sends_at_most_its_slots(mesh):
+  # Every worker sends the same gradients: a's mean is a itself; b, at
+  # "topk" capacity 205, sends its 205 largest magnitudes (all distinct:
+  # 1 … 4096 scaled), so 205 entries of the mean are non-zero and equal
+  # b's, the rest stays in the residual.
+  plan = _mixed_plan()
+  a = (np.arange(4096, dtype=np.float32) - 2048) / 1024   # sums exact
+  b = np.arange(1, 4097, dtype=np.float32) / 4096
+  grads = [np.broadcast_to(a, (K, 4096)), np.broadcast_to(b, (K, 4096))]
+  synced, _ = sync(plan, mesh, grads, init(plan, mesh), fast_compile=True)
+  np.testing.assert_array_equal(np.asarray(synced[0]), a)
+  out = np.asarray(synced[1])
+  assert np.count_nonzero(out) == 205
+  np.testing.assert_array_equal(out[-205:], b[-205:])
+
+
+def test_a_leaf_of_another_name_is_named_in_the_difference():
+  # Same shapes, dtypes and modes, other paths: the message names both.
+  a = jaxfuse.plan({"a": jax.ShapeDtypeStruct((64,), jnp.float32)})
+  b = jaxfuse.plan({"b": jax.ShapeDtypeStruct((64,), jnp.float32)})
+  assert schedule.layout_difference(a, b) == (
+      "leaves (['a']: float32 [64] dense, against ['b']: float32 [64] dense)")
+  assert schedule.layout_difference(a, a) is None

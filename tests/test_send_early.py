@@ -557,3 +557,23 @@ def test_property_identity_and_order(layers, bucket_bytes, density, seed):
       lambda u, v: bool(jnp.array_equal(u, v)), a, b)))
   shapes = {int(k[1:]): tuple(v.shape) for k, v in args[0].items()}
   _check_order(plan, _body(wrap(early), args), shapes, window=2)
+
+
+def test_a_quarter_of_the_typical_gap_opens_a_point():
+  # Fences at work 10, 20 and 20 + x: gaps 10, 10, x; the work-weighted
+  # median gap is 10, so a point opens once 2.5 of work lie since the last
+  # one opened: x = 3 opens a third point, x = 2 joins the second.
+  assert overlap.points_of_work([10, 20, 23]) == [1, 2, 3]
+  assert overlap.points_of_work([10, 20, 22]) == [1, 2, 2]
+  # At exactly a quarter it opens.
+  assert overlap.points_of_work([10, 20, 22.5]) == [1, 2, 3]
+
+
+def test_the_last_point_holds_only_what_the_backward_feeds():
+  # Two buckets at point 2 and the loss's pmean (not fed by the backward)
+  # traced last at the same point: the last point is the two buckets, so
+  # finish_under_last ties their readers, not the loss's.
+  assert overlap.last_point([1, 2, 2, 2], [True, True, True, False]) == [1, 2]
+  # A pmean at a point of its own after the last bucket changes nothing.
+  assert overlap.last_point([1, 2, 3], [True, True, False]) == [1]
+  assert overlap.last_point([1, 1], [False, False]) == []

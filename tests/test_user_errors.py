@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jaxfuse
 from jaxfuse.planning.costs import Costs, LinearCost
 
+from _harness import list_plan
 from _harness import mesh_of
 from _harness import NUM_WORKERS
 from _harness import shard
@@ -610,3 +611,36 @@ def test_summarize_with_another_phases_plan_is_refused(plan):
   with pytest.raises(ValueError, match=r"leaf \['w'\] selected 4096 "
                      r"elements, more than the 308 slots"):
     jaxfuse.summarize(stats, plan)
+
+
+def test_state_specs_refuses_axes_partly_off_the_mesh(mesh):
+  params = {"w": jnp.zeros((64, 64)), "b": jnp.zeros((64,))}
+  plan = jaxfuse.plan(params, density=0.05)
+  state = jaxfuse.init_state(jaxfuse.sgd(plan, 0.1), params, mesh)
+  assert mesh.axis_names == ("data",)
+  # ("data", "batch"): "data" is there, "batch" is not.
+  with pytest.raises(jaxfuse.SyncError, match=r"axis_name=\('data', "
+                     r"'batch'\), but this state lives on a mesh with axes "
+                     r"\('data',\)"):
+    jaxfuse.state_specs(state, ("data", "batch"))
+  specs = jaxfuse.state_specs(state, ("data",))
+  assert P(("data",)) in jax.tree.leaves(
+      specs, is_leaf=lambda x: isinstance(x, P))
+
+
+@pytest.mark.parametrize("made_with,stepped_with,have,need", [
+    (0.9, 0.0, 1, 0), (0.0, 0.9, 0, 1)])
+def test_a_state_of_another_momentum_is_refused(mesh, made_with,
+                                                stepped_with, have, need):
+  plan = list_plan([(64, 64)], density=0.05, min_sparse_size=64)
+  params = [np.zeros((64, 64), np.float32)]
+  state = jaxfuse.init_state(jaxfuse.sparse_sync(plan, momentum=made_with),
+                             params, mesh)
+  assert len(state.velocity) == have
+  tx = jaxfuse.sparse_sync(plan, momentum=stepped_with)
+  step = sharded_update(tx, mesh, jaxfuse.state_specs(state))
+  grads = shard(mesh, [np.ones((NUM_WORKERS, 64, 64), np.float32)])
+  with pytest.raises(jaxfuse.SyncError,
+                     match=f"has {have} velocity buffers; this transform "
+                     rf"\(momentum={stepped_with}\) needs {need}"):
+    jax.eval_shape(step, grads, state)
