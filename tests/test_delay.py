@@ -215,3 +215,13 @@ def test_xla_flags_name_the_network():
       jaxfuse.xla_flags(bad)
   with pytest.raises(ValueError, match="gpus_per_node"):
     jaxfuse.xla_flags(3.0, gpus_per_node=0)
+
+
+def test_predicted_params_refuses_two_delayed_states():
+  opt = jaxfuse.delayed(optax.sgd(1.0), predict=True)
+  params = {"w": jnp.ones((3,), jnp.float32)}
+  one = opt.init(params)
+  assert jnp.array_equal(jaxfuse.predicted_params(params, one)["w"],
+                         jnp.ones(3))   # u_{-1} = 0
+  with pytest.raises(jaxfuse.SyncError, match=r"found 2 DelayedState\(s\)"):
+    jaxfuse.predicted_params(params, (one, opt.init(params)))

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jaxfuse
 from jaxfuse import grouped
 from jaxfuse import kernels
+from jaxfuse import plans as plan_lib
 
 from _harness import CLASSIC_EMITTERS, list_plan, mesh_of, pass1_segments
 from _harness import run_under_fusion_emitters, shard
@@ -192,3 +193,19 @@ def test_onebit_keeps_the_decoded_rows_as_its_m():
   stacks = re.findall(r"concatenate\S* = f32\[4,4096\]|"
                       r"= f32\[4,4096\]\S* concatenate\(", hlo)
   assert not stacks, stacks
+
+
+def test_check_refuses_loose_leaves_of_another_plan():
+  # (64, 64) sparse: one all-gather row of 4096; (32,) and (8, 8) below
+  # min_sparse_size: a psum bucket, loose, in leaf order.
+  plan = list_plan([(64, 64), (32,), (8, 8)], density=0.05,
+                   min_sparse_size=256, strategy="single")
+  lay = grouped.layout(plan)
+  assert lay.row_shapes == [(1, 4096)] and lay.loose == (1, 2)
+  rows = (jnp.zeros((1, 4096)),)
+  grouped.check(lay, grouped.Grouped(rows, (jnp.zeros(32), jnp.zeros((8, 8)))))
+  for loose in ((jnp.zeros(32), jnp.zeros((8, 9))),    # another shape
+                (jnp.zeros(32),),                        # one missing
+                (jnp.zeros(32), jnp.zeros((8, 8)), jnp.zeros(3))):  # extra
+    with pytest.raises(plan_lib.PlanError, match="loose leaves"):
+      grouped.check(lay, grouped.Grouped(rows, loose))

@@ -243,3 +243,26 @@ def test_a_wrapped_state_checkpoints_and_restores(tmp_path):
     # (the skipped step's stats hold the NaN worker's threshold, NaN)
     assert np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
     assert b.sharding == a.sharding
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_counts_follow_optax_when_a_non_finite_update_goes_through(limit):
+  params = {"w": jnp.ones((3,), jnp.float32)}
+  nan = {"w": jnp.array([1.0, jnp.nan, 1.0], jnp.float32)}
+  ok = {"w": jnp.ones((3,), jnp.float32)}
+  ours = jaxfuse.apply_if_finite(optax.sgd(0.1), limit)
+  ref = optax.apply_if_finite(optax.sgd(0.1), limit)   # the reference
+  s, r = ours.init(params), ref.init(params)
+  counts = lambda x: (int(x.notfinite_count), bool(x.last_finite),
+                      int(x.total_notfinite))
+  for n in range(1, limit + 2):
+    u, s = ours.update(nan, s, params)
+    v, r = ref.update(nan, r, params)
+    assert counts(s) == counts(r), n
+    assert jnp.array_equal(u["w"], v["w"], equal_nan=True), n
+  # The (limit + 1)-th NaN step in a row went through, NaN and all; it was
+  # not finite, and limit + 1 steps were.
+  assert bool(jnp.isnan(u["w"][1]))
+  assert counts(s) == (limit + 1, False, limit + 1)
+  u, s = ours.update(ok, s, params)
+  assert counts(s) == (0, True, limit + 1)
