@@ -111,13 +111,13 @@ def test_a_bfloat16_wire_never_rounds_a_float16_gradient(mesh):
   assert plan_lib.full_wire_dtype(unit, wide) == "float16"
   assert plan_lib.wire_unit(unit, wide).dtype == "float16"
   # A dense warm-up phase of a float16 leaf, every worker sending
-  # 1 + 2**-10 (exact in float16; bfloat16 rounds it to 1): the mean is
-  # 1 + 2**-10.
+  # 1 + 2**-8 (exact in float16, and so is every partial sum of up to 16
+  # of them; bfloat16 rounds it to 1): the mean is 1 + 2**-8.
   plan = jaxfuse.with_density(jaxfuse.plan(
       [_sds((4096,), jnp.float16)], density=0.05, min_sparse_size=64), 1.0)
   plan = dataclasses.replace(plan, settings=dataclasses.replace(
       plan.settings, full_wire="bfloat16"))
-  value = np.float16(1 + 2**-10)
+  value = np.float16(1 + 2**-8)
   grads = [np.full((K, 4096), value, np.float16)]
   synced, _ = sync(plan, mesh, grads, init(plan, mesh), fast_compile=True)
   np.testing.assert_array_equal(np.asarray(synced[0]),
