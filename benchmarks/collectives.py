@@ -186,6 +186,7 @@ def run_overlap(workers, densities, steps: int = 20) -> list[dict]:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import lm_model  # pylint: disable=g-import-not-at-top
+  from jaxfuse.plans import target_count  # pylint: disable=g-import-not-at-top
   model = lm_model.build_model("tiny", seq_len=64)
   train, _ = lm_model.load_corpus(cap_bytes=2**20)
   rng = np.random.default_rng(0)
@@ -206,7 +207,7 @@ def run_overlap(workers, densities, steps: int = 20) -> list[dict]:
         n = grads[0][leaf].size
         if n < 1024:
           continue
-        c = max(1, math.ceil(density * n))
+        c = target_count(density, n)
         sets = [np.argpartition(-np.abs(grads[w][leaf]), c - 1)[:c]
                 for w in range(k)]
         union += len(np.unique(np.concatenate(sets)))

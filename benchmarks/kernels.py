@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import statistics
 import sys
@@ -46,6 +45,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from jaxfuse.kernels import reference  # pylint: disable=wrong-import-position
+from jaxfuse.plans import capacity_for, target_count  # pylint: disable=wrong-import-position
 from jaxfuse.kernels.selection import select_pallas  # pylint: disable=wrong-import-position
 from jaxfuse.kernels.threshold import kth_largest_magnitude  # pylint: disable=wrong-import-position
 from jaxfuse.kernels.threshold import kth_largest_magnitude_reference  # pylint: disable=wrong-import-position
@@ -141,7 +141,7 @@ def bench_batched(sizes, densities, batch, repeats, interpret):
   for n in sizes:
     acc = jax.random.normal(jax.random.PRNGKey(n), (batch, n), jnp.float32)
     for d in densities:
-      k = max(1, math.ceil(d * n))
+      k = target_count(d, n)
       fast = jax.jit(jax.vmap(lambda a: kth_largest_magnitude(
           a, k, interpret=interpret)))
       ref = jax.jit(jax.vmap(lambda a: kth_largest_magnitude_reference(a, k)))
@@ -217,7 +217,7 @@ def main(argv=None):
     del mags
     offset = jnp.int32(n // 3)
     for d, q in zip(densities, qs):
-      capacity = math.ceil(1.5 * d * n)
+      capacity = capacity_for(d, n, 1.5)
       tau = jnp.float32(q)
       row = {"n": n, "density": d, "capacity": capacity, "tau": float(q)}
       row.update(bench_one(acc, tau, capacity, offset, methods, args.repeats,
@@ -253,7 +253,7 @@ def main(argv=None):
     if args.sweep and n == max(sizes):
       d = args.sweep_density
       q = float(jnp.quantile(jnp.abs(acc.astype(jnp.float32)), 1 - d))
-      capacity = math.ceil(1.5 * d * n)
+      capacity = capacity_for(d, n, 1.5)
       expect = jax.jit(lambda a, t, o: reference.select(a, t, capacity, o))(
           acc, jnp.float32(q), offset)
       configs = SWEEP if args.sweep_configs is None else [

@@ -17,6 +17,7 @@ import functools
 import itertools
 import math
 import os
+from fractions import Fraction
 from typing import Any, Mapping
 
 import jax
@@ -38,14 +39,23 @@ def leaf_paths(tree) -> list[str]:
           for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _ceil_product(size: int, *factors: float) -> int:
+  """⌈n·∏f⌉ with each factor read as the shortest decimal that prints it, so
+  0.07 × 100 is 7, not the 8 that binary 0.07000000000000000666 gives."""
+  exact = Fraction(size)
+  for f in factors:
+    exact *= Fraction(str(float(f)))
+  return math.ceil(exact)
+
+
 def capacity_for(density: float, size: int, headroom: float) -> int:
-  """c = min(n, ⌈ρ·n·headroom⌉), at least 1."""
-  return max(1, min(size, math.ceil(density * size * headroom)))
+  """c = min(n, ⌈ρ·n·headroom⌉), at least 1 (ρ and headroom as decimals)."""
+  return max(1, min(size, _ceil_product(size, density, headroom)))
 
 
 def target_count(density: float, size: int) -> int:
-  """k = ⌈ρ·n⌉: how many elements a step should select."""
-  return max(1, min(size, math.ceil(density * size)))
+  """k = ⌈ρ·n⌉: how many elements a step should select (ρ as a decimal)."""
+  return max(1, min(size, _ceil_product(size, density)))
 
 
 def capacity(density: float, size: int, estimator: str,

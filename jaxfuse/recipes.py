@@ -475,14 +475,9 @@ def _check_betas(where: str, upper_closed: bool = False, **betas):
   """Each of ``betas`` in [0, 1) (``upper_closed``: (0, 1]); a traced
   one (``optax.inject_hyperparams``) is not checked."""
   for name, value in betas.items():
-    if _compat.is_tracer(value) or isinstance(value, (np.ndarray, jax.Array)):
-      continue
-    ok = plan_lib.is_real(value) and (0 < value <= 1 if upper_closed
-                                      else 0 <= value < 1)
-    if not ok:
-      raise transform.SyncError(
-          f"{where}: {name}={value!r} must be in "
-          f"{'(0, 1]' if upper_closed else '[0, 1)'}.")
+    transform.check_rate(where, name, value,
+                         "(0, 1]" if upper_closed else "[0, 1)",
+                         traced_ok=True)
 
 
 RECIPES = {

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxfuse import _compat
@@ -143,8 +144,8 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     comes leaf by leaf (``bucket_sync.blends``).
   """
   plan_lib.require_plan(plan, "sparse_sync")
-  _check_unit_interval("momentum", momentum, closed_low=True)
-  _check_unit_interval("residual_decay", residual_decay, closed_high=True)
+  check_rate("sparse_sync", "momentum", momentum, "[0, 1)")
+  check_rate("sparse_sync", "residual_decay", residual_decay, "(0, 1]")
   momentum, residual_decay = float(momentum), float(residual_decay)
   if not isinstance(nesterov, bool) or not isinstance(mask_momentum, bool):
     raise SyncError(f"sparse_sync: nesterov={nesterov!r} and mask_momentum="
@@ -233,19 +234,26 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_unit_interval(name, x, closed_low=False, closed_high=False):
-  if _compat.is_tracer(x):
-    raise SyncError(
-        f"sparse_sync: {name} is a traced value; it must be a Python number "
-        "known when the step is traced (it shapes the state or the "
-        "program). With optax.inject_hyperparams, name it in static_args.")
-  ok = plan_lib.is_real(x) and (
-      (0 <= x if closed_low else 0 < x) and (x <= 1 if closed_high else x < 1))
+def check_rate(where: str, name: str, x, interval: str,
+               traced_ok: bool = False) -> None:
+  """A decay rate ``x`` in ``interval``, "[0, 1)" or "(0, 1]", or a
+  SyncError naming ``where`` and ``name``. An array or traced value
+  (``optax.inject_hyperparams``) is left unchecked when ``traced_ok``, and
+  refused otherwise (it would have to shape the program)."""
+  if interval not in ("[0, 1)", "(0, 1]"):
+    raise ValueError(f"interval={interval!r}: '[0, 1)' or '(0, 1]'.")
+  if _compat.is_tracer(x) or isinstance(x, (np.ndarray, jax.Array)):
+    if traced_ok:
+      return
+    if _compat.is_tracer(x):
+      raise SyncError(
+          f"{where}: {name} is a traced value; it must be a Python number "
+          "known when the step is traced (it shapes the state or the "
+          "program). With optax.inject_hyperparams, name it in static_args.")
+  ok = plan_lib.is_real(x) and (0 <= x < 1 if interval == "[0, 1)"
+                                else 0 < x <= 1)
   if not ok:
-    interval = (("[" if closed_low else "(") + "0, 1" +
-                ("]" if closed_high else ")"))
-    raise SyncError(f"sparse_sync: {name}={x!r} must be a number in "
-                    f"{interval}.")
+    raise SyncError(f"{where}: {name}={x!r} must be in {interval}.")
 
 
 def _check_grads(plan, updates, axis_name) -> list[jax.Array]:

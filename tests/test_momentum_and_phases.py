@@ -4,6 +4,7 @@ test_recipes.py)."""
 
 import dataclasses
 import functools
+import re
 
 from hypothesis import given
 from hypothesis import settings
@@ -197,6 +198,22 @@ def _small_plan(**kwargs):
 def test_sparse_sync_rejects_bad_options(kwargs, field):
   with pytest.raises(jaxfuse.SyncError, match=field):
     jaxfuse.sparse_sync(_small_plan(), **kwargs)
+
+
+@pytest.mark.parametrize("name,value,interval", [
+    ("momentum", 1.0, "[0, 1)"), ("momentum", -0.1, "[0, 1)"),
+    ("momentum", float("nan"), "[0, 1)"), ("momentum", "0.9", "[0, 1)"),
+    ("residual_decay", 0, "(0, 1]"), ("residual_decay", 1.5, "(0, 1]"),
+    ("residual_decay", np.ones(2), "(0, 1]"),
+])
+def test_sparse_sync_names_the_rate_and_its_range(name, value, interval):
+  with pytest.raises(jaxfuse.SyncError, match=re.escape(
+      f"sparse_sync: {name}={value!r} must be in {interval}.")):
+    jaxfuse.sparse_sync(_small_plan(), **{name: value})
+  if name == "momentum":   # the ends the range keeps
+    jaxfuse.sparse_sync(_small_plan(), momentum=0.0)
+  else:
+    jaxfuse.sparse_sync(_small_plan(), residual_decay=1.0)
 
 
 @pytest.mark.parametrize("name", sorted(jaxfuse.RECIPES))

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxfuse
 from jaxfuse import plans as plan_lib
@@ -99,6 +100,40 @@ def test_topk_capacity_is_the_target_count_without_headroom():
   params = [_sds((10000,), jnp.float32)]
   assert jaxfuse.plan(params, estimator="topk").leaves[0].capacity == 100
   assert jaxfuse.plan(params, estimator="dgc").leaves[0].capacity == 150
+
+
+# The two-decimal densities whose binary value times a round n lands just
+# above an integer (0.07 · 100 = 7.000000000000001 in float64).
+TWO_DECIMAL_DENSITIES = (7, 14, 17, 27, 28, 34, 54, 55, 56, 67, 68, 81)
+
+
+@pytest.mark.parametrize("percent", TWO_DECIMAL_DENSITIES)
+def test_a_decimal_density_selects_what_it_says(percent):
+  # ρ = percent/100 of n = 100 is exactly `percent` elements, and with
+  # headroom 1.5 of n = 200 exactly 3·percent (capped at n); one more slot
+  # per leaf is wire and selection the user did not ask for.
+  density = percent / 100
+  assert plan_lib.target_count(density, 100) == percent
+  assert plan_lib.target_count(density, 1400) == 14 * percent
+  assert plan_lib.capacity_for(density, 200, 1.5) == min(200, 3 * percent)
+  assert plan_lib.capacity_for(density, 1400, 1.5) == min(1400, 21 * percent)
+  # and just above an integer still rounds up: 0.07 · 101 = 7.07 -> 8
+  assert plan_lib.target_count(density, 101) == percent + 1
+  # every n up to 5000, in integer arithmetic: ⌈p·n/100⌉ and ⌈3·p·n/200⌉
+  for n in range(1, 5001):
+    assert plan_lib.target_count(density, n) == -(-percent * n // 100), n
+    assert plan_lib.capacity_for(density, n, 1.5) == min(
+        n, -(-3 * percent * n // 200)), n
+
+
+def test_a_plan_at_a_decimal_density_has_the_decimal_capacity():
+  params = [_sds((1400,), jnp.float32)]
+  topk = jaxfuse.plan(params, density=0.07, estimator="topk",
+                      min_sparse_size=1)
+  dgc = jaxfuse.plan(params, density=0.07, estimator="dgc",
+                     min_sparse_size=1)
+  assert topk.leaves[0].capacity == 98       # 0.07 · 1400
+  assert dgc.leaves[0].capacity == 147       # 0.07 · 1400 · 1.5
 
 
 def test_a_bfloat16_wire_never_rounds_a_float16_gradient(mesh):
