@@ -169,16 +169,19 @@ def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation
   init makes (types, at the top level; ``sparse_sync`` checks its own
   state's layout), naming the recipe instead of optax's chain error."""
   tx = optax.with_extra_args_support(tx)
+  wanted = {}   # the updates' treedef -> the kinds init makes (or None)
 
   def update_fn(updates, state, params=None, **extra_args):
     treedef = jax.tree.structure(updates)
     if treedef.num_leaves == len(plan.leaves):
-      like = jax.tree.unflatten(treedef, [
-          jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.leaves])
-      try:
-        want = _kinds(jax.eval_shape(tx.init, like))
-      except plan_lib.PlanError:   # other leaves: sparse_sync names them
-        want = None
+      if treedef not in wanted:
+        like = jax.tree.unflatten(treedef, [
+            jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.leaves])
+        try:
+          wanted[treedef] = _kinds(jax.eval_shape(tx.init, like))
+        except plan_lib.PlanError:   # other leaves: sparse_sync names them
+          wanted[treedef] = None
+      want = wanted[treedef]
       if want is not None and _kinds(state) != want:
         raise transform.SyncError(
             f"{name}: the optimizer state is not one this optimizer made "
