@@ -10,6 +10,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning import ordering
@@ -186,15 +188,56 @@ def test_scheme_cost_is_its_time_over_allgather_past_the_wire(
     profiling.measure_scheme_costs(mesh, free, sizes=(2**14, 2**14))
 
 
-def test_collective_chain_moves_the_data(mesh):
-  """The timed program is the real collective: all_gather returns the last
-  worker's block, psum the sum over the K workers."""
-  fn, (x,) = profiling.collective_chain("psum", mesh, 64, chain=1)
+# The timed programs are the real collectives on all n words: every worker
+# holds its own block (k·n … k·n + n − 1) and each result is worked by hand.
+def _own_inputs(mesh, x):
+  """The chain's inputs replaced by worker-distinct blocks: worker k holds
+  k*n .. k*n + n - 1."""
+  k = mesh.shape["data"]
+  n = x.shape[0] // k
+  data = np.arange(k * n).astype(x.dtype)
+  return jax.device_put(data, NamedSharding(mesh, P("data"))), data, k, n
+
+
+@pytest.mark.parametrize("chain", [1, 2])
+def test_allgather_chain_returns_the_last_workers_whole_block(mesh, chain):
+  fn, (x,) = profiling.collective_chain("allgather", mesh, 64, chain=chain)
+  x, data, k, n = _own_inputs(mesh, x)
+  assert n == 16                                    # 64 bytes = 16 words
   (y,) = fn(x)
-  np.testing.assert_array_equal(np.asarray(y), np.full(16, mesh.size * 1.0))
-  fn, (x,) = profiling.collective_chain("allgather", mesh, 64, chain=2)
+  # every round takes block K-1 of the gather; the next round gathers it again
+  np.testing.assert_array_equal(np.asarray(y), data[(k - 1) * n:])
+  assert np.asarray(y).dtype == np.uint32
+
+
+@pytest.mark.parametrize("chain", [1, 2])
+def test_psum_chain_sums_the_workers_blocks(mesh, chain):
+  fn, (x,) = profiling.collective_chain("psum", mesh, 64, chain=chain)
+  x, data, k, n = _own_inputs(mesh, x)
   (y,) = fn(x)
-  assert y.shape == (16,) and y.dtype == jnp.uint32
+  j = np.arange(n)
+  once = n * k * (k - 1) / 2 + k * j     # Σ_w (w·n + j), exact in float32
+  np.testing.assert_array_equal(np.asarray(y), once * k ** (chain - 1))
+
+
+def test_ppermute_chain_shifts_each_block_one_worker_per_round(mesh):
+  fn, (x,) = profiling.collective_chain("ppermute", mesh, 64, chain=2)
+  x, data, k, n = _own_inputs(mesh, x)
+  (y,) = fn(x)
+  blocks = data.reshape(k, n)
+  # worker i receives worker (i-1)'s block each round: after 2, (i-2)'s
+  np.testing.assert_array_equal(np.asarray(y).reshape(k, n),
+                                blocks[(np.arange(k) - 2) % k])
+
+
+def test_alltoall_chain_transposes_the_tiles(mesh):
+  fn, (x,) = profiling.collective_chain("alltoall", mesh, 64, chain=1)
+  x, data, k, n = _own_inputs(mesh, x)
+  (y,) = fn(x)
+  tiles = data.reshape(k, k, n // k)            # [worker, tile, word]
+  # worker i's tile j is worker j's tile i
+  np.testing.assert_array_equal(np.asarray(y).reshape(k, k, n // k),
+                                tiles.transpose(1, 0, 2))
 
 
 def test_overlap_and_contention_formulas():

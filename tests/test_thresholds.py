@@ -82,24 +82,6 @@ def test_redsync_keeps_its_bound_when_values_sit_on_a_midpoint():
   assert 2.0 < tau <= 3.0
 
 
-@pytest.mark.parametrize("n", [300, 100_000])
-def test_dgc_is_the_rank_of_its_sample(n):
-  """The round(ρ·s)-th largest |g + r| of the s = max(f·n, 256) sampled
-  positions (NumPy sort of the same positions)."""
-  rng = np.random.default_rng(3)
-  g, r = rng.normal(size=n).astype(np.float32), rng.normal(
-      size=n).astype(np.float32)
-  density, salt = 0.05, sparsify.salt(7, 3, 11)
-  tau = float(sparsify.estimate_threshold(
-      jnp.asarray(g), jnp.asarray(r), estimator="dgc", density=density,
-      salt_=salt, settings=SETTINGS))
-  s = min(n, max(256, math.ceil(SETTINGS.sample_fraction * n)))
-  idx = np.asarray(sparsify.uniform_index(salt, s, n))
-  assert idx.min() >= 0 and idx.max() < n and len(set(idx.tolist())) > s // 2
-  magnitudes = np.sort(np.abs(g[idx] + r[idx]))[::-1]
-  assert tau == magnitudes[max(1, round(density * s)) - 1]
-
-
 def _ctrl(log_step, flag=False, log_scale=0.0, tau=2.0):
   return Control(jnp.float32(tau), jnp.float32(log_scale),
                  jnp.float32(log_step), jnp.bool_(flag))
