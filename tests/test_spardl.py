@@ -244,7 +244,8 @@ def test_teams_that_cannot_form_raise_naming_the_bucket(k, teams, why):
   s = plan_lib.Settings(spardl_teams=teams)
   with pytest.raises(base.SchemeError, match=f"bucket 3: .*{why}.*spardl_teams"):
     spardl.SparDL().check("bucket 3", k, s)
-  with pytest.raises(base.SchemeError, match="leaves"):
+  with pytest.raises(base.SchemeError, match=(
+      rf"^spardl bucket of leaves \[0, 1\]: spardl_teams={teams} .*{why}")):
     spardl.SparDL().steps(UNITS, k, s)
   spardl.SparDL().check("bucket 3", k, plan_lib.Settings())  # T = 1: any K
   spardl.SparDL().check("bucket 3", 8, plan_lib.Settings(spardl_teams=2))
