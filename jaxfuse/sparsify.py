@@ -202,7 +202,11 @@ def controller(ctrl_unit: Control, count, target: int, tau) -> Control:
                              ctrl_unit.log_step),
                    -0.5 * ctrl_unit.log_step)
   flag = right_way & ~ctrl_unit.flag
-  step = jnp.sign(step) * jnp.clip(jnp.abs(step), MIN_LOG_STEP, MAX_LOG_STEP)
+  # a zero step (opposite steps averaged by an elastic resize) restarts at
+  # the smallest one, the way the count says
+  direction = jnp.where(step == 0, jnp.where(too_many, 1.0, -1.0),
+                        jnp.sign(step))
+  step = direction * jnp.clip(jnp.abs(step), MIN_LOG_STEP, MAX_LOG_STEP)
   log_scale = jnp.clip(ctrl_unit.log_scale + step, -MAX_LOG_SCALE,
                        MAX_LOG_SCALE)
   return Control(tau * jnp.exp(log_scale - ctrl_unit.log_scale), log_scale,

@@ -4,6 +4,9 @@ choice of collective."""
 
 import json
 
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 import jax
 import pytest
 
@@ -150,3 +153,63 @@ def test_costs_json_keeps_scheme_lines_and_checks_their_names():
   with pytest.raises(CostsError, match="schemes=5"):
     _costs().replace(schemes=5)
 
+
+
+def test_the_lines_on_k_workers_are_the_ring_readings():
+  c = _costs(workers=2, alltoall=LinearCost(3e-5, 4e-9),
+             ppermute=LinearCost(5e-5, 2e-9))
+  on5 = c.on_workers(5)
+  assert on5.workers == 5
+  # all_gather: ×(K−1)/(K0−1) = ×4; all_reduce and all_to_all: α ×4,
+  # β ×(K−1)K0/(K(K0−1)) = ×1.6; ppermute: one message whatever K.
+  assert on5.collectives["allgather"].alpha == pytest.approx(4e-4)
+  assert on5.collectives["allgather"].beta == pytest.approx(4e-9)
+  assert on5.collectives["psum"].alpha == pytest.approx(8e-4)
+  assert on5.collectives["psum"].beta == pytest.approx(4.8e-9)
+  assert on5.collectives["alltoall"].alpha == pytest.approx(1.2e-4)
+  assert on5.collectives["alltoall"].beta == pytest.approx(6.4e-9)
+  assert on5.collectives["ppermute"] == LinearCost(5e-5, 2e-9)
+  assert c.on_workers(2) is c
+  one = c.on_workers(1)
+  assert all(line == LinearCost(0.0, 0.0)
+             for line in one.collectives.values())
+  with pytest.raises(CostsError, match="num_workers=0"):
+    c.on_workers(0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(k0=st.integers(2, 16), k=st.integers(1, 128),
+       x=st.floats(0, 1e9), optional=st.booleans())
+def test_on_workers_agrees_with_primitive_time(k0, k, x, optional):
+  extra = dict(alltoall=LinearCost(3e-5, 4e-9),
+               ppermute=LinearCost(5e-5, 2e-9)) if optional else {}
+  c = _costs(workers=k0, **extra)
+  on_k = c.on_workers(k)
+  for primitive in ("allgather", "allreduce", "alltoall", "ppermute"):
+    assert on_k.primitive_time(primitive, x) == pytest.approx(
+        c.primitive_time(primitive, x, k), rel=1e-12, abs=1e-15)
+
+
+def test_a_plan_for_k_workers_is_grouped_for_k():
+  # Lines measured on K0 = 2, the plan made for K = 64: the all_gather is
+  # 63 times dearer per bucket there, so the cost strategies fuse. Before,
+  # they grouped for K0 and "auto" came out slower on K than "single".
+  n = 12
+  params = [jax.ShapeDtypeStruct((200_000,), "float32") for _ in range(n)]
+  costs = Costs({"allgather": LinearCost(50e-6, 1e-10),
+                 "psum": LinearCost(50e-6, 2e-10)},
+                LinearCost(5e-6, 1e-10), (2e-4,) * n, forward=1e-3,
+                workers=2)
+  predicted = {}
+  for strategy in ("auto", "cupcake", "safusion", "single", "aligned",
+                   "layerwise"):
+    plan = jaxfuse.plan(params, density=0.01, strategy=strategy,
+                        costs=costs, num_workers=64)
+    predicted[strategy] = plan.provenance["predicted_iteration"]
+    if strategy in ("cupcake", "safusion"):
+      same = jaxfuse.plan(params, density=0.01, strategy=strategy,
+                          costs=costs.on_workers(64))
+      assert plan.buckets == same.buckets
+  assert predicted["auto"] <= min(predicted.values())
+  assert predicted["cupcake"] <= predicted["single"] * (1 + 1e-9)
+  assert predicted["cupcake"] < predicted["layerwise"] / 2

@@ -102,6 +102,12 @@ def _ctrl(log_step, flag=False, log_scale=0.0, tau=2.0):
     # steps clipped to [1e-3, 1] in magnitude
     (_ctrl(0.8, flag=True), 150, 1.0, False),
     (_ctrl(0.0015), 50, -1e-3, False),
+    # a zero step (an elastic resize averaged +s and -s) restarts at the
+    # smallest step the way the count says, instead of staying at 0
+    (_ctrl(0.0), 150, 1e-3, False),
+    (_ctrl(-0.0, flag=True), 150, 1e-3, False),
+    (_ctrl(0.0), 50, -1e-3, True),
+    (_ctrl(0.0), 100, -1e-3, True),
 ])
 def test_controller_steps(state, count, want_step, want_flag):
   """SparDL Alg. 2 on log τ, worked by hand for a target of 100: the new

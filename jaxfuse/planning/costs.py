@@ -275,6 +275,35 @@ class Costs:
     return ((k - 1) / (k0 - 1) * line.alpha +
             (k - 1) * k0 / (k * (k0 - 1)) * line.beta * nbytes)
 
+  def on_workers(self, num_workers: int) -> "Costs":
+    """The same costs with the collective lines of K = ``num_workers``
+    (the ring reading of ``primitive_time``, which stays linear in x):
+
+      all_gather            (K−1)/(K₀−1)·α,  (K−1)/(K₀−1)·β
+      all_reduce, all_to_all (K−1)/(K₀−1)·α,  (K−1)K₀/(K(K₀−1))·β
+      ppermute              unchanged
+
+    so that ``c.on_workers(K).primitive_time(p, x)`` is
+    ``c.primitive_time(p, x, K)``. K = 1 has no communication: every line
+    is 0 (``workers`` stays K₀, which a line's ring reading needs)."""
+    k0, k = self.workers, num_workers
+    if not (plan_checks.is_int(k) and k >= 1):
+      raise CostsError(f"num_workers={num_workers!r} must be an int >= 1.")
+    k = int(k)
+    if k == k0:
+      return self
+    if k == 1:
+      return self.replace(collectives={
+          name: LinearCost(0.0, 0.0) for name in self.collectives})
+    hops = (k - 1) / (k0 - 1)
+    share = (k - 1) * k0 / (k * (k0 - 1))
+    scaled = {
+        name: (line if name == "ppermute" else LinearCost(
+            hops * line.alpha,
+            (hops if name == "allgather" else share) * line.beta))
+        for name, line in self.collectives.items()}
+    return self.replace(collectives=scaled, workers=k)
+
   def steps_time(self, steps, num_workers: int | None = None) -> float:
     """Σ over a scheme's ``Step(primitive, nbytes)`` of ``primitive_time``."""
     return math.fsum(self.primitive_time(s.primitive, s.nbytes, num_workers)

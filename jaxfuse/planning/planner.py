@@ -137,9 +137,10 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
       instead of 8, each worker's rounding kept in its residual).
     packed_indices: ``"allgather"`` buckets send each index in
       ⌈log₂(n + 1)⌉ bits instead of 32 (lossless; ``plan.Settings``).
-    num_workers: K the plan is made for (default: the costs' ``workers``);
-      ``"auto"`` picks each sparse bucket's collective for it, and the
-      predicted step time is for it.
+    num_workers: K the plan is made for (default: the costs' ``workers``):
+      the cost strategies group for the collectives' times on K
+      (``Costs.on_workers``), ``"auto"`` also picks each sparse bucket's
+      collective for it, and the predicted step time is for it.
     loss_fn, example_args: ``loss_fn(params, *example_args)``; its gradient's
       jaxpr gives the backward-ready order. Without it, reverse pytree order.
     ready_order: leaf ids in ready order, overriding ``loss_fn``.
@@ -256,6 +257,9 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     order, source = ordering.reverse_order(len(leaves)), "reverse_pytree"
 
   costs = _load_costs(costs, strategy, len(leaves))
+  k = None if costs is None else (
+      costs.workers if num_workers is None else num_workers)
+  on_k = None if costs is None else costs.on_workers(k)  # groups made for K
   provenance = {
       "strategy": strategy, "jaxfuse_version": __version__,
       "ready_order": source, "backward_order": list(order),
@@ -268,11 +272,11 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
   if strategy == "auto":
     leaves, groups, provenance["auto"] = _auto(
-        tuple(leaves), order, nbytes, costs, num_buckets, bucket_bytes,
+        tuple(leaves), order, nbytes, on_k, num_buckets, bucket_bytes,
         settings)
   else:
     groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
-                     leaves=leaves, costs=costs, settings=settings,
+                     leaves=leaves, costs=on_k, settings=settings,
                      collective=collective)
     if last_bucket_bytes is not None:
       groups = grouping.cut_last(groups, nbytes, last_bucket_bytes)
@@ -282,7 +286,6 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   made = plan_lib.Plan(tuple(leaves), buckets, settings, provenance)
   if costs is None:
     return made
-  k = costs.workers if num_workers is None else num_workers
   if strategy == "auto":
     made, provenance["auto"]["collectives"] = pick_collectives(made, costs, k)
   provenance["predicted_iteration"] = simulate_lib.simulate(
