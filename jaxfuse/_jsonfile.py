@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import stat
 
 import numpy as np
 
@@ -53,21 +53,35 @@ def read_file(path: str | os.PathLike, *, error: type[Exception],
         from None
 
 
+def _new_beside(path: str) -> tuple[int, str]:
+  """A new file ``.NAME.XXXX.tmp`` beside ``path``, opened for writing,
+  0o666 less the umask as ``open`` gives (``tempfile.mkstemp``'s 0o600
+  would hide the saved file from other users)."""
+  folder, name = os.path.split(path)
+  while True:
+    tmp = os.path.join(folder, f".{name}.{os.urandom(6).hex()}.tmp")
+    try:
+      return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+    except FileExistsError:
+      continue
+
+
 def save(path: str | os.PathLike, text: str) -> None:
   """Write ``text`` to ``path`` whole or not at all: into a temporary file
   beside it, then renamed over it, so a failure never leaves ``path``
-  empty or half-written."""
+  empty or half-written. The file keeps the mode it had (a new one: what
+  ``open`` would give it, 0o666 less the umask)."""
   path = os.fspath(path)
   folder = os.path.dirname(path) or "."
   if not os.path.isdir(folder):
     raise FileNotFoundError(f"cannot write {path}: the folder {folder} does "
                             "not exist; make it first")
-  fd, tmp = tempfile.mkstemp(dir=folder,
-                             prefix=f".{os.path.basename(path)}.",
-                             suffix=".tmp")
+  fd, tmp = _new_beside(path)
   try:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(text)
+    if os.path.exists(path):   # keep its mode
+      os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
     os.replace(tmp, path)
   except BaseException:
     os.unlink(tmp)

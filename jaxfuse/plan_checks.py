@@ -22,6 +22,8 @@ SPARSE_WIRES = ("gradient", "bfloat16")  # Settings.sparse_wire
 COLLECTIVES = SPARSE_COLLECTIVES + ("psum",)
 SPARSIFY = ("ahead", "behind")
 MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
+# sparse schemes that index a bucket as one space (allgather: each leaf)
+BUCKET_INDEXED = ("zen", "spardl", "hier")
 
 
 class PlanError(ValueError):
@@ -91,8 +93,9 @@ def check_plan(plan) -> None:
   if not isinstance(s.feedback, bool):
     raise PlanError(f"settings.feedback={s.feedback!r} must be True or "
                     "False.")
-  if not is_int(s.seed):
-    raise PlanError(f"settings.seed={s.seed!r} must be an integer.")
+  if not (is_int(s.seed) and 0 <= s.seed < 2**32):
+    raise PlanError(f"settings.seed={s.seed!r} must be an integer in "
+                    "[0, 2**32) (it seeds uint32 hashes).")
   if not (is_int(s.refresh) and s.refresh >= 1):
     raise PlanError(f"settings.refresh={s.refresh!r} must be an integer >= 1.")
   if not (is_real(s.sample_fraction) and 0 < s.sample_fraction <= 1):
@@ -100,15 +103,19 @@ def check_plan(plan) -> None:
                     "be a number in (0, 1].")
   if not (is_int(s.sidco_stages) and 1 <= s.sidco_stages <= 8):
     raise PlanError(f"settings.sidco_stages={s.sidco_stages!r} must be 1..8.")
-  if not (is_real(s.zen_table) and s.zen_table >= 1):
-    raise PlanError(f"settings.zen_table={s.zen_table!r} must be >= 1.")
+  if not (is_real(s.zen_table) and math.isfinite(s.zen_table)
+          and s.zen_table >= 1):
+    raise PlanError(f"settings.zen_table={s.zen_table!r} must be a finite "
+                    "number >= 1.")
   if not (is_real(s.zen_union) and 0 < s.zen_union <= 1):
     raise PlanError(f"settings.zen_union={s.zen_union!r} must be in (0, 1].")
   if not (is_int(s.spardl_teams) and s.spardl_teams >= 1):
     raise PlanError(f"settings.spardl_teams={s.spardl_teams!r} must be an "
                     "integer >= 1 (1: no teams).")
-  if not (is_real(s.spardl_block) and s.spardl_block > 0):
-    raise PlanError(f"settings.spardl_block={s.spardl_block!r} must be > 0.")
+  if not (is_real(s.spardl_block) and math.isfinite(s.spardl_block)
+          and s.spardl_block > 0):
+    raise PlanError(f"settings.spardl_block={s.spardl_block!r} must be a "
+                    "finite number > 0.")
   one_of("settings.hier_inner", s.hier_inner, ("allgather", "zen", "spardl"))
   one_of("settings.full_wire", s.full_wire, FULL_WIRES)
   one_of("settings.sparse_wire", s.sparse_wire, SPARSE_WIRES)
@@ -163,8 +170,15 @@ def check_plan(plan) -> None:
     if b.collective not in want:
       raise PlanError(f"{where}: {mode} leaves need collective "
                       f"{' or '.join(map(repr, want))}, not {b.collective!r}.")
+    size = sum(plan.leaves[j].size for j in b.leaves)
+    if mode == "sparse" and b.collective in BUCKET_INDEXED and (
+        size > MAX_LEAF_SIZE):
+      raise PlanError(
+          f"{where}: {b.collective!r} indexes the bucket's {size} elements "
+          f"as one int32 space (at most {MAX_LEAF_SIZE}); split the bucket "
+          "(a smaller bucket_bytes, or strategy='layerwise') or send it with "
+          "'allgather', which indexes each leaf on its own.")
     if b.sparsify == "behind" and mode == "sparse":
-      size = sum(plan.leaves[j].size for j in b.leaves)
       if size > MAX_LEAF_SIZE:
         raise PlanError(f"{where}: fused size {size} exceeds int32 indices.")
       check_density(where, b.density)

@@ -27,7 +27,7 @@ from jaxfuse import _compat
 from jaxfuse import _jsonfile
 # the fields' names, the number checks and PlanError, used through here
 from jaxfuse.plan_checks import (  # pylint: disable=unused-import
-    COLLECTIVES, ESTIMATORS, FULL_WIRES, MAX_LEAF_SIZE, MODES,
+    BUCKET_INDEXED, COLLECTIVES, ESTIMATORS, FULL_WIRES, MAX_LEAF_SIZE, MODES,
     RESIDUAL_DTYPES, SPARSE_COLLECTIVES, SPARSE_WIRES, SPARSIFY, PlanError,
     as_python, check_plan, is_int, is_leaf_order, is_real)
 
@@ -39,23 +39,29 @@ def leaf_paths(tree) -> list[str]:
           for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def _ceil_product(size: int, *factors: float) -> int:
-  """⌈n·∏f⌉ with each factor read as the shortest decimal that prints it, so
-  0.07 × 100 is 7, not the 8 that binary 0.07000000000000000666 gives."""
-  exact = Fraction(size)
+def decimal_product(n: int, *factors: float) -> Fraction:
+  """n·∏f exactly, each factor read as the shortest decimal that prints it:
+  0.07 × 100 is 7, where binary 0.07000000000000000666 gives 7.000…01 (one
+  slot more under ⌈·⌉). Slot counts from settings are taken of this."""
+  exact = Fraction(n)
   for f in factors:
     exact *= Fraction(str(float(f)))
-  return math.ceil(exact)
+  return exact
+
+
+def ceil_product(n: int, *factors: float) -> int:
+  """⌈n·∏f⌉ of ``decimal_product``."""
+  return math.ceil(decimal_product(n, *factors))
 
 
 def capacity_for(density: float, size: int, headroom: float) -> int:
   """c = min(n, ⌈ρ·n·headroom⌉), at least 1 (ρ and headroom as decimals)."""
-  return max(1, min(size, _ceil_product(size, density, headroom)))
+  return max(1, min(size, ceil_product(size, density, headroom)))
 
 
 def target_count(density: float, size: int) -> int:
   """k = ⌈ρ·n⌉: how many elements a step should select (ρ as a decimal)."""
-  return max(1, min(size, _ceil_product(size, density)))
+  return max(1, min(size, ceil_product(size, density)))
 
 
 def capacity(density: float, size: int, estimator: str,
@@ -251,7 +257,9 @@ class Plan:
       buckets = tuple(BucketPlan(**dict(b, leaves=tuple(b["leaves"])))
                       for b in body["buckets"])
       provenance = dict(body.get("provenance", {}))
-    except (KeyError, TypeError) as e:
+    except PlanError:
+      raise
+    except (KeyError, TypeError, ValueError) as e:   # ValueError: dict("x")
       raise PlanError(f"plan JSON is missing or has unknown fields ({e}); "
                       "the file is corrupted.") from None
     return cls(leaves, buckets, settings, provenance)

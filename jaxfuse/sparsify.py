@@ -39,6 +39,7 @@ from jaxfuse import kernels
 from jaxfuse.kernels import fused_pass
 from jaxfuse.kernels.reference import hash32
 from jaxfuse.kernels.reference import uniform_index
+from jaxfuse.plans import ceil_product
 from jaxfuse.plans import target_count
 from jaxfuse.radix_select import kth_largest
 
@@ -91,7 +92,7 @@ class Sample(NamedTuple):
 def dgc_sample_spec(n: int, density: float, settings) -> Sample:
   """DGC's uniform sample: s = max(f·n, 256) positions (at most n),
   rank k_s = round(ρ·s) (at least 1)."""
-  s = min(n, max(256, math.ceil(settings.sample_fraction * n)))
+  s = min(n, max(256, ceil_product(n, settings.sample_fraction)))
   return Sample(s, max(1, round(density * s)), False)
 
 

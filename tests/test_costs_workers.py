@@ -213,3 +213,19 @@ def test_a_plan_for_k_workers_is_grouped_for_k():
   assert predicted["auto"] <= min(predicted.values())
   assert predicted["cupcake"] <= predicted["single"] * (1 + 1e-9)
   assert predicted["cupcake"] < predicted["layerwise"] / 2
+
+
+def test_auto_never_picks_one_index_space_for_a_bucket_over_int32():
+  # One fused bucket of 2.4e9 elements on K = 512, where SparDL's wire
+  # would be cheapest: SparDL, ZEN and hier index the whole bucket in
+  # int32, so auto keeps such a bucket on allgather (per-leaf indices).
+  params = [jax.ShapeDtypeStruct((1_200_000_000,), "float32")] * 2
+  costs = Costs({"allgather": LinearCost(0.5, 1e-10),
+                 "psum": LinearCost(0.5, 1e-9)},
+                LinearCost(5e-6, 1e-10), (1e-6,) * 2, forward=1e-6,
+                workers=2)
+  plan = jaxfuse.plan(params, density=0.01, strategy="auto", costs=costs,
+                      num_workers=512)
+  (bucket,) = plan.buckets
+  assert bucket.leaves == (1, 0) and bucket.collective == "allgather"
+  assert list(plan.provenance["auto"]["collectives"][0]) == ["allgather"]

@@ -157,3 +157,20 @@ def test_a_bfloat16_wire_never_rounds_a_float16_gradient(mesh):
   synced, _ = sync(plan, mesh, grads, init(plan, mesh), fast_compile=True)
   np.testing.assert_array_equal(np.asarray(synced[0]),
                                 np.full((4096,), value, np.float16))
+
+
+def test_the_schemes_sizes_read_their_settings_as_decimals():
+  # Each figure by hand; binary floats gave one more (99, 155, 9801) or one
+  # less (28) on these values.
+  from jaxfuse import sparsify  # pylint: disable=g-import-not-at-top
+  from jaxfuse.collectives import spardl  # pylint: disable=g-import-not-at-top
+  from jaxfuse.collectives import zen  # pylint: disable=g-import-not-at-top
+  unit = plan_lib.Unit((0,), 200_000, 1400, 0.007, "dgc", "float32")
+  lay = zen.layout([unit], 10, plan_lib.Settings(zen_union=0.07,
+                                                 zen_table=1.1))
+  assert lay.union == 98        # ⌈0.07 · 1400⌉
+  assert lay.r1 == 154          # ⌈1.1 · 1400 / 10⌉
+  assert spardl.block_capacity(10_000, 100, 2, 1, 0.58) == 29  # ⌊58 / 2⌋
+  spec = sparsify.dgc_sample_spec(
+      140_000, 0.01, plan_lib.Settings(sample_fraction=0.07))
+  assert spec.size == 9800      # ⌈0.07 · 140000⌉

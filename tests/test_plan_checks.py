@@ -3,6 +3,7 @@ documented intervals), the int32 index limit, and the bucket checks of a
 hand-made plan."""
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,38 @@ def test_each_setting_accepts_the_ends_of_its_range(name, value):
 def test_each_setting_refuses_just_past_its_range(name, value):
   with pytest.raises(plan_lib.PlanError, match=f"settings.{name}="):
     _with(**{name: value})
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("seed", -1, r"settings.seed=-1 must be an integer in \[0, 2\*\*32\)"),
+    ("seed", 2**32, r"settings.seed=4294967296 must be an integer in"),
+    ("zen_table", float("inf"), r"settings.zen_table=inf must be a finite"),
+    ("spardl_block", float("inf"),
+     r"settings.spardl_block=inf must be a finite"),
+])
+def test_settings_a_step_could_not_use_are_refused(name, value, message):
+  # each used to pass the plan and fail in the step with a bare
+  # OverflowError (uint32 seed; ⌈∞·C⌉ slots)
+  with pytest.raises(plan_lib.PlanError, match=message):
+    _with(**{name: value})
+  assert _with(seed=2**32 - 1).settings.seed == 2**32 - 1
+
+
+@pytest.mark.parametrize("collective", ["zen", "spardl", "hier"])
+def test_a_bucket_indexed_as_one_space_fits_int32(collective):
+  # two sparse leaves of 1.2e9 elements: 2.4e9 > 2**31 - 2 in one bucket
+  # index space (zen, spardl, hier); allgather indexes each leaf alone.
+  params = [jax.ShapeDtypeStruct((1_200_000_000,), jnp.float32)] * 2
+  with pytest.raises(plan_lib.PlanError, match=(
+      f"bucket 0: '{collective}' indexes the bucket's 2400000000 elements "
+      "as one int32 space")):
+    jaxfuse.plan(params, density=0.01, strategy="single",
+                 collective=collective)
+  jaxfuse.plan(params, density=0.01, strategy="single",
+               collective="allgather")
+  split = jaxfuse.plan(params, density=0.01, strategy="layerwise",
+                       collective=collective)
+  assert [b.collective for b in split.buckets] == [collective] * 2
 
 
 def _dense_leaf(size, path="[0]"):
@@ -84,3 +117,11 @@ def test_a_bucket_of_sparse_and_dense_leaves_is_refused():
   leaves = (_sparse_leaf(100, "[0]"), _dense_leaf(8, "[1]"))
   with pytest.raises(plan_lib.PlanError, match="mixes sparse and dense"):
     plan_lib.Plan(leaves, (plan_lib.BucketPlan((0, 1), "allgather"),))
+
+
+@pytest.mark.parametrize("provenance", ["abc", [1, 2]])
+def test_a_plan_file_with_a_bad_provenance_is_a_plan_error(provenance):
+  body = json.loads(_base().to_json())
+  body["provenance"] = provenance
+  with pytest.raises(plan_lib.PlanError, match="the file is corrupted"):
+    plan_lib.Plan.from_json(json.dumps(body))

@@ -57,6 +57,7 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import plan_checks
+from jaxfuse import plans as plan_lib
 from jaxfuse.collectives import base
 
 INDEX_BYTES = 4  # int32 indices
@@ -90,7 +91,8 @@ def block_capacity(size: int, slots: int, team_size: int, teams: int = 1,
                    share: float = 2.0) -> int:
   """m = min(⌈N/G⌉, max(1, ⌊b·C/G⌋)) rounded up to a multiple of T
   (b = ``settings.spardl_block``, 2 by default)."""
-  m = min(-(-size // team_size), max(1, int(share * slots) // team_size))
+  m = min(-(-size // team_size), max(1, math.floor(
+      plan_lib.decimal_product(slots, share)) // team_size))
   return teams * -(-m // teams)
 
 

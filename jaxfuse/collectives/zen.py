@@ -140,13 +140,15 @@ def layout(units: Sequence[plan_lib.Unit], num_workers: int,
   slots = sum(u.capacity for u in units)
   dtype = np.dtype(jnp.result_type(*[u.dtype for u in units]))
   k = num_workers
-  r1 = max(1, math.ceil(settings.zen_table * slots / k))
+  r1 = max(1, math.ceil(plan_lib.decimal_product(slots, settings.zen_table)
+                        / k))
   r2 = math.ceil(r1 / 4)
   class_max = max(partition_sizes(size, k, settings.seed))
   share = slots / k
   push = min(r1 + r2, slots, class_max,
              math.ceil(share + PUSH_SPREAD * math.sqrt(share)))
-  union = max(1, min(math.ceil(settings.zen_union * slots), class_max))
+  union = max(1, min(plan_lib.ceil_product(slots, settings.zen_union),
+                     class_max))
   bitmap = -(-class_max // 32) < union
   return Layout(size, slots, dtype, r1, r2, push, union, class_max, bitmap)
 
