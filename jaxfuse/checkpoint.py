@@ -152,10 +152,19 @@ def _num_workers(tree) -> int | None:
   return sizes.pop() if sizes else None
 
 
+def _is_array(x) -> bool:
+  """An array or its ``ShapeDtypeStruct`` (not a Python number, such as
+  flax ``TrainState.create``'s ``step=0``)."""
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
 def abstract(tree: Any) -> Any:
   """``ShapeDtypeStruct``s with the shardings of ``tree``'s arrays: the
-  target ``restore`` fills (from real arrays or ``jax.eval_shape``)."""
+  target ``restore`` fills (from real arrays or ``jax.eval_shape``).
+  Python numbers stay as they are (orbax restores them as such)."""
   def spec(x):
+    if not _is_array(x):
+      return x
     sharding = getattr(x, "sharding", None)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
   return jax.tree.map(spec, tree)
@@ -213,8 +222,8 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   elif per_unit or leafwise:
     out = _grouped(out, plan, jax.numpy.stack) if per_unit else out
     out = _grouped_moments(out, plan) if leafwise else out
-    out = jax.tree.map(lambda x, l: jax.device_put(x, l.sharding), out,
-                       abstract(like))
+    out = jax.tree.map(lambda x, l: jax.device_put(x, l.sharding)
+                       if _is_array(l) else x, out, abstract(like))
   return step, out
 
 
@@ -299,12 +308,15 @@ def _on_host(like, saved_k):
   return jax.tree.map(
       lambda x, m: jax.ShapeDtypeStruct(
           ((saved_k,) + tuple(x.shape[1:])) if m else x.shape, x.dtype,
-          sharding=device), like, transform.per_worker_mask(like))
+          sharding=device) if _is_array(x) else x,
+      like, transform.per_worker_mask(like))
 
 
 def _place(host: np.ndarray, like: jax.ShapeDtypeStruct) -> jax.Array:
   """A host array placed with ``like``'s sharding (each process fills its
-  own devices: works across processes)."""
+  own devices: works across processes); a Python number as one."""
+  if not _is_array(like):
+    return type(like)(host.item())
   if like.sharding is None:
     return jax.numpy.asarray(host)
   return jax.make_array_from_callback(host.shape, like.sharding,

@@ -72,6 +72,29 @@ def test_per_worker_leaves_come_back_sharded_and_equal(tmp_path, trained):
     checkpoint.save(mngr, 2, state, plan)
 
 
+def test_a_python_number_in_the_state_comes_back(tmp_path, trained, mesh):
+  # flax TrainState.create keeps step=0 as a Python int; restore used to
+  # fail in abstract() ('int' object has no attribute 'shape'), on the
+  # same worker count and on the elastic path alike.
+  plan, opt = trained
+  mngr = checkpoint.manager(tmp_path)
+  checkpoint.save(mngr, 2, {"opt": opt, "step": 7, "scale": 0.5}, plan)
+  _, back = checkpoint.restore(
+      mngr, {"opt": init(plan, mesh), "step": 0, "scale": 1.0}, plan)
+  assert back["step"] == 7 and type(back["step"]) is int
+  assert back["scale"] == 0.5 and type(back["scale"]) is float
+  np.testing.assert_array_equal(np.asarray(back["opt"].residuals[0]),
+                                np.asarray(opt.residuals[0]))
+  if K < 2:    # one GPU: no smaller worker count to restore onto
+    return
+  half = jaxfuse.make_mesh(K // 2)
+  _, back = checkpoint.restore(
+      mngr, {"opt": init(plan, half), "step": 0, "scale": 1.0}, plan)
+  assert back["step"] == 7 and type(back["step"]) is int
+  assert back["scale"] == 0.5 and type(back["scale"]) is float
+  assert back["opt"].residuals[0].shape[0] == K // 2
+
+
 def test_plan_checks(tmp_path, trained):
   plan, state = trained
   mngr = checkpoint.manager(tmp_path)
