@@ -179,6 +179,38 @@ def _refuse_local_wrappers(opt_state) -> None:
                       f"{_LOCAL_WRAPPERS[type(x)]}")
 
 
+_FREEZING = ("Leave frozen parameters out of what you differentiate, or "
+             "give every part of optax.multi_transform a jaxfuse optimizer "
+             "with its part's plan (docs/choosing.md, \"Freezing "
+             "parameters, and optax.multi_transform\").")
+
+
+def _refuse_partial_wrappers(opt_state) -> None:
+  """``SyncError`` for a jaxfuse optimizer under ``optax.masked`` (the
+  masked-out leaves' updates are their gradients, each worker's own under
+  ``local_params``) or in an ``optax.multi_transform`` next to parts
+  without one (``set_to_zero`` gives per-worker zeros; an optax optimizer
+  steps on one worker's gradient)."""
+  wrappers = (optax.MultiTransformState, optax.MaskedState)
+  for x in jax.tree.leaves(opt_state,
+                           is_leaf=lambda x: isinstance(x, wrappers)):
+    if isinstance(x, optax.MultiTransformState):
+      bare = sorted(str(label) for label, part in x.inner_states.items()
+                    if not holds(part, is_worker_state))
+      if bare and len(bare) < len(x.inner_states):
+        raise SyncError(
+            f"optax.multi_transform has parts {bare} without a jaxfuse "
+            "optimizer next to parts with one: under jaxfuse.local_params "
+            "their gradients are each worker's own, so optax.set_to_zero "
+            "gives each worker its own zeros and an optax optimizer would "
+            f"step on one worker's gradient. {_FREEZING}")
+    elif isinstance(x, optax.MaskedState) and holds(x, is_worker_state):
+      raise SyncError(
+          "optax.masked holds a jaxfuse optimizer: it passes the masked-out "
+          "leaves' gradients through as their updates, each worker's own "
+          f"under jaxfuse.local_params. {_FREEZING}")
+
+
 # optax.inject_hyperparams's states (the stateful one from optax 0.2.3 on)
 _INJECTED = tuple(k for k in (
     getattr(optax, "InjectHyperparamsState", None),
@@ -220,6 +252,7 @@ def state_specs(opt_state, axis_name: str | tuple = "data"):
   (``optax.apply_if_finite``, ``optax.MultiSteps``), naming what to use.
   """
   _refuse_local_wrappers(opt_state)
+  _refuse_partial_wrappers(opt_state)
   _refuse_local_state_before_sync(opt_state)
   _refuse_narrow_hyperparams(opt_state)
   _refuse_axes_off_the_mesh(opt_state, axis_name)

@@ -217,9 +217,11 @@ class Plan:
       if missing or extra:
         part = ("" if extra else
                 " An optax wrapper such as optax.multi_transform or "
-                "optax.masked hands its optimizer a part of the tree: make "
-                "the plan from that part (docs/choosing.md, \"Freezing "
-                "parameters, and optax.multi_transform\").")
+                "optax.masked hands its optimizer a part of the tree: to "
+                "freeze parameters leave them out of what you differentiate; "
+                "optax.multi_transform works when every part is a jaxfuse "
+                "optimizer with its part's plan (docs/choosing.md, "
+                "\"Freezing parameters, and optax.multi_transform\").")
         raise PlanError(
             "plan and parameters have different leaves: "
             f"in the plan only {missing[:5]}, in the parameters only "

@@ -114,19 +114,28 @@ def test_multi_transform_with_a_whole_tree_plan_points_to_the_doc():
     jaxfuse.init_state(opt, params, mesh)
 
 
-def test_multi_transform_with_set_to_zero_fails_the_replication_check():
-  """As the doc says: per-worker zeros for the frozen part."""
+def test_freezing_with_set_to_zero_or_masked_is_refused_at_init():
+  """As the doc says: per-worker zeros for a set_to_zero part (JAX's
+  replication check stopped the step), the masked-out gradients passed
+  through by optax.masked: both refused by init_state and state_specs,
+  naming the doc's section, before a step is traced."""
   mesh = mesh_of(K)
-  params, batches = _problem(mesh)
+  params, _ = _problem(mesh)
   plan = jaxfuse.plan({"head": params["head"]}, density=0.1,
                       min_sparse_size=64)
-  opt = optax.multi_transform({"train": jaxfuse.sgd(plan, 0.05),
-                               "frozen": optax.set_to_zero()},
-                              {"embed": "frozen", "head": "train"})
-  state = jaxfuse.init_state(opt, params, mesh)
-  step = _whole_tree_step(opt, mesh, jaxfuse.state_specs(state))
-  with pytest.raises(Exception, match=r"out_specs\[0\] is P\(\)"):
-    step(params, state, batches[0])
+  zero = optax.multi_transform({"train": jaxfuse.sgd(plan, 0.05),
+                                "frozen": optax.set_to_zero()},
+                               {"embed": "frozen", "head": "train"})
+  masked = optax.masked(jaxfuse.sgd(plan, 0.05),
+                        {"embed": False, "head": True})
+  for opt, what in ((zero, r"optax.multi_transform has parts \['frozen'\] "
+                     "without a jaxfuse optimizer"),
+                    (masked, "optax.masked holds a jaxfuse optimizer")):
+    with pytest.raises(jaxfuse.SyncError,
+                       match=f"(?s)^{what}.*Freezing parameters"):
+      jaxfuse.init_state(opt, params, mesh)
+    with pytest.raises(jaxfuse.SyncError, match=f"^{what}"):
+      jaxfuse.state_specs(jax.eval_shape(opt.init, params))
 
 
 # two jaxfuse parts, each with the plan of its part of the tree

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -216,6 +216,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
                                packed_indices=packed_indices)
 
   _refuse_nnx_object(params)
+  _refuse_linen_variables(params)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   if not flat:
     raise plan_lib.PlanError("params has no array leaves to plan for.")
@@ -373,6 +374,26 @@ def _nnx_classes(x) -> list[str]:
 
 # NNX variable types that hold no trained parameters
 _NNX_STATE = ("BatchStat", "RngState", "Cache", "Intermediate", "OptState")
+
+
+# flax linen variable collections that hold no trained parameters
+_LINEN_STATE = ("batch_stats", "cache", "intermediates", "perturbations",
+                "losses")
+
+
+def _refuse_linen_variables(params) -> None:
+  """A flax linen ``variables`` dict (``model.init``'s whole output) with
+  collections besides ``"params"``: the running statistics would be
+  planned, and their gradients synced, as if trained."""
+  if not isinstance(params, Mapping) or "params" not in params:
+    return
+  others = sorted(k for k in params if k in _LINEN_STATE)
+  if others:
+    raise plan_lib.PlanError(
+        f"params holds the flax collections {['params', *others]}: a linen "
+        "model's variables, not its parameters. Plan variables['params'] "
+        "(and differentiate with respect to it); keep the other "
+        "collections out of the optimizer.")
 
 
 def _refuse_nnx_object(params) -> None:
