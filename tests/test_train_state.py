@@ -92,3 +92,59 @@ def test_a_state_of_one_workers_shapes_is_refused():
   for ok in (fixed.opt_state, jaxfuse.init_state(opt, params, one)):
     specs = jaxfuse.state_specs(ok)
     assert specs[1].residuals[0] == P("data")
+
+
+def test_phases_with_a_train_state_step_as_the_plain_loop():
+  """The doc's phase loop with a TrainState (tx replaced in the state and
+  the specs) steps bitwise as the plain loop over the same phases."""
+  mesh = mesh_of(K)
+  params, batches = _problem()
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  phases = jaxfuse.density_warmup(plan, dense_steps=1, steps=1,
+                                  densities=(0.25,))
+  make_opt = lambda plan: jaxfuse.onebit_adamw(plan, 1e-2)
+  total = len(batches)
+  sharded = [shard(mesh, b) for b in batches]
+
+  class Model:
+    apply = staticmethod(lambda variables, x: x)
+
+  user = dict(jax=jax, jaxfuse=jaxfuse, train_state=train_state, P=P,
+              model=Model, params=jax.tree.map(jnp.copy, params),
+              opt=make_opt(phases[0].plan), mesh=mesh, loss_fn=mlp_loss,
+              phases=phases, make_opt=make_opt, total=total)
+  steps = iter(sharded)
+
+  def next_batch():   # waits for the last step first (CPU collectives)
+    jax.block_until_ready(user["state"])
+    return next(steps)
+  user["next_batch"] = next_batch
+  exec(doc_snippet("docs/choosing.md", "## With flax's `TrainState`"),  # pylint: disable=exec-used
+       user)
+  exec(doc_snippet("docs/choosing.md", "### Phases with a `TrainState`"),  # pylint: disable=exec-used
+       user)
+
+  p = params
+  s = jaxfuse.init_state(make_opt(phases[0].plan), params, mesh)
+  specs = jaxfuse.state_specs(s)
+  for phase in phases:
+    opt = make_opt(phase.plan)
+
+    def local(params, opt_state, batch, opt=opt):
+      grads = jax.grad(mlp_loss)(jaxfuse.local_params(params), batch)
+      updates, opt_state = opt.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    plain = jax.jit(jax.shard_map(local, mesh=mesh,
+                                  in_specs=(P(), specs, P("data")),
+                                  out_specs=(P(), specs)))
+    for step in range(phase.start, min(phase.stop or total, total)):
+      p, s = plain(p, s, sharded[step])
+      jax.block_until_ready(p)
+  state = user["state"]
+  assert int(state.step) == total
+  for a, b in zip(jax.tree.leaves((state.params, state.opt_state)),
+                  jax.tree.leaves((p, s)), strict=True):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  assert not np.array_equal(np.asarray(p["w1"]), np.asarray(params["w1"]))
