@@ -288,7 +288,9 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
           f"jaxfuse.local_params(params, {axis_name!r}) to get each "
           "worker's own gradient), or the step averaged it itself "
           "(jax.lax.pmean/psum of the gradients): pass each worker's own "
-          "gradient to opt.update, which averages it.")
+          "gradient to opt.update, which averages it; or an earlier "
+          "sparse_sync or recipe in the same chain synced it (one per "
+          "optimizer).")
     out.append(g)
   return out
 

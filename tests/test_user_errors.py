@@ -10,6 +10,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -644,3 +645,35 @@ def test_a_state_of_another_momentum_is_refused(mesh, made_with,
                      match=f"has {have} velocity buffers; this transform "
                      rf"\(momentum={stepped_with}\) needs {need}"):
     jax.eval_shape(step, grads, state)
+
+
+@pytest.mark.parametrize("case", ["replicated", "pmean", "two_syncs"])
+def test_a_gradient_already_averaged_names_the_three_causes(plan, case):
+  # Each worker must hand opt.update its own gradient. Here it does not:
+  # JAX summed the gradient of replicated parameters, the step averaged it,
+  # or a second sparse_sync in the chain gets the first one's mean.
+  if NUM_WORKERS < 2:
+    pytest.skip("one device: every gradient is the same on every worker")
+  mesh = mesh_of(NUM_WORKERS)
+  opt = (optax.chain(jaxfuse.sparse_sync(plan), jaxfuse.sparse_sync(plan))
+         if case == "two_syncs" else jaxfuse.sparse_sync(plan))
+  state = jaxfuse.init_state(opt, PARAMS, mesh)
+  specs = jaxfuse.state_specs(state)
+
+  def local(params, state, x):
+    loss = lambda p: jnp.sum((x @ p["w"] + p["b"]) ** 2)
+    mine = params if case == "replicated" else jaxfuse.local_params(params)
+    grads = jax.grad(loss)(mine)
+    if case == "pmean":
+      grads = jax.lax.pmean(grads, "data")
+    return opt.update(grads, state, params)
+
+  step = jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs)))
+  x = shard(mesh, np.ones((NUM_WORKERS, 64), np.float32))
+  with pytest.raises(jaxfuse.SyncError, match=(
+      r"(?s)^gradient \['b'\] is already the same on every worker.*"
+      r"jaxfuse.local_params\(params, 'data'\).*jax.lax.pmean/psum.*"
+      "an earlier sparse_sync or recipe in the same chain synced it")):
+    step(PARAMS, state, x)
