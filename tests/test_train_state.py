@@ -28,6 +28,18 @@ def _problem():
   return params, batches
 
 
+def _plain_step(opt, mesh, specs):
+  """The Quickstart's step without a TrainState: (params, state, batch)."""
+  def local(params, opt_state, batch):
+    grads = jax.grad(mlp_loss)(jaxfuse.local_params(params), batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs)))
+
+
 def test_train_state_steps_as_the_plain_step():
   mesh = mesh_of(K)
   params, batches = _problem()
@@ -47,16 +59,7 @@ def test_train_state_steps_as_the_plain_step():
   exec(snippet, user)  # pylint: disable=exec-used
 
   opt_state = jaxfuse.init_state(opt, params, mesh)
-  specs = jaxfuse.state_specs(opt_state)
-
-  def local(params, opt_state, batch):
-    grads = jax.grad(mlp_loss)(jaxfuse.local_params(params), batch)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  plain = jax.jit(jax.shard_map(local, mesh=mesh,
-                                in_specs=(P(), specs, P("data")),
-                                out_specs=(P(), specs)))
+  plain = _plain_step(opt, mesh, jaxfuse.state_specs(opt_state))
   state, p, s = user["state"], params, opt_state
   for batch in batches:
     batch = shard(mesh, batch)
@@ -129,16 +132,7 @@ def test_phases_with_a_train_state_step_as_the_plain_loop():
   s = jaxfuse.init_state(make_opt(phases[0].plan), params, mesh)
   specs = jaxfuse.state_specs(s)
   for phase in phases:
-    opt = make_opt(phase.plan)
-
-    def local(params, opt_state, batch, opt=opt):
-      grads = jax.grad(mlp_loss)(jaxfuse.local_params(params), batch)
-      updates, opt_state = opt.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
-
-    plain = jax.jit(jax.shard_map(local, mesh=mesh,
-                                  in_specs=(P(), specs, P("data")),
-                                  out_specs=(P(), specs)))
+    plain = _plain_step(make_opt(phase.plan), mesh, specs)
     for step in range(phase.start, min(phase.stop or total, total)):
       p, s = plain(p, s, sharded[step])
       jax.block_until_ready(p)
