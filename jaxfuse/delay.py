@@ -104,8 +104,8 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
     pending = jax.tree.map(
         lambda g, p: g.astype(p.dtype)[None] if floats(g) else p,
         updates, state.pending.inner)
-    last = (jax.tree.map(lambda o, l: o.astype(l.dtype), out,
-                         state.last_update) if predict else None)
+    last = (jax.tree.map(lambda o, l: o.astype(l.dtype) if floats(l) else l,
+                         out, state.last_update) if predict else None)
     return out, DelayedState(state.count + 1,
                              transform.PerWorkerState(pending), new_inner,
                              last)

@@ -104,7 +104,9 @@ class Settings:
 
   headroom: capacity over target count (c = ⌈ρ·n·headroom⌉).
   min_sparse_size: leaves with fewer elements are synchronized dense.
-  refresh: re-estimate τ every ``refresh`` steps; in between only feedback.
+  refresh: re-estimate τ every ``refresh`` steps; in between only feedback
+    (and a fresh estimate where no τ is kept yet: after a dense phase or
+    for a unit new after ``relayout``).
   feedback: scale τ step to step so the selected count tracks ρ·n.
   sample_fraction: share of elements the ``"dgc"`` estimator samples.
   sidco_stages: exponential-fit stages of ``"sidco"``.

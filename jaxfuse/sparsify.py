@@ -270,7 +270,9 @@ def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
 
   ``estimate``: the k-th largest of the unit's ``sample_spec`` (None where
   that is None). For ``"topk"`` τ is that estimate (the bracket τ_lo);
-  otherwise the scaled estimate, a fresh estimate or the kept τ.
+  otherwise the scaled estimate, a fresh estimate or the kept τ (fresh
+  where the kept one is not > 0: none was set, as after a dense phase, and
+  the controller's τ·e^Δ would keep 0 at 0).
   """
   offset = uniform_index(hash32(salt_), 0, grad.size)
   if estimator == "topk":
@@ -283,8 +285,9 @@ def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
       settings=settings) * scale).astype(jnp.float32)
   if settings.refresh == 1:
     return fresh(), offset
-  return lax.cond(step % settings.refresh == 0, fresh,
-                  lambda: ctrl_unit.threshold), offset
+  kept = ctrl_unit.threshold
+  return lax.cond((step % settings.refresh == 0) | ~(kept > 0), fresh,
+                  lambda: kept), offset
 
 
 def unit_pass(grad, residual, ctrl_unit: Control, step, salt_, estimate, *,

@@ -15,6 +15,7 @@ import pytest
 import jaxfuse
 from jaxfuse import elastic
 
+from _harness import NUM_WORKERS
 from _harness import mesh_of
 from _harness import shard
 
@@ -225,3 +226,37 @@ def test_predicted_params_refuses_two_delayed_states():
                          jnp.ones(3))   # u_{-1} = 0
   with pytest.raises(jaxfuse.SyncError, match=r"found 2 DelayedState\(s\)"):
     jaxfuse.predicted_params(params, (one, opt.init(params)))
+
+
+def test_predict_with_an_integer_leaf_steps_as_without():
+  # A non-float leaf passes through undelayed (its float0 gradient); the
+  # kept last update used to cast that per-worker value into the int leaf,
+  # which shard_map's replicated out_spec refused.
+  mesh = mesh_of(NUM_WORKERS)
+  params = {"w": jnp.ones((40, 40), jnp.float32),
+            "n": jnp.zeros((3,), jnp.int32)}
+  plan = jaxfuse.plan(params, density=0.05, min_sparse_size=64)
+  x = shard(mesh, np.ones((NUM_WORKERS, 40), np.float32))
+  updates = {}
+  for predict in (False, True):
+    opt = jaxfuse.delayed(jaxfuse.sparse_sync(plan), predict=predict)
+    state = jaxfuse.init_state(opt, params, mesh)
+    specs = jaxfuse.state_specs(state)
+
+    def local(params, state, x, opt=opt):
+      loss = lambda p: jnp.sum((x @ p["w"]) ** 2) + 0 * p["n"].sum()
+      g = jax.grad(loss, allow_int=True)(jaxfuse.local_params(params))
+      u, state = opt.update(g, state, params)
+      return u["w"], state
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh,
+                                 in_specs=(P(), specs, P("data")),
+                                 out_specs=(P(), specs)))
+    for _ in range(2):
+      u, state = jax.block_until_ready(step(params, state, x))
+    updates[predict] = np.asarray(u)
+    if predict:
+      np.testing.assert_array_equal(np.asarray(state.last_update["n"]),
+                                    np.zeros(3, np.int32))
+  assert np.abs(updates[False]).sum() > 0
+  np.testing.assert_array_equal(updates[True], updates[False])

@@ -133,3 +133,28 @@ def test_controller_scale_is_bounded():
                             jnp.float32(1.0))
   assert float(out.log_scale) == pytest.approx(-12.0)
   assert float(out.threshold) == pytest.approx(math.exp(-0.1), rel=1e-5)
+
+
+@pytest.mark.parametrize("kept,step,fresh", [
+    (2.0, 5, False),    # between refreshes: the kept τ
+    (2.0, 8, True),     # a refresh step
+    (0.0, 5, True),     # none kept (after a dense phase): estimate now
+    (float("nan"), 5, True),
+])
+def test_refresh_estimates_where_no_threshold_is_kept(kept, step, fresh):
+  """refresh = 4: τ is re-estimated on steps 0, 4, 8, … and kept between;
+  a kept τ of 0 (a dense phase sets none) is estimated afresh, since the
+  controller's τ·e^Δ would keep it at 0 and every element pass."""
+  settings = plan_lib.Settings(refresh=4)
+  rng = np.random.default_rng(0)
+  g = jnp.asarray(rng.normal(size=4096).astype(np.float32))
+  r = jnp.zeros_like(g)
+  salt = sparsify.salt(0, step, 0)
+  want = float(sparsify.estimate_threshold(
+      g, r, estimator="gaussian", density=0.01, salt_=salt,
+      settings=settings))
+  assert want > 2.5                     # the 1 % tail of N(0, 1)
+  tau, _ = sparsify.unit_threshold(
+      g, r, _ctrl(0.1, tau=kept), jnp.int32(step), salt, None,
+      density=0.01, estimator="gaussian", settings=settings)
+  assert float(tau) == pytest.approx(want if fresh else kept, rel=1e-6)
