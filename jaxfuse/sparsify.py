@@ -264,15 +264,25 @@ def pass_capacity(n: int, *, capacity: int, density: float, estimator: str,
   return topk_bracket(target_count(density, n), n)[2]
 
 
+def estimate_now(step, kept, settings) -> jax.Array:
+  """Whether any of the units whose kept thresholds are ``kept`` needs a
+  fresh estimate this step: a refresh step, or a kept τ that is not > 0
+  (none was set, as after a dense phase; the controller's τ·e^Δ would
+  keep 0 at 0). One scalar for a batch, so its ``lax.cond`` stays one
+  branch under ``vmap``."""
+  return (step % settings.refresh == 0) | jnp.any(~(kept > 0))
+
+
 def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
-                   estimate, *, density: float, estimator: str, settings):
+                   estimate, now=None, *, density: float, estimator: str,
+                   settings):
   """(τ, rotation offset) of ``unit_pass``'s pass.
 
   ``estimate``: the k-th largest of the unit's ``sample_spec`` (None where
   that is None). For ``"topk"`` τ is that estimate (the bracket τ_lo);
-  otherwise the scaled estimate, a fresh estimate or the kept τ (fresh
-  where the kept one is not > 0: none was set, as after a dense phase, and
-  the controller's τ·e^Δ would keep 0 at 0).
+  otherwise the scaled estimate, a fresh estimate or the kept τ: fresh on
+  a refresh step and where the kept one is not > 0. ``now``: the batch's
+  ``estimate_now`` (this unit's own by default).
   """
   offset = uniform_index(hash32(salt_), 0, grad.size)
   if estimator == "topk":
@@ -286,7 +296,9 @@ def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
   if settings.refresh == 1:
     return fresh(), offset
   kept = ctrl_unit.threshold
-  return lax.cond((step % settings.refresh == 0) | ~(kept > 0), fresh,
+  renew = (step % settings.refresh == 0) | ~(kept > 0)
+  now = estimate_now(step, kept, settings) if now is None else now
+  return lax.cond(now, lambda: jnp.where(renew, fresh(), kept),
                   lambda: kept), offset
 
 
