@@ -7,6 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from jaxfuse import sparsify
 from jaxfuse import stats as stats_lib
 from jaxfuse.kernels import reference
 
-from _harness import init, list_plan, per_device, sync
+from _harness import init, list_plan, per_device, shard, sync
 
 from _harness import NUM_WORKERS as K
 ESTIMATORS = ["topk", "dgc", "gaussian", "redsync", "sidco"]
@@ -250,6 +251,25 @@ def test_threshold_is_refreshed_every_refresh_steps(mesh):
       np.testing.assert_array_equal(taus[t], taus[t - 1])
     else:
       assert np.all(taus[t] > 1.5 * taus[t - 1])
+
+
+def test_a_step_between_refreshes_estimates_nothing(mesh):
+  """refresh > 1 saves the estimate between refreshes: the compiled step
+  keeps it behind a conditional (one scalar per batch of units), not a
+  select that computes it every step; refresh = 1 has none."""
+  def compiled(refresh):
+    plan = list_plan([(5000,), (5000,)], density=0.01, estimator="gaussian",
+                     refresh=refresh, strategy="single")
+    tx = jaxfuse.sparse_sync(plan)
+    state = init(plan, mesh)
+    specs = jaxfuse.state_specs(state)
+    step = jax.jit(jax.shard_map(
+        lambda g, s: tx.update([x[0] for x in g], s), mesh=mesh,
+        in_specs=(P("data"), specs), out_specs=(P(), specs)))
+    grads = shard(mesh, [np.ones((K, 5000), np.float32)] * 2)
+    return step.lower(grads, state).compile().as_text()
+  assert "conditional(" in compiled(4)
+  assert "conditional(" not in compiled(1)
 
 
 @pytest.mark.parametrize("strategy,shapes", [
