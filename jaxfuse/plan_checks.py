@@ -26,6 +26,12 @@ MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
 BUCKET_INDEXED = ("zen", "spardl", "hier")
 
 
+def overflows_one_space(collective: str, size: int) -> bool:
+  """A sparse bucket of ``size`` elements that ``collective`` would index
+  as one int32 space (``BUCKET_INDEXED``) too large for it."""
+  return collective in BUCKET_INDEXED and size > MAX_LEAF_SIZE
+
+
 class PlanError(ValueError):
   """A plan that is malformed or does not match the parameters."""
 
@@ -171,8 +177,7 @@ def check_plan(plan) -> None:
       raise PlanError(f"{where}: {mode} leaves need collective "
                       f"{' or '.join(map(repr, want))}, not {b.collective!r}.")
     size = sum(plan.leaves[j].size for j in b.leaves)
-    if mode == "sparse" and b.collective in BUCKET_INDEXED and (
-        size > MAX_LEAF_SIZE):
+    if mode == "sparse" and overflows_one_space(b.collective, size):
       raise PlanError(
           f"{where}: {b.collective!r} indexes the bucket's {size} elements "
           f"as one int32 space (at most {MAX_LEAF_SIZE}); split the bucket "

@@ -27,9 +27,10 @@ from jaxfuse import _compat
 from jaxfuse import _jsonfile
 # the fields' names, the number checks and PlanError, used through here
 from jaxfuse.plan_checks import (  # pylint: disable=unused-import
-    BUCKET_INDEXED, COLLECTIVES, ESTIMATORS, FULL_WIRES, MAX_LEAF_SIZE, MODES,
+    COLLECTIVES, ESTIMATORS, FULL_WIRES, MAX_LEAF_SIZE, MODES,
     RESIDUAL_DTYPES, SPARSE_COLLECTIVES, SPARSE_WIRES, SPARSIFY, PlanError,
-    as_python, check_plan, is_int, is_leaf_order, is_real)
+    as_python, check_plan, is_int, is_leaf_order, is_real,
+    overflows_one_space)
 
 FORMAT = "jaxfuse.plan"
 FORMAT_VERSION = 1

@@ -296,9 +296,9 @@ def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
   if settings.refresh == 1:
     return fresh(), offset
   kept = ctrl_unit.threshold
-  renew = (step % settings.refresh == 0) | ~(kept > 0)
-  now = estimate_now(step, kept, settings) if now is None else now
-  return lax.cond(now, lambda: jnp.where(renew, fresh(), kept),
+  renew = estimate_now(step, kept, settings)   # this unit's own
+  return lax.cond(renew if now is None else now,
+                  lambda: jnp.where(renew, fresh(), kept),
                   lambda: kept), offset
 
 

@@ -314,8 +314,7 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
         scheme = collectives.get(name)
         units = [plan_lib.wire_unit(u, plan.settings, name)
                  for u in sched.bucket_units(step)]
-        if name in plan_lib.BUCKET_INDEXED and sum(
-            u.size for u in units) > plan_lib.MAX_LEAF_SIZE:
+        if plan_lib.overflows_one_space(name, sum(u.size for u in units)):
           continue  # one int32 index space cannot hold the bucket
         try:
           scheme.check("auto", num_workers, plan.settings)
