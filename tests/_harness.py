@@ -85,6 +85,21 @@ def mlp_loss(p, batch):
   return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
 
+def quickstart_step(opt, mesh, specs, loss=mlp_loss):
+  """The README's step, jitted: (params, opt_state, batch) -> (params,
+  opt_state), the whole tree differentiated on each worker and stepped."""
+  import optax  # pylint: disable=g-import-not-at-top
+
+  def local(params, opt_state, batch):
+    grads = jax.grad(loss)(jaxfuse.local_params(params), batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs)))
+
+
 def cpu_env(num_devices: int = 8,
             compile_cache: str | os.PathLike | None = None) -> dict[str, str]:
   """Environment of a child process on ``num_devices`` CPU devices (the

@@ -17,6 +17,7 @@ from jaxfuse import overlap
 from jaxfuse import transform
 
 from _harness import NUM_WORKERS, all_eqns, doc_snippet, mesh_of, mlp_loss
+from _harness import quickstart_step
 
 K = NUM_WORKERS
 
@@ -34,17 +35,6 @@ def _problem(mesh):
 
 def loss_fn(p, batch):
   return mlp_loss({"w1": p["embed"], "w2": p["head"]}, batch)
-
-
-def _whole_tree_step(opt, mesh, specs):
-  """The Quickstart's step: the whole tree differentiated and stepped."""
-  def local(params, opt_state, batch):
-    grads = jax.grad(loss_fn)(jaxfuse.local_params(params), batch)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-  return jax.jit(jax.shard_map(local, mesh=mesh,
-                               in_specs=(P(), specs, P("data")),
-                               out_specs=(P(), specs)))
 
 
 def _collectives(step, *args):
@@ -173,7 +163,7 @@ def test_multi_transform_of_jaxfuse_parts_steps_each_part_alone():
       out.update(optax.apply_updates(part(params), updates))
     return out, new
 
-  step = _whole_tree_step(opt, mesh, jaxfuse.state_specs(state))
+  step = quickstart_step(opt, mesh, jaxfuse.state_specs(state), loss_fn)
   step_alone = jax.jit(jax.shard_map(
       local_alone, mesh=mesh, in_specs=(P(), alone_specs, P("data")),
       out_specs=(P(), alone_specs)))
@@ -204,7 +194,7 @@ def test_multi_transform_state_checkpoints_and_resizes(tmp_path):
   params, batches = _problem(mesh)
   opt = optax.multi_transform(_parts(params), LABELS)
   state = jaxfuse.init_state(opt, params, mesh)
-  step = _whole_tree_step(opt, mesh, jaxfuse.state_specs(state))
+  step = quickstart_step(opt, mesh, jaxfuse.state_specs(state), loss_fn)
   saved = (jax.tree.map(jnp.copy, params), state)
   for batch in batches[:2]:
     saved = step(*saved, batch)

@@ -5,7 +5,6 @@ made it (one worker's shapes) is refused, naming the fix."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax.training import train_state
 from jax.sharding import NamedSharding
@@ -14,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jaxfuse
 
 from _harness import NUM_WORKERS, doc_snippet, mesh_of, mlp_loss, shard
+from _harness import quickstart_step
 
 K = NUM_WORKERS
 
@@ -26,18 +26,6 @@ def _problem():
               rng.normal(size=(4 * K, 8)).astype(np.float32))
              for _ in range(3)]
   return params, batches
-
-
-def _plain_step(opt, mesh, specs):
-  """The Quickstart's step without a TrainState: (params, state, batch)."""
-  def local(params, opt_state, batch):
-    grads = jax.grad(mlp_loss)(jaxfuse.local_params(params), batch)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return jax.jit(jax.shard_map(local, mesh=mesh,
-                               in_specs=(P(), specs, P("data")),
-                               out_specs=(P(), specs)))
 
 
 def test_train_state_steps_as_the_plain_step():
@@ -59,7 +47,7 @@ def test_train_state_steps_as_the_plain_step():
   exec(snippet, user)  # pylint: disable=exec-used
 
   opt_state = jaxfuse.init_state(opt, params, mesh)
-  plain = _plain_step(opt, mesh, jaxfuse.state_specs(opt_state))
+  plain = quickstart_step(opt, mesh, jaxfuse.state_specs(opt_state))
   state, p, s = user["state"], params, opt_state
   for batch in batches:
     batch = shard(mesh, batch)
@@ -132,7 +120,7 @@ def test_phases_with_a_train_state_step_as_the_plain_loop():
   s = jaxfuse.init_state(make_opt(phases[0].plan), params, mesh)
   specs = jaxfuse.state_specs(s)
   for phase in phases:
-    plain = _plain_step(make_opt(phase.plan), mesh, specs)
+    plain = quickstart_step(make_opt(phase.plan), mesh, specs)
     for step in range(phase.start, min(phase.stop or total, total)):
       p, s = plain(p, s, sharded[step])
       jax.block_until_ready(p)
