@@ -172,10 +172,11 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
   for i, b in enumerate(todo):
     threshold = jax.vmap(functools.partial(sparsify.unit_threshold, **kw[i]),
                          in_axes=(0, 0, 0, None, 0, 0, None))
+    target = plan_lib.target_count(b.unit.density, b.unit.size)
     tau, offset = by_chunk(
-        lambda x_, r_, c_, s_, e_, f=threshold: f(
+        lambda x_, r_, c_, s_, e_, f=threshold, k=target: f(
             x_, r_, c_, step, s_, e_,
-            sparsify.estimate_now(step, c_.threshold, settings)),
+            sparsify.estimate_now(step, c_, k, settings)),
         chunks[i], r[i], c[i], salts[i], estimate.get(i))
     pass_args.append((chunks[i], r[i], tau, sparsify.pass_capacity(
         b.unit.size, capacity=b.unit.capacity, **kw[i]), offset))

@@ -23,7 +23,9 @@ Orbax writes each step into a temporary directory and renames it when
 complete, so a save that dies half-way leaves the previous checkpoint
 intact and loadable. A checkpoint of jaxfuse 0.1 (one residual per unit)
 is regrouped into today's per-group arrays on restore, and so is an
-``onebit_adamw`` first moment saved leaf by leaf (jaxfuse 0.2). Resuming
+``onebit_adamw`` first moment saved leaf by leaf (jaxfuse 0.2); an earlier
+controller state, which kept no k, gets the saved plan's k where it had
+set a threshold. Resuming
 with a plan of another layout (other units, buckets, leaves or settings:
 its state would not fit) raises
 ``CheckpointError``; a plan that differs only in densities and capacities
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -46,6 +48,7 @@ from jaxfuse import placement
 from jaxfuse import plans as plan_lib
 from jaxfuse import recipes
 from jaxfuse import schedule as schedule_lib
+from jaxfuse import sparsify
 from jaxfuse import transform
 
 STATE, PLAN, EXTRA = "state", "plan", "extra"
@@ -54,8 +57,9 @@ LAYOUT = "__jaxfuse_state_layout__"  # and how sparse_sync's state is laid out
 # 1 (jaxfuse 0.1, no LAYOUT key): one residual (and velocity) per unit;
 # 2: one (K, G, n) array per state group (plans.state_groups);
 # 3: also onebit_adamw's m as jaxfuse.grouped keeps it (1 and 2: in the
-# params' shapes).
-STATE_LAYOUT = 3
+# params' shapes); 4: also the k each unit's controller was tuned for
+# (sparsify.Control.target; 1-3 kept none).
+STATE_LAYOUT = 4
 
 
 class CheckpointError(ValueError):
@@ -199,8 +203,12 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
         "(checkpoint.save(..., plan)).")
   per_unit = plan is not None and _has_sync_state(like) and layout < 2
   leafwise = plan is not None and _has_onebit(like) and layout < 3
+  untargeted = _has_sync_state(like) and layout < 4
   saved_like = _per_unit(like, plan) if per_unit else like
   saved_like = _leafwise_moments(saved_like) if leafwise else saved_like
+  saved_like = _untargeted(saved_like) if untargeted else saved_like
+  targets = (_unit_targets(plan_lib.Plan.from_json(json.dumps(saved)))
+             if untargeted and plan is not None else None)
   new_k = _num_workers(like)
   elastic_k = saved_k is not None and new_k is not None and saved_k != new_k
   target = _on_host(saved_like, saved_k) if elastic_k else abstract(
@@ -218,10 +226,12 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
                                transform.per_worker_mask(saved_like), new_k)
     host = _grouped(host, plan, np.stack) if per_unit else host
     host = _grouped_moments(host, plan) if leafwise else host
+    host = _targeted(host, targets) if untargeted else host
     out = jax.tree.map(_place, jax.tree.map(np.asarray, host), abstract(like))
-  elif per_unit or leafwise:
+  elif per_unit or leafwise or untargeted:
     out = _grouped(out, plan, jax.numpy.stack) if per_unit else out
     out = _grouped_moments(out, plan) if leafwise else out
+    out = _targeted(out, targets) if untargeted else out
     out = jax.tree.map(lambda x, l: jax.device_put(x, l.sharding)
                        if _is_array(l) else x, out, abstract(like))
   return step, out
@@ -262,6 +272,49 @@ def _grouped_moments(tree, plan):
   return jax.tree.map(
       lambda x: x._replace(mu=grouped.group(lay, x.mu)) if _is_onebit(x)
       else x, tree, is_leaf=_is_onebit)
+
+
+class _UntargetedControl(NamedTuple):
+  """``sparsify.Control`` as state layouts 1-3 kept it (no ``target``)."""
+  threshold: Any
+  log_scale: Any
+  log_step: Any
+  flag: Any
+
+
+def _untargeted(tree):
+  """``tree`` with each ``SparseSyncState``'s control without ``target``
+  (shapes only)."""
+  return jax.tree.map(
+      lambda x: x._replace(control=_UntargetedControl(
+          *x.control[:len(_UntargetedControl._fields)]))
+      if transform.is_sync_state(x) else x, tree,
+      is_leaf=transform.is_sync_state)
+
+
+def _unit_targets(plan) -> np.ndarray:
+  """Per unit of ``plan``, the k its controller tracks (one 0 column for
+  a plan of no units, as ``sparse_sync``'s state keeps)."""
+  units = schedule_lib.compile_plan(plan).units
+  return np.asarray([plan_lib.target_count(u.density, u.size)
+                     for u in units] or [0], np.int32)
+
+
+def _targeted(tree, targets):
+  """Inverse of ``_untargeted`` on arrays: ``target`` is the saved plan's
+  k (``targets``) where the unit's controller had set a threshold (as a
+  step of today's would have recorded it), else 0 (none yet: the next
+  step estimates afresh)."""
+  def fill(control):
+    threshold = control.threshold   # host, or sharded over the processes
+    xp = np if isinstance(threshold, np.ndarray) else jax.numpy
+    k = np.zeros(threshold.shape[-1], np.int32) if targets is None else targets
+    return sparsify.Control(*control, xp.where(threshold > 0, k, 0).astype(
+        np.int32))
+  return jax.tree.map(
+      lambda x: x._replace(control=fill(x.control))
+      if transform.is_sync_state(x) else x, tree,
+      is_leaf=transform.is_sync_state)
 
 
 def _per_unit(tree, plan):

@@ -6,8 +6,11 @@ the density down (25 % → 6.25 % → 1.56 % → 0.4 % → ρ) and 1-bit Adam ru
 dense first. Plans are static (XLA shapes), so a warm-up is a tuple of
 ``Phase``s: the same leaves, buckets and modes, only densities and
 capacities differ. ``sparse_sync``'s state (residuals, velocity, threshold
-control per unit) does not depend on capacity, so one state carries through
-every phase bitwise; each phase compiles its own step, once.
+control per unit) has the same shapes in every phase, so one state carries
+through them; each phase compiles its own step, once. A unit's threshold
+and controller step were tuned for the last phase's density: the first
+step of a phase of another density estimates τ afresh and restarts the
+controller's step (``sparsify``).
 
 A density-1 phase (``with_density(plan, 1.0)``) sends everything with one
 ``pmean`` per bucket: exactly dense training, residual zero.
@@ -95,19 +98,51 @@ def check_phases(phases: Sequence[Phase]) -> None:
     expected_start = phase.stop
 
 
-def wire_received(plan: plan_lib.Plan, num_workers: int) -> int:
+def wire_received(plan: plan_lib.Plan, num_workers: int,
+                  mesh_sizes: tuple[int, int] | None = None) -> int:
   """Bytes one worker receives per step of ``plan`` on K workers (every
-  bucket; ``collectives.bucket_wire``). An all-gather at density ρ moves
-  about K·ρ·headroom·(value + index bytes)/(2·wire bytes) times what the
-  dense ring all-reduce moves, so on many workers a high warm-up density
-  costs more than dense."""
-  return sum(w.received for w in collectives.bucket_wire(plan, num_workers))
+  bucket; ``collectives.bucket_wire``; a ``"hier"`` bucket on the (H, L)
+  mesh of ``mesh_sizes``). An all-gather at density ρ moves about
+  K·ρ·headroom·(value + index bytes)/(2·wire bytes) times what the dense
+  ring all-reduce moves, so on many workers a high warm-up density costs
+  more than dense."""
+  return sum(w.received for w in collectives.bucket_wire(plan, num_workers,
+                                                         mesh_sizes))
+
+
+def _has_sparse_hier(plan: plan_lib.Plan) -> bool:
+  return any(b.kind == schedule_lib.SPARSE and b.collective == "hier"
+             for b in schedule_lib.compile_plan(plan).buckets)
+
+
+def _workers(plan, num_workers, mesh_sizes) -> int | None:
+  """K for ``density_warmup`` (``PlanError`` naming the argument)."""
+  if mesh_sizes is not None:
+    if (not isinstance(mesh_sizes, (tuple, list)) or len(mesh_sizes) != 2
+        or not all(plan_lib.is_int(s) and s >= 1 for s in mesh_sizes)):
+      raise plan_lib.PlanError(
+          f"density_warmup: mesh_sizes={mesh_sizes!r} must be (hosts, "
+          "devices per host) of the 'hier' mesh, e.g. mesh.devices.shape.")
+    size = int(mesh_sizes[0]) * int(mesh_sizes[1])
+    if num_workers is not None and num_workers != size:
+      raise plan_lib.PlanError(
+          f"density_warmup: num_workers={num_workers!r} is not the "
+          f"{size} workers of mesh_sizes={tuple(mesh_sizes)}; give one.")
+    return size
+  if num_workers is not None and num_workers > 1 and _has_sparse_hier(plan):
+    raise plan_lib.PlanError(
+        "density_warmup: the plan's 'hier' buckets move bytes on both mesh "
+        "axes, which num_workers alone cannot count; give mesh_sizes="
+        "(hosts, devices per host) instead (e.g. mesh.devices.shape).")
+  return num_workers
 
 
 def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
                    densities: Sequence[float] | None = None,
                    dense_steps: int = 0, dense_wire: str = "gradient",
-                   num_workers: int | None = None) -> tuple[Phase, ...]:
+                   num_workers: int | None = None,
+                   mesh_sizes: tuple[int, int] | None = None
+                   ) -> tuple[Phase, ...]:
   """Phases: ``dense_steps`` dense, then ``steps`` at each warm-up density,
   then ``plan`` to the end.
 
@@ -128,6 +163,9 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
       dense instead, on ``dense_wire``: the dense phase grows by its steps
       (measured, 4 × H200 over sockets: the 25 % phase took 335 ms a step,
       the bfloat16 dense one 145 ms). None: every density as given.
+    mesh_sizes: for a plan with ``"hier"`` buckets, (H, L) of its (host,
+      local) mesh in place of ``num_workers`` (K = H·L): its buckets'
+      bytes are counted on both axes.
   """
   plan_lib.require_plan(plan, "density_warmup")
   if densities is not None and not isinstance(densities, (list, tuple)):
@@ -137,6 +175,7 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
                                   num_workers < 1):
     raise plan_lib.PlanError(f"density_warmup: num_workers={num_workers!r} "
                              "must be an integer >= 1 (the mesh size).")
+  num_workers = _workers(plan, num_workers, mesh_sizes)
   if dense_wire not in plan_lib.FULL_WIRES:
     raise plan_lib.PlanError(
         f"density_warmup: dense_wire={dense_wire!r}; use one of "
@@ -175,9 +214,10 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
                                settings=dataclasses.replace(
                                    plan.settings, full_wire=dense_wire))
   if num_workers is not None and num_workers > 1 and ramp:
-    dense_bytes = wire_received(dense_plan(), num_workers)
-    costly = [d < 1.0 and wire_received(with_density(plan, d),
-                                        num_workers) >= dense_bytes
+    sizes = tuple(mesh_sizes) if mesh_sizes is not None else None
+    dense_bytes = wire_received(dense_plan(), num_workers, sizes)
+    costly = [d < 1.0 and wire_received(with_density(plan, d), num_workers,
+                                        sizes) >= dense_bytes
               for d, _ in ramp]
     dense_steps += sum(n for (_, n), c in zip(ramp, costly) if c)
     ramp = [r for r, c in zip(ramp, costly) if not c]

@@ -11,7 +11,8 @@ moving every leaf's numbers to where ``new`` keeps them::
 so what the workers owe, (1/K)·Σ_k r_k, is unchanged and a step after
 the switch sends what the old plan would have left owed. The controller
 keeps a unit's threshold where ``new`` has the same unit (its leaves and
-estimator) and starts afresh elsewhere; per-bucket clip norms restart
+estimator) and starts afresh elsewhere (and where the unit's density
+changed, at the next step: ``sparsify``); per-bucket clip norms restart
 at 0 (the next step's shares are then the buckets' sizes); step counts
 and per-leaf stats are kept. Bit for bit, except with
 ``residual_dtype="gradient"`` where a leaf leaves a group of a wider

@@ -17,6 +17,9 @@ missing" holds by construction, whatever the estimator did).
 
 Empty slots carry the sentinel index n, which decoding drops.
 A controller (SparDL Alg. 2, in log τ) moves ``scale`` so m tracks k = ⌈ρ·n⌉.
+It records the k it tracks: when a unit's k changes (a warm-up phase or a
+``relayout`` to another density), τ is estimated afresh and the controller's
+step starts again from ``INITIAL_LOG_STEP``, since both were tuned for the old k.
 
 ``sparsify_unit`` is that step for one unit. It is made of stages
 (``sample_magnitudes``, ``unit_pass``, ``topk_finish``, ``unit_result``)
@@ -55,12 +58,14 @@ class Control(NamedTuple):
   log_scale: jax.Array  # log of the multiplier applied to fresh estimates
   log_step: jax.Array   # signed step of the controller
   flag: jax.Array       # SparDL's "moved the right way once already"
+  target: jax.Array     # the k they were tuned for (int32; 0: none yet)
 
 
 def initial_control(num_units: int) -> Control:
   z = jnp.zeros((num_units,), jnp.float32)
   return Control(z, z, jnp.full((num_units,), INITIAL_LOG_STEP, jnp.float32),
-                 jnp.zeros((num_units,), bool))
+                 jnp.zeros((num_units,), bool),
+                 jnp.zeros((num_units,), jnp.int32))
 
 
 # --- counter-based hashing (cheap randomness, no PRNG state) ------------------
@@ -195,7 +200,9 @@ def estimate_threshold(grad, residual, *, estimator, density, salt_,
 
 def controller(ctrl_unit: Control, count, target: int, tau) -> Control:
   """SparDL Alg. 2 on log τ: keep moving while right (doubling every second
-  step), reverse and halve when the count crosses the target."""
+  step), reverse and halve when the count crosses the target. A state tuned
+  for another target starts again from ``INITIAL_LOG_STEP`` (``rearmed``)."""
+  ctrl_unit = rearmed(ctrl_unit, target)
   too_many = count > target
   right_way = too_many == (ctrl_unit.log_step > 0)
   step = jnp.where(right_way,
@@ -211,7 +218,19 @@ def controller(ctrl_unit: Control, count, target: int, tau) -> Control:
   log_scale = jnp.clip(ctrl_unit.log_scale + step, -MAX_LOG_SCALE,
                        MAX_LOG_SCALE)
   return Control(tau * jnp.exp(log_scale - ctrl_unit.log_scale), log_scale,
-                 step, flag)
+                 step, flag, jnp.full_like(ctrl_unit.target, target))
+
+
+def rearmed(ctrl_unit: Control, target: int) -> Control:
+  """``ctrl_unit`` with a fresh step (``INITIAL_LOG_STEP``, flag off) where
+  it was tuned for another k than ``target``: a converged step (±1e-3)
+  would take hundreds of steps to move log τ to the new density's. The
+  scale is kept: the estimator's bias changes little with the density."""
+  moved = ctrl_unit.target != target
+  return ctrl_unit._replace(
+      log_step=jnp.where(moved, jnp.float32(INITIAL_LOG_STEP),
+                         ctrl_unit.log_step),
+      flag=ctrl_unit.flag & ~moved)
 
 
 class UnitResult(NamedTuple):
@@ -264,13 +283,15 @@ def pass_capacity(n: int, *, capacity: int, density: float, estimator: str,
   return topk_bracket(target_count(density, n), n)[2]
 
 
-def estimate_now(step, kept, settings) -> jax.Array:
-  """Whether any of the units whose kept thresholds are ``kept`` needs a
-  fresh estimate this step: a refresh step, or a kept τ that is not > 0
-  (none was set, as after a dense phase; the controller's τ·e^Δ would
-  keep 0 at 0). One scalar for a batch, so its ``lax.cond`` stays one
-  branch under ``vmap``."""
-  return (step % settings.refresh == 0) | jnp.any(~(kept > 0))
+def estimate_now(step, ctrl: Control, target: int, settings) -> jax.Array:
+  """Whether any of the units of control state ``ctrl`` (one batch, all of
+  target k) needs a fresh estimate this step: a refresh step, a kept τ
+  that is not > 0 (none was set, as after a dense phase; the controller's
+  τ·e^Δ would keep 0 at 0), or a kept τ tuned for another k (a warm-up
+  phase of another density). One scalar for a batch, so its ``lax.cond``
+  stays one branch under ``vmap``."""
+  return ((step % settings.refresh == 0) | jnp.any(~(ctrl.threshold > 0)) |
+          jnp.any(ctrl.target != target))
 
 
 def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
@@ -280,9 +301,9 @@ def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
 
   ``estimate``: the k-th largest of the unit's ``sample_spec`` (None where
   that is None). For ``"topk"`` τ is that estimate (the bracket τ_lo);
-  otherwise the scaled estimate, a fresh estimate or the kept τ: fresh on
-  a refresh step and where the kept one is not > 0. ``now``: the batch's
-  ``estimate_now`` (this unit's own by default).
+  otherwise the scaled estimate, a fresh estimate or the kept τ: fresh
+  where ``estimate_now`` says so. ``now``: the batch's ``estimate_now``
+  (this unit's own by default).
   """
   offset = uniform_index(hash32(salt_), 0, grad.size)
   if estimator == "topk":
@@ -296,7 +317,8 @@ def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
   if settings.refresh == 1:
     return fresh(), offset
   kept = ctrl_unit.threshold
-  renew = estimate_now(step, kept, settings)   # this unit's own
+  renew = estimate_now(step, ctrl_unit, target_count(density, grad.size),
+                       settings)   # this unit's own
   return lax.cond(renew if now is None else now,
                   lambda: jnp.where(renew, fresh(), kept),
                   lambda: kept), offset
@@ -370,11 +392,12 @@ def unit_result(grad, residual, ctrl_unit: Control, tau, out, *,
                 density: float, estimator: str, settings) -> UnitResult:
   """The unit's ``UnitResult`` from its pass: the controller's next state
   (kept on a non-finite step), τ (NaN then) and the checks."""
+  target = target_count(density, grad.size)
   if settings.feedback and estimator != "topk":
-    new_ctrl = controller(ctrl_unit, out.count,
-                          target_count(density, grad.size), tau)
+    new_ctrl = controller(ctrl_unit, out.count, target, tau)
   else:
-    new_ctrl = ctrl_unit._replace(threshold=tau)
+    new_ctrl = ctrl_unit._replace(
+        threshold=tau, target=jnp.full_like(ctrl_unit.target, target))
   new_ctrl = jax.tree.map(lambda new, old: jnp.where(out.finite, new, old),
                           new_ctrl, ctrl_unit)
   acc = grad + residual   # only "behind" units' statistics read it

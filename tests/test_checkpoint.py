@@ -5,6 +5,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -220,8 +221,45 @@ def test_a_jaxfuse_0_1_checkpoint_is_regrouped(tmp_path, mesh):
   grads = [jax.random.normal(jax.random.PRNGKey(i), (K,) + l.shape)
            for i, l in enumerate(plan.leaves)]
   _, state = sync(plan, mesh, grads, state)
-  old = state._replace(residuals=tuple(jaxfuse.unit_residuals(plan, state)))
+  old = _without_targets(state._replace(
+      residuals=tuple(jaxfuse.unit_residuals(plan, state))))
   _check_legacy(tmp_path, ocp, old, {checkpoint.WORKERS: K}, state, plan,
+                lambda m: init(plan, m), mesh)
+
+
+class _Control3(NamedTuple):
+  """The controller's state as jaxfuse 0.2 saved it (state layout 3)."""
+  threshold: jax.Array
+  log_scale: jax.Array
+  log_step: jax.Array
+  flag: jax.Array
+
+
+def _without_targets(tree):
+  """``tree`` with every sparse_sync state's controller as layouts 1-3
+  kept it."""
+  is_sync = lambda x: isinstance(x, jaxfuse.transform.SparseSyncState)
+  return jax.tree.map(
+      lambda x: x._replace(control=_Control3(*x.control[:4]))
+      if is_sync(x) else x, tree, is_leaf=is_sync)
+
+
+def test_a_controller_without_targets_gets_the_saved_plans(tmp_path, mesh):
+  """State layout 3 kept no k per unit: restore sets the saved plan's,
+  ⌈0.05·4096⌉ = 205 for both units (the (32,) leaf is dense, no unit),
+  bitwise today's state after the same step, on K workers and K/2."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  plan = list_plan([(64, 64), (64, 64), (32,)], density=0.05,
+                   min_sparse_size=256, num_buckets=1)
+  state = init(plan, mesh)
+  grads = [jax.random.normal(jax.random.PRNGKey(i), (K,) + l.shape)
+           for i, l in enumerate(plan.leaves)]
+  _, state = sync(plan, mesh, grads, state)
+  assert (np.asarray(state.control.target) == 205).all()
+  assert np.asarray(state.control.target).shape == (K, 2)
+  old = _without_targets(state)
+  _check_legacy(tmp_path, ocp, old, {checkpoint.WORKERS: K,
+                                     checkpoint.LAYOUT: 3}, state, plan,
                 lambda m: init(plan, m), mesh)
 
 
@@ -306,7 +344,7 @@ def test_a_leafwise_onebit_moment_is_regrouped(tmp_path, mesh):
               mu.rows[0][rows[1]].reshape(64, 64), mu.loose[0]]
   for a, b in zip(jaxfuse.first_moment(state, plan), leafwise):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  old = (one._replace(mu=leafwise),) + tuple(state[1:])
+  old = _without_targets((one._replace(mu=leafwise),) + tuple(state[1:]))
   _check_legacy(tmp_path, ocp, old, {checkpoint.WORKERS: K,
                                      checkpoint.LAYOUT: 2}, state, plan,
                 lambda m: jaxfuse.init_state(opt, params, m), mesh)

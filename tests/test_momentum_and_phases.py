@@ -179,6 +179,42 @@ def test_warmup_phases_share_one_state_bitwise(mesh):
   assert [len(x) for x in traces] == [1, 1, 1]
 
 
+@pytest.mark.parametrize("estimator,refresh", [
+    ("gaussian", 10), ("dgc", 10), ("gaussian", 1)])
+def test_a_phase_of_another_density_retunes_the_threshold(mesh, estimator,
+                                                           refresh):
+  """25 % for 6 steps, then 6.25 % (k = ⌈0.0625·20000⌉ = 1250, capacity
+  ⌈1.5·1250⌉ = 1875) off a refresh step: the new phase's first step
+  estimates τ for its own k: no worker passes more than the capacity, and
+  the workers pass k/4 or more on average (the τ kept from 25 % passes
+  about a quarter of the 20000 elements, past the capacity; a fresh
+  estimate is rougher than the controller's range: DGC's reads 256
+  samples). The controller, left at
+  its converged step ±1e-3, starts again from its initial +0.1 (a
+  step of +0.1, or −0.05 where it reverses at once)."""
+  n = 20000
+  plan = list_plan([(n,)], density=0.0625, estimator=estimator,
+                   refresh=refresh, strategy="single")
+  assert (plan.leaves[0].mode, plan.leaves[0].capacity) == ("sparse", 1875)
+  phases = jaxfuse.density_warmup(plan, steps=6, densities=[0.25])
+  assert [(p.start, p.stop) for p in phases] == [(0, 6), (6, None)]
+  state = init(plan, mesh)
+  rng = np.random.default_rng(0)
+  for t in range(7):
+    if t == 6:   # as if the 25 % phase had converged
+      state = state._replace(control=state.control._replace(
+          log_step=jnp.full_like(state.control.log_step, 1e-3),
+          flag=jnp.ones_like(state.control.flag)))
+    grads = [rng.normal(size=(K, n)).astype(np.float32)]
+    phase = phases[jaxfuse.phase_index(phases, t)]
+    _, state = jax.block_until_ready(sync(phase.plan, mesh, grads, state))
+  candidates = np.asarray(state.stats.candidates)[:, 0]
+  assert (candidates <= 1875).all() and candidates.mean() >= 313, candidates
+  np.testing.assert_array_equal(np.asarray(state.control.target)[:, 0], 1250)
+  steps = np.asarray(state.control.log_step)[:, 0]
+  assert np.isin(steps, np.float32([0.1, -0.05])).all(), steps
+
+
 # 5. Errors that name the field ------------------------------------------------
 
 def _small_plan(**kwargs):
@@ -298,6 +334,45 @@ def test_density_warmup_runs_dense_where_sparse_moves_more(workers, wire,
   assert all(p.plan.settings.full_wire == "gradient" for p in phases[1:])
   with pytest.raises(jaxfuse.PlanError, match="num_workers=0"):
     jaxfuse.density_warmup(plan, steps=10, num_workers=0)
+
+
+@pytest.mark.parametrize("wire,sparse", [
+    ("bfloat16", []), ("gradient", [0.0625, 0.015625])])
+def test_density_warmup_counts_hier_buckets_on_both_axes(wire, sparse):
+  """A "hier" bucket of n = 2²⁰ float32 on a (2 hosts, 4 local) mesh
+  receives, per worker, its local reduce-scatter and all-gather, 2·(3/4)·
+  4 MiB = 6 291 456 bytes, plus the other host's shard of c_s = min(n/4,
+  ⌈1.5·ρ·n⌉) slots of 8 bytes: 8 388 608 at ρ = 0.25, 7 077 888 at
+  0.0625, 6 488 064 at 0.015625. The dense phase receives 2·(7/8)·n
+  words: 3 670 016 bytes in bfloat16 (every density runs dense) and
+  7 340 032 in float32 (only 0.25 does). Counted as an all-gather on 8
+  workers, (7·8·c) bytes, 0.015625 would have looked cheaper than
+  bfloat16's dense (1 376 256), so num_workers alone is refused."""
+  plan = list_plan([(1 << 20,)], density=0.01, collective="hier",
+                   strategy="single")
+  assert plan.buckets[0].collective == "hier"
+  ramp = [0.25, 0.0625, 0.015625]
+  phases = jaxfuse.density_warmup(plan, steps=10, densities=ramp,
+                                  dense_wire=wire, mesh_sizes=(2, 4))
+  dense = 10 * (len(ramp) - len(sparse))
+  assert [(p.start, p.stop, p.plan.leaves[0].density) for p in phases] == (
+      [(0, dense, 1.0)] + [(dense + 10 * i, dense + 10 * (i + 1), d)
+                           for i, d in enumerate(sparse)]
+      + [(30, None, 0.01)])
+  assert jaxfuse.density_warmup(plan, steps=10, densities=ramp,
+                                dense_wire=wire, mesh_sizes=[2, 4],
+                                num_workers=8) == phases
+  with pytest.raises(jaxfuse.PlanError, match=r"give mesh_sizes=\(hosts"):
+    jaxfuse.density_warmup(plan, steps=10, num_workers=8)
+  with pytest.raises(jaxfuse.PlanError, match="num_workers=4 is not the 8"):
+    jaxfuse.density_warmup(plan, steps=10, num_workers=4, mesh_sizes=(2, 4))
+  for bad in ((2,), (2, 0), 8, (2.0, 4)):
+    with pytest.raises(jaxfuse.PlanError, match="mesh_sizes="):
+      jaxfuse.density_warmup(plan, steps=10, mesh_sizes=bad)
+  # one worker moves nothing: every density as given
+  alone = jaxfuse.density_warmup(plan, steps=10, densities=ramp,
+                                 num_workers=1)
+  assert [p.plan.leaves[0].density for p in alone] == ramp + [0.01]
 
 
 def test_density_warmup_takes_a_step_count_per_density():

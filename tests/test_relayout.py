@@ -102,6 +102,20 @@ def test_thresholds_are_kept_for_the_same_units_only(mesh):
   for u, unit in enumerate(schedule.compile_plan(reordered).units):
     (o,) = [i for i, v in enumerate(old_units) if v.leaves == unit.leaves]
     np.testing.assert_array_equal(after[:, u], before[:, o])
+  # to another density: kept too, with the k it was tuned for, so the
+  # next step sees a unit of another k, estimates τ afresh and restarts
+  # the controller's step (test_momentum_and_phases)
+  denser = jaxfuse.with_density(reordered, 0.2)
+  moved = jaxfuse.relayout(state, old, denser)
+  for u, unit in enumerate(schedule.compile_plan(denser).units):
+    (o,) = [i for i, v in enumerate(old_units) if v.leaves == unit.leaves]
+    for field in ("threshold", "log_scale", "log_step", "target"):
+      np.testing.assert_array_equal(
+          np.asarray(getattr(moved.control, field))[:, u],
+          np.asarray(getattr(state.control, field))[:, o])
+    tuned = -(-unit.size * 5 // 100)     # ⌈0.05·n⌉ in integers
+    assert (np.asarray(moved.control.target)[:, u] == tuned).all()
+    assert -(-unit.size * 2 // 10) != tuned
   # behind: each unit joins several leaves, none is an old unit; topk:
   # the old units with another estimator
   topk = jaxfuse.plan(PARAMS, density=0.05, strategy="aligned",

@@ -82,9 +82,9 @@ def test_redsync_keeps_its_bound_when_values_sit_on_a_midpoint():
   assert 2.0 < tau <= 3.0
 
 
-def _ctrl(log_step, flag=False, log_scale=0.0, tau=2.0):
+def _ctrl(log_step, flag=False, log_scale=0.0, tau=2.0, target=100):
   return Control(jnp.float32(tau), jnp.float32(log_scale),
-                 jnp.float32(log_step), jnp.bool_(flag))
+                 jnp.float32(log_step), jnp.bool_(flag), jnp.int32(target))
 
 
 @pytest.mark.parametrize("state,count,want_step,want_flag", [
@@ -108,12 +108,20 @@ def _ctrl(log_step, flag=False, log_scale=0.0, tau=2.0):
     (_ctrl(-0.0, flag=True), 150, 1e-3, False),
     (_ctrl(0.0), 50, -1e-3, True),
     (_ctrl(0.0), 100, -1e-3, True),
+    # a state tuned for another target (a phase of another density, or
+    # the initial state's 0) starts again from the initial step +0.1,
+    # flag off, whatever its converged step was
+    (_ctrl(-1e-3, flag=True, target=400), 150, 0.1, True),
+    (_ctrl(-1e-3, flag=True, target=400), 50, -0.05, False),
+    (_ctrl(1e-3, flag=True, target=25), 150, 0.1, True),
+    (_ctrl(0.1, target=0), 150, 0.1, True),
 ])
 def test_controller_steps(state, count, want_step, want_flag):
   """SparDL Alg. 2 on log τ, worked by hand for a target of 100: the new
   step and flag, the scale moved by the step and the threshold by its
-  exponential."""
+  exponential; the state records the target it now tracks."""
   out = sparsify.controller(state, jnp.int32(count), 100, jnp.float32(3.0))
+  assert int(out.target) == 100
   assert float(out.log_step) == pytest.approx(want_step, rel=1e-6)
   assert bool(out.flag) == want_flag
   assert float(out.log_scale) == pytest.approx(want_step, rel=1e-6)
@@ -140,11 +148,15 @@ def test_controller_scale_is_bounded():
     (2.0, 8, True),     # a refresh step
     (0.0, 5, True),     # none kept (after a dense phase): estimate now
     (float("nan"), 5, True),
+    (2.0, 5, "ρ=0.04"),  # kept for another density (a warm-up phase's)
 ])
 def test_refresh_estimates_where_no_threshold_is_kept(kept, step, fresh):
   """refresh = 4: τ is re-estimated on steps 0, 4, 8, … and kept between;
   a kept τ of 0 (a dense phase sets none) is estimated afresh, since the
-  controller's τ·e^Δ would keep it at 0 and every element pass."""
+  controller's τ·e^Δ would keep it at 0 and every element pass, and so is
+  one tuned for another density's k (ρ = 0.04 of 4096: k = ⌈163.84⌉ =
+  164, where this unit's ρ = 0.01 has k = ⌈40.96⌉ = 41)."""
+  target = 164 if fresh == "ρ=0.04" else 41
   settings = plan_lib.Settings(refresh=4)
   rng = np.random.default_rng(0)
   g = jnp.asarray(rng.normal(size=4096).astype(np.float32))
@@ -155,6 +167,7 @@ def test_refresh_estimates_where_no_threshold_is_kept(kept, step, fresh):
       settings=settings))
   assert want > 2.5                     # the 1 % tail of N(0, 1)
   tau, _ = sparsify.unit_threshold(
-      g, r, _ctrl(0.1, tau=kept), jnp.int32(step), salt, None,
+      g, r, _ctrl(0.1, tau=kept, target=target), jnp.int32(step), salt,
+      None,
       density=0.01, estimator="gaussian", settings=settings)
   assert float(tau) == pytest.approx(want if fresh else kept, rel=1e-6)
