@@ -70,8 +70,13 @@ def save(path: str | os.PathLike, text: str) -> None:
   """Write ``text`` to ``path`` whole or not at all: into a temporary file
   beside it, then renamed over it, so a failure never leaves ``path``
   empty or half-written. The file keeps the mode it had (a new one: what
-  ``open`` would give it, 0o666 less the umask)."""
-  path = os.fspath(path)
+  ``open`` would give it, 0o666 less the umask). A symlink is written
+  through (its target is replaced, the link kept); anything but a
+  regular file (a device, a pipe, a folder) is refused."""
+  path = os.path.realpath(os.fspath(path))   # through symlinks
+  if os.path.exists(path) and not os.path.isfile(path):
+    raise IsADirectoryError(f"cannot write {os.fspath(path)}: not a regular "
+                            "file; give a file name")
   folder = os.path.dirname(path) or "."
   if not os.path.isdir(folder):
     raise FileNotFoundError(f"cannot write {path}: the folder {folder} does "

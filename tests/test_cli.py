@@ -1,6 +1,7 @@
 """The ``jaxfuse`` command: profile -> plan -> show end to end in subprocesses
 on 8 simulated CPU devices, and one-line errors (exit 2) for bad input."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -305,6 +306,80 @@ def test_plan_overlap_replaces_the_costs_eta(workdir, capsys, monkeypatch,
   assert cli.main(["plan", "tinymodel:make", "--costs",
                    str(tmp_path / "c.json"), "--overlap", "1.5"]) == 2
   assert "must be a number in [0, 1]" in capsys.readouterr().err
+
+
+def test_plan_and_show_predict_on_the_workers_planned_for(
+    workdir, capsys, monkeypatch, tmp_path):
+  """--workers K: the printed prediction is for K (the costs' K₀ is 2):
+  on one worker nothing is communicated, so the step is forward +
+  backward + compression; ``show`` of a plan made for K predicts for K
+  too."""
+  monkeypatch.chdir(workdir)
+  costs = hand_costs(NUM_LEAVES)
+  assert costs.workers == 2
+  costs.save(tmp_path / "c.json")
+  for k in (1, 4):
+    out = tmp_path / f"p{k}.json"
+    capsys.readouterr()
+    assert cli.main(["plan", "tinymodel:make", "--strategy", "single",
+                     "--costs", str(tmp_path / "c.json"), "--workers", str(k),
+                     "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = jaxfuse.Plan.load(out)
+    t = simulate(plan, costs, k)
+    if k == 1:
+      assert t.communication == 0
+      assert t.iteration == pytest.approx(
+          2e-3 + NUM_LEAVES * 1e-3 + t.compression)
+    else:
+      assert t.communication > simulate(plan, costs).communication
+    assert f"predicted step {t.iteration * 1e3:.3f} ms" in printed
+    assert f"communication {t.communication * 1e3:.3f} ms" in printed
+    assert cli.main(["show", str(out), "--costs", str(tmp_path / "c.json")
+                     ]) == 0
+    shown = capsys.readouterr().out
+    assert f"predicted step {t.iteration * 1e3:.3f} ms" in shown
+    assert ("workers" not in shown) if k == 1 else ("on 4 workers" in shown)
+
+
+def test_outputs_that_cannot_take_the_file_are_refused_first(
+    workdir, capsys, monkeypatch, tmp_path):
+  """-o in a missing folder, onto a folder or onto Python source (the
+  model's own file, say) is refused before any work, in one line, and
+  leaves the source as it was."""
+  monkeypatch.chdir(workdir)
+  source = (workdir / "tinymodel.py").read_text()
+  assert "the folder" in error_of(capsys, "plan", "tinymodel:make", "-o",
+                                  str(tmp_path / "no" / "plan.json"))
+  assert "not a regular file" in error_of(capsys, "plan", "tinymodel:make",
+                                          "-o", str(tmp_path))
+  assert "is Python source" in error_of(capsys, "plan", "tinymodel:make",
+                                        "-o", "tinymodel.py")
+  # profile refuses before measuring (the model would fail to load)
+  assert "is Python source" in error_of(
+      capsys, "profile", "--model", "tinymodel:broken", "-o", "tinymodel.py")
+  assert (workdir / "tinymodel.py").read_text() == source
+
+
+def test_debug_after_the_command_and_a_closed_pipe(workdir, tmp_path,
+                                                  monkeypatch, capsys):
+  """--debug after the command shows the traceback (it was refused as
+  an unknown argument); output into a pipe whose reader left (`| head
+  -1`) ends with status 1 and no traceback."""
+  r = run(workdir, "show", str(tmp_path / "none.json"), "--debug")
+  assert "Traceback" in r.stderr and "UsageError: cannot read plan" in (
+      r.stderr) and "unrecognized arguments" not in r.stderr
+  monkeypatch.chdir(workdir)
+  assert cli.main(["plan", "tinymodel:make", "-o",
+                   str(tmp_path / "p.json")]) == 0
+  capsys.readouterr()
+  read_end, write_end = os.pipe()
+  os.close(read_end)
+  with os.fdopen(write_end, "w", buffering=1) as closed:
+    monkeypatch.setattr(sys, "stdout", closed)
+    assert cli.main(["show", str(tmp_path / "p.json")]) == 1
+    monkeypatch.undo()
+  assert capsys.readouterr().err == ""
 
 
 def error_of(capsys, *argv) -> str:

@@ -59,3 +59,21 @@ def test_a_missing_folder_is_named(tmp_path):
   with pytest.raises(FileNotFoundError, match="the folder .*nowhere does "
                      "not exist; make it first"):
     _plan().save(tmp_path / "nowhere" / "plan.json")
+
+
+def test_a_symlink_is_written_through_and_a_folder_refused(tmp_path):
+  """Saving to a link replaces its target's text and keeps the link (as
+  ``open`` would); a path that is not a regular file is refused whole."""
+  (tmp_path / "runs").mkdir()
+  target = tmp_path / "runs" / "real.json"
+  target.write_text("{}")
+  link = tmp_path / "latest.json"
+  link.symlink_to(target)
+  plan = _plan()
+  plan.save(link)
+  assert link.is_symlink() and os.readlink(link) == str(target)
+  assert jaxfuse.Plan.load(target).to_json() == plan.to_json()
+  with pytest.raises(IsADirectoryError, match="not a regular file"):
+    plan.save(tmp_path / "runs")
+  assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+      "real.json"]

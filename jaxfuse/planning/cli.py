@@ -32,6 +32,7 @@ from typing import Sequence
 from jaxfuse import plans as plan_lib
 from jaxfuse.planning.cli_io import Parser
 from jaxfuse.planning.cli_io import UsageError
+from jaxfuse.planning.cli_io import check_output
 from jaxfuse.planning.cli_io import load_costs
 from jaxfuse.planning.cli_io import load_model
 from jaxfuse.planning.cli_io import ms
@@ -94,6 +95,7 @@ def format_costs(costs) -> str:
 
 def cmd_profile(args) -> int:
   import jax  # pylint: disable=g-import-not-at-top
+  check_output(args.output, "costs")   # before minutes of measuring
   if args.cpu_devices:
     try:
       jax.config.update("jax_num_cpu_devices", args.cpu_devices)
@@ -156,6 +158,7 @@ def cmd_plan(args) -> int:
   kwargs = {k: getattr(args, k) for k in PLAN_OPTIONS
             if getattr(args, k) is not None}
   costs = None
+  check_output(args.output, "plan")
   if args.overlap is not None and not args.costs:
     raise UsageError("--overlap replaces the costs' η: give --costs "
                      "COSTS.json too.")
@@ -191,7 +194,7 @@ def cmd_plan(args) -> int:
         f"{plan.provenance.get('ready_order')}")
   print("  " + bytes_line(plan, workers, mesh))
   if costs is not None and len(costs.backward) == len(plan.leaves):
-    t = simulate.simulate(plan, costs)
+    t = simulate.simulate(plan, costs, workers)   # on the K planned for
     winner = plan.provenance.get("auto", {}).get("winner")
     print(f"  predicted step {ms(t.iteration)}, communication "
           f"{ms(t.communication)} ({100 * t.overlap_ratio:.0f}% hidden)" +
@@ -367,9 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
                   "(or .json, .json.xz), or a directory holding one (the "
                   "newest)")
   sh.add_argument("--workers", dest="num_workers", type=positive_int,
-                  metavar="K", help="also give what a worker sends on K "
-                  "workers against a dense all-reduce (default: the "
-                  "costs' device count)")
+                  metavar="K", help="predict the step on K workers and "
+                  "give what a worker sends against a dense all-reduce "
+                  "(default: the K the plan was made for, else the costs' "
+                  "device count)")
   sh.add_argument("--local", type=positive_int, metavar="L",
                   help="devices per host: count a hier bucket's bytes sent "
                   "on the (K/L, L) mesh of jaxfuse.make_mesh(local=L)")
@@ -386,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   """Run the command; returns the exit status (0, or 2 for bad input)."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  debug = "--debug" in argv
+  debug = "--debug" in argv   # before or after the command
+  argv = (["--debug"] if debug else []) + [a for a in argv if a != "--debug"]
   try:
     args = build_parser().parse_args(argv)
     return args.run(args)
@@ -401,6 +406,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   except KeyboardInterrupt:
     print("jaxfuse: interrupted", file=sys.stderr)
     return 130
+  except BrokenPipeError:   # `jaxfuse show ... | head`: the reader left
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
 
 
 if __name__ == "__main__":

@@ -188,7 +188,10 @@ def cmd_show(args) -> int:
   if (args.step is not None or args.device is not None) and not args.measured:
     raise UsageError("--step and --device choose what --measured TRACE "
                      "shows; add --measured.")
-  workers = args.num_workers or (costs and costs.workers)
+  planned = plan.provenance.get("num_workers")   # the K it was made for
+  workers = (args.num_workers or
+             (planned if type(planned) is int and planned >= 1 else None)
+             or (costs and costs.workers))
   mesh = host_mesh(workers, args.local)
   measured = step = None
   if args.measured:
@@ -201,7 +204,7 @@ def cmd_show(args) -> int:
       note = ("(the costs have no backward times, so compute is not "
               "modelled; profile with --model for the overlap)")
     try:
-      timeline = simulate.simulate(plan, costs)
+      timeline = simulate.simulate(plan, costs, workers)
     except ValueError as e:  # CostsError
       raise UsageError(f"{args.costs}: {e}") from e
   sparse = sum(l.mode == "sparse" for l in plan.leaves)
@@ -214,18 +217,19 @@ def cmd_show(args) -> int:
   print(bytes_line(plan, workers, mesh))
   if timeline is not None:
     t = timeline
+    dense = costs.on_workers(workers).comm_time("psum", plan.dense_bytes())
     print(f"predicted step {ms(t.iteration)} = forward {ms(t.forward)} + "
           f"backward {ms(t.backward)} + compression {ms(t.compression)} + "
           f"exposed communication {ms(t.non_overlapped)}")
     print(f"communication {ms(t.communication)}, hidden {ms(t.hidden)} "
           f"({100 * t.overlap_ratio:.0f}% overlap; η = {costs.overlap:.2f}); "
           f"a dense all-reduce of every gradient: "
-          f"{ms(costs.comm_time('psum', plan.dense_bytes()))}")
+          f"{ms(dense)}")
     if note:
       print(note)
   if measured is not None:
     _show_measured(measured, step, timeline, lambda eta: simulate.simulate(
-        plan, costs.replace(overlap=eta)))
+        plan, costs.replace(overlap=eta), workers))
   if args.output:
     from jaxfuse.planning import timeline_plot  # pylint: disable=g-import-not-at-top
     try:
