@@ -126,6 +126,14 @@ def test_profile_plan_show_end_to_end(workdir, compile_cache):
   assert "predicted step" in r.stdout and "hidden" in r.stdout
   png = (workdir / "timeline.png").read_bytes()
   assert png[:8] == PNG_SIGNATURE and len(png) > 10_000
+  # no extension: a PNG, and the name it was saved under
+  r = run(workdir, "show", "plan.json", "--costs", "costs.json", "-o",
+          "chart")
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.splitlines()[-1] == "saved chart.png"
+  chart = (workdir / "chart.png").read_bytes()
+  assert chart[:8] == PNG_SIGNATURE and len(chart) > 10_000
+  assert not (workdir / "chart").exists()
 
 
 def test_show_without_costs_lists_buckets(workdir, capsys, monkeypatch):

@@ -9,6 +9,7 @@ arguments are declared with the others in ``cli.build_parser``.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 from jaxfuse.planning.cli_io import UsageError
@@ -232,16 +233,19 @@ def cmd_show(args) -> int:
         plan, costs.replace(overlap=eta), workers))
   if args.output:
     from jaxfuse.planning import timeline_plot  # pylint: disable=g-import-not-at-top
+    # no extension: a PNG, named so (matplotlib would add .png unsaid)
+    output = args.output if os.path.splitext(args.output)[1] else (
+        args.output + ".png")
     try:
       if measured is None:
-        timeline_plot.plot_timeline(plan, timeline, args.output)
+        timeline_plot.plot_timeline(plan, timeline, output)
       else:
-        timeline_plot.plot_measured(step, args.output, plan=plan,
+        timeline_plot.plot_measured(step, output, plan=plan,
                                     timeline=timeline,
                                     device=measured.device)
     except ImportError as e:
       raise UsageError(str(e)) from e
     except (OSError, ValueError) as e:
-      raise UsageError(f"cannot write {args.output!r}: {e}") from e
-    print(f"saved {args.output}")
+      raise UsageError(f"cannot write {output!r}: {e}") from e
+    print(f"saved {output}")
   return 0
