@@ -66,6 +66,21 @@ def _new_beside(path: str) -> tuple[int, str]:
       continue
 
 
+def writable_target(path: str | os.PathLike) -> str:
+  """The file ``save`` would replace at ``path`` (through symlinks);
+  ``FileNotFoundError`` for a missing folder, ``IsADirectoryError`` for
+  anything but a regular file."""
+  path = os.path.realpath(os.fspath(path))
+  if os.path.exists(path) and not os.path.isfile(path):
+    raise IsADirectoryError(f"cannot write {path}: not a regular file; give "
+                            "a file name")
+  folder = os.path.dirname(path) or "."
+  if not os.path.isdir(folder):
+    raise FileNotFoundError(f"cannot write {path}: the folder {folder} does "
+                            "not exist; make it first")
+  return path
+
+
 def save(path: str | os.PathLike, text: str) -> None:
   """Write ``text`` to ``path`` whole or not at all: into a temporary file
   beside it, then renamed over it, so a failure never leaves ``path``
@@ -73,14 +88,7 @@ def save(path: str | os.PathLike, text: str) -> None:
   ``open`` would give it, 0o666 less the umask). A symlink is written
   through (its target is replaced, the link kept); anything but a
   regular file (a device, a pipe, a folder) is refused."""
-  path = os.path.realpath(os.fspath(path))   # through symlinks
-  if os.path.exists(path) and not os.path.isfile(path):
-    raise IsADirectoryError(f"cannot write {os.fspath(path)}: not a regular "
-                            "file; give a file name")
-  folder = os.path.dirname(path) or "."
-  if not os.path.isdir(folder):
-    raise FileNotFoundError(f"cannot write {path}: the folder {folder} does "
-                            "not exist; make it first")
+  path = writable_target(path)
   fd, tmp = _new_beside(path)
   try:
     with os.fdopen(fd, "w", encoding="utf-8") as f:

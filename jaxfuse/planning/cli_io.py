@@ -145,14 +145,11 @@ def check_output(path: str, what: str) -> None:
   """Refuse an output path that cannot take the ``what`` file (a JSON
   file), before any work: a missing folder, something that is not a
   regular file, a Python source (the model's own, say)."""
-  real = os.path.realpath(path)
-  folder = os.path.dirname(real) or "."
-  if not os.path.isdir(folder):
-    raise UsageError(f"-o {path}: the folder {folder} does not exist; make "
-                     "it first.")
-  if os.path.exists(real) and not os.path.isfile(real):
-    raise UsageError(f"-o {path}: not a regular file; give a file name "
-                     f"for the {what} (e.g. {what}.json).")
+  from jaxfuse import _jsonfile  # pylint: disable=g-import-not-at-top
+  try:
+    real = _jsonfile.writable_target(path)   # what save() checks, now
+  except OSError as e:
+    raise UsageError(f"-o {path}: {e}.") from e
   if real.endswith(".py"):
     raise UsageError(f"-o {path} is Python source, which the {what} would "
                      f"overwrite; give a .json name (e.g. {what}.json).")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from jaxfuse import plans as plan_lib
 from jaxfuse.planning.cli_io import UsageError
 from jaxfuse.planning.cli_io import load_costs
 from jaxfuse.planning.cli_io import load_plan
@@ -191,7 +192,7 @@ def cmd_show(args) -> int:
                      "shows; add --measured.")
   planned = plan.provenance.get("num_workers")   # the K it was made for
   workers = (args.num_workers or
-             (planned if type(planned) is int and planned >= 1 else None)
+             (planned if plan_lib.is_int(planned) and planned >= 1 else None)
              or (costs and costs.workers))
   mesh = host_mesh(workers, args.local)
   measured = step = None
