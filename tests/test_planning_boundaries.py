@@ -97,6 +97,7 @@ def test_an_old_file_profiled_on_one_device_reads_as_two_workers():
                 (1e-3,), workers=4)
   body = json.loads(costs.to_json())
   del body["workers"]                       # written before the field
+  body["version"] = 1
   body["provenance"] = {"devices": {"mesh": {"data": 1}}}
   assert Costs.from_json(json.dumps(body)).workers == 2
   body["provenance"] = {"devices": {"mesh": {"host": 2, "local": 3}}}

@@ -76,16 +76,27 @@ class CostsError(ValueError):
   """A cost model that is malformed, or a costs file that cannot be read."""
 
 
+# The largest time (s), time per unit (s per byte, element or slot) or
+# factor a cost model holds: a day-long collective or backward pass is far
+# below it, and sums of many such numbers stay finite.
+MAX_VALUE = 1e9
+
+
 def _number(where: str, x, *, low: float = 0.0,
-            high: float = math.inf) -> float:
+            high: float = MAX_VALUE) -> float:
   if isinstance(x, bool) or not isinstance(x, (int, float, np.floating,
                                                np.integer)):
     raise CostsError(f"{where}={x!r} must be a number.")
-  x = float(x)
-  if not (math.isfinite(x) and low <= x <= high):
-    bounds = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-    raise CostsError(f"{where}={x!r} must be finite and {bounds}.")
-  return x
+  try:
+    value = float(x)
+  except OverflowError:   # an int beyond float's range
+    value = math.inf
+  if not (math.isfinite(value) and low <= value <= high):
+    shown = f"{x!r}" if len(repr(x)) <= 24 else f"{repr(x)[:20]}…"
+    raise CostsError(f"{where}={shown} must be finite and in [{low:g}, "
+                     f"{high:g}]; measure the costs again with `jaxfuse "
+                     "profile`.")
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,6 +373,14 @@ class Costs:
     for field in ("collectives", "compress", "backward"):
       if field not in body:
         raise CostsError(f"costs JSON is missing the field {field!r}.")
+    if body["version"] >= 2:   # every version-2 file of jaxfuse has them
+      for field, meaning in _REQUIRED_SINCE_2.items():
+        if field not in body:
+          raise CostsError(
+              f"costs JSON (version {body['version']}) is missing the field "
+              f"{field!r} ({meaning}), which `jaxfuse profile` writes; "
+              "measure the costs again with `jaxfuse profile`, or add the "
+              "field.")
 
     def line(where, d):
       if not isinstance(d, dict) or set(d) != {"alpha", "beta"}:
@@ -412,10 +431,27 @@ class Costs:
                                              what="jaxfuse costs file"))
 
 
+# Fields a version-1 file may lack (read as their defaults: overlap 1,
+# forward 0, workers from the profiled mesh) but a version-2 one may not.
+_REQUIRED_SINCE_2 = {
+    "overlap": "η in [0, 1], the share of the ideal overlap XLA achieves",
+    "workers": "the devices the collectives were measured on, >= 2",
+    "forward": "the forward time in seconds",
+}
+
+
 def _measured_workers(provenance: Mapping[str, Any]) -> int:
   """K₀ of a file written before ``workers`` existed: its profiled mesh's
   device count (``jaxfuse profile`` records it), else 2."""
-  mesh = provenance.get("devices", {}).get("mesh", {}) if isinstance(
-      provenance.get("devices"), dict) else {}
+  devices = provenance.get("devices", {})
+  mesh = devices.get("mesh", {}) if isinstance(devices, dict) else {}
+  if not (isinstance(mesh, dict) and all(
+      plan_checks.is_int(v) and 1 <= v <= 2**20 for v in mesh.values())):
+    raise CostsError(
+        f"costs field 'provenance.devices.mesh'={mesh!r} must map each mesh "
+        "axis to its device count (e.g. {\"data\": 8}); it gives the devices "
+        "the collectives were measured on, as the field 'workers' (missing "
+        "here) would. Add 'workers', or measure the costs again with "
+        "`jaxfuse profile`.")
   k = math.prod(int(v) for v in mesh.values()) if mesh else 2
   return max(2, k)

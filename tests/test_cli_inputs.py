@@ -1,0 +1,152 @@
+"""The ``jaxfuse`` command against inputs it must check: costs of another
+model, a costs file's missing or absurd fields, collectives that cannot run
+on K, one-device profiles, failing models; the η a plan was made for; and
+whole-or-nothing charts. In process, nothing profiled (cheap)."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import textwrap
+
+import jax
+import pytest
+
+import jaxfuse
+from jaxfuse.planning import cli
+from jaxfuse.planning import profiling
+from jaxfuse.planning import timeline_plot
+from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import CostsError
+from jaxfuse.planning.costs import LinearCost
+from jaxfuse.planning.simulate import simulate
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+MODELS = textwrap.dedent('''
+    import jax.numpy as jnp
+    import numpy as np
+
+    def make():
+      """Two dense layers, four leaves, and a sample batch."""
+      rng = np.random.default_rng(0)
+      params = {
+          "dense1": {"kernel": rng.standard_normal((256, 512), np.float32),
+                     "bias": np.zeros(512, np.float32)},
+          "dense2": {"kernel": rng.standard_normal((512, 8), np.float32),
+                     "bias": np.zeros(8, np.float32)},
+      }
+      x = rng.standard_normal((16, 256), np.float32)
+
+      def loss_fn(p, x):
+        h = jnp.tanh(x @ p["dense1"]["kernel"] + p["dense1"]["bias"])
+        return jnp.mean((h @ p["dense2"]["kernel"] + p["dense2"]["bias"]) ** 2)
+      return loss_fn, params, x
+
+    def other():
+      """Another model of four leaves."""
+      params = {"a": {"b": np.zeros(64, np.float32),
+                      "w": np.ones((128, 64), np.float32)},
+                "c": {"b": np.zeros(4, np.float32),
+                      "w": np.ones((64, 4), np.float32)}}
+      return params
+
+    def failing_loss():
+      def loss_fn(p, x):
+        raise RuntimeError("the loss broke")
+      return loss_fn, {"w": np.ones((64, 64), np.float32)}, np.ones(3)
+''')
+# make()'s leaves as jaxfuse.plan and `jaxfuse profile --model` name them
+LEAVES = [["['dense1']['bias']", [512]], ["['dense1']['kernel']", [256, 512]],
+          ["['dense2']['bias']", [8]], ["['dense2']['kernel']", [512, 8]]]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  d = tmp_path_factory.mktemp("cli_inputs")
+  (d / "models.py").write_text(MODELS)
+  return d
+
+
+def error_of(capsys, *argv) -> str:
+  assert cli.main(list(argv)) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "Traceback" not in err, err
+  return err
+
+
+def hand_costs(leaves=None, **changes):
+  provenance = {} if leaves is None else {"leaves": leaves}
+  return Costs({"allgather": LinearCost(1e-4, 1e-9),
+                "psum": LinearCost(1e-4, 2e-9)}, LinearCost(1e-5, 1e-8),
+               (1e-3,) * 4, overlap=0.5, forward=2e-3,
+               provenance=provenance).replace(**changes)
+
+
+def predicted(out: str) -> str:
+  return re.search(r"predicted step (\S+ ms)", out).group(1)
+
+
+# --- costs files --------------------------------------------------------------
+
+def _body(**changes):
+  body = json.loads(hand_costs().to_json())
+  for key, value in changes.items():
+    if value is KeyError:
+      del body[key]
+    else:
+      body[key] = value
+  return body
+
+
+@pytest.mark.parametrize("field", ["overlap", "workers", "forward"])
+def test_version_2_costs_need_the_fields_profile_writes(field):
+  with pytest.raises(CostsError, match=re.escape(
+      f"(version 2) is missing the field {field!r}")) as e:
+    Costs.from_json(json.dumps(_body(**{field: KeyError})))
+  assert "`jaxfuse profile`" in str(e.value)
+  # version 1 (before they were all written): the defaults
+  old = Costs.from_json(json.dumps(_body(**{field: KeyError, "version": 1})))
+  assert getattr(old, field) == {"overlap": 1.0, "workers": 2,
+                                 "forward": 0.0}[field]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"forward": 10**400}, "forward=1" + "0" * 19 + "…"),
+    ({"backward": [1e308] * 4}, "backward[0]=1e+308"),
+    ({"collectives": {"allgather": {"alpha": 1e300, "beta": 0},
+                      "psum": {"alpha": 0, "beta": 0}}},
+     "'collectives.allgather': alpha=1e+300"),
+    ({"bucket": 2e9}, "bucket=2000000000.0"),
+])
+def test_absurd_numbers_are_refused_at_load(changes, message):
+  with pytest.raises(CostsError, match=re.escape(message)) as e:
+    Costs.from_json(json.dumps(_body(**changes)))
+  assert "must be finite and in [0, 1e+09]" in str(e.value)
+
+
+@pytest.mark.parametrize("mesh", [[8], {"data": "x"}, {"data": 0}, "8"])
+def test_a_malformed_mesh_of_an_old_file_is_named(mesh):
+  body = _body(workers=KeyError, version=1)
+  body["provenance"] = {"devices": {"mesh": mesh}}
+  with pytest.raises(CostsError, match=re.escape(
+      "'provenance.devices.mesh'")) as e:
+    Costs.from_json(json.dumps(body))
+  assert "Add 'workers'" in str(e.value)
+  body["provenance"] = {"devices": {"mesh": {"hosts": 2, "data": 4}}}
+  assert Costs.from_json(json.dumps(body)).workers == 8
+
+
+def test_cli_reports_bad_costs_numbers_in_one_line(workdir, capsys,
+                                                   monkeypatch, tmp_path):
+  monkeypatch.chdir(workdir)
+  assert cli.main(["plan", "models:make", "--strategy", "single", "-o",
+                   str(tmp_path / "p.json")]) == 0
+  capsys.readouterr()
+  for name, body in (("huge", _body(backward=[1e308] * 4)),
+                     ("big_int", _body(forward=10**400))):
+    (tmp_path / f"{name}.json").write_text(json.dumps(body))
+    err = error_of(capsys, "show", str(tmp_path / "p.json"), "--costs",
+                   str(tmp_path / f"{name}.json"))
+    assert "must be finite" in err
