@@ -92,6 +92,10 @@ def test_profile_plan_show_end_to_end(workdir, compile_cache):
   assert len(costs.backward) == NUM_LEAVES and min(costs.backward) >= 0
   assert sum(costs.backward) > 0 and costs.forward > 0
   assert costs.provenance["devices"]["mesh"] == {"data": 8}
+  # the model's leaves, so that costs of another model are refused
+  assert costs.provenance["leaves"] == [
+      ["['dense1']['bias']", [512]], ["['dense1']['kernel']", [256, 512]],
+      ["['dense2']['bias']", [8]], ["['dense2']['kernel']", [512, 8]]]
   assert [s[0] for s in costs.provenance["samples"]["psum"]] == [4096, 4 << 20]
 
   # plan: aligned buckets over the backward-ready order, with the costs

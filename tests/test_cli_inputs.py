@@ -88,6 +88,57 @@ def predicted(out: str) -> str:
   return re.search(r"predicted step (\S+ ms)", out).group(1)
 
 
+# --- costs of another model ---------------------------------------------------
+
+def test_profile_records_the_model_leaves():
+  params = {"dense1": {"kernel": jax.ShapeDtypeStruct((256, 512), "float32"),
+                       "bias": jax.ShapeDtypeStruct((512,), "float32")},
+            "dense2": {"kernel": jax.ShapeDtypeStruct((512, 8), "float32"),
+                       "bias": jax.ShapeDtypeStruct((8,), "float32")}}
+  assert profiling._model_leaves(params) == LEAVES  # pylint: disable=protected-access
+
+
+def test_costs_of_another_model_are_refused(workdir, capsys, monkeypatch,
+                                            tmp_path):
+  """Costs measured on make()'s four leaves: planning other() (four leaves
+  too) is refused naming the first leaf that differs and the fix; costs
+  without the record (older files) still plan any model of four leaves."""
+  monkeypatch.chdir(workdir)
+  hand_costs(LEAVES).save(tmp_path / "c.json")
+  err = error_of(capsys, "plan", "models:other", "--costs",
+                 str(tmp_path / "c.json"), "-o", str(tmp_path / "p.json"))
+  assert ("leaf 0 is ['dense1']['bias'] [512] in the costs but "
+          "['a']['b'] [64] in params" in err)
+  assert "`jaxfuse profile --model MODULE:FUNCTION`" in err
+  assert not (tmp_path / "p.json").exists()
+  # the same leaves: planned; show refuses those costs for other()'s plan
+  assert cli.main(["plan", "models:make", "--costs", str(tmp_path / "c.json"),
+                   "-o", str(tmp_path / "p.json")]) == 0
+  assert cli.main(["plan", "models:other", "--strategy", "single", "-o",
+                   str(tmp_path / "other.json")]) == 0
+  capsys.readouterr()
+  err = error_of(capsys, "show", str(tmp_path / "other.json"), "--costs",
+                 str(tmp_path / "c.json"))
+  assert "leaf 0 is ['dense1']['bias'] [512] in the costs but ['a']['b'] [64]" \
+      in err
+  # only the last leaf differs: that one is named
+  changed = [*LEAVES[:3], ["['dense2']['kernel']", [512, 9]]]
+  with pytest.raises(CostsError, match=re.escape(
+      "leaf 3 is ['dense2']['kernel'] [512, 9] in the costs but "
+      "['dense2']['kernel'] [512, 8] in the plan")):
+    simulate(jaxfuse.Plan.load(tmp_path / "p.json"), hand_costs(changed))
+  # no record: loads and plans (no check)
+  hand_costs().save(tmp_path / "old.json")
+  assert "leaves" not in json.loads(
+      (tmp_path / "old.json").read_text())["provenance"]
+  assert cli.main(["plan", "models:other", "--costs",
+                   str(tmp_path / "old.json"), "-o",
+                   str(tmp_path / "p2.json")]) == 0
+  capsys.readouterr()
+  with pytest.raises(CostsError, match="provenance.leaves"):
+    hand_costs([["['a']", "wide"]])
+
+
 # --- costs files --------------------------------------------------------------
 
 def _body(**changes):

@@ -248,6 +248,7 @@ class Costs:
         {name: self.schemes[name] for name in SCHEMES
          if name in self.schemes}))
     object.__setattr__(self, "provenance", dict(self.provenance))
+    self.model_leaves()   # a malformed record is refused now
 
   def comm_time(self, collective: str, nbytes: float) -> float:
     """One measured collective on ``workers`` devices."""
@@ -335,14 +336,47 @@ class Costs:
         name: LinearCost(line.alpha * factor, line.beta * factor)
         for name, line in self.collectives.items()})
 
-  def check(self, num_leaves: int, holder: str = "the plan") -> None:
+  def model_leaves(self) -> tuple[tuple[str, tuple[int, ...]], ...] | None:
+    """The (path, shape) of each leaf of the model the backward times were
+    measured on, pytree order (``provenance["leaves"]``, which ``jaxfuse
+    profile --model`` records), or None for costs without that record."""
+    record = self.provenance.get("leaves")
+    if record is None:
+      return None
+    ok = isinstance(record, (list, tuple)) and all(
+        isinstance(e, (list, tuple)) and len(e) == 2 and
+        isinstance(e[0], str) and isinstance(e[1], (list, tuple)) and
+        all(plan_checks.is_int(d) and d >= 0 for d in e[1]) for e in record)
+    if not ok:
+      raise CostsError("costs field 'provenance.leaves' must list [path, "
+                       "shape] per leaf of the profiled model; the file is "
+                       "corrupted: measure the costs again with `jaxfuse "
+                       "profile --model MODULE:FUNCTION`.")
+    return tuple((path, tuple(int(d) for d in shape))
+                 for path, shape in record)
+
+  def check(self, num_leaves: int, holder: str = "the plan",
+            leaves: Sequence[tuple[str, Sequence[int]]] | None = None
+            ) -> None:
     """Raise ``CostsError`` unless there is one backward time per leaf of
-    ``holder`` (named in the message)."""
+    ``holder`` (named in the message) and, when both ``leaves`` (holder's
+    (path, shape) per leaf) and ``model_leaves()`` are known, the costs
+    were measured on a model of those leaves."""
     if len(self.backward) != num_leaves:
       raise CostsError(f"costs.backward has {len(self.backward)} times but "
                        f"{holder} has {num_leaves} leaves; measure the costs "
                        "for this model (`jaxfuse profile --model "
                        "MODULE:FUNCTION`).")
+    measured = self.model_leaves() if self.backward else None
+    if measured is None or leaves is None:
+      return
+    for i, (mine, (path, shape)) in enumerate(zip(measured, leaves)):
+      if mine != (path, tuple(shape)):
+        raise CostsError(
+            f"the costs were measured on another model: leaf {i} is "
+            f"{mine[0]} {list(mine[1])} in the costs but {path} "
+            f"{list(shape)} in {holder}; measure the costs for this model "
+            "(`jaxfuse profile --model MODULE:FUNCTION`).")
 
   # --- JSON -------------------------------------------------------------------
   def to_json(self) -> str:

@@ -257,7 +257,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   else:
     order, source = ordering.reverse_order(len(leaves)), "reverse_pytree"
 
-  costs = _load_costs(costs, strategy, len(leaves))
+  costs = _load_costs(costs, strategy, leaves)
   k = None if costs is None else (
       costs.workers if num_workers is None else num_workers)
   on_k = None if costs is None else costs.on_workers(k)  # groups made for K
@@ -434,7 +434,7 @@ def _backward_order(loss_fn, params, example_args) -> list[int]:
     ) from e
 
 
-def _load_costs(costs, strategy, num_leaves):
+def _load_costs(costs, strategy, leaves):
   """``costs`` as a checked ``Costs``, or None where none is needed."""
   if costs is None:
     if strategy in COST_STRATEGIES:
@@ -456,7 +456,8 @@ def _load_costs(costs, strategy, num_leaves):
         f"costs must be a jaxfuse.planning.costs.Costs or a path, not "
         f"{type(costs).__name__}.")
   try:
-    costs.check(num_leaves, holder="params")
+    costs.check(len(leaves), holder="params",
+                leaves=[(l.path, l.shape) for l in leaves])
   except costs_lib.CostsError as e:
     raise plan_lib.PlanError(str(e)) from None
   return costs

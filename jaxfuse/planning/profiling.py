@@ -516,10 +516,19 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
   }
   if backward_raw:
     provenance["backward"] = backward_raw
+    # the model measured, so that planning another one is refused
+    provenance["leaves"] = _model_leaves(params)
   return same_on_every_process(costs_lib.Costs(
       collectives, compress, backward, contention=gamma, overlap=eta,
       forward=forward, provenance=provenance,
       workers=max(2, mesh.shape[axis_name]), bucket=bucket, schemes=schemes))
+
+
+def _model_leaves(params) -> list[list]:
+  """[path, shape] per leaf of ``params``, pytree order, paths as
+  ``jaxfuse.plan`` names them (``Costs.model_leaves``)."""
+  return [[jax.tree_util.keystr(path), [int(d) for d in np.shape(x)]]
+          for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
 def same_on_every_process(costs: costs_lib.Costs) -> costs_lib.Costs:

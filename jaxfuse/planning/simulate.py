@@ -191,9 +191,11 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
   backward's leaf order (default ``backward_order(plan)``).
 
   See the module docstring for the model. Raises ``CostsError`` when the
-  costs do not have one backward time per leaf of the plan.
+  costs do not have one backward time per leaf of the plan, or were
+  measured on a model of other leaves (``Costs.check``).
   """
-  costs.check(len(plan.leaves))
+  costs.check(len(plan.leaves),
+              leaves=[(l.path, l.shape) for l in plan.leaves])
   k = costs.workers if num_workers is None else num_workers
   sched = schedule_lib.compile_plan(plan)
   wire = plan_lib.bucket_payload_bytes(plan)
