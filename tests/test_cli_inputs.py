@@ -139,6 +139,18 @@ def test_costs_of_another_model_are_refused(workdir, capsys, monkeypatch,
     hand_costs([["['a']", "wide"]])
 
 
+# --- profiles -----------------------------------------------------------------
+
+def test_profile_refuses_one_device(capsys, tmp_path):
+  err = error_of(capsys, "profile", "--devices", "1", "-q", "-o",
+                 str(tmp_path / "c.json"))
+  assert "at least 2 devices" in err and "--devices 2 or more" in err
+  assert not (tmp_path / "c.json").exists()
+  mesh = jaxfuse.make_mesh(1)
+  with pytest.raises(profiling.ProfileError, match="has one device"):
+    profiling.profile(mesh)
+
+
 # --- costs files --------------------------------------------------------------
 
 def _body(**changes):

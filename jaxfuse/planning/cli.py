@@ -121,6 +121,13 @@ def cmd_profile(args) -> int:
     mesh = _compat.make_mesh(args.devices)
   except ValueError as e:
     raise UsageError(f"--devices: {e}") from e
+  if mesh.devices.size < 2:
+    raise UsageError(
+        "profiling needs at least 2 devices: on one, the collectives move "
+        "nothing and there is no communication to measure. Give --devices "
+        "2 or more" + ("" if jax.device_count() > 1 else
+                       " (this machine shows one device; on a CPU, "
+                       "simulate more with --cpu-devices 8)") + ".")
   dev = jax.devices()[0]
   print(f"profiling on {mesh.devices.size} x {dev.platform} "
         f"({dev.device_kind})", file=sys.stderr)

@@ -421,6 +421,12 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
   if (loss_fn is None) != (params is None):
     raise ProfileError("give both loss_fn and params (a model), or neither.")
   mesh = mesh if mesh is not None else _compat.make_mesh(axis_name=axis_name)
+  if axis_name in mesh.axis_names and mesh.shape[axis_name] < 2:
+    raise ProfileError(
+        f"the mesh's axis {axis_name!r} has one device: its collectives move "
+        "nothing, so there is no communication to measure (and the costs "
+        "read each line per link, over K₀ − 1 >= 1 links). Profile on 2 or "
+        "more devices.")
   sizes = tuple(int(s) for s in (sizes or default_sizes()))
   compress_sizes = tuple(int(s) for s in
                          (compress_sizes or default_compress_sizes()))
@@ -454,7 +460,7 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
   step("schemes: one bucket moved by each scheme against all_gather")
   schemes, schemes_raw = measure_scheme_costs(
       mesh, costs_lib.Costs(collectives, compress, (),
-                            workers=max(2, mesh.shape[axis_name])),
+                            workers=mesh.shape[axis_name]),
       estimator=estimator, density=density, headroom=headroom,
       axis_name=axis_name, **timing)
 
@@ -521,7 +527,7 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
   return same_on_every_process(costs_lib.Costs(
       collectives, compress, backward, contention=gamma, overlap=eta,
       forward=forward, provenance=provenance,
-      workers=max(2, mesh.shape[axis_name]), bucket=bucket, schemes=schemes))
+      workers=mesh.shape[axis_name], bucket=bucket, schemes=schemes))
 
 
 def _model_leaves(params) -> list[list]:
