@@ -88,6 +88,45 @@ def predicted(out: str) -> str:
   return re.search(r"predicted step (\S+ ms)", out).group(1)
 
 
+# --- the η a plan was made for ------------------------------------------------
+
+def test_show_simulates_at_the_overlap_the_plan_was_made_for(
+    workdir, capsys, monkeypatch, tmp_path):
+  """`plan --overlap 1` records η = 1 (the costs' is 0.5); `show` predicts
+  the step `plan` printed, at η = 1, and `show --overlap 0` at 0."""
+  monkeypatch.chdir(workdir)
+  costs = hand_costs()
+  costs.save(tmp_path / "c.json")
+  plan_file = str(tmp_path / "p.json")
+  assert cli.main(["plan", "models:make", "--strategy", "mgwfbp", "--costs",
+                   str(tmp_path / "c.json"), "--overlap", "1", "-o",
+                   plan_file]) == 0
+  planned = capsys.readouterr().out
+  plan = jaxfuse.Plan.load(plan_file)
+  assert plan.provenance["overlap"] == 1.0
+  at = {eta: f"{simulate(plan, costs.replace(overlap=eta)).iteration * 1e3:.3f}"
+        " ms" for eta in (0.0, 0.5, 1.0)}
+  assert len(set(at.values())) == 3   # η matters for this plan
+  assert predicted(planned) == at[1.0]
+  assert cli.main(["show", plan_file, "--costs", str(tmp_path / "c.json")]) == 0
+  out = capsys.readouterr().out
+  assert predicted(out) == at[1.0] and "η = 1.00, the plan's" in out
+  assert cli.main(["show", plan_file, "--costs", str(tmp_path / "c.json"),
+                   "--overlap", "0"]) == 0
+  out = capsys.readouterr().out
+  assert predicted(out) == at[0.0] and "η = 0.00, --overlap" in out
+  # a plan made before η was recorded: the costs' η
+  old = dataclasses.replace(plan, provenance={
+      k: v for k, v in plan.provenance.items() if k != "overlap"})
+  old.save(tmp_path / "old.json")
+  assert cli.main(["show", str(tmp_path / "old.json"), "--costs",
+                   str(tmp_path / "c.json")]) == 0
+  out = capsys.readouterr().out
+  assert predicted(out) == at[0.5] and "η = 0.50, the costs'" in out
+  assert "give --costs" in error_of(capsys, "show", plan_file, "--overlap",
+                                    "0.5")
+
+
 # --- costs of another model ---------------------------------------------------
 
 def test_profile_records_the_model_leaves():

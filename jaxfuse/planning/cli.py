@@ -3,7 +3,7 @@
   jaxfuse profile [-o costs.json] [--model MODULE:FUNCTION] [--sizes ...]
   jaxfuse plan MODULE:FUNCTION [--density 0.01] [--strategy auto]
                [--costs costs.json] [-o plan.json]
-  jaxfuse show plan.json [--costs costs.json] [-o timeline.png]
+  jaxfuse show plan.json [--costs costs.json] [--overlap ETA] [-o timeline.png]
   jaxfuse show plan.json --measured TRACE [--costs costs.json] [-o out.png]
 
 MODULE:FUNCTION names a function taking no arguments that returns either the
@@ -376,6 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
                   help="a jax.profiler trace: its perfetto_trace.json.gz "
                   "(or .json, .json.xz), or a directory holding one (the "
                   "newest)")
+  sh.add_argument("--overlap", metavar="ETA",
+                  type=lambda t: unit_float(t, low_open=False),
+                  help="with --costs: simulate at this overlap η in [0, 1] "
+                  "(default: the η the plan was made for, `jaxfuse plan "
+                  "--overlap` or its costs', else the --costs file's)")
   sh.add_argument("--workers", dest="num_workers", type=positive_int,
                   metavar="K", help="predict the step on K workers and "
                   "give what a worker sends against a dense all-reduce "

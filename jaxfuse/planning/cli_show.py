@@ -1,6 +1,6 @@
 """``jaxfuse show``: a plan's buckets, its simulated step and a measured one.
 
-  jaxfuse show plan.json [--costs costs.json] [-o timeline.png]
+  jaxfuse show plan.json [--costs costs.json] [--overlap ETA] [-o timeline.png]
   jaxfuse show plan.json --measured TRACE [--costs costs.json] [-o out.png]
 
 The tables (``plan_table``, ``measured_table``) and the command; its
@@ -178,6 +178,18 @@ def bytes_line(plan, num_workers: int | None, mesh=None) -> str:
   return line
 
 
+def _with_overlap(costs, plan, overlap: float | None):
+  """(costs at the η to simulate, where that η came from): ``--overlap``,
+  else the η the plan was made for (``provenance["overlap"]``: what
+  ``jaxfuse plan`` predicted with), else the costs'."""
+  planned = plan.provenance.get("overlap")
+  if overlap is not None:
+    return costs.replace(overlap=overlap), "--overlap"
+  if plan_lib.is_real(planned) and 0 <= planned <= 1:
+    return costs.replace(overlap=float(planned)), "the plan's"
+  return costs, "the costs'"
+
+
 def cmd_show(args) -> int:
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
   plan = load_plan(args.plan)
@@ -190,6 +202,9 @@ def cmd_show(args) -> int:
   if (args.step is not None or args.device is not None) and not args.measured:
     raise UsageError("--step and --device choose what --measured TRACE "
                      "shows; add --measured.")
+  if args.overlap is not None and costs is None:
+    raise UsageError("--overlap sets the η the step is simulated at: give "
+                     "--costs COSTS.json too.")
   planned = plan.provenance.get("num_workers")   # the K it was made for
   workers = (args.num_workers or
              (planned if plan_lib.is_int(planned) and planned >= 1 else None)
@@ -201,6 +216,7 @@ def cmd_show(args) -> int:
   note = None
   timeline = None
   if costs is not None:
+    costs, eta_from = _with_overlap(costs, plan, args.overlap)
     if not costs.backward:
       costs = costs.replace(backward=(0.0,) * len(plan.leaves))
       note = ("(the costs have no backward times, so compute is not "
@@ -224,7 +240,8 @@ def cmd_show(args) -> int:
           f"backward {ms(t.backward)} + compression {ms(t.compression)} + "
           f"exposed communication {ms(t.non_overlapped)}")
     print(f"communication {ms(t.communication)}, hidden {ms(t.hidden)} "
-          f"({100 * t.overlap_ratio:.0f}% overlap; η = {costs.overlap:.2f}); "
+          f"({100 * t.overlap_ratio:.0f}% overlap; η = {costs.overlap:.2f}, "
+          f"{eta_from}); "
           f"a dense all-reduce of every gradient: "
           f"{ms(dense)}")
     if note:

@@ -147,7 +147,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     costs: a ``jaxfuse.planning.costs.Costs`` or the path of its JSON,
       measured for this model (``costs.backward`` per leaf, pytree order).
       Needed by ``COST_STRATEGIES``; with any strategy it adds the simulated
-      step time to ``plan.provenance["predicted_iteration"]``.
+      step time to ``plan.provenance["predicted_iteration"]`` (and the
+      overlap η it used to ``plan.provenance["overlap"]``).
   """
   if strategy is None:
     strategy = "single" if num_workers == 1 else "aligned"
@@ -292,6 +293,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   provenance["predicted_iteration"] = simulate_lib.simulate(
       made, costs, k).iteration
   provenance["num_workers"] = k
+  provenance["overlap"] = costs.overlap   # the η of predicted_iteration
   provenance["costs"] = dict(costs.provenance)
   return plan_lib.Plan(made.leaves, made.buckets, settings, provenance)
 
