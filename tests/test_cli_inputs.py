@@ -252,3 +252,22 @@ def test_cli_reports_bad_costs_numbers_in_one_line(workdir, capsys,
     err = error_of(capsys, "show", str(tmp_path / "p.json"), "--costs",
                    str(tmp_path / f"{name}.json"))
     assert "must be finite" in err
+
+
+def test_collective_that_cannot_run_on_k_is_refused_at_plan_time(
+    workdir, capsys, monkeypatch):
+  monkeypatch.chdir(workdir)
+  err = error_of(capsys, "plan", "models:make", "--collective", "zen",
+                 "--workers", "128")
+  assert ("collective 'zen' hashes into one partition per worker and takes "
+          "at most 64 workers, got 128" in err)
+  params = [jax.ShapeDtypeStruct((4096,), "float32")]
+  with pytest.raises(jaxfuse.plans.PlanError, match="at most 64 workers"):
+    jaxfuse.plan(params, collective="zen", num_workers=128)
+  with pytest.raises(jaxfuse.plans.PlanError, match="at most 64 workers"):
+    jaxfuse.plan(params, collective="zen", costs=hand_costs(
+        workers=128, backward=(1e-3,)))
+  # 64 workers, or every leaf dense: nothing for zen to refuse
+  assert jaxfuse.plan(params, collective="zen", num_workers=64).buckets
+  assert jaxfuse.plan(params, collective="zen", num_workers=128,
+                      density=1.0).buckets

@@ -140,7 +140,9 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     num_workers: K the plan is made for (default: the costs' ``workers``):
       the cost strategies group for the collectives' times on K
       (``Costs.on_workers``), ``"auto"`` also picks each sparse bucket's
-      collective for it, and the predicted step time is for it.
+      collective for it, and the predicted step time is for it. A
+      ``collective`` that cannot run on K (e.g. ``"zen"`` past 64 workers)
+      is refused here, with the error ``sparse_sync`` would raise.
     loss_fn, example_args: ``loss_fn(params, *example_args)``; its gradient's
       jaxpr gives the backward-ready order. Without it, reverse pytree order.
     ready_order: leaf ids in ready order, overriding ``loss_fn``.
@@ -262,6 +264,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   k = None if costs is None else (
       costs.workers if num_workers is None else num_workers)
   on_k = None if costs is None else costs.on_workers(k)  # groups made for K
+  if strategy != "auto" and any(l.mode == "sparse" for l in leaves):
+    _check_collective(collective, num_workers or k, settings)
   provenance = {
       "strategy": strategy, "jaxfuse_version": __version__,
       "ready_order": source, "backward_order": list(order),
@@ -434,6 +438,16 @@ def _backward_order(loss_fn, params, example_args) -> list[int]:
         f"*example_args) raised {type(e).__name__}: {e}. Give example_args "
         "as one worker's batch, the arguments loss_fn takes after params."
     ) from e
+
+
+def _check_collective(collective: str, num_workers: int | None,
+                      settings: plan_lib.Settings) -> None:
+  """The check ``sparse_sync`` makes of each sparse bucket's scheme on K
+  workers, made now (``SchemeError``, a ``PlanError``); nothing without
+  K."""
+  if num_workers is not None:
+    collectives.get(collective).check(f"on {num_workers} workers",
+                                      num_workers, settings)
 
 
 def _load_costs(costs, strategy, leaves):
