@@ -129,7 +129,11 @@ def check_plan(plan) -> None:
     raise PlanError(f"settings.packed_indices={s.packed_indices!r} must be "
                     "True or False.")
   one_of("settings.residual_dtype", s.residual_dtype, RESIDUAL_DTYPES)
-  for leaf in plan.leaves:
+  for i, leaf in enumerate(plan.leaves):
+    if not isinstance(leaf.path, str):
+      raise PlanError(f"leaf {i}: path={leaf.path!r} must be a string (the "
+                      "leaf's key path, e.g. \"['dense1']['kernel']\"); the "
+                      "plan file is corrupted: make the plan again.")
     where = f"leaf {leaf.path}"
     if not (isinstance(leaf.shape, tuple) and
             all(is_int(d) and d >= 0 for d in leaf.shape)):
@@ -154,8 +158,10 @@ def check_plan(plan) -> None:
       if not (is_int(leaf.capacity) and
               1 <= leaf.capacity <= leaf.size):
         raise PlanError(f"{where}: capacity={leaf.capacity!r} must be an "
-                        f"integer in [1, {leaf.size}]; raise density or "
-                        "headroom.")
+                        f"integer in [1, {leaf.size}] (its slots per step: "
+                        "at least one, at most its elements); make the plan "
+                        "again (jaxfuse.plan sets it from density and "
+                        "headroom), or make the leaf dense.")
   seen = []
   for i, b in enumerate(plan.buckets):
     where = f"bucket {i}"

@@ -190,6 +190,29 @@ def test_profile_refuses_one_device(capsys, tmp_path):
     profiling.profile(mesh)
 
 
+def test_profile_errors_are_one_line(workdir, capsys, monkeypatch, tmp_path):
+  """A model whose loss fails is reported before measuring; running out
+  of memory names the sweeps to shrink (--debug: the traceback)."""
+  monkeypatch.chdir(workdir)
+  err = error_of(capsys, "profile", "--model", "models:failing_loss", "-q",
+                 "-o", str(tmp_path / "c.json"))
+  assert "--model models:failing_loss" in err
+  assert "RuntimeError: the loss broke" in err
+
+  def out_of_memory(*args, **kwargs):
+    raise MemoryError("Unable to allocate 8.00 TiB for an array")
+  monkeypatch.setattr(profiling, "profile", out_of_memory)
+  assert cli.main(["profile", "-q", "--sizes", "4K", "1024G", "-o",
+                   str(tmp_path / "c.json")]) == 2
+  started, err = capsys.readouterr().err.splitlines()   # no traceback
+  assert started.startswith("profiling on ")
+  assert "out of memory while profiling" in err and "8.00 TiB" in err
+  assert "smaller --sizes" in err
+  with pytest.raises(cli.UsageError) as e:
+    cli.main(["--debug", "profile", "-q", "-o", str(tmp_path / "c.json")])
+  assert isinstance(e.value.__cause__, MemoryError)
+
+
 # --- costs files --------------------------------------------------------------
 
 def _body(**changes):
@@ -254,6 +277,29 @@ def test_cli_reports_bad_costs_numbers_in_one_line(workdir, capsys,
     assert "must be finite" in err
 
 
+# --- plans --------------------------------------------------------------------
+
+def test_a_plan_whose_leaf_path_is_not_a_string(capsys, tmp_path):
+  plan = jaxfuse.plan([jax.ShapeDtypeStruct((4096,), "float32")])
+  body = json.loads(plan.to_json())
+  body["leaves"][0]["path"] = None
+  (tmp_path / "p.json").write_text(json.dumps(body))
+  err = error_of(capsys, "show", str(tmp_path / "p.json"))
+  assert "leaf 0: path=None must be a string" in err
+
+
+def test_capacity_error_gives_the_right_fix():
+  plan = jaxfuse.plan([jax.ShapeDtypeStruct((4096,), "float32")])
+  for capacity in (0, 5000):
+    leaf = dataclasses.replace(plan.leaves[0], capacity=capacity)
+    with pytest.raises(jaxfuse.plans.PlanError) as e:
+      jaxfuse.Plan((leaf,), plan.buckets, plan.settings)
+    message = str(e.value)
+    assert f"capacity={capacity} must be an integer in [1, 4096]" in message
+    assert "raise density" not in message
+    assert "make the plan again" in message
+
+
 def test_collective_that_cannot_run_on_k_is_refused_at_plan_time(
     workdir, capsys, monkeypatch):
   monkeypatch.chdir(workdir)
@@ -271,3 +317,20 @@ def test_collective_that_cannot_run_on_k_is_refused_at_plan_time(
   assert jaxfuse.plan(params, collective="zen", num_workers=64).buckets
   assert jaxfuse.plan(params, collective="zen", num_workers=128,
                       density=1.0).buckets
+
+
+def test_plan_messages_name_the_flags(workdir, capsys, monkeypatch, tmp_path):
+  monkeypatch.chdir(workdir)
+  err = error_of(capsys, "plan", "models:make", "--strategy", "auto")
+  assert "--strategy auto" in err and "give --costs COSTS.json" in err
+  assert "costs=" not in err
+  hand_costs().save(tmp_path / "c.json")
+  err = error_of(capsys, "plan", "models:make", "--costs",
+                 str(tmp_path / "c.json"), "--last-bucket-bytes", "16M")
+  assert ("--strategy auto (the default with --costs) chooses its groups "
+          "from the costs" in err)
+  assert "strategy='auto'" not in err and "last_bucket_bytes" not in err
+  err = error_of(capsys, "plan", "models:make", "--costs",
+                 str(tmp_path / "c.json"), "--strategy", "cupcake",
+                 "--last-bucket-bytes", "16M")
+  assert "but --strategy cupcake chooses" in err

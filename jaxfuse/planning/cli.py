@@ -117,6 +117,7 @@ def cmd_profile(args) -> int:
       raise UsageError(f"--model {args.model}: the function returned only "
                        "params; profiling needs (loss_fn, params, "
                        "*example_args) to time the backward pass.")
+    _check_loss(args.model, loss_fn, params, example_args)
   try:
     mesh = _compat.make_mesh(args.devices)
   except ValueError as e:
@@ -140,9 +141,29 @@ def cmd_profile(args) -> int:
         progress=None if args.quiet else profiling.text_progress())
   except profiling.ProfileError as e:
     raise UsageError(str(e)) from e
+  except Exception as e:  # pylint: disable=broad-except
+    if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise UsageError(
+        f"out of memory while profiling ({type(e).__name__}: "
+        f"{str(e).splitlines()[0] if str(e) else 'no details'}); give "
+        "smaller --sizes (bytes per worker) and --compress-sizes "
+        "(elements), e.g. --sizes 4K 64K 1M --compress-sizes 4K 64K.") from e
   save(costs, args.output, "costs")
   print(f"saved {args.output}\n{format_costs(costs)}")
   return 0
+
+
+def _check_loss(spec: str, loss_fn, params, example_args) -> None:
+  """Trace the model's loss and gradient (no compiling, no running), so a
+  loss that fails is one line before minutes of measuring."""
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    jax.eval_shape(jax.value_and_grad(loss_fn), params, *example_args)
+  except Exception as e:  # the user's code: report it in one line
+    raise UsageError(f"--model {spec}: jax.value_and_grad(loss_fn)(params, "
+                     f"*example_args) raised {type(e).__name__}: {e}; fix "
+                     "the loss, or return the example batch it takes.") from e
 
 
 # --- plan ---------------------------------------------------------------------
@@ -157,6 +178,27 @@ def _strategies() -> tuple[str, ...]:
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
   return tuple(planner.STRATEGIES) + tuple(getattr(planner, "COST_STRATEGIES",
                                                    ()))
+
+
+def _check_strategy(args, strategy: str | None) -> None:
+  """The strategy's needs in the CLI's words (``jaxfuse.plan`` names its
+  Python arguments)."""
+  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
+  rules = ", ".join(planner.STRATEGIES)
+  if strategy not in planner.COST_STRATEGIES:
+    return
+  if not args.costs:
+    raise UsageError(f"--strategy {strategy} chooses the buckets from "
+                     "measured costs: give --costs COSTS.json (from "
+                     "`jaxfuse profile --model MODULE:FUNCTION`), or "
+                     f"another --strategy: {rules}.")
+  if args.last_bucket_bytes is not None:
+    which = (f"--strategy {strategy}" if args.strategy else
+             f"--strategy {strategy} (the default with --costs)")
+    raise UsageError(f"--last-bucket-bytes cuts a rule strategy's last "
+                     f"group, but {which} chooses its groups from the "
+                     "costs; leave --last-bucket-bytes out, or give "
+                     f"--strategy one of {rules}.")
 
 
 def cmd_plan(args) -> int:
@@ -184,6 +226,7 @@ def cmd_plan(args) -> int:
     kwargs["costs"] = costs
     if "strategy" not in kwargs and "auto" in _strategies():
       kwargs["strategy"] = "auto"
+  _check_strategy(args, kwargs.get("strategy"))
   workers = args.num_workers or (costs and costs.workers)
   mesh = host_mesh(workers, args.local)   # refused before planning
   loss_fn, params, example_args = load_model(args.model)
