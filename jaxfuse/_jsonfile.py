@@ -1,10 +1,12 @@
-"""Versioned JSON files ({"format": ..., "version": ...}): the shared header."""
+"""Versioned JSON files ({"format": ..., "version": ...}): the shared header,
+and writing a file whole or not at all (``save``, ``save_with``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import stat
+from typing import BinaryIO, Callable
 
 import numpy as np
 
@@ -82,17 +84,24 @@ def writable_target(path: str | os.PathLike) -> str:
 
 
 def save(path: str | os.PathLike, text: str) -> None:
-  """Write ``text`` to ``path`` whole or not at all: into a temporary file
-  beside it, then renamed over it, so a failure never leaves ``path``
-  empty or half-written. The file keeps the mode it had (a new one: what
-  ``open`` would give it, 0o666 less the umask). A symlink is written
-  through (its target is replaced, the link kept); anything but a
-  regular file (a device, a pipe, a folder) is refused."""
+  """Write ``text`` to ``path`` whole or not at all (``save_with``)."""
+  save_with(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def save_with(path: str | os.PathLike,
+              write: Callable[[BinaryIO], object]) -> None:
+  """Write a file with ``write(f)`` (``f`` a binary file) whole or not at
+  all: into a temporary file beside ``path``, then renamed over it, so a
+  failure never leaves ``path`` empty or half-written. The file keeps the
+  mode it had (a new one: what ``open`` would give it, 0o666 less the
+  umask). A symlink is written through (its target is replaced, the link
+  kept); anything but a regular file (a device, a pipe, a folder) is
+  refused."""
   path = writable_target(path)
   fd, tmp = _new_beside(path)
   try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      f.write(text)
+    with os.fdopen(fd, "wb") as f:
+      write(f)
     if os.path.exists(path):   # keep its mode
       os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
     os.replace(tmp, path)

@@ -334,3 +334,41 @@ def test_plan_messages_name_the_flags(workdir, capsys, monkeypatch, tmp_path):
                  str(tmp_path / "c.json"), "--strategy", "cupcake",
                  "--last-bucket-bytes", "16M")
   assert "but --strategy cupcake chooses" in err
+
+
+# --- charts -------------------------------------------------------------------
+
+def test_a_chart_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+  """A savefig that fails half-way leaves the old chart as it was and no
+  temporary file; one that works replaces it, keeping its mode."""
+  pytest.importorskip("matplotlib")
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  plan = jaxfuse.plan([jax.ShapeDtypeStruct((4096,), "float32")])
+  costs = hand_costs(backward=(1e-3,))
+  timeline = simulate(plan, costs)
+  target = tmp_path / "t.png"
+  target.write_bytes(b"old chart")
+  os.chmod(target, 0o640)
+  real = Figure.savefig
+
+  def broken(self, fname, **kwargs):
+    del self, kwargs
+    if isinstance(fname, (str, os.PathLike)):
+      pathlib.Path(fname).write_bytes(b"half")
+    else:
+      fname.write(b"half")
+    raise RuntimeError("disk full")
+  monkeypatch.setattr(Figure, "savefig", broken)
+  with pytest.raises(RuntimeError, match="disk full"):
+    timeline_plot.plot_timeline(plan, timeline, target)
+  assert target.read_bytes() == b"old chart"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["t.png"]
+  monkeypatch.setattr(Figure, "savefig", real)
+  timeline_plot.plot_timeline(plan, timeline, target)
+  assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert os.stat(target).st_mode & 0o777 == 0o640
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["t.png"]
+  timeline_plot.plot_timeline(plan, timeline, tmp_path / "chart")
+  assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+  timeline_plot.plot_timeline(plan, timeline, tmp_path / "t.svg")
+  assert b"<svg" in (tmp_path / "t.svg").read_bytes()[:1000]

@@ -42,6 +42,18 @@ def _matplotlib():
   return Figure, Patch, colormaps
 
 
+def save_figure(fig, path: str | os.PathLike) -> None:
+  """``fig.savefig(path)`` whole or not at all (``_jsonfile.save_with``:
+  a temporary file beside it, renamed over it), in the format of its
+  suffix; without one a PNG at ``path`` + ".png", as matplotlib names it."""
+  from jaxfuse import _jsonfile  # pylint: disable=g-import-not-at-top
+  path = os.fspath(path)
+  fmt = os.path.splitext(path)[1][1:].lower()
+  if not fmt:
+    path, fmt = path + ".png", "png"
+  _jsonfile.save_with(path, lambda f: fig.savefig(f, format=fmt, dpi=120))
+
+
 ROWS = {"link": 0, "compute": 1}
 _HEIGHT = 0.6
 
@@ -143,7 +155,7 @@ def plot_timeline(plan: plan_lib.Plan, timeline: simulate_lib.Timeline,
   fig = Figure(figsize=(11, 3.2), layout="constrained")
   draw_timeline(fig.subplots(), plan, timeline, title=title)
   if path is not None:
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
   return fig
 
 
@@ -213,5 +225,5 @@ def plot_measured(step, path: str | os.PathLike | None = None, *,
     draw_measured(bottom, step, span_ms=span, device=device, title=title)
     top.tick_params(labelbottom=True)
   if path is not None:
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
   return fig
