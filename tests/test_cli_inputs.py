@@ -372,3 +372,23 @@ def test_a_chart_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
   assert (tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
   timeline_plot.plot_timeline(plan, timeline, tmp_path / "t.svg")
   assert b"<svg" in (tmp_path / "t.svg").read_bytes()[:1000]
+
+
+# --- docs ---------------------------------------------------------------------
+
+def test_cli_doc_worked_example_is_what_plan_prints(capsys, tmp_path):
+  """docs/cli.md's ratios of the tiny LM's plan at density 0.05 on 8
+  workers are the ones `jaxfuse plan` prints."""
+  pytest.importorskip("flax")
+  doc = " ".join((REPO / "docs" / "cli.md").read_text().split())
+  command = ("jaxfuse plan examples/lm_model.py:tiny --density 0.05 "
+             "--workers 8")
+  assert command in doc
+  assert cli.main(["plan", str(REPO / "examples" / "lm_model.py") + ":tiny",
+                   "--density", "0.05", "--workers", "8", "-o",
+                   str(tmp_path / "p.json")]) == 0
+  out = capsys.readouterr().out
+  payload, sent = re.search(r"dense \(([\d.]+)%\); on 8 workers each sends "
+                            r"[\d,]+ B, ([\d.]+)%", out).groups()
+  assert f"payload of {payload} % of dense" in doc
+  assert f"sends {sent} % of the all-reduce's bytes" in doc
