@@ -127,6 +127,18 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
   return cmd + list(args.extra)
 
 
+def lm_jobs(recipes, lrs, lrs_for) -> list[tuple[str, float]]:
+  """(recipe, lr) runs: a recipe's grid is lrs_for[recipe], else
+  lrs_for[its name before the first +], else lrs."""
+  bases = {r.partition("+")[0] for r in recipes}
+  for key in lrs_for:   # a key that matches nothing would run lrs
+    if key not in recipes and key not in bases:
+      raise SystemExit(f"--lrs-for {key!r}: not one of --recipes "
+                       f"({', '.join(recipes)}) nor their names")
+  return [(r, lr) for r in recipes
+          for lr in lrs_for.get(r, lrs_for.get(r.partition("+")[0], lrs))]
+
+
 def run_lm(args) -> dict:
   import jaxfuse  # pylint: disable=g-import-not-at-top
   names = ("dense", *sorted(jaxfuse.RECIPES))   # train_lm's --optimizer
@@ -135,8 +147,7 @@ def run_lm(args) -> dict:
       raise SystemExit(f"recipe {recipe!r}: its name is one of "
                        f"{', '.join(names)}, then +suffixes")
     lm_command(recipe, 0.0, args)
-  jobs = [(r, lr) for r in args.recipes
-          for lr in args.lrs_for.get(r.partition("+")[0], args.lrs)]
+  jobs = lm_jobs(args.recipes, args.lrs, args.lrs_for)
   env = dict(os.environ, PYTHONPATH=str(ROOT))
   out_dir = pathlib.Path(tempfile.mkdtemp(prefix="jaxfuse_conv_"))
 
@@ -526,7 +537,9 @@ def main(argv=None):
                   default=["dense", "sync_adamw", "local_adamw"])
   lm.add_argument("--lrs", type=_csv(float), default=[1e-3, 3e-3, 1e-2])
   lm.add_argument("--lrs-for", type=_lrs_for, default={},
-                  help="per-recipe grids, e.g. demo=1e-4,3e-4,1e-3;sgd=0.1,0.3,1")
+                  help="per-recipe grids, e.g. demo=1e-4,3e-4,1e-3;sgd=0.1,0.3,1 "
+                  "(a key is a whole --recipes entry or its name before "
+                  "the first +)")
   lm.add_argument("--density", type=float, default=0.01)
   lm.add_argument("--estimator", default="dgc")
   lm.add_argument("--corpus-mb", type=float, default=32,
