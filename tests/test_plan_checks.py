@@ -125,3 +125,70 @@ def test_a_plan_file_with_a_bad_provenance_is_a_plan_error(provenance):
   body["provenance"] = provenance
   with pytest.raises(plan_lib.PlanError, match="the file is corrupted"):
     plan_lib.Plan.from_json(json.dumps(body))
+
+
+def test_packed_indices_must_be_a_bool():
+  assert _with(packed_indices=True).settings.packed_indices is True
+  with pytest.raises(plan_lib.PlanError,
+                     match="settings.packed_indices=1 must be True or False"):
+    _with(packed_indices=1)
+
+
+def test_a_sparse_leaf_has_between_one_and_size_slots():
+  # capacity == size (every element a slot) is the largest a leaf may have
+  leaf = lambda c: plan_lib.LeafPlan("[0]", (100,), "float32", "sparse", 0.1,
+                                     c, "dgc")
+  ok = plan_lib.Plan((leaf(100),), (plan_lib.BucketPlan((0,), "allgather"),))
+  assert ok.leaves[0].capacity == 100
+  with pytest.raises(plan_lib.PlanError, match=r"leaf \[0\]: capacity=101 "
+                     r"must be an integer in \[1, 100\]"):
+    plan_lib.Plan((leaf(101),), (plan_lib.BucketPlan((0,), "allgather"),))
+
+
+def test_an_integer_leaf_cannot_be_sparse():
+  leaf = plan_lib.LeafPlan("[0]", (100,), "int32", "sparse", 0.1, 10, "dgc")
+  with pytest.raises(plan_lib.PlanError,
+                     match=r"leaf \[0\]: dtype int32 cannot be sparse"):
+    plan_lib.Plan((leaf,), (plan_lib.BucketPlan((0,), "allgather"),))
+
+
+@pytest.mark.parametrize("mode,collective,message", [
+    ("sparse", "psum", "sparse leaves need collective 'allgather' or 'zen'"),
+    ("dense", "allgather", "dense leaves need collective 'psum', not "
+     "'allgather'")])
+def test_a_buckets_collective_matches_its_mode(mode, collective, message):
+  leaf = (_sparse_leaf(100, "[0]") if mode == "sparse" else
+          _dense_leaf(100))
+  with pytest.raises(plan_lib.PlanError, match=f"bucket 0: {message}"):
+    plan_lib.Plan((leaf,), (plan_lib.BucketPlan((0,), collective),))
+
+
+@pytest.mark.parametrize("ids", [(0, 2), (0, -1)])
+def test_a_leaf_id_past_either_end_is_a_plan_error(ids):
+  # two leaves: ids 0 and 1; 2 (one past the end) and -1 are out of range
+  leaves = (_dense_leaf(8, "[0]"), _dense_leaf(8, "[1]"))
+  with pytest.raises(plan_lib.PlanError, match=r"bucket 0: leaf ids .* out "
+                     r"of range \[0, 2\)"):
+    plan_lib.Plan(leaves, (plan_lib.BucketPlan(ids, "psum"),))
+
+
+@pytest.mark.parametrize("collective", ["zen", "spardl", "hier"])
+def test_a_bucket_of_exactly_the_int32_limit_is_accepted(collective):
+  # 2 · (2**30 − 1) = 2**31 − 2 elements: the largest one index space
+  half = 2**30 - 1
+  leaves = tuple(plan_lib.LeafPlan(f"[{i}]", (half,), "float32", "sparse",
+                                   0.01, 1000, "dgc") for i in range(2))
+  plan = plan_lib.Plan(leaves, (plan_lib.BucketPlan((0, 1), collective),))
+  assert sum(l.size for l in plan.leaves) == plan_lib.MAX_LEAF_SIZE
+  big = tuple(dataclasses.replace(l, shape=(half + 1,)) for l in leaves)
+  with pytest.raises(plan_lib.PlanError, match="as one int32 space"):
+    plan_lib.Plan(big, (plan_lib.BucketPlan((0, 1), collective),))
+
+
+@pytest.mark.parametrize("density", [0.0, 1.5])
+def test_a_behind_buckets_density_is_checked(density):
+  leaves = (_sparse_leaf(100, "[0]"), _sparse_leaf(50, "[1]"))
+  with pytest.raises(plan_lib.PlanError,
+                     match=f"bucket 0: density={density!r} must be in"):
+    plan_lib.Plan(leaves, (plan_lib.BucketPlan(
+        (0, 1), "allgather", "behind", 15, "dgc", density),))
