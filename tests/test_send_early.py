@@ -577,3 +577,52 @@ def test_the_last_point_holds_only_what_the_backward_feeds():
   # A pmean at a point of its own after the last bucket changes nothing.
   assert overlap.last_point([1, 2, 3], [True, True, False]) == [1]
   assert overlap.last_point([1, 1], [False, False]) == []
+
+
+def test_fences_at_no_work_share_one_point():
+  # Every fence before any backward work (W = 0 for all): no work lies
+  # between them, so they share the first point (side by side), unless a
+  # kind repeats at more work (it cannot at the same work).
+  assert overlap.points_of_work([0.0, 0.0, 0.0]) == [1, 1, 1]
+  assert overlap.points_of_work(
+      [0.0, 0.0], kinds=["all_gather", "psum"]) == [1, 1]
+
+
+def test_without_products_each_backward_equation_counts_one():
+  """A backward of elementwise equations only (no dot, no convolution):
+  W_k is the number of backward equations run before fence k, so the
+  fences still stand apart (all at work 0 they would share a point)."""
+  def step(a, b):
+    ga, gb = jax.grad(lambda a, b: jnp.sum(jnp.sin(a) * jnp.cos(b)),
+                      argnums=(0, 1))(a, b)
+    return jax.lax.psum(gb, "d"), jax.lax.psum(ga, "d")
+  jaxpr = jax.make_jaxpr(step, axis_env=[("d", 2)])(jnp.ones(3),
+                                                    jnp.ones(3)).jaxpr
+  order, fences = overlap.fenced_order(jaxpr)
+  assert len(fences) == 2
+  # counted by hand from the order: backward equations before each fence
+  backward = [overlap.is_backward(jaxpr.eqns[n]) for n in order]
+  want = [float(sum(backward[:f])) for f in fences]
+  assert 0 < want[0] < want[1] == sum(backward)
+  assert overlap.fence_work(jaxpr.eqns, order, fences) == want
+  assert overlap.points_of_work(want) == [1, 2]
+
+
+def test_readers_run_early_are_no_collectives():
+  """``finish_under_last`` runs the earlier results' readers ahead; a
+  collective among them (here one reading a reader's output) stays in its
+  turn, and so does what reads it."""
+  def step(a):
+    x = jax.lax.psum(a, "d")          # the earlier collective's result
+    y = x * 2.0                       # its reader
+    z = jax.lax.psum(y, "d")          # a later collective: not run early
+    return y + 1.0, z + 1.0
+  jaxpr = jax.make_jaxpr(step, axis_env=[("d", 2)])(jnp.ones(3)).jaxpr
+  names = [e.primitive.name for e in jaxpr.eqns]
+  assert names == ["psum", "mul", "psum", "add", "add"], names
+  order = list(range(len(names)))
+  (x,) = jaxpr.eqns[0].outvars
+  available = {jaxpr.invars[0], x}
+  # after position 0: the mul and the first add read x; the second psum
+  # and the add after it wait for their turn
+  assert overlap.readers(jaxpr.eqns, order, 0, [x], available, []) == [1, 3]
