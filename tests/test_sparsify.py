@@ -362,6 +362,22 @@ def test_sent_count_from_scalars_is_the_slots_filled(estimator, n, capacity,
   assert int(got[0]) == want, (int(out.count), idx[:3])
 
 
+@pytest.mark.parametrize("finished", [False, True])
+def test_sent_count_of_a_non_finite_unit_is_its_one_slot(finished):
+  """Worked by hand, n = 10 elements, c = 3 slots: a non-finite unit fills
+  slot 0 only (its NaN), whatever count the pass reports (0 after topk's
+  finished pass); finite units fill min(m, c) slots, and with m = 0 slot 0
+  only if it holds an element (not finished) or none (finished)."""
+  n = 10
+  count = jnp.asarray([0, 0, 5, 2, 0], jnp.int32)
+  indices = jnp.asarray([[0, n, n], [4, n, n], [1, 2, 3], [7, 8, n],
+                         [n, n, n]], jnp.int32)
+  nonfinite = jnp.asarray([True, False, False, False, False])
+  got = stats_lib.sent_count(count, indices, n, nonfinite, finished=finished)
+  want = [1, 0 if finished else 1, 3, 2, 0]
+  assert np.asarray(got).tolist() == want
+
+
 # --- "topk": the sampled bracket and the shared pass --------------------------
 
 @functools.lru_cache(maxsize=None)
