@@ -96,3 +96,18 @@ def test_a_behind_buckets_zeros_are_no_candidates(mesh):
   assert np.asarray(stats.selected).tolist() == [[0, 3]] * K
   assert np.asarray(stats.overflow).tolist() == [[0, 0]] * K
   assert not np.asarray(stats.missing).any()
+
+
+def test_a_behind_buckets_inf_flags_its_leaf_non_finite(mesh):
+  # The plan of the test above (one compile). An inf (not a NaN) in b on
+  # the last worker: b is non-finite there, a nowhere; summarize counts
+  # one leaf.
+  plan = list_plan([(4096,), (4096,)], density=0.05, min_sparse_size=64,
+                   estimator="topk", strategy="behind", bucket_bytes=1 << 20)
+  a = np.ones((K, 4096), np.float32)
+  b = np.ones((K, 4096), np.float32)
+  b[K - 1, 100] = np.inf
+  _, state = sync(plan, mesh, [a, b], init(plan, mesh), fast_compile=True)
+  flags = np.asarray(state.stats.nonfinite).tolist()
+  assert flags == [[False, False]] * (K - 1) + [[False, True]]
+  assert jaxfuse.summarize(state.stats, plan)["nonfinite_leaves"] == 1
