@@ -120,6 +120,32 @@ def test_conservation(mesh, shapes, density, estimator, strategy, seed):
     assert_replicas_identical(synced)
 
 
+def test_a_behind_unit_places_each_leaf_at_its_offset(mesh):
+  """Two leaves selected as one "behind" unit (a at offset 0, b at 4096 of
+  its stream): 5 non-zeros against 410 slots, so every worker sends all
+  and each leaf comes back as the exact worker mean, at its own place.
+  Worker k sends (k + 1)·x: the mean is x·(K + 1)/2."""
+  plan = list_plan([(4096,), (4096,)], density=0.05, min_sparse_size=64,
+                   estimator="topk", strategy="behind", bucket_bytes=1 << 20)
+  (bucket,) = plan.buckets
+  assert bucket.sparsify == "behind" and bucket.capacity == 410
+  scale = np.arange(1, K + 1, dtype=np.float32)[:, None]
+  a = np.zeros((K, 4096), np.float32)
+  b = np.zeros((K, 4096), np.float32)
+  a[:, [1, 2]] = scale * [0.5, -0.25]
+  b[:, [5, 600, 4000]] = scale * [1.0, -2.0, 3.0]
+  synced, state = sync(plan, mesh, [a, b], init(plan, mesh),
+                       fast_compile=True)
+  mean = (K + 1) / 2
+  want_a = np.zeros(4096, np.float32)
+  want_a[[1, 2]] = [0.5 * mean, -0.25 * mean]
+  want_b = np.zeros(4096, np.float32)
+  want_b[[5, 600, 4000]] = [mean, -2 * mean, 3 * mean]
+  np.testing.assert_array_equal(np.asarray(synced[0]), want_a)
+  np.testing.assert_array_equal(np.asarray(synced[1]), want_b)
+  assert all(np.all(np.asarray(r) == 0) for r in state.residuals)
+
+
 # 3. No tensor missing ---------------------------------------------------------
 
 def _missing_rate(mesh, strategy, steps=30):
