@@ -336,6 +336,24 @@ def test_density_warmup_runs_dense_where_sparse_moves_more(workers, wire,
     jaxfuse.density_warmup(plan, steps=10, num_workers=0)
 
 
+@pytest.mark.parametrize("final,ramp", [
+    (0.001, [0.25, 0.0625, 0.015625, 0.004]),   # DGC's whole ramp
+    (0.01, [0.25, 0.0625, 0.015625]),           # only those above ρ
+    (0.1, [0.25]),
+    (0.25, []),                                 # none above: no warm-up
+])
+def test_density_warmup_default_ramp_is_dgcs(final, ramp):
+  """Without densities= the ramp is DGC's warm-up (Lin et al. 2018:
+  sparsity 75 %, 93.75 %, 98.4375 %, 99.6 %), the densities above the
+  plan's, each for ``steps``, and the plan after."""
+  plan = list_plan([(1 << 12,)], density=final, min_sparse_size=64)
+  phases = jaxfuse.density_warmup(plan, steps=3)
+  assert [p.plan.leaves[0].density for p in phases] == [*ramp, final]
+  assert [(p.start, p.stop) for p in phases] == (
+      [(3 * i, 3 * i + 3) for i in range(len(ramp))] + [(3 * len(ramp), None)])
+  assert phases[-1].plan is plan
+
+
 @pytest.mark.parametrize("wire,sparse", [
     ("bfloat16", []), ("gradient", [0.0625, 0.015625])])
 def test_density_warmup_counts_hier_buckets_on_both_axes(wire, sparse):
