@@ -296,6 +296,13 @@ def test_what_relayout_refuses(mesh):
                      r"float32 \[40, 40\] sparse in the old plan and \['c'\] "
                      r"float32 \[40, 41\] sparse in the new one"):
     jaxfuse.relayout(state, old, wider)
+  # the same leaves, but a and b (1536 elements) fall below min_sparse_size
+  split = jaxfuse.plan(PARAMS, density=0.05, min_sparse_size=1600)
+  with pytest.raises(jaxfuse.PlanError, match=r"relayout: leaf 0 is \['a'\] "
+                     r"float32 \[32, 48\] sparse in the old plan and \['a'\] "
+                     r"float32 \[32, 48\] dense in the new one; .* the same "
+                     r"dense/sparse split \(the same min_sparse_size\)"):
+    jaxfuse.relayout(state, old, split)
   more = jaxfuse.plan(dict(PARAMS, d=jnp.ones((40, 40))), density=0.05)
   with pytest.raises(jaxfuse.PlanError, match="relayout: the old plan has 4 "
                      "leaves, the new 5; make both from the same parameters"):
