@@ -2,6 +2,8 @@
 once, contiguously inside its unit, buckets of the kind their units make,
 in the plan's order; warm-up phases compile to the same layout."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,3 +161,34 @@ def test_a_leaf_of_another_name_is_named_in_the_difference():
   assert schedule.layout_difference(a, b) == (
       "leaves (['a']: float32 [64] dense, against ['b']: float32 [64] dense)")
   assert schedule.layout_difference(a, a) is None
+
+
+def test_layout_ignores_the_wire_dtypes_and_counts_leaves():
+  """The state holds no wire dtype: plans that differ only in
+  ``sparse_wire`` or ``full_wire`` share one layout (and digest); plans
+  of other leaf counts differ in their "leaves"."""
+  plan = _plan("size", bucket_bytes=4096)
+  for field in ("sparse_wire", "full_wire"):
+    wired = dataclasses.replace(plan, settings=dataclasses.replace(
+        plan.settings, **{field: "bfloat16"}))
+    assert wired != plan
+    assert schedule.layout_difference(plan, wired) is None
+    assert schedule.layout_digest(plan) == schedule.layout_digest(wired)
+  fewer = jaxfuse.plan({n: jax.ShapeDtypeStruct(s, jnp.float32)
+                        for n, s in SHAPES.items() if n != "d"},
+                       density=0.05, strategy="size", bucket_bytes=4096,
+                       min_sparse_size=64)
+  assert schedule.layout_difference(plan, fewer) == "leaves"
+  assert schedule.digest_difference(schedule.layout_digest(plan),
+                                    schedule.layout_digest(fewer)) == "leaves"
+
+
+def test_layout_digest_equal_for_numbers_equal_under_eq():
+  """2 and 2.0, numpy and Python numbers, hash alike; 2.5 does not."""
+  plan = _plan("single")
+  def headroom(h):
+    return schedule.layout_digest(dataclasses.replace(
+        plan, settings=dataclasses.replace(plan.settings, headroom=h)))
+  assert headroom(2) == headroom(2.0) == headroom(np.float32(2.0))
+  assert headroom(np.int64(2)) == headroom(2)
+  assert headroom(2.5) == headroom(np.float64(2.5)) != headroom(2)
