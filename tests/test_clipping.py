@@ -100,6 +100,27 @@ def test_first_step_shares_are_the_bucket_sizes():
                                np.sqrt(np.prod(s) / total), rtol=1e-5)
 
 
+def test_a_bucket_without_a_norm_takes_its_size_share_of_the_others():
+  """p = (3, 0, 4, 0) by bucket of a, b, c, d: b and d have no norm yet and
+  take ‖p‖·√(n_b/N) = 5·√(n_b/132); the shares are the filled p over its
+  norm, and every bucket (all far over the limit) ends at its share."""
+  g = _grads(np.random.default_rng(3), [10.0] * 4)
+  prev = np.zeros(4, np.float32)
+  prev[_bucket_of("a")], prev[_bucket_of("c")] = 3.0, 4.0
+  filled = {"a": 3.0, "b": 5.0 * np.sqrt(40 / 132), "c": 4.0,
+            "d": 5.0 * np.sqrt(50 / 132)}
+  total = np.sqrt(sum(v * v for v in filled.values()))
+  out, new = CLIP.update(g, clipping.BucketClipState(jnp.asarray(prev)))
+  for n in SHAPES:
+    np.testing.assert_allclose(np.linalg.norm(out[n]), filled[n] / total,
+                               rtol=1e-5)
+  # An all-zero bucket stays zero (no 0/0) and records a norm of 0.
+  g["b"] = np.zeros_like(g["b"])
+  out, new = CLIP.update(g, clipping.BucketClipState(jnp.asarray(prev)))
+  np.testing.assert_array_equal(np.asarray(out["b"]), 0)
+  assert float(new.norms[_bucket_of("b")]) == 0.0
+
+
 def test_a_non_finite_step_keeps_the_shares():
   g = _grads(np.random.default_rng(2), [1.0] * 4)
   g["a"] = g["a"].copy()
