@@ -61,6 +61,19 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+import dispatch  # pylint: disable=wrong-import-position
+
+# Folded scripts, run as `python benchmarks/convergence.py NAME ARGS`
+# (benchmarks/tools/NAME.py; the old script's flags).
+SUBCOMMANDS = {
+    "sgd-study": "stabilisers for jaxfuse.sgd at a dense-tuned rate",
+    "sgd-stability": ("whether jaxfuse.sgd is stable at dense momentum SGD's "
+                      "best rate"),
+    "elastic": ("elastic restart on the example LM: train on K workers, "
+                "resume on K'"),
+}
+
 HORIZONS = (250, 500, 1000)
 
 
@@ -528,7 +541,10 @@ def report_small(data):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+      description=__doc__.split("\n")[0],
+      epilog=dispatch.epilog(SUBCOMMANDS),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="study", required=True)
   lm = sub.add_parser("lm")
   lm.add_argument("--preset", default="tiny")
@@ -599,4 +615,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  dispatch.run(main, SUBCOMMANDS)

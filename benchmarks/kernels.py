@@ -38,7 +38,18 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+import dispatch  # pylint: disable=wrong-import-position
+
+# Folded scripts, run as `python benchmarks/kernels.py NAME ARGS`
+# (benchmarks/tools/NAME.py; the old script's flags).
+SUBCOMMANDS = {
+    "kernel-slowdown": ("which kernels run slower beside NCCL's: a K-GPU step "
+                        "against one GPU"),
+    "kernel-sources": "which source lines a compiled step's kernels come from",
+}
 
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
@@ -159,8 +170,9 @@ def bench_batched(sizes, densities, batch, repeats, interpret):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      description=__doc__, epilog=dispatch.epilog(SUBCOMMANDS),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--sizes", default="1000000,16000000,100000000")
   p.add_argument("--densities", default="0.001,0.01,0.05")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -279,4 +291,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  dispatch.run(main, SUBCOMMANDS)

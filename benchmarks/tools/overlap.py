@@ -31,7 +31,7 @@ matrix products and other kernels printed, to set beside each variant's.
 Prints a table and writes JSON (and each variant's HLO with --hlo-dir)::
 
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket \\
-  NCCL_SOCKET_IFNAME=lo python benchmarks/overlap.py --density 0.05 \\
+  NCCL_SOCKET_IFNAME=lo python benchmarks/overhead.py overlap --density 0.05 \\
       --variants base lhs lhs_sol --out overlap.json
 """
 
@@ -45,7 +45,7 @@ import re
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -452,7 +452,7 @@ def main(argv=None):
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(
       json.dumps(result, indent=1))
-  if args.out:   # the plan that ran, for benchmarks/predict_overlap.py
+  if args.out:   # the plan that ran, for benchmarks/planner.py predict-overlap
     out = pathlib.Path(args.out)
     plan.save(out.with_name(out.stem + ".plan.json"))
   print(f"{len(devices)} x {devices[0].device_kind}, {len(plan.buckets)} "
@@ -557,6 +557,3 @@ def main(argv=None):
   save()
   return result
 
-
-if __name__ == "__main__":
-  main()

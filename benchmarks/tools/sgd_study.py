@@ -1,6 +1,6 @@
 """Stabilisers for ``jaxfuse.sgd`` at a dense-tuned rate: a standalone study.
 
-The same problem, rows and row order as ``benchmarks/sgd_stability.py``
+The same problem, rows and row order as ``benchmarks/convergence.py sgd-stability``
 (its ``problem``; worker k gets rows k·B … (k+1)·B − 1 of each step's draw),
 simulated on one device with the K workers as a vmapped leading axis and
 exact per-worker top-k (k = ⌈ρ·n⌉) in place of jaxfuse's threshold
@@ -8,8 +8,8 @@ estimator. Every method keeps the parameters identical on all workers: w
 moves only by the worker mean of what was sent (plus, for the oracles,
 what is stated).
 
-  python benchmarks/sgd_study.py --methods dense ef ef:d=0.8 --rhos 0.01
-  python benchmarks/sgd_study.py --list
+  python benchmarks/convergence.py sgd-study --methods dense ef ef:d=0.8 --rhos 0.01
+  python benchmarks/convergence.py sgd-study --list
 
 Method spec: ``name[:key=value,...]``; see ``METHODS``.
 """
@@ -24,7 +24,7 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -32,7 +32,7 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from benchmarks.sgd_stability import problem  # pylint: disable=wrong-import-position
+from benchmarks.tools.sgd_stability import problem  # pylint: disable=wrong-import-position
 
 METHODS = {
     "dense": "optax.sgd on the worker mean gradient (heavy ball)",
@@ -319,6 +319,3 @@ def main(argv=None):
         {"args": vars(args), "limit": limit, "results": results}, indent=1))
   return results
 
-
-if __name__ == "__main__":
-  main()

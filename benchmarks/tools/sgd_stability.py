@@ -12,8 +12,8 @@ rate is a fraction of that limit; the table gives the full-data loss at
 each horizon, or "diverged". Dense is ``optax.sgd`` on the workers' mean
 gradient, the others ``jaxfuse.sgd`` on one ``single`` plan per density::
 
-  python benchmarks/sgd_stability.py --densities 0.1 0.01 --out sgd.json
-  python benchmarks/sgd_stability.py --residual-decays 1 0.9 0.8 --out d.json
+  python benchmarks/convergence.py sgd-stability --densities 0.1 0.01 --out sgd.json
+  python benchmarks/convergence.py sgd-stability --residual-decays 1 0.9 0.8 --out d.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -168,6 +168,3 @@ def main(argv=None):
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
   return result
 
-
-if __name__ == "__main__":
-  main()
