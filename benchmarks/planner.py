@@ -386,7 +386,8 @@ import jaxfuse, lm_model
 from jaxfuse.planning import profiling
 loss_fn, params, tokens = lm_model.{model}()
 eta, raw = profiling.measure_overlap(jaxfuse.make_mesh(), loss_fn, params,
-                                     (tokens,), repeats=10)
+                                     (tokens,),
+                                     timing=profiling.Timing(repeats=10))
 print("RESULT", json.dumps({{"overlap": eta, **raw}}))
 """
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -22,6 +23,9 @@ import numpy as np
 
 from jaxfuse import overlap
 from jaxfuse.planning import ordering
+from jaxfuse.planning._measuring import Model
+from jaxfuse.planning._measuring import Timing
+from jaxfuse.planning._measuring import upgrade_keywords
 from jaxfuse.planning.timing import ProfileError
 from jaxfuse.planning.timing import jit as _jit
 from jaxfuse.planning.timing import time_call
@@ -274,11 +278,16 @@ def derive_backward(loss_fn: Callable, params, example_args: Sequence = (), *,
   return scale_shares(analysis.shares, measured, sizes)
 
 
-def validate_backward(loss_fn: Callable, params, example_args: Sequence = (),
-                      backward: Sequence[float] | None = None, *,
-                      order: Sequence[int] | None = None,
-                      num_prefixes: int = 3, repeats: int = 7,
-                      warmup: int = 2, device=None) -> dict:
+# validate_backward's default: more rounds than a profile's, since its
+# prefixes differ from each other by a few leaves' backward.
+VALIDATE_TIMING = Timing(repeats=7)
+
+
+def validate_backward(model: Model, backward: Sequence[float] | None = None,
+                      *legacy, order: Sequence[int] | None = None,
+                      num_prefixes: int = 3,
+                      timing: Timing = VALIDATE_TIMING, device=None,
+                      **deprecated) -> dict:
   """Measured vs derived ready times of the first leaves of the backward.
 
   For k leaves ready first (``num_prefixes`` values of k spread over the
@@ -286,12 +295,50 @@ def validate_backward(loss_fn: Callable, params, example_args: Sequence = (),
   the backward is then not computed) gives the measured ready time
   T_k − T_fwd; the derived one is Σ of ``backward`` over those leaves.
   Forward, full gradient and prefixes are timed round-robin (``time_calls``).
-  ``backward`` defaults to ``derive_backward`` with measured rates.
+  With e_k = (derived_k − measured_k) / B, a share of the whole backward
+  pass B, the report's ``mean_abs_error`` is the mean of |e_k|.
 
-  Returns {"device", "forward", "backward", "prefixes": [{"leaves",
-  "measured", "derived", "error"}], "mean_abs_error"}, with error =
-  (derived − measured) / backward, a share of the whole backward pass.
+  Args:
+    model: the ``Model`` (loss, parameters, example arguments). The 0.2
+      form ``validate_backward(loss_fn, params, example_args, backward)``
+      still works, with a ``DeprecationWarning``.
+    backward: derived per-leaf backward times (pytree order); default
+      ``derive_backward`` with the device's measured rates.
+    *legacy: the 0.2 form's ``example_args`` and ``backward``.
+    order: leaf ids in backward-ready order (default
+      ``ordering.ready_order``).
+    num_prefixes: how many prefixes of the ready order to measure.
+    timing: a ``Timing`` (``repeats`` and ``warmup`` are used).
+    device: the device to run on (default the first local one).
+    **deprecated: the 0.2 keywords ``repeats`` and ``warmup``.
+
+  Returns:
+    {"device", "forward", "backward", "prefixes": [{"leaves", "measured",
+    "derived", "error"}], "mean_abs_error"}.
+
+  Raises:
+    ProfileError: if ``backward`` has another length than ``params`` has
+      leaves.
+    TypeError: for more than two positional arguments after a ``Model``,
+      or a keyword that is neither its own nor a 0.2 one.
   """
+  if callable(model):   # 0.2: (loss_fn, params, example_args=(), backward)
+    warnings.warn(
+        "validate_backward(loss_fn, params, example_args, backward) is "
+        "deprecated: pass validate_backward(Model(loss_fn, params, "
+        "example_args), backward) (jaxfuse.planning.profiling.Model); the "
+        "old form goes in 0.4.", DeprecationWarning, stacklevel=2)
+    example_args = legacy[0] if legacy else deprecated.pop("example_args", ())
+    model, backward = Model(model, backward, example_args), (
+        legacy[1] if len(legacy) > 1 else deprecated.pop("backward", None))
+  elif legacy:
+    raise TypeError("validate_backward(model, backward) takes 2 positional "
+                    f"arguments, not {2 + len(legacy)}: give the rest by "
+                    "keyword.")
+  timing = upgrade_keywords("validate_backward", deprecated,
+                            timing=timing)["timing"]
+  loss_fn, params, example_args = model
+  repeats, warmup = timing.repeats, timing.warmup
   device = device or jax.local_devices()[0]
   leaves, treedef = jax.tree.flatten(params)
   n = len(leaves)
@@ -356,4 +403,4 @@ def synthetic_model(width: int | None = None, layers: int = 4,
     for w in params:
       x = jnp.tanh(x @ w)
     return jnp.mean(x * x)
-  return loss_fn, params, (x,)
+  return Model(loss_fn, params, (x,))

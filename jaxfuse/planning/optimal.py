@@ -87,13 +87,14 @@ it (``prune_bound`` / ``prune_dominance`` turn them off, for tests):
 
 Each pruning keeps an optimal grouping (tested against brute force and
 against the search with each pruning off). With 3 alone the search is an
-exact dynamic program; 1 and 2 make it fast. Measured on synthetic
-ResNet-101-like models (a third of the leaves sparse) over a range of
-compute/communication ratios and η: 314 leaves about 50 ms, 1000 leaves
-about 0.25 s (benchmarks/planner.py timing); with a per-bucket cost c of
-0.01–0.4 ms, 0.1–0.2 s and 0.7–2.2 s (labels of different m compare on
-one more number). The slow cases are those where many groupings come
-within 0.1% of the optimum.
+exact dynamic program: at each of the N positions it extends the live
+labels by one group each, so its work is N times the labels kept, never
+the 2^(N-1) groupings. 1 and 2 keep that number small. A per-bucket cost
+c > 0 makes the search slower, since labels of different m compare on one
+more number and dominate each other less. The slow cases are those where
+many groupings come within 0.1% of the optimum: the bound cuts a branch
+only once it is worse than the best found. ``benchmarks/planner.py
+timing`` measures the search on synthetic models of up to 1000 leaves.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -265,12 +266,34 @@ class GroupingProblem:
       raise ValueError(f"cuts {list(cuts)} must increase and end at {n - 1}.")
     link, comm, a, shift = 0.0, 0.0, 0, 0.0
     for j in cuts:
-      link, g, shift = _group(t, self.allgather, self.psum, a, j, link,
-                              shift, self.bucket)
+      link, g, shift = self._group(a, j, link, shift)
       comm += g
       a = j + 1
     return self.forward + _objective(t["pos"][n] + shift, link, comm,
                                      self.overlap)
+
+  def _group(self, a, j, link, shift):
+    """(link, comm, shift) after group [a..j], starting with the link free at
+    ``link`` and the compute stream ``shift`` seconds behind the prefix sums
+    (the per-bucket compute of the sparse buckets before): the link time,
+    the group's communication time and the shift after the group."""
+    t = self._tables()
+    ag, ps = self.allgather, self.psum
+    pos, ns = t["pos"], t["ns"]
+    nsp = ns[j + 1] - ns[a]
+    comm = 0.0
+    if nsp:
+      shift += self.bucket
+      g = ag.alpha + ag.beta * (t["sw"][j + 1] - t["sw"][a])
+      ready = pos[t["after_sparse"][j + 1]] + shift
+      link = (ready if ready > link else link) + g
+      comm += g
+    if nsp < j + 1 - a:
+      g = ps.alpha + ps.beta * (t["dw"][j + 1] - t["dw"][a])
+      ready = pos[j + 1] + shift
+      link = (ready if ready > link else link) + g
+      comm += g
+    return link, comm, shift
 
 
 def _objective(compute, link, comm, eta):
@@ -278,28 +301,6 @@ def _objective(compute, link, comm, eta):
   η·max(link, compute), for a final link time ``link`` and communication
   ``comm`` (numbers or numpy arrays). Non-decreasing in link and comm."""
   return (1 - eta) * (compute + comm) + eta * np.maximum(link, compute)
-
-
-def _group(t, ag, ps, a, j, link, shift, bucket):
-  """(link, comm, shift) after group [a..j], starting with the link free at
-  ``link`` and the compute stream ``shift`` seconds behind the prefix sums
-  (the per-bucket compute of the sparse buckets before): the link time, the
-  group's communication time and the shift after the group."""
-  pos, ns = t["pos"], t["ns"]
-  nsp = ns[j + 1] - ns[a]
-  comm = 0.0
-  if nsp:
-    shift += bucket
-    g = ag.alpha + ag.beta * (t["sw"][j + 1] - t["sw"][a])
-    ready = pos[t["after_sparse"][j + 1]] + shift
-    link = (ready if ready > link else link) + g
-    comm += g
-  if nsp < j + 1 - a:
-    g = ps.alpha + ps.beta * (t["dw"][j + 1] - t["dw"][a])
-    ready = pos[j + 1] + shift
-    link = (ready if ready > link else link) + g
-    comm += g
-  return link, comm, shift
 
 
 # --- search -------------------------------------------------------------------
@@ -401,8 +402,8 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
   # label's shift is the per-bucket compute m·c its sparse buckets paid.
   parent, cut = [-1], [-1]                  # per label id: path back
   zero = np.zeros(1, np.int64)
-  lo, jstar = _limits(zero, np.zeros(1), zero, np.zeros(1), c, pos, run,
-                      prune_dominance)
+  fixed = _Fixed(c, pos, run, prune_dominance)
+  lo, jstar = _limits(zero, np.zeros(1), zero, np.zeros(1), fixed)
   live = dict(k=zero, link=np.zeros(1), comm=np.zeros(1), shift=np.zeros(1),
               lo=lo, jstar=jstar, id=zero)
   nodes = 1
@@ -472,8 +473,7 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
     cut.extend([j] * len(ids))
     nodes += len(ids)
     kk_new = np.full(len(ids), tpos, np.int64)
-    lo, jstar = _limits(kk_new, link2, child_min, shift2, c, pos, run,
-                        prune_dominance)
+    lo, jstar = _limits(kk_new, link2, child_min, shift2, fixed)
     # Complete each at once with the rest as one group: an early incumbent.
     nsp = ns[n] - ns[tpos]
     e, shift3 = link2, shift2 + (c if nsp else 0.0)
@@ -496,19 +496,31 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
                   problem.time(best_cuts), nodes)
 
 
-def _limits(k, link, minend, shift, bucket, pos, run, prune_dominance):
+class _Fixed(NamedTuple):
+  """What every label's ``_limits`` share in one search: the per-bucket
+  compute c, the prefix sums P, the sparse runs (``search``'s ``run``) and
+  whether pruning 2 is on."""
+  bucket: float
+  pos: np.ndarray
+  run: np.ndarray
+  prune_dominance: bool
+
+
+def _limits(k, link, minend, shift, fixed: _Fixed):
   """Per label: the first allowed end of its next group, and j*.
 
-  j* = the last j with P_{j+1} + shift + bucket <= link (one group [k..j],
-  with its own per-bucket compute, computed before the link frees; k-1 if
+  j* = the last j with P_{j+1} + shift + c <= link (one group [k..j],
+  with its own per-bucket compute c, computed before the link frees; k-1 if
   none). Pruning 2 (module docstring): the next group ends at >= min(j*,
   run[k]) and, ending before j*, must be followed by a group ending after
   j*.
   """
-  jstar = np.searchsorted(pos, link - (shift + bucket), side="right") - 2
+  jstar = np.searchsorted(fixed.pos, link - (shift + fixed.bucket),
+                          side="right") - 2
   lo = np.maximum(k, minend)
-  if prune_dominance:
-    lo = np.where(jstar >= k, np.maximum(lo, np.minimum(jstar, run[k])), lo)
+  if fixed.prune_dominance:
+    lo = np.where(jstar >= k,
+                  np.maximum(lo, np.minimum(jstar, fixed.run[k])), lo)
   return lo, jstar
 
 
