@@ -35,7 +35,11 @@ class Timing(NamedTuple):
   chain: int = 4
 
   def calls(self) -> dict[str, int]:
-    """``repeats`` and ``warmup`` as ``time_call``'s keywords."""
+    """``repeats`` and ``warmup`` as ``time_call``'s keywords.
+
+    Returns:
+      {"repeats": ..., "warmup": ...}.
+    """
     return {"repeats": self.repeats, "warmup": self.warmup}
 
 

@@ -41,7 +41,16 @@ FREE_PRIMITIVES = frozenset({
 def machine_rates(device=None, *, repeats: int = 5,
                   warmup: int = 2) -> tuple[float, float]:
   """(FLOP/s of a float32 matmul, bytes/s of an elementwise op) on
-  ``device``."""
+  ``device``.
+
+  Args:
+    device: the device (default the first local one).
+    repeats: timed runs; the median counts.
+    warmup: untimed runs first.
+
+  Returns:
+    (FLOP/s, bytes/s).
+  """
   device = device or jax.local_devices()[0]
   cpu = device.platform == "cpu"
   m, n = (384, 2**21) if cpu else (4096, 2**26)
@@ -70,6 +79,12 @@ def equation_work(eqn) -> tuple[float, float]:
   window); everything else 0 FLOPs. Bytes: max(|out|, max |in|) in bytes (a
   fused elementwise chain touches each array about once); 0 for operations
   that are free once fused (``FREE_PRIMITIVES``).
+
+  Args:
+    eqn: a jaxpr equation.
+
+  Returns:
+    (FLOPs, bytes).
   """
   name = eqn.primitive.name
   if name in FREE_PRIMITIVES:
@@ -196,6 +211,19 @@ def analyze_backward(loss_fn: Callable, params, example_args: Sequence = (), *,
   equation up to the one producing leaf i's gradient, in jaxpr order (the
   work listed between two gradients goes to the second; docs/cli.md
   compares the two). Pure: traces, runs nothing.
+
+  Args:
+    loss_fn: ``loss_fn(params, *example_args)``, one worker's loss.
+    params: the parameters (arrays or shape-dtype structs).
+    example_args: a sample batch.
+    rates: (FLOP/s, bytes/s) of the roofline.
+    attribution: ``"cones"`` or ``"position"``.
+
+  Returns:
+    The ``BackwardAnalysis``.
+
+  Raises:
+    ProfileError: for an unknown ``attribution``.
   """
   if attribution not in ATTRIBUTIONS:
     raise ProfileError(f"attribution={attribution!r}; use one of "
@@ -239,6 +267,14 @@ def scale_shares(shares: Sequence[float], measured: float,
   """Per-leaf times ∝ ``shares`` summing to ``measured`` (≥ 0).
 
   When every share is 0 (nothing to go by), ∝ ``sizes`` if given, else equal.
+
+  Args:
+    shares: per-leaf weights (roofline shares).
+    measured: the total to scale to (negative counts as 0).
+    sizes: per-leaf fallback weights for all-zero shares.
+
+  Returns:
+    Per-leaf times, Σ = max(0, ``measured``).
   """
   measured = max(0.0, float(measured))
   weights = np.asarray(shares, np.float64)
@@ -259,7 +295,19 @@ def measure_forward_backward(loss_fn: Callable, params,
                              example_args: Sequence = (), *, repeats: int = 5,
                              warmup: int = 2, device=None
                              ) -> tuple[float, float]:
-  """(T_fwd, B = T_grad − T_fwd ≥ 0) of one worker, on one device."""
+  """(T_fwd, B = T_grad − T_fwd ≥ 0) of one worker, on one device.
+
+  Args:
+    loss_fn: ``loss_fn(params, *example_args)``, one worker's loss.
+    params: the parameters.
+    example_args: a sample batch.
+    repeats: timed rounds; the median counts.
+    warmup: untimed rounds first.
+    device: the device (default the first local one).
+
+  Returns:
+    (T_fwd, B) in seconds, timed round-robin.
+  """
   device = device or jax.local_devices()[0]
   params, args = _on_device((params, tuple(example_args)), device)
   t_fwd, t_grad = time_calls(
@@ -272,7 +320,19 @@ def measure_forward_backward(loss_fn: Callable, params,
 def derive_backward(loss_fn: Callable, params, example_args: Sequence = (), *,
                     measured: float, rates: tuple[float, float]
                     ) -> tuple[float, ...]:
-  """Per-leaf backward times (pytree order), Σ = ``measured``, all ≥ 0."""
+  """Per-leaf backward times (pytree order), Σ = ``measured``, all ≥ 0.
+
+  Args:
+    loss_fn: ``loss_fn(params, *example_args)``, one worker's loss.
+    params: the parameters.
+    example_args: a sample batch.
+    measured: B, the measured backward (seconds).
+    rates: (FLOP/s, bytes/s) for ``analyze_backward``.
+
+  Returns:
+    Per-leaf backward times: the roofline shares scaled to ``measured``
+    (``scale_shares``; by size where every share is 0).
+  """
   analysis = analyze_backward(loss_fn, params, example_args, rates=rates)
   sizes = [max(1, int(np.size(x))) for x in jax.tree.leaves(params)]
   return scale_shares(analysis.shares, measured, sizes)
@@ -391,7 +451,16 @@ def synthetic_model(width: int | None = None, layers: int = 4,
                     batch: int = 64):
   """(loss_fn, params, (x,)): a tanh MLP of ``layers`` (width, width)
   layers, for the measurements that need a model and are given none (η,
-  the per-bucket cost)."""
+  the per-bucket cost).
+
+  Args:
+    width: each layer's side (default 256 on a CPU, 4096 elsewhere).
+    layers: how many layers.
+    batch: rows of the sample batch.
+
+  Returns:
+    A ``Model`` (loss_fn, params, (x,)), seeded (the same every call).
+  """
   if width is None:
     width = 256 if jax.devices()[0].platform == "cpu" else 4096
   rng = np.random.default_rng(0)

@@ -128,13 +128,24 @@ DEFAULT_COMPRESS_SIZES = {
     "cpu": (2**12, 2**15, 2**18),
     "other": (2**12, 2**15, 2**18, 2**21, 2**24),
 }
+
+
 def default_sizes() -> tuple[int, ...]:
-  """The collective sweep (bytes per worker) for the current platform."""
+  """The collective sweep for the current platform.
+
+  Returns:
+    Bytes per worker: ``DEFAULT_SIZES`` of the platform (``"cpu"`` or
+    ``"other"``).
+  """
   return DEFAULT_SIZES[_platform_key()]
 
 
 def default_compress_sizes() -> tuple[int, ...]:
-  """The compression sweep (elements) for the current platform."""
+  """The compression sweep for the current platform.
+
+  Returns:
+    Elements per unit: ``DEFAULT_COMPRESS_SIZES`` of the platform.
+  """
   return DEFAULT_COMPRESS_SIZES[_platform_key()]
 
 
@@ -150,6 +161,21 @@ def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
   next worker on a ring: ZEN's and SparDL's primitives). Each
   round feeds the next, so the rounds never overlap; the ``parallel``
   collectives of one round are independent (for contention).
+
+  Args:
+    kind: one of ``costs.MEASURABLE``.
+    mesh: the mesh whose axis ``axis_name`` the collectives run over.
+    nbytes: bytes per worker of each collective.
+    chain: dependent rounds.
+    parallel: independent collectives per round.
+    axis_name: the data axis's name.
+
+  Returns:
+    (fn, inputs): the jitted program and its inputs, sharded over the axis.
+
+  Raises:
+    ProfileError: for an unknown ``kind`` or an ``axis_name`` not in
+      ``mesh``.
   """
   if kind not in costs_lib.MEASURABLE:
     raise ProfileError(f"kind={kind!r}; use one of {costs_lib.MEASURABLE}.")
@@ -228,7 +254,16 @@ def measure_collective(kind: str, mesh, sizes: Sequence[int], *,
 
 
 def contention_factor(t_one: float, t_two: float, alpha: float) -> float:
-  """γ = (T₂ − α)/(T₁ − α) in [1, 2] (ASC-WFBP Eq. 9; 1 when T₁ ≤ α)."""
+  """γ = (T₂ − α)/(T₁ − α) in [1, 2] (ASC-WFBP Eq. 9; 1 when T₁ ≤ α).
+
+  Args:
+    t_one: T₁, one psum's time.
+    t_two: T₂, two simultaneous psums' time.
+    alpha: the psum line's latency α.
+
+  Returns:
+    γ, clipped to [1, 2].
+  """
   if t_one - alpha <= 0:
     return 1.0
   return float(min(2.0, max(1.0, (t_two - alpha) / (t_one - alpha))))
@@ -236,8 +271,16 @@ def contention_factor(t_one: float, t_two: float, alpha: float) -> float:
 
 def overlap_factor(t_backward: float, t_comm: float, t_both: float) -> float:
   """η = (T_bwd + T_comm − T_both) / min(T_bwd, T_comm) in [0, 1]: what
-  hid, as a share of what an ideal overlap could hide (``simulate``'s η; 1
-  when there is nothing to hide)."""
+  hid, as a share of what an ideal overlap could hide (``simulate``'s η).
+
+  Args:
+    t_backward: T_bwd, the backward alone.
+    t_comm: T_comm, the all-reduce alone.
+    t_both: T_both, both in one program.
+
+  Returns:
+    η, clipped to [0, 1]; 1 when there is nothing to hide.
+  """
   ideal = min(t_backward, t_comm)
   if ideal <= 0:
     return 1.0
@@ -504,7 +547,14 @@ def same_on_every_process(costs: costs_lib.Costs) -> costs_lib.Costs:
   Each process times with its own clock, so its fits differ a little, and
   cost-strategy plans made from different costs can differ: the processes
   would then compile programs whose collectives never match (a hang, not
-  an error). ``profile`` returns this, so all processes plan alike."""
+  an error). ``profile`` returns this, so all processes plan alike.
+
+  Args:
+    costs: this process's ``Costs``.
+
+  Returns:
+    Process 0's ``Costs``.
+  """
   if jax.process_count() == 1:
     return costs
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
