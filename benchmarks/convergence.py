@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
@@ -257,15 +258,29 @@ def lsq_problem(d: int = 2048, rows: int = 4096, cond: float = 1e3,
   return params, loss_fn, (a.astype(np.float32), b.astype(np.float32)), None
 
 
-def train_small(problem, recipe: str, density: float, lr: float, steps: int,
-                num_workers: int, batch: int | None, warm_steps: int = 0,
-                momentum: float = 0.9, seed: int = 0, log_every: int = 10,
-                residual_decay: float = 1.0, nesterov: bool = False):
+class SmallRun(NamedTuple):
+  """How ``train_small`` trains: ``steps`` on ``workers`` workers, ``batch``
+  rows a step (None: all), SGD with ``momentum``, a loss logged every
+  ``log_every`` steps; ``residual_decay`` and ``nesterov`` for jaxfuse.sgd."""
+  steps: int
+  workers: int
+  batch: int | None
+  seed: int = 0
+  momentum: float = 0.9
+  log_every: int = 10
+  residual_decay: float = 1.0
+  nesterov: bool = False
+
+
+def train_small(problem, recipe: str, density: float, lr: float,
+                run: SmallRun, warm_steps: int = 0):
   """Train a small problem with SGD(momentum): dense (pmean first, then
   optax.sgd), ``naive`` (sparse_sync, then optax.sgd), ``sgd`` (jaxfuse.sgd,
   with DGC's density ramp of ``warm_steps`` per density) or ``sgd_masked``
   (the same with DGC's momentum factor masking).
-  Returns losses every ``log_every`` steps and the final test loss."""
+  Returns losses every ``run.log_every`` steps and the final test loss."""
+  steps, num_workers, batch, seed, momentum, log_every, residual_decay, \
+      nesterov = run
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
@@ -333,18 +348,17 @@ def train_small(problem, recipe: str, density: float, lr: float, steps: int,
 def run_classifier(args) -> dict:
   _small_setup(args.workers)
   problem = digits_problem(args.seed)
-  runs = [train_small(problem, "dense", 1.0, lr, args.steps, args.workers,
-                      args.batch, seed=args.seed) for lr in args.lrs]
+  dense = SmallRun(args.steps, args.workers, args.batch, seed=args.seed)
+  sparse = dense._replace(residual_decay=args.residual_decay,
+                          nesterov=args.nesterov)
+  runs = [train_small(problem, "dense", 1.0, lr, dense) for lr in args.lrs]
   for density in args.densities:
     for lr in args.lrs:
       for recipe, warm in (("naive", 0), ("sgd", 0), ("sgd", args.warm_steps),
                            ("sgd_masked", 0),
                            ("sgd_masked", args.warm_steps)):
-        runs.append(train_small(problem, recipe, density, lr, args.steps,
-                                args.workers, args.batch, warm_steps=warm,
-                                seed=args.seed,
-                                residual_decay=args.residual_decay,
-                                nesterov=args.nesterov))
+        runs.append(train_small(problem, recipe, density, lr, sparse,
+                                warm_steps=warm))
         print(f"density {density:<6g} lr {lr:<6g} {recipe:>10s} warm {warm}: "
               f"final train "
               f"loss {runs[-1]['final_train_loss']:.4f}", flush=True)
@@ -360,15 +374,14 @@ def run_lsq(args) -> dict:
   _small_setup(args.workers)
   problem = lsq_problem(cond=args.cond, seed=args.seed)
   runs = []
+  run = SmallRun(args.steps, args.workers, None, seed=args.seed)
   for lr in args.lrs:
-    runs.append(train_small(problem, "dense", 1.0, lr, args.steps,
-                            args.workers, None, seed=args.seed))
+    runs.append(train_small(problem, "dense", 1.0, lr, run))
     for density in args.densities:
       for recipe, warm in (("naive", 0), ("sgd", 0), ("sgd_masked", 0),
                            ("sgd_masked", args.warm_steps)):
-        runs.append(train_small(problem, recipe, density, lr, args.steps,
-                                args.workers, None, warm_steps=warm,
-                                seed=args.seed))
+        runs.append(train_small(problem, recipe, density, lr, run,
+                                warm_steps=warm))
         print(f"lr {lr:<8g} density {density:<6g} {recipe:>10s} warm {warm}:"
               f" loss {runs[-1]['final_train_loss']:.3e}", flush=True)
   return {"study": "lsq", "workers": args.workers, "steps": args.steps,

@@ -44,9 +44,13 @@ def problem(dim: int, condition: float, rows: int, seed: int):
   return a.astype(np.float32), b.astype(np.float32), float(s[0] ** 2)
 
 
-def run(opt, a, b, mesh, *, dense: bool, steps: int, batch: int,
-        horizons, seed: int) -> dict:
-  """Train from zero; the full-data loss at each horizon (inf: diverged)."""
+def run(opt, data, mesh, args, *, dense: bool, horizons) -> dict:
+  """Train from zero; the full-data loss at each horizon (inf: diverged).
+
+  ``data`` is the problem's (a, b); ``args`` gives ``steps``, ``batch``
+  (rows per worker) and ``seed``."""
+  a, b = data
+  steps, batch, seed = args.steps, args.batch, args.seed
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -155,8 +159,8 @@ def main(argv=None):
         opt = jaxfuse.sgd(plan, lr, momentum=args.momentum,
                           nesterov=nesterov, mask_momentum=mask,
                           residual_decay=decay)
-      losses = run(opt, a, b, mesh, dense=density is None, steps=args.steps,
-                   batch=args.batch, horizons=set(horizons), seed=args.seed)
+      losses = run(opt, (a, b), mesh, args, dense=density is None,
+                   horizons=set(horizons))
       result["runs"].append({"name": name, "density": density, "mask": mask,
                              "residual_decay": decay, "nesterov": nesterov,
                              "fraction": frac, "lr": lr,

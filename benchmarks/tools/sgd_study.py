@@ -90,8 +90,14 @@ def norm(x):
   return jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
 
 
-def simulate(name, opts, a, b, idx, lr, m, rho, dense_traj=None):
-  """Full-data loss after every step (T,), float32."""
+def simulate(name, opts, data, rates, dense_traj=None):
+  """Full-data loss after every step (T,), float32.
+
+  ``data`` is (a, b, idx): the problem and each step's rows per worker
+  (T, K, B); ``rates`` is (lr, m, rho): the learning rate, the momentum
+  and the density."""
+  a, b, idx = data
+  lr, m, rho = rates
   a = jnp.asarray(a)
   b = jnp.asarray(b)
   steps, workers, batch = idx.shape
@@ -281,8 +287,8 @@ def main(argv=None):
   results = []
   for frac in args.fractions:
     lr = frac * limit
-    dense_loss, dense_traj = simulate("dense", {}, a, b, idx, lr,
-                                      args.momentum, 1.0)
+    dense_loss, dense_traj = simulate("dense", {}, (a, b, idx),
+                                      (lr, args.momentum, 1.0))
     for spec in args.methods:
       name, opts = parse(spec)
       for rho in ([1.0] if name == "dense" else args.rhos):
@@ -290,8 +296,8 @@ def main(argv=None):
         if name == "dense":
           loss, vloss = dense_loss, None
         else:
-          loss, vloss = simulate(name, opts, a, b, idx, lr, args.momentum,
-                                 rho, dense_traj)
+          loss, vloss = simulate(name, opts, (a, b, idx),
+                                 (lr, args.momentum, rho), dense_traj)
         loss = np.asarray(loss, np.float64)
         bad = ~np.isfinite(loss) | (loss > 1e6)
         first_bad = int(np.argmax(bad)) + 1 if bad.any() else None
