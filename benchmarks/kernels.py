@@ -108,8 +108,10 @@ def _same(a, b):
                             np.asarray(y).reshape(-1).view(np.uint8)) for x, y in zip(a, b))
 
 
-def bench_one(acc, tau, capacity, offset, methods, repeats, interpret=False,
-              expect=None, **kw):
+def bench_one(case, methods, repeats, interpret=False, expect=None, **kw):
+  """Times of ``methods`` on ``case`` = (acc, tau, capacity, offset), and
+  whether the Pallas selection matches ``expect`` (or the reference's)."""
+  acc, tau, capacity, offset = case
   k = max(1, round(capacity / 1.5))
   fns = {
       "kth": jax.jit(lambda a, t, o: kth_largest_magnitude(
@@ -232,8 +234,8 @@ def main(argv=None):
       capacity = capacity_for(d, n, 1.5)
       tau = jnp.float32(q)
       row = {"n": n, "density": d, "capacity": capacity, "tau": float(q)}
-      row.update(bench_one(acc, tau, capacity, offset, methods, args.repeats,
-                           args.interpret, **kw))
+      row.update(bench_one((acc, tau, capacity, offset), methods,
+                           args.repeats, args.interpret, **kw))
       get = lambda k: row.get(k + "_batched_ms")
       ratio = lambda a, b: (get(a) / get(b)) if get(a) and get(b) else None
       row["pallas_over_read"] = ratio("pallas", "read")
@@ -271,7 +273,7 @@ def main(argv=None):
       configs = SWEEP if args.sweep_configs is None else [
           SWEEP[int(i)] for i in args.sweep_configs.split(",")]
       for block, tile, stage, nw in configs:
-        r = bench_one(acc, jnp.float32(q), capacity, offset,
+        r = bench_one((acc, jnp.float32(q), capacity, offset),
                       ["pallas", "count"], args.repeats, args.interpret,
                       expect=expect, block=block, tile=tile, stage=stage,
                       num_warps=nw)

@@ -128,11 +128,12 @@ def gpu_kernels(trace_dir: str, steps: int, timeline: str | None = None
           "by_name_launches": {k: v / steps for k, v in launches.items()}}
 
 
-def run(sync, estimator, args, model_parts, mesh, options,
-        finite: bool = False) -> dict:
+def run(sync, estimator, args, setup, finite: bool = False) -> dict:
   """Compile and time one train step; ``sync`` "dense" or "jaxfuse";
-  ``finite``: the recipe inside ``jaxfuse.apply_if_finite``."""
-  params, loss_fn, batches, local_batch = model_parts
+  ``setup`` (params, loss_fn, batches, local_batch, mesh, options): the
+  model, its batches, the mesh and the compiler options; ``finite``: the
+  recipe inside ``jaxfuse.apply_if_finite``."""
+  params, loss_fn, batches, local_batch, mesh, options = setup
   lr = 1e-4
   decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
   state_params = jax.tree.map(jnp.copy, params)
@@ -293,13 +294,13 @@ def main(argv=None) -> list[dict]:
   params = jax.device_put(params, NamedSharding(mesh, P()))
   loss_fn = lm_model.make_loss(model)
   local_batch = np.asarray(batches[0])[:per_device]
-  parts = (params, loss_fn, batches, local_batch)
   options = {} if args.xla_defaults else jaxfuse.xla_options()
-  rows = [run("dense", None, args, parts, mesh, options)]
+  setup = (params, loss_fn, batches, local_batch, mesh, options)
+  rows = [run("dense", None, args, setup)]
   for e in args.estimators:
-    rows.append(run("jaxfuse", e, args, parts, mesh, options))
+    rows.append(run("jaxfuse", e, args, setup))
     if args.apply_if_finite is not None:
-      rows.append(run("jaxfuse", e, args, parts, mesh, options, finite=True))
+      rows.append(run("jaxfuse", e, args, setup, finite=True))
   dense = rows[0]
   print(f"\n{'sync':15} {'estimator':9} {'step ms':>8} {'over dense':>11} "
         f"{'compile s':>9} {'x dense':>7} {'step GB':>8} {'kernels':>8} "

@@ -88,8 +88,9 @@ def main(argv=None):
         print(f"{spec} {backend}: skipped, past --budget-s", flush=True)
         continue
       kernels.set_backend(backend)
-      step, state = overlap.sparse_step(mesh, plan, loss_fn, params, {},
-                                        early=not args.plain)
+      step, state = overlap.sparse_step(
+          mesh, plan, loss_fn, params, {},
+          overlap.StepForm(early=not args.plain))
       a = time.perf_counter()
       lowered = step.lower(params, state, batch)
       b = time.perf_counter()
