@@ -45,6 +45,16 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+import dispatch  # pylint: disable=wrong-import-position
+
+# Folded scripts, run as `python benchmarks/collectives.py NAME ARGS`
+# (benchmarks/tools/NAME.py; the old script's flags).
+SUBCOMMANDS = {
+    "collective-order": ("whether several processes compiled the same "
+                         "collectives in the same order"),
+}
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -305,7 +315,10 @@ def plot(result, path):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      epilog=dispatch.epilog(SUBCOMMANDS),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--parts", nargs="+", default=["hlo", "overlap", "simulate"],
                  choices=["hlo", "overlap", "simulate"])
   p.add_argument("--schemes", nargs="+", default=list(SCHEMES))
@@ -346,4 +359,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  dispatch.run(main, SUBCOMMANDS)

@@ -38,7 +38,18 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+import dispatch  # pylint: disable=wrong-import-position
+
+# Folded scripts, run as `python benchmarks/kernels.py NAME ARGS`
+# (benchmarks/tools/NAME.py; the old script's flags).
+SUBCOMMANDS = {
+    "kernel-slowdown": ("which kernels run slower beside NCCL's: a K-GPU step "
+                        "against one GPU"),
+    "kernel-sources": "which source lines a compiled step's kernels come from",
+}
 
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
@@ -97,8 +108,10 @@ def _same(a, b):
                             np.asarray(y).reshape(-1).view(np.uint8)) for x, y in zip(a, b))
 
 
-def bench_one(acc, tau, capacity, offset, methods, repeats, interpret=False,
-              expect=None, **kw):
+def bench_one(case, methods, repeats, interpret=False, expect=None, **kw):
+  """Times of ``methods`` on ``case`` = (acc, tau, capacity, offset), and
+  whether the Pallas selection matches ``expect`` (or the reference's)."""
+  acc, tau, capacity, offset = case
   k = max(1, round(capacity / 1.5))
   fns = {
       "kth": jax.jit(lambda a, t, o: kth_largest_magnitude(
@@ -159,8 +172,9 @@ def bench_batched(sizes, densities, batch, repeats, interpret):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      description=__doc__, epilog=dispatch.epilog(SUBCOMMANDS),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--sizes", default="1000000,16000000,100000000")
   p.add_argument("--densities", default="0.001,0.01,0.05")
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -220,8 +234,8 @@ def main(argv=None):
       capacity = capacity_for(d, n, 1.5)
       tau = jnp.float32(q)
       row = {"n": n, "density": d, "capacity": capacity, "tau": float(q)}
-      row.update(bench_one(acc, tau, capacity, offset, methods, args.repeats,
-                           args.interpret, **kw))
+      row.update(bench_one((acc, tau, capacity, offset), methods,
+                           args.repeats, args.interpret, **kw))
       get = lambda k: row.get(k + "_batched_ms")
       ratio = lambda a, b: (get(a) / get(b)) if get(a) and get(b) else None
       row["pallas_over_read"] = ratio("pallas", "read")
@@ -259,7 +273,7 @@ def main(argv=None):
       configs = SWEEP if args.sweep_configs is None else [
           SWEEP[int(i)] for i in args.sweep_configs.split(",")]
       for block, tile, stage, nw in configs:
-        r = bench_one(acc, jnp.float32(q), capacity, offset,
+        r = bench_one((acc, jnp.float32(q), capacity, offset),
                       ["pallas", "count"], args.repeats, args.interpret,
                       expect=expect, block=block, tile=tile, stage=stage,
                       num_warps=nw)
@@ -279,4 +293,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  dispatch.run(main, SUBCOMMANDS)

@@ -49,6 +49,20 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+import dispatch  # pylint: disable=wrong-import-position
+
+# Folded scripts, run as `python benchmarks/overhead.py NAME ARGS`
+# (benchmarks/tools/NAME.py; the old script's flags).
+SUBCOMMANDS = {
+    "compile-time": ("compile time of the sparse step against its plan's "
+                     "buckets"),
+    "lm-throughput": ("examples/train_lm.py throughput: dense vs jaxfuse per "
+                      "NCCL transport"),
+    "program-size": "size of the compiled update: fusions, compile time, step",
+    "overlap": ("whether the sparse step hides its communication behind the "
+                "backward pass"),
+}
 
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
@@ -59,7 +73,6 @@ from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-posi
 
 import jaxfuse  # pylint: disable=wrong-import-position
 from jaxfuse import bucket_pass  # pylint: disable=wrong-import-position
-from jaxfuse import bucket_sync  # pylint: disable=wrong-import-position
 from jaxfuse import radix_select  # pylint: disable=wrong-import-position
 from jaxfuse.kernels import fused_pass  # pylint: disable=wrong-import-position
 from jaxfuse.planning import timing  # pylint: disable=wrong-import-position
@@ -115,11 +128,12 @@ def gpu_kernels(trace_dir: str, steps: int, timeline: str | None = None
           "by_name_launches": {k: v / steps for k, v in launches.items()}}
 
 
-def run(sync, estimator, args, model_parts, mesh, options,
-        finite: bool = False) -> dict:
+def run(sync, estimator, args, setup, finite: bool = False) -> dict:
   """Compile and time one train step; ``sync`` "dense" or "jaxfuse";
-  ``finite``: the recipe inside ``jaxfuse.apply_if_finite``."""
-  params, loss_fn, batches, local_batch = model_parts
+  ``setup`` (params, loss_fn, batches, local_batch, mesh, options): the
+  model, its batches, the mesh and the compiler options; ``finite``: the
+  recipe inside ``jaxfuse.apply_if_finite``."""
+  params, loss_fn, batches, local_batch, mesh, options = setup
   lr = 1e-4
   decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
   state_params = jax.tree.map(jnp.copy, params)
@@ -196,7 +210,10 @@ def run(sync, estimator, args, model_parts, mesh, options,
 
 
 def main(argv=None) -> list[dict]:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(
+      description=__doc__.splitlines()[0],
+      epilog=dispatch.epilog(SUBCOMMANDS),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--preset", default="tiny", choices=sorted(lm_model.PRESETS))
   p.add_argument("--density", type=float, default=0.01)
   p.add_argument("--estimators", nargs="+", default=["dgc", "topk"])
@@ -225,11 +242,6 @@ def main(argv=None) -> list[dict]:
                  help="rows of a state group's streams stacked together for "
                  "the fused pass (jaxfuse.bucket_pass.ROWS_PER_CHUNK; 1: "
                  "each row read where it is, 0: the whole group)")
-  p.add_argument("--blend", default="pass", choices=["pass", "xla"],
-                 help="onebit_adamw's stream x = b1*m + (1 - b1)*g: pass "
-                 "formed inside the fused pass (the default: "
-                 "jaxfuse.bucket_sync.blends); xla: formed by XLA for every "
-                 "group (jaxfuse.bucket_sync.FORM_IN_PASS = False)")
   p.add_argument("--radix", default=radix_select.DEFAULT_GPU_METHOD,
                  choices=radix_select.GPU_METHODS,
                  help="how the k-th largests are found where the Pallas "
@@ -254,7 +266,7 @@ def main(argv=None) -> list[dict]:
                  help="topk's bracket sample per unit "
                  "(jaxfuse.sparsify.TOPK_SAMPLE)")
   p.add_argument("--hlo-dir", help="also write each step's compiled HLO "
-                 "here (benchmarks/kernel_sources.py attributes its "
+                 "here (benchmarks/kernels.py kernel-sources attributes its "
                  "kernels to source lines)")
   p.add_argument("--timeline", help="path prefix for the profiled kernels")
   p.add_argument("--out", help="JSON file to write")
@@ -262,7 +274,6 @@ def main(argv=None) -> list[dict]:
   jaxfuse.kernels.set_backend(args.kernels)
   bucket_pass.ROWS_PER_CHUNK = args.rows_per_chunk
   jaxfuse.sparsify.TOPK_SAMPLE = args.topk_sample
-  bucket_sync.FORM_IN_PASS = args.blend == "pass"
   radix_select.DEFAULT_GPU_METHOD = args.radix
   fused_pass.SCAN_IN_PASS2_BLOCKS = args.scan_blocks
   bucket_pass.ONE_PASS_PER_BUCKET = args.pass_per == "bucket"
@@ -283,13 +294,13 @@ def main(argv=None) -> list[dict]:
   params = jax.device_put(params, NamedSharding(mesh, P()))
   loss_fn = lm_model.make_loss(model)
   local_batch = np.asarray(batches[0])[:per_device]
-  parts = (params, loss_fn, batches, local_batch)
   options = {} if args.xla_defaults else jaxfuse.xla_options()
-  rows = [run("dense", None, args, parts, mesh, options)]
+  setup = (params, loss_fn, batches, local_batch, mesh, options)
+  rows = [run("dense", None, args, setup)]
   for e in args.estimators:
-    rows.append(run("jaxfuse", e, args, parts, mesh, options))
+    rows.append(run("jaxfuse", e, args, setup))
     if args.apply_if_finite is not None:
-      rows.append(run("jaxfuse", e, args, parts, mesh, options, finite=True))
+      rows.append(run("jaxfuse", e, args, setup, finite=True))
   dense = rows[0]
   print(f"\n{'sync':15} {'estimator':9} {'step ms':>8} {'over dense':>11} "
         f"{'compile s':>9} {'x dense':>7} {'step GB':>8} {'kernels':>8} "
@@ -323,4 +334,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-  main()
+  dispatch.run(main, SUBCOMMANDS)

@@ -34,7 +34,20 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
+import dispatch  # pylint: disable=wrong-import-position
+
+# Folded scripts, run as `python benchmarks/planner.py NAME ARGS`
+# (benchmarks/tools/NAME.py; the old script's flags).
+SUBCOMMANDS = {
+    "predict-overlap": ("the simulator's predictions against the steps "
+                        "`overhead.py overlap` measured"),
+    "tail-plans": ("size plans with a small last bucket (for `gpu.sh "
+                   "overlap`, MODE=plans)"),
+    "window-model": "send_early timeline models against measured steps",
+    "pack-trace": ("a jax.profiler trace rewritten as xz, the form results/ "
+                   "stores"),
+}
 
 from lm_throughput import TRANSPORTS  # pylint: disable=wrong-import-position
 from lm_throughput import transport_env  # pylint: disable=wrong-import-position
@@ -373,7 +386,8 @@ import jaxfuse, lm_model
 from jaxfuse.planning import profiling
 loss_fn, params, tokens = lm_model.{model}()
 eta, raw = profiling.measure_overlap(jaxfuse.make_mesh(), loss_fn, params,
-                                     (tokens,), repeats=10)
+                                     (tokens,),
+                                     timing=profiling.Timing(repeats=10))
 print("RESULT", json.dumps({{"overlap": eta, **raw}}))
 """
 
@@ -402,8 +416,9 @@ def cmd_overlap(args) -> list[dict]:
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+      description=__doc__, epilog=dispatch.epilog(SUBCOMMANDS),
+      formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = p.add_subparsers(dest="command", required=True)
   t = sub.add_parser("timing", help="planner run time")
   t.add_argument("--leaves", type=int, nargs="+", default=[50, 161, 314, 1000])
@@ -481,4 +496,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  dispatch.run(main, SUBCOMMANDS)

@@ -1,5 +1,5 @@
-"""``benchmarks/collective_order.py``: whether the processes of a run
-compiled the same collectives in the same order, from XLA dumps."""
+"""``benchmarks/collectives.py collective-order``: whether the processes of
+a run compiled the same collectives in the same order, from XLA dumps."""
 
 import os
 import subprocess
@@ -33,7 +33,7 @@ PROGRAM = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def co():
-  with repo_modules("benchmarks", "collective_order") as module:
+  with repo_modules("benchmarks/tools", "collective_order") as module:
     yield module
 
 

@@ -1,4 +1,4 @@
-"""``benchmarks/compile_time.py`` builds ``overlap.py``'s step: each
+"""``benchmarks/overhead.py compile-time`` builds ``overlap.py``'s step: each
 ``--plans`` entry becomes arguments that ``overlap.build`` accepts, the
 entry's plan with overlap.py's defaults for the rest."""
 
@@ -15,7 +15,7 @@ from _harness import repo_modules
 
 @pytest.fixture(scope="module")
 def ct():
-  with repo_modules("benchmarks", "compile_time") as module:
+  with repo_modules("benchmarks/tools", "compile_time") as module:
     yield module
 
 

@@ -1,4 +1,4 @@
-"""``benchmarks/kernel_slowdown.py``: per kernel family, the time the
+"""``benchmarks/kernels.py kernel-slowdown``: per kernel family, the time the
 calls beside NCCL's kernels lose against the one-GPU step."""
 
 import json
@@ -16,7 +16,7 @@ CUBLAS = ("sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x128x32_"
 
 @pytest.fixture(scope="module")
 def ks():
-  with repo_modules("benchmarks", "kernel_slowdown") as module:
+  with repo_modules("benchmarks/tools", "kernel_slowdown") as module:
     yield module
 
 

@@ -1,5 +1,5 @@
-"""``benchmarks/kernel_sources.py``: a compiled program's kernels attributed to
-the source lines that traced them, on programs whose kernels are known."""
+"""``benchmarks/kernels.py kernel-sources``: a compiled program's kernels,
+attributed to the source lines that traced them, on programs whose kernels are known."""
 
 import importlib
 import pathlib
@@ -44,13 +44,13 @@ def ks(tmp_path_factory):
   (root / "pkgx" / "ops.py").write_text(MODULE)
   (root / "outside.py").write_text(
       "import jax.numpy as jnp\n\n\ndef sort_it(x):\n  return jnp.sort(x)\n")
-  sys.path[:0] = [str(root), str(REPO / "benchmarks")]
+  sys.path[:0] = [str(root), str(REPO / "benchmarks" / "tools")]
   try:
     yield (importlib.import_module("kernel_sources"),
            importlib.import_module("pkgx.ops"))
   finally:
     sys.path.remove(str(root))
-    sys.path.remove(str(REPO / "benchmarks"))
+    sys.path.remove(str(REPO / "benchmarks" / "tools"))
 
 
 def _hlo(fn, *args):

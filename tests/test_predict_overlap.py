@@ -1,5 +1,5 @@
-"""``benchmarks/predict_overlap.py``: overlap.py's measured steps against
-the simulator, η fitted on the ``size`` plan of the same call."""
+"""``benchmarks/planner.py predict-overlap``: ``overhead.py overlap``'s
+measured steps against the simulator, η fitted on the ``size`` plan of the same call."""
 
 import json
 import math
@@ -16,7 +16,7 @@ from _harness import repo_modules
 
 @pytest.fixture(scope="module")
 def po():
-  with repo_modules("benchmarks", "predict_overlap") as module:
+  with repo_modules("benchmarks/tools", "predict_overlap") as module:
     yield module
 
 

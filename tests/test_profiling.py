@@ -13,6 +13,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxfuse.planning import _measuring
+from jaxfuse.planning import bucket_cost
 from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning import ordering
 from jaxfuse.planning import profiling
@@ -20,6 +22,7 @@ from jaxfuse.planning import profiling
 from _harness import mesh_of
 
 FAST = dict(repeats=3, warmup=1)
+FAST_TIMING = profiling.Timing(**FAST)
 ON_GPU = jax.default_backend() == "gpu"
 # A "big" size whose time dwarfs a small one's latency on this backend.
 BIG = 2**27 if ON_GPU else 2**21
@@ -47,7 +50,8 @@ def two_layers(rows=64):
 @pytest.mark.parametrize("kind", ["allgather", "psum"])
 def test_collective_time_grows_with_size(mesh, kind):
   sizes = (2**12, BIG_COLLECTIVE)
-  points = profiling.measure_collective(kind, mesh, sizes, chain=2, **FAST)
+  points = profiling.measure_collective(
+      kind, mesh, sizes, timing=FAST_TIMING._replace(chain=2))
   assert [x for x, _ in points] == list(sizes)
   (_, small), (_, big) = points
   assert big > small > 0
@@ -63,7 +67,8 @@ def test_compress_time_grows_with_size():
   difference per 2^24 unit (1 × H200) once fell under three rounds'
   median."""
   points = profiling.measure_compress(
-      (2**10, BIG // 8), **(dict(repeats=5, warmup=2) if ON_GPU else FAST))
+      (2**10, BIG // 8),
+      timing=profiling.Timing(repeats=5, warmup=2) if ON_GPU else FAST_TIMING)
   (_, small), (_, big) = points
   assert big > small >= 0
   assert costs_lib.fit_linear(*zip(*points)).beta > 0
@@ -78,27 +83,28 @@ def test_compress_is_the_time_of_one_more_unit(monkeypatch):
   runs = []
 
   def fake(mesh_, size_lists, strategy, **kw):
-    runs.append((strategy, [len(s) for s in size_lists], kw["repeats"]))
+    runs.append((strategy, [len(s) for s in size_lists],
+                 kw["timing"].repeats))
     return [5e-4 + len(s) * (2e-5 + s[0] * 1e-9) for s in size_lists]
-  monkeypatch.setattr(profiling, "_time_sparse_steps", fake)
-  points = profiling.measure_compress((1000, 10**6), repeats=3)
+  monkeypatch.setattr(bucket_cost, "_time_sparse_steps", fake)
+  points = profiling.measure_compress((1000, 10**6),
+                                      timing=profiling.Timing(repeats=3))
   assert runs == [("single", [4, 8], 3)] * 2
   assert points[0] == (1000, pytest.approx(2e-5 + 1e-6))
   assert points[1] == (10**6, pytest.approx(2e-5 + 1e-3))
   fit = costs_lib.fit_linear(*zip(*points))
   assert fit.alpha == pytest.approx(2e-5) and fit.beta == pytest.approx(1e-9)
-  monkeypatch.setattr(profiling, "_time_sparse_steps",
+  monkeypatch.setattr(bucket_cost, "_time_sparse_steps",
                       lambda *a, **kw: [2e-3, 1.9e-3])
-  assert profiling.measure_compress((10, 20), chain=2) == [(10, 0.0),
-                                                          (20, 0.0)]
+  assert profiling.measure_compress(
+      (10, 20), timing=profiling.Timing(chain=2)) == [(10, 0.0), (20, 0.0)]
   with pytest.raises(profiling.ProfileError, match="chain=0"):
-    profiling.measure_compress((10, 20), chain=0)
+    profiling.measure_compress((10, 20), timing=profiling.Timing(chain=0))
 
 
 def test_bucket_cost_is_the_time_per_extra_bucket(mesh, monkeypatch):
   """One bucket of 8 layers in 1.0 ms, 8 buckets of one layer in 2.4 ms:
   7 more buckets at 0.2 ms each; on one device of the mesh."""
-  from jaxfuse.planning import bucket_cost  # pylint: disable=g-import-not-at-top
   timed, built = [], []
   real_step = bucket_cost.early_step
 
@@ -129,7 +135,6 @@ def test_the_bucket_steps_are_fenced_and_update_alike(mesh):
   """The timed programs: every layer sparse, one bucket against one per
   layer, the second under send_early's fences; bucketing changes nothing
   the update sends (each layer is its own selection unit either way)."""
-  from jaxfuse.planning import bucket_cost  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
   one_device = jax.sharding.Mesh(np.asarray(mesh.devices).flat[:1], ("data",))
   made, updates, fenced = [], [], []
@@ -142,8 +147,8 @@ def test_the_bucket_steps_are_fenced_and_update_alike(mesh):
     m.setattr(planner, "plan", spy)
     for strategy in ("single", "layerwise"):
       step, args = bucket_cost.early_step(
-          one_device, strategy, units=3, width=64, estimator="dgc",
-          density=0.05, headroom=1.5)
+          one_device, strategy, units=3, width=64,
+          compression=profiling.Compression("dgc", 0.05, 1.5))
       # traced as the top-level jit (on a GPU it carries compiler options,
       # which make_jaxpr would refuse on a nested jit)
       fenced.append("optimization_barrier" in str(step.trace(*args).jaxpr))
@@ -175,7 +180,7 @@ def test_scheme_cost_is_its_time_over_allgather_past_the_wire(
     extra = {"allgather": 0.0, "zen": 1e-3 if sizes[0] == 2**14 else 3e-3,
              "spardl": 0.0}[collective]
     return 5e-3 + extra, plan
-  monkeypatch.setattr(profiling, "_time_sparse_step", fake)
+  monkeypatch.setattr(bucket_cost, "_time_sparse_step", fake)
   free = costs_lib.Costs({"allgather": costs_lib.LinearCost(0, 0),
                           "psum": costs_lib.LinearCost(0, 0)},
                          costs_lib.LinearCost(0, 0), (), workers=mesh.size)
@@ -328,8 +333,9 @@ def test_validate_backward_reports_prefixes():
   # an H200, and on a loaded 2-core CPU): enough rows for a real backward.
   loss_fn, params, args = two_layers(rows=2**16 if ON_GPU else 2**12)
   back = (0.25, 0.75)
-  report = profiling.validate_backward(loss_fn, params, args, back,
-                                       num_prefixes=1, **FAST)
+  report = profiling.validate_backward(profiling.Model(loss_fn, params, args),
+                                       back, num_prefixes=1,
+                                       timing=FAST_TIMING)
   (row,) = report["prefixes"]
   assert row["leaves"] == 1
   assert row["derived"] == pytest.approx(0.25)  # the small leaf, ready first
@@ -339,23 +345,70 @@ def test_validate_backward_reports_prefixes():
   assert report["mean_abs_error"] == pytest.approx(abs(row["error"]))
   assert report["device"].startswith(jax.devices()[0].platform)
   with pytest.raises(profiling.ProfileError, match="3 times but params has 2"):
-    profiling.validate_backward(loss_fn, params, args, (1.0, 1.0, 1.0))
+    profiling.validate_backward(profiling.Model(loss_fn, params, args),
+                                (1.0, 1.0, 1.0))
+
+
+def test_the_0_2_keywords_still_work_and_name_their_new_place(monkeypatch):
+  """Each keyword the measuring functions took up to 0.2 lands in its group,
+  with a DeprecationWarning that names the group; an unknown one is still a
+  TypeError naming it."""
+  runs = []
+
+  def fake(mesh_, size_lists, strategy, **kw):
+    runs.append((kw["compression"], kw["timing"]))
+    return [2e-3, 3e-3]
+  monkeypatch.setattr(bucket_cost, "_time_sparse_steps", fake)
+  with pytest.warns(DeprecationWarning) as caught:
+    profiling.measure_compress((10, 20), density=0.05, repeats=3, chain=2)
+  assert runs[0] == (profiling.Compression("dgc", 0.05, 1.5),
+                     profiling.Timing(repeats=3, warmup=2, chain=2))
+  messages = sorted(str(w.message) for w in caught)
+  assert len(messages) == 3
+  assert "measure_compress(density=...) is deprecated: pass compression=" \
+      "Compression(density=...)" in messages[1]
+  with pytest.raises(TypeError, match="'bogus'"):
+    profiling.measure_compress((10, 20), bogus=1)
+  with pytest.warns(DeprecationWarning,
+                    match=r"sweep=Sweep\(timing=Timing\(chain=\.\.\.\)\)"):
+    groups = _measuring.upgrade_keywords(
+        "profile", {"chain": 2},
+        **{"sweep": profiling.Sweep(), "sweep.timing": profiling.Timing()})
+  assert groups["sweep.timing"] == profiling.Timing(chain=2)
+  assert groups["sweep"] == profiling.Sweep()
+
+
+def test_validate_backward_takes_the_0_2_positional_form():
+  """validate_backward(loss_fn, params, example_args, backward) warns,
+  naming Model, and reports on the same leaves and derived times."""
+  loss_fn, params, args = two_layers()
+  with pytest.warns(DeprecationWarning, match=r"Model\(loss_fn, params"):
+    report = profiling.validate_backward(
+        loss_fn, params, args, (0.25, 0.75), num_prefixes=1,
+        timing=profiling.Timing(repeats=1, warmup=0))
+  (row,) = report["prefixes"]
+  assert row["leaves"] == 1 and row["derived"] == pytest.approx(0.25)
+  with pytest.raises(TypeError, match="give the rest by keyword"):
+    profiling.validate_backward(profiling.Model(loss_fn, params, args),
+                                (0.25, 0.75), [1, 0])
 
 
 # --- the whole profile ------------------------------------------------------------
 
 def test_profile_arguments_are_checked(mesh):
   with pytest.raises(profiling.ProfileError, match="two distinct"):
-    profiling.profile(mesh, sizes=(4096, 4096))
+    profiling.profile(mesh, sweep=profiling.Sweep(sizes=(4096, 4096)))
   with pytest.raises(profiling.ProfileError, match="both loss_fn and params"):
-    profiling.profile(mesh, loss_fn=lambda p: 0.0)
+    with pytest.warns(DeprecationWarning, match="model=Model"):
+      profiling.profile(mesh, loss_fn=lambda p: 0.0)
 
 
 def test_profile_without_model_and_progress(mesh):
   out = io.StringIO()
-  costs = profiling.profile(mesh, sizes=(2**12, BIG_COLLECTIVE),
-                            compress_sizes=(2**10, 2**16), chain=2,
-                            progress=profiling.text_progress(out), **FAST)
+  costs = profiling.profile(
+      mesh, sweep=profiling.Sweep((2**12, BIG_COLLECTIVE), (2**10, 2**16),
+                                  FAST_TIMING._replace(chain=2)),
+      progress=profiling.text_progress(out))
   assert costs.backward == () and costs.forward == 0.0
   assert costs.collectives["psum"].beta > 0
   assert 1 <= costs.contention <= 2 and 0 <= costs.overlap <= 1

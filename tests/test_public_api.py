@@ -44,9 +44,10 @@ PLANNING_MODULES = [
 # What profiling and cli export, their re-exports from the modules they were
 # split into included (both were one module up to 0.2).
 PROFILING = [
-    "ATTRIBUTIONS", "BackwardAnalysis", "DEFAULT_COMPRESS_SIZES",
-    "DEFAULT_SCHEME_SIZES", "DEFAULT_SIZES", "FREE_PRIMITIVES",
-    "ProfileError", "Progress",
+    "ATTRIBUTIONS", "BackwardAnalysis", "Compression",
+    "DEFAULT_COMPRESS_SIZES", "DEFAULT_SCHEME_SIZES", "DEFAULT_SIZES",
+    "FREE_PRIMITIVES", "Model", "ProfileError", "Progress", "SCHEME_UNITS",
+    "Sweep", "Timing",
     "analyze_backward", "collective_chain", "contention_factor",
     "default_compress_sizes", "default_sizes", "derive_backward",
     "equation_work", "human_bytes", "machine_rates", "measure_collective",

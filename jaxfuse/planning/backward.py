@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -22,6 +23,9 @@ import numpy as np
 
 from jaxfuse import overlap
 from jaxfuse.planning import ordering
+from jaxfuse.planning._measuring import Model
+from jaxfuse.planning._measuring import Timing
+from jaxfuse.planning._measuring import upgrade_keywords
 from jaxfuse.planning.timing import ProfileError
 from jaxfuse.planning.timing import jit as _jit
 from jaxfuse.planning.timing import time_call
@@ -37,7 +41,16 @@ FREE_PRIMITIVES = frozenset({
 def machine_rates(device=None, *, repeats: int = 5,
                   warmup: int = 2) -> tuple[float, float]:
   """(FLOP/s of a float32 matmul, bytes/s of an elementwise op) on
-  ``device``."""
+  ``device``.
+
+  Args:
+    device: the device (default the first local one).
+    repeats: timed runs; the median counts.
+    warmup: untimed runs first.
+
+  Returns:
+    (FLOP/s, bytes/s).
+  """
   device = device or jax.local_devices()[0]
   cpu = device.platform == "cpu"
   m, n = (384, 2**21) if cpu else (4096, 2**26)
@@ -66,6 +79,12 @@ def equation_work(eqn) -> tuple[float, float]:
   window); everything else 0 FLOPs. Bytes: max(|out|, max |in|) in bytes (a
   fused elementwise chain touches each array about once); 0 for operations
   that are free once fused (``FREE_PRIMITIVES``).
+
+  Args:
+    eqn: a jaxpr equation.
+
+  Returns:
+    (FLOPs, bytes).
   """
   name = eqn.primitive.name
   if name in FREE_PRIMITIVES:
@@ -192,6 +211,19 @@ def analyze_backward(loss_fn: Callable, params, example_args: Sequence = (), *,
   equation up to the one producing leaf i's gradient, in jaxpr order (the
   work listed between two gradients goes to the second; docs/cli.md
   compares the two). Pure: traces, runs nothing.
+
+  Args:
+    loss_fn: ``loss_fn(params, *example_args)``, one worker's loss.
+    params: the parameters (arrays or shape-dtype structs).
+    example_args: a sample batch.
+    rates: (FLOP/s, bytes/s) of the roofline.
+    attribution: ``"cones"`` or ``"position"``.
+
+  Returns:
+    The ``BackwardAnalysis``.
+
+  Raises:
+    ProfileError: for an unknown ``attribution``.
   """
   if attribution not in ATTRIBUTIONS:
     raise ProfileError(f"attribution={attribution!r}; use one of "
@@ -235,6 +267,14 @@ def scale_shares(shares: Sequence[float], measured: float,
   """Per-leaf times ∝ ``shares`` summing to ``measured`` (≥ 0).
 
   When every share is 0 (nothing to go by), ∝ ``sizes`` if given, else equal.
+
+  Args:
+    shares: per-leaf weights (roofline shares).
+    measured: the total to scale to (negative counts as 0).
+    sizes: per-leaf fallback weights for all-zero shares.
+
+  Returns:
+    Per-leaf times, Σ = max(0, ``measured``).
   """
   measured = max(0.0, float(measured))
   weights = np.asarray(shares, np.float64)
@@ -255,7 +295,19 @@ def measure_forward_backward(loss_fn: Callable, params,
                              example_args: Sequence = (), *, repeats: int = 5,
                              warmup: int = 2, device=None
                              ) -> tuple[float, float]:
-  """(T_fwd, B = T_grad − T_fwd ≥ 0) of one worker, on one device."""
+  """(T_fwd, B = T_grad − T_fwd ≥ 0) of one worker, on one device.
+
+  Args:
+    loss_fn: ``loss_fn(params, *example_args)``, one worker's loss.
+    params: the parameters.
+    example_args: a sample batch.
+    repeats: timed rounds; the median counts.
+    warmup: untimed rounds first.
+    device: the device (default the first local one).
+
+  Returns:
+    (T_fwd, B) in seconds, timed round-robin.
+  """
   device = device or jax.local_devices()[0]
   params, args = _on_device((params, tuple(example_args)), device)
   t_fwd, t_grad = time_calls(
@@ -268,17 +320,34 @@ def measure_forward_backward(loss_fn: Callable, params,
 def derive_backward(loss_fn: Callable, params, example_args: Sequence = (), *,
                     measured: float, rates: tuple[float, float]
                     ) -> tuple[float, ...]:
-  """Per-leaf backward times (pytree order), Σ = ``measured``, all ≥ 0."""
+  """Per-leaf backward times (pytree order), Σ = ``measured``, all ≥ 0.
+
+  Args:
+    loss_fn: ``loss_fn(params, *example_args)``, one worker's loss.
+    params: the parameters.
+    example_args: a sample batch.
+    measured: B, the measured backward (seconds).
+    rates: (FLOP/s, bytes/s) for ``analyze_backward``.
+
+  Returns:
+    Per-leaf backward times: the roofline shares scaled to ``measured``
+    (``scale_shares``; by size where every share is 0).
+  """
   analysis = analyze_backward(loss_fn, params, example_args, rates=rates)
   sizes = [max(1, int(np.size(x))) for x in jax.tree.leaves(params)]
   return scale_shares(analysis.shares, measured, sizes)
 
 
-def validate_backward(loss_fn: Callable, params, example_args: Sequence = (),
-                      backward: Sequence[float] | None = None, *,
-                      order: Sequence[int] | None = None,
-                      num_prefixes: int = 3, repeats: int = 7,
-                      warmup: int = 2, device=None) -> dict:
+# validate_backward's default: more rounds than a profile's, since its
+# prefixes differ from each other by a few leaves' backward.
+VALIDATE_TIMING = Timing(repeats=7)
+
+
+def validate_backward(model: Model, backward: Sequence[float] | None = None,
+                      *legacy, order: Sequence[int] | None = None,
+                      num_prefixes: int = 3,
+                      timing: Timing = VALIDATE_TIMING, device=None,
+                      **deprecated) -> dict:
   """Measured vs derived ready times of the first leaves of the backward.
 
   For k leaves ready first (``num_prefixes`` values of k spread over the
@@ -286,12 +355,50 @@ def validate_backward(loss_fn: Callable, params, example_args: Sequence = (),
   the backward is then not computed) gives the measured ready time
   T_k − T_fwd; the derived one is Σ of ``backward`` over those leaves.
   Forward, full gradient and prefixes are timed round-robin (``time_calls``).
-  ``backward`` defaults to ``derive_backward`` with measured rates.
+  With e_k = (derived_k − measured_k) / B, a share of the whole backward
+  pass B, the report's ``mean_abs_error`` is the mean of |e_k|.
 
-  Returns {"device", "forward", "backward", "prefixes": [{"leaves",
-  "measured", "derived", "error"}], "mean_abs_error"}, with error =
-  (derived − measured) / backward, a share of the whole backward pass.
+  Args:
+    model: the ``Model`` (loss, parameters, example arguments). The 0.2
+      form ``validate_backward(loss_fn, params, example_args, backward)``
+      still works, with a ``DeprecationWarning``.
+    backward: derived per-leaf backward times (pytree order); default
+      ``derive_backward`` with the device's measured rates.
+    *legacy: the 0.2 form's ``example_args`` and ``backward``.
+    order: leaf ids in backward-ready order (default
+      ``ordering.ready_order``).
+    num_prefixes: how many prefixes of the ready order to measure.
+    timing: a ``Timing`` (``repeats`` and ``warmup`` are used).
+    device: the device to run on (default the first local one).
+    **deprecated: the 0.2 keywords ``repeats`` and ``warmup``.
+
+  Returns:
+    {"device", "forward", "backward", "prefixes": [{"leaves", "measured",
+    "derived", "error"}], "mean_abs_error"}.
+
+  Raises:
+    ProfileError: if ``backward`` has another length than ``params`` has
+      leaves.
+    TypeError: for more than two positional arguments after a ``Model``,
+      or a keyword that is neither its own nor a 0.2 one.
   """
+  if callable(model):   # 0.2: (loss_fn, params, example_args=(), backward)
+    warnings.warn(
+        "validate_backward(loss_fn, params, example_args, backward) is "
+        "deprecated: pass validate_backward(Model(loss_fn, params, "
+        "example_args), backward) (jaxfuse.planning.profiling.Model); the "
+        "old form goes in 0.4.", DeprecationWarning, stacklevel=2)
+    example_args = legacy[0] if legacy else deprecated.pop("example_args", ())
+    model, backward = Model(model, backward, example_args), (
+        legacy[1] if len(legacy) > 1 else deprecated.pop("backward", None))
+  elif legacy:
+    raise TypeError("validate_backward(model, backward) takes 2 positional "
+                    f"arguments, not {2 + len(legacy)}: give the rest by "
+                    "keyword.")
+  timing = upgrade_keywords("validate_backward", deprecated,
+                            timing=timing)["timing"]
+  loss_fn, params, example_args = model
+  repeats, warmup = timing.repeats, timing.warmup
   device = device or jax.local_devices()[0]
   leaves, treedef = jax.tree.flatten(params)
   n = len(leaves)
@@ -344,7 +451,16 @@ def synthetic_model(width: int | None = None, layers: int = 4,
                     batch: int = 64):
   """(loss_fn, params, (x,)): a tanh MLP of ``layers`` (width, width)
   layers, for the measurements that need a model and are given none (η,
-  the per-bucket cost)."""
+  the per-bucket cost).
+
+  Args:
+    width: each layer's side (default 256 on a CPU, 4096 elsewhere).
+    layers: how many layers.
+    batch: rows of the sample batch.
+
+  Returns:
+    A ``Model`` (loss_fn, params, (x,)), seeded (the same every call).
+  """
   if width is None:
     width = 256 if jax.devices()[0].platform == "cpu" else 4096
   rng = np.random.default_rng(0)
@@ -356,4 +472,4 @@ def synthetic_model(width: int | None = None, layers: int = 4,
     for w in params:
       x = jnp.tanh(x @ w)
     return jnp.mean(x * x)
-  return loss_fn, params, (x,)
+  return Model(loss_fn, params, (x,))

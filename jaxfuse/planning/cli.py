@@ -134,10 +134,12 @@ def cmd_profile(args) -> int:
         f"({dev.device_kind})", file=sys.stderr)
   try:
     costs = profiling.profile(
-        mesh, loss_fn=loss_fn, params=params, example_args=example_args,
-        sizes=args.sizes, compress_sizes=args.compress_sizes,
-        repeats=args.repeats, warmup=args.warmup, chain=args.chain,
-        estimator=args.estimator, density=args.density,
+        mesh, model=(None if loss_fn is None else
+                     profiling.Model(loss_fn, params, example_args)),
+        sweep=profiling.Sweep(args.sizes, args.compress_sizes,
+                              profiling.Timing(args.repeats, args.warmup,
+                                               args.chain)),
+        compression=profiling.Compression(args.estimator, args.density),
         progress=None if args.quiet else profiling.text_progress())
   except profiling.ProfileError as e:
     raise UsageError(str(e)) from e

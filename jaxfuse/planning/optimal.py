@@ -87,29 +87,30 @@ it (``prune_bound`` / ``prune_dominance`` turn them off, for tests):
 
 Each pruning keeps an optimal grouping (tested against brute force and
 against the search with each pruning off). With 3 alone the search is an
-exact dynamic program; 1 and 2 make it fast. Measured on synthetic
-ResNet-101-like models (a third of the leaves sparse) over a range of
-compute/communication ratios and η: 314 leaves about 50 ms, 1000 leaves
-about 0.25 s (benchmarks/planner.py timing); with a per-bucket cost c of
-0.01–0.4 ms, 0.1–0.2 s and 0.7–2.2 s (labels of different m compare on
-one more number). The slow cases are those where many groupings come
-within 0.1% of the optimum.
+exact dynamic program: at each of the N positions it extends the live
+labels by one group each, so its work is N times the labels kept, never
+the 2^(N-1) groupings. 1 and 2 keep that number small. A per-bucket cost
+c > 0 makes the search slower, since labels of different m compare on one
+more number and dominate each other less. The slow cases are those where
+many groupings come within 0.1% of the optimum: the bound cuts a branch
+only once it is worse than the best found. ``benchmarks/planner.py
+timing`` measures the search on synthetic models of up to 1000 leaves.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning import grouping
 from jaxfuse import plans as plan_lib
 from jaxfuse.planning import simulate as simulate_lib
+from jaxfuse.planning._grouping_problem import GroupingProblem
+from jaxfuse.planning._grouping_problem import _objective
 
 
 # --- plans from groups -------------------------------------------------------
@@ -125,6 +126,20 @@ def plan_from_groups(base: plan_lib.Plan, groups: Sequence[Sequence[int]], *,
   ``provenance["strategy"]`` becomes ``strategy``. With ``sparsify="behind"``
   each sparse bucket is selected jointly, with capacity from the leaves'
   density and estimator and ``base.settings.headroom`` as the planner does.
+
+  Args:
+    base: the plan whose leaves, settings and provenance are kept.
+    groups: leaf ids per group, in ready order.
+    sparsify: ``"ahead"`` (one selection unit per sparse leaf) or
+      ``"behind"`` (one per sparse bucket).
+    strategy: the name recorded as ``provenance["strategy"]``.
+    provenance: more provenance entries, set last.
+
+  Returns:
+    The ``Plan``.
+
+  Raises:
+    PlanError: for an unknown ``sparsify`` or a leaf id out of range.
   """
   if sparsify not in plan_lib.SPARSIFY:
     raise plan_lib.PlanError(f"sparsify={sparsify!r}; use one of "
@@ -145,161 +160,6 @@ def plan_from_groups(base: plan_lib.Plan, groups: Sequence[Sequence[int]], *,
     prov["backward_order"] = made
   prov.update(provenance or {})
   return plan_lib.Plan(leaves, buckets, base.settings, prov)
-
-
-# --- the fast objective -------------------------------------------------------
-
-def _leaf_wire_bytes(leaf: plan_lib.LeafPlan, settings: plan_lib.Settings,
-                     collective: str) -> int:
-  """A dense leaf's bytes, or a sparse leaf's slots as ``collective``
-  carries them (``plans.wire_unit``)."""
-  if leaf.mode == "dense":
-    return leaf.size * jnp.dtype(leaf.dtype).itemsize
-  unit = plan_lib.Unit((0,), leaf.size, leaf.capacity, leaf.density,
-                       leaf.estimator, leaf.dtype)
-  return plan_lib.payload_bytes(plan_lib.wire_unit(unit, settings,
-                                                   collective))
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupingProblem:
-  """A plan's leaves in ready order with their costs, for grouping search.
-
-  Positions 0..N-1 follow ``order`` (leaf ids). ``time(cuts)`` is the
-  iteration time of the grouping whose groups end at positions ``cuts``.
-  """
-  order: tuple[int, ...]
-  sparse: tuple[bool, ...]
-  backward: tuple[float, ...]
-  compress: tuple[float, ...]
-  wire: tuple[int, ...]
-  allgather: costs_lib.LinearCost
-  psum: costs_lib.LinearCost
-  forward: float
-  overlap: float
-  bucket: float = 0.0   # compute per sparse bucket (``costs.bucket``)
-
-  @classmethod
-  def from_plan(cls, plan: plan_lib.Plan, costs: costs_lib.Costs,
-                order: Sequence[int] | None = None) -> "GroupingProblem":
-    """``order`` (leaf ids, backward-ready) defaults to ``plan.ready_order``.
-
-    Default: ``simulate.backward_order(plan)``, the order ``jaxfuse.plan``
-    recorded (within a mixed bucket pair the plan lists sparse leaves
-    before dense ones, so ``plan.ready_order`` is the true order only for
-    plans without mixed groups).
-    """
-    costs.check(len(plan.leaves))
-    order = tuple(int(i) for i in (simulate_lib.backward_order(plan)
-                                   if order is None else order))
-    if not plan_lib.is_leaf_order(order, len(plan.leaves)):
-      raise plan_lib.PlanError(f"order must list each of the "
-                               f"{len(plan.leaves)} leaf ids once.")
-    leaves = [plan.leaves[i] for i in order]
-    sparse = tuple(l.mode == "sparse" for l in leaves)
-    collective_of = {j: b.collective for b in plan.buckets for j in b.leaves}
-    return cls(order, sparse,
-               tuple(costs.backward[i] for i in order),
-               tuple(costs.compress.time(l.size) if s else 0.0
-                     for l, s in zip(leaves, sparse)),
-               tuple(_leaf_wire_bytes(l, plan.settings, collective_of[i])
-                     for i, l in zip(order, leaves)),
-               costs.collectives["allgather"], costs.collectives["psum"],
-               costs.forward, costs.overlap, costs.bucket)
-
-  def __post_init__(self):
-    n = len(self.order)
-    for name in ("sparse", "backward", "compress", "wire"):
-      if len(getattr(self, name)) != n:
-        raise ValueError(f"GroupingProblem.{name} has "
-                         f"{len(getattr(self, name))} entries for {n} leaves.")
-    if n == 0:
-      raise ValueError("GroupingProblem has no leaves.")
-    for name in ("backward", "compress", "wire"):
-      if any(not x >= 0 for x in getattr(self, name)):
-        raise ValueError(f"GroupingProblem.{name} must be >= 0.")
-    if not 0 <= self.overlap <= 1:
-      raise ValueError(f"GroupingProblem.overlap={self.overlap} must be in "
-                       "[0, 1].")
-    if not self.bucket >= 0:
-      raise ValueError(f"GroupingProblem.bucket={self.bucket} must be >= 0.")
-
-  def __len__(self):
-    return len(self.order)
-
-  def _tables(self):
-    t = self.__dict__.get("_t")
-    if t is None:
-      n = len(self)
-      cum = lambda xs: list(itertools.accumulate(xs, initial=0.0))
-      s = self.sparse
-      t = dict(
-          pos=cum(b + h for b, h in zip(self.backward, self.compress)),
-          sb=cum(b + h if x else 0.0
-                 for b, h, x in zip(self.backward, self.compress, s)),
-          sw=cum(w if x else 0 for w, x in zip(self.wire, s)),
-          dw=cum(0 if x else w for w, x in zip(self.wire, s)),
-          ns=cum(1 if x else 0 for x in s), n=n,
-          # after_sparse[t]: 1 + the last sparse position below t (0: none)
-          after_sparse=list(itertools.accumulate(
-              (p + 1 if x else 0 for p, x in enumerate(s)), max,
-              initial=0)))
-      object.__setattr__(self, "_t", t)
-    return t
-
-  def groups(self, cuts: Sequence[int]) -> tuple[tuple[int, ...], ...]:
-    """Leaf ids of each group, from the last position of each group."""
-    out, a = [], 0
-    for j in cuts:
-      out.append(self.order[a:j + 1])
-      a = j + 1
-    return tuple(out)
-
-  def time(self, cuts: Sequence[int]) -> float:
-    """Iteration time of the grouping ending its groups at positions ``cuts``
-    (increasing, the last one N-1)."""
-    t = self._tables()
-    n = t["n"]
-    if not cuts or cuts[-1] != n - 1 or any(
-        b <= a for a, b in zip(cuts, cuts[1:])) or cuts[0] < 0:
-      raise ValueError(f"cuts {list(cuts)} must increase and end at {n - 1}.")
-    link, comm, a, shift = 0.0, 0.0, 0, 0.0
-    for j in cuts:
-      link, g, shift = _group(t, self.allgather, self.psum, a, j, link,
-                              shift, self.bucket)
-      comm += g
-      a = j + 1
-    return self.forward + _objective(t["pos"][n] + shift, link, comm,
-                                     self.overlap)
-
-
-def _objective(compute, link, comm, eta):
-  """Iteration time after the forward: (1 − η)·(compute + comm) +
-  η·max(link, compute), for a final link time ``link`` and communication
-  ``comm`` (numbers or numpy arrays). Non-decreasing in link and comm."""
-  return (1 - eta) * (compute + comm) + eta * np.maximum(link, compute)
-
-
-def _group(t, ag, ps, a, j, link, shift, bucket):
-  """(link, comm, shift) after group [a..j], starting with the link free at
-  ``link`` and the compute stream ``shift`` seconds behind the prefix sums
-  (the per-bucket compute of the sparse buckets before): the link time, the
-  group's communication time and the shift after the group."""
-  pos, ns = t["pos"], t["ns"]
-  nsp = ns[j + 1] - ns[a]
-  comm = 0.0
-  if nsp:
-    shift += bucket
-    g = ag.alpha + ag.beta * (t["sw"][j + 1] - t["sw"][a])
-    ready = pos[t["after_sparse"][j + 1]] + shift
-    link = (ready if ready > link else link) + g
-    comm += g
-  if nsp < j + 1 - a:
-    g = ps.alpha + ps.beta * (t["dw"][j + 1] - t["dw"][a])
-    ready = pos[j + 1] + shift
-    link = (ready if ready > link else link) + g
-    comm += g
-  return link, comm, shift
 
 
 # --- search -------------------------------------------------------------------
@@ -338,8 +198,24 @@ def optimal_grouping(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
 
   Cupcake's Algorithm 1 (branch and bound) with both of its prunings and
   state dominance (module docstring; the flags turn each off, for tests).
-  ``order`` as in ``GroupingProblem.from_plan``. Sparse leaves are planned
-  "ahead" (one selection unit each), as ``plan_from_groups`` makes them.
+  Sparse leaves are planned "ahead" (one selection unit each), as
+  ``plan_from_groups`` makes them.
+
+  Args:
+    plan: the plan whose leaves are grouped.
+    costs: ``Costs`` for ``plan``'s leaves.
+    order: leaf ids in backward-ready order, as in
+      ``GroupingProblem.from_plan``.
+    prune_bound: pruning 1 (the bound).
+    prune_dominance: pruning 2 (dominance).
+    prune_states: pruning 3 (state dominance).
+
+  Returns:
+    The optimal ``Grouping``.
+
+  Raises:
+    PlanError: if ``order`` does not list each leaf id once.
+    CostsError: if ``costs`` does not fit ``plan``'s leaves.
   """
   problem = GroupingProblem.from_plan(plan, costs, order)
   return search(problem, prune_bound=prune_bound,
@@ -348,7 +224,17 @@ def optimal_grouping(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
 
 def search(problem: GroupingProblem, *, prune_bound: bool = True,
            prune_dominance: bool = True, prune_states: bool = True) -> Grouping:
-  """Branch and bound on a ``GroupingProblem`` (see ``optimal_grouping``)."""
+  """Branch and bound on a ``GroupingProblem`` (see ``optimal_grouping``).
+
+  Args:
+    problem: the ``GroupingProblem``.
+    prune_bound: pruning 1 (the bound).
+    prune_dominance: pruning 2 (dominance).
+    prune_states: pruning 3 (state dominance).
+
+  Returns:
+    The optimal ``Grouping``; ``nodes`` counts the partial groupings kept.
+  """
   t = problem._tables()  # pylint: disable=protected-access
   n = t["n"]
   pos, sb = np.asarray(t["pos"]), np.asarray(t["sb"])
@@ -401,8 +287,8 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
   # label's shift is the per-bucket compute m·c its sparse buckets paid.
   parent, cut = [-1], [-1]                  # per label id: path back
   zero = np.zeros(1, np.int64)
-  lo, jstar = _limits(zero, np.zeros(1), zero, np.zeros(1), c, pos, run,
-                      prune_dominance)
+  fixed = _Fixed(c, pos, run, prune_dominance)
+  lo, jstar = _limits(zero, np.zeros(1), zero, np.zeros(1), fixed)
   live = dict(k=zero, link=np.zeros(1), comm=np.zeros(1), shift=np.zeros(1),
               lo=lo, jstar=jstar, id=zero)
   nodes = 1
@@ -472,8 +358,7 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
     cut.extend([j] * len(ids))
     nodes += len(ids)
     kk_new = np.full(len(ids), tpos, np.int64)
-    lo, jstar = _limits(kk_new, link2, child_min, shift2, c, pos, run,
-                        prune_dominance)
+    lo, jstar = _limits(kk_new, link2, child_min, shift2, fixed)
     # Complete each at once with the rest as one group: an early incumbent.
     nsp = ns[n] - ns[tpos]
     e, shift3 = link2, shift2 + (c if nsp else 0.0)
@@ -496,19 +381,31 @@ def search(problem: GroupingProblem, *, prune_bound: bool = True,
                   problem.time(best_cuts), nodes)
 
 
-def _limits(k, link, minend, shift, bucket, pos, run, prune_dominance):
+class _Fixed(NamedTuple):
+  """What every label's ``_limits`` share in one search: the per-bucket
+  compute c, the prefix sums P, the sparse runs (``search``'s ``run``) and
+  whether pruning 2 is on."""
+  bucket: float
+  pos: np.ndarray
+  run: np.ndarray
+  prune_dominance: bool
+
+
+def _limits(k, link, minend, shift, fixed: _Fixed):
   """Per label: the first allowed end of its next group, and j*.
 
-  j* = the last j with P_{j+1} + shift + bucket <= link (one group [k..j],
-  with its own per-bucket compute, computed before the link frees; k-1 if
+  j* = the last j with P_{j+1} + shift + c <= link (one group [k..j],
+  with its own per-bucket compute c, computed before the link frees; k-1 if
   none). Pruning 2 (module docstring): the next group ends at >= min(j*,
   run[k]) and, ending before j*, must be followed by a group ending after
   j*.
   """
-  jstar = np.searchsorted(pos, link - (shift + bucket), side="right") - 2
+  jstar = np.searchsorted(fixed.pos, link - (shift + fixed.bucket),
+                          side="right") - 2
   lo = np.maximum(k, minend)
-  if prune_dominance:
-    lo = np.where(jstar >= k, np.maximum(lo, np.minimum(jstar, run[k])), lo)
+  if fixed.prune_dominance:
+    lo = np.where(jstar >= k,
+                  np.maximum(lo, np.minimum(jstar, fixed.run[k])), lo)
   return lo, jstar
 
 
@@ -557,8 +454,19 @@ def brute_force_grouping(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
                          exact: bool = False) -> Grouping:
   """Every one of the 2^(N-1) contiguous groupings; for tests (N <= ~16).
 
-  ``exact=True`` scores each with ``simulate`` on its plan (slow) instead of
-  the fast objective.
+  Args:
+    plan: the plan whose leaves are grouped.
+    costs: ``Costs`` for ``plan``'s leaves.
+    order: leaf ids in backward-ready order, as in
+      ``GroupingProblem.from_plan``.
+    exact: score each grouping with ``simulate`` on its plan (slow) instead
+      of the fast objective.
+
+  Returns:
+    The best ``Grouping``; ``nodes`` counts the groupings scored.
+
+  Raises:
+    ValueError: for more than 22 leaves.
   """
   problem = GroupingProblem.from_plan(plan, costs, order)
   if not exact:
@@ -570,8 +478,18 @@ def brute_force_grouping(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
 
 
 def brute_force(problem: GroupingProblem, score=None) -> Grouping:
-  """The best of all 2^(N-1) groupings of ``problem`` under ``score(cuts)``
-  (default ``problem.time``)."""
+  """The best of all 2^(N-1) groupings of ``problem``.
+
+  Args:
+    problem: the ``GroupingProblem``.
+    score: ``score(cuts)`` -> seconds; default ``problem.time``.
+
+  Returns:
+    The best ``Grouping``; ``nodes`` counts the groupings scored.
+
+  Raises:
+    ValueError: for more than 22 leaves.
+  """
   n = len(problem)
   if n > 22:
     raise ValueError(f"brute force over {n} leaves is 2^{n - 1} groupings; "

@@ -39,8 +39,13 @@ Every time below is the median of ``repeats`` runs after ``warmup`` runs
                roofline costs, see there) and scaled so Σ backward = B.
 
 The backward's attribution, measurement and validation live in
-``backward``, the timing helpers in ``timing``; their names are re-exported
-here (``profiling`` was one module up to 0.2).
+``backward``, the compression, bucket and scheme costs in ``bucket_cost``,
+the timing helpers in ``timing``; their names are re-exported here
+(``profiling`` was one module up to 0.2). What a measurement is given is
+grouped: ``Model`` (the loss, parameters and a sample batch), ``Timing``
+(repeats, warmup, chain), ``Compression`` (estimator, density, headroom)
+and ``Sweep`` (the sizes and their timing); the keywords these replace
+still work until 0.4, with a ``DeprecationWarning``.
 
 Every program is compiled with ``jaxfuse.xla_options()``, as a train step
 should be, so the costs describe the step that will run.
@@ -49,7 +54,7 @@ should be, so the costs describe the step that will run.
 from __future__ import annotations
 
 import datetime
-import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -62,7 +67,11 @@ import numpy as np
 from jaxfuse import _compat
 from jaxfuse import compile_options
 from jaxfuse.planning import costs as costs_lib
-from jaxfuse import plans as plan_lib
+from jaxfuse.planning._measuring import Compression
+from jaxfuse.planning._measuring import Model
+from jaxfuse.planning._measuring import Sweep
+from jaxfuse.planning._measuring import Timing
+from jaxfuse.planning._measuring import upgrade_keywords
 from jaxfuse.planning.timing import jit as _jit
 from jaxfuse.version import __version__
 
@@ -79,7 +88,13 @@ from jaxfuse.planning.backward import measure_forward_backward
 from jaxfuse.planning.backward import scale_shares
 from jaxfuse.planning.backward import synthetic_model
 from jaxfuse.planning.backward import validate_backward
+from jaxfuse.planning.bucket_cost import DEFAULT_SCHEME_SIZES
+from jaxfuse.planning.bucket_cost import SCHEME_UNITS
+from jaxfuse.planning.bucket_cost import _check_sweep
+from jaxfuse.planning.bucket_cost import _platform_key
 from jaxfuse.planning.bucket_cost import measure_bucket_cost
+from jaxfuse.planning.bucket_cost import measure_compress
+from jaxfuse.planning.bucket_cost import measure_scheme_costs
 from jaxfuse.planning.timing import Progress
 from jaxfuse.planning.timing import ProfileError
 from jaxfuse.planning.timing import human_bytes
@@ -88,9 +103,10 @@ from jaxfuse.planning.timing import time_call
 from jaxfuse.planning.timing import time_calls
 
 __all__ = [
-    "ATTRIBUTIONS", "BackwardAnalysis", "DEFAULT_COMPRESS_SIZES",
-    "DEFAULT_SCHEME_SIZES", "DEFAULT_SIZES", "FREE_PRIMITIVES",
-    "ProfileError", "Progress",
+    "ATTRIBUTIONS", "BackwardAnalysis", "Compression",
+    "DEFAULT_COMPRESS_SIZES", "DEFAULT_SCHEME_SIZES", "DEFAULT_SIZES",
+    "FREE_PRIMITIVES", "Model", "ProfileError", "Progress", "SCHEME_UNITS",
+    "Sweep", "Timing",
     "analyze_backward", "collective_chain", "contention_factor",
     "default_compress_sizes", "default_sizes", "derive_backward",
     "equation_work", "human_bytes", "machine_rates", "measure_collective",
@@ -112,21 +128,24 @@ DEFAULT_COMPRESS_SIZES = {
     "cpu": (2**12, 2**15, 2**18),
     "other": (2**12, 2**15, 2**18, 2**21, 2**24),
 }
-# Elements per leaf of the schemes' buckets (``measure_scheme_costs``).
-DEFAULT_SCHEME_SIZES = {"cpu": (2**14, 2**17), "other": (2**18, 2**22)}
-
-
-def _platform_key() -> str:
-  return "cpu" if jax.devices()[0].platform == "cpu" else "other"
 
 
 def default_sizes() -> tuple[int, ...]:
-  """The collective sweep (bytes per worker) for the current platform."""
+  """The collective sweep for the current platform.
+
+  Returns:
+    Bytes per worker: ``DEFAULT_SIZES`` of the platform (``"cpu"`` or
+    ``"other"``).
+  """
   return DEFAULT_SIZES[_platform_key()]
 
 
 def default_compress_sizes() -> tuple[int, ...]:
-  """The compression sweep (elements) for the current platform."""
+  """The compression sweep for the current platform.
+
+  Returns:
+    Elements per unit: ``DEFAULT_COMPRESS_SIZES`` of the platform.
+  """
   return DEFAULT_COMPRESS_SIZES[_platform_key()]
 
 
@@ -142,6 +161,21 @@ def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
   next worker on a ring: ZEN's and SparDL's primitives). Each
   round feeds the next, so the rounds never overlap; the ``parallel``
   collectives of one round are independent (for contention).
+
+  Args:
+    kind: one of ``costs.MEASURABLE``.
+    mesh: the mesh whose axis ``axis_name`` the collectives run over.
+    nbytes: bytes per worker of each collective.
+    chain: dependent rounds.
+    parallel: independent collectives per round.
+    axis_name: the data axis's name.
+
+  Returns:
+    (fn, inputs): the jitted program and its inputs, sharded over the axis.
+
+  Raises:
+    ProfileError: for an unknown ``kind`` or an ``axis_name`` not in
+      ``mesh``.
   """
   if kind not in costs_lib.MEASURABLE:
     raise ProfileError(f"kind={kind!r}; use one of {costs_lib.MEASURABLE}.")
@@ -181,24 +215,55 @@ def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
 
 
 def measure_collective(kind: str, mesh, sizes: Sequence[int], *,
-                       chain: int = 4, repeats: int = 5, warmup: int = 2,
-                       axis_name: str = "data",
-                       progress: Callable[[str], None] | None = None
-                       ) -> list[tuple[int, float]]:
-  """[(bytes per worker, seconds per collective)] over ``sizes``."""
+                       timing: Timing = Timing(), axis_name: str = "data",
+                       progress: Callable[[str], None] | None = None,
+                       **deprecated) -> list[tuple[int, float]]:
+  """The time of one collective of ``kind`` at each size of a sweep.
+
+  Each size is timed as ``collective_chain`` of ``timing.chain`` dependent
+  collectives: t(x) = time / chain.
+
+  Args:
+    kind: one of ``costs.MEASURABLE`` (see ``collective_chain``).
+    mesh: the mesh whose axis ``axis_name`` the collectives run over.
+    sizes: bytes per worker.
+    timing: a ``Timing``.
+    axis_name: the data axis's name.
+    progress: called with a line before each size.
+    **deprecated: the 0.2 keywords ``chain``, ``repeats`` and ``warmup``.
+
+  Returns:
+    [(bytes per worker, seconds per collective)] over ``sizes``.
+
+  Raises:
+    ProfileError: for an unknown ``kind`` or an ``axis_name`` not in
+      ``mesh``.
+  """
+  timing = upgrade_keywords("measure_collective", deprecated,
+                            timing=timing)["timing"]
   out = []
   for nbytes in sizes:
     if progress:
       progress(f"{kind} {human_bytes(nbytes)}")
-    fn, inputs = collective_chain(kind, mesh, nbytes, chain=chain,
+    fn, inputs = collective_chain(kind, mesh, nbytes, chain=timing.chain,
                                   axis_name=axis_name)
-    t = time_call(fn, *inputs, warmup=warmup, repeats=repeats)
-    out.append((inputs[0].size // mesh.shape[axis_name] * 4, t / chain))
+    t = time_call(fn, *inputs, **timing.calls())
+    out.append((inputs[0].size // mesh.shape[axis_name] * 4,
+                t / timing.chain))
   return out
 
 
 def contention_factor(t_one: float, t_two: float, alpha: float) -> float:
-  """γ = (T₂ − α)/(T₁ − α) in [1, 2] (ASC-WFBP Eq. 9; 1 when T₁ ≤ α)."""
+  """γ = (T₂ − α)/(T₁ − α) in [1, 2] (ASC-WFBP Eq. 9; 1 when T₁ ≤ α).
+
+  Args:
+    t_one: T₁, one psum's time.
+    t_two: T₂, two simultaneous psums' time.
+    alpha: the psum line's latency α.
+
+  Returns:
+    γ, clipped to [1, 2].
+  """
   if t_one - alpha <= 0:
     return 1.0
   return float(min(2.0, max(1.0, (t_two - alpha) / (t_one - alpha))))
@@ -206,174 +271,75 @@ def contention_factor(t_one: float, t_two: float, alpha: float) -> float:
 
 def overlap_factor(t_backward: float, t_comm: float, t_both: float) -> float:
   """η = (T_bwd + T_comm − T_both) / min(T_bwd, T_comm) in [0, 1]: what
-  hid, as a share of what an ideal overlap could hide (``simulate``'s η; 1
-  when there is nothing to hide)."""
+  hid, as a share of what an ideal overlap could hide (``simulate``'s η).
+
+  Args:
+    t_backward: T_bwd, the backward alone.
+    t_comm: T_comm, the all-reduce alone.
+    t_both: T_both, both in one program.
+
+  Returns:
+    η, clipped to [0, 1]; 1 when there is nothing to hide.
+  """
   ideal = min(t_backward, t_comm)
   if ideal <= 0:
     return 1.0
   return float(min(1.0, max(0.0, (t_backward + t_comm - t_both) / ideal)))
 
 
-def measure_contention(mesh, nbytes: int, alpha: float, *, chain: int = 4,
-                       repeats: int = 5, warmup: int = 2,
-                       axis_name: str = "data") -> tuple[float, dict]:
-  """γ from one vs two simultaneous psums of ``nbytes``; and the raw times."""
+def measure_contention(mesh, nbytes: int, alpha: float, *,
+                       timing: Timing = Timing(), axis_name: str = "data",
+                       **deprecated) -> tuple[float, dict]:
+  """γ from one against two simultaneous psums (``contention_factor``).
+
+  Args:
+    mesh: the mesh whose axis ``axis_name`` the psums run over.
+    nbytes: bytes per worker of each psum.
+    alpha: the psum line's latency α (seconds).
+    timing: a ``Timing``.
+    axis_name: the data axis's name.
+    **deprecated: the 0.2 keywords ``chain``, ``repeats`` and ``warmup``.
+
+  Returns:
+    (γ, raw): γ in [1, 2], and the raw times.
+  """
+  timing = upgrade_keywords("measure_contention", deprecated,
+                            timing=timing)["timing"]
+  chain = timing.chain
   calls = [collective_chain("psum", mesh, nbytes, chain=chain,
                             parallel=parallel, axis_name=axis_name)
            for parallel in (1, 2)]
   one, two = (t / chain for t in time_calls(
-      [(fn, *inputs) for fn, inputs in calls], warmup=warmup,
-      repeats=repeats))
+      [(fn, *inputs) for fn, inputs in calls], **timing.calls()))
   gamma = contention_factor(one, two, alpha)
   return gamma, {"bytes": int(nbytes), "one": one, "two": two,
                  "alpha": alpha}
 
 
-# --- compression --------------------------------------------------------------
-
-def measure_compress(sizes: Sequence[int], *, estimator: str = "dgc",
-                     density: float = 0.01, headroom: float = 1.5,
-                     repeats: int = 5, warmup: int = 2, chain: int = 4,
-                     device=None,
-                     progress: Callable[[str], None] | None = None
-                     ) -> list[tuple[int, float]]:
-  """[(elements, seconds)]: what one more selection unit of x elements
-  adds to a sparse bucket.
-
-  What a step runs: ``sparse_sync``'s update for one bucket of float32
-  leaves of x elements each (one state group: the batched k-th largests,
-  the fused pass, packing, the collective, decoding, the residual and the
-  statistics) on a one-device mesh, so the collective moves nothing; once
-  with c = ``chain`` leaves and once with 2c, timed round-robin:
-  h = max(0, t_2c − t_c) / c. The time per update divided by its units
-  (what this measured before) also counted the dispatch and the bucket's
-  own kernels once per unit: α = 0.12–0.14 ms per unit on 2 × H200, so
-  gpt2-small's 97 units came to 11.3 ms where its traced compression
-  kernels take about 2 ms.
-  """
-  if estimator not in plan_lib.ESTIMATORS:
-    raise ProfileError(f"estimator={estimator!r}; use one of "
-                       f"{plan_lib.ESTIMATORS}.")
-  if not (plan_lib.is_int(chain) and chain >= 1):
-    raise ProfileError(f"chain={chain!r} must be an int >= 1.")
-  device = device or jax.local_devices()[0]
-  mesh = jax.sharding.Mesh(np.array([device]), ("data",))
-  out = []
-  for n in sizes:
-    n = int(n)
-    if progress:
-      progress(f"compress {n:,} elements")
-    t_c, t_2c = _time_sparse_steps(
-        mesh, [[n] * chain, [n] * (2 * chain)], "single",
-        estimator=estimator, density=density, headroom=headroom,
-        repeats=repeats, warmup=warmup)
-    out.append((n, max(0.0, t_2c - t_c) / chain))
-  return out
-
-
-def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
-                         sizes: Sequence[int] | None = None,
-                         units: int = 4, estimator: str = "dgc",
-                         density: float = 0.01, headroom: float = 1.5,
-                         repeats: int = 5, warmup: int = 2,
-                         axis_name: str = "data"
-                         ) -> tuple[dict[str, costs_lib.LinearCost], dict]:
-  """({scheme: e_s}, raw): the compute each sparse scheme of ``auto``'s
-  other than all_gather adds to a bucket (``Costs.schemes``).
-
-  For each x of ``sizes``: one sparse bucket of ``units`` float32 leaves
-  of x elements on ``mesh``, moved by all_gather (t_ag) and by the scheme
-  (t_s). e = t_s − t_ag − (its wire steps − all_gather's, from ``lines``'
-  collective lines) at c = the bucket's slots; fitted e_s(c) = α_s + β_s·c
-  (α, β ≥ 0). A scheme that cannot run on this mesh is left out.
-  ``sizes`` defaults to ``DEFAULT_SCHEME_SIZES`` of the platform.
-  """
-  from jaxfuse import collectives  # pylint: disable=g-import-not-at-top
-  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
-  k = mesh.shape[axis_name]
-  sizes = tuple(int(x) for x in (sizes or
-                                 DEFAULT_SCHEME_SIZES[_platform_key()]))
-  _check_sweep("sizes", sizes)
-  kw = dict(estimator=estimator, density=density, headroom=headroom,
-            repeats=repeats, warmup=warmup, axis_name=axis_name)
-
-  def wire(plan):
-    return math.fsum(lines.steps_time(s, k)
-                     for s in collectives.bucket_steps(plan, k))
-  points, raw = {}, {"units": units, "points": {}}
-  for x in sizes:
-    t_ag, plan_ag = _time_sparse_step(mesh, [int(x)] * units, "single", **kw)
-    slots = sum(l.capacity for l in plan_ag.leaves)
-    for name in planner.AUTO_COLLECTIVES:
-      if name == "allgather":
-        continue
-      try:
-        collectives.get(name).check("profile", k, plan_ag.settings)
-      except collectives.SchemeError:
-        continue
-      t_s, plan_s = _time_sparse_step(mesh, [int(x)] * units, "single",
-                                      collective=name, **kw)
-      e = t_s - t_ag - (wire(plan_s) - wire(plan_ag))
-      points.setdefault(name, []).append((slots, e))
-      raw["points"].setdefault(name, []).append([slots, t_s, t_ag, e])
-  fits = {name: costs_lib.fit_linear(*zip(*pts))
-          for name, pts in points.items() if len({c for c, _ in pts}) > 1}
-  return fits, raw
-
-
-def _check_sweep(name: str, sweep: Sequence[int]) -> None:
-  if len(set(sweep)) < 2 or min(sweep) < 1:
-    raise ProfileError(f"{name}={list(sweep)} needs at least two distinct "
-                       "sizes >= 1 (one size cannot separate α from β).")
-
-
-def _sparse_step(mesh, sizes, strategy, *, estimator, density, headroom,
-                 axis_name="data", collective="allgather"):
-  """(step, args, plan): one jitted ``sparse_sync`` update of float32
-  leaves of ``sizes`` (standard normal, the same on every device of
-  ``mesh``), planned as ``strategy`` with every leaf sparse and moved by
-  ``collective``, and the arguments to call it with."""
-  from jaxfuse import placement  # pylint: disable=g-import-not-at-top
-  from jaxfuse import transform  # pylint: disable=g-import-not-at-top
-  from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(sum(sizes))
-  grads = [jax.device_put(rng.standard_normal(n, np.float32),
-                          NamedSharding(mesh, P())) for n in sizes]
-  plan = planner.plan(grads, density=density, strategy=strategy,
-                      estimator=estimator, headroom=headroom,
-                      min_sparse_size=1, collective=collective)
-  opt = transform.sparse_sync(plan, axis_name=axis_name)
-  state = placement.init_state(opt, grads, mesh, axis_name=axis_name)
-  specs = placement.state_specs(state, axis_name)
-  step = _jit(jax.shard_map(
-      lambda g, s: opt.update(_compat.to_varying(g, axis_name), s),
-      mesh=mesh, in_specs=(P(), specs), out_specs=(P(), specs)))
-  return step, (grads, state), plan
-
-
-def _time_sparse_step(mesh, sizes, strategy, *, repeats, warmup, **kw):
-  """(seconds, plan) of one ``_sparse_step`` update."""
-  step, args, plan = _sparse_step(mesh, sizes, strategy, **kw)
-  return time_call(step, *args, warmup=warmup, repeats=repeats), plan
-
-
-def _time_sparse_steps(mesh, size_lists, strategy, *, repeats, warmup,
-                       **kw) -> list[float]:
-  """Seconds of one ``_sparse_step`` update per list of leaf sizes, timed
-  round-robin (``time_calls``), so that their differences hold."""
-  steps = [_sparse_step(mesh, sizes, strategy, **kw) for sizes in size_lists]
-  return time_calls([(step, *args) for step, args, _ in steps],
-                    warmup=warmup, repeats=repeats)
-
-
 # --- overlap ------------------------------------------------------------------
 
 def measure_overlap(mesh, loss_fn: Callable, params,
-                    example_args: Sequence = (), *, repeats: int = 5,
-                    warmup: int = 2, axis_name: str = "data"
-                    ) -> tuple[float, dict]:
-  """η from backward alone, all-reduce alone and both in one jit (per worker:
-  the gradient of ``loss_fn`` on the whole example batch)."""
+                    example_args: Sequence = (), *,
+                    timing: Timing = Timing(), axis_name: str = "data",
+                    **deprecated) -> tuple[float, dict]:
+  """η from backward alone, all-reduce alone and both in one jit
+  (``overlap_factor``); per worker, the gradient of ``loss_fn`` on the whole
+  example batch.
+
+  Args:
+    mesh: the mesh whose axis ``axis_name`` the all-reduce runs over.
+    loss_fn: ``loss_fn(params, *example_args)``, one worker's loss.
+    params: the parameters.
+    example_args: a sample batch.
+    timing: a ``Timing`` (``repeats`` and ``warmup`` are used).
+    axis_name: the data axis's name.
+    **deprecated: the 0.2 keywords ``repeats`` and ``warmup``.
+
+  Returns:
+    (η, raw): η in [0, 1], and the three times.
+  """
+  timing = upgrade_keywords("measure_overlap", deprecated,
+                            timing=timing)["timing"]
   k = mesh.shape[axis_name]
   replicated = NamedSharding(mesh, P())
   params, args = jax.device_put((params, tuple(example_args)), replicated)
@@ -395,31 +361,50 @@ def measure_overlap(mesh, loss_fn: Callable, params,
                    params), NamedSharding(mesh, P(axis_name)))
   t_bwd, t_comm, t_both = time_calls(
       [(backward, params, *args), (comm, grads), (both, params, *args)],
-      warmup=warmup, repeats=repeats)
+      **timing.calls())
   eta = overlap_factor(t_bwd, t_comm, t_both)
   return eta, {"backward": t_bwd, "comm": t_comm, "both": t_both}
 
 
 # --- everything ---------------------------------------------------------------
 
-def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
-            example_args: Sequence = (), sizes: Sequence[int] | None = None,
-            compress_sizes: Sequence[int] | None = None, repeats: int = 5,
-            warmup: int = 2, chain: int = 4, estimator: str = "dgc",
-            density: float = 0.01, headroom: float = 1.5,
-            axis_name: str = "data",
-            progress: Progress | None = None) -> costs_lib.Costs:
-  """Measure a ``Costs`` on ``mesh`` (default: all devices, axis ``"data"``).
+def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
+            compression: Compression = Compression(),
+            axis_name: str = "data", progress: Progress | None = None,
+            **deprecated) -> costs_lib.Costs:
+  """Measure a ``Costs`` on ``mesh`` (module docstring).
 
-  With ``loss_fn`` and ``params`` (``loss_fn(params, *example_args)``: one
-  worker's loss on a sample batch) also the forward time, the per-leaf
-  backward times (pytree order; see the module docstring) and η on that
-  model; without, ``backward`` is empty (costs for any plan's communication)
-  and η is measured on ``synthetic_model()``. ``progress(done, total, what)``
-  is called before each measurement and once at the end.
+  With a ``model`` also the forward time, the per-leaf backward times
+  (pytree order) and η on that model; without, ``backward`` is empty (costs
+  for any plan's communication) and η is measured on ``synthetic_model()``.
+
+  Args:
+    mesh: the mesh to measure on; default all devices, axis ``axis_name``.
+    model: the ``Model`` to measure the compute of, or None.
+    sweep: the sizes measured and their ``Timing`` (a ``Sweep``).
+    compression: the sparse step a plan would use (a ``Compression``).
+    axis_name: the data axis's name.
+    progress: ``progress(done, total, what)``, called before each
+      measurement and once at the end.
+    **deprecated: the 0.2 keywords ``loss_fn``, ``params``,
+      ``example_args`` (now ``model``), ``sizes``, ``compress_sizes``,
+      ``repeats``, ``warmup``, ``chain`` (now ``sweep``), ``estimator``,
+      ``density`` and ``headroom`` (now ``compression``).
+
+  Returns:
+    The measured ``Costs``, the same on every process (process 0's).
+
+  Raises:
+    ProfileError: if the mesh's axis has one device, a sweep has fewer
+      than two distinct sizes, or (0.2 keywords) only one of ``loss_fn``
+      and ``params`` is given.
   """
-  if (loss_fn is None) != (params is None):
-    raise ProfileError("give both loss_fn and params (a model), or neither.")
+  model = _model_from_keywords(model, deprecated)
+  groups = upgrade_keywords("profile", deprecated, **{
+      "sweep": sweep, "sweep.timing": sweep.timing,
+      "compression": compression})
+  sweep = groups["sweep"]._replace(timing=groups["sweep.timing"])
+  compression = groups["compression"]
   mesh = mesh if mesh is not None else _compat.make_mesh(axis_name=axis_name)
   if axis_name in mesh.axis_names and mesh.shape[axis_name] < 2:
     raise ProfileError(
@@ -427,14 +412,14 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
         "nothing, so there is no communication to measure (and the costs "
         "read each line per link, over K₀ − 1 >= 1 links). Profile on 2 or "
         "more devices.")
-  sizes = tuple(int(s) for s in (sizes or default_sizes()))
+  sizes = tuple(int(s) for s in (sweep.sizes or default_sizes()))
   compress_sizes = tuple(int(s) for s in
-                         (compress_sizes or default_compress_sizes()))
+                         (sweep.compress_sizes or default_compress_sizes()))
   _check_sweep("sizes", sizes)
   _check_sweep("compress_sizes", compress_sizes)
-  timing = dict(repeats=repeats, warmup=warmup)
+  timing = sweep.timing
   total = (len(costs_lib.MEASURABLE) * len(sizes) + len(compress_sizes) + 4 +
-           (2 if loss_fn else 0))
+           (2 if model else 0))
   done = [0]
 
   def step(what):
@@ -442,47 +427,43 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
       progress(done[0], total, what)
     done[0] += 1
 
-  samples = {kind: measure_collective(kind, mesh, sizes, chain=chain,
-                                      axis_name=axis_name, progress=step,
-                                      **timing)
+  samples = {kind: measure_collective(kind, mesh, sizes, timing=timing,
+                                      axis_name=axis_name, progress=step)
              for kind in costs_lib.MEASURABLE}
   collectives = {kind: costs_lib.fit_linear(*zip(*pts))
                  for kind, pts in samples.items()}
   samples["compress"] = measure_compress(
-      compress_sizes, estimator=estimator, density=density,
-      headroom=headroom, chain=chain, progress=step, **timing)
+      compress_sizes, compression=compression, timing=timing, progress=step)
   compress = costs_lib.fit_linear(*zip(*samples["compress"]))
 
   step("bucket cost: one sparse bucket against one per layer")
   bucket, bucket_raw = measure_bucket_cost(
-      mesh, estimator=estimator, density=density, headroom=headroom,
-      axis_name=axis_name, **timing)
+      mesh, compression=compression, timing=timing, axis_name=axis_name)
   step("schemes: one bucket moved by each scheme against all_gather")
   schemes, schemes_raw = measure_scheme_costs(
       mesh, costs_lib.Costs(collectives, compress, (),
                             workers=mesh.shape[axis_name]),
-      estimator=estimator, density=density, headroom=headroom,
-      axis_name=axis_name, **timing)
+      compression=compression, timing=timing, axis_name=axis_name)
 
   step(f"contention: two psums of {human_bytes(max(sizes))}")
   gamma, contention_raw = measure_contention(
-      mesh, max(sizes), collectives["psum"].alpha, chain=chain,
-      axis_name=axis_name, **timing)
+      mesh, max(sizes), collectives["psum"].alpha, timing=timing,
+      axis_name=axis_name)
 
   step("overlap: backward, all-reduce, both")
-  model = (loss_fn, params, tuple(example_args)) if loss_fn else \
-      synthetic_model()
-  eta, overlap_raw = measure_overlap(mesh, *model, axis_name=axis_name,
-                                     **timing)
-  overlap_raw["model"] = "given" if loss_fn else "synthetic MLP"
+  eta, overlap_raw = measure_overlap(mesh, *(model or synthetic_model()),
+                                     timing=timing, axis_name=axis_name)
+  overlap_raw["model"] = "given" if model else "synthetic MLP"
 
   forward, backward, backward_raw = 0.0, (), None
-  if loss_fn is not None:
+  if model:
+    loss_fn, params, example_args = model
     step("forward and backward")
     forward, measured = measure_forward_backward(loss_fn, params,
-                                                 example_args, **timing)
+                                                 example_args,
+                                                 **timing.calls())
     step("backward per leaf (the gradient's jaxpr)")
-    rates = machine_rates(**timing)
+    rates = machine_rates(**timing.calls())
     analysis = analyze_backward(loss_fn, params, example_args, rates=rates)
     sizes_ = [max(1, int(np.size(x))) for x in jax.tree.leaves(params)]
     roofline = float(sum(analysis.shares))
@@ -511,10 +492,9 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
       "devices": {"platform": dev.platform, "kind": dev.device_kind,
                   "mesh": {str(a): int(s) for a, s in mesh.shape.items()},
                   "processes": jax.process_count()},
-      "timing": {"repeats": repeats, "warmup": warmup, "chain": chain},
+      "timing": timing._asdict(),
       "compiler_options": compile_options.xla_options(),
-      "compress": {"estimator": estimator, "density": density,
-                   "headroom": headroom},
+      "compress": compression._asdict(),
       "samples": {k: [[int(x), float(t)] for x, t in v]
                   for k, v in samples.items()},
       "contention": contention_raw, "overlap": overlap_raw,
@@ -523,11 +503,34 @@ def profile(mesh=None, *, loss_fn: Callable | None = None, params=None,
   if backward_raw:
     provenance["backward"] = backward_raw
     # the model measured, so that planning another one is refused
-    provenance["leaves"] = _model_leaves(params)
+    provenance["leaves"] = _model_leaves(model.params)
   return same_on_every_process(costs_lib.Costs(
       collectives, compress, backward, contention=gamma, overlap=eta,
       forward=forward, provenance=provenance,
       workers=mesh.shape[axis_name], bucket=bucket, schemes=schemes))
+
+
+def _model_from_keywords(model: Model | None, old: dict) -> Model | None:
+  """``model``, or the 0.2 keywords ``loss_fn``, ``params`` and
+  ``example_args`` popped from ``old`` as one (with a
+  ``DeprecationWarning``)."""
+  given = {k: old.pop(k) for k in ("loss_fn", "params", "example_args")
+           if k in old}
+  if not given:
+    return model
+  warnings.warn(
+      f"profile({', '.join(f'{k}=...' for k in given)}) is deprecated: pass "
+      "model=Model(loss_fn, params, example_args) "
+      "(jaxfuse.planning.profiling.Model); the keywords go in 0.4.",
+      DeprecationWarning, stacklevel=3)
+  if model is not None or ("loss_fn" in given) != ("params" in given):
+    raise ProfileError("give both loss_fn and params (a model), or neither: "
+                       "profile(mesh, model=Model(loss_fn, params, "
+                       "example_args)).")
+  if "loss_fn" not in given:
+    return None
+  return Model(given["loss_fn"], given["params"],
+               tuple(given.get("example_args", ())))
 
 
 def _model_leaves(params) -> list[list]:
@@ -544,7 +547,14 @@ def same_on_every_process(costs: costs_lib.Costs) -> costs_lib.Costs:
   Each process times with its own clock, so its fits differ a little, and
   cost-strategy plans made from different costs can differ: the processes
   would then compile programs whose collectives never match (a hang, not
-  an error). ``profile`` returns this, so all processes plan alike."""
+  an error). ``profile`` returns this, so all processes plan alike.
+
+  Args:
+    costs: this process's ``Costs``.
+
+  Returns:
+    Process 0's ``Costs``.
+  """
   if jax.process_count() == 1:
     return costs
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top

@@ -1,4 +1,4 @@
-"""``size`` plans with a small last bucket, for ``overlap_gpu.sh MODE=plans``.
+"""``size`` plans with a small last bucket, for ``gpu.sh overlap`` (MODE=plans).
 
 Under ``jaxfuse.send_early`` the last sparse bucket (in backward-ready
 order) is the one whose all-gather no backward can hide: its gradients are
@@ -9,11 +9,11 @@ two by ``jaxfuse.plan(..., last_bucket_bytes=--last-mib MiB)``, at each
 density, prints the sparse buckets' sizes and, with ``--costs``, each
 plan's simulated step next to the ``size`` plan's::
 
-  python benchmarks/tail_plans.py --densities 0.05 0.01 --last-mib 16 \\
+  python benchmarks/planner.py tail-plans --densities 0.05 0.01 --last-mib 16 \\
       --costs benchmarks/results/planner_early_2xH200_socket_2026-11-28/costs_early.json \\
       --overlap 0.84 --out-dir plans
   P=plans; MODE=plans DENSITIES=0.05 PLANS="$P/tail16MiB_rho0.05.json" \\
-      bash benchmarks/overlap_gpu.sh
+      bash benchmarks/gpu.sh overlap
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import json
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -83,6 +83,3 @@ def main(argv=None):
              if costs is not None else ""))
   (out / "tail_plans.json").write_text(json.dumps(rows, indent=1))
 
-
-if __name__ == "__main__":
-  main()

@@ -13,7 +13,7 @@ the number of different kernel bodies). Prints::
 
 and writes JSON (--out). No plan starts after --budget-s seconds.
 
-  python benchmarks/compile_time.py --plans size:64 layerwise p.json \\
+  python benchmarks/overhead.py compile-time --plans size:64 layerwise p.json \\
       --kernels pallas reference --out compile.json
 """
 
@@ -26,9 +26,9 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
 sys.path.insert(0, str(ROOT / "examples"))
 
 # pylint: disable=wrong-import-position
@@ -88,8 +88,9 @@ def main(argv=None):
         print(f"{spec} {backend}: skipped, past --budget-s", flush=True)
         continue
       kernels.set_backend(backend)
-      step, state = overlap.sparse_step(mesh, plan, loss_fn, params, {},
-                                        early=not args.plain)
+      step, state = overlap.sparse_step(
+          mesh, plan, loss_fn, params, {},
+          overlap.StepForm(early=not args.plain))
       a = time.perf_counter()
       lowered = step.lower(params, state, batch)
       b = time.perf_counter()
@@ -110,6 +111,3 @@ def main(argv=None):
              density=args.density, preset=args.preset, rows=rows),
         indent=1))
 
-
-if __name__ == "__main__":
-  main()

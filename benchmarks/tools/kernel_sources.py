@@ -11,7 +11,7 @@ source line::
 
   python benchmarks/overhead.py --preset gpt2-small --estimators dgc \\
       --strategy single --steps 60 --hlo-dir hlo --out overhead.json
-  python benchmarks/kernel_sources.py hlo/dense_None.hlo.txt \\
+  python benchmarks/kernels.py kernel-sources hlo/dense_None.hlo.txt \\
       hlo/jaxfuse_dgc.hlo.txt --overhead overhead.json --row dgc
 
 prints, per source line of ``jaxfuse/``, the kernels of the second program
@@ -208,6 +208,3 @@ def main(argv=None) -> dict:
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
   return result
 
-
-if __name__ == "__main__":
-  main()

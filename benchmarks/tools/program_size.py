@@ -12,7 +12,7 @@ The counts come from the compiled HLO of the current backend. CPU counts are
 a proxy for GPU ones: XLA's GPU fusion differs, and on a GPU it also fuses
 some of the slices and bitcasts into their consumers.
 
-  python benchmarks/program_size.py --models tiny gpt2_small --out size.json
+  python benchmarks/overhead.py program-size --models tiny gpt2_small --out size.json
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 # Simulated CPU workers (ignored by the GPU platform), set before JAX starts.
@@ -119,6 +119,3 @@ def main(argv=None):
     pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows},
                                                  indent=1))
 
-
-if __name__ == "__main__":
-  main()

@@ -17,7 +17,7 @@ backward time standing in for matrix-product work. This prints, per plan
 of a ``benchmarks/planner.py measure`` result, the measured step, this
 model::
 
-  python benchmarks/window_model.py \\
+  python benchmarks/planner.py window-model \\
       --costs benchmarks/results/planner_early_4xH200_socket_2026-11-28/costs_early.json \\
       --measure benchmarks/results/planner_early_4xH200_socket_2026-11-28/measure_early.json
 
@@ -46,7 +46,7 @@ import json
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -155,6 +155,3 @@ def main(argv=None):
         costs=a.costs, measure=a.measure, window=a.window, rows=rows),
                                               indent=1))
 
-
-if __name__ == "__main__":
-  main()

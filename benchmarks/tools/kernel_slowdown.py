@@ -21,7 +21,7 @@ mean over other calls is not comparable. Prints the families that lose
 most and the compute time per step of both traces; writes JSON
 (--out)::
 
-  python benchmarks/kernel_slowdown.py \\
+  python benchmarks/kernels.py kernel-slowdown \\
       benchmarks/results/overlap_2026-11-30/run37_trace_default_one_gpu.json.xz \\
       benchmarks/results/overlap_2026-11-30/run37_trace_early_tail4M.json.xz
 """
@@ -34,7 +34,7 @@ import pathlib
 import re
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 # pylint: disable=wrong-import-position
@@ -141,6 +141,3 @@ def main(argv=None):
         {"one_gpu": one.path, "k_gpu": many.path, "compute_busy_s": busy,
          "families": rows}, indent=1))
 
-
-if __name__ == "__main__":
-  main()

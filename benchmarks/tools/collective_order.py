@@ -13,7 +13,7 @@ is: after the fact, for every program of a run that hung.
 ``jaxfuse.check_same_collectives(compiled)`` makes the same comparison
 inside a training script, before the step runs.
 
-  python benchmarks/collective_order.py DUMP_0 DUMP_1 ... [--module RE]
+  python benchmarks/collectives.py collective-order DUMP_0 DUMP_1 ... [--module RE]
 """
 import argparse
 import pathlib
@@ -89,6 +89,3 @@ def main(argv=None) -> int:
         print(f"  {i:4d} {mark} {a[:100]}\n          {b[:100]}")
   return 0 if same else 1
 
-
-if __name__ == "__main__":
-  sys.exit(main())

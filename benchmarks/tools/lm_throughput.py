@@ -3,7 +3,7 @@
 Each (transport, sync) pair runs in its own process, since NCCL reads its
 environment once. Prints a table and writes JSON::
 
-  python benchmarks/lm_throughput.py --preset gpt2-small --steps 40 \
+  python benchmarks/overhead.py lm-throughput --preset gpt2-small --steps 40 \
       --transports nvlink socket --syncs dense jaxfuse --out lm.json
 
 Transports: ``nvlink`` (NCCL's defaults) and ``socket`` (NCCL over TCP on
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRANSPORTS = {
     "nvlink": {},
     "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
@@ -89,6 +89,3 @@ def main(argv=None) -> list[dict]:
   pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
   return rows
 
-
-if __name__ == "__main__":
-  main()

@@ -12,8 +12,8 @@ rate is a fraction of that limit; the table gives the full-data loss at
 each horizon, or "diverged". Dense is ``optax.sgd`` on the workers' mean
 gradient, the others ``jaxfuse.sgd`` on one ``single`` plan per density::
 
-  python benchmarks/sgd_stability.py --densities 0.1 0.01 --out sgd.json
-  python benchmarks/sgd_stability.py --residual-decays 1 0.9 0.8 --out d.json
+  python benchmarks/convergence.py sgd-stability --densities 0.1 0.01 --out sgd.json
+  python benchmarks/convergence.py sgd-stability --residual-decays 1 0.9 0.8 --out d.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -44,9 +44,13 @@ def problem(dim: int, condition: float, rows: int, seed: int):
   return a.astype(np.float32), b.astype(np.float32), float(s[0] ** 2)
 
 
-def run(opt, a, b, mesh, *, dense: bool, steps: int, batch: int,
-        horizons, seed: int) -> dict:
-  """Train from zero; the full-data loss at each horizon (inf: diverged)."""
+def run(opt, data, mesh, args, *, dense: bool, horizons) -> dict:
+  """Train from zero; the full-data loss at each horizon (inf: diverged).
+
+  ``data`` is the problem's (a, b); ``args`` gives ``steps``, ``batch``
+  (rows per worker) and ``seed``."""
+  a, b = data
+  steps, batch, seed = args.steps, args.batch, args.seed
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -155,8 +159,8 @@ def main(argv=None):
         opt = jaxfuse.sgd(plan, lr, momentum=args.momentum,
                           nesterov=nesterov, mask_momentum=mask,
                           residual_decay=decay)
-      losses = run(opt, a, b, mesh, dense=density is None, steps=args.steps,
-                   batch=args.batch, horizons=set(horizons), seed=args.seed)
+      losses = run(opt, (a, b), mesh, args, dense=density is None,
+                   horizons=set(horizons))
       result["runs"].append({"name": name, "density": density, "mask": mask,
                              "residual_decay": decay, "nesterov": nesterov,
                              "fraction": frac, "lr": lr,
@@ -168,6 +172,3 @@ def main(argv=None):
         pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
   return result
 
-
-if __name__ == "__main__":
-  main()

@@ -31,7 +31,7 @@ matrix products and other kernels printed, to set beside each variant's.
 Prints a table and writes JSON (and each variant's HLO with --hlo-dir)::
 
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket \\
-  NCCL_SOCKET_IFNAME=lo python benchmarks/overlap.py --density 0.05 \\
+  NCCL_SOCKET_IFNAME=lo python benchmarks/overhead.py overlap --density 0.05 \\
       --variants base lhs lhs_sol --out overlap.json
 """
 
@@ -44,8 +44,9 @@ import pathlib
 import re
 import sys
 import time
+from typing import NamedTuple
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -228,15 +229,25 @@ def build(args, devices):
   return mesh, params, loss_fn, batch, plan
 
 
-def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
-                early=False, window=1, start_early=True, donate=True,
-                finish_under_last=True):
-  """The README recipe's sparse phase, jitted with ``options`` (``delay``:
-  under ``jaxfuse.delayed``; ``early``: the step under
-  ``jaxfuse.send_early`` with ``window``, ``start_early`` and
-  ``finish_under_last``; ``donate``:
-  params and state donated, as a training loop does, so XLA updates them
-  in place instead of copying them into new buffers every step)."""
+class StepForm(NamedTuple):
+  """How ``sparse_step`` wraps the step. ``delay``: under
+  ``jaxfuse.delayed``; ``early``: under ``jaxfuse.send_early`` with
+  ``window``, ``start_early`` and ``finish_under_last``; ``donate``: params
+  and state donated, as a training loop does, so XLA updates them in place
+  instead of copying them into new buffers every step."""
+  delay: bool = False
+  early: bool = False
+  window: int | None = 1
+  start_early: bool = True
+  donate: bool = True
+  finish_under_last: bool = True
+
+
+def sparse_step(mesh, plan, loss_fn, params, options,
+                form: StepForm = StepForm()):
+  """The README recipe's sparse phase, jitted with ``options``, in the
+  ``form`` (a ``StepForm``)."""
+  delay, early, window, start_early, donate, finish_under_last = form
   opt = jaxfuse.onebit_adamw(plan, 1e-4, clip_norm=1.0, weight_decay=0.01)
   if delay:
     opt = jaxfuse.delayed(opt)
@@ -302,13 +313,14 @@ def comm_only(mesh, shapes, steps):
   return t
 
 
-def probe(mesh, loss_fn, params, batch, shapes, source, steps):
+def probe(mesh, model, shapes, source, steps):
   """The scheduler alone, without the sparse work: each worker's backward
   and all-gathers of the step's wire sizes, whose results the step's output
-  needs. ``source`` "state": the buffers are inputs (a one-step-delayed
-  sync); "grads": each is cut from its own run of consecutive gradient
-  leaves, in reverse pytree order (about backward-ready order), so it is
-  ready once those leaves are."""
+  needs. ``model`` is (loss_fn, params, batch). ``source`` "state": the
+  buffers are inputs (a one-step-delayed sync); "grads": each is cut from
+  its own run of consecutive gradient leaves, in reverse pytree order
+  (about backward-ready order), so it is ready once those leaves are."""
+  loss_fn, params, batch = model
   k = mesh.devices.size
   sizes = [int(np.prod(d[1:])) for op, _, d in shapes if op == "all-gather"]
   bufs = [jax.device_put(jnp.zeros((k, m), jnp.float32),
@@ -452,7 +464,7 @@ def main(argv=None):
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
   save = lambda: args.out and pathlib.Path(args.out).write_text(
       json.dumps(result, indent=1))
-  if args.out:   # the plan that ran, for benchmarks/predict_overlap.py
+  if args.out:   # the plan that ran, for benchmarks/planner.py predict-overlap
     out = pathlib.Path(args.out)
     plan.save(out.with_name(out.stem + ".plan.json"))
   print(f"{len(devices)} x {devices[0].device_kind}, {len(plan.buckets)} "
@@ -463,9 +475,9 @@ def main(argv=None):
       print(f"{name}: skipped (budget)")
       continue
     step, state = sparse_step(mesh, plan, loss_fn, params, VARIANTS[name],
-                              args.delay, args.send_early,
-                              args.window or None, args.start_early,
-                              args.donate, args.finish_under_last)
+                              StepForm(args.delay, args.send_early,
+                                       args.window or None, args.start_early,
+                                       args.donate, args.finish_under_last))
     t0 = time.perf_counter()
     compiled = step.lower(params, state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -505,7 +517,7 @@ def main(argv=None):
     save()
   if shapes and args.probe:
     for source in ("state", "grads"):
-      t, sched = probe(mesh, loss_fn, params, batch, shapes, source,
+      t, sched = probe(mesh, (loss_fn, params, batch), shapes, source,
                        args.steps)
       result[f"probe_{source}"] = {
           "step_s": t, "backward": sched.backward, "starts": sched.starts,
@@ -523,7 +535,7 @@ def main(argv=None):
     one = [devices[0]]
     mesh1, params1, loss1, batch1, plan1 = build(args, one)
     step, state = sparse_step(mesh1, plan1, loss1, params1, {},
-                              donate=args.donate)
+                              StepForm(donate=args.donate))
     result["one_gpu_step_s"], out1 = _time(
         step, (_fresh(params1), state, batch1), args.steps)
     result["one_gpu_step_pipelined_s"], out1 = _time_pipelined(
@@ -557,6 +569,3 @@ def main(argv=None):
   save()
   return result
 
-
-if __name__ == "__main__":
-  main()

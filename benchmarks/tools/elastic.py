@@ -9,7 +9,7 @@ lost residual or a bad merge would show as a loss spike right after the
 restart. Prints the losses around the restart and the final validation
 loss, and writes JSON:
 
-  python benchmarks/elastic.py --steps 300 --out benchmarks/results/elastic.json
+  python benchmarks/convergence.py elastic --steps 300 --out benchmarks/results/elastic.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def train(args, devices: int, ckpt: pathlib.Path, *extra) -> dict:
@@ -45,7 +45,7 @@ def window(losses, start, width):
   return sum(part) / len(part)
 
 
-def main():
+def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--steps", type=int, default=300)
   p.add_argument("--optimizer", default="onebit_adamw")
@@ -54,7 +54,7 @@ def main():
                  help="K:K' pairs, comma-separated")
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" /
                                       "elastic.json"))
-  args = p.parse_args()
+  args = p.parse_args(argv)
   half = args.steps // 2
   rows, straight = [], {}
   with tempfile.TemporaryDirectory() as tmp:
@@ -90,6 +90,3 @@ def main():
   pathlib.Path(args.out).write_text(json.dumps(
       {"config": vars(args), "rows": rows}, indent=1))
 
-
-if __name__ == "__main__":
-  main()

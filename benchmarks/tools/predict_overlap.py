@@ -1,7 +1,7 @@
-"""How well the simulator predicts the steps ``benchmarks/overlap.py`` measured.
+"""How well the simulator predicts the steps ``overhead.py overlap`` measured.
 
-Reads the JSON files of ``overlap.py`` calls (as ``overlap_gpu.sh
-MODE=plans`` writes them, one call per density): the plain step's file gives
+Reads the JSON files of ``overhead.py overlap`` calls (as ``gpu.sh overlap``
+with MODE=plans writes them, one call per density): the plain step's file gives
 the one-GPU step T₁ of the ``size`` plan and the collectives alone G; each
 ``send_early`` variant gives its plan and its measured step T_K. Every plan
 is simulated with COSTS at η = 1; η is fitted on the ``size`` plan::
@@ -26,7 +26,7 @@ A variant's plan is the file it ran (``plan_file``), else the plan
 
 Prints a table per density and writes JSON (``--out``)::
 
-  python benchmarks/predict_overlap.py --costs \\
+  python benchmarks/planner.py predict-overlap --costs \\
       benchmarks/results/planner_early_2xH200_socket_2026-11-29/costs_early.json \\
       --bucket-cost 0.00013 --anchor-link \\
       benchmarks/results/overlap_2026-11-30/run34_*.json
@@ -40,9 +40,9 @@ import json
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
 
 # pylint: disable=wrong-import-position
 import jax
@@ -208,6 +208,3 @@ def main(argv=None):
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
 
-
-if __name__ == "__main__":
-  main()

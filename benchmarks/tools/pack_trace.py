@@ -2,7 +2,7 @@
 ``benchmarks/results/`` stores (about 30 % smaller; ``jaxfuse show
 --measured`` and ``planning.trace.read_trace`` read both)::
 
-  python benchmarks/pack_trace.py .../perfetto_trace.json.gz trace_x.json.xz
+  python benchmarks/planner.py pack-trace .../perfetto_trace.json.gz trace_x.json.xz
 
 Standard library only, so the GPU scripts can call it anywhere.
 """
@@ -21,6 +21,3 @@ def main(argv=None):
   with gzip.open(args.src) as src:
     args.dst.write_bytes(lzma.compress(src.read(), preset=9))
 
-
-if __name__ == "__main__":
-  main()

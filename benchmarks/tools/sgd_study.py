@@ -1,6 +1,6 @@
 """Stabilisers for ``jaxfuse.sgd`` at a dense-tuned rate: a standalone study.
 
-The same problem, rows and row order as ``benchmarks/sgd_stability.py``
+The same problem, rows and row order as ``benchmarks/convergence.py sgd-stability``
 (its ``problem``; worker k gets rows k·B … (k+1)·B − 1 of each step's draw),
 simulated on one device with the K workers as a vmapped leading axis and
 exact per-worker top-k (k = ⌈ρ·n⌉) in place of jaxfuse's threshold
@@ -8,8 +8,8 @@ estimator. Every method keeps the parameters identical on all workers: w
 moves only by the worker mean of what was sent (plus, for the oracles,
 what is stated).
 
-  python benchmarks/sgd_study.py --methods dense ef ef:d=0.8 --rhos 0.01
-  python benchmarks/sgd_study.py --list
+  python benchmarks/convergence.py sgd-study --methods dense ef ef:d=0.8 --rhos 0.01
+  python benchmarks/convergence.py sgd-study --list
 
 Method spec: ``name[:key=value,...]``; see ``METHODS``.
 """
@@ -24,7 +24,7 @@ import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -32,7 +32,7 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from benchmarks.sgd_stability import problem  # pylint: disable=wrong-import-position
+from benchmarks.tools.sgd_stability import problem  # pylint: disable=wrong-import-position
 
 METHODS = {
     "dense": "optax.sgd on the worker mean gradient (heavy ball)",
@@ -90,8 +90,14 @@ def norm(x):
   return jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
 
 
-def simulate(name, opts, a, b, idx, lr, m, rho, dense_traj=None):
-  """Full-data loss after every step (T,), float32."""
+def simulate(name, opts, data, rates, dense_traj=None):
+  """Full-data loss after every step (T,), float32.
+
+  ``data`` is (a, b, idx): the problem and each step's rows per worker
+  (T, K, B); ``rates`` is (lr, m, rho): the learning rate, the momentum
+  and the density."""
+  a, b, idx = data
+  lr, m, rho = rates
   a = jnp.asarray(a)
   b = jnp.asarray(b)
   steps, workers, batch = idx.shape
@@ -281,8 +287,8 @@ def main(argv=None):
   results = []
   for frac in args.fractions:
     lr = frac * limit
-    dense_loss, dense_traj = simulate("dense", {}, a, b, idx, lr,
-                                      args.momentum, 1.0)
+    dense_loss, dense_traj = simulate("dense", {}, (a, b, idx),
+                                      (lr, args.momentum, 1.0))
     for spec in args.methods:
       name, opts = parse(spec)
       for rho in ([1.0] if name == "dense" else args.rhos):
@@ -290,8 +296,8 @@ def main(argv=None):
         if name == "dense":
           loss, vloss = dense_loss, None
         else:
-          loss, vloss = simulate(name, opts, a, b, idx, lr, args.momentum,
-                                 rho, dense_traj)
+          loss, vloss = simulate(name, opts, (a, b, idx),
+                                 (lr, args.momentum, rho), dense_traj)
         loss = np.asarray(loss, np.float64)
         bad = ~np.isfinite(loss) | (loss > 1e6)
         first_bad = int(np.argmax(bad)) + 1 if bad.any() else None
@@ -319,6 +325,3 @@ def main(argv=None):
         {"args": vars(args), "limit": limit, "results": results}, indent=1))
   return results
 
-
-if __name__ == "__main__":
-  main()
