@@ -1,0 +1,526 @@
+"""A data-parallel train step built in one call: ``make_train_step``.
+
+  state, step = jaxfuse.make_train_step(loss_fn, params, opt, phases, mesh)
+  for batch in batches:
+    state, loss = step(state, batch)
+
+It puts together the low-level parts as a hand-written loop does, with
+bitwise the same results (tests/test_readme.py): ``init_state`` and
+``state_specs`` for the optimizer state, ``local_params`` so that worker k
+differentiates its own loss L_k on its rows of the batch, ``jax.shard_map``
+over the mesh axis, ``send_early`` where it pays, ``xla_options``, donation
+of the state, and one compiled step per phase of a warm-up (compiled when
+the first step of that phase runs, then cached). Each step computes
+
+  g_k = ∇L_k(params),   (updates, opt_state) = opt.update(g_k, ...)
+
+where ``opt`` (``optimizer(phase.plan)``) syncs the g_k through its plan's
+buckets, and returns the workers' mean loss (1/K)·Σ_k L_k.
+
+Resume: ``step.save(manager, state)`` writes the state with its step,
+which is also the data position (one batch per step); ``step.restore(
+manager, state)`` reads the latest back and the next call trains the
+phase of ``state.step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+
+from jaxfuse import _compat
+from jaxfuse import checkpoint
+from jaxfuse import compile_options
+from jaxfuse import overlap
+from jaxfuse import phases as phases_lib
+from jaxfuse import placement
+from jaxfuse import plans
+from jaxfuse import recipes
+from jaxfuse import transform
+
+_HOW_TO_ASK_FOR_AUX = "options=jaxfuse.StepOptions(has_aux=True)"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepOptions:
+  """How ``make_train_step`` builds the step (all optional).
+
+  Attributes:
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns
+      ``(state, (loss, aux))`` with aux's float leaves averaged over the
+      workers and its integer leaves summed (e.g. a count of correct
+      predictions over the whole batch).
+    model_state: the model's initial non-parameter state (flax NNX
+      ``BatchNorm`` statistics, linen ``batch_stats``, ...), or None. Given,
+      ``loss_fn(params, model_state, batch)`` returns ``(loss,
+      new_model_state)`` (with ``has_aux``: ``(loss, (new_model_state,
+      aux))``); each float leaf that differs between the workers is
+      replaced by the workers' mean, (1/K)·Σ_k s_k, so every replica keeps
+      the same state. An integer leaf must come out the same on every
+      worker (a step counter, an RNG count).
+    send_early: run the step under ``jaxfuse.send_early``. None: on where
+      it pays, several GPUs with ``jaxfuse.xla_flags`` in ``XLA_FLAGS``;
+      off on CPU. The results are bitwise the same either way.
+    donate: give the state's buffers to the step (updated in place, not
+      copied); the state passed in is then consumed.
+    check_replicas: after each step, check on the host that the params
+      (and float model state) are bitwise identical on every device.
+    axis_name: the mesh axis the workers lie along.
+  """
+  has_aux: bool = False
+  model_state: Any = None
+  send_early: bool | None = None
+  donate: bool = True
+  check_replicas: bool = False
+  axis_name: str = "data"
+
+  def __post_init__(self):
+    for name in ("has_aux", "donate", "check_replicas"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"StepOptions.{name}={getattr(self, name)!r} must "
+                        "be True or False.")
+    if self.send_early is not None and not isinstance(self.send_early, bool):
+      raise TypeError(f"StepOptions.send_early={self.send_early!r} must be "
+                      "True, False or None (on where it pays).")
+    if not isinstance(self.axis_name, str):
+      raise TypeError(f"StepOptions.axis_name={self.axis_name!r} must be "
+                      "the mesh axis name, a string such as 'data'.")
+
+
+class TrainState(NamedTuple):
+  """What a training step carries: ``params`` (replicated),
+  ``opt_state`` (per-worker parts sharded over the workers),
+  ``model_state`` (None unless ``StepOptions.model_state``) and ``step``,
+  a Python int: the steps trained so far, which is also the number of
+  batches consumed (the data position to resume from)."""
+  params: Any
+  opt_state: Any
+  model_state: Any
+  step: int
+
+
+def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
+                    phases: Any, mesh: jax.sharding.Mesh,
+                    options: StepOptions | None = None
+                    ) -> tuple[TrainState, "TrainStep"]:
+  """The initial train state and a step callable for data-parallel training.
+
+  ``step(state, batch)`` splits the batch's leading axis over the K
+  workers, gives each worker g_k = ∇L_k(params) on its rows, steps the
+  params with the phase of ``state.step``'s optimizer (which syncs the
+  g_k) and returns ``(new_state, loss)``, the loss averaged over the
+  workers.
+
+  Examples:
+    >>> opt = functools.partial(jaxfuse.onebit_adamw, learning_rate=3e-4)
+    >>> phases = jaxfuse.density_warmup(plan, dense_steps=100, steps=50)
+    >>> state, step = jaxfuse.make_train_step(loss_fn, params, opt,
+    ...                                       phases, mesh)
+    >>> state, loss = step(state, batch)
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss``, a scalar, on one worker's
+      rows (``StepOptions`` says what it returns with ``has_aux`` or
+      ``model_state``).
+    params: the initial parameters (copied; placed replicated on ``mesh``).
+    optimizer: a factory ``plan -> optax.GradientTransformation``, e.g.
+      ``functools.partial(jaxfuse.onebit_adamw, learning_rate=3e-4)``; or a
+      recipe of ``jaxfuse.RECIPES`` by name with its settings,
+      ``("sgd", {"learning_rate": 0.1, "momentum": 0.9})`` (a name alone
+      for a recipe whose settings all have defaults).
+    phases: a ``jaxfuse.Plan`` (one phase for every step) or the
+      ``jaxfuse.Phase``s of a warm-up (``jaxfuse.density_warmup``).
+    mesh: the mesh the workers lie on (``jaxfuse.make_mesh()``).
+    options: a ``StepOptions`` (default: ``StepOptions()``).
+
+  Returns:
+    ``(state, step)``: a ``TrainState`` at step 0 and a ``TrainStep``.
+
+  Raises:
+    TypeError: ``optimizer`` is a built transform rather than a factory,
+      or an argument has the wrong type.
+    ValueError: a recipe name or setting that does not exist, or a mesh
+      without ``options.axis_name``.
+    PlanError: phases that do not tile the steps from 0 (``check_phases``).
+  """
+  options = StepOptions() if options is None else options
+  if not isinstance(options, StepOptions):
+    raise TypeError(f"options: expected jaxfuse.StepOptions, got "
+                    f"{type(options).__name__}.")
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be a function, got "
+                    f"{type(loss_fn).__name__}.")
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh: expected the jax.sharding.Mesh to train on, got "
+                    f"{type(mesh).__name__}; make one with "
+                    "jaxfuse.make_mesh().")
+  if options.axis_name not in mesh.axis_names:
+    raise ValueError(f"mesh has axes {mesh.axis_names}, not "
+                     f"{options.axis_name!r}: make it with jaxfuse.make_mesh() "
+                     "or set StepOptions(axis_name=...).")
+  phases = as_phases(phases)
+  factory = as_factory(optimizer)
+  opt = build(factory, phases[-1].plan)
+  replicated = NamedSharding(mesh, P())
+  params = jax.device_put(params, replicated, may_alias=False)
+  model_state = options.model_state
+  if model_state is not None:
+    model_state = jax.device_put(model_state, replicated, may_alias=False)
+  opt_state = placement.init_state(opt, params, mesh, options.axis_name)
+  specs = placement.state_specs(opt_state, options.axis_name)
+  step = TrainStep(loss_fn, factory, phases, mesh, options, specs)
+  return TrainState(params, opt_state, model_state, 0), step
+
+
+def as_phases(phases: Any) -> tuple[phases_lib.Phase, ...]:
+  """``phases`` as a checked tuple of ``Phase``s (a plan: one phase)."""
+  if isinstance(phases, plans.Plan):
+    return (phases_lib.Phase(0, None, phases),)
+  if isinstance(phases, phases_lib.Phase):
+    phases = (phases,)
+  if not isinstance(phases, Sequence) or isinstance(phases, str):
+    raise TypeError(f"phases: expected a jaxfuse.Plan or a sequence of "
+                    f"jaxfuse.Phase (jaxfuse.density_warmup(plan, ...)), got "
+                    f"{type(phases).__name__}.")
+  phases = tuple(phases)
+  phases_lib.check_phases(phases)
+  return phases
+
+
+def as_factory(optimizer: Any) -> Callable[[plans.Plan], Any]:
+  """``optimizer`` as a function ``plan -> optax transform``."""
+  if isinstance(optimizer, str):
+    optimizer = (optimizer, {})
+  if isinstance(optimizer, tuple) and optimizer and isinstance(optimizer[0],
+                                                               str):
+    return _recipe_factory(*optimizer)
+  if callable(getattr(optimizer, "init", None)) and callable(
+      getattr(optimizer, "update", None)):
+    raise TypeError(
+        "optimizer: got a built optax transform; make_train_step builds one "
+        "per phase from the phase's plan, so pass a factory plan -> "
+        "transform, e.g. functools.partial(jaxfuse.onebit_adamw, "
+        "learning_rate=3e-4), or a recipe by name: ('onebit_adamw', "
+        "{'learning_rate': 3e-4}).")
+  if not callable(optimizer):
+    raise TypeError(f"optimizer: expected a factory plan -> optax transform "
+                    f"or a recipe name, got {type(optimizer).__name__}.")
+  return optimizer
+
+
+def _recipe_factory(name: str, settings: dict | None = None, *rest):
+  """``RECIPES[name]`` with ``settings`` bound, checked against its
+  signature."""
+  if rest or not isinstance(settings, dict):
+    raise TypeError(f"optimizer=({name!r}, ...): give the recipe's settings "
+                    "as one dict, e.g. ('sgd', {'learning_rate': 0.1}).")
+  if name not in recipes.RECIPES:
+    raise ValueError(f"optimizer={name!r} is not a recipe; use one of "
+                     f"{', '.join(sorted(recipes.RECIPES))} or a factory "
+                     "plan -> optax transform.")
+  recipe = recipes.RECIPES[name]
+  params = list(inspect.signature(recipe).parameters.values())[1:]
+  known = {p.name for p in params}
+  unknown = sorted(set(settings) - known)
+  if unknown:
+    raise ValueError(f"optimizer=({name!r}, ...): jaxfuse.{name} has no "
+                     f"setting {', '.join(unknown)}; it takes "
+                     f"{', '.join(sorted(known))}.")
+  missing = [p.name for p in params if p.default is inspect.Parameter.empty
+             and p.kind != inspect.Parameter.VAR_KEYWORD
+             and p.name not in settings]
+  if missing:
+    raise ValueError(f"optimizer={name!r}: jaxfuse.{name} needs "
+                     f"{', '.join(missing)}; give it with the name, e.g. "
+                     f"({name!r}, {{{missing[0]!r}: ...}}).")
+  return functools.partial(recipe, **settings)
+
+
+def build(factory: Callable, plan: plans.Plan):
+  """``factory(plan)``, checked to be an optax transform."""
+  opt = factory(plan)
+  placement.require_transform(opt, "make_train_step's optimizer(plan)")
+  return opt
+
+
+class TrainStep:
+  """``step(state, batch) -> (state, loss)``: one training step, compiled
+  once per phase (made by ``make_train_step``).
+
+  Attributes:
+    phases: the warm-up's phases (one for a plain plan).
+    mesh: the mesh the step runs on.
+    options: its ``StepOptions``.
+  """
+
+  def __init__(self, loss_fn, factory, phases, mesh, options, specs):
+    self.phases = phases
+    self.mesh = mesh
+    self.options = options
+    self._loss_fn = loss_fn
+    self._factory = factory
+    self._specs = specs
+    self._compiled = {}
+    platform = mesh.devices.flat[0].platform
+    self._platform = platform
+    self._block = platform == "cpu"
+    send = options.send_early
+    if send is None:
+      send = (compile_options.on_gpu(platform) and mesh.size > 1 and
+              compile_options.network_flags_set())
+    self._send_early = send
+
+  def __call__(self, state: TrainState, batch: Any):
+    """One step: ``(state, batch) -> (new_state, loss)``.
+
+    Args:
+      state: a ``TrainState`` (from ``make_train_step``, a previous step or
+        ``restore``); with ``donate`` its arrays are consumed.
+      batch: a pytree of arrays whose leading axis (the global batch)
+        splits evenly over the workers.
+
+    Returns:
+      ``(new_state, loss)``; with ``has_aux``, ``(new_state, (loss, aux))``.
+
+    Raises:
+      TypeError: ``state`` is not a ``TrainState``, or ``loss_fn`` returns
+        other than the options say.
+      ValueError: a batch leaf whose leading axis does not divide over the
+        workers.
+      SyncError: with ``check_replicas``, a leaf that differs between the
+        devices.
+    """
+    if not isinstance(state, TrainState):
+      raise TypeError(f"state: expected the jaxfuse.TrainState that "
+                      f"make_train_step returned, got {type(state).__name__}.")
+    at = plans.as_python(state.step)
+    index = phases_lib.phase_index(self.phases, at)
+    compiled = self.compiled(index)
+    params, opt_state, model_state, out = compiled(
+        state.params, state.opt_state, state.model_state, self.place(batch))
+    if self._block:   # XLA's CPU collectives can stall with steps queued
+      jax.block_until_ready(out)
+    if self.options.check_replicas:
+      check_replicas({"params": params, "model_state": model_state}, at)
+    return TrainState(params, opt_state, model_state, at + 1), out
+
+  def phase_at(self, step: int) -> phases_lib.Phase:
+    """The phase that trains ``step`` (e.g. ``state.step``): its ``plan``
+    is the one to pass to ``jaxfuse.summarize``."""
+    return self.phases[phases_lib.phase_index(self.phases, step)]
+
+  def compiled(self, index: int):
+    """The jitted step of phase ``index`` (built on first use)."""
+    if index not in self._compiled:
+      opt = build(self._factory, self.phases[index].plan)
+      local = per_worker_step(self._loss_fn, opt, self.options)
+      if self._send_early:
+        local = overlap.send_early(local)
+      axis = self.options.axis_name
+      mapped = jax.shard_map(
+          local, mesh=self.mesh, in_specs=(P(), self._specs, P(), P(axis)),
+          out_specs=(P(), self._specs, P(), P()))
+      self._compiled[index] = jax.jit(
+          mapped, donate_argnums=(0, 1, 2) if self.options.donate else (),
+          compiler_options=compile_options.xla_options(self._platform)
+          or None)
+    return self._compiled[index]
+
+  def place(self, batch: Any) -> Any:
+    """``batch`` placed with its leading axis split over the workers,
+    ``P(axis_name)`` (under ``jax.distributed``, global ``jax.Array``s,
+    e.g. from ``jax.make_array_from_process_local_data``, pass as they
+    are)."""
+    workers = self.mesh.shape[self.options.axis_name]
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+      raise ValueError("batch has no arrays; pass the batch the loss reads.")
+    for path, x in leaves:
+      shape = np.shape(x)
+      if not shape or shape[0] % workers:
+        rows = shape[0] if shape else "no leading axis"
+        raise ValueError(
+            f"batch{jax.tree_util.keystr(path)}: shape {shape} ({rows}) "
+            f"does not split over the {workers} workers; give every batch "
+            f"leaf a leading axis of a multiple of {workers} rows (e.g. "
+            "drop the last, partial batch).")
+    sharding = NamedSharding(self.mesh, P(self.options.axis_name))
+    if jax.process_count() > 1:
+      return batch
+    return jax.device_put(batch, sharding)
+
+  def save(self, mngr, state: TrainState, extra: dict | None = None
+           ) -> None:
+    """Checkpoint ``state`` as step ``state.step`` (``jaxfuse.checkpoint``)
+    with the warm-up's final plan.
+
+    Args:
+      mngr: a ``jaxfuse.checkpoint.manager(directory)``.
+      state: the ``TrainState`` to save (not consumed).
+      extra: JSON values to keep beside it (e.g. a loader's seed), read
+        back with ``jaxfuse.checkpoint.saved_extra(mngr)``.
+
+    Raises:
+      CheckpointError: the step is already saved, or ``extra`` is not JSON.
+    """
+    checkpoint.save(mngr, state.step, _tree(state), self.phases[-1].plan,
+                    extra)
+
+  def restore(self, mngr, state: TrainState, step: int | None = None
+              ) -> TrainState:
+    """``state`` filled from checkpoint ``step`` (default the latest; with
+    none saved and ``step`` None, ``state`` itself): the next call trains
+    the phase of the restored ``state.step``, from its data position.
+
+    Args:
+      mngr: a ``jaxfuse.checkpoint.manager(directory)``.
+      state: a state of this step's shapes (``make_train_step``'s first).
+      step: the checkpoint to read (default: the latest).
+
+    Returns:
+      The restored ``TrainState`` (on another worker count, redistributed
+      by ``jaxfuse.elastic``).
+
+    Raises:
+      CheckpointError: no such step, or a checkpoint of another layout.
+    """
+    if step is None and mngr.latest_step() is None:
+      return state
+    at, tree = checkpoint.restore(mngr, _tree(state), self.phases[-1].plan,
+                                  step)
+    return TrainState(tree["params"], tree["opt_state"],
+                      tree.get("model_state"), int(at))
+
+
+def _tree(state: TrainState) -> dict:
+  """The arrays of ``state`` as the checkpoint keeps them."""
+  tree = {"params": state.params, "opt_state": state.opt_state}
+  if state.model_state is not None:
+    tree["model_state"] = state.model_state
+  return tree
+
+
+def per_worker_step(loss_fn: Callable, opt, options: StepOptions):
+  """The step one worker runs inside ``shard_map``: ``(params, opt_state,
+  model_state, batch) -> (params, opt_state, model_state, out)``."""
+  axis = options.axis_name
+  with_state = options.model_state is not None
+
+  def loss_and_rest(params, model_state, batch):
+    if with_state:
+      out = loss_fn(params, model_state, batch)
+      _check_pair(out, "loss_fn(params, model_state, batch)",
+                  "(loss, new_model_state)")
+      loss, rest = out
+      if options.has_aux:
+        _check_pair(rest, "loss_fn(...)[1]", "(new_model_state, aux)")
+        new_state, aux = rest
+      else:
+        new_state, aux = rest, None
+    else:
+      out = loss_fn(params, batch)
+      if options.has_aux:
+        _check_pair(out, "loss_fn(params, batch)", "(loss, aux)")
+        loss, aux = out
+      else:
+        loss, aux = out, None
+      new_state = None
+    _check_scalar(loss)
+    return loss, (new_state, aux)
+
+  def local(params, opt_state, model_state, batch):
+    (loss, (new_state, aux)), grads = jax.value_and_grad(
+        loss_and_rest, has_aux=True)(
+            transform.local_params(params, axis), model_state, batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if with_state:
+      new_state = worker_mean_state(new_state, model_state, axis)
+    loss = lax.pmean(loss, axis)
+    out = (loss, reduce_aux(aux, axis)) if options.has_aux else loss
+    return params, opt_state, new_state, out
+
+  return local
+
+
+def _check_pair(out, what: str, expected: str) -> None:
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise TypeError(f"{what} returned {type(out).__name__}; it must return "
+                    f"{expected}.")
+
+
+def _check_scalar(loss) -> None:
+  if isinstance(loss, (tuple, list, dict)):
+    raise TypeError(
+        f"loss_fn returned a {type(loss).__name__}, not a scalar loss; a "
+        "loss with auxiliary outputs (loss, aux) needs "
+        f"{_HOW_TO_ASK_FOR_AUX}, and one that updates model state "
+        "StepOptions(model_state=initial_state).")
+  if np.ndim(loss) != 0:
+    raise TypeError(f"loss_fn returned an array of shape {np.shape(loss)}; "
+                    "return the scalar loss (e.g. its mean over the rows).")
+
+
+def worker_mean_state(new_state, old_state, axis: str):
+  """``new_state`` with each float leaf that differs between the workers
+  replaced by their mean (1/K)·Σ_k s_k; leaves equal on every worker pass
+  as they are."""
+  if jax.tree.structure(new_state) != jax.tree.structure(old_state):
+    raise TypeError(
+        "loss_fn's new model state has another structure than "
+        f"StepOptions.model_state ({jax.tree.structure(new_state)} against "
+        f"{jax.tree.structure(old_state)}); return the whole state, updated.")
+
+  def mean(path, x):
+    if axis not in _compat.varying_axes(x):
+      return x
+    if _compat.is_float_value(x):
+      return lax.pmean(x, axis)
+    raise TypeError(
+        f"model_state{jax.tree_util.keystr(path)}: an integer leaf that "
+        "differs between the workers (it depends on the batch); keep such "
+        "values float (they are averaged) or the same on every worker.")
+  return jax.tree_util.tree_map_with_path(mean, new_state)
+
+
+def reduce_aux(aux, axis: str):
+  """aux over the workers: float leaves averaged, integer and boolean
+  leaves summed (counts); leaves equal on every worker as they are."""
+  def over(x):
+    if axis not in _compat.varying_axes(x):
+      return x
+    if _compat.is_float_value(x):
+      return lax.pmean(x, axis)
+    if x.dtype == bool:
+      x = x.astype(np.int32)
+    return lax.psum(x, axis)
+  return jax.tree.map(over, aux)
+
+
+def check_replicas(tree, step: int) -> None:
+  """Raise ``SyncError`` naming the first leaf of ``tree`` (replicated
+  arrays) whose copies on the devices differ bitwise after ``step``."""
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    shards = getattr(x, "addressable_shards", None)
+    if not shards or len(shards) < 2:
+      continue
+    first = np.asarray(shards[0].data)
+    for shard in shards[1:]:
+      other = np.asarray(shard.data)
+      if first.tobytes() != other.tobytes():
+        raise transform.SyncError(
+            f"check_replicas: after step {step}, "
+            f"{jax.tree_util.keystr(path)} on {shard.device} differs from "
+            f"its copy on {shards[0].device}; the workers' steps diverged "
+            "(a loss or model state that is not the same function on every "
+            "worker, or non-deterministic ops: on GPU set XLA_FLAGS="
+            "--xla_gpu_deterministic_ops=true).")
