@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 from jax import lax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -147,7 +148,8 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
 
   Raises:
     TypeError: ``optimizer`` is a built transform rather than a factory,
-      or an argument has the wrong type.
+      or one that holds no ``jaxfuse.sparse_sync``, or an argument has
+      the wrong type.
     ValueError: a recipe name or setting that does not exist, or a mesh
       without ``options.axis_name``.
     PlanError: phases that do not tile the steps from 0 (``check_phases``).
@@ -170,15 +172,28 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
   phases = as_phases(phases)
   factory = as_factory(optimizer)
   opt = build(factory, phases[-1].plan)
-  replicated = NamedSharding(mesh, P())
-  params = jax.device_put(params, replicated, may_alias=False)
+  params = _replicated_copy(params, mesh)
   model_state = options.model_state
   if model_state is not None:
-    model_state = jax.device_put(model_state, replicated, may_alias=False)
+    model_state = _replicated_copy(model_state, mesh)
   opt_state = placement.init_state(opt, params, mesh, options.axis_name)
+  if not transform.holds(opt_state, transform.is_sync_state):
+    raise TypeError(
+        "optimizer(plan) holds no jaxfuse.sparse_sync, so the workers' "
+        "gradients would never be averaged and the replicas would drift "
+        "apart; use a jaxfuse recipe (e.g. jaxfuse.onebit_adamw), or for a "
+        "dense baseline lambda plan: jaxfuse.sync_adamw(jaxfuse.with_density("
+        "plan, 1.0), lr) (exactly lax.pmean, then optax.adamw).")
   specs = placement.state_specs(opt_state, options.axis_name)
   step = TrainStep(loss_fn, factory, phases, mesh, options, specs)
   return TrainState(params, opt_state, model_state, 0), step
+
+
+def _replicated_copy(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """``tree`` copied (the step donates its buffers, never the caller's)
+  and placed on every device of ``mesh``."""
+  tree = jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+  return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
 def as_phases(phases: Any) -> tuple[phases_lib.Phase, ...]:
