@@ -245,3 +245,22 @@ def test_errors_name_the_fix():
     step(state, (x[:31], y[:31]))
   with pytest.raises(TypeError, match="jaxfuse.TrainState"):
     step((state.params, state.opt_state), batches[0])
+
+
+def test_send_early_and_no_donation_step_bitwise_alike():
+  """``send_early`` (on by default only on several GPUs) reorders the step,
+  never its results; without donation the state passed in stays usable."""
+  params, batches = _problem(2)
+  mesh = mesh_of(K)
+  plan = _plan(params)
+  results = []
+  for options in (jaxfuse.StepOptions(),
+                  jaxfuse.StepOptions(send_early=True, donate=False)):
+    state, step = jaxfuse.make_train_step(mlp_loss, params, SGD, plan, mesh,
+                                          options)
+    first = state
+    for batch in batches:
+      state, loss = step(state, batch)
+    results.append(_bits((state, loss)))
+  assert results[0] == results[1]
+  assert _bits(first.params) == _bits(jax.tree.map(np.asarray, params))

@@ -287,7 +287,9 @@ class TrainStep:
     self._compiled = {}
     platform = mesh.devices.flat[0].platform
     self._platform = platform
-    self._block = platform == "cpu"
+    # XLA's CPU collectives can stall when steps queue up (one device has
+    # none to wait for)
+    self._block = platform == "cpu" and mesh.size > 1
     send = options.send_early
     if send is None:
       send = (compile_options.on_gpu(platform) and mesh.size > 1 and
@@ -296,6 +298,10 @@ class TrainStep:
 
   def __call__(self, state: TrainState, batch: Any):
     """One step: ``(state, batch) -> (new_state, loss)``.
+
+    It returns once the step is dispatched, so the host's work (the next
+    batch) overlaps the devices'; on several CPU devices it waits for the
+    step (XLA's CPU collectives can stall when steps queue up).
 
     Args:
       state: a ``TrainState`` (from ``make_train_step``, a previous step or
@@ -322,7 +328,7 @@ class TrainStep:
     compiled = self.compiled(index)
     params, opt_state, model_state, out = compiled(
         state.params, state.opt_state, state.model_state, self.place(batch))
-    if self._block:   # XLA's CPU collectives can stall with steps queued
+    if self._block:
       jax.block_until_ready(out)
     if self.options.check_replicas:
       check_replicas({"params": params, "model_state": model_state}, at)
