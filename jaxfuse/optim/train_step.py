@@ -169,9 +169,9 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
     raise ValueError(f"mesh has axes {mesh.axis_names}, not "
                      f"{options.axis_name!r}: make it with jaxfuse.make_mesh() "
                      "or set StepOptions(axis_name=...).")
-  phases = as_phases(phases)
-  factory = as_factory(optimizer)
-  opt = build(factory, phases[-1].plan)
+  phases = _as_phases(phases)
+  factory = _as_factory(optimizer)
+  opt = _build(factory, phases[-1].plan)
   params = _replicated_copy(params, mesh)
   model_state = options.model_state
   if model_state is not None:
@@ -196,7 +196,7 @@ def _replicated_copy(tree: Any, mesh: jax.sharding.Mesh) -> Any:
   return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
-def as_phases(phases: Any) -> tuple[phases_lib.Phase, ...]:
+def _as_phases(phases: Any) -> tuple[phases_lib.Phase, ...]:
   """``phases`` as a checked tuple of ``Phase``s (a plan: one phase)."""
   if isinstance(phases, plans.Plan):
     return (phases_lib.Phase(0, None, phases),)
@@ -211,7 +211,7 @@ def as_phases(phases: Any) -> tuple[phases_lib.Phase, ...]:
   return phases
 
 
-def as_factory(optimizer: Any) -> Callable[[plans.Plan], Any]:
+def _as_factory(optimizer: Any) -> Callable[[plans.Plan], Any]:
   """``optimizer`` as a function ``plan -> optax transform``."""
   if isinstance(optimizer, str):
     optimizer = (optimizer, {})
@@ -260,7 +260,7 @@ def _recipe_factory(name: str, settings: dict | None = None, *rest):
   return functools.partial(recipe, **settings)
 
 
-def build(factory: Callable, plan: plans.Plan):
+def _build(factory: Callable, plan: plans.Plan):
   """``factory(plan)``, checked to be an optax transform."""
   opt = factory(plan)
   placement.require_transform(opt, "make_train_step's optimizer(plan)")
@@ -335,15 +335,36 @@ class TrainStep:
     return TrainState(params, opt_state, model_state, at + 1), out
 
   def phase_at(self, step: int) -> phases_lib.Phase:
-    """The phase that trains ``step`` (e.g. ``state.step``): its ``plan``
-    is the one to pass to ``jaxfuse.summarize``."""
+    """The phase that trains ``step``.
+
+    Args:
+      step: a step number, e.g. ``state.step - 1`` for the step just run.
+
+    Returns:
+      Its ``Phase``; its ``plan`` is the one to pass to ``jaxfuse.summarize``.
+
+    Raises:
+      ValueError: ``step`` is not an integer >= 0.
+    """
     return self.phases[phases_lib.phase_index(self.phases, step)]
 
   def compiled(self, index: int):
-    """The jitted step of phase ``index`` (built on first use)."""
+    """The jitted step of one phase, built on first use and then cached.
+
+    Args:
+      index: the phase's index in ``phases``.
+
+    Returns:
+      ``jit(shard_map(...))``: ``(params, opt_state, model_state, batch) ->
+      (params, opt_state, model_state, loss)`` (``(loss, aux)`` with
+      ``has_aux``); e.g. for ``.lower(...).compile()``.
+
+    Raises:
+      TypeError: ``optimizer(plan)`` is not an optax transform.
+    """
     if index not in self._compiled:
-      opt = build(self._factory, self.phases[index].plan)
-      local = per_worker_step(self._loss_fn, opt, self.options)
+      opt = _build(self._factory, self.phases[index].plan)
+      local = _per_worker_step(self._loss_fn, opt, self.options)
       if self._send_early:
         local = overlap.send_early(local)
       axis = self.options.axis_name
@@ -357,10 +378,20 @@ class TrainStep:
     return self._compiled[index]
 
   def place(self, batch: Any) -> Any:
-    """``batch`` placed with its leading axis split over the workers,
-    ``P(axis_name)`` (under ``jax.distributed``, global ``jax.Array``s,
-    e.g. from ``jax.make_array_from_process_local_data``, pass as they
-    are)."""
+    """``batch`` placed with its leading axis split over the workers.
+
+    Args:
+      batch: a pytree of arrays, the global batch. Under
+        ``jax.distributed``, global ``jax.Array``s (e.g. from
+        ``jax.make_array_from_process_local_data``), passed as they are.
+
+    Returns:
+      The batch sharded ``P(axis_name)``.
+
+    Raises:
+      ValueError: a leaf whose leading axis does not divide over the
+        workers (named, with the fix).
+    """
     workers = self.mesh.shape[self.options.axis_name]
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
@@ -430,7 +461,7 @@ def _tree(state: TrainState) -> dict:
   return tree
 
 
-def per_worker_step(loss_fn: Callable, opt, options: StepOptions):
+def _per_worker_step(loss_fn: Callable, opt, options: StepOptions):
   """The step one worker runs inside ``shard_map``: ``(params, opt_state,
   model_state, batch) -> (params, opt_state, model_state, out)``."""
   axis = options.axis_name
@@ -465,9 +496,9 @@ def per_worker_step(loss_fn: Callable, opt, options: StepOptions):
     updates, opt_state = opt.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     if with_state:
-      new_state = worker_mean_state(new_state, model_state, axis)
+      new_state = _worker_mean_state(new_state, model_state, axis)
     loss = lax.pmean(loss, axis)
-    out = (loss, reduce_aux(aux, axis)) if options.has_aux else loss
+    out = (loss, _reduce_aux(aux, axis)) if options.has_aux else loss
     return params, opt_state, new_state, out
 
   return local
@@ -491,7 +522,7 @@ def _check_scalar(loss) -> None:
                     "return the scalar loss (e.g. its mean over the rows).")
 
 
-def worker_mean_state(new_state, old_state, axis: str):
+def _worker_mean_state(new_state, old_state, axis: str):
   """``new_state`` with each float leaf that differs between the workers
   replaced by their mean (1/K)·Σ_k s_k; leaves equal on every worker pass
   as they are."""
@@ -513,7 +544,7 @@ def worker_mean_state(new_state, old_state, axis: str):
   return jax.tree_util.tree_map_with_path(mean, new_state)
 
 
-def reduce_aux(aux, axis: str):
+def _reduce_aux(aux, axis: str):
   """aux over the workers: float leaves averaged, integer and boolean
   leaves summed (counts); leaves equal on every worker as they are."""
   def over(x):
@@ -528,8 +559,16 @@ def reduce_aux(aux, axis: str):
 
 
 def check_replicas(tree, step: int) -> None:
-  """Raise ``SyncError`` naming the first leaf of ``tree`` (replicated
-  arrays) whose copies on the devices differ bitwise after ``step``."""
+  """Check that every replicated array of ``tree`` is bitwise the same on
+  each of its devices (``StepOptions.check_replicas``).
+
+  Args:
+    tree: a pytree of replicated ``jax.Array``s (params, model state).
+    step: the step just run, for the message.
+
+  Raises:
+    SyncError: naming the first leaf whose copies differ, and the device.
+  """
   for path, x in jax.tree_util.tree_leaves_with_path(tree):
     shards = getattr(x, "addressable_shards", None)
     if not shards or len(shards) < 2:
