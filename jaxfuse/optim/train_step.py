@@ -31,24 +31,23 @@ import inspect
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
-import optax
 
-from jaxfuse import _compat
 from jaxfuse import checkpoint
 from jaxfuse import compile_options
 from jaxfuse import overlap
-from jaxfuse import phases as phases_lib
 from jaxfuse import placement
 from jaxfuse import plans
 from jaxfuse import recipes
 from jaxfuse import transform
-
-_HOW_TO_ASK_FOR_AUX = "options=jaxfuse.StepOptions(has_aux=True)"
+from jaxfuse.phases import Phase
+from jaxfuse.phases import check_phases
+from jaxfuse.phases import phase_index
+from jaxfuse.optim import local_step
+from jaxfuse.planning import agreement
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -196,18 +195,18 @@ def _replicated_copy(tree: Any, mesh: jax.sharding.Mesh) -> Any:
   return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
-def _as_phases(phases: Any) -> tuple[phases_lib.Phase, ...]:
+def _as_phases(phases: Any) -> tuple[Phase, ...]:
   """``phases`` as a checked tuple of ``Phase``s (a plan: one phase)."""
   if isinstance(phases, plans.Plan):
-    return (phases_lib.Phase(0, None, phases),)
-  if isinstance(phases, phases_lib.Phase):
+    return (Phase(0, None, phases),)
+  if isinstance(phases, Phase):
     phases = (phases,)
   if not isinstance(phases, Sequence) or isinstance(phases, str):
     raise TypeError(f"phases: expected a jaxfuse.Plan or a sequence of "
                     f"jaxfuse.Phase (jaxfuse.density_warmup(plan, ...)), got "
                     f"{type(phases).__name__}.")
   phases = tuple(phases)
-  phases_lib.check_phases(phases)
+  check_phases(phases)
   return phases
 
 
@@ -285,6 +284,7 @@ class TrainStep:
     self._factory = factory
     self._specs = specs
     self._compiled = {}
+    self._agreed = set()   # phases whose collectives all processes agree on
     platform = mesh.devices.flat[0].platform
     self._platform = platform
     # XLA's CPU collectives can stall when steps queue up (one device has
@@ -319,22 +319,33 @@ class TrainStep:
         workers.
       SyncError: with ``check_replicas``, a leaf that differs between the
         devices.
+      CollectivesDifferError: under ``jax.distributed``, processes that
+        compiled a phase's step with different collectives (checked at
+        its first step).
     """
     if not isinstance(state, TrainState):
       raise TypeError(f"state: expected the jaxfuse.TrainState that "
                       f"make_train_step returned, got {type(state).__name__}.")
     at = plans.as_python(state.step)
-    index = phases_lib.phase_index(self.phases, at)
+    index = phase_index(self.phases, at)
     compiled = self.compiled(index)
-    params, opt_state, model_state, out = compiled(
-        state.params, state.opt_state, state.model_state, self.place(batch))
+    args = (state.params, state.opt_state, state.model_state,
+            self.place(batch))
+    if jax.process_count() > 1 and index not in self._agreed:
+      # programs whose collectives differ between processes would wait for
+      # each other forever: compare them first (the call runs this one)
+      agreement.check_same_collectives(
+          compiled.lower(*args).compile(),
+          what=f"the step of phase {index} (first at step {at})")
+      self._agreed.add(index)
+    params, opt_state, model_state, out = compiled(*args)
     if self._block:
       jax.block_until_ready(out)
     if self.options.check_replicas:
       check_replicas({"params": params, "model_state": model_state}, at)
     return TrainState(params, opt_state, model_state, at + 1), out
 
-  def phase_at(self, step: int) -> phases_lib.Phase:
+  def phase_at(self, step: int) -> Phase:
     """The phase that trains ``step``.
 
     Args:
@@ -346,7 +357,7 @@ class TrainStep:
     Raises:
       ValueError: ``step`` is not an integer >= 0.
     """
-    return self.phases[phases_lib.phase_index(self.phases, step)]
+    return self.phases[phase_index(self.phases, step)]
 
   def compiled(self, index: int):
     """The jitted step of one phase, built on first use and then cached.
@@ -364,7 +375,9 @@ class TrainStep:
     """
     if index not in self._compiled:
       opt = _build(self._factory, self.phases[index].plan)
-      local = _per_worker_step(self._loss_fn, opt, self.options)
+      local = local_step.per_worker_step(
+          self._loss_fn, opt, self.options.has_aux,
+          self.options.model_state is not None, self.options.axis_name)
       if self._send_early:
         local = overlap.send_early(local)
       axis = self.options.axis_name
@@ -407,6 +420,13 @@ class TrainStep:
             "drop the last, partial batch).")
     sharding = NamedSharding(self.mesh, P(self.options.axis_name))
     if jax.process_count() > 1:
+      for path, x in leaves:
+        if not isinstance(x, jax.Array):
+          raise ValueError(
+              f"batch{jax.tree_util.keystr(path)}: a {type(x).__name__} "
+              "under jax.distributed; give each leaf as a global jax.Array "
+              "of this process's rows, jax.make_array_from_process_local_"
+              "data(NamedSharding(mesh, P(axis_name)), rows).")
       return batch
     return jax.device_put(batch, sharding)
 
@@ -459,103 +479,6 @@ def _tree(state: TrainState) -> dict:
   if state.model_state is not None:
     tree["model_state"] = state.model_state
   return tree
-
-
-def _per_worker_step(loss_fn: Callable, opt, options: StepOptions):
-  """The step one worker runs inside ``shard_map``: ``(params, opt_state,
-  model_state, batch) -> (params, opt_state, model_state, out)``."""
-  axis = options.axis_name
-  with_state = options.model_state is not None
-
-  def loss_and_rest(params, model_state, batch):
-    if with_state:
-      out = loss_fn(params, model_state, batch)
-      _check_pair(out, "loss_fn(params, model_state, batch)",
-                  "(loss, new_model_state)")
-      loss, rest = out
-      if options.has_aux:
-        _check_pair(rest, "loss_fn(...)[1]", "(new_model_state, aux)")
-        new_state, aux = rest
-      else:
-        new_state, aux = rest, None
-    else:
-      out = loss_fn(params, batch)
-      if options.has_aux:
-        _check_pair(out, "loss_fn(params, batch)", "(loss, aux)")
-        loss, aux = out
-      else:
-        loss, aux = out, None
-      new_state = None
-    _check_scalar(loss)
-    return loss, (new_state, aux)
-
-  def local(params, opt_state, model_state, batch):
-    (loss, (new_state, aux)), grads = jax.value_and_grad(
-        loss_and_rest, has_aux=True)(
-            transform.local_params(params, axis), model_state, batch)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    if with_state:
-      new_state = _worker_mean_state(new_state, model_state, axis)
-    loss = lax.pmean(loss, axis)
-    out = (loss, _reduce_aux(aux, axis)) if options.has_aux else loss
-    return params, opt_state, new_state, out
-
-  return local
-
-
-def _check_pair(out, what: str, expected: str) -> None:
-  if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    raise TypeError(f"{what} returned {type(out).__name__}; it must return "
-                    f"{expected}.")
-
-
-def _check_scalar(loss) -> None:
-  if isinstance(loss, (tuple, list, dict)):
-    raise TypeError(
-        f"loss_fn returned a {type(loss).__name__}, not a scalar loss; a "
-        "loss with auxiliary outputs (loss, aux) needs "
-        f"{_HOW_TO_ASK_FOR_AUX}, and one that updates model state "
-        "StepOptions(model_state=initial_state).")
-  if np.ndim(loss) != 0:
-    raise TypeError(f"loss_fn returned an array of shape {np.shape(loss)}; "
-                    "return the scalar loss (e.g. its mean over the rows).")
-
-
-def _worker_mean_state(new_state, old_state, axis: str):
-  """``new_state`` with each float leaf that differs between the workers
-  replaced by their mean (1/K)·Σ_k s_k; leaves equal on every worker pass
-  as they are."""
-  if jax.tree.structure(new_state) != jax.tree.structure(old_state):
-    raise TypeError(
-        "loss_fn's new model state has another structure than "
-        f"StepOptions.model_state ({jax.tree.structure(new_state)} against "
-        f"{jax.tree.structure(old_state)}); return the whole state, updated.")
-
-  def mean(path, x):
-    if axis not in _compat.varying_axes(x):
-      return x
-    if _compat.is_float_value(x):
-      return lax.pmean(x, axis)
-    raise TypeError(
-        f"model_state{jax.tree_util.keystr(path)}: an integer leaf that "
-        "differs between the workers (it depends on the batch); keep such "
-        "values float (they are averaged) or the same on every worker.")
-  return jax.tree_util.tree_map_with_path(mean, new_state)
-
-
-def _reduce_aux(aux, axis: str):
-  """aux over the workers: float leaves averaged, integer and boolean
-  leaves summed (counts); leaves equal on every worker as they are."""
-  def over(x):
-    if axis not in _compat.varying_axes(x):
-      return x
-    if _compat.is_float_value(x):
-      return lax.pmean(x, axis)
-    if x.dtype == bool:
-      x = x.astype(np.int32)
-    return lax.psum(x, axis)
-  return jax.tree.map(over, aux)
 
 
 def check_replicas(tree, step: int) -> None:
