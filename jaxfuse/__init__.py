@@ -32,6 +32,9 @@ from jaxfuse.delay import predicted_params
 from jaxfuse.nonfinite import ApplyIfFiniteState
 from jaxfuse.nonfinite import apply_if_finite
 from jaxfuse.overlap import send_early
+from jaxfuse.optim import StepOptions
+from jaxfuse.optim import TrainState
+from jaxfuse.optim import make_train_step
 from jaxfuse.plans import BucketPlan
 from jaxfuse.plans import LeafPlan
 from jaxfuse.plans import Plan
@@ -79,9 +82,10 @@ __all__ = [
     "first_moment", "grouped", "kernels",
     "LeafPlan", "Phase",
     "PerWorkerState", "Plan", "PlanError", "RECIPES", "Settings", "STRATEGIES",
-    "SparseSyncState", "SyncError", "SyncStats", "check_phases", "demo",
+    "SparseSyncState", "StepOptions", "SyncError", "SyncStats", "TrainState",
+    "check_phases", "demo",
     "density_warmup", "init_state", "local_adamw", "local_clip_by_global_norm",
-    "local_params", "make_mesh", "onebit_adamw", "per_worker",
+    "local_params", "make_mesh", "make_train_step", "onebit_adamw", "per_worker",
     "per_worker_mask", "phase_index", "plan", "predicted_params", "relayout",
     "second_moment", "second_moment_change", "send_early", "sgd",
     "sparse_sync", "state_specs", "summarize",

@@ -1,0 +1,509 @@
+"""A data-parallel train step built in one call: ``make_train_step``.
+
+  state, step = jaxfuse.make_train_step(loss_fn, params, opt, phases, mesh)
+  for batch in batches:
+    state, loss = step(state, batch)
+
+It puts together the low-level parts as a hand-written loop does, with
+bitwise the same results (tests/test_readme.py): ``init_state`` and
+``state_specs`` for the optimizer state, ``local_params`` so that worker k
+differentiates its own loss L_k on its rows of the batch, ``jax.shard_map``
+over the mesh axis, ``send_early`` where it pays, ``xla_options``, donation
+of the state, and one compiled step per phase of a warm-up (compiled when
+the first step of that phase runs, then cached). Each step computes
+
+  g_k = ∇L_k(params),   (updates, opt_state) = opt.update(g_k, ...)
+
+where ``opt`` (``optimizer(phase.plan)``) syncs the g_k through its plan's
+buckets, and returns the workers' mean loss (1/K)·Σ_k L_k.
+
+Resume: ``step.save(manager, state)`` writes the state with its step,
+which is also the data position (one batch per step); ``step.restore(
+manager, state)`` reads the latest back and the next call trains the
+phase of ``state.step``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+
+from jaxfuse import checkpoint
+from jaxfuse import compile_options
+from jaxfuse import overlap
+from jaxfuse import placement
+from jaxfuse import plans
+from jaxfuse import recipes
+from jaxfuse import transform
+from jaxfuse.phases import Phase
+from jaxfuse.phases import check_phases
+from jaxfuse.phases import phase_index
+from jaxfuse.optim import local_step
+from jaxfuse.planning import agreement
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepOptions:
+  """How ``make_train_step`` builds the step (all optional).
+
+  Attributes:
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; the step returns
+      ``(state, (loss, aux))`` with aux's float leaves averaged over the
+      workers and its integer leaves summed (e.g. a count of correct
+      predictions over the whole batch).
+    model_state: the model's initial non-parameter state (flax NNX
+      ``BatchNorm`` statistics, linen ``batch_stats``, ...), or None. Given,
+      ``loss_fn(params, model_state, batch)`` returns ``(loss,
+      new_model_state)`` (with ``has_aux``: ``(loss, (new_model_state,
+      aux))``); each float leaf that differs between the workers is
+      replaced by the workers' mean, (1/K)·Σ_k s_k, so every replica keeps
+      the same state. An integer leaf must come out the same on every
+      worker (a step counter, an RNG count).
+    send_early: run the step under ``jaxfuse.send_early``. None: on where
+      it pays, several GPUs with ``jaxfuse.xla_flags`` in ``XLA_FLAGS``;
+      off on CPU. The results are bitwise the same either way.
+    donate: give the state's buffers to the step (updated in place, not
+      copied); the state passed in is then consumed.
+    check_replicas: after each step, check on the host that the params
+      (and float model state) are bitwise identical on every device.
+    axis_name: the mesh axis the workers lie along.
+  """
+  has_aux: bool = False
+  model_state: Any = None
+  send_early: bool | None = None
+  donate: bool = True
+  check_replicas: bool = False
+  axis_name: str = "data"
+
+  def __post_init__(self):
+    for name in ("has_aux", "donate", "check_replicas"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"StepOptions.{name}={getattr(self, name)!r} must "
+                        "be True or False.")
+    if self.send_early is not None and not isinstance(self.send_early, bool):
+      raise TypeError(f"StepOptions.send_early={self.send_early!r} must be "
+                      "True, False or None (on where it pays).")
+    if not isinstance(self.axis_name, str):
+      raise TypeError(f"StepOptions.axis_name={self.axis_name!r} must be "
+                      "the mesh axis name, a string such as 'data'.")
+
+
+class TrainState(NamedTuple):
+  """What a training step carries: ``params`` (replicated),
+  ``opt_state`` (per-worker parts sharded over the workers),
+  ``model_state`` (None unless ``StepOptions.model_state``) and ``step``,
+  a Python int: the steps trained so far, which is also the number of
+  batches consumed (the data position to resume from)."""
+  params: Any
+  opt_state: Any
+  model_state: Any
+  step: int
+
+
+def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
+                    phases: Any, mesh: jax.sharding.Mesh,
+                    options: StepOptions | None = None
+                    ) -> tuple[TrainState, "TrainStep"]:
+  """The initial train state and a step callable for data-parallel training.
+
+  ``step(state, batch)`` splits the batch's leading axis over the K
+  workers, gives each worker g_k = ∇L_k(params) on its rows, steps the
+  params with the phase of ``state.step``'s optimizer (which syncs the
+  g_k) and returns ``(new_state, loss)``, the loss averaged over the
+  workers.
+
+  Examples:
+    >>> opt = functools.partial(jaxfuse.onebit_adamw, learning_rate=3e-4)
+    >>> phases = jaxfuse.density_warmup(plan, dense_steps=100, steps=50)
+    >>> state, step = jaxfuse.make_train_step(loss_fn, params, opt,
+    ...                                       phases, mesh)
+    >>> state, loss = step(state, batch)
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> loss``, a scalar, on one worker's
+      rows (``StepOptions`` says what it returns with ``has_aux`` or
+      ``model_state``).
+    params: the initial parameters (copied; placed replicated on ``mesh``).
+    optimizer: a factory ``plan -> optax.GradientTransformation``, e.g.
+      ``functools.partial(jaxfuse.onebit_adamw, learning_rate=3e-4)``; or a
+      recipe of ``jaxfuse.RECIPES`` by name with its settings,
+      ``("sgd", {"learning_rate": 0.1, "momentum": 0.9})`` (a name alone
+      for a recipe whose settings all have defaults).
+    phases: a ``jaxfuse.Plan`` (one phase for every step) or the
+      ``jaxfuse.Phase``s of a warm-up (``jaxfuse.density_warmup``).
+    mesh: the mesh the workers lie on (``jaxfuse.make_mesh()``).
+    options: a ``StepOptions`` (default: ``StepOptions()``).
+
+  Returns:
+    ``(state, step)``: a ``TrainState`` at step 0 and a ``TrainStep``.
+
+  Raises:
+    TypeError: ``optimizer`` is a built transform rather than a factory,
+      or one that holds no ``jaxfuse.sparse_sync``, or an argument has
+      the wrong type.
+    ValueError: a recipe name or setting that does not exist, or a mesh
+      without ``options.axis_name``.
+    PlanError: phases that do not tile the steps from 0 (``check_phases``).
+  """
+  options = StepOptions() if options is None else options
+  if not isinstance(options, StepOptions):
+    raise TypeError(f"options: expected jaxfuse.StepOptions, got "
+                    f"{type(options).__name__}.")
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be a function, got "
+                    f"{type(loss_fn).__name__}.")
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"mesh: expected the jax.sharding.Mesh to train on, got "
+                    f"{type(mesh).__name__}; make one with "
+                    "jaxfuse.make_mesh().")
+  if options.axis_name not in mesh.axis_names:
+    raise ValueError(f"mesh has axes {mesh.axis_names}, not "
+                     f"{options.axis_name!r}: make it with jaxfuse.make_mesh() "
+                     "or set StepOptions(axis_name=...).")
+  phases = _as_phases(phases)
+  factory = _as_factory(optimizer)
+  opt = _build(factory, phases[-1].plan)
+  params = _replicated_copy(params, mesh)
+  model_state = options.model_state
+  if model_state is not None:
+    model_state = _replicated_copy(model_state, mesh)
+  opt_state = placement.init_state(opt, params, mesh, options.axis_name)
+  if not transform.holds(opt_state, transform.is_sync_state):
+    raise TypeError(
+        "optimizer(plan) holds no jaxfuse.sparse_sync, so the workers' "
+        "gradients would never be averaged and the replicas would drift "
+        "apart; use a jaxfuse recipe (e.g. jaxfuse.onebit_adamw), or for a "
+        "dense baseline lambda plan: jaxfuse.sync_adamw(jaxfuse.with_density("
+        "plan, 1.0), lr) (exactly lax.pmean, then optax.adamw).")
+  specs = placement.state_specs(opt_state, options.axis_name)
+  step = TrainStep(loss_fn, factory, phases, mesh, options, specs)
+  return TrainState(params, opt_state, model_state, 0), step
+
+
+def _replicated_copy(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+  """``tree`` copied (the step donates its buffers, never the caller's)
+  and placed on every device of ``mesh``."""
+  tree = jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+  return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+def _as_phases(phases: Any) -> tuple[Phase, ...]:
+  """``phases`` as a checked tuple of ``Phase``s (a plan: one phase)."""
+  if isinstance(phases, plans.Plan):
+    return (Phase(0, None, phases),)
+  if isinstance(phases, Phase):
+    phases = (phases,)
+  if not isinstance(phases, Sequence) or isinstance(phases, str):
+    raise TypeError(f"phases: expected a jaxfuse.Plan or a sequence of "
+                    f"jaxfuse.Phase (jaxfuse.density_warmup(plan, ...)), got "
+                    f"{type(phases).__name__}.")
+  phases = tuple(phases)
+  check_phases(phases)
+  return phases
+
+
+def _as_factory(optimizer: Any) -> Callable[[plans.Plan], Any]:
+  """``optimizer`` as a function ``plan -> optax transform``."""
+  if isinstance(optimizer, str):
+    optimizer = (optimizer, {})
+  if isinstance(optimizer, tuple) and optimizer and isinstance(optimizer[0],
+                                                               str):
+    return _recipe_factory(*optimizer)
+  if callable(getattr(optimizer, "init", None)) and callable(
+      getattr(optimizer, "update", None)):
+    raise TypeError(
+        "optimizer: got a built optax transform; make_train_step builds one "
+        "per phase from the phase's plan, so pass a factory plan -> "
+        "transform, e.g. functools.partial(jaxfuse.onebit_adamw, "
+        "learning_rate=3e-4), or a recipe by name: ('onebit_adamw', "
+        "{'learning_rate': 3e-4}).")
+  if not callable(optimizer):
+    raise TypeError(f"optimizer: expected a factory plan -> optax transform "
+                    f"or a recipe name, got {type(optimizer).__name__}.")
+  return optimizer
+
+
+def _recipe_factory(name: str, settings: dict | None = None, *rest):
+  """``RECIPES[name]`` with ``settings`` bound, checked against its
+  signature."""
+  if rest or not isinstance(settings, dict):
+    raise TypeError(f"optimizer=({name!r}, ...): give the recipe's settings "
+                    "as one dict, e.g. ('sgd', {'learning_rate': 0.1}).")
+  if name not in recipes.RECIPES:
+    raise ValueError(f"optimizer={name!r} is not a recipe; use one of "
+                     f"{', '.join(sorted(recipes.RECIPES))} or a factory "
+                     "plan -> optax transform.")
+  recipe = recipes.RECIPES[name]
+  params = list(inspect.signature(recipe).parameters.values())[1:]
+  known = {p.name for p in params}
+  unknown = sorted(set(settings) - known)
+  if unknown:
+    raise ValueError(f"optimizer=({name!r}, ...): jaxfuse.{name} has no "
+                     f"setting {', '.join(unknown)}; it takes "
+                     f"{', '.join(sorted(known))}.")
+  missing = [p.name for p in params if p.default is inspect.Parameter.empty
+             and p.kind != inspect.Parameter.VAR_KEYWORD
+             and p.name not in settings]
+  if missing:
+    raise ValueError(f"optimizer={name!r}: jaxfuse.{name} needs "
+                     f"{', '.join(missing)}; give it with the name, e.g. "
+                     f"({name!r}, {{{missing[0]!r}: ...}}).")
+  return functools.partial(recipe, **settings)
+
+
+def _build(factory: Callable, plan: plans.Plan):
+  """``factory(plan)``, checked to be an optax transform."""
+  opt = factory(plan)
+  placement.require_transform(opt, "make_train_step's optimizer(plan)")
+  return opt
+
+
+class TrainStep:
+  """``step(state, batch) -> (state, loss)``: one training step, compiled
+  once per phase (made by ``make_train_step``).
+
+  Attributes:
+    phases: the warm-up's phases (one for a plain plan).
+    mesh: the mesh the step runs on.
+    options: its ``StepOptions``.
+  """
+
+  def __init__(self, loss_fn, factory, phases, mesh, options, specs):
+    self.phases = phases
+    self.mesh = mesh
+    self.options = options
+    self._loss_fn = loss_fn
+    self._factory = factory
+    self._specs = specs
+    self._compiled = {}
+    self._agreed = set()   # phases whose collectives all processes agree on
+    platform = mesh.devices.flat[0].platform
+    self._platform = platform
+    # XLA's CPU collectives can stall when steps queue up (one device has
+    # none to wait for)
+    self._block = platform == "cpu" and mesh.size > 1
+    send = options.send_early
+    if send is None:
+      send = (compile_options.on_gpu(platform) and mesh.size > 1 and
+              compile_options.network_flags_set())
+    self._send_early = send
+
+  def __call__(self, state: TrainState, batch: Any):
+    """One step: ``(state, batch) -> (new_state, loss)``.
+
+    It returns once the step is dispatched, so the host's work (the next
+    batch) overlaps the devices'; on several CPU devices it waits for the
+    step (XLA's CPU collectives can stall when steps queue up).
+
+    Args:
+      state: a ``TrainState`` (from ``make_train_step``, a previous step or
+        ``restore``); with ``donate`` its arrays are consumed.
+      batch: a pytree of arrays whose leading axis (the global batch)
+        splits evenly over the workers.
+
+    Returns:
+      ``(new_state, loss)``; with ``has_aux``, ``(new_state, (loss, aux))``.
+
+    Raises:
+      TypeError: ``state`` is not a ``TrainState``, or ``loss_fn`` returns
+        other than the options say.
+      ValueError: a batch leaf whose leading axis does not divide over the
+        workers.
+      SyncError: with ``check_replicas``, a leaf that differs between the
+        devices.
+      CollectivesDifferError: under ``jax.distributed``, processes that
+        compiled a phase's step with different collectives (checked at
+        its first step).
+    """
+    if not isinstance(state, TrainState):
+      raise TypeError(f"state: expected the jaxfuse.TrainState that "
+                      f"make_train_step returned, got {type(state).__name__}.")
+    at = plans.as_python(state.step)
+    index = phase_index(self.phases, at)
+    compiled = self.compiled(index)
+    args = (state.params, state.opt_state, state.model_state,
+            self.place(batch))
+    if jax.process_count() > 1 and index not in self._agreed:
+      # programs whose collectives differ between processes would wait for
+      # each other forever: compare them first (the call runs this one)
+      agreement.check_same_collectives(
+          compiled.lower(*args).compile(),
+          what=f"the step of phase {index} (first at step {at})")
+      self._agreed.add(index)
+    params, opt_state, model_state, out = compiled(*args)
+    if self._block:
+      jax.block_until_ready(out)
+    if self.options.check_replicas:
+      check_replicas({"params": params, "model_state": model_state}, at)
+    return TrainState(params, opt_state, model_state, at + 1), out
+
+  def phase_at(self, step: int) -> Phase:
+    """The phase that trains ``step``.
+
+    Args:
+      step: a step number, e.g. ``state.step - 1`` for the step just run.
+
+    Returns:
+      Its ``Phase``; its ``plan`` is the one to pass to ``jaxfuse.summarize``.
+
+    Raises:
+      ValueError: ``step`` is not an integer >= 0.
+    """
+    return self.phases[phase_index(self.phases, step)]
+
+  def compiled(self, index: int):
+    """The jitted step of one phase, built on first use and then cached.
+
+    Args:
+      index: the phase's index in ``phases``.
+
+    Returns:
+      ``jit(shard_map(...))``: ``(params, opt_state, model_state, batch) ->
+      (params, opt_state, model_state, loss)`` (``(loss, aux)`` with
+      ``has_aux``); e.g. for ``.lower(...).compile()``.
+
+    Raises:
+      TypeError: ``optimizer(plan)`` is not an optax transform.
+    """
+    if index not in self._compiled:
+      opt = _build(self._factory, self.phases[index].plan)
+      local = local_step.per_worker_step(
+          self._loss_fn, opt, self.options.has_aux,
+          self.options.model_state is not None, self.options.axis_name)
+      if self._send_early:
+        local = overlap.send_early(local)
+      axis = self.options.axis_name
+      mapped = jax.shard_map(
+          local, mesh=self.mesh, in_specs=(P(), self._specs, P(), P(axis)),
+          out_specs=(P(), self._specs, P(), P()))
+      self._compiled[index] = jax.jit(
+          mapped, donate_argnums=(0, 1, 2) if self.options.donate else (),
+          compiler_options=compile_options.xla_options(self._platform)
+          or None)
+    return self._compiled[index]
+
+  def place(self, batch: Any) -> Any:
+    """``batch`` placed with its leading axis split over the workers.
+
+    Args:
+      batch: a pytree of arrays, the global batch. Under
+        ``jax.distributed``, global ``jax.Array``s (e.g. from
+        ``jax.make_array_from_process_local_data``), passed as they are.
+
+    Returns:
+      The batch sharded ``P(axis_name)``.
+
+    Raises:
+      ValueError: a leaf whose leading axis does not divide over the
+        workers (named, with the fix).
+    """
+    workers = self.mesh.shape[self.options.axis_name]
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+      raise ValueError("batch has no arrays; pass the batch the loss reads.")
+    for path, x in leaves:
+      shape = np.shape(x)
+      if not shape or shape[0] % workers:
+        rows = shape[0] if shape else "no leading axis"
+        raise ValueError(
+            f"batch{jax.tree_util.keystr(path)}: shape {shape} ({rows}) "
+            f"does not split over the {workers} workers; give every batch "
+            f"leaf a leading axis of a multiple of {workers} rows (e.g. "
+            "drop the last, partial batch).")
+    sharding = NamedSharding(self.mesh, P(self.options.axis_name))
+    if jax.process_count() > 1:
+      for path, x in leaves:
+        if not isinstance(x, jax.Array):
+          raise ValueError(
+              f"batch{jax.tree_util.keystr(path)}: a {type(x).__name__} "
+              "under jax.distributed; give each leaf as a global jax.Array "
+              "of this process's rows, jax.make_array_from_process_local_"
+              "data(NamedSharding(mesh, P(axis_name)), rows).")
+      return batch
+    return jax.device_put(batch, sharding)
+
+  def save(self, mngr, state: TrainState, extra: dict | None = None
+           ) -> None:
+    """Checkpoint ``state`` as step ``state.step`` (``jaxfuse.checkpoint``)
+    with the warm-up's final plan.
+
+    Args:
+      mngr: a ``jaxfuse.checkpoint.manager(directory)``.
+      state: the ``TrainState`` to save (not consumed).
+      extra: JSON values to keep beside it (e.g. a loader's seed), read
+        back with ``jaxfuse.checkpoint.saved_extra(mngr)``.
+
+    Raises:
+      CheckpointError: the step is already saved, or ``extra`` is not JSON.
+    """
+    checkpoint.save(mngr, state.step, _tree(state), self.phases[-1].plan,
+                    extra)
+
+  def restore(self, mngr, state: TrainState, step: int | None = None
+              ) -> TrainState:
+    """``state`` filled from checkpoint ``step`` (default the latest; with
+    none saved and ``step`` None, ``state`` itself): the next call trains
+    the phase of the restored ``state.step``, from its data position.
+
+    Args:
+      mngr: a ``jaxfuse.checkpoint.manager(directory)``.
+      state: a state of this step's shapes (``make_train_step``'s first).
+      step: the checkpoint to read (default: the latest).
+
+    Returns:
+      The restored ``TrainState`` (on another worker count, redistributed
+      by ``jaxfuse.elastic``).
+
+    Raises:
+      CheckpointError: no such step, or a checkpoint of another layout.
+    """
+    if step is None and mngr.latest_step() is None:
+      return state
+    at, tree = checkpoint.restore(mngr, _tree(state), self.phases[-1].plan,
+                                  step)
+    return TrainState(tree["params"], tree["opt_state"],
+                      tree.get("model_state"), int(at))
+
+
+def _tree(state: TrainState) -> dict:
+  """The arrays of ``state`` as the checkpoint keeps them."""
+  tree = {"params": state.params, "opt_state": state.opt_state}
+  if state.model_state is not None:
+    tree["model_state"] = state.model_state
+  return tree
+
+
+def check_replicas(tree, step: int) -> None:
+  """Check that every replicated array of ``tree`` is bitwise the same on
+  each of its devices (``StepOptions.check_replicas``).
+
+  Args:
+    tree: a pytree of replicated ``jax.Array``s (params, model state).
+    step: the step just run, for the message.
+
+  Raises:
+    SyncError: naming the first leaf whose copies differ, and the device.
+  """
+  for path, x in jax.tree_util.tree_leaves_with_path(tree):
+    shards = getattr(x, "addressable_shards", None)
+    if not shards or len(shards) < 2:
+      continue
+    first = np.asarray(shards[0].data)
+    for shard in shards[1:]:
+      other = np.asarray(shard.data)
+      if first.tobytes() != other.tobytes():
+        raise transform.SyncError(
+            f"check_replicas: after step {step}, "
+            f"{jax.tree_util.keystr(path)} on {shard.device} differs from "
+            f"its copy on {shards[0].device}; the workers' steps diverged "
+            "(a loss or model state that is not the same function on every "
+            "worker, or non-deterministic ops: on GPU set XLA_FLAGS="
+            "--xla_gpu_deterministic_ops=true).")
