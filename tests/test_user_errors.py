@@ -77,9 +77,9 @@ def test_numpy_scalars_elsewhere_are_their_values(plan):
   got = jaxfuse.density_warmup(plan, dense_steps=np.int64(10),
                                steps=np.int32(5),
                                densities=[np.float32(0.25)],
-                               num_workers=np.int64(2))
+                               workers=np.int64(2))
   want = jaxfuse.density_warmup(plan, dense_steps=10, steps=5,
-                                densities=[0.25], num_workers=2)
+                                densities=[0.25], workers=2)
   assert [(p.start, p.stop, p.plan) for p in got] == [
       (p.start, p.stop, p.plan) for p in want]
   assert all(type(p.start) is int for p in got)   # pylint: disable=unidiomatic-typecheck
