@@ -50,6 +50,7 @@ import optax
 from jaxfuse import _compat
 from jaxfuse import clipping
 from jaxfuse import grouped
+from jaxfuse import placement
 from jaxfuse import plans as plan_lib
 from jaxfuse import schedule as schedule_lib
 from jaxfuse import transform
@@ -163,11 +164,13 @@ def _kinds(state) -> tuple:
   return (type(state).__name__,) + parts
 
 
-def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation
-            ) -> optax.GradientTransformationExtraArgs:
+def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation,
+            axis_name) -> optax.GradientTransformationExtraArgs:
   """``tx``, whose update first checks that the state has the parts its
   init makes (types, at the top level; ``sparse_sync`` checks its own
-  state's layout), naming the recipe instead of optax's chain error."""
+  state's layout), naming the recipe instead of optax's chain error, and
+  that its per-worker parts came into the step per-worker
+  (``placement.check_worker_state``)."""
   tx = optax.with_extra_args_support(tx)
   wanted = {}   # the updates' treedef -> the kinds init makes (or None)
 
@@ -190,6 +193,7 @@ def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation
             f"clip_norm). Create it with jaxfuse.init_state({name}(plan, "
             "...), params, mesh), or restore a checkpoint into a `like` "
             "made so.")
+    placement.check_worker_state(updates, state, axis_name, name)
     return tx.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
@@ -240,7 +244,7 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                             residual_decay=residual_decay),
       optax.masked(optax.trace(momentum, nesterov), dense_mask)
       if momentum and any(dense) else optax.identity(),
-      _tail(learning_rate, weight_decay, mask)))
+      _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
 def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
@@ -258,7 +262,7 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
       transform.sparse_sync(plan, axis_name),
-      _tail(learning_rate, weight_decay, mask)))
+      _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
 def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
@@ -277,7 +281,7 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       transform.sparse_sync(plan, axis_name),
       optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(),
       optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay,
-                  mask=mask)))
+                  mask=mask)), axis_name)
 
 
 class OnebitState(NamedTuple):
@@ -379,7 +383,7 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 
   return _recipe("onebit_adamw", plan, optax.chain(
       optax.GradientTransformationExtraArgs(init_fn, update_fn),
-      _tail(learning_rate, weight_decay, mask)))
+      _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
 def second_moment(state: Any, b2: float = 0.999) -> list:
@@ -471,7 +475,7 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
           lambda _: optax.EmptyState(),
           lambda u, s, p=None: (jax.tree.map(jnp.sign, u), s))
       if sign else optax.identity(),
-      _tail(learning_rate, weight_decay, mask)))
+      _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
 def _check_betas(where: str, upper_closed: bool = False, **betas):

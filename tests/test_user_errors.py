@@ -677,3 +677,45 @@ def test_a_gradient_already_averaged_names_the_three_causes(plan, case):
       r"jaxfuse.local_params\(params, 'data'\).*jax.lax.pmean/psum.*"
       "an earlier sparse_sync or recipe in the same chain synced it")):
     step(PARAMS, state, x)
+
+
+def _one_step(mesh, opt, state_spec):
+  """A recipe's step on ``mesh`` with ``state_spec`` for its state."""
+  def local(p, s, x):
+    g = jax.grad(lambda p: jnp.sum((x @ p["w"] + p["b"]) ** 2))(
+        jaxfuse.local_params(p))
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  return jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), state_spec, P("data")),
+                               out_specs=(P(), state_spec)))
+
+
+@pytest.mark.parametrize("recipe", ["sgd", "onebit_adamw"])
+def test_a_state_from_opt_init_names_init_state_and_state_specs(recipe):
+  """opt.init(params) with P() for the state used to stop with JAX's
+  'out_specs ... could not infer replication', 8 times over; now the
+  recipe names both fixes when the step is traced. A P() given to the
+  whole K-worker state on a mesh that reshards (axis type Auto) comes
+  into each worker with leading axis K: named too."""
+  params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
+  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  opt = jaxfuse.RECIPES[recipe](plan, 0.1)
+  mesh = jaxfuse.make_mesh(NUM_WORKERS)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.ones((NUM_WORKERS * 4, 64)),
+                     NamedSharding(mesh, P("data")))
+  with pytest.raises(jaxfuse.SyncError,
+                     match=r"optimizer\.init\(params\) instead of "
+                     r"jaxfuse\.init_state.*jaxfuse\.state_specs\(state\)"):
+    _one_step(mesh, opt, P())(params, opt.init(params), x)
+  auto = jax.sharding.Mesh(jax.devices()[:NUM_WORKERS], ("data",))
+  state = jaxfuse.init_state(opt, params, auto)
+  with pytest.raises(jaxfuse.SyncError,
+                     match=rf"shape \({NUM_WORKERS}, ?.*not a leading axis "
+                     r"of 1.*P\(\) where jaxfuse\.state_specs\(state\) "
+                     r"gives P\('data'\)"):
+    _one_step(auto, opt, P())(params, state, x)
+  good = _one_step(mesh, opt, jaxfuse.state_specs(state))
+  new_params, _ = good(params, jaxfuse.init_state(opt, params, mesh), x)
+  assert jax.tree.structure(new_params) == jax.tree.structure(params)
