@@ -41,6 +41,7 @@ dense optimizer (``sgd``: plain SGD, DGC's masking clears the velocity).
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -356,6 +357,7 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
       nu_count = state.nu_count + 1
     else:
+      _warn_if_no_dense_step(state.nu_count)
       if clip_norm:
         updates, clip_state = bucket_clip.update(updates, clip_state)
       if all(x.dtype == jnp.float32 for x in jax.tree.leaves(updates)):
@@ -384,6 +386,34 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   return _recipe("onebit_adamw", plan, optax.chain(
       optax.GradientTransformationExtraArgs(init_fn, update_fn),
       _tail(learning_rate, weight_decay, mask)), axis_name)
+
+
+NO_DENSE_STEP = (
+    "onebit_adamw: a sparse step ran before any dense step, so the second "
+    "moment v is still 0 and frozen and every update is zero: this run "
+    "trains nothing. Start with dense steps, e.g. jaxfuse.density_warmup("
+    "plan, dense_steps=..., steps=...), and step each phase with "
+    "onebit_adamw(phase.plan, ...).")
+_warned = []
+
+
+def _no_dense_step_seen():
+  if not _warned:
+    _warned.append(True)
+    warnings.warn(NO_DENSE_STEP, UserWarning, stacklevel=2)
+
+
+def _warn_if_no_dense_step(nu_count) -> None:
+  """Warn (once a process) when a sparse step finds ``nu_count == 0``: at
+  trace time for a concrete count, else on the step, through a host
+  callback under a ``lax.cond`` that runs only while the count is 0."""
+  if not _compat.is_tracer(nu_count):
+    if int(nu_count) == 0:
+      _no_dense_step_seen()
+    return
+  jax.lax.cond(nu_count == 0,
+               lambda: jax.debug.callback(_no_dense_step_seen),
+               lambda: None)
 
 
 def second_moment(state: Any, b2: float = 0.999) -> list:
