@@ -195,9 +195,44 @@ def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation,
             "...), params, mesh), or restore a checkpoint into a `like` "
             "made so.")
     placement.check_worker_state(updates, state, axis_name, name)
-    return tx.update(updates, state, params, **extra_args)
+    out, new_state = tx.update(updates, state, params, **extra_args)
+    _warn_if_nonfinite(name, plan, transform.sync_stats(new_state))
+    return out, new_state
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
+
+
+def _nonfinite_seen(name: str, plan: plan_lib.Plan, flags) -> None:
+  flags = np.asarray(flags).reshape(-1)
+  key = ("nonfinite", name)
+  if key in _warned or not flags.any():
+    return
+  _warned.append(key)
+  paths = [plan.leaves[j].path for j in np.flatnonzero(flags)
+           if j < len(plan.leaves)]
+  more = f" and {len(paths) - 5} more" if len(paths) > 5 else ""
+  warnings.warn(
+      f"{name}: a gradient had a NaN or Inf (leaves "
+      f"{', '.join(paths[:5])}{more}): the "
+      "loss or the learning rate has diverged. Its residual was kept, but "
+      "the update of these leaves is not finite. Lower the learning rate "
+      "(or the momentum), clip (clip_norm=), or skip such steps with "
+      "jaxfuse.apply_if_finite(optimizer, max_consecutive_errors); "
+      "jaxfuse.summarize(jaxfuse.sync_stats(state), plan) counts them "
+      "each step.", UserWarning, stacklevel=2)
+
+
+def _warn_if_nonfinite(name: str, plan: plan_lib.Plan, stats) -> None:
+  """Warn (once a process and recipe) when a step's gradient had a NaN or
+  Inf (``SyncStats.nonfinite``): at once for concrete stats, else through
+  a host callback under a ``lax.cond`` that runs only on such a step."""
+  flags = stats.nonfinite
+  report = lambda f: _nonfinite_seen(name, plan, f)
+  if not _compat.is_tracer(flags):
+    report(flags)
+    return
+  jax.lax.cond(jnp.any(flags), lambda f: jax.debug.callback(report, f),
+               lambda f: None, flags)
 
 
 def _show(kinds: tuple) -> str:
