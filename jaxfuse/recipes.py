@@ -258,10 +258,42 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   syncs dense get ordinary momentum after their exact mean (the same as
   momentum on each worker, the mean being linear).
 
-  ``residual_decay`` d (``sparse_sync``): r ← d·r before the next step's
-  velocity is added, so a coordinate holds at most about 1/(1 − d) steps of
-  velocity instead of about 1/ρ, and its release stays a stable step at a
-  rate tuned for dense (docs/convergence.md, "SGD with momentum").
+  Which settings: keep the defaults (heavy-ball momentum, full error
+  feedback) at the learning rate tuned for dense; on easy problems they
+  match dense. If the loss diverges at that rate (a stiff problem, a low
+  density such as 0.01), set ``residual_decay=0.8``: a coordinate then
+  holds about 1/(1 − d) = 5 steps of velocity instead of about 1/ρ, and
+  its release stays a stable step at the dense rate (it drops what error
+  feedback would deliver late, so it costs a little where the default is
+  stable). ``nesterov=True`` is not recommended at high learning rates:
+  at a low density it diverged at and above dense's best rate.
+  ``mask_momentum=True`` is stable only for η ≤ 2ρ·η_max (η_max: dense
+  momentum SGD's largest stable rate). docs/convergence.md, "SGD with
+  momentum", has the measurements.
+
+  Args:
+    plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
+    learning_rate: η, a number or an optax schedule.
+    momentum: m in [0, 1), each worker's velocity u ← m·u + g.
+    nesterov: DGC's Nesterov form u ← m·(u + g), sending g + u.
+    mask_momentum: DGC's factor masking: zero the velocity where sent.
+    clip_norm: clip each bucket at its share of clip_norm·√K
+      (``jaxfuse.clipping``); None: no clipping.
+    weight_decay: λ, decoupled (x ← x − η·λ·x).
+    mask: optax's weight-decay mask (a tree of bools or a callable).
+    residual_decay: d in (0, 1], r ← d·r before the next velocity is
+      added (``sparse_sync``); 1 keeps full error feedback.
+    axis_name: the workers' mesh axis (or tuple of axes).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``; make its state with
+    ``jaxfuse.init_state``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or has leaves that are not
+      floating point.
+    SyncError: a hyperparameter is not a number or out of range, or one
+      of ``STATIC_ARGS["sgd"]`` is traced.
   """
   _require_trainable(plan, "sgd")
   learning_rate, momentum, clip_norm, weight_decay, residual_decay = _numbers(
