@@ -754,3 +754,43 @@ def test_onebit_adamw_without_a_dense_step_warns(monkeypatch):
     jax.block_until_ready(moved)
     jax.effects_barrier()
   assert not np.array_equal(moved["w"], params2["w"])
+
+
+def test_a_loss_returning_a_tuple_names_both_fixes_not_example_args():
+  """An NNX-style loss returning (loss, state) used to fail in jax.grad
+  with a hint to fix example_args; the planner now names what the loss
+  returned and how to pass the scalar loss. A per-example loss too."""
+  def nnx_style(params, x):
+    return jnp.sum(params["w"] @ x), {"count": jnp.ones(())}
+  x = jnp.ones((64, 3))
+  with pytest.raises(jaxfuse.PlanError) as e:
+    jaxfuse.plan(PARAMS, loss_fn=nnx_style, example_args=(x,))
+  assert re.search(r"returned a tuple of 2 parts.*scalar loss.*"
+                   r"lambda params, \*args: f\(params, \*args\)\[0\]",
+                   str(e.value))
+  assert "example_args" not in str(e.value)
+  per_example = lambda params, x: jnp.sum(params["w"] @ x, axis=0)
+  with pytest.raises(jaxfuse.PlanError, match=r"array of shape \(3,\).*mean "
+                     "of per-example losses"):
+    jaxfuse.plan(PARAMS, loss_fn=per_example, example_args=(x,))
+  scalar = lambda params, x: nnx_style(params, x)[0]
+  assert jaxfuse.plan(PARAMS, loss_fn=scalar, example_args=(x,)).provenance[
+      "ready_order"] == "jaxpr"
+
+
+def test_the_cli_names_a_tuple_loss_without_an_example_args_hint(
+    tmp_path, monkeypatch, capsys):
+  from jaxfuse.planning import cli
+  (tmp_path / "nnxmodel.py").write_text(
+      "import jax.numpy as jnp\n"
+      "def make():\n"
+      "  params = {'w': jnp.ones((64, 32)), 'b': jnp.zeros((64,))}\n"
+      "  def loss(p, x):\n"
+      "    return jnp.sum(p['w'] @ x + p['b'][:, None]), {'n': 1}\n"
+      "  return loss, params, jnp.ones((32, 2))\n")
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(["plan", "nnxmodel:make", "--strategy", "single", "-o",
+                   "p.json"]) == cli.EXIT_USAGE
+  err = capsys.readouterr().err
+  assert "returned a tuple of 2 parts" in err and "[0]" in err
+  assert "example_args" not in err and not (tmp_path / "p.json").exists()
