@@ -442,23 +442,25 @@ def run_fenced(closed, args, window: int | None = 1,
     results.append([v for v in collective.outvars
                     if not isinstance(v, jex.DropVar)])
     if final and k == final[-1]:
+      last_results = [v for j in final for v in results[j]]
+      earlier = [v for j in range(len(results)) if j not in final
+                 for v in results[j]]
       ran.update(_finish_before_last(jaxpr, order, stop, env, last_read,
-                                     results, final))
+                                     (earlier, last_results)))
     start = stop + 1
   return [a.val if isinstance(a, jex.Literal) else env[a]
           for a in jaxpr.outvars]
 
 
-def _finish_before_last(jaxpr, order, pos, env, last_read, results,
-                        final) -> list[int]:
-  """``finish_under_last``, once the last point's collectives (``final``)
-  have run at ``pos``: run the earlier collectives' readers now and tie the
-  last point's results to what those readers leave for later, so that the
-  last point's readers wait for them. Returns the positions run."""
+def _finish_before_last(jaxpr, order, pos, env, last_read,
+                        split) -> list[int]:
+  """``finish_under_last``, once the last point's collectives have run at
+  ``pos``: run the earlier collectives' readers now and tie the last
+  point's results to what those readers leave for later, so that the last
+  point's readers wait for them. ``split``: (the earlier collectives'
+  results, the last point's). Returns the positions run."""
   eqns = jaxpr.eqns
-  last_results = [v for k in final for v in results[k]]
-  earlier = [v for k in range(len(results)) if k not in final
-             for v in results[k]]
+  earlier, last_results = split
   early = readers(eqns, order, pos, earlier, env, last_results)
   mine = [eqns[order[p]] for p in early]
   _run_segment(jaxpr, mine, env, last_read, pos + 1)
