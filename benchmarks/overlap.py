@@ -237,7 +237,8 @@ def sparse_step(mesh, plan, loss_fn, params, options, delay=False,
   ``finish_under_last``; ``donate``:
   params and state donated, as a training loop does, so XLA updates them
   in place instead of copying them into new buffers every step)."""
-  opt = jaxfuse.onebit_adamw(plan, 1e-4, clip_norm=1.0, weight_decay=0.01)
+  opt = jaxfuse.onebit_adamw(plan, 1e-4, weight_decay=0.01,
+                             options=jaxfuse.RecipeOptions(clip_norm=1.0))
   if delay:
     opt = jaxfuse.delayed(opt)
   state = jaxfuse.init_state(opt, params, mesh)

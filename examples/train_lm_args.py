@@ -426,8 +426,9 @@ def make_optimizer(args, schedule, decay_mask, plan):
     # the gradient is the mean here, the same on every worker
     return (rule if args.apply_if_finite is None else
             optax.apply_if_finite(rule, args.apply_if_finite))
-  options = dict(weight_decay=args.weight_decay, mask=decay_mask,
-                 clip_norm=clip, axis_name=AXIS)
+  options = dict(weight_decay=args.weight_decay,
+                 options=jaxfuse.RecipeOptions(clip_norm=clip, mask=decay_mask,
+                                               axis_name=AXIS))
   if args.momentum is not None:
     options["momentum"] = args.momentum
   rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)

@@ -53,62 +53,20 @@ from jaxfuse import clipping
 from jaxfuse import grouped
 from jaxfuse import placement
 from jaxfuse import plans as plan_lib
+from jaxfuse import recipe_checks
 from jaxfuse import schedule as schedule_lib
 from jaxfuse import transform
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
-
-# What each recipe fixes when its step is traced (the state's layout, a
-# branch, a kernel's constants): ``optax.inject_hyperparams`` must keep
-# these static; the others (learning_rate, weight_decay, eps, local_adamw's
-# betas) may be injected and changed between steps.
-STATIC_ARGS = {
-    "sgd": ("momentum", "clip_norm", "residual_decay"),
-    "local_adamw": ("clip_norm",),
-    "sync_adamw": ("clip_norm",),
-    "onebit_adamw": ("b1", "b2", "clip_norm"),
-    "demo": ("momentum", "clip_norm"),
-}
-
-
-def _numbers(where: str, **values) -> list:
-  """``values`` as Python numbers where given as numbers (numpy scalars,
-  concrete JAX scalars: ``plan_checks.as_python``); a traced value stays
-  traced, unless it is one of ``STATIC_ARGS[where]`` (``SyncError``)."""
-  traced = [name for name in STATIC_ARGS[where]
-            if _compat.is_tracer(values.get(name))]
-  if traced:
-    raise transform.SyncError(
-        f"{where}: {', '.join(traced)} must be known when the step is "
-        "traced (each shapes the state or the program), not traced. "
-        "With optax.inject_hyperparams keep them static: "
-        f"optax.inject_hyperparams(jaxfuse.{where}, "
-        f"static_args=jaxfuse.recipes.STATIC_ARGS[{where!r}]).")
-  out = [plan_lib.as_python(v) for v in values.values()]
-  for name, v in zip(values, out):
-    numeric = isinstance(v, (np.ndarray, jax.Array)) and (
-        jnp.issubdtype(v.dtype, jnp.number))
-    if not ((v is None and name == "clip_norm") or callable(v) or
-            _compat.is_tracer(v) or numeric or
-            (isinstance(v, (int, float)) and not isinstance(v, bool))):
-      raise transform.SyncError(
-          f"{where}: {name}={v!r} must be a number (or, for "
-          "learning_rate, an optax schedule), e.g. 0.05, not "
-          f"{'None' if v is None else 'a ' + type(v).__name__}.")
-  return out
-
-
-def _check_clip(max_norm):
-  try:
-    clipping.check_max_norm(max_norm)
-  except clipping.ClipError as e:
-    raise transform.SyncError(str(e)) from None
+RecipeOptions = recipe_checks.RecipeOptions
+SGDOptions = recipe_checks.SGDOptions
+STATIC_ARGS = recipe_checks.STATIC_ARGS
 
 
 def _bucket_clip(plan, max_norm, axis_name):
   """Each bucket clipped at its share of max_norm·√K (jaxfuse.clipping),
   with per-worker state; None: identity."""
-  _check_clip(max_norm)
+  recipe_checks.check_clip(max_norm)
   if max_norm is None:
     return optax.identity()
   return transform.per_worker(
@@ -127,7 +85,7 @@ def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
   Its norm needs every leaf, so chained before ``sparse_sync`` it makes
   every bucket's collective wait for the whole backward pass. The recipes'
   ``clip_norm`` clips per bucket instead (``jaxfuse.clipping``)."""
-  _check_clip(max_norm)
+  recipe_checks.check_clip(max_norm)
   if max_norm is None:
     return optax.identity()
   max_norm = float(max_norm)
@@ -196,43 +154,10 @@ def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation,
             "made so.")
     placement.check_worker_state(updates, state, axis_name, name)
     out, new_state = tx.update(updates, state, params, **extra_args)
-    _warn_if_nonfinite(name, plan, transform.sync_stats(new_state))
+    recipe_checks.warn_if_nonfinite(name, plan, transform.sync_stats(new_state))
     return out, new_state
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
-
-
-def _nonfinite_seen(name: str, plan: plan_lib.Plan, flags) -> None:
-  flags = np.asarray(flags).reshape(-1)
-  key = ("nonfinite", name)
-  if key in _warned or not flags.any():
-    return
-  _warned.append(key)
-  paths = [plan.leaves[j].path for j in np.flatnonzero(flags)
-           if j < len(plan.leaves)]
-  more = f" and {len(paths) - 5} more" if len(paths) > 5 else ""
-  warnings.warn(
-      f"{name}: a gradient had a NaN or Inf (leaves "
-      f"{', '.join(paths[:5])}{more}): the "
-      "loss or the learning rate has diverged. Its residual was kept, but "
-      "the update of these leaves is not finite. Lower the learning rate "
-      "(or the momentum), clip (clip_norm=), or skip such steps with "
-      "jaxfuse.apply_if_finite(optimizer, max_consecutive_errors); "
-      "jaxfuse.summarize(jaxfuse.sync_stats(state), plan) counts them "
-      "each step.", UserWarning, stacklevel=2)
-
-
-def _warn_if_nonfinite(name: str, plan: plan_lib.Plan, stats) -> None:
-  """Warn (once a process and recipe) when a step's gradient had a NaN or
-  Inf (``SyncStats.nonfinite``): at once for concrete stats, else through
-  a host callback under a ``lax.cond`` that runs only on such a step."""
-  flags = stats.nonfinite
-  report = lambda f: _nonfinite_seen(name, plan, f)
-  if not _compat.is_tracer(flags):
-    report(flags)
-    return
-  jax.lax.cond(jnp.any(flags), lambda f: jax.debug.callback(report, f),
-               lambda f: None, flags)
 
 
 def _show(kinds: tuple) -> str:
@@ -245,11 +170,10 @@ def _tail(learning_rate, weight_decay, mask):
 
 
 def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
-        momentum: float = 0.9, *, nesterov: bool = False,
-        mask_momentum: bool = False, clip_norm: float | None = None,
-        weight_decay: float = 0.0, mask: Any = None,
-        residual_decay: float = 1.0,
-        axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
+        momentum: float = 0.9, *, weight_decay: float = 0.0,
+        sgd_options: recipe_checks.SGDOptions | None = None,
+        options: recipe_checks.RecipeOptions | None = None,
+        **legacy) -> optax.GradientTransformationExtraArgs:
   """SGD with DGC's momentum correction and factor masking (module doc).
 
   Momentum lives on each worker, before the sparsification: momentum applied
@@ -275,15 +199,14 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
     plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
     learning_rate: η, a number or an optax schedule.
     momentum: m in [0, 1), each worker's velocity u ← m·u + g.
-    nesterov: DGC's Nesterov form u ← m·(u + g), sending g + u.
-    mask_momentum: DGC's factor masking: zero the velocity where sent.
-    clip_norm: clip each bucket at its share of clip_norm·√K
-      (``jaxfuse.clipping``); None: no clipping.
     weight_decay: λ, decoupled (x ← x − η·λ·x).
-    mask: optax's weight-decay mask (a tree of bools or a callable).
-    residual_decay: d in (0, 1], r ← d·r before the next velocity is
-      added (``sparse_sync``); 1 keeps full error feedback.
-    axis_name: the workers' mesh axis (or tuple of axes).
+    sgd_options: ``jaxfuse.SGDOptions(nesterov, mask_momentum,
+      residual_decay)``; None: the defaults.
+    options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
+      the defaults.
+    **legacy: 0.2's ``nesterov``, ``mask_momentum``, ``residual_decay``,
+      ``clip_norm``, ``mask`` and ``axis_name`` keywords
+      (``DeprecationWarning``; removed in 0.4).
 
   Returns:
     An optax ``GradientTransformationExtraArgs``; make its state with
@@ -294,14 +217,25 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       floating point.
     SyncError: a hyperparameter is not a number or out of range, or one
       of ``STATIC_ARGS["sgd"]`` is traced.
+    TypeError: an unknown keyword.
   """
+  legacy = recipe_checks.moved("sgd", legacy, ("nesterov", "mask_momentum",
+                                  "residual_decay") + recipe_checks.RecipeOptions._fields)
+  clip_norm, mask, axis_name = recipe_checks.options("sgd", options, legacy)
+  if sgd_options is None:
+    sgd_options = recipe_checks.SGDOptions()
+  if not isinstance(sgd_options, recipe_checks.SGDOptions):
+    raise transform.SyncError(
+        f"sgd: sgd_options={sgd_options!r} must be a jaxfuse.SGDOptions("
+        "nesterov=..., mask_momentum=..., residual_decay=...).")
+  nesterov, mask_momentum, residual_decay = sgd_options._replace(**legacy)
   _require_trainable(plan, "sgd")
-  learning_rate, momentum, clip_norm, weight_decay, residual_decay = _numbers(
+  learning_rate, momentum, clip_norm, weight_decay, residual_decay = recipe_checks.numbers(
       "sgd", learning_rate=learning_rate, momentum=momentum,
       clip_norm=clip_norm, weight_decay=weight_decay,
       residual_decay=residual_decay)
-  _check_betas("sgd", momentum=momentum)
-  _check_betas("sgd", upper_closed=True, residual_decay=residual_decay)
+  recipe_checks.check_betas("sgd", momentum=momentum)
+  recipe_checks.check_betas("sgd", upper_closed=True, residual_decay=residual_decay)
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
@@ -316,16 +250,43 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 
 
 def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
-                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                weight_decay: float = 1e-4, mask: Any = None, *,
-                clip_norm: float | None = None, axis_name: str = "data"
-                ) -> optax.GradientTransformationExtraArgs:
-  """AdamW preconditioned on each worker, error feedback on the update."""
+                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                weight_decay: float = 1e-4, *,
+                options: recipe_checks.RecipeOptions | None = None,
+                **legacy) -> optax.GradientTransformationExtraArgs:
+  """AdamW preconditioned on each worker, error feedback on the update
+  (module doc).
+
+  Args:
+    plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
+    learning_rate: η, a number or an optax schedule.
+    betas: (β₁, β₂), each in [0, 1).
+    eps: ε, added to √v̂.
+    weight_decay: λ, decoupled (x ← x − η·λ·x).
+    options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
+      the defaults.
+    **legacy: 0.2's ``b1``, ``b2``, ``clip_norm``, ``mask`` and
+      ``axis_name`` keywords (``DeprecationWarning``; removed in 0.4).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``; make its state with
+    ``jaxfuse.init_state``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or has leaves that are not
+      floating point.
+    SyncError: a hyperparameter is not a number or out of range
+      (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
+    TypeError: an unknown keyword.
+  """
+  legacy = recipe_checks.moved("local_adamw", legacy, ("b1", "b2") + recipe_checks.RecipeOptions._fields)
+  b1, b2 = recipe_checks.betas("local_adamw", betas, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("local_adamw", options, legacy)
   _require_trainable(plan, "local_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "local_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  _check_betas("local_adamw", b1=b1, b2=b2)
+  recipe_checks.check_betas("local_adamw", b1=b1, b2=b2)
   return _recipe("local_adamw", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
@@ -334,17 +295,44 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 
 
 def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
-               b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-               weight_decay: float = 1e-4, mask: Any = None, *,
-               clip_norm: float | None = None, axis_name: str = "data"
-               ) -> optax.GradientTransformationExtraArgs:
-  """The baseline: sparse-sync the gradient, then AdamW (clip after sync)."""
+               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+               weight_decay: float = 1e-4, *,
+               options: recipe_checks.RecipeOptions | None = None,
+               **legacy) -> optax.GradientTransformationExtraArgs:
+  """The baseline: sparse-sync the gradient, then AdamW (``clip_norm``
+  clips the synced gradient's global norm, after the sync).
+
+  Args:
+    plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
+    learning_rate: η, a number or an optax schedule.
+    betas: (β₁, β₂), each in [0, 1).
+    eps: ε, added to √v̂.
+    weight_decay: λ, decoupled (x ← x − η·λ·x).
+    options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
+      the defaults.
+    **legacy: 0.2's ``b1``, ``b2``, ``clip_norm``, ``mask`` and
+      ``axis_name`` keywords (``DeprecationWarning``; removed in 0.4).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``; make its state with
+    ``jaxfuse.init_state``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or has leaves that are not
+      floating point.
+    SyncError: a hyperparameter is not a number or out of range
+      (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
+    TypeError: an unknown keyword.
+  """
+  legacy = recipe_checks.moved("sync_adamw", legacy, ("b1", "b2") + recipe_checks.RecipeOptions._fields)
+  b1, b2 = recipe_checks.betas("sync_adamw", betas, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("sync_adamw", options, legacy)
   _require_trainable(plan, "sync_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "sync_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  _check_betas("sync_adamw", b1=b1, b2=b2)
-  _check_clip(clip_norm)
+  recipe_checks.check_betas("sync_adamw", b1=b1, b2=b2)
+  recipe_checks.check_clip(clip_norm)
   return _recipe("sync_adamw", plan, optax.chain(
       transform.sparse_sync(plan, axis_name),
       optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(),
@@ -362,10 +350,10 @@ class OnebitState(NamedTuple):
 
 
 def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
-                 b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                 weight_decay: float = 1e-4, mask: Any = None, *,
-                 clip_norm: float | None = None, axis_name: str = "data"
-                 ) -> optax.GradientTransformationExtraArgs:
+                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                  weight_decay: float = 1e-4, *,
+                  options: recipe_checks.RecipeOptions | None = None,
+                  **legacy) -> optax.GradientTransformationExtraArgs:
   """1-bit Adam's scheme with top-k in place of 1-bit (module doc).
 
   Its plan decides the stage: a density-1 plan (``with_density(plan, 1)``,
@@ -379,14 +367,40 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   AdamW's clip, after the sync) and, in the others, each worker's gradient
   per bucket at its share of clip_norm·√K (``jaxfuse.clipping``: no bucket
   waits for another's gradients); the dense phase records the bucket norms
-  that the first sparse step's shares start from.
+  that the first sparse step's shares start from. A sparse step before any
+  dense step warns (once): it would train nothing.
+
+  Args:
+    plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
+    learning_rate: η, a number or an optax schedule.
+    betas: (β₁, β₂), each in [0, 1).
+    eps: ε, added to √v̂.
+    weight_decay: λ, decoupled (x ← x − η·λ·x).
+    options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
+      the defaults.
+    **legacy: 0.2's ``b1``, ``b2``, ``clip_norm``, ``mask`` and
+      ``axis_name`` keywords (``DeprecationWarning``; removed in 0.4).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``; make its state with
+    ``jaxfuse.init_state``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or has leaves that are not
+      floating point.
+    SyncError: a hyperparameter is not a number or out of range
+      (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
+    TypeError: an unknown keyword.
   """
+  legacy = recipe_checks.moved("onebit_adamw", legacy, ("b1", "b2") + recipe_checks.RecipeOptions._fields)
+  b1, b2 = recipe_checks.betas("onebit_adamw", betas, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("onebit_adamw", options, legacy)
   _require_trainable(plan, "onebit_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "onebit_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  _check_betas("onebit_adamw", b1=b1, b2=b2)
-  _check_clip(clip_norm)
+  recipe_checks.check_betas("onebit_adamw", b1=b1, b2=b2)
+  recipe_checks.check_clip(clip_norm)
   sched = schedule_lib.compile_plan(plan)
   dense_phase = all(b.kind != schedule_lib.SPARSE for b in sched.buckets)
   sync = transform.sparse_sync(plan, axis_name)
@@ -424,7 +438,7 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
       nu_count = state.nu_count + 1
     else:
-      _warn_if_no_dense_step(state.nu_count)
+      recipe_checks.warn_if_no_dense_step(state.nu_count)
       if clip_norm:
         updates, clip_state = bucket_clip.update(updates, clip_state)
       if all(x.dtype == jnp.float32 for x in jax.tree.leaves(updates)):
@@ -455,41 +469,13 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
-NO_DENSE_STEP = (
-    "onebit_adamw: a sparse step ran before any dense step, so the second "
-    "moment v is still 0 and frozen and every update is zero: this run "
-    "trains nothing. Start with dense steps, e.g. jaxfuse.density_warmup("
-    "plan, dense_steps=..., steps=...), and step each phase with "
-    "onebit_adamw(phase.plan, ...).")
-_warned = []
-
-
-def _no_dense_step_seen():
-  if not _warned:
-    _warned.append(True)
-    warnings.warn(NO_DENSE_STEP, UserWarning, stacklevel=2)
-
-
-def _warn_if_no_dense_step(nu_count) -> None:
-  """Warn (once a process) when a sparse step finds ``nu_count == 0``: at
-  trace time for a concrete count, else on the step, through a host
-  callback under a ``lax.cond`` that runs only while the count is 0."""
-  if not _compat.is_tracer(nu_count):
-    if int(nu_count) == 0:
-      _no_dense_step_seen()
-    return
-  jax.lax.cond(nu_count == 0,
-               lambda: jax.debug.callback(_no_dense_step_seen),
-               lambda: None)
-
-
 def second_moment(state: Any, b2: float = 0.999) -> list:
   """``onebit_adamw``'s bias-corrected second moment, v̂ = ν / (1 −
   b2^nu_count), as host arrays (float64), from the one ``OnebitState``
   anywhere inside an optimizer state. ν is replicated (the dense phase
   updates it from the synced gradient), so every worker and host reads the
   same values. Raises ``SyncError`` when ``state`` holds no such state."""
-  _check_betas("second_moment", b2=b2)
+  recipe_checks.check_betas("second_moment", b2=b2)
   one = _onebit_state(state, "second_moment")
   count = int(jax.device_get(one.nu_count))
   scale = 1.0 / (1.0 - b2 ** max(count, 1))
@@ -555,16 +541,41 @@ def _record_bucket_norms(plan, grads, state: transform.PerWorkerState):
 
 
 def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
-         momentum: float = 0.999, weight_decay: float = 1e-4,
-         mask: Any = None, *, sign: bool = True,
-         clip_norm: float | None = None, axis_name: str = "data"
-         ) -> optax.GradientTransformationExtraArgs:
-  """DeMo: the decaying local momentum is the error-feedback buffer."""
+         momentum: float = 0.999, weight_decay: float = 1e-4, *,
+         sign: bool = True, options: recipe_checks.RecipeOptions | None = None,
+         **legacy) -> optax.GradientTransformationExtraArgs:
+  """DeMo: the decaying local momentum is the error-feedback buffer
+  (module doc).
+
+  Args:
+    plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
+    learning_rate: η, a number or an optax schedule.
+    momentum: β in (0, 1], each worker's m ← β·m + g (the residual decay).
+    weight_decay: λ, decoupled (x ← x − η·λ·x).
+    sign: step by the sign of the synced momentum (DeMo's); False: by it.
+    options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
+      the defaults.
+    **legacy: 0.2's ``mask``, ``clip_norm`` and ``axis_name`` keywords
+      (``DeprecationWarning``; removed in 0.4).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``; make its state with
+    ``jaxfuse.init_state``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or has leaves that are not
+      floating point.
+    SyncError: a hyperparameter is not a number or out of range, or one
+      of ``STATIC_ARGS["demo"]`` is traced.
+    TypeError: an unknown keyword.
+  """
+  legacy = recipe_checks.moved("demo", legacy, recipe_checks.RecipeOptions._fields)
+  clip_norm, mask, axis_name = recipe_checks.options("demo", options, legacy)
   _require_trainable(plan, "demo")
-  learning_rate, momentum, weight_decay, clip_norm = _numbers(
+  learning_rate, momentum, weight_decay, clip_norm = recipe_checks.numbers(
       "demo", learning_rate=learning_rate, momentum=momentum,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  _check_betas("demo", upper_closed=True, momentum=momentum)
+  recipe_checks.check_betas("demo", upper_closed=True, momentum=momentum)
   return _recipe("demo", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, residual_decay=momentum),
@@ -573,15 +584,6 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
           lambda u, s, p=None: (jax.tree.map(jnp.sign, u), s))
       if sign else optax.identity(),
       _tail(learning_rate, weight_decay, mask)), axis_name)
-
-
-def _check_betas(where: str, upper_closed: bool = False, **betas):
-  """Each of ``betas`` in [0, 1) (``upper_closed``: (0, 1]); a traced
-  one (``optax.inject_hyperparams``) is not checked."""
-  for name, value in betas.items():
-    transform.check_rate(where, name, value,
-                         "(0, 1]" if upper_closed else "[0, 1)",
-                         traced_ok=True)
 
 
 RECIPES = {

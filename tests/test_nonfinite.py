@@ -294,7 +294,7 @@ def test_a_nonfinite_gradient_under_a_recipe_is_reported(recipe, monkeypatch):
                                in_specs=(P(), specs, P("data")),
                                out_specs=(P(), specs)))
   x = jnp.ones((NUM_WORKERS * 2, 64)) / 64
-  monkeypatch.setattr(jaxfuse.recipes, "_warned", [])
+  monkeypatch.setattr(jaxfuse.recipe_checks, "_warned", [])
   import warnings as warnings_lib
   with warnings_lib.catch_warnings():
     warnings_lib.simplefilter("error")

@@ -738,14 +738,14 @@ def test_onebit_adamw_without_a_dense_step_warns(monkeypatch):
   state = jaxfuse.init_state(sparse_opt, params, mesh)
   specs = jaxfuse.state_specs(state)
   sparse = _one_step(mesh, sparse_opt, specs)
-  monkeypatch.setattr(jaxfuse.recipes, "_warned", [])
+  monkeypatch.setattr(jaxfuse.recipe_checks, "_warned", [])
   with pytest.warns(UserWarning, match="before any dense step.*trains "
                     "nothing.*dense_steps="):
     moved, _ = sparse(params, state, x)
     jax.block_until_ready(moved)
     jax.effects_barrier()
   np.testing.assert_array_equal(moved["w"], params["w"])   # nothing trained
-  monkeypatch.setattr(jaxfuse.recipes, "_warned", [])
+  monkeypatch.setattr(jaxfuse.recipe_checks, "_warned", [])
   import warnings as warnings_lib
   with warnings_lib.catch_warnings():
     warnings_lib.simplefilter("error")
@@ -794,3 +794,65 @@ def test_the_cli_names_a_tuple_loss_without_an_example_args_hint(
   err = capsys.readouterr().err
   assert "returned a tuple of 2 parts" in err and "[0]" in err
   assert "example_args" not in err and not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("recipe,old,new", [
+    ("sgd", dict(nesterov=True, residual_decay=0.8, clip_norm=1.0,
+                 mask=lambda p: {"w": True, "b": False}),
+     dict(sgd_options=jaxfuse.SGDOptions(nesterov=True, residual_decay=0.8),
+          options=jaxfuse.RecipeOptions(
+              clip_norm=1.0, mask=lambda p: {"w": True, "b": False}))),
+    ("onebit_adamw", dict(b1=0.8, b2=0.99, clip_norm=0.5),
+     dict(betas=(0.8, 0.99), options=jaxfuse.RecipeOptions(clip_norm=0.5))),
+    ("local_adamw", dict(b2=0.9, axis_name="data"),
+     dict(betas=(0.9, 0.9), options=jaxfuse.RecipeOptions())),
+    ("demo", dict(clip_norm=2.0), dict(options=jaxfuse.RecipeOptions(
+        clip_norm=2.0))),
+])
+def test_recipes_old_keywords_warn_and_step_bitwise_alike(recipe, old, new):
+  """0.2's keywords (b1/b2, nesterov, residual_decay, clip_norm, mask,
+  axis_name) still work until 0.4, with a DeprecationWarning naming the
+  new spelling (betas=, sgd_options=, options=), and the step they make
+  is bitwise the new spelling's."""
+  params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
+  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  if recipe == "onebit_adamw":
+    plan = jaxfuse.with_density(plan, 1.0)
+  make = jaxfuse.RECIPES[recipe]
+  with pytest.warns(DeprecationWarning, match=r"is now (betas=|sgd_options="
+                    r"|options=jaxfuse\.RecipeOptions)"):
+    old_opt = make(plan, 0.1, **old)
+  import warnings as warnings_lib
+  with warnings_lib.catch_warnings():
+    warnings_lib.simplefilter("error", DeprecationWarning)
+    new_opt = make(plan, 0.1, **new)
+  mesh = jaxfuse.make_mesh(NUM_WORKERS)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.arange(NUM_WORKERS * 4 * 64.0).reshape(-1, 64)
+                     / 1e3, NamedSharding(mesh, P("data")))
+  outs = []
+  for opt in (old_opt, new_opt):
+    state = jaxfuse.init_state(opt, params, mesh)
+    step = _one_step(mesh, opt, jaxfuse.state_specs(state))
+    p, s = step(params, state, x)
+    outs.append(step(p, s, x))
+  for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.array_equal(np.asarray(outs[1][0]["w"]), params["w"])
+
+
+def test_recipes_name_the_new_spelling_of_a_bad_argument(plan):
+  with pytest.raises(jaxfuse.SyncError, match=r"betas=0\.9 is one number; "
+                     r"pass betas=\(b1, b2\)"):
+    jaxfuse.onebit_adamw(plan, 1e-3, 0.9, 0.999)   # 0.2's positional b1, b2
+  with pytest.raises(jaxfuse.SyncError, match=r"betas=\(0\.9,\) must be"):
+    jaxfuse.local_adamw(plan, 1e-3, betas=(0.9,))
+  with pytest.raises(jaxfuse.SyncError, match="options=.*jaxfuse.RecipeOpt"):
+    jaxfuse.demo(plan, 1e-3, options={"clip_norm": 1.0})
+  with pytest.raises(jaxfuse.SyncError, match="sgd_options=.*SGDOptions"):
+    jaxfuse.sgd(plan, 1e-3, sgd_options=jaxfuse.RecipeOptions())
+  with pytest.raises(TypeError, match="unexpected keyword argument 'nesterov'"):
+    jaxfuse.onebit_adamw(plan, 1e-3, nesterov=True)
+  with pytest.raises(jaxfuse.SyncError, match="clip_norm"):
+    jaxfuse.sgd(plan, 1e-3, options=jaxfuse.RecipeOptions(clip_norm=-1.0))
