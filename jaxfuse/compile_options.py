@@ -33,6 +33,9 @@ def xla_options(platform: str | None = None) -> dict[str, str]:
 
   Returns:
     A new dict, safe to update with options of your own.
+
+  Raises:
+    Nothing: an unknown platform gets no options.
   """
   if on_gpu(platform):
     return {"xla_gpu_enable_command_buffer": ""}
@@ -72,6 +75,16 @@ def xla_flags(network_gbytes_s: float, *, gpus_per_node: int = 1) -> str:
   Pair it with ``jaxfuse.send_early`` (or ``jaxfuse.delayed``): XLA can
   only start a collective once its input exists, and the plain step makes
   the sparse buckets' inputs after the whole backward.
+
+  Args:
+    network_gbytes_s: GB/s between nodes (a finite number > 0).
+    gpus_per_node: GPUs a node (an int >= 1).
+
+  Returns:
+    The flags, one string, to append to ``XLA_FLAGS``.
+
+  Raises:
+    ValueError: either argument out of range, naming it.
   """
   if not (plan_checks.is_real(network_gbytes_s) and
           math.isfinite(network_gbytes_s) and network_gbytes_s > 0):

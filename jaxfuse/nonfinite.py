@@ -72,6 +72,20 @@ def apply_if_finite(inner: optax.GradientTransformation,
 
   Wrap a whole jaxfuse recipe: ``apply_if_finite(jaxfuse.onebit_adamw(plan,
   lr), 5)``. With ``jaxfuse.delayed``, put ``delayed`` outside.
+
+  Args:
+    inner: the optimizer to guard (a whole jaxfuse recipe).
+    max_consecutive_errors: skips in a row after which a non-finite update
+      is applied anyway (an int >= 0).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs`` whose state is an
+    ``ApplyIfFiniteState``.
+
+  Raises:
+    SyncError: ``max_consecutive_errors`` is not an int >= 0; at the
+      update, ``inner`` holds a ``jaxfuse.delayed`` (put it outside) or
+      the state is not this wrapper's (naming the fix).
   """
   placement.require_transform(inner, "apply_if_finite")
   if not (plan_checks.is_int(max_consecutive_errors) and

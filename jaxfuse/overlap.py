@@ -117,6 +117,22 @@ def send_early(step, *, window: int | None = 2, start_early: bool = True,
   last bucket's readers wait for them, so they run under the last
   collective rather than after it: less of the step's work is left after
   the last collective ends.
+
+  Args:
+    step: the per-worker step function (its collectives at the top level
+      of its jaxpr).
+    window: w, the bound above; None: no bound.
+    start_early: mark the collectives to start early (above).
+    finish_under_last: run the earlier readers under the last collective
+      (above).
+
+  Returns:
+    A function with ``step``'s signature and bitwise outputs.
+
+  Raises:
+    TypeError: ``step`` is not callable.
+    ValueError: ``window`` is not an integer >= 1 or None, or
+      ``finish_under_last`` not a bool.
   """
   if not callable(step):
     raise TypeError(f"send_early wraps the per-worker step function; got "

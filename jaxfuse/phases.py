@@ -44,7 +44,19 @@ class Phase:
 
 def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
   """The same plan with every sparse unit at ``density`` (capacities
-  recomputed as the planner does; 1 sends everything with a ``pmean``)."""
+  recomputed as the planner does; 1 sends everything with a ``pmean``).
+
+  Args:
+    plan: the plan.
+    density: the new density of every sparse unit, in (0, 1].
+
+  Returns:
+    A new ``Plan`` of the same layout (leaves, buckets, modes), its
+    provenance noting ``phase_density``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or ``density`` is out of range.
+  """
   plan_lib.require_plan(plan, "with_density")
   if not plan_lib.is_real(density) or not 0 < density <= 1:
     raise plan_lib.PlanError(f"with_density: density={density!r} must be in "
@@ -69,7 +81,19 @@ def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
 
 def check_phases(phases: Sequence[Phase]) -> None:
   """Raise ``PlanError`` naming the phase and field that break the schedule:
-  phases must tile [0, ∞) in order and share one layout."""
+  phases must tile [0, ∞) in order and share one layout.
+
+  Args:
+    phases: the schedule, a sequence of ``Phase``.
+
+  Returns:
+    None.
+
+  Raises:
+    PlanError: the schedule is empty, a phase is not a ``Phase`` of a
+      ``Plan``, the phases do not tile the steps from 0 in order, or a
+      phase's plan has another layout than the first's.
+  """
   if not phases:
     raise plan_lib.PlanError("phases: empty; give at least one Phase.")
   expected_start = 0
@@ -106,7 +130,19 @@ def wire_received(plan: plan_lib.Plan, num_workers: int,
   mesh of ``mesh_sizes``). An all-gather at density ρ moves about
   K·ρ·headroom·(value + index bytes)/(2·wire bytes) times what the dense
   ring all-reduce moves, so on many workers a high warm-up density costs
-  more than dense."""
+  more than dense.
+
+  Args:
+    plan: the plan.
+    num_workers: K.
+    mesh_sizes: (H, L) for a plan with ``"hier"`` buckets; None: 1-D.
+
+  Returns:
+    Bytes received per worker per step, an int.
+
+  Raises:
+    PlanError: a bucket's collective cannot run on K workers.
+  """
   return sum(w.received for w in collectives.bucket_wire(plan, num_workers,
                                                          mesh_sizes))
 
@@ -184,7 +220,17 @@ def _legacy_workers(workers, legacy: dict):
 
 def has_sparse_units(plan: plan_lib.Plan) -> bool:
   """Whether ``plan`` sparsifies anything: a sparse leaf, or a ``"behind"``
-  bucket that is not a plain ``psum``."""
+  bucket that is not a plain ``psum``.
+
+  Args:
+    plan: the plan.
+
+  Returns:
+    True if any unit is sparse (at any density).
+
+  Raises:
+    Nothing of its own.
+  """
   return any(l.mode == "sparse" for l in plan.leaves) or any(
       b.sparsify == "behind" and b.collective != "psum"
       for b in plan.buckets)
@@ -374,7 +420,17 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
 
 def final_density(plan: plan_lib.Plan) -> float:
   """The plan's largest sparse density (1.0 for an all-dense plan): a
-  warm-up density must lie above it."""
+  warm-up density must lie above it.
+
+  Args:
+    plan: the plan.
+
+  Returns:
+    The density, a float in (0, 1].
+
+  Raises:
+    Nothing of its own.
+  """
   return max([l.density for l in plan.leaves if l.mode == "sparse"] +
              [b.density for b in plan.buckets if b.sparsify == "behind"
               and b.collective != "psum"] or [1.0])
@@ -382,7 +438,19 @@ def final_density(plan: plan_lib.Plan) -> float:
 
 def phase_index(phases: Sequence[Phase], step: int) -> int:
   """Index of the phase that trains ``step`` (an int, numpy or concrete JAX
-  integer: e.g. a ``TrainState``'s step)."""
+  integer: e.g. a ``TrainState``'s step).
+
+  Args:
+    phases: the schedule (e.g. ``density_warmup``'s).
+    step: the step, counted from 0.
+
+  Returns:
+    The index into ``phases``.
+
+  Raises:
+    ValueError: ``step`` is not an integer >= 0, or no phase trains it
+      (the last phase's stop is not None).
+  """
   step = plan_lib.as_python(step)
   if not plan_lib.is_int(step) or step < 0:
     raise ValueError(f"phase_index: step={step!r} must be an integer >= 0 "

@@ -292,6 +292,21 @@ def state_specs(opt_state, axis_name: str | tuple = "data"):
   …) is replicated, ``P()``. Works on real or abstract (``jax.eval_shape``)
   states. Refuses the optax wrappers that cannot wrap a sync
   (``optax.apply_if_finite``, ``optax.MultiSteps``), naming what to use.
+
+  Args:
+    opt_state: the optimizer state (from ``init_state``, or abstract).
+    axis_name: the workers' mesh axis, or a tuple of axes.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with ``opt_state``'s structure, for the
+    step's ``shard_map`` ``in_specs`` and ``out_specs``.
+
+  Raises:
+    SyncError: the state cannot be held by such specs (an optax wrapper
+      that decides per worker, a stateful transform before the sync
+      outside ``per_worker``, injected hyperparameters narrower than
+      float32, an axis the state's mesh lacks, one worker's shapes from
+      ``optimizer.init``), naming the fix.
   """
   _refuse_local_wrappers(opt_state)
   _refuse_partial_wrappers(opt_state)
@@ -321,7 +336,24 @@ def require_transform(optimizer, where: str) -> None:
 def init_state(optimizer: optax.GradientTransformation, params,
                mesh: jax.sharding.Mesh, axis_name: str | tuple = "data"):
   """``optimizer.init(params)`` with per-worker leaves sharded over the axis
-  (or the tuple of axes)."""
+  (or the tuple of axes).
+
+  Args:
+    optimizer: an optax transform holding ``sparse_sync`` (a recipe).
+    params: the parameters (replicated arrays, or shapes).
+    mesh: the mesh the step runs on (``jaxfuse.make_mesh()``).
+    axis_name: the workers' mesh axis, or a tuple of axes.
+
+  Returns:
+    The optimizer state, per-worker leaves sharded ``P(axis_name)`` over
+    the mesh (leading axis K), the rest replicated.
+
+  Raises:
+    TypeError: ``optimizer`` is not an optax transform, or ``mesh`` not a
+      ``jax.sharding.Mesh``.
+    SyncError: the mesh lacks the axis, or ``state_specs`` refuses the
+      state (naming the fix).
+  """
   require_transform(optimizer, "init_state")
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"init_state expects the jax.sharding.Mesh the step "

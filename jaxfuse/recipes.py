@@ -84,7 +84,19 @@ def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
 
   Its norm needs every leaf, so chained before ``sparse_sync`` it makes
   every bucket's collective wait for the whole backward pass. The recipes'
-  ``clip_norm`` clips per bucket instead (``jaxfuse.clipping``)."""
+  ``clip_norm`` clips per bucket instead (``jaxfuse.clipping``).
+
+  Args:
+    max_norm: the norm the worker mean should stay under, > 0; None: no
+      clipping.
+    axis_name: the workers' mesh axis (K is its size).
+
+  Returns:
+    An optax ``GradientTransformation`` (stateless).
+
+  Raises:
+    SyncError: ``max_norm`` is not a number > 0 or None.
+  """
   recipe_checks.check_clip(max_norm)
   if max_norm is None:
     return optax.identity()
@@ -474,7 +486,19 @@ def second_moment(state: Any, b2: float = 0.999) -> list:
   b2^nu_count), as host arrays (float64), from the one ``OnebitState``
   anywhere inside an optimizer state. ν is replicated (the dense phase
   updates it from the synced gradient), so every worker and host reads the
-  same values. Raises ``SyncError`` when ``state`` holds no such state."""
+  same values. Raises ``SyncError`` when ``state`` holds no such state.
+
+  Args:
+    state: an optimizer state holding one ``OnebitState``.
+    b2: the β₂ the optimizer was made with, in [0, 1).
+
+  Returns:
+    v̂ per leaf, a list of float64 numpy arrays in leaf order.
+
+  Raises:
+    SyncError: ``state`` holds no ``OnebitState`` (or more than one), or
+      ``b2`` is out of range.
+  """
   recipe_checks.check_betas("second_moment", b2=b2)
   one = _onebit_state(state, "second_moment")
   count = int(jax.device_get(one.nu_count))
@@ -489,7 +513,18 @@ def second_moment_change(before: list, now: list) -> float:
     change = ‖v̂_now − v̂_before‖₁ / ‖v̂_now‖₁
 
   A run may end its dense phase once the change over N steps falls below a
-  tolerance: the settling that 0/1 Adam's variance freezing relies on."""
+  tolerance: the settling that 0/1 Adam's variance freezing relies on.
+
+  Args:
+    before: ``second_moment`` of the earlier state.
+    now: ``second_moment`` of the later state (the same leaves).
+
+  Returns:
+    The change, a float (inf when ``now`` is all zero).
+
+  Raises:
+    ValueError: the two lists' arrays have different shapes (numpy's).
+  """
   moved = sum(np.abs(a - b).sum() for a, b in zip(before, now))
   size = sum(np.abs(b).sum() for b in now)
   return float(moved / size) if size > 0 else float("inf")
@@ -500,7 +535,19 @@ def first_moment(state: Any, plan: plan_lib.Plan) -> Any:
   from the one ``OnebitState`` anywhere inside an optimizer state and the
   plan it was made with. The state keeps m as the all-gather decode
   writes it (``jaxfuse.grouped``). Raises ``SyncError`` when ``state``
-  holds no such state, ``PlanError`` for another plan's state."""
+  holds no such state, ``PlanError`` for another plan's state.
+
+  Args:
+    state: an optimizer state holding one ``OnebitState``.
+    plan: the plan the state was made with.
+
+  Returns:
+    m, a pytree of float32 arrays in the params' structure and shapes.
+
+  Raises:
+    SyncError: ``state`` holds no ``OnebitState``, or more than one.
+    PlanError: the state was made for another plan's layout.
+  """
   one = _onebit_state(state, "first_moment")
   part = transform.layout_mismatch(one.sync, plan)
   if part:
