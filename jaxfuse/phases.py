@@ -141,7 +141,7 @@ def wire_received(plan: plan_lib.Plan, num_workers: int,
     Bytes received per worker per step, an int.
 
   Raises:
-    PlanError: a bucket's collective cannot run on K workers.
+    Nothing of its own (a scheme's byte count may refuse K).
   """
   return sum(w.received for w in collectives.bucket_wire(plan, num_workers,
                                                          mesh_sizes))
