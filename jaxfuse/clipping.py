@@ -36,6 +36,7 @@ import optax
 
 from jaxfuse import _compat
 from jaxfuse import plans as plan_lib
+from jaxfuse import transform
 
 
 class ClipError(ValueError):
@@ -177,3 +178,45 @@ def record_bucket_norms(plan: plan_lib.Plan, grads,
     Nothing of its own.
   """
   return _recorded(bucket_norms(plan, grads), state.norms)
+
+
+def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
+                              ) -> optax.GradientTransformation:
+  """DGC's local gradient clipping, for a worker *mean*: each worker clips
+  its own gradient's global norm to max_norm·√K. The mean of K independent
+  gradients of norm n has norm ≈ n/√K, so this clips about when a dense
+  clip of the mean at ``max_norm`` would (DGC's N^(−1/2) is for a sum).
+  None: identity.
+
+  Its norm needs every leaf, so chained before ``sparse_sync`` it makes
+  every bucket's collective wait for the whole backward pass. The recipes'
+  ``clip_norm`` clips per bucket instead (``clip_by_bucket_norm``).
+
+  Args:
+    max_norm: the norm the worker mean should stay under, > 0; None: no
+      clipping.
+    axis_name: the workers' mesh axis (K is its size).
+
+  Returns:
+    An optax ``GradientTransformation`` (stateless).
+
+  Raises:
+    SyncError: ``max_norm`` is not a number > 0 or None.
+  """
+  try:
+    check_max_norm(max_norm)
+  except ClipError as e:
+    raise transform.SyncError(str(e)) from None
+  if max_norm is None:
+    return optax.identity()
+  max_norm = float(max_norm)
+
+  def update_fn(updates, state, params=None):
+    del params
+    num_workers = _compat.axis_size(axis_name) or 1
+    limit = max_norm * num_workers ** 0.5
+    norm = _compat.global_norm(updates)
+    scale = jnp.where(norm > limit, limit / jnp.maximum(norm, 1e-30), 1.0)
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)

@@ -61,6 +61,7 @@ ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
 RecipeOptions = recipe_checks.RecipeOptions
 SGDOptions = recipe_checks.SGDOptions
 STATIC_ARGS = recipe_checks.STATIC_ARGS
+local_clip_by_global_norm = clipping.local_clip_by_global_norm
 
 
 def _bucket_clip(plan, max_norm, axis_name):
@@ -72,45 +73,6 @@ def _bucket_clip(plan, max_norm, axis_name):
   return transform.per_worker(
       clipping.clip_by_bucket_norm(plan, max_norm, axis_name),
       float32_state=False)
-
-
-def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
-                              ) -> optax.GradientTransformation:
-  """DGC's local gradient clipping, for a worker *mean*: each worker clips
-  its own gradient's global norm to max_norm·√K. The mean of K independent
-  gradients of norm n has norm ≈ n/√K, so this clips about when a dense
-  clip of the mean at ``max_norm`` would (DGC's N^(−1/2) is for a sum).
-  None: identity.
-
-  Its norm needs every leaf, so chained before ``sparse_sync`` it makes
-  every bucket's collective wait for the whole backward pass. The recipes'
-  ``clip_norm`` clips per bucket instead (``jaxfuse.clipping``).
-
-  Args:
-    max_norm: the norm the worker mean should stay under, > 0; None: no
-      clipping.
-    axis_name: the workers' mesh axis (K is its size).
-
-  Returns:
-    An optax ``GradientTransformation`` (stateless).
-
-  Raises:
-    SyncError: ``max_norm`` is not a number > 0 or None.
-  """
-  recipe_checks.check_clip(max_norm)
-  if max_norm is None:
-    return optax.identity()
-  max_norm = float(max_norm)
-
-  def update_fn(updates, state, params=None):
-    del params
-    num_workers = _compat.axis_size(axis_name) or 1
-    limit = max_norm * num_workers ** 0.5
-    norm = _compat.global_norm(updates)
-    scale = jnp.where(norm > limit, limit / jnp.maximum(norm, 1e-30), 1.0)
-    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
-
-  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
 
 def _require_trainable(plan, where: str) -> None:
@@ -183,8 +145,8 @@ def _tail(learning_rate, weight_decay, mask):
 
 def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
         momentum: float = 0.9, *, weight_decay: float = 0.0,
-        sgd_options: recipe_checks.SGDOptions | None = None,
-        options: recipe_checks.RecipeOptions | None = None,
+        sgd_options: SGDOptions | None = None,
+        options: RecipeOptions | None = None,
         **legacy) -> optax.GradientTransformationExtraArgs:
   """SGD with DGC's momentum correction and factor masking (module doc).
 
@@ -231,23 +193,25 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       of ``STATIC_ARGS["sgd"]`` is traced.
     TypeError: an unknown keyword.
   """
-  legacy = recipe_checks.moved("sgd", legacy, ("nesterov", "mask_momentum",
-                                  "residual_decay") + recipe_checks.RecipeOptions._fields)
+  legacy = recipe_checks.moved(
+      "sgd", legacy, SGDOptions._fields + RecipeOptions._fields)
   clip_norm, mask, axis_name = recipe_checks.options("sgd", options, legacy)
   if sgd_options is None:
-    sgd_options = recipe_checks.SGDOptions()
-  if not isinstance(sgd_options, recipe_checks.SGDOptions):
+    sgd_options = SGDOptions()
+  if not isinstance(sgd_options, SGDOptions):
     raise transform.SyncError(
         f"sgd: sgd_options={sgd_options!r} must be a jaxfuse.SGDOptions("
         "nesterov=..., mask_momentum=..., residual_decay=...).")
   nesterov, mask_momentum, residual_decay = sgd_options._replace(**legacy)
   _require_trainable(plan, "sgd")
-  learning_rate, momentum, clip_norm, weight_decay, residual_decay = recipe_checks.numbers(
+  (learning_rate, momentum, clip_norm, weight_decay,
+   residual_decay) = recipe_checks.numbers(
       "sgd", learning_rate=learning_rate, momentum=momentum,
       clip_norm=clip_norm, weight_decay=weight_decay,
       residual_decay=residual_decay)
   recipe_checks.check_betas("sgd", momentum=momentum)
-  recipe_checks.check_betas("sgd", upper_closed=True, residual_decay=residual_decay)
+  recipe_checks.check_betas("sgd", upper_closed=True,
+                            residual_decay=residual_decay)
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
@@ -264,7 +228,7 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                 weight_decay: float = 1e-4, *,
-                options: recipe_checks.RecipeOptions | None = None,
+                options: RecipeOptions | None = None,
                 **legacy) -> optax.GradientTransformationExtraArgs:
   """AdamW preconditioned on each worker, error feedback on the update
   (module doc).
@@ -291,9 +255,11 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
     TypeError: an unknown keyword.
   """
-  legacy = recipe_checks.moved("local_adamw", legacy, ("b1", "b2") + recipe_checks.RecipeOptions._fields)
+  legacy = recipe_checks.moved("local_adamw", legacy,
+                               ("b1", "b2") + RecipeOptions._fields)
   b1, b2 = recipe_checks.betas("local_adamw", betas, legacy)
-  clip_norm, mask, axis_name = recipe_checks.options("local_adamw", options, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("local_adamw", options,
+                                                     legacy)
   _require_trainable(plan, "local_adamw")
   learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "local_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
@@ -309,7 +275,7 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 1e-4, *,
-               options: recipe_checks.RecipeOptions | None = None,
+               options: RecipeOptions | None = None,
                **legacy) -> optax.GradientTransformationExtraArgs:
   """The baseline: sparse-sync the gradient, then AdamW (``clip_norm``
   clips the synced gradient's global norm, after the sync).
@@ -336,9 +302,11 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
     TypeError: an unknown keyword.
   """
-  legacy = recipe_checks.moved("sync_adamw", legacy, ("b1", "b2") + recipe_checks.RecipeOptions._fields)
+  legacy = recipe_checks.moved("sync_adamw", legacy,
+                               ("b1", "b2") + RecipeOptions._fields)
   b1, b2 = recipe_checks.betas("sync_adamw", betas, legacy)
-  clip_norm, mask, axis_name = recipe_checks.options("sync_adamw", options, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("sync_adamw", options,
+                                                     legacy)
   _require_trainable(plan, "sync_adamw")
   learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "sync_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
@@ -364,7 +332,7 @@ class OnebitState(NamedTuple):
 def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                   weight_decay: float = 1e-4, *,
-                  options: recipe_checks.RecipeOptions | None = None,
+                  options: RecipeOptions | None = None,
                   **legacy) -> optax.GradientTransformationExtraArgs:
   """1-bit Adam's scheme with top-k in place of 1-bit (module doc).
 
@@ -404,9 +372,11 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
     TypeError: an unknown keyword.
   """
-  legacy = recipe_checks.moved("onebit_adamw", legacy, ("b1", "b2") + recipe_checks.RecipeOptions._fields)
+  legacy = recipe_checks.moved("onebit_adamw", legacy,
+                               ("b1", "b2") + RecipeOptions._fields)
   b1, b2 = recipe_checks.betas("onebit_adamw", betas, legacy)
-  clip_norm, mask, axis_name = recipe_checks.options("onebit_adamw", options, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("onebit_adamw", options,
+                                                     legacy)
   _require_trainable(plan, "onebit_adamw")
   learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "onebit_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
@@ -589,7 +559,7 @@ def _record_bucket_norms(plan, grads, state: transform.PerWorkerState):
 
 def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
          momentum: float = 0.999, weight_decay: float = 1e-4, *,
-         sign: bool = True, options: recipe_checks.RecipeOptions | None = None,
+         sign: bool = True, options: RecipeOptions | None = None,
          **legacy) -> optax.GradientTransformationExtraArgs:
   """DeMo: the decaying local momentum is the error-feedback buffer
   (module doc).
@@ -616,7 +586,7 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       of ``STATIC_ARGS["demo"]`` is traced.
     TypeError: an unknown keyword.
   """
-  legacy = recipe_checks.moved("demo", legacy, recipe_checks.RecipeOptions._fields)
+  legacy = recipe_checks.moved("demo", legacy, RecipeOptions._fields)
   clip_norm, mask, axis_name = recipe_checks.options("demo", options, legacy)
   _require_trainable(plan, "demo")
   learning_rate, momentum, weight_decay, clip_norm = recipe_checks.numbers(
