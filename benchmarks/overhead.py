@@ -152,8 +152,10 @@ def run(sync, estimator, args, setup, finite: bool = False) -> dict:
                         example_args=(local_batch,))
     # The sparse phase from the start: with no dense step before it the
     # recipe's update is zero (v = 0), but every step does its full work.
-    opt = jaxfuse.onebit_adamw(plan, lr, weight_decay=0.01, mask=decay_mask,
-                               clip_norm=args.clip or None)
+    opt = jaxfuse.onebit_adamw(plan, lr, weight_decay=0.01,
+                               options=jaxfuse.RecipeOptions(
+                                   clip_norm=args.clip or None,
+                                   mask=decay_mask))
     if finite:
       opt = jaxfuse.apply_if_finite(opt, args.apply_if_finite)
     opt_state = jaxfuse.init_state(opt, params, mesh)

@@ -426,8 +426,9 @@ def make_optimizer(args, schedule, decay_mask, plan):
     # the gradient is the mean here, the same on every worker
     return (rule if args.apply_if_finite is None else
             optax.apply_if_finite(rule, args.apply_if_finite))
-  options = dict(weight_decay=args.weight_decay, mask=decay_mask,
-                 clip_norm=clip, axis_name=AXIS)
+  options = dict(weight_decay=args.weight_decay,
+                 options=jaxfuse.RecipeOptions(clip_norm=clip, mask=decay_mask,
+                                               axis_name=AXIS))
   if args.momentum is not None:
     options["momentum"] = args.momentum
   rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
@@ -459,12 +460,12 @@ def warmup_phases(args, plan, dense_steps: int, k: int) -> tuple:
   return jaxfuse.density_warmup(
       plan, steps=args.warmup_steps,
       densities=None if densities == "dgc" else densities,
-      dense_steps=dense_steps, dense_wire=args.dense_wire, num_workers=k)
+      dense_steps=dense_steps, dense_wire=args.dense_wire, workers=k)
 
 
 def warmup_line(args, phases, steps: int, k: int) -> str:
   """'warm-up: steps 0-30 density 1, ...', naming a warm-up density that
-  runs dense on K workers (``density_warmup``'s ``num_workers``)."""
+  runs dense on K workers (``density_warmup``'s ``workers``)."""
   ran = [p.plan.provenance.get("phase_density", args.density)
          for p in phases]
   line = "warm-up: " + ", ".join(f"steps {p.start}-{p.stop or steps} "

@@ -49,6 +49,8 @@ from jaxfuse.phases import phase_index
 from jaxfuse.phases import with_density
 from jaxfuse.planning.planner import plan
 from jaxfuse.recipes import RECIPES
+from jaxfuse.recipes import RecipeOptions
+from jaxfuse.recipes import SGDOptions
 from jaxfuse.recipes import demo
 from jaxfuse.recipes import first_moment
 from jaxfuse.recipes import local_adamw
@@ -81,7 +83,8 @@ __all__ = [
     "clipping", "collectives", "delayed", "elastic",
     "first_moment", "grouped", "kernels",
     "LeafPlan", "Phase",
-    "PerWorkerState", "Plan", "PlanError", "RECIPES", "Settings", "STRATEGIES",
+    "PerWorkerState", "Plan", "PlanError", "RECIPES", "RecipeOptions",
+    "SGDOptions", "Settings", "STRATEGIES",
     "SparseSyncState", "StepOptions", "SyncError", "SyncStats", "TrainState",
     "check_phases", "demo",
     "density_warmup", "init_state", "local_adamw", "local_clip_by_global_norm",

@@ -31,6 +31,20 @@ def make_mesh(num_devices: int | None = None, axis_name="data",
   consecutive ``devices`` (2 × 4 emulates 2 hosts on 8 CPU devices). Under
   ``jax.distributed``: one row per process, in ``process_index`` order, so
   L must be each process's device count.
+
+  Args:
+    num_devices: how many devices (default: all).
+    axis_name: the axis name, or for ``local`` the pair of names.
+    devices: the devices to use (default ``jax.devices()``).
+    local: L, devices per host for a 2-level mesh; None: 1-D.
+
+  Returns:
+    A ``jax.sharding.Mesh`` with ``Explicit`` axis types.
+
+  Raises:
+    ValueError: ``num_devices`` is more than there are, ``local`` does not
+      divide them (or is not each process's device count), or
+      ``axis_name`` is not a pair with ``local``.
   """
   devices = list(jax.devices() if devices is None else devices)
   num_devices = len(devices) if num_devices is None else num_devices

@@ -80,7 +80,20 @@ def manager(directory: str | os.PathLike, *, max_to_keep: int | None = 3,
   """An ``orbax.checkpoint.CheckpointManager`` for jaxfuse train states in
   ``directory`` (made if missing), keeping the last ``max_to_keep`` steps.
   ``save_async``: return from ``save`` while the arrays are written (call
-  ``manager.wait_until_finished()`` before exiting)."""
+  ``manager.wait_until_finished()`` before exiting).
+
+  Args:
+    directory: where the checkpoints live (made if missing).
+    max_to_keep: how many steps to keep; None: all.
+    save_async: return from ``save`` before the arrays are written.
+
+  Returns:
+    An ``orbax.checkpoint.CheckpointManager``.
+
+  Raises:
+    CheckpointError: orbax-checkpoint is not installed, or
+      ``directory`` is a file.
+  """
   ocp = _ocp()
   if os.path.exists(directory) and not os.path.isdir(directory):
     raise CheckpointError(f"{os.fspath(directory)} is a file, not a "
@@ -98,7 +111,23 @@ def save(mngr, step: int, state: Any, plan: plan_lib.Plan | None,
          extra: dict | None = None) -> None:
   """Write ``state`` (a pytree of arrays, sharded as it lives), ``plan``
   and ``extra`` (JSON: e.g. the data loader's position) as checkpoint
-  ``step``; a step already saved raises ``CheckpointError``."""
+  ``step``; a step already saved raises ``CheckpointError``.
+
+  Args:
+    mngr: the ``manager``.
+    step: the step, an int >= 0.
+    state: the train state to save.
+    plan: the plan the state was made with (saved beside it); None: none.
+    extra: JSON values to save with it (e.g. the data position).
+
+  Returns:
+    None.
+
+  Raises:
+    CheckpointError: a bad step or one already saved, no arrays in
+      ``state``, or ``extra`` not a dict of JSON values (or using a key of
+      jaxfuse's own).
+  """
   ocp = _ocp()
   if not plan_lib.is_int(step) or step < 0:
     raise CheckpointError(f"step={step!r} must be an int >= 0.")
@@ -165,7 +194,17 @@ def _is_array(x) -> bool:
 def abstract(tree: Any) -> Any:
   """``ShapeDtypeStruct``s with the shardings of ``tree``'s arrays: the
   target ``restore`` fills (from real arrays or ``jax.eval_shape``).
-  Python numbers stay as they are (orbax restores them as such)."""
+  Python numbers stay as they are (orbax restores them as such).
+
+  Args:
+    tree: a train state of real arrays, or of ``ShapeDtypeStruct``s.
+
+  Returns:
+    The same structure of ``ShapeDtypeStruct``s (with shardings).
+
+  Raises:
+    Nothing of its own.
+  """
   def spec(x):
     if not _is_array(x):
       return x
@@ -180,7 +219,22 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   the structure, shapes, dtypes and shardings of ``like`` (a freshly
   initialized state, or ``abstract(...)`` of one), after checking that the
   saved plan has ``plan``'s layout. Saved on another number of workers:
-  per-worker leaves are redistributed (``jaxfuse.elastic``)."""
+  per-worker leaves are redistributed (``jaxfuse.elastic``).
+
+  Args:
+    mngr: the ``manager``.
+    like: the target state (real or ``abstract``).
+    plan: the plan the step will run with; None: not checked.
+    step: the checkpoint; None: the latest.
+
+  Returns:
+    (the step restored, the state).
+
+  Raises:
+    CheckpointError: no such checkpoint, a saved plan of another layout
+      than ``plan``'s, or a state that does not fit ``like`` (naming the
+      leaf).
+  """
   ocp = _ocp()
   step = _resolve(mngr, step)
   saved = _json_item(mngr, step, PLAN)
@@ -399,7 +453,18 @@ def _check_plan(saved: dict, plan: plan_lib.Plan | None, step: int) -> None:
 
 
 def saved_extra(mngr, step: int | None = None) -> dict:
-  """The ``extra`` JSON saved with checkpoint ``step`` (default latest)."""
+  """The ``extra`` JSON saved with checkpoint ``step`` (default latest).
+
+  Args:
+    mngr: the ``manager``.
+    step: the checkpoint; None: the latest.
+
+  Returns:
+    The dict given to ``save`` as ``extra`` (empty if none).
+
+  Raises:
+    CheckpointError: no such checkpoint, or it cannot be read.
+  """
   extra = dict(_json_item(mngr, _resolve(mngr, step), EXTRA) or {})
   extra.pop(WORKERS, None)
   extra.pop(LAYOUT, None)
@@ -408,12 +473,34 @@ def saved_extra(mngr, step: int | None = None) -> dict:
 
 def saved_workers(mngr, step: int | None = None) -> int | None:
   """K, the workers the per-worker state of checkpoint ``step`` (default
-  the latest) was saved on (None: no per-worker state)."""
+  the latest) was saved on (None: no per-worker state).
+
+  Args:
+    mngr: the ``manager``.
+    step: the checkpoint; None: the latest.
+
+  Returns:
+    K, or None.
+
+  Raises:
+    CheckpointError: no such checkpoint, or it cannot be read.
+  """
   return (_json_item(mngr, _resolve(mngr, step), EXTRA) or {}).get(WORKERS)
 
 
 def saved_plan(mngr, step: int | None = None) -> plan_lib.Plan | None:
-  """The plan saved with checkpoint ``step`` (default the latest)."""
+  """The plan saved with checkpoint ``step`` (default the latest).
+
+  Args:
+    mngr: the ``manager``.
+    step: the checkpoint; None: the latest.
+
+  Returns:
+    The ``Plan``, or None when saved without one.
+
+  Raises:
+    CheckpointError: no such checkpoint, or it cannot be read.
+  """
   saved = _json_item(mngr, _resolve(mngr, step), PLAN)
   return plan_lib.Plan.from_json(json.dumps(saved)) if saved else None
 

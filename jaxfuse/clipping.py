@@ -36,6 +36,7 @@ import optax
 
 from jaxfuse import _compat
 from jaxfuse import plans as plan_lib
+from jaxfuse import transform
 
 
 class ClipError(ValueError):
@@ -49,6 +50,17 @@ class BucketClipState(NamedTuple):
 
 
 def check_max_norm(max_norm) -> None:
+  """Check a clip norm as the recipes take it.
+
+  Args:
+    max_norm: the clip norm to check.
+
+  Returns:
+    None.
+
+  Raises:
+    ClipError: ``max_norm`` is not a number > 0 or None.
+  """
   if max_norm is not None and not (
       plan_lib.is_real(max_norm) and max_norm > 0):
     raise ClipError(f"clip_norm={max_norm!r} must be a number > 0 (or None: "
@@ -58,7 +70,18 @@ def check_max_norm(max_norm) -> None:
 def bucket_norms(plan: plan_lib.Plan, grads) -> list[jax.Array]:
   """‖g_b‖ for every bucket of ``plan``, float32 scalars; each from its own
   leaves only (non-float leaves count 0). Kept apart: one array of all of
-  them would make every bucket's clip wait for every norm."""
+  them would make every bucket's clip wait for every norm.
+
+  Args:
+    plan: the plan whose buckets to measure.
+    grads: the gradient pytree (the plan's leaves).
+
+  Returns:
+    One float32 scalar per bucket, in bucket order.
+
+  Raises:
+    Nothing of its own.
+  """
   flat = jax.tree.leaves(grads)
   norms = []
   for bucket in plan.buckets:
@@ -97,7 +120,19 @@ def clip_by_bucket_norm(plan: plan_lib.Plan, max_norm: float,
                         ) -> optax.GradientTransformation:
   """Clip each bucket's local gradient at its share of max_norm·√K (module
   doc). Its state, (B,) norms, differs per worker: wrap it in
-  ``jaxfuse.per_worker`` (the recipes do) so ``init_state`` shards it."""
+  ``jaxfuse.per_worker`` (the recipes do) so ``init_state`` shards it.
+
+  Args:
+    plan: the plan whose buckets to clip.
+    max_norm: the norm the worker mean should stay under, > 0.
+    axis_name: the workers' mesh axis (K is its size).
+
+  Returns:
+    An optax ``GradientTransformation`` with a ``BucketClipState``.
+
+  Raises:
+    ClipError: ``max_norm`` is not a number > 0.
+  """
   check_max_norm(max_norm)
   plan_lib.require_plan(plan, "clip_by_bucket_norm")
   max_norm = float(max_norm)
@@ -129,5 +164,59 @@ def record_bucket_norms(plan: plan_lib.Plan, grads,
                         state: BucketClipState) -> BucketClipState:
   """The state after a step that does not clip per bucket (a dense phase,
   which clips the synced mean): the norms of this step's local gradient,
-  so the shares are current when bucket clipping starts."""
+  so the shares are current when bucket clipping starts.
+
+  Args:
+    plan: the plan whose buckets to measure.
+    grads: this step's local gradient.
+    state: the bucket-clip state to update.
+
+  Returns:
+    The new ``BucketClipState``.
+
+  Raises:
+    Nothing of its own.
+  """
   return _recorded(bucket_norms(plan, grads), state.norms)
+
+
+def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
+                              ) -> optax.GradientTransformation:
+  """DGC's local gradient clipping, for a worker *mean*: each worker clips
+  its own gradient's global norm to max_norm·√K. The mean of K independent
+  gradients of norm n has norm ≈ n/√K, so this clips about when a dense
+  clip of the mean at ``max_norm`` would (DGC's N^(−1/2) is for a sum).
+  None: identity.
+
+  Its norm needs every leaf, so chained before ``sparse_sync`` it makes
+  every bucket's collective wait for the whole backward pass. The recipes'
+  ``clip_norm`` clips per bucket instead (``clip_by_bucket_norm``).
+
+  Args:
+    max_norm: the norm the worker mean should stay under, > 0; None: no
+      clipping.
+    axis_name: the workers' mesh axis (K is its size).
+
+  Returns:
+    An optax ``GradientTransformation`` (stateless).
+
+  Raises:
+    SyncError: ``max_norm`` is not a number > 0 or None.
+  """
+  try:
+    check_max_norm(max_norm)
+  except ClipError as e:
+    raise transform.SyncError(str(e)) from None
+  if max_norm is None:
+    return optax.identity()
+  max_norm = float(max_norm)
+
+  def update_fn(updates, state, params=None):
+    del params
+    num_workers = _compat.axis_size(axis_name) or 1
+    limit = max_norm * num_workers ** 0.5
+    norm = _compat.global_norm(updates)
+    scale = jnp.where(norm > limit, limit / jnp.maximum(norm, 1e-30), 1.0)
+    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)

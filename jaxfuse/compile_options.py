@@ -8,9 +8,8 @@ call's buffer addresses before it launches them. ``sparse_sync`` adds a few
 hundred small kernels to a step (selection, packing, decoding per unit), so
 that update becomes a host cost of every step, during which the GPU waits.
 Turning command buffers off launches the kernels one by one instead, which
-costs less here: gpt2-small on 1 × H100 (JAX 0.11.2) took 72.8 ms per step
-with them and 59.9–61.6 ms without; the same model trained dense went from
-58.6 to 55.5 ms (docs/benchmarks.md, "XLA command buffers").
+costs less for a step of many small kernels, sparse or dense
+(docs/benchmarks.md, "XLA command buffers", has the measurements).
 """
 
 from __future__ import annotations
@@ -34,6 +33,9 @@ def xla_options(platform: str | None = None) -> dict[str, str]:
 
   Returns:
     A new dict, safe to update with options of your own.
+
+  Raises:
+    Nothing: an unknown platform gets no options.
   """
   if on_gpu(platform):
     return {"xla_gpu_enable_command_buffer": ""}
@@ -59,17 +61,12 @@ def xla_flags(network_gbytes_s: float, *, gpus_per_node: int = 1) -> str:
   (bytes / ``network_gbytes_s``) says still hides it. For
   ``jaxfuse.send_early`` give about half the link's speed: 1.5 for NCCL
   over 25–30 Gbit/s Ethernet, which moves about 3 GB/s (``jaxfuse
-  profile`` measures it). Told the full speed, XLA started some
-  all-gathers late and the backward waited for them: under
-  ``send_early`` (window 2), gpt2-small computing in bfloat16 on 2 × H200
-  over sockets took 38.2 ms a step with 3 GB/s and 32.0 ms with 1.5; in
-  float32 the two were within 0.8 ms either way. Dense training ran
-  fastest with the link's own speed (157–158 against 161 ms).
-  The best figure can depend on the sparse wire's bytes: with
-  ``headroom=1.2`` instead of 1.5 (20 % fewer slots) the same bfloat16
-  training step took 38.3 ms with 1.5 and 32.2 ms with 1.2 (31.5 ms at
-  1.5 with the default headroom): time the step at a few speeds when
-  you change what the collectives carry.
+  profile`` measures it). Told the full speed, XLA starts some
+  all-gathers late and the backward waits for them; dense training,
+  whose all-reduces it estimates well, runs best with the link's own
+  speed. The best figure can depend on the sparse wire's bytes (e.g. a
+  lower ``headroom`` sends fewer slots): time the step at a few speeds
+  when you change what the collectives carry.
   docs/benchmarks.md, "Overlap"; docs/choosing.md.
 
   XLA reads ``XLA_FLAGS`` once, when JAX starts its GPU backend: set it
@@ -78,6 +75,16 @@ def xla_flags(network_gbytes_s: float, *, gpus_per_node: int = 1) -> str:
   Pair it with ``jaxfuse.send_early`` (or ``jaxfuse.delayed``): XLA can
   only start a collective once its input exists, and the plain step makes
   the sparse buckets' inputs after the whole backward.
+
+  Args:
+    network_gbytes_s: GB/s between nodes (a finite number > 0).
+    gpus_per_node: GPUs a node (an int >= 1).
+
+  Returns:
+    The flags, one string, to append to ``XLA_FLAGS``.
+
+  Raises:
+    ValueError: either argument out of range, naming it.
   """
   if not (plan_checks.is_real(network_gbytes_s) and
           math.isfinite(network_gbytes_s) and network_gbytes_s > 0):

@@ -67,6 +67,19 @@ def delayed(inner: optax.GradientTransformation, *, predict: bool = False
   plan, ...))``; its state holds per-worker gradients, so create it with
   ``jaxfuse.init_state`` and pass ``jaxfuse.state_specs`` as usual.
   Non-float leaves (no gradient) pass through undelayed.
+
+  Args:
+    inner: the optimizer to delay by one step (a whole jaxfuse recipe).
+    predict: keep the last update for ``predicted_params``.
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs`` whose state is a
+    ``DelayedState``.
+
+  Raises:
+    SyncError: ``predict`` is not a bool; at the update, ``inner`` is
+      itself delayed or the state is not a ``DelayedState`` (naming the
+      fix).
   """
   placement.require_transform(inner, "delayed")
   if not isinstance(predict, bool):
@@ -119,6 +132,19 @@ def predicted_params(params, opt_state):
   gradient at it: ``jax.grad(loss)(predicted_params(params, state), ...)``.
   u_{t−1} is what ``delayed`` returned last: right when it is the
   outermost transform and its updates are applied as they are.
+
+  Args:
+    params: the parameters.
+    opt_state: the state of a ``delayed(..., predict=True)`` optimizer
+      (or a pytree holding one).
+
+  Returns:
+    θ̂, a pytree like ``params``.
+
+  Raises:
+    SyncError: ``opt_state`` holds no single ``DelayedState`` of a
+      ``predict=True`` optimizer, or ``params`` have another structure
+      than the state was made for.
   """
   found = [s for s in jax.tree.leaves(
       opt_state, is_leaf=lambda x: isinstance(x, DelayedState))

@@ -31,7 +31,18 @@ import numpy as np
 
 
 def shares(num_old: int, num_new: int) -> np.ndarray:
-  """B, (num_new, num_old): B_jk = K'·|J_j ∩ I_k| (module docstring)."""
+  """B, (num_new, num_old): B_jk = K'·|J_j ∩ I_k| (module docstring).
+
+  Args:
+    num_old: K, the old worker count (>= 1).
+    num_new: K', the new worker count (>= 1).
+
+  Returns:
+    B, a (num_new, num_old) float64 array.
+
+  Raises:
+    ValueError: a worker count < 1.
+  """
   if num_old < 1 or num_new < 1:
     raise ValueError(f"worker counts must be >= 1, got {num_old} -> "
                      f"{num_new}.")
@@ -45,7 +56,18 @@ def shares(num_old: int, num_new: int) -> np.ndarray:
 
 
 def resize(x: np.ndarray, num_new: int) -> np.ndarray:
-  """One per-worker leaf (leading axis K) on ``num_new`` workers."""
+  """One per-worker leaf (leading axis K) on ``num_new`` workers.
+
+  Args:
+    x: the leaf, leading axis K (the old worker count).
+    num_new: K', the new worker count (>= 1).
+
+  Returns:
+    The leaf with leading axis K', the same worker mean (``shares``).
+
+  Raises:
+    ValueError: a worker count < 1.
+  """
   b = shares(x.shape[0], num_new)
   if jnp.issubdtype(x.dtype, jnp.floating):
     return np.tensordot(b, x.astype(np.float64), axes=1).astype(x.dtype)
@@ -54,14 +76,37 @@ def resize(x: np.ndarray, num_new: int) -> np.ndarray:
 
 def resize_tree(tree: Any, per_worker: Any, num_new: int) -> Any:
   """``resize`` on the leaves ``per_worker`` marks (a tree of bools of the
-  same structure: ``jaxfuse.per_worker_mask``); the rest as they are."""
+  same structure: ``jaxfuse.per_worker_mask``); the rest as they are.
+
+  Args:
+    tree: a pytree of host arrays.
+    per_worker: the same structure of bools.
+    num_new: K', the new worker count (>= 1).
+
+  Returns:
+    ``tree`` with its marked leaves on K' workers.
+
+  Raises:
+    ValueError: a worker count < 1.
+  """
   return jax.tree.map(lambda x, m: resize(np.asarray(x), num_new) if m else x,
                       tree, per_worker)
 
 
 def owed(tree: Any, per_worker: Any) -> list[np.ndarray]:
   """The worker mean (1/K)·Σ_k x_k of each marked float leaf (float64):
-  what ``resize_tree`` keeps."""
+  what ``resize_tree`` keeps.
+
+  Args:
+    tree: a pytree of host arrays (per-worker leaves: leading axis K).
+    per_worker: the same structure of bools marking the per-worker leaves.
+
+  Returns:
+    One float64 array per marked float leaf, in leaf order.
+
+  Raises:
+    Nothing of its own.
+  """
   return jax.tree.leaves(jax.tree.map(   # None marks no leaf: dropped
       lambda x, m: np.asarray(x, np.float64).mean(0)
       if m and jnp.issubdtype(x.dtype, jnp.floating) else None,

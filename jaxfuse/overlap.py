@@ -10,8 +10,9 @@ it computes every bucket's selection after the whole backward pass, and
 it starts the loss's ``pmean`` right after the forward, where that scalar
 holds the one collective slot through the backward. ``send_early(step)``
 fixes both in the program itself, without touching the model or the
-optimizer. With ``jaxfuse.xla_flags`` it hid 84 % of the NCCL time of
-gpt2-small's sparse step on 2 × H200 over sockets (77.5 → 61.8 ms).
+optimizer. With ``jaxfuse.xla_flags`` most of a sparse step's collective
+time then runs under the backward (measured: docs/benchmarks.md,
+"Overlap").
 
 It traces ``step`` to a jaxpr and runs its equations in a new order. With
 c_1, …, c_n the collectives in traced order (``sparse_sync`` issues its
@@ -97,11 +98,10 @@ def send_early(step, *, window: int | None = 2, start_early: bool = True,
   result, so c_i must end within the backward of the w buckets after it
   (unbounded, XLA leaves every collective's end at the end of the step,
   where one at a time they queue up). With w = 1 the backward stops at
-  each point where an all-gather outlasts one bucket's backward. w = 2
-  with ``xla_flags`` given half the link's speed ran gpt2-small on 2 GPUs
-  over sockets in 50.1 ms a step (float32, a 16 MiB last bucket) and
-  32.4 ms (bfloat16, ``size`` 64 MiB), against 51.5 and 41.5 ms with
-  w = 1 and the full speed (steps dispatched back to back). A point is a
+  each point where an all-gather outlasts one bucket's backward; w = 2
+  lets a collective run over two buckets' backward, which with
+  ``xla_flags`` at half the link's speed is the faster setting measured
+  (docs/benchmarks.md, "Overlap"). A point is a
   fence with at least a quarter of the typical backward work between
   fences since the point before, or a second collective of a kind
   already in the point (``points_of_work``): a small dense bucket right
@@ -115,8 +115,24 @@ def send_early(step, *, window: int | None = 2, start_early: bool = True,
   ``finish_under_last`` (default True): run the earlier buckets' readers
   (decode, update) right after the last collective is issued and make the
   last bucket's readers wait for them, so they run under the last
-  collective rather than after it (2 × H200, sockets: 1.2 → 0.3 ms of
-  kernels after the last all-gather).
+  collective rather than after it: less of the step's work is left after
+  the last collective ends.
+
+  Args:
+    step: the per-worker step function (its collectives at the top level
+      of its jaxpr).
+    window: w, the bound above; None: no bound.
+    start_early: mark the collectives to start early (above).
+    finish_under_last: run the earlier readers under the last collective
+      (above).
+
+  Returns:
+    A function with ``step``'s signature and bitwise outputs.
+
+  Raises:
+    TypeError: ``step`` is not callable.
+    ValueError: ``window`` is not an integer >= 1 or None, or
+      ``finish_under_last`` not a bool.
   """
   if not callable(step):
     raise TypeError(f"send_early wraps the per-worker step function; got "
@@ -442,23 +458,25 @@ def run_fenced(closed, args, window: int | None = 1,
     results.append([v for v in collective.outvars
                     if not isinstance(v, jex.DropVar)])
     if final and k == final[-1]:
+      last_results = [v for j in final for v in results[j]]
+      earlier = [v for j in range(len(results)) if j not in final
+                 for v in results[j]]
       ran.update(_finish_before_last(jaxpr, order, stop, env, last_read,
-                                     results, final))
+                                     (earlier, last_results)))
     start = stop + 1
   return [a.val if isinstance(a, jex.Literal) else env[a]
           for a in jaxpr.outvars]
 
 
-def _finish_before_last(jaxpr, order, pos, env, last_read, results,
-                        final) -> list[int]:
-  """``finish_under_last``, once the last point's collectives (``final``)
-  have run at ``pos``: run the earlier collectives' readers now and tie the
-  last point's results to what those readers leave for later, so that the
-  last point's readers wait for them. Returns the positions run."""
+def _finish_before_last(jaxpr, order, pos, env, last_read,
+                        split) -> list[int]:
+  """``finish_under_last``, once the last point's collectives have run at
+  ``pos``: run the earlier collectives' readers now and tie the last
+  point's results to what those readers leave for later, so that the last
+  point's readers wait for them. ``split``: (the earlier collectives'
+  results, the last point's). Returns the positions run."""
   eqns = jaxpr.eqns
-  last_results = [v for k in final for v in results[k]]
-  earlier = [v for k in range(len(results)) if k not in final
-             for v in results[k]]
+  earlier, last_results = split
   early = readers(eqns, order, pos, earlier, env, last_results)
   mine = [eqns[order[p]] for p in early]
   _run_segment(jaxpr, mine, env, last_read, pos + 1)

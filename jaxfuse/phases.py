@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
+import warnings
 
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
@@ -43,7 +44,19 @@ class Phase:
 
 def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
   """The same plan with every sparse unit at ``density`` (capacities
-  recomputed as the planner does; 1 sends everything with a ``pmean``)."""
+  recomputed as the planner does; 1 sends everything with a ``pmean``).
+
+  Args:
+    plan: the plan.
+    density: the new density of every sparse unit, in (0, 1].
+
+  Returns:
+    A new ``Plan`` of the same layout (leaves, buckets, modes), its
+    provenance noting ``phase_density``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or ``density`` is out of range.
+  """
   plan_lib.require_plan(plan, "with_density")
   if not plan_lib.is_real(density) or not 0 < density <= 1:
     raise plan_lib.PlanError(f"with_density: density={density!r} must be in "
@@ -68,7 +81,19 @@ def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
 
 def check_phases(phases: Sequence[Phase]) -> None:
   """Raise ``PlanError`` naming the phase and field that break the schedule:
-  phases must tile [0, ∞) in order and share one layout."""
+  phases must tile [0, ∞) in order and share one layout.
+
+  Args:
+    phases: the schedule, a sequence of ``Phase``.
+
+  Returns:
+    None.
+
+  Raises:
+    PlanError: the schedule is empty, a phase is not a ``Phase`` of a
+      ``Plan``, the phases do not tile the steps from 0 in order, or a
+      phase's plan has another layout than the first's.
+  """
   if not phases:
     raise plan_lib.PlanError("phases: empty; give at least one Phase.")
   expected_start = 0
@@ -105,7 +130,19 @@ def wire_received(plan: plan_lib.Plan, num_workers: int,
   mesh of ``mesh_sizes``). An all-gather at density ρ moves about
   K·ρ·headroom·(value + index bytes)/(2·wire bytes) times what the dense
   ring all-reduce moves, so on many workers a high warm-up density costs
-  more than dense."""
+  more than dense.
+
+  Args:
+    plan: the plan.
+    num_workers: K.
+    mesh_sizes: (H, L) for a plan with ``"hier"`` buckets; None: 1-D.
+
+  Returns:
+    Bytes received per worker per step, an int.
+
+  Raises:
+    Nothing of its own (a scheme's byte count may refuse K).
+  """
   return sum(w.received for w in collectives.bucket_wire(plan, num_workers,
                                                          mesh_sizes))
 
@@ -115,36 +152,167 @@ def _has_sparse_hier(plan: plan_lib.Plan) -> bool:
              for b in schedule_lib.compile_plan(plan).buckets)
 
 
-def _workers(plan, num_workers, mesh_sizes) -> int | None:
-  """K for ``density_warmup`` (``PlanError`` naming the argument)."""
-  if mesh_sizes is not None:
-    if (not isinstance(mesh_sizes, (tuple, list)) or len(mesh_sizes) != 2
-        or not all(plan_lib.is_int(s) and s >= 1 for s in mesh_sizes)):
+def _workers(plan, workers, where: str = "density_warmup"
+             ) -> tuple[int | None, tuple[int, int] | None]:
+  """(K, mesh sizes or None) from ``workers``: K, or (hosts, devices per
+  host) of a ``"hier"`` plan's mesh (``PlanError`` naming the argument)."""
+  if workers is None:
+    return None, None
+  if isinstance(workers, (tuple, list)):
+    if (len(workers) != 2 or
+        not all(plan_lib.is_int(s) and s >= 1 for s in workers)):
       raise plan_lib.PlanError(
-          f"density_warmup: mesh_sizes={mesh_sizes!r} must be (hosts, "
-          "devices per host) of the 'hier' mesh, e.g. mesh.devices.shape.")
-    size = int(mesh_sizes[0]) * int(mesh_sizes[1])
-    if num_workers is not None and num_workers != size:
-      raise plan_lib.PlanError(
-          f"density_warmup: num_workers={num_workers!r} is not the "
-          f"{size} workers of mesh_sizes={tuple(mesh_sizes)}; give one.")
-    return size
-  if num_workers is not None and num_workers > 1 and _has_sparse_hier(plan):
+          f"{where}: workers={workers!r} must be K (an integer >= 1, the "
+          "mesh size) or (hosts, devices per host) of the 'hier' mesh, "
+          "e.g. mesh.devices.shape.")
+    sizes = (int(workers[0]), int(workers[1]))
+    return sizes[0] * sizes[1], sizes
+  if not plan_lib.is_int(workers) or workers < 1:
+    raise plan_lib.PlanError(f"{where}: workers={workers!r} must be an "
+                             "integer >= 1 (the mesh size, mesh.size).")
+  if workers > 1 and _has_sparse_hier(plan):
     raise plan_lib.PlanError(
-        "density_warmup: the plan's 'hier' buckets move bytes on both mesh "
-        "axes, which num_workers alone cannot count; give mesh_sizes="
+        f"{where}: the plan's 'hier' buckets move bytes on both mesh "
+        "axes, which a worker count alone cannot count; give workers="
         "(hosts, devices per host) instead (e.g. mesh.devices.shape).")
-  return num_workers
+  return int(workers), None
+
+
+def _legacy_workers(workers, legacy: dict):
+  """``workers`` from 0.2's ``num_workers=`` / ``mesh_sizes=`` (a
+  ``DeprecationWarning``; removed in 0.4)."""
+  unknown = sorted(set(legacy) - {"num_workers", "mesh_sizes"})
+  if unknown:
+    raise TypeError(f"density_warmup() got an unexpected keyword argument "
+                    f"{unknown[0]!r}")
+  if not legacy:
+    return workers
+  warnings.warn(
+      "density_warmup: num_workers= and mesh_sizes= are now one argument, "
+      "workers= (K, or (hosts, devices per host) for a 'hier' plan); the "
+      "old names go in 0.4.", DeprecationWarning, stacklevel=3)
+  if workers is not None:
+    raise plan_lib.PlanError(
+        f"density_warmup: workers={workers!r} given with "
+        f"{', '.join(sorted(legacy))}=; give workers= only.")
+  num_workers = legacy.get("num_workers")
+  mesh_sizes = legacy.get("mesh_sizes")
+  if mesh_sizes is None:
+    if num_workers is not None and (not plan_lib.is_int(num_workers) or
+                                    num_workers < 1):
+      raise plan_lib.PlanError(
+          f"density_warmup: num_workers={num_workers!r} must be an integer "
+          ">= 1 (the mesh size); spell it workers= (0.3).")
+    return num_workers
+  if (not isinstance(mesh_sizes, (tuple, list)) or len(mesh_sizes) != 2
+      or not all(plan_lib.is_int(s) and s >= 1 for s in mesh_sizes)):
+    raise plan_lib.PlanError(
+        f"density_warmup: mesh_sizes={mesh_sizes!r} must be (hosts, "
+        "devices per host) of the 'hier' mesh, e.g. mesh.devices.shape; "
+        "spell it workers= (0.3).")
+  size = int(mesh_sizes[0]) * int(mesh_sizes[1])
+  if num_workers is not None and num_workers != size:
+    raise plan_lib.PlanError(
+        f"density_warmup: num_workers={num_workers!r} is not the "
+        f"{size} workers of mesh_sizes={tuple(mesh_sizes)}; give one.")
+  return tuple(mesh_sizes)
+
+
+def has_sparse_units(plan: plan_lib.Plan) -> bool:
+  """Whether ``plan`` sparsifies anything: a sparse leaf, or a ``"behind"``
+  bucket that is not a plain ``psum``.
+
+  Args:
+    plan: the plan.
+
+  Returns:
+    True if any unit is sparse (at any density).
+
+  Raises:
+    Nothing of its own.
+  """
+  return any(l.mode == "sparse" for l in plan.leaves) or any(
+      b.sparsify == "behind" and b.collective != "psum"
+      for b in plan.buckets)
+
+
+def _dense_plan(plan: plan_lib.Plan, dense_wire: str) -> plan_lib.Plan:
+  return dataclasses.replace(with_density(plan, 1.0),
+                             settings=dataclasses.replace(
+                                 plan.settings, full_wire=dense_wire))
+
+
+def wire_warnings(phases: Sequence[Phase], workers,
+                  dense_wire: str | None = None) -> list[str]:
+  """Warn for each sparse phase that receives more bytes than dense would.
+
+  An all-gather at density ρ receives about
+  K·ρ·headroom·(value + index bytes) per element where the ring all-reduce
+  receives 2·(K−1)/K·(wire bytes), so on many workers a sparse step can
+  move more than the dense step it replaces. For each phase whose plan
+  sparsifies, this compares ``wire_received`` of its plan with that of the
+  same plan at density 1 on ``dense_wire`` and warns (``UserWarning``)
+  naming the phase, both byte counts and the fix.
+
+  Args:
+    phases: the schedule (e.g. ``density_warmup``'s).
+    workers: K, the number of workers (``mesh.size``), or (hosts, devices
+      per host) for a plan with ``"hier"`` buckets.
+    dense_wire: the dense step's wire dtype to compare with
+      (``Settings.full_wire``); None: the dense phase's of ``phases`` if
+      there is one, else each phase plan's own.
+
+  Returns:
+    The warnings' messages, one per costly phase (empty: none is).
+
+  Raises:
+    PlanError: ``workers`` is not K or (hosts, devices per host), or the
+      plan has ``"hier"`` buckets and ``workers`` is a bare K.
+  """
+  check_phases(phases)
+  num_workers, sizes = _workers(phases[0].plan, workers, "wire_warnings")
+  if num_workers < 2:
+    return []
+  if dense_wire is None:
+    dense_wire = next((p.plan.settings.full_wire for p in phases
+                       if not has_sparse_units(p.plan) or
+                       final_density(p.plan) == 1.0), None)
+  messages = []
+  for i, phase in enumerate(phases):
+    if not has_sparse_units(phase.plan) or final_density(phase.plan) == 1.0:
+      continue
+    wire = dense_wire or phase.plan.settings.full_wire
+    sparse = wire_received(phase.plan, num_workers, sizes)
+    dense = wire_received(_dense_plan(phase.plan, wire), num_workers, sizes)
+    if sparse <= dense:
+      continue
+    stop = "the end" if phase.stop is None else phase.stop
+    messages.append(
+        f"phase {i} (steps {phase.start} to {stop}, density "
+        f"{final_density(phase.plan):g}) receives {sparse:,} bytes per "
+        f"worker per step on {num_workers} workers, more than the "
+        f"{dense:,} of a dense step on a {wire!r} wire: an all-gather's "
+        "bytes grow with K. Plan a collective that does not grow with K "
+        "(jaxfuse.plan(..., collective='zen', 'spardl' or 'hier')), a "
+        "lower density, or train this phase dense.")
+  for message in messages:
+    warnings.warn(message, UserWarning, stacklevel=2)
+  return messages
 
 
 def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
                    densities: Sequence[float] | None = None,
                    dense_steps: int = 0, dense_wire: str = "gradient",
-                   num_workers: int | None = None,
-                   mesh_sizes: tuple[int, int] | None = None
-                   ) -> tuple[Phase, ...]:
+                   workers: int | tuple[int, int] | None = None,
+                   **legacy) -> tuple[Phase, ...]:
   """Phases: ``dense_steps`` dense, then ``steps`` at each warm-up density,
   then ``plan`` to the end.
+
+  A plan with nothing sparse (every leaf dense, e.g. ``strategy="auto"``
+  on a machine where dense is cheapest) has no densities to ramp from:
+  its phases are the dense steps (if any) and then ``plan``; given
+  warm-up densities, a ``UserWarning`` says that they were dropped and
+  why.
 
   Args:
     plan: the plan to end with (its densities are the final ones).
@@ -158,24 +326,33 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
     dense_wire: the dense steps' wire dtype (``Settings.full_wire``):
       ``"bfloat16"`` halves their bytes, each worker's rounding carried in
       its residual to the next step.
-    num_workers: K. Given, a warm-up density whose phase would receive at
-      least the dense phase's bytes per worker (``wire_received``) runs
-      dense instead, on ``dense_wire``: the dense phase grows by its steps
-      (measured, 4 × H200 over sockets: the 25 % phase took 335 ms a step,
-      the bfloat16 dense one 145 ms). None: every density as given.
-    mesh_sizes: for a plan with ``"hier"`` buckets, (H, L) of its (host,
-      local) mesh in place of ``num_workers`` (K = H·L): its buckets'
-      bytes are counted on both axes.
+    workers: K, the number of workers (``mesh.size``), or for a plan with
+      ``"hier"`` buckets (H, L) of its (host, local) mesh (K = H·L, its
+      buckets' bytes counted on both axes). Given, a warm-up density whose
+      phase would receive at least the dense phase's bytes per worker
+      (``wire_received``) runs dense instead, on ``dense_wire``: the dense
+      phase grows by its steps, since a step's time follows its bytes on a
+      bandwidth-bound network. A sparse phase left that receives more
+      than dense is named in a ``UserWarning`` (``wire_warnings``). None:
+      every density as given.
+    **legacy: 0.2's ``num_workers=`` and ``mesh_sizes=``, now
+      ``workers=`` (``DeprecationWarning``; removed in 0.4).
+
+  Returns:
+    The ``Phase``s, tiling the steps from 0; the last is ``plan``'s, with
+    ``stop=None``.
+
+  Raises:
+    PlanError: naming the argument that is out of range or of the wrong
+      kind (``steps``, ``densities``, ``dense_steps``, ``dense_wire``,
+      ``workers``), or a density not above the plan's.
   """
   plan_lib.require_plan(plan, "density_warmup")
+  workers = _legacy_workers(workers, legacy)
   if densities is not None and not isinstance(densities, (list, tuple)):
     raise plan_lib.PlanError(f"density_warmup: densities={densities!r} must "
                              "be a list of densities, e.g. (0.0625,).")
-  if num_workers is not None and (not plan_lib.is_int(num_workers) or
-                                  num_workers < 1):
-    raise plan_lib.PlanError(f"density_warmup: num_workers={num_workers!r} "
-                             "must be an integer >= 1 (the mesh size).")
-  num_workers = _workers(plan, num_workers, mesh_sizes)
+  num_workers, mesh_sizes = _workers(plan, workers)
   if dense_wire not in plan_lib.FULL_WIRES:
     raise plan_lib.PlanError(
         f"density_warmup: dense_wire={dense_wire!r}; use one of "
@@ -198,6 +375,16 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
   if densities is None:
     densities = [d for d in DGC_RAMP if d > final] if steps else []
   densities = list(densities)
+  if densities and not has_sparse_units(plan):
+    warnings.warn(
+        f"density_warmup: the plan has no sparse leaves (all "
+        f"{len(plan.leaves)} are dense, e.g. strategy='auto' found dense "
+        f"cheapest here), so the warm-up densities {densities} were "
+        "dropped: the phases are the dense steps and then the plan. For "
+        "sparse training plan with a fixed strategy (jaxfuse.plan(..., "
+        "strategy='size')) or a lower min_sparse_size.",
+        UserWarning, stacklevel=2)
+    densities = []
   below = [d for d in densities if not (plan_lib.is_real(d) and final < d <= 1)]
   if below:
     raise plan_lib.PlanError(
@@ -209,32 +396,41 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
   ramp = [(float(d), int(n)) for d, n in zip(
       densities, counts if per_density else [steps] * len(densities))]
   dense_steps = int(dense_steps)
-  def dense_plan():
-    return dataclasses.replace(with_density(plan, 1.0),
-                               settings=dataclasses.replace(
-                                   plan.settings, full_wire=dense_wire))
   if num_workers is not None and num_workers > 1 and ramp:
-    sizes = tuple(mesh_sizes) if mesh_sizes is not None else None
-    dense_bytes = wire_received(dense_plan(), num_workers, sizes)
+    dense_bytes = wire_received(_dense_plan(plan, dense_wire), num_workers,
+                                mesh_sizes)
     costly = [d < 1.0 and wire_received(with_density(plan, d), num_workers,
-                                        sizes) >= dense_bytes
+                                        mesh_sizes) >= dense_bytes
               for d, _ in ramp]
     dense_steps += sum(n for (_, n), c in zip(ramp, costly) if c)
     ramp = [r for r, c in zip(ramp, costly) if not c]
   schedule = ([(1.0, dense_steps)] if dense_steps else []) + ramp
   phases, start = [], 0
   for density, length in schedule:
-    phase_plan = dense_plan() if density == 1.0 else with_density(plan, density)
+    phase_plan = (_dense_plan(plan, dense_wire) if density == 1.0
+                  else with_density(plan, density))
     phases.append(Phase(start, start + length, phase_plan))
     start += length
   phases.append(Phase(start, None, plan))
   check_phases(phases)
+  if num_workers is not None and num_workers > 1:
+    wire_warnings(phases, mesh_sizes or num_workers, dense_wire)
   return tuple(phases)
 
 
 def final_density(plan: plan_lib.Plan) -> float:
   """The plan's largest sparse density (1.0 for an all-dense plan): a
-  warm-up density must lie above it."""
+  warm-up density must lie above it.
+
+  Args:
+    plan: the plan.
+
+  Returns:
+    The density, a float in (0, 1].
+
+  Raises:
+    Nothing of its own.
+  """
   return max([l.density for l in plan.leaves if l.mode == "sparse"] +
              [b.density for b in plan.buckets if b.sparsify == "behind"
               and b.collective != "psum"] or [1.0])
@@ -242,7 +438,19 @@ def final_density(plan: plan_lib.Plan) -> float:
 
 def phase_index(phases: Sequence[Phase], step: int) -> int:
   """Index of the phase that trains ``step`` (an int, numpy or concrete JAX
-  integer: e.g. a ``TrainState``'s step)."""
+  integer: e.g. a ``TrainState``'s step).
+
+  Args:
+    phases: the schedule (e.g. ``density_warmup``'s).
+    step: the step, counted from 0.
+
+  Returns:
+    The index into ``phases``.
+
+  Raises:
+    ValueError: ``step`` is not an integer >= 0, or no phase trains it
+      (the last phase's stop is not None).
+  """
   step = plan_lib.as_python(step)
   if not plan_lib.is_int(step) or step < 0:
     raise ValueError(f"phase_index: step={step!r} must be an integer >= 0 "

@@ -96,6 +96,48 @@ def _refuse_one_workers_state(opt_state, axis_name) -> None:
             "...))).")
 
 
+def check_worker_state(updates, opt_state, axis_name, where: str) -> None:
+  """``SyncError`` when, inside the step's ``shard_map``, the per-worker
+  parts of ``opt_state`` did not come in as per-worker: the gradient
+  varies over the worker axes but the state does not (it entered with
+  ``P()``: ``optimizer.init`` in place of ``init_state``, or ``P()`` in
+  place of ``state_specs``; JAX would stop at ``out_specs`` with "could
+  not infer replication"), or a part's leading axis is not 1 (the whole
+  K-worker array entered each worker: ``P()`` in place of
+  ``state_specs``). Outside ``shard_map``, or under ``check_vma=False``
+  (nothing is marked varying), nothing is checked."""
+  axis_name, names = axis_names(axis_name)
+  if _compat.axis_size(axis_name) is None:
+    return
+  grads = [g for g in jax.tree.leaves(updates) if _compat.is_tracer(g)]
+  grads_vary = any(set(names) <= _compat.varying_axes(g) for g in grads)
+  fix = (f"Make the state with jaxfuse.init_state(optimizer, params, mesh) "
+         f"and give the step's shard_map in_specs and out_specs "
+         f"jaxfuse.state_specs(state) for it (P({axis_name!r}) for the "
+         "per-worker parts, P() elsewhere).")
+  for state in jax.tree.leaves(opt_state, is_leaf=is_worker_state):
+    if not is_worker_state(state):
+      continue
+    for x in jax.tree.leaves(state):
+      if not _compat.is_tracer(x):
+        continue
+      if not x.ndim or x.shape[0] != 1:
+        raise SyncError(
+            f"{where}: the {type(state).__name__} in the optimizer state has "
+            f"shape {tuple(x.shape)} on each worker, not a leading axis of "
+            "1: its whole K-worker array came into every worker, so the "
+            "step's shard_map gave it P() where jaxfuse.state_specs(state) "
+            f"gives P({axis_name!r}). {fix}")
+      if grads_vary and not set(names) <= _compat.varying_axes(x):
+        raise SyncError(
+            f"{where}: the {type(state).__name__} in the optimizer state "
+            f"came into the step replicated (P()), but it is each worker's "
+            "own (residuals, velocity, stats): it was made by "
+            "optimizer.init(params) instead of jaxfuse.init_state, or "
+            "given P() instead of jaxfuse.state_specs(state) in the step's "
+            f"in_specs. {fix}")
+
+
 def _children(x) -> list:
   """The immediate children of a pytree node (none for a leaf)."""
   if jax.tree_util.treedef_is_leaf(jax.tree.structure(x)):
@@ -250,6 +292,21 @@ def state_specs(opt_state, axis_name: str | tuple = "data"):
   …) is replicated, ``P()``. Works on real or abstract (``jax.eval_shape``)
   states. Refuses the optax wrappers that cannot wrap a sync
   (``optax.apply_if_finite``, ``optax.MultiSteps``), naming what to use.
+
+  Args:
+    opt_state: the optimizer state (from ``init_state``, or abstract).
+    axis_name: the workers' mesh axis, or a tuple of axes.
+
+  Returns:
+    A pytree of ``PartitionSpec`` with ``opt_state``'s structure, for the
+    step's ``shard_map`` ``in_specs`` and ``out_specs``.
+
+  Raises:
+    SyncError: the state cannot be held by such specs (an optax wrapper
+      that decides per worker, a stateful transform before the sync
+      outside ``per_worker``, injected hyperparameters narrower than
+      float32, an axis the state's mesh lacks, one worker's shapes from
+      ``optimizer.init``), naming the fix.
   """
   _refuse_local_wrappers(opt_state)
   _refuse_partial_wrappers(opt_state)
@@ -279,7 +336,24 @@ def require_transform(optimizer, where: str) -> None:
 def init_state(optimizer: optax.GradientTransformation, params,
                mesh: jax.sharding.Mesh, axis_name: str | tuple = "data"):
   """``optimizer.init(params)`` with per-worker leaves sharded over the axis
-  (or the tuple of axes)."""
+  (or the tuple of axes).
+
+  Args:
+    optimizer: an optax transform holding ``sparse_sync`` (a recipe).
+    params: the parameters (replicated arrays, or shapes).
+    mesh: the mesh the step runs on (``jaxfuse.make_mesh()``).
+    axis_name: the workers' mesh axis, or a tuple of axes.
+
+  Returns:
+    The optimizer state, per-worker leaves sharded ``P(axis_name)`` over
+    the mesh (leading axis K), the rest replicated.
+
+  Raises:
+    TypeError: ``optimizer`` is not an optax transform, or ``mesh`` not a
+      ``jax.sharding.Mesh``.
+    SyncError: the mesh lacks the axis, or ``state_specs`` refuses the
+      state (naming the fix).
+  """
   require_transform(optimizer, "init_state")
   if not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"init_state expects the jax.sharding.Mesh the step "

@@ -41,6 +41,7 @@ dense optimizer (``sgd``: plain SGD, DGC's masking clears the velocity).
 from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -50,95 +51,28 @@ import optax
 from jaxfuse import _compat
 from jaxfuse import clipping
 from jaxfuse import grouped
+from jaxfuse import placement
 from jaxfuse import plans as plan_lib
+from jaxfuse import recipe_checks
 from jaxfuse import schedule as schedule_lib
 from jaxfuse import transform
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
-
-# What each recipe fixes when its step is traced (the state's layout, a
-# branch, a kernel's constants): ``optax.inject_hyperparams`` must keep
-# these static; the others (learning_rate, weight_decay, eps, local_adamw's
-# betas) may be injected and changed between steps.
-STATIC_ARGS = {
-    "sgd": ("momentum", "clip_norm", "residual_decay"),
-    "local_adamw": ("clip_norm",),
-    "sync_adamw": ("clip_norm",),
-    "onebit_adamw": ("b1", "b2", "clip_norm"),
-    "demo": ("momentum", "clip_norm"),
-}
-
-
-def _numbers(where: str, **values) -> list:
-  """``values`` as Python numbers where given as numbers (numpy scalars,
-  concrete JAX scalars: ``plan_checks.as_python``); a traced value stays
-  traced, unless it is one of ``STATIC_ARGS[where]`` (``SyncError``)."""
-  traced = [name for name in STATIC_ARGS[where]
-            if _compat.is_tracer(values.get(name))]
-  if traced:
-    raise transform.SyncError(
-        f"{where}: {', '.join(traced)} must be known when the step is "
-        "traced (each shapes the state or the program), not traced. "
-        "With optax.inject_hyperparams keep them static: "
-        f"optax.inject_hyperparams(jaxfuse.{where}, "
-        f"static_args=jaxfuse.recipes.STATIC_ARGS[{where!r}]).")
-  out = [plan_lib.as_python(v) for v in values.values()]
-  for name, v in zip(values, out):
-    numeric = isinstance(v, (np.ndarray, jax.Array)) and (
-        jnp.issubdtype(v.dtype, jnp.number))
-    if not ((v is None and name == "clip_norm") or callable(v) or
-            _compat.is_tracer(v) or numeric or
-            (isinstance(v, (int, float)) and not isinstance(v, bool))):
-      raise transform.SyncError(
-          f"{where}: {name}={v!r} must be a number (or, for "
-          "learning_rate, an optax schedule), e.g. 0.05, not "
-          f"{'None' if v is None else 'a ' + type(v).__name__}.")
-  return out
-
-
-def _check_clip(max_norm):
-  try:
-    clipping.check_max_norm(max_norm)
-  except clipping.ClipError as e:
-    raise transform.SyncError(str(e)) from None
+RecipeOptions = recipe_checks.RecipeOptions
+SGDOptions = recipe_checks.SGDOptions
+STATIC_ARGS = recipe_checks.STATIC_ARGS
+local_clip_by_global_norm = clipping.local_clip_by_global_norm
 
 
 def _bucket_clip(plan, max_norm, axis_name):
   """Each bucket clipped at its share of max_norm·√K (jaxfuse.clipping),
   with per-worker state; None: identity."""
-  _check_clip(max_norm)
+  recipe_checks.check_clip(max_norm)
   if max_norm is None:
     return optax.identity()
   return transform.per_worker(
       clipping.clip_by_bucket_norm(plan, max_norm, axis_name),
       float32_state=False)
-
-
-def local_clip_by_global_norm(max_norm: float | None, axis_name: str = "data"
-                              ) -> optax.GradientTransformation:
-  """DGC's local gradient clipping, for a worker *mean*: each worker clips
-  its own gradient's global norm to max_norm·√K. The mean of K independent
-  gradients of norm n has norm ≈ n/√K, so this clips about when a dense
-  clip of the mean at ``max_norm`` would (DGC's N^(−1/2) is for a sum).
-  None: identity.
-
-  Its norm needs every leaf, so chained before ``sparse_sync`` it makes
-  every bucket's collective wait for the whole backward pass. The recipes'
-  ``clip_norm`` clips per bucket instead (``jaxfuse.clipping``)."""
-  _check_clip(max_norm)
-  if max_norm is None:
-    return optax.identity()
-  max_norm = float(max_norm)
-
-  def update_fn(updates, state, params=None):
-    del params
-    num_workers = _compat.axis_size(axis_name) or 1
-    limit = max_norm * num_workers ** 0.5
-    norm = _compat.global_norm(updates)
-    scale = jnp.where(norm > limit, limit / jnp.maximum(norm, 1e-30), 1.0)
-    return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
-
-  return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
 
 def _require_trainable(plan, where: str) -> None:
@@ -163,11 +97,13 @@ def _kinds(state) -> tuple:
   return (type(state).__name__,) + parts
 
 
-def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation
-            ) -> optax.GradientTransformationExtraArgs:
+def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation,
+            axis_name) -> optax.GradientTransformationExtraArgs:
   """``tx``, whose update first checks that the state has the parts its
   init makes (types, at the top level; ``sparse_sync`` checks its own
-  state's layout), naming the recipe instead of optax's chain error."""
+  state's layout), naming the recipe instead of optax's chain error, and
+  that its per-worker parts came into the step per-worker
+  (``placement.check_worker_state``)."""
   tx = optax.with_extra_args_support(tx)
   wanted = {}   # the updates' treedef -> the kinds init makes (or None)
 
@@ -190,7 +126,10 @@ def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation
             f"clip_norm). Create it with jaxfuse.init_state({name}(plan, "
             "...), params, mesh), or restore a checkpoint into a `like` "
             "made so.")
-    return tx.update(updates, state, params, **extra_args)
+    placement.check_worker_state(updates, state, axis_name, name)
+    out, new_state = tx.update(updates, state, params, **extra_args)
+    recipe_checks.warn_if_nonfinite(name, plan, transform.sync_stats(new_state))
+    return out, new_state
 
   return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
@@ -205,11 +144,10 @@ def _tail(learning_rate, weight_decay, mask):
 
 
 def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
-        momentum: float = 0.9, *, nesterov: bool = False,
-        mask_momentum: bool = False, clip_norm: float | None = None,
-        weight_decay: float = 0.0, mask: Any = None,
-        residual_decay: float = 1.0,
-        axis_name: str = "data") -> optax.GradientTransformationExtraArgs:
+        momentum: float = 0.9, *, weight_decay: float = 0.0,
+        sgd_options: SGDOptions | None = None,
+        options: RecipeOptions | None = None,
+        **legacy) -> optax.GradientTransformationExtraArgs:
   """SGD with DGC's momentum correction and factor masking (module doc).
 
   Momentum lives on each worker, before the sparsification: momentum applied
@@ -218,18 +156,62 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   syncs dense get ordinary momentum after their exact mean (the same as
   momentum on each worker, the mean being linear).
 
-  ``residual_decay`` d (``sparse_sync``): r ← d·r before the next step's
-  velocity is added, so a coordinate holds at most about 1/(1 − d) steps of
-  velocity instead of about 1/ρ, and its release stays a stable step at a
-  rate tuned for dense (docs/convergence.md, "SGD with momentum").
+  Which settings: keep the defaults (heavy-ball momentum, full error
+  feedback) at the learning rate tuned for dense; on easy problems they
+  match dense. If the loss diverges at that rate (a stiff problem, a low
+  density such as 0.01), set ``residual_decay=0.8``: a coordinate then
+  holds about 1/(1 − d) = 5 steps of velocity instead of about 1/ρ, and
+  its release stays a stable step at the dense rate (it drops what error
+  feedback would deliver late, so it costs a little where the default is
+  stable). ``nesterov=True`` is not recommended at high learning rates:
+  at a low density it diverged at and above dense's best rate.
+  ``mask_momentum=True`` is stable only for η ≤ 2ρ·η_max (η_max: dense
+  momentum SGD's largest stable rate). docs/convergence.md, "SGD with
+  momentum", has the measurements.
+
+  Args:
+    plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
+    learning_rate: η, a number or an optax schedule.
+    momentum: m in [0, 1), each worker's velocity u ← m·u + g.
+    weight_decay: λ, decoupled (x ← x − η·λ·x).
+    sgd_options: ``jaxfuse.SGDOptions(nesterov, mask_momentum,
+      residual_decay)``; None: the defaults.
+    options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
+      the defaults.
+    **legacy: 0.2's ``nesterov``, ``mask_momentum``, ``residual_decay``,
+      ``clip_norm``, ``mask`` and ``axis_name`` keywords
+      (``DeprecationWarning``; removed in 0.4).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``; make its state with
+    ``jaxfuse.init_state``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or has leaves that are not
+      floating point.
+    SyncError: a hyperparameter is not a number or out of range, or one
+      of ``STATIC_ARGS["sgd"]`` is traced.
+    TypeError: an unknown keyword.
   """
+  legacy = recipe_checks.moved(
+      "sgd", legacy, SGDOptions._fields + RecipeOptions._fields)
+  clip_norm, mask, axis_name = recipe_checks.options("sgd", options, legacy)
+  if sgd_options is None:
+    sgd_options = SGDOptions()
+  if not isinstance(sgd_options, SGDOptions):
+    raise transform.SyncError(
+        f"sgd: sgd_options={sgd_options!r} must be a jaxfuse.SGDOptions("
+        "nesterov=..., mask_momentum=..., residual_decay=...).")
+  nesterov, mask_momentum, residual_decay = sgd_options._replace(**legacy)
   _require_trainable(plan, "sgd")
-  learning_rate, momentum, clip_norm, weight_decay, residual_decay = _numbers(
+  (learning_rate, momentum, clip_norm, weight_decay,
+   residual_decay) = recipe_checks.numbers(
       "sgd", learning_rate=learning_rate, momentum=momentum,
       clip_norm=clip_norm, weight_decay=weight_decay,
       residual_decay=residual_decay)
-  _check_betas("sgd", momentum=momentum)
-  _check_betas("sgd", upper_closed=True, residual_decay=residual_decay)
+  recipe_checks.check_betas("sgd", momentum=momentum)
+  recipe_checks.check_betas("sgd", upper_closed=True,
+                            residual_decay=residual_decay)
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
@@ -240,44 +222,102 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                             residual_decay=residual_decay),
       optax.masked(optax.trace(momentum, nesterov), dense_mask)
       if momentum and any(dense) else optax.identity(),
-      _tail(learning_rate, weight_decay, mask)))
+      _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
 def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
-                b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                weight_decay: float = 1e-4, mask: Any = None, *,
-                clip_norm: float | None = None, axis_name: str = "data"
-                ) -> optax.GradientTransformationExtraArgs:
-  """AdamW preconditioned on each worker, error feedback on the update."""
+                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                weight_decay: float = 1e-4, *,
+                options: RecipeOptions | None = None,
+                **legacy) -> optax.GradientTransformationExtraArgs:
+  """AdamW preconditioned on each worker, error feedback on the update
+  (module doc).
+
+  Args:
+    plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
+    learning_rate: η, a number or an optax schedule.
+    betas: (β₁, β₂), each in [0, 1).
+    eps: ε, added to √v̂.
+    weight_decay: λ, decoupled (x ← x − η·λ·x).
+    options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
+      the defaults.
+    **legacy: 0.2's ``b1``, ``b2``, ``clip_norm``, ``mask`` and
+      ``axis_name`` keywords (``DeprecationWarning``; removed in 0.4).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``; make its state with
+    ``jaxfuse.init_state``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or has leaves that are not
+      floating point.
+    SyncError: a hyperparameter is not a number or out of range
+      (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
+    TypeError: an unknown keyword.
+  """
+  legacy = recipe_checks.moved("local_adamw", legacy,
+                               ("b1", "b2") + RecipeOptions._fields)
+  b1, b2 = recipe_checks.betas("local_adamw", betas, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("local_adamw", options,
+                                                     legacy)
   _require_trainable(plan, "local_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "local_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  _check_betas("local_adamw", b1=b1, b2=b2)
+  recipe_checks.check_betas("local_adamw", b1=b1, b2=b2)
   return _recipe("local_adamw", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
       transform.sparse_sync(plan, axis_name),
-      _tail(learning_rate, weight_decay, mask)))
+      _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
 def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
-               b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-               weight_decay: float = 1e-4, mask: Any = None, *,
-               clip_norm: float | None = None, axis_name: str = "data"
-               ) -> optax.GradientTransformationExtraArgs:
-  """The baseline: sparse-sync the gradient, then AdamW (clip after sync)."""
+               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+               weight_decay: float = 1e-4, *,
+               options: RecipeOptions | None = None,
+               **legacy) -> optax.GradientTransformationExtraArgs:
+  """The baseline: sparse-sync the gradient, then AdamW (``clip_norm``
+  clips the synced gradient's global norm, after the sync).
+
+  Args:
+    plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
+    learning_rate: η, a number or an optax schedule.
+    betas: (β₁, β₂), each in [0, 1).
+    eps: ε, added to √v̂.
+    weight_decay: λ, decoupled (x ← x − η·λ·x).
+    options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
+      the defaults.
+    **legacy: 0.2's ``b1``, ``b2``, ``clip_norm``, ``mask`` and
+      ``axis_name`` keywords (``DeprecationWarning``; removed in 0.4).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``; make its state with
+    ``jaxfuse.init_state``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or has leaves that are not
+      floating point.
+    SyncError: a hyperparameter is not a number or out of range
+      (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
+    TypeError: an unknown keyword.
+  """
+  legacy = recipe_checks.moved("sync_adamw", legacy,
+                               ("b1", "b2") + RecipeOptions._fields)
+  b1, b2 = recipe_checks.betas("sync_adamw", betas, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("sync_adamw", options,
+                                                     legacy)
   _require_trainable(plan, "sync_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "sync_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  _check_betas("sync_adamw", b1=b1, b2=b2)
-  _check_clip(clip_norm)
+  recipe_checks.check_betas("sync_adamw", b1=b1, b2=b2)
+  recipe_checks.check_clip(clip_norm)
   return _recipe("sync_adamw", plan, optax.chain(
       transform.sparse_sync(plan, axis_name),
       optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(),
       optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay,
-                  mask=mask)))
+                  mask=mask)), axis_name)
 
 
 class OnebitState(NamedTuple):
@@ -290,10 +330,10 @@ class OnebitState(NamedTuple):
 
 
 def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
-                 b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                 weight_decay: float = 1e-4, mask: Any = None, *,
-                 clip_norm: float | None = None, axis_name: str = "data"
-                 ) -> optax.GradientTransformationExtraArgs:
+                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                  weight_decay: float = 1e-4, *,
+                  options: RecipeOptions | None = None,
+                  **legacy) -> optax.GradientTransformationExtraArgs:
   """1-bit Adam's scheme with top-k in place of 1-bit (module doc).
 
   Its plan decides the stage: a density-1 plan (``with_density(plan, 1)``,
@@ -307,14 +347,42 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
   AdamW's clip, after the sync) and, in the others, each worker's gradient
   per bucket at its share of clip_norm·√K (``jaxfuse.clipping``: no bucket
   waits for another's gradients); the dense phase records the bucket norms
-  that the first sparse step's shares start from.
+  that the first sparse step's shares start from. A sparse step before any
+  dense step warns (once): it would train nothing.
+
+  Args:
+    plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
+    learning_rate: η, a number or an optax schedule.
+    betas: (β₁, β₂), each in [0, 1).
+    eps: ε, added to √v̂.
+    weight_decay: λ, decoupled (x ← x − η·λ·x).
+    options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
+      the defaults.
+    **legacy: 0.2's ``b1``, ``b2``, ``clip_norm``, ``mask`` and
+      ``axis_name`` keywords (``DeprecationWarning``; removed in 0.4).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``; make its state with
+    ``jaxfuse.init_state``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or has leaves that are not
+      floating point.
+    SyncError: a hyperparameter is not a number or out of range
+      (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
+    TypeError: an unknown keyword.
   """
+  legacy = recipe_checks.moved("onebit_adamw", legacy,
+                               ("b1", "b2") + RecipeOptions._fields)
+  b1, b2 = recipe_checks.betas("onebit_adamw", betas, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("onebit_adamw", options,
+                                                     legacy)
   _require_trainable(plan, "onebit_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = _numbers(
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "onebit_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  _check_betas("onebit_adamw", b1=b1, b2=b2)
-  _check_clip(clip_norm)
+  recipe_checks.check_betas("onebit_adamw", b1=b1, b2=b2)
+  recipe_checks.check_clip(clip_norm)
   sched = schedule_lib.compile_plan(plan)
   dense_phase = all(b.kind != schedule_lib.SPARSE for b in sched.buckets)
   sync = transform.sparse_sync(plan, axis_name)
@@ -352,6 +420,7 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * x * x, state.nu, g)
       nu_count = state.nu_count + 1
     else:
+      recipe_checks.warn_if_no_dense_step(state.nu_count)
       if clip_norm:
         updates, clip_state = bucket_clip.update(updates, clip_state)
       if all(x.dtype == jnp.float32 for x in jax.tree.leaves(updates)):
@@ -379,7 +448,7 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 
   return _recipe("onebit_adamw", plan, optax.chain(
       optax.GradientTransformationExtraArgs(init_fn, update_fn),
-      _tail(learning_rate, weight_decay, mask)))
+      _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
 def second_moment(state: Any, b2: float = 0.999) -> list:
@@ -387,8 +456,20 @@ def second_moment(state: Any, b2: float = 0.999) -> list:
   b2^nu_count), as host arrays (float64), from the one ``OnebitState``
   anywhere inside an optimizer state. ν is replicated (the dense phase
   updates it from the synced gradient), so every worker and host reads the
-  same values. Raises ``SyncError`` when ``state`` holds no such state."""
-  _check_betas("second_moment", b2=b2)
+  same values. Raises ``SyncError`` when ``state`` holds no such state.
+
+  Args:
+    state: an optimizer state holding one ``OnebitState``.
+    b2: the β₂ the optimizer was made with, in [0, 1).
+
+  Returns:
+    v̂ per leaf, a list of float64 numpy arrays in leaf order.
+
+  Raises:
+    SyncError: ``state`` holds no ``OnebitState`` (or more than one), or
+      ``b2`` is out of range.
+  """
+  recipe_checks.check_betas("second_moment", b2=b2)
   one = _onebit_state(state, "second_moment")
   count = int(jax.device_get(one.nu_count))
   scale = 1.0 / (1.0 - b2 ** max(count, 1))
@@ -402,7 +483,18 @@ def second_moment_change(before: list, now: list) -> float:
     change = ‖v̂_now − v̂_before‖₁ / ‖v̂_now‖₁
 
   A run may end its dense phase once the change over N steps falls below a
-  tolerance: the settling that 0/1 Adam's variance freezing relies on."""
+  tolerance: the settling that 0/1 Adam's variance freezing relies on.
+
+  Args:
+    before: ``second_moment`` of the earlier state.
+    now: ``second_moment`` of the later state (the same leaves).
+
+  Returns:
+    The change, a float (inf when ``now`` is all zero).
+
+  Raises:
+    ValueError: the two lists' arrays have different shapes (numpy's).
+  """
   moved = sum(np.abs(a - b).sum() for a, b in zip(before, now))
   size = sum(np.abs(b).sum() for b in now)
   return float(moved / size) if size > 0 else float("inf")
@@ -413,7 +505,19 @@ def first_moment(state: Any, plan: plan_lib.Plan) -> Any:
   from the one ``OnebitState`` anywhere inside an optimizer state and the
   plan it was made with. The state keeps m as the all-gather decode
   writes it (``jaxfuse.grouped``). Raises ``SyncError`` when ``state``
-  holds no such state, ``PlanError`` for another plan's state."""
+  holds no such state, ``PlanError`` for another plan's state.
+
+  Args:
+    state: an optimizer state holding one ``OnebitState``.
+    plan: the plan the state was made with.
+
+  Returns:
+    m, a pytree of float32 arrays in the params' structure and shapes.
+
+  Raises:
+    SyncError: ``state`` holds no ``OnebitState``, or more than one.
+    PlanError: the state was made for another plan's layout.
+  """
   one = _onebit_state(state, "first_moment")
   part = transform.layout_mismatch(one.sync, plan)
   if part:
@@ -454,16 +558,41 @@ def _record_bucket_norms(plan, grads, state: transform.PerWorkerState):
 
 
 def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
-         momentum: float = 0.999, weight_decay: float = 1e-4,
-         mask: Any = None, *, sign: bool = True,
-         clip_norm: float | None = None, axis_name: str = "data"
-         ) -> optax.GradientTransformationExtraArgs:
-  """DeMo: the decaying local momentum is the error-feedback buffer."""
+         momentum: float = 0.999, weight_decay: float = 1e-4, *,
+         sign: bool = True, options: RecipeOptions | None = None,
+         **legacy) -> optax.GradientTransformationExtraArgs:
+  """DeMo: the decaying local momentum is the error-feedback buffer
+  (module doc).
+
+  Args:
+    plan: the ``jaxfuse.Plan`` (of this phase) for the parameters.
+    learning_rate: η, a number or an optax schedule.
+    momentum: β in (0, 1], each worker's m ← β·m + g (the residual decay).
+    weight_decay: λ, decoupled (x ← x − η·λ·x).
+    sign: step by the sign of the synced momentum (DeMo's); False: by it.
+    options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
+      the defaults.
+    **legacy: 0.2's ``mask``, ``clip_norm`` and ``axis_name`` keywords
+      (``DeprecationWarning``; removed in 0.4).
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``; make its state with
+    ``jaxfuse.init_state``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan, or has leaves that are not
+      floating point.
+    SyncError: a hyperparameter is not a number or out of range, or one
+      of ``STATIC_ARGS["demo"]`` is traced.
+    TypeError: an unknown keyword.
+  """
+  legacy = recipe_checks.moved("demo", legacy, RecipeOptions._fields)
+  clip_norm, mask, axis_name = recipe_checks.options("demo", options, legacy)
   _require_trainable(plan, "demo")
-  learning_rate, momentum, weight_decay, clip_norm = _numbers(
+  learning_rate, momentum, weight_decay, clip_norm = recipe_checks.numbers(
       "demo", learning_rate=learning_rate, momentum=momentum,
       weight_decay=weight_decay, clip_norm=clip_norm)
-  _check_betas("demo", upper_closed=True, momentum=momentum)
+  recipe_checks.check_betas("demo", upper_closed=True, momentum=momentum)
   return _recipe("demo", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, residual_decay=momentum),
@@ -471,16 +600,7 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
           lambda _: optax.EmptyState(),
           lambda u, s, p=None: (jax.tree.map(jnp.sign, u), s))
       if sign else optax.identity(),
-      _tail(learning_rate, weight_decay, mask)))
-
-
-def _check_betas(where: str, upper_closed: bool = False, **betas):
-  """Each of ``betas`` in [0, 1) (``upper_closed``: (0, 1]); a traced
-  one (``optax.inject_hyperparams``) is not checked."""
-  for name, value in betas.items():
-    transform.check_rate(where, name, value,
-                         "(0, 1]" if upper_closed else "[0, 1)",
-                         traced_ok=True)
+      _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
 RECIPES = {

@@ -42,7 +42,21 @@ def relayout(tree: Any, old: plan_lib.Plan, new: plan_lib.Plan) -> Any:
   """``tree`` (a train state, or any pytree holding optimizer states made
   with ``old``) with its plan-shaped parts rebuilt for ``new``; arrays
   keep their shardings. ``new`` must have ``old``'s leaves (paths,
-  shapes, dtypes, dense or sparse)."""
+  shapes, dtypes, dense or sparse).
+
+  Args:
+    tree: a pytree holding optimizer states made with ``old``.
+    old: the plan the states were made with.
+    new: the plan to rebuild them for.
+
+  Returns:
+    ``tree`` with its plan-shaped parts for ``new``.
+
+  Raises:
+    PlanError: ``new`` differs from ``old`` in its leaves (naming the leaf
+      and field), or ``tree`` holds states of another layout than
+      ``old``'s.
+  """
   plan_lib.require_plan(old, "relayout")
   plan_lib.require_plan(new, "relayout")
   _check_leaves(old, new)

@@ -168,6 +168,20 @@ def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
   Σ capacity: the share of the sparse wire that carries a value (the
   rest is padding, there for the static shapes; ``headroom`` sets it,
   about 1/headroom for the sampled estimators, 1 for ``"topk"``).
+
+  Args:
+    stats: the step's ``SyncStats`` (``jaxfuse.sync_stats(state)``).
+    plan: the plan of the phase that ran the step.
+
+  Returns:
+    A dict: ``wire_bytes``, ``missing_leaves``, ``overflow``,
+    ``nonfinite_leaves`` (leaves whose gradient had a NaN or Inf on any
+    worker), and with sparse leaves ``density`` and ``slot_fill``.
+
+  Raises:
+    PlanError: ``plan`` is not a plan.
+    ValueError: the stats come from another phase's plan (their leaf
+      count, or a unit that selected more than this plan's slots).
   """
   plan_lib.require_plan(plan, "summarize")
   if np.shape(stats.selected)[-1] != len(plan.leaves):

@@ -21,6 +21,7 @@ required to be bitwise equal, the rest to tight tolerances.
 from __future__ import annotations
 
 import pathlib
+import re
 import shlex
 import socket
 import subprocess
@@ -390,3 +391,72 @@ def test_processes_that_compiled_different_collectives_get_an_error(tmp_path):
                 r"at collective (\d+)", got[0]["error"] or "")
   assert m and int(m.group(1)) >= 1      # the all-gather agrees
   assert "wait for ever" in got[0]["error"]
+
+
+# --- a process that dies: the launcher names it and stops the others ---------
+
+_DYING_WORKER = '''
+import argparse, os, pathlib, signal, time
+p = argparse.ArgumentParser()
+for flag in ("--cpu-devices", "--coordinator", "--checkpoint-dir"):
+  p.add_argument(flag)
+p.add_argument("--num-processes", type=int)
+p.add_argument("--process-id", type=int)
+a = p.parse_args()
+os.environ["JAX_NUM_CPU_DEVICES"] = a.cpu_devices
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(a.coordinator, a.num_processes, a.process_id)
+mesh = jax.make_mesh((jax.device_count(),), ("data",))
+x = jax.make_array_from_process_local_data(
+    NamedSharding(mesh, P("data")), np.ones((jax.local_device_count(),)))
+total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "data"), mesh=mesh,
+                              in_specs=P("data"), out_specs=P()))
+for step in range(100000):
+  y = np.asarray(jax.device_get(total(x).addressable_shards[0].data))
+  if step == 3 and a.process_id == 0:
+    pathlib.Path(a.checkpoint_dir, "3").mkdir(parents=True)
+  if step == 5:
+    print(f"ready {a.process_id}", flush=True)
+    if a.process_id == 1:
+      time.sleep(1)
+      os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+@pytest.mark.multiprocess
+def test_the_launcher_names_a_dead_process_and_stops_the_others(tmp_path):
+  """scripts/launch_local.sh on 2 processes whose collectives run in a
+  loop; process 1 kills itself (SIGKILL). The launcher names process 1
+  and its signal, stops process 0 (which would otherwise wait in its next
+  psum until gloo gives up, about 80 s, with 'Is there a distributed
+  collective mismatch in your code?'), names the newest checkpoint step
+  directory (not orbax's unfinished tmp one) and the command that resumes
+  from it, and exits non-zero."""
+  worker = tmp_path / "dying.py"
+  worker.write_text(_DYING_WORKER)
+  ck = tmp_path / "ck"
+  (ck / "1").mkdir(parents=True)
+  (ck / "9.orbax-checkpoint-tmp-0").mkdir()
+  env = cpu_env(NUM_DEVICES // NUM_PROCESSES)
+  env.update(LAUNCH_PYTHON=sys.executable, TRAIN_SCRIPT=str(worker),
+             LOGDIR=str(tmp_path / "logs"))
+  start = time.monotonic()
+  r = subprocess.run(["bash", str(REPO / "scripts" / "launch_local.sh"),
+                      str(NUM_PROCESSES), "--checkpoint-dir", str(ck)],
+                     env=env, cwd=REPO, capture_output=True, text=True,
+                     timeout=TIMEOUT_S)
+  took = time.monotonic() - start
+  logs = "".join((tmp_path / "logs" / f"process_{i}.log").read_text()
+                 for i in range(NUM_PROCESSES))
+  assert "ready 0" in logs and "ready 1" in logs, (r.stderr, logs)
+  assert r.returncode == 128 + 9, r.stderr
+  assert re.search(r"process 1 \(pid \d+\) was killed by signal 9 \(KILL\); "
+                   r"stopping the other 1", r.stderr), r.stderr
+  assert f"newest checkpoint: {ck}/3; resume with: bash " in r.stderr
+  assert r.stderr.rstrip().endswith(f"logs in {tmp_path / 'logs'}")
+  assert "--checkpoint-dir " + str(ck) + " --resume" in r.stderr
+  assert "collective mismatch' error" in r.stderr   # the launcher's words
+  assert "Is there a distributed collective mismatch" not in logs
+  assert took < 60, took

@@ -322,7 +322,7 @@ def test_density_warmup_runs_dense_where_sparse_moves_more(workers, wire,
   runs dense, on the dense wire, and the dense phase grows by its steps."""
   plan = list_plan([(1 << 20,)], density=0.01, min_sparse_size=64)
   phases = jaxfuse.density_warmup(plan, steps=10, dense_steps=5,
-                                  dense_wire=wire, num_workers=workers)
+                                  dense_wire=wire, workers=workers)
   dense = 5 + 10 * len(folded)
   ramp = [d for d in jaxfuse.phases.DGC_RAMP if d > 0.01 and d not in folded]
   assert [(p.start, p.stop) for p in phases] == (
@@ -334,6 +334,8 @@ def test_density_warmup_runs_dense_where_sparse_moves_more(workers, wire,
   assert all(p.plan.settings.full_wire == "gradient" for p in phases[1:])
   with pytest.raises(jaxfuse.PlanError, match="num_workers=0"):
     jaxfuse.density_warmup(plan, steps=10, num_workers=0)
+  with pytest.raises(jaxfuse.PlanError, match="workers=0"):
+    jaxfuse.density_warmup(plan, steps=10, workers=0)
 
 
 @pytest.mark.parametrize("final,ramp", [
@@ -371,7 +373,7 @@ def test_density_warmup_counts_hier_buckets_on_both_axes(wire, sparse):
   assert plan.buckets[0].collective == "hier"
   ramp = [0.25, 0.0625, 0.015625]
   phases = jaxfuse.density_warmup(plan, steps=10, densities=ramp,
-                                  dense_wire=wire, mesh_sizes=(2, 4))
+                                  dense_wire=wire, workers=(2, 4))
   dense = 10 * (len(ramp) - len(sparse))
   assert [(p.start, p.stop, p.plan.leaves[0].density) for p in phases] == (
       [(0, dense, 1.0)] + [(dense + 10 * i, dense + 10 * (i + 1), d)
@@ -380,16 +382,21 @@ def test_density_warmup_counts_hier_buckets_on_both_axes(wire, sparse):
   assert jaxfuse.density_warmup(plan, steps=10, densities=ramp,
                                 dense_wire=wire, mesh_sizes=[2, 4],
                                 num_workers=8) == phases
-  with pytest.raises(jaxfuse.PlanError, match=r"give mesh_sizes=\(hosts"):
+  with pytest.raises(jaxfuse.PlanError, match=r"give workers=\(hosts"):
+    jaxfuse.density_warmup(plan, steps=10, workers=8)
+  with pytest.raises(jaxfuse.PlanError, match=r"give workers=\(hosts"):
     jaxfuse.density_warmup(plan, steps=10, num_workers=8)
   with pytest.raises(jaxfuse.PlanError, match="num_workers=4 is not the 8"):
     jaxfuse.density_warmup(plan, steps=10, num_workers=4, mesh_sizes=(2, 4))
   for bad in ((2,), (2, 0), 8, (2.0, 4)):
     with pytest.raises(jaxfuse.PlanError, match="mesh_sizes="):
       jaxfuse.density_warmup(plan, steps=10, mesh_sizes=bad)
+  for bad in ((2,), (2, 0), (2.0, 4), "8"):
+    with pytest.raises(jaxfuse.PlanError, match="workers="):
+      jaxfuse.density_warmup(plan, steps=10, workers=bad)
   # one worker moves nothing: every density as given
   alone = jaxfuse.density_warmup(plan, steps=10, densities=ramp,
-                                 num_workers=1)
+                                 workers=1)
   assert [p.plan.leaves[0].density for p in alone] == ramp + [0.01]
 
 
@@ -405,7 +412,7 @@ def test_density_warmup_takes_a_step_count_per_density():
   # on 4 workers 0.25 moves more than dense: its 10 steps join the dense 5
   folded = jaxfuse.density_warmup(plan, densities=[0.25, 0.05],
                                   steps=[10, 30], dense_steps=5,
-                                  num_workers=4)
+                                  workers=4)
   assert [(p.start, p.stop) for p in folded] == [(0, 15), (15, 45),
                                                   (45, None)]
   for bad in ([10], [10, 0], (10, 2.5), "10"):
@@ -539,3 +546,65 @@ def test_plan_mixing_density_one_and_sparse_buckets_keeps_its_state(mesh):
       assert np.all(np.asarray(jaxfuse.unit_residuals(plan, new)[unit]) == 0)
       assert np.any(np.asarray(jaxfuse.unit_residuals(plan, new)[1 - unit]))
       state = new
+
+
+def test_density_warmup_on_a_plan_with_no_sparse_leaves():
+  """An all-dense plan (e.g. ``auto`` on CPU) has no density to ramp from:
+  the README recipe's densities=(0.0625,) are dropped with a warning that
+  says so, and the phases are the dense steps, then the plan (it used to
+  stop with 'densities [0.0625] must each be in (1, 1]')."""
+  plan = list_plan([(1 << 12,)], density=0.05, min_sparse_size=1 << 20)
+  assert all(l.mode == "dense" for l in plan.leaves)
+  with pytest.warns(UserWarning, match="no sparse leaves") as record:
+    phases = jaxfuse.density_warmup(plan, dense_steps=5, steps=3,
+                                    densities=(0.0625,),
+                                    dense_wire="bfloat16", workers=8)
+  assert "strategy='size'" in str(record[0].message)
+  assert [(p.start, p.stop) for p in phases] == [(0, 5), (5, None)]
+  assert phases[0].plan.settings.full_wire == "bfloat16"
+  assert phases[-1].plan is plan
+  # no dense steps: one phase, the plan itself
+  with pytest.warns(UserWarning, match="no sparse leaves"):
+    only = jaxfuse.density_warmup(plan, steps=3, densities=[0.25])
+  assert [(p.start, p.stop, p.plan) for p in only] == [(0, None, plan)]
+
+
+def test_wire_warnings_name_a_sparse_phase_that_moves_more_than_dense():
+  """An all-gather at ρ = 0.25 on 8 workers receives 7·8·c bytes (c =
+  the leaf's slots, about 1.5·ρ·n), the float32 ring all-reduce of n =
+  2²⁰ elements 2·(7/8)·4·n = 7 340 032: the plan's own phase is named,
+  with both counts and the fix. On 2 workers at ρ = 0.01 (7·... < dense)
+  nothing is said."""
+  plan = list_plan([(1 << 20,)], density=0.25, min_sparse_size=64)
+  slots = plan.leaves[0].capacity
+  assert slots >= 1.5 * 0.25 * (1 << 20)
+  with pytest.warns(UserWarning, match="phase 0") as record:
+    phases = jaxfuse.density_warmup(plan, steps=0, workers=8)
+  message = str(record[0].message)
+  assert f"{7 * 8 * slots:,} bytes" in message
+  assert "7,340,032" in message and "collective='zen'" in message
+  assert jaxfuse.phases.wire_warnings(phases, 8) == [message]
+  # a bfloat16 dense warm-up halves the dense bytes the phase is held to
+  with pytest.warns(UserWarning, match="phase 1") as record:
+    jaxfuse.density_warmup(plan, steps=0, dense_steps=4,
+                           dense_wire="bfloat16", workers=8)
+  assert "3,670,016" in str(record[0].message)
+  cheap = list_plan([(1 << 20,)], density=0.01, min_sparse_size=64)
+  import warnings as warnings_lib
+  with warnings_lib.catch_warnings():
+    warnings_lib.simplefilter("error")
+    assert jaxfuse.phases.wire_warnings(
+        jaxfuse.density_warmup(cheap, steps=0, workers=2), 2) == []
+
+
+def test_density_warmup_old_worker_arguments_warn_and_agree():
+  """0.2's num_workers= / mesh_sizes= still work until 0.4, with a
+  DeprecationWarning naming workers=."""
+  plan = list_plan([(1 << 20,)], density=0.01, min_sparse_size=64)
+  with pytest.warns(DeprecationWarning, match="workers="):
+    old = jaxfuse.density_warmup(plan, steps=10, num_workers=4)
+  assert old == jaxfuse.density_warmup(plan, steps=10, workers=4)
+  with pytest.raises(jaxfuse.PlanError, match="give workers= only"):
+    jaxfuse.density_warmup(plan, steps=10, workers=4, num_workers=4)
+  with pytest.raises(TypeError, match="num_worker"):
+    jaxfuse.density_warmup(plan, steps=10, num_worker=4)

@@ -266,3 +266,46 @@ def test_counts_follow_optax_when_a_non_finite_update_goes_through(limit):
   assert counts(s) == (limit + 1, False, limit + 1)
   u, s = ours.update(ok, s, params)
   assert counts(s) == (0, True, limit + 1)
+
+
+@pytest.mark.parametrize("recipe", ["sgd", "onebit_adamw"])
+def test_a_nonfinite_gradient_under_a_recipe_is_reported(recipe, monkeypatch):
+  """One worker's NaN in one leaf (b) under a recipe: the step warns once,
+  naming the recipe, that leaf and the fixes; a finite step says nothing
+  (the NaN used to be silent unless the user read the stats)."""
+  params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
+  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  if recipe == "onebit_adamw":
+    plan = jaxfuse.with_density(plan, 1.0)   # its dense phase
+  opt = jaxfuse.RECIPES[recipe](plan, 0.1)
+  mesh = jaxfuse.make_mesh(NUM_WORKERS)
+
+  def local(p, s, x):
+    g = jax.grad(lambda p: jnp.sum((x[:, 1:] @ p["w"][1:]) ** 2)
+                 + jnp.sum(p["b"] * x[0, 0]))(
+        jaxfuse.local_params(p))
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  state = jaxfuse.init_state(opt, params, mesh)
+  specs = jaxfuse.state_specs(state)
+  step = jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), specs, P("data")),
+                               out_specs=(P(), specs)))
+  x = jnp.ones((NUM_WORKERS * 2, 64)) / 64
+  monkeypatch.setattr(jaxfuse.recipe_checks, "_warned", [])
+  import warnings as warnings_lib
+  with warnings_lib.catch_warnings():
+    warnings_lib.simplefilter("error")
+    jax.block_until_ready(step(params, state, shard(mesh, x)))
+    jax.effects_barrier()
+  bad = shard(mesh, x.at[-2, 0].set(jnp.nan))   # the last worker's batch
+  with pytest.warns(UserWarning, match=rf"{recipe}: a gradient had a NaN or "
+                    r"Inf \(leaves \['b'\]\).*learning rate.*"
+                    r"jaxfuse\.apply_if_finite") as record:
+    out = step(params, state, bad)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+  assert len([r for r in record if "NaN" in str(r.message)]) == 1
+  assert not np.isfinite(np.asarray(out[0]["b"])).all()

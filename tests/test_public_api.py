@@ -21,7 +21,8 @@ from jaxfuse.planning import profiling
 PUBLIC = [
     "ApplyIfFiniteState", "BucketPlan", "COST_STRATEGIES", "CollectivesDifferError",
     "DelayedState", "LeafPlan",
-    "PerWorkerState", "Phase", "Plan", "PlanError", "RECIPES", "STRATEGIES",
+    "PerWorkerState", "Phase", "Plan", "PlanError", "RECIPES",
+    "RecipeOptions", "SGDOptions", "STRATEGIES",
     "Settings", "SparseSyncState", "StepOptions", "SyncError", "SyncStats",
     "TrainState", "__version__",
     "apply_if_finite", "check_phases", "check_same_collectives", "checkpoint", "clipping",

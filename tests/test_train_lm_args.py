@@ -255,7 +255,7 @@ def test_the_defaults_are_the_readme_recipe(example, density):
   ramp = (0.0625,) if density < 0.0625 else ()
   want = jaxfuse.density_warmup(plan, dense_steps=100,
                                 steps=50 if ramp else 0, densities=ramp,
-                                dense_wire="bfloat16", num_workers=k)
+                                dense_wire="bfloat16", workers=k)
   got = phases_of([])
   assert [(p.start, p.stop, p.plan) for p in got] == [
       (p.start, p.stop, p.plan) for p in want]
@@ -263,7 +263,7 @@ def test_the_defaults_are_the_readme_recipe(example, density):
   assert [p.stop for p in got] == ([100, 150, None] if ramp else [100, None])
   assert resolved[""] == list(ramp)
   dgc = jaxfuse.density_warmup(plan, dense_steps=100, steps=50,
-                               dense_wire="bfloat16", num_workers=k)
+                               dense_wire="bfloat16", workers=k)
   assert [(p.start, p.stop, p.plan) for p in phases_of(
       ["--warmup-densities", "dgc"])] == [(p.start, p.stop, p.plan)
                                           for p in dgc]

@@ -77,9 +77,9 @@ def test_numpy_scalars_elsewhere_are_their_values(plan):
   got = jaxfuse.density_warmup(plan, dense_steps=np.int64(10),
                                steps=np.int32(5),
                                densities=[np.float32(0.25)],
-                               num_workers=np.int64(2))
+                               workers=np.int64(2))
   want = jaxfuse.density_warmup(plan, dense_steps=10, steps=5,
-                                densities=[0.25], num_workers=2)
+                                densities=[0.25], workers=2)
   assert [(p.start, p.stop, p.plan) for p in got] == [
       (p.start, p.stop, p.plan) for p in want]
   assert all(type(p.start) is int for p in got)   # pylint: disable=unidiomatic-typecheck
@@ -677,3 +677,182 @@ def test_a_gradient_already_averaged_names_the_three_causes(plan, case):
       r"jaxfuse.local_params\(params, 'data'\).*jax.lax.pmean/psum.*"
       "an earlier sparse_sync or recipe in the same chain synced it")):
     step(PARAMS, state, x)
+
+
+def _one_step(mesh, opt, state_spec):
+  """A recipe's step on ``mesh`` with ``state_spec`` for its state."""
+  def local(p, s, x):
+    g = jax.grad(lambda p: jnp.sum((x @ p["w"] + p["b"]) ** 2))(
+        jaxfuse.local_params(p))
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  return jax.jit(jax.shard_map(local, mesh=mesh,
+                               in_specs=(P(), state_spec, P("data")),
+                               out_specs=(P(), state_spec)))
+
+
+@pytest.mark.parametrize("recipe", ["sgd", "onebit_adamw"])
+def test_a_state_from_opt_init_names_init_state_and_state_specs(recipe):
+  """opt.init(params) with P() for the state used to stop with JAX's
+  'out_specs ... could not infer replication', 8 times over; now the
+  recipe names both fixes when the step is traced. A P() given to the
+  whole K-worker state on a mesh that reshards (axis type Auto) comes
+  into each worker with leading axis K: named too."""
+  params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
+  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  opt = jaxfuse.RECIPES[recipe](plan, 0.1)
+  mesh = jaxfuse.make_mesh(NUM_WORKERS)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.ones((NUM_WORKERS * 4, 64)),
+                     NamedSharding(mesh, P("data")))
+  with pytest.raises(jaxfuse.SyncError,
+                     match=r"optimizer\.init\(params\) instead of "
+                     r"jaxfuse\.init_state.*jaxfuse\.state_specs\(state\)"):
+    _one_step(mesh, opt, P())(params, opt.init(params), x)
+  auto = jax.sharding.Mesh(jax.devices()[:NUM_WORKERS], ("data",))
+  state = jaxfuse.init_state(opt, params, auto)
+  with pytest.raises(jaxfuse.SyncError,
+                     match=rf"shape \({NUM_WORKERS}, ?.*not a leading axis "
+                     r"of 1.*P\(\) where jaxfuse\.state_specs\(state\) "
+                     r"gives P\('data'\)"):
+    _one_step(auto, opt, P())(params, state, x)
+  good = _one_step(mesh, opt, jaxfuse.state_specs(state))
+  new_params, _ = good(params, jaxfuse.init_state(opt, params, mesh), x)
+  assert jax.tree.structure(new_params) == jax.tree.structure(params)
+
+
+def test_onebit_adamw_without_a_dense_step_warns(monkeypatch):
+  """onebit_adamw's sparse steps before any dense step leave v = 0 and
+  the update zero: the run trains nothing, and says so (once), on the
+  first such step under jit. After a dense step nothing is said."""
+  params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
+  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  assert any(l.mode == "sparse" for l in plan.leaves)
+  mesh = jaxfuse.make_mesh(NUM_WORKERS)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.arange(NUM_WORKERS * 4 * 64.0).reshape(-1, 64)
+                     / 1e4, NamedSharding(mesh, P("data")))
+  sparse_opt = jaxfuse.onebit_adamw(plan, 0.1, weight_decay=0.0)
+  dense_opt = jaxfuse.onebit_adamw(jaxfuse.with_density(plan, 1.0), 0.1,
+                                   weight_decay=0.0)
+  state = jaxfuse.init_state(sparse_opt, params, mesh)
+  specs = jaxfuse.state_specs(state)
+  sparse = _one_step(mesh, sparse_opt, specs)
+  monkeypatch.setattr(jaxfuse.recipe_checks, "_warned", [])
+  with pytest.warns(UserWarning, match="before any dense step.*trains "
+                    "nothing.*dense_steps="):
+    moved, _ = sparse(params, state, x)
+    jax.block_until_ready(moved)
+    jax.effects_barrier()
+  np.testing.assert_array_equal(moved["w"], params["w"])   # nothing trained
+  monkeypatch.setattr(jaxfuse.recipe_checks, "_warned", [])
+  import warnings as warnings_lib
+  with warnings_lib.catch_warnings():
+    warnings_lib.simplefilter("error")
+    params2, state = _one_step(mesh, dense_opt, specs)(params, state, x)
+    moved, _ = sparse(params2, state, x)
+    jax.block_until_ready(moved)
+    jax.effects_barrier()
+  assert not np.array_equal(moved["w"], params2["w"])
+
+
+def test_a_loss_returning_a_tuple_names_both_fixes_not_example_args():
+  """An NNX-style loss returning (loss, state) used to fail in jax.grad
+  with a hint to fix example_args; the planner now names what the loss
+  returned and how to pass the scalar loss. A per-example loss too."""
+  def nnx_style(params, x):
+    return jnp.sum(params["w"] @ x), {"count": jnp.ones(())}
+  x = jnp.ones((64, 3))
+  with pytest.raises(jaxfuse.PlanError) as e:
+    jaxfuse.plan(PARAMS, loss_fn=nnx_style, example_args=(x,))
+  assert re.search(r"returned a tuple of 2 parts.*scalar loss.*"
+                   r"lambda params, \*args: f\(params, \*args\)\[0\]",
+                   str(e.value))
+  assert "example_args" not in str(e.value)
+  per_example = lambda params, x: jnp.sum(params["w"] @ x, axis=0)
+  with pytest.raises(jaxfuse.PlanError, match=r"array of shape \(3,\).*mean "
+                     "of per-example losses"):
+    jaxfuse.plan(PARAMS, loss_fn=per_example, example_args=(x,))
+  scalar = lambda params, x: nnx_style(params, x)[0]
+  assert jaxfuse.plan(PARAMS, loss_fn=scalar, example_args=(x,)).provenance[
+      "ready_order"] == "jaxpr"
+
+
+def test_the_cli_names_a_tuple_loss_without_an_example_args_hint(
+    tmp_path, monkeypatch, capsys):
+  from jaxfuse.planning import cli
+  (tmp_path / "nnxmodel.py").write_text(
+      "import jax.numpy as jnp\n"
+      "def make():\n"
+      "  params = {'w': jnp.ones((64, 32)), 'b': jnp.zeros((64,))}\n"
+      "  def loss(p, x):\n"
+      "    return jnp.sum(p['w'] @ x + p['b'][:, None]), {'n': 1}\n"
+      "  return loss, params, jnp.ones((32, 2))\n")
+  monkeypatch.chdir(tmp_path)
+  assert cli.main(["plan", "nnxmodel:make", "--strategy", "single", "-o",
+                   "p.json"]) == cli.EXIT_USAGE
+  err = capsys.readouterr().err
+  assert "returned a tuple of 2 parts" in err and "[0]" in err
+  assert "example_args" not in err and not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("recipe,old,new", [
+    ("sgd", dict(nesterov=True, residual_decay=0.8, clip_norm=1.0,
+                 mask=lambda p: {"w": True, "b": False}),
+     dict(sgd_options=jaxfuse.SGDOptions(nesterov=True, residual_decay=0.8),
+          options=jaxfuse.RecipeOptions(
+              clip_norm=1.0, mask=lambda p: {"w": True, "b": False}))),
+    ("onebit_adamw", dict(b1=0.8, b2=0.99, clip_norm=0.5),
+     dict(betas=(0.8, 0.99), options=jaxfuse.RecipeOptions(clip_norm=0.5))),
+    ("local_adamw", dict(b2=0.9, axis_name="data"),
+     dict(betas=(0.9, 0.9), options=jaxfuse.RecipeOptions())),
+    ("demo", dict(clip_norm=2.0), dict(options=jaxfuse.RecipeOptions(
+        clip_norm=2.0))),
+])
+def test_recipes_old_keywords_warn_and_step_bitwise_alike(recipe, old, new):
+  """0.2's keywords (b1/b2, nesterov, residual_decay, clip_norm, mask,
+  axis_name) still work until 0.4, with a DeprecationWarning naming the
+  new spelling (betas=, sgd_options=, options=), and the step they make
+  is bitwise the new spelling's."""
+  params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
+  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  if recipe == "onebit_adamw":
+    plan = jaxfuse.with_density(plan, 1.0)
+  make = jaxfuse.RECIPES[recipe]
+  with pytest.warns(DeprecationWarning, match=r"is now (betas=|sgd_options="
+                    r"|options=jaxfuse\.RecipeOptions)"):
+    old_opt = make(plan, 0.1, **old)
+  import warnings as warnings_lib
+  with warnings_lib.catch_warnings():
+    warnings_lib.simplefilter("error", DeprecationWarning)
+    new_opt = make(plan, 0.1, **new)
+  mesh = jaxfuse.make_mesh(NUM_WORKERS)
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  x = jax.device_put(jnp.arange(NUM_WORKERS * 4 * 64.0).reshape(-1, 64)
+                     / 1e3, NamedSharding(mesh, P("data")))
+  outs = []
+  for opt in (old_opt, new_opt):
+    state = jaxfuse.init_state(opt, params, mesh)
+    step = _one_step(mesh, opt, jaxfuse.state_specs(state))
+    p, s = step(params, state, x)
+    outs.append(step(p, s, x))
+  for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]),
+                  strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert not np.array_equal(np.asarray(outs[1][0]["w"]), params["w"])
+
+
+def test_recipes_name_the_new_spelling_of_a_bad_argument(plan):
+  with pytest.raises(jaxfuse.SyncError, match=r"betas=0\.9 is one number; "
+                     r"pass betas=\(b1, b2\)"):
+    jaxfuse.onebit_adamw(plan, 1e-3, 0.9, 0.999)   # 0.2's positional b1, b2
+  with pytest.raises(jaxfuse.SyncError, match=r"betas=\(0\.9,\) must be"):
+    jaxfuse.local_adamw(plan, 1e-3, betas=(0.9,))
+  with pytest.raises(jaxfuse.SyncError, match="options=.*jaxfuse.RecipeOpt"):
+    jaxfuse.demo(plan, 1e-3, options={"clip_norm": 1.0})
+  with pytest.raises(jaxfuse.SyncError, match="sgd_options=.*SGDOptions"):
+    jaxfuse.sgd(plan, 1e-3, sgd_options=jaxfuse.RecipeOptions())
+  with pytest.raises(TypeError, match="unexpected keyword argument 'nesterov'"):
+    jaxfuse.onebit_adamw(plan, 1e-3, nesterov=True)
+  with pytest.raises(jaxfuse.SyncError, match="clip_norm"):
+    jaxfuse.sgd(plan, 1e-3, options=jaxfuse.RecipeOptions(clip_norm=-1.0))

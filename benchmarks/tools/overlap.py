@@ -248,7 +248,8 @@ def sparse_step(mesh, plan, loss_fn, params, options,
   """The README recipe's sparse phase, jitted with ``options``, in the
   ``form`` (a ``StepForm``)."""
   delay, early, window, start_early, donate, finish_under_last = form
-  opt = jaxfuse.onebit_adamw(plan, 1e-4, clip_norm=1.0, weight_decay=0.01)
+  opt = jaxfuse.onebit_adamw(plan, 1e-4, weight_decay=0.01,
+                             options=jaxfuse.RecipeOptions(clip_norm=1.0))
   if delay:
     opt = jaxfuse.delayed(opt)
   state = jaxfuse.init_state(opt, params, mesh)

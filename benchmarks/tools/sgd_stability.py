@@ -157,8 +157,9 @@ def main(argv=None):
         plan = jaxfuse.plan({"w": jax.ShapeDtypeStruct((args.dim,), "float32")},
                             density=density, strategy="single", seed=0)
         opt = jaxfuse.sgd(plan, lr, momentum=args.momentum,
-                          nesterov=nesterov, mask_momentum=mask,
-                          residual_decay=decay)
+                          sgd_options=jaxfuse.SGDOptions(
+                              nesterov=nesterov, mask_momentum=mask,
+                              residual_decay=decay))
       losses = run(opt, (a, b), mesh, args, dense=density is None,
                    horizons=set(horizons))
       result["runs"].append({"name": name, "density": density, "mask": mask,

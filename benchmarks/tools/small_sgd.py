@@ -108,8 +108,9 @@ def train_small(problem, recipe: str, density: float, lr: float,
       return optax.sgd(lr, momentum=momentum)
     if recipe == "naive":
       return optax.chain(jaxfuse.sparse_sync(p), optax.sgd(lr, momentum))
-    return jaxfuse.sgd(p, lr, momentum, mask_momentum=recipe == "sgd_masked",
-                       residual_decay=residual_decay, nesterov=nesterov)
+    return jaxfuse.sgd(p, lr, momentum, sgd_options=jaxfuse.SGDOptions(
+        mask_momentum=recipe == "sgd_masked", residual_decay=residual_decay,
+        nesterov=nesterov))
 
   phases = (jaxfuse.density_warmup(plan, steps=warm_steps)
             if recipe.startswith("sgd") else (jaxfuse.Phase(0, None, plan),))

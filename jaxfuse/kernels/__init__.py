@@ -75,8 +75,7 @@ def _warn_no_triton() -> None:
     warnings.warn(
         f"jaxfuse: JAX {jax.__version__} has no Pallas Triton backend; "
         "the GPU kernels fall back to their XLA reference (the same "
-        "results, bit for bit; on gpt2-small up to about 2 ms a step "
-        "slower).",
+        "results, bit for bit, in more and slower kernels a step).",
         RuntimeWarning, stacklevel=3)
 
 

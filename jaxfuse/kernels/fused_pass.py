@@ -294,9 +294,9 @@ def _scan_write_kernel(offset_ref, cnt_ref, bits_ref, bmax_ref, bpos_ref,
 
 # Pass 2 scans the block counts itself (one kernel fewer per state group)
 # for units of at most this many blocks; larger ones keep the scan kernel
-# (each program's scan is O(blocks)). 0: always the scan kernel. On
-# gpt2-small's sparse step (1 × H200) folding it cost 17 µs of GPU time
-# and saved 5 launches, the same step time (docs/benchmarks.md).
+# (each program's scan is O(blocks)). 0: always the scan kernel. Folding
+# trades a little GPU time for fewer launches; up to this size the two
+# balance (measured: docs/benchmarks.md).
 SCAN_IN_PASS2_BLOCKS = 4096
 
 

@@ -56,8 +56,8 @@ race; on a GPU the winner writes its index.  In interpret mode (where lanes
 of one vector that hit the same claim word are not serialized) each claimant
 writes a token unique to its input position and reads it back (ZEN's
 read-after-write check, Technique #4) to keep one winner.  (Doing the same
-on the GPU left tokens in the table on an H200, cause not established; the
-atomic claim alone is race-free there.)  The serial region takes one
+on a GPU left tokens in the table, cause not established; the atomic claim
+alone is race-free there.)  The serial region takes one
 ``atomic_add`` per partition and block: the failed lanes of a block are ranked
 within their partition, the first of each group reserves the group, and each
 lane writes at ``r1 + base + rank`` (warp-aggregated atomics).  Claim words and

@@ -70,8 +70,8 @@ from jaxfuse.kernels.compare import comparison_threshold
 
 plgpu = _compat.pallas_triton()  # None: this JAX has no Triton backend
 
-# Fastest of the configurations swept on an H100 at 100M elements, densities
-# 0.01 and 0.05 (benchmarks/kernels.py --sweep; docs/benchmarks.md).
+# The fastest of the configurations swept on a GPU at 100M elements,
+# densities 0.01 and 0.05 (benchmarks/kernels.py --sweep; docs/benchmarks.md).
 DEFAULT_BLOCK = 8192
 DEFAULT_TILE = 8192
 DEFAULT_NUM_WARPS = 8

@@ -38,10 +38,11 @@ from jaxfuse.kernels import selection
 SAMPLE = 1 << 18      # sample size s
 MARGIN = 4.0          # sample standard deviations on each side of rank k
 MIN_SIZE = 1 << 16    # below this, the reference always runs
-# Where the kernel path starts to pay (dispatch, kernels.kth_largest_magnitude),
-# on an H100 at density 0.01: one array, lax.top_k 0.17 ms at 2M elements
-# (the kernel path 0.16), 0.27 ms at 4M (0.17); under vmap, 12 rows of 262K
-# 0.67 ms (0.78), of 590K 2.2 ms (0.80); 2 rows of 1M 0.62 ms (0.23).
+# Where the kernel path starts to pay (dispatch, kernels.kth_largest_magnitude):
+# lax.top_k grows faster with the row than the sampled kernel path, which
+# has a fixed cost of a few launches; one array pays from about 4M elements,
+# rows under vmap from about 512K each (measured at density 0.01:
+# docs/benchmarks.md).
 PAYS_FROM = 1 << 22
 BATCHED_PAYS_FROM = 1 << 19
 

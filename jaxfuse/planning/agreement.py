@@ -82,6 +82,18 @@ def check_same_collectives(compiled, *, what: str = "the step") -> list[str]:
   Every process must call it (it gathers across processes); in one process
   it only reads the list. Calling the jitted function with the same
   arguments afterwards runs this compiled program, not a new compile.
+
+  Args:
+    compiled: a compiled step, or its HLO text.
+    what: how the error names the program.
+
+  Returns:
+    This process's collectives, one line each, in program order.
+
+  Raises:
+    CollectivesDifferError: the processes' lists differ, naming the first
+      collective that differs and the processes.
+    TypeError: ``compiled`` is neither a compiled program nor text.
   """
   if not (isinstance(compiled, str) or callable(getattr(compiled, "as_text",
                                                         None))):

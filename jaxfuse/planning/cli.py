@@ -160,6 +160,13 @@ def _check_loss(spec: str, loss_fn, params, example_args) -> None:
   """Trace the model's loss and gradient (no compiling, no running), so a
   loss that fails is one line before minutes of measuring."""
   import jax  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import ordering  # pylint: disable=g-import-not-at-top
+  try:
+    ordering.check_scalar_loss(loss_fn, params, *example_args)
+  except ordering.LossOutputError as e:
+    raise UsageError(f"--model {spec}: {e}") from e
+  except Exception:  # pylint: disable=broad-except
+    pass   # the loss itself fails: reported below, with its arguments
   try:
     jax.eval_shape(jax.value_and_grad(loss_fn), params, *example_args)
   except Exception as e:  # the user's code: report it in one line

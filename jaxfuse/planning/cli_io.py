@@ -164,5 +164,5 @@ def save(obj, path: str, what: str) -> None:
 
 
 def ms(seconds: float) -> str:
-  """'12.345 ms'."""
+  """Seconds as milliseconds, three decimals, with the unit."""
   return f"{seconds * 1e3:.3f} ms"

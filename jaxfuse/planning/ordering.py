@@ -18,6 +18,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse import plan_checks
+
+
+class LossOutputError(plan_checks.PlanError):
+  """The loss returns something other than one scalar (a tuple such as
+  NNX's ``(loss, state)``, or a per-example array)."""
+
+
+def check_scalar_loss(loss_fn: Callable, params, *args) -> None:
+  """Raise ``LossOutputError`` unless ``loss_fn(params, *args)`` is a scalar.
+
+  Only the output's shape is traced (``jax.eval_shape``); an error the
+  loss itself raises (e.g. from wrong ``args``) propagates unchanged.
+
+  Args:
+    loss_fn: the loss, ``loss_fn(params, *args)``.
+    params: the parameters (arrays or ``jax.ShapeDtypeStruct``s).
+    *args: the arguments the loss takes after ``params``.
+
+  Raises:
+    LossOutputError: naming what the loss returned and both fixes.
+  """
+  out = jax.eval_shape(loss_fn, params, *args)
+  leaves = jax.tree.leaves(out)
+  if len(leaves) == 1 and not isinstance(out, (tuple, list, dict)) and (
+      np.shape(leaves[0]) == ()):
+    return
+  if isinstance(out, (tuple, list)):
+    what = (f"a {type(out).__name__} of {len(out)} parts (e.g. NNX's or a "
+            "has_aux loss's (loss, state))")
+  else:
+    shapes = [tuple(np.shape(x)) for x in leaves]
+    what = (f"{type(out).__name__} of shapes {shapes}" if len(leaves) != 1
+            else f"an array of shape {shapes[0]}")
+  raise LossOutputError(
+      f"loss_fn returned {what}; the planner differentiates it and needs "
+      "the scalar loss. Pass a function that returns only the loss: "
+      "loss_fn=lambda params, *args: f(params, *args)[0] for a loss that "
+      "returns (loss, aux), or the mean of per-example losses.")
+
 
 def _sub_jaxprs(eqn):
   for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
@@ -45,6 +85,7 @@ def ready_order(loss_fn: Callable, params, *args) -> list[int]:
   """Leaf ids of ``params`` (pytree order) sorted by backward-ready time."""
   unsharded = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
   params, args = jax.tree.map(unsharded, (params, args))
+  check_scalar_loss(loss_fn, params, *args)
   closed = jax.make_jaxpr(jax.grad(loss_fn))(params, *args)
   keys = _ready_keys(closed.jaxpr)
   out_keys = [() if hasattr(v, "val") else keys.get(v, ())  # Literal: ()

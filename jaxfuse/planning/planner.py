@@ -432,6 +432,8 @@ def _backward_order(loss_fn, params, example_args) -> list[int]:
                              "loss_fn(params, *example_args).")
   try:
     return ordering.ready_order(loss_fn, params, *tuple(example_args))
+  except ordering.LossOutputError:
+    raise   # names its own fixes; example_args are not the cause
   except Exception as e:  # the user's code: any error
     raise plan_lib.PlanError(
         "reading the backward order: jax.grad(loss_fn)(params, "

@@ -46,9 +46,8 @@ schedule hides less (a large last bucket, ready only when the backward
 ends) is slower at every η < 1. Whenever the ideal schedule could hide
 everything, the simulated overlap ratio is exactly η. The iteration time
 is non-decreasing in every time, byte count, α and β, and non-increasing
-in η. (Measured against cap-style models:
-benchmarks/results/planner_accuracy.md, "A share of the ideal saving
-instead of a cap".)
+in η. (Why a share of the ideal saving instead of a cap, measured
+against cap-style models: docs/, planner accuracy.)
 """
 
 from __future__ import annotations
