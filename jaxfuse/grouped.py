@@ -20,13 +20,13 @@ work at all.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxfuse import plans as plan_lib
-from jaxfuse import schedule as schedule_lib
 
 
 class Grouped(NamedTuple):
@@ -50,14 +50,28 @@ class Layout(NamedTuple):
                            self.units[ids[0]])) for ids in self.groups]
 
 
-def layout(plan: plan_lib.Plan,
-           sched: schedule_lib.Schedule | None = None) -> Layout:
-  """The plan's ``Layout``: the state groups of its all-gather buckets
-  (the only scheme whose decode writes a group as one array) as rows,
-  every other leaf loose (``sched``: the plan's schedule, if compiled
-  already). It depends on the plan's layout only
-  (``schedule.layout_difference``), so every phase of a warm-up shares it."""
-  sched = sched or schedule_lib.compile_plan(plan)
+def layout(steps, sched=None) -> Layout:
+  """The ``Layout`` of a compiled plan: the state groups of its all-gather
+  buckets (the only scheme whose decode writes a group as one array) as
+  rows, every other leaf loose. It depends on the plan's layout only
+  (``schedule.layout_difference``), so every phase of a warm-up shares it.
+
+  Args:
+    steps: the compiled plan (``schedule.compile_plan(plan)``); a ``Plan``
+      still works until 0.4, with a DeprecationWarning.
+    sched: 0.2's second argument, the plan compiled; used where given.
+
+  Returns:
+    The ``Layout``.
+  """
+  if sched is None and isinstance(steps, plan_lib.Plan):
+    warnings.warn(
+        "grouped.layout(plan) is deprecated (removed in 0.4): pass the "
+        "compiled plan, grouped.layout(jaxfuse.schedule.compile_plan("
+        "plan)).", DeprecationWarning, stacklevel=2)
+    from jaxfuse import schedule  # pylint: disable=g-import-not-at-top
+    sched = schedule.compile_plan(steps)
+  sched = sched or steps
   gather = {g for b in sched.buckets if b.collective == "allgather"
             for g in b.groups}
   group_ids = tuple(g for g in range(len(sched.groups)) if g in gather)
@@ -65,9 +79,8 @@ def layout(plan: plan_lib.Plan,
   units = sched.unit_placement()
   in_rows = {j for ids in groups for u in ids for j, _ in units[u]}
   return Layout(group_ids, groups, units,
-                tuple(j for j in range(len(plan.leaves)) if j not in in_rows),
-                tuple(l.shape for l in plan.leaves),
-                tuple(l.path for l in plan.leaves))
+                tuple(j for j in range(sched.num_leaves) if j not in in_rows),
+                tuple(sched.leaf_shapes), tuple(sched.leaf_paths))
 
 
 def group(lay: Layout, tree: Any) -> Grouped:

@@ -23,6 +23,7 @@ import hashlib
 import math
 import numbers
 
+from jaxfuse import bucket_pass
 from jaxfuse import plans as plan_lib
 
 PSUM, FULL, SPARSE = "psum", "full", "sparse"
@@ -44,6 +45,34 @@ class BucketStep:
   groups: tuple[int, ...]          # the state groups of its units
   placement: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
   """Per unit of ``units``: (unit id, ((leaf id, offset in the unit), …))."""
+  settings: plan_lib.Settings
+  """The plan's settings: the estimators' knobs, the wire dtypes, the
+  schemes' configuration."""
+  unit_specs: tuple[plan_lib.Unit, ...]   # of ``units``, in that order
+  wire_specs: tuple[plan_lib.Unit, ...]   # as they travel (``wire_unit``)
+  group_units: tuple[tuple[int, ...], ...]  # per group of ``groups``
+  group_dtypes: tuple[str, ...]           # per group: its residuals' dtype
+  leaf_shapes: tuple[tuple[int, tuple[int, ...]], ...]  # (leaf id, shape)
+  blends: frozenset[int]
+  """The groups whose stream the fused pass forms from a ``Blend``'s parts
+  when m comes leaf by leaf: those of matrices, vectors and scalars
+  (``blendable``)."""
+  batches: tuple[bucket_pass.Batch, ...]  # sparse: rows of one selection
+
+  def unit(self, u: int) -> plan_lib.Unit:
+    """Unit ``u`` of this bucket (a unit id of ``units``)."""
+    return self.unit_specs[self.units.index(u)]
+
+  def units_of(self, g: int) -> tuple[int, ...]:
+    """The unit ids of state group ``g`` (one of ``groups``), in row order."""
+    return self.group_units[self.groups.index(g)]
+
+  def dtype_of(self, g: int) -> str:
+    """The residual dtype of state group ``g`` (one of ``groups``)."""
+    return self.group_dtypes[self.groups.index(g)]
+
+  def leaf_shape(self, j: int) -> tuple[int, ...]:
+    return dict(self.leaf_shapes)[j]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +84,10 @@ class Schedule:
   buckets: tuple[BucketStep, ...]
   num_leaves: int
   wire_units: tuple[plan_lib.Unit, ...]      # as they travel, ``wire_unit``
+  settings: plan_lib.Settings = plan_lib.Settings()
+  leaf_shapes: tuple[tuple[int, ...], ...] = ()   # every leaf's, in order
+  leaf_dtypes: tuple[str, ...] = ()
+  leaf_paths: tuple[str, ...] = ()
 
   def bucket_units(self, b: BucketStep) -> tuple[plan_lib.Unit, ...]:
     """The units of bucket ``b``, in its ready order."""
@@ -71,14 +104,42 @@ class Schedule:
     return tuple(self.wire_units[u] for u in b.units)
 
 
+def blendable(shapes) -> bool:
+  """Whether a state group of leaves of ``shapes`` has its stream formed by
+  the fused pass from a ``Blend``'s parts when m comes leaf by leaf: when
+  its leaves are all matrices, vectors or scalars. A gradient of more
+  dimensions (an attention projection's (d, heads, head_dim), a
+  convolution's kernel) is often a slice of a fused dot's result or in
+  another layout; the kernel would need it copied out first, costing what
+  forming x saves, whereas XLA fuses the slice or transpose into forming x
+  itself. A group whose m comes as rows (``jaxfuse.grouped``) is always
+  formed in the pass: the pass reads the rows where they are, where XLA
+  would read a row of m's stack as a strided slice."""
+  return all(len(shape) <= 2 for shape in shapes)
+
+
 def compile_plan(plan: plan_lib.Plan) -> Schedule:
-  """The plan's ``Schedule``: made once per transform, read at every trace."""
+  """The plan's ``Schedule``: made once per transform, read at every trace.
+
+  Args:
+    plan: a ``jaxfuse.Plan``.
+
+  Returns:
+    Its ``Schedule``: per bucket a ``BucketStep`` that carries what the
+    bucket's stages need (its units, their dtypes and capacities, its
+    state groups, its leaves' shapes, the settings), so nothing below the
+    transform reads the plan.
+  """
   all_units, per_bucket = plan_lib.units(plan)
   groups = plan_lib.group_units(all_units, per_bucket)
   group_of = {u: g for g, ids in enumerate(groups) for u in ids}
   group_of_unit = tuple(group_of[u] for u in range(len(all_units)))
   group_dtypes = tuple(plan_lib.state_dtype(all_units[ids[0]], plan.settings)
                        for ids in groups)
+  collective_of = {u: b.collective for b, ids in zip(plan.buckets, per_bucket)
+                   for u in ids}
+  wire_units = tuple(plan_lib.wire_unit(unit, plan.settings, collective_of[u])
+                     for u, unit in enumerate(all_units))
   steps = []
   for i, (bucket, ids) in enumerate(zip(plan.buckets, per_bucket)):
     if bucket.collective == "psum":
@@ -91,17 +152,23 @@ def compile_plan(plan: plan_lib.Plan) -> Schedule:
         (u, tuple(zip(all_units[u].leaves,
                       plan_lib.leaf_offsets(plan, all_units[u]))))
         for u in ids)
-    steps.append(BucketStep(i, bucket.collective, kind, tuple(bucket.leaves),
-                            tuple(ids),
-                            tuple(sorted({group_of_unit[u] for u in ids})),
-                            placement))
-  collective_of = {u: b.collective for b, ids in zip(plan.buckets, per_bucket)
-                   for u in ids}
+    gids = tuple(sorted({group_of_unit[u] for u in ids}))
+    shapes = lambda g: [plan.leaves[j].shape for u in groups[g]
+                        for j in all_units[u].leaves]
+    steps.append(BucketStep(
+        i, bucket.collective, kind, tuple(bucket.leaves), tuple(ids), gids,
+        placement, plan.settings, tuple(all_units[u] for u in ids),
+        tuple(wire_units[u] for u in ids), tuple(groups[g] for g in gids),
+        tuple(group_dtypes[g] for g in gids),
+        tuple((j, plan.leaves[j].shape) for j in bucket.leaves),
+        frozenset(g for g in gids if blendable(shapes(g))),
+        tuple(bucket_pass.batches(all_units, groups, gids))
+        if kind == SPARSE else ()))
   return Schedule(all_units, groups, group_dtypes, group_of_unit,
-                  tuple(steps), len(plan.leaves),
-                  tuple(plan_lib.wire_unit(unit, plan.settings,
-                                           collective_of[u])
-                        for u, unit in enumerate(all_units)))
+                  tuple(steps), len(plan.leaves), wire_units, plan.settings,
+                  tuple(l.shape for l in plan.leaves),
+                  tuple(l.dtype for l in plan.leaves),
+                  tuple(l.path for l in plan.leaves))
 
 
 def layout(plan: plan_lib.Plan, sched: Schedule | None = None) -> tuple:

@@ -141,7 +141,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     reads m and the gradient, which saves writing x out and reading it
     back: for every state group whose m comes as a ``Grouped``'s rows
     (read where they are), and for groups of matrices and vectors when m
-    comes leaf by leaf (``bucket_sync.blends``).
+    comes leaf by leaf (``schedule.blendable``).
   """
   plan_lib.require_plan(plan, "sparse_sync")
   check_rate("sparse_sync", "momentum", momentum, "[0, 1)")
@@ -155,7 +155,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
   axis_name, _ = axis_names(axis_name)
   sched = schedule_lib.compile_plan(plan)
   digest = schedule_lib.layout_digest(plan, sched)
-  lay = grouped.layout(plan, sched)   # of a Grouped blend's m
+  lay = grouped.layout(sched)   # of a Grouped blend's m
   groups, group_dtypes = sched.groups, sched.group_dtypes
   all_units = sched.units
   settings = plan.settings
@@ -198,7 +198,7 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     sizes = (tuple(_compat.axis_size(a) for a in axis_name)
              if isinstance(axis_name, tuple) else None)
     wire_bytes = sum(w.sent for w in collectives.bucket_wire(
-        plan, num_workers, sizes, sched=sched))
+        sched, num_workers, sizes))
     rule = bucket_sync.Rule(momentum, nesterov, mask_momentum, residual_decay)
     step = state.step[0]
     ctrl = jax.tree.map(lambda x: x[0], state.control)
@@ -208,11 +208,11 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     velocity = [v[0] for v in state.velocity]
     ctrl_chunks = []   # (unit ids, Control of (G,) arrays)
     stat_chunks = []   # (leaf ids, {stat: (G,) array})
+    inputs = bucket_sync.Inputs(flat, parts, m_rows)
+    carry = bucket_sync.Carry(residuals, velocity, ctrl, step)
 
     for b in sched.buckets:   # the plan's (backward-ready) order
-      out = bucket_sync.sync_bucket(plan, sched, b, flat, residuals, velocity,
-                                   ctrl, step, axis_name, rule, parts,
-                                   m_rows)
+      out = bucket_sync.sync_bucket(b, inputs, carry, axis_name, rule)
       for j, x in out.leaves.items():
         synced[j] = x
       for g, r in out.residuals.items():
