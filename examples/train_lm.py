@@ -371,7 +371,7 @@ def main(argv=None) -> dict:
     # saved plan, then carry the optimizer state over to this one
     saved = jaxfuse.checkpoint.saved_plan(mngr)
     carry = bool(plan and saved and
-                 jaxfuse.schedule.layout_difference(saved, plan))
+                 jaxfuse.bucket_steps.layout_difference(saved, plan))
     try:
       like = (jaxfuse.init_state(make_opt(saved), _cast(params, grad_dtype),
                                  mesh, AXIS) if carry else opt_state)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse import kernels
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse import radix_select
 from jaxfuse import sparsify
 
@@ -41,7 +41,7 @@ class Batch(NamedTuple):
   group: int          # state group
   rows: list[int]     # its rows in the batch
   units: list[int]    # their unit ids
-  unit: plan_lib.Unit  # the first (capacity, density, estimator, size)
+  unit: plans.Unit  # the first (capacity, density, estimator, size)
 
 
 def take(x, ids):
@@ -122,7 +122,7 @@ def by_chunk(fn, x, *rowwise):
   return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outs)
 
 
-def batches(all_units: Sequence[plan_lib.Unit], groups: Sequence[list[int]],
+def batches(all_units: Sequence[plans.Unit], groups: Sequence[list[int]],
             gids: Sequence[int]) -> list[Batch]:
   """The batches of state groups ``gids``: rows of one capacity, density
   and estimator, in row order."""
@@ -176,7 +176,7 @@ def sparsify_groups(todo: Sequence[Batch], grads, residuals, ctrl, step,
 
   pass_args = []   # (streams, r, τ, capacity, offset) per batch
   for i, b in enumerate(todo):
-    target = plan_lib.target_count(b.unit.density, b.unit.size)
+    target = plans.target_count(b.unit.density, b.unit.size)
     tau, offset = by_chunk(
         lambda x_, r_, c_, s_, e_, sel=sels[i], k=target: jax.vmap(
             lambda *a: sparsify.unit_threshold(
@@ -197,7 +197,7 @@ def sparsify_groups(todo: Sequence[Batch], grads, residuals, ctrl, step,
             if sparsify.needs_topk_finish(b.unit.size, **sels[i].kw())]
   kths = _kth([jnp.abs(passes[i][1].values).astype(jnp.float32)
                for i in staged],
-              [plan_lib.target_count(todo[i].unit.density, todo[i].unit.size)
+              [plans.target_count(todo[i].unit.density, todo[i].unit.size)
                for i in staged])
   for i, kth in zip(staged, kths):
     b = todo[i]

@@ -8,7 +8,7 @@ Per worker k and unit (``transform.sparse_sync`` has the whole rule)::
   acc_k = x_k + d·r_k ;  sent_k = top(acc_k) ;  r_k' = acc_k − sent_k + kept_k
   out = (1/K)·Σ_k sent_k − (1/K)·Σ_k kept_k
 
-Reads only its bucket's ``schedule.BucketStep``: the plan compiled once by
+Reads only its bucket's ``bucket_steps.BucketStep``: the plan compiled once by
 the transform; nothing here sees the whole plan.
 """
 
@@ -26,7 +26,7 @@ from jaxfuse import bucket_pass
 from jaxfuse import collectives
 from jaxfuse import kernels
 from jaxfuse import plans
-from jaxfuse import schedule as schedule_lib
+from jaxfuse import bucket_steps
 from jaxfuse import stats as stats_lib
 
 
@@ -73,7 +73,7 @@ class Carry(NamedTuple):
   step: jax.Array
 
 
-def sync_bucket(b: schedule_lib.BucketStep, inputs: Inputs, carry: Carry,
+def sync_bucket(b: bucket_steps.BucketStep, inputs: Inputs, carry: Carry,
                 axis_name, rule: Rule) -> BucketOut:
   """One bucket: accumulate, select (or send all), collective, place.
 
@@ -88,14 +88,14 @@ def sync_bucket(b: schedule_lib.BucketStep, inputs: Inputs, carry: Carry,
     Its ``BucketOut``.
   """
   flat = inputs.flat
-  if b.kind == schedule_lib.PSUM:
+  if b.kind == bucket_steps.PSUM:
     leaves, stats = _psum_bucket(b, flat, axis_name)
     return BucketOut(leaves, {}, {}, [], stats)
   parts = inputs.parts
-  if b.kind == schedule_lib.FULL or rule.momentum:
+  if b.kind == bucket_steps.FULL or rule.momentum:
     parts = None
   streams = _bucket_streams(b, inputs._replace(parts=parts), carry, rule)
-  if b.kind == schedule_lib.FULL:
+  if b.kind == bucket_steps.FULL:
     dense, res, vel, stats = _full_bucket(b, streams, carry, axis_name, rule)
     # Their thresholds are not used; kept as they were.
     control = [(list(b.units), jax.tree.map(

@@ -51,7 +51,7 @@ from jaxfuse import _compat
 from jaxfuse import clipping
 from jaxfuse import grouped
 from jaxfuse import plans as plan_lib
-from jaxfuse import schedule as schedule_lib
+from jaxfuse import bucket_steps
 from jaxfuse import transform
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
@@ -315,8 +315,8 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       weight_decay=weight_decay, clip_norm=clip_norm)
   _check_betas("onebit_adamw", b1=b1, b2=b2)
   _check_clip(clip_norm)
-  sched = schedule_lib.compile_plan(plan)
-  dense_phase = all(b.kind != schedule_lib.SPARSE for b in sched.buckets)
+  sched = bucket_steps.compile_plan(plan)
+  dense_phase = all(b.kind != bucket_steps.SPARSE for b in sched.buckets)
   sync = transform.sparse_sync(plan, axis_name)
   # m as the all-gather decode writes it: the decoded array is the new m
   lay = grouped.layout(plan, sched)

@@ -17,7 +17,7 @@ import pytest
 import jaxfuse
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
-from jaxfuse import schedule
+from jaxfuse import bucket_steps
 
 from _harness import gathered_words, init, list_plan, shard, sharded_update
 from _harness import sync
@@ -399,13 +399,13 @@ def test_packed_indices_leave_other_schemes_int32(collective, settings):
   plain, packed = made(False), made(True)
   assert packed.settings.packed_indices
   assert packed.bytes_per_worker() == plain.bytes_per_worker()
-  sched = schedule.compile_plan(packed)
+  sched = bucket_steps.compile_plan(packed)
   assert {u.index_bits for u in sched.wire_units} == {32}
   assert collectives.bucket_steps(packed, 4) == collectives.bucket_steps(
       plain, 4)
   with_ag = dataclasses.replace(packed, buckets=tuple(
       dataclasses.replace(b, collective="allgather") for b in packed.buckets))
-  assert {u.index_bits for u in schedule.compile_plan(
+  assert {u.index_bits for u in bucket_steps.compile_plan(
       with_ag).wire_units} == {10, 12}
 
 

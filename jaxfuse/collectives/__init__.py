@@ -20,7 +20,7 @@ import warnings
 
 import numpy as np
 
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.collectives import base
 from jaxfuse.collectives import hier
 from jaxfuse.collectives.allgather import AllGather
@@ -41,7 +41,7 @@ SCHEMES: dict[str, Scheme] = {
 def get(name: str) -> Scheme:
   """The scheme called ``name`` (``plans.COLLECTIVES``)."""
   if name not in SCHEMES:
-    raise plan_lib.PlanError(f"collective {name!r} is not available; use one "
+    raise plans.PlanError(f"collective {name!r} is not available; use one "
                              f"of {tuple(SCHEMES)}.")
   return SCHEMES[name]
 
@@ -49,15 +49,16 @@ def get(name: str) -> Scheme:
 def _compiled(steps, where: str):
   """``steps`` as compiled bucket steps: a ``Plan`` (0.2's argument) is
   compiled here for one more release, with a DeprecationWarning."""
-  if not isinstance(steps, plan_lib.Plan):
+  if not isinstance(steps, plans.Plan):
     return steps
   warnings.warn(
       f"collectives.{where}(plan, ...) is deprecated (removed in 0.4): "
       f"pass the compiled plan, collectives.{where}("
-      "jaxfuse.schedule.compile_plan(plan), ...).", DeprecationWarning,
+      "jaxfuse.bucket_steps.compile_plan(plan), ...).", DeprecationWarning,
       stacklevel=3)
-  from jaxfuse import schedule  # pylint: disable=g-import-not-at-top
-  return schedule.compile_plan(steps)
+  # pylint: disable-next=g-import-not-at-top
+  from jaxfuse.bucket_steps import compile_plan
+  return compile_plan(steps)
 
 
 def bucket_steps(steps, num_workers: int, *, sched=None
@@ -65,7 +66,7 @@ def bucket_steps(steps, num_workers: int, *, sched=None
   """Per bucket, the primitives its scheme puts on the wire.
 
   Args:
-    steps: the plan compiled (``schedule.compile_plan(plan)``, a
+    steps: the plan compiled (``bucket_steps.compile_plan(plan)``, a
       ``Schedule``); a ``Plan`` still works until 0.4, with a
       DeprecationWarning.
     num_workers: K.
@@ -82,7 +83,7 @@ def bucket_steps(steps, num_workers: int, *, sched=None
       out.append(get(b.collective).steps(list(b.wire_specs), num_workers,
                                          settings))
     elif b.kind == "full":
-      leaves = [(u.size, plan_lib.full_wire_dtype(u, settings))
+      leaves = [(u.size, plans.full_wire_dtype(u, settings))
                 for u in b.unit_specs]
       out.append(SCHEMES["psum"].steps(leaves, num_workers, settings))
     else:
@@ -98,7 +99,7 @@ def bucket_wire(steps, num_workers: int,
   """Per bucket, bytes one worker sends and receives per step on K workers.
 
   Args:
-    steps: the compiled plan (``schedule.compile_plan(plan)``); a ``Plan``
+    steps: the compiled plan (``bucket_steps.compile_plan(plan)``); a ``Plan``
       still works until 0.4, with a DeprecationWarning.
     num_workers: K.
     mesh_sizes: (H, L) of a (host, local) mesh: a ``"hier"`` bucket then
@@ -130,7 +131,7 @@ def bytes_sent(steps, num_workers: int,
   payload of 0.157 × D sends 0.60 × the all-reduce's bytes.
 
   Args:
-    steps: the compiled plan (``schedule.compile_plan(plan)``); a ``Plan``
+    steps: the compiled plan (``bucket_steps.compile_plan(plan)``); a ``Plan``
       still works until 0.4, with a DeprecationWarning.
     num_workers: K.
     mesh_sizes: (H, L): a ``"hier"`` bucket counts both axes; without

@@ -19,7 +19,7 @@ import jax
 
 from jaxfuse import _compat
 from jaxfuse import fusion
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.collectives import base
 
 
@@ -44,4 +44,4 @@ class AllGather(base.AnyMesh):
   def steps(self, units, num_workers, settings):
     del num_workers, settings
     return (base.Step("allgather",
-                      sum(plan_lib.payload_bytes(u) for u in units)),)
+                      sum(plans.payload_bytes(u) for u in units)),)

@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import fusion
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.collectives import allgather
 from jaxfuse.collectives import base
 from jaxfuse.collectives import spardl
@@ -191,13 +191,13 @@ def _layout(units, local: int):
   return n, s, min(s, sum(u.capacity for u in units)), dtype
 
 
-def _shard_unit(s, cs, dtype, settings=None) -> plan_lib.Unit:
+def _shard_unit(s, cs, dtype, settings=None) -> plans.Unit:
   """A shard as a selection unit, what the host-axis scheme moves (its
   indices packed as ``settings`` say when an all-gather moves it)."""
-  unit = plan_lib.Unit((), s, cs, cs / s, "topk", str(jnp.dtype(dtype)))
+  unit = plans.Unit((), s, cs, cs / s, "topk", str(jnp.dtype(dtype)))
   if settings is None:
     return unit
-  return plan_lib.wire_unit(unit, settings, settings.hier_inner)
+  return plans.wire_unit(unit, settings, settings.hier_inner)
 
 
 def _host_steps(unit, hosts, settings):

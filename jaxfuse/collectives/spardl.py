@@ -57,7 +57,7 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import plan_checks
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.collectives import base
 
 INDEX_BYTES = 4  # int32 indices
@@ -92,7 +92,7 @@ def block_capacity(size: int, slots: int, team_size: int, teams: int = 1,
   """m = min(⌈N/G⌉, max(1, ⌊b·C/G⌋)) rounded up to a multiple of T
   (b = ``settings.spardl_block``, 2 by default)."""
   m = min(-(-size // team_size), max(1, math.floor(
-      plan_lib.decimal_product(slots, share)) // team_size))
+      plans.decimal_product(slots, share)) // team_size))
   return teams * -(-m // teams)
 
 
@@ -114,7 +114,8 @@ def check_teams(where: str, num_workers: int, teams: int) -> None:
                            f"{k // t} worker on {k} workers; {fix}")
 
 
-class Layout(NamedTuple):
+class BlockLayout(NamedTuple):
+  """A bucket's SparDL sizes: teams, team size, slots per block."""
   size: int      # N
   teams: int     # T
   team: int      # G = K/T
@@ -126,7 +127,7 @@ class Layout(NamedTuple):
     return self.dtype.itemsize + INDEX_BYTES
 
 
-def layout(units, num_workers: int, settings) -> Layout:
+def layout(units, num_workers: int, settings) -> BlockLayout:
   """The static shapes of one bucket on K workers (checks the teams)."""
   teams = settings.spardl_teams
   check_teams(f"spardl bucket of leaves {[j for u in units for j in u.leaves]}",
@@ -134,9 +135,10 @@ def layout(units, num_workers: int, settings) -> Layout:
   size = sum(u.size for u in units)
   slots = sum(u.capacity for u in units)
   team = num_workers // teams
-  return Layout(size, teams, team, block_capacity(size, slots, team, teams,
-                                                 settings.spardl_block),
-                np.dtype(jnp.result_type(*[u.dtype for u in units])))
+  return BlockLayout(size, teams, team,
+                     block_capacity(size, slots, team, teams,
+                                    settings.spardl_block),
+                     np.dtype(jnp.result_type(*[u.dtype for u in units])))
 
 
 def _pack(v, i):
@@ -197,7 +199,7 @@ def merge(v, i, size: int, dupes: int, cap: int, dtype):
   return wire, out_i, dropped
 
 
-def _partition(v, i, lay: Layout, pos):
+def _partition(v, i, lay: BlockLayout, pos):
   """Own slots -> rows (G, m): row j holds block (pos + j) mod G, its top-m
   slots by |v| (NaN first); the rest is dropped."""
   n, g, m = lay.size, lay.team, lay.cap
