@@ -71,8 +71,7 @@ def window_step(plan, costs, window: int = 1) -> float:
   order = simulate.backward_order(plan)
   position = {leaf: p for p, leaf in enumerate(order)}
   durations = [costs.steps_time(s, costs.workers)
-               for s in collectives.bucket_steps(plan, costs.workers,
-                                                 sched=sched)]
+               for s in collectives.bucket_steps(sched, costs.workers)]
   done = [0.0]
   for leaf in order:
     done.append(done[-1] + costs.backward[leaf])

@@ -180,7 +180,8 @@ def sent_line(plan, k: int, dense_bytes: int) -> str:
   if plan is None:
     sent = dense = jaxfuse.collectives.all_reduce_sent(dense_bytes, k)
   else:
-    sent, dense = jaxfuse.collectives.bytes_sent(plan, k)
+    sent, dense = jaxfuse.collectives.bytes_sent(
+        jaxfuse.bucket_steps.compile_plan(plan), k)
   return (f"; on {k} workers each sends {sent:,} B = "
           f"{sent / dense:.4f} x a dense all-reduce's ({dense:,} B)")
 

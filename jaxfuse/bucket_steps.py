@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import math
 import numbers
+import weakref
 
 from jaxfuse import bucket_pass
 from jaxfuse import plans
@@ -130,6 +131,22 @@ def compile_plan(plan: plans.Plan) -> Schedule:
     state groups, its leaves' shapes, the settings), so nothing below the
     transform reads the plan.
   """
+  hit = _COMPILED.get(id(plan))
+  if hit is not None and hit[0]() is plan:
+    return hit[1]
+  sched = _compile(plan)
+  _COMPILED[id(plan)] = (weakref.ref(plan), sched)
+  weakref.finalize(plan, _COMPILED.pop, id(plan), None)
+  return sched
+
+
+# Plans compiled so far, by id while the plan lives: a recipe and the
+# ``sparse_sync`` inside it (and ``relayout``, ``checkpoint``) share one
+# compile of a plan object. Plans are frozen, so a compile never goes stale.
+_COMPILED: dict = {}
+
+
+def _compile(plan: plans.Plan) -> Schedule:
   all_units, per_bucket = plans.units(plan)
   groups = plans.group_units(all_units, per_bucket)
   group_of = {u: g for g, ids in enumerate(groups) for u in ids}

@@ -268,7 +268,7 @@ def _leafwise_moments(tree):
 
 def _grouped_moments(tree, plan):
   """Inverse of ``_leafwise_moments`` on arrays (``grouped.group``)."""
-  lay = grouped.layout(plan)
+  lay = grouped.layout(bucket_steps.compile_plan(plan))
   return jax.tree.map(
       lambda x: x._replace(mu=grouped.group(lay, x.mu)) if _is_onebit(x)
       else x, tree, is_leaf=_is_onebit)

@@ -106,8 +106,8 @@ def wire_received(plan: plan_lib.Plan, num_workers: int,
   K·ρ·headroom·(value + index bytes)/(2·wire bytes) times what the dense
   ring all-reduce moves, so on many workers a high warm-up density costs
   more than dense."""
-  return sum(w.received for w in collectives.bucket_wire(plan, num_workers,
-                                                         mesh_sizes))
+  return sum(w.received for w in collectives.bucket_wire(
+      bucket_steps.compile_plan(plan), num_workers, mesh_sizes))
 
 
 def _has_sparse_hier(plan: plan_lib.Plan) -> bool:

@@ -420,8 +420,8 @@ def first_moment(state: Any, plan: plan_lib.Plan) -> Any:
     raise plan_lib.PlanError(
         f"first_moment: the state was made for a plan whose {part} differ "
         "from this plan's; pass the plan the state was made for.")
-  return grouped.ungroup(grouped.layout(plan), one.mu,
-                         jax.tree.structure(one.nu))
+  lay = grouped.layout(bucket_steps.compile_plan(plan))
+  return grouped.ungroup(lay, one.mu, jax.tree.structure(one.nu))
 
 
 def _onebit_state(state: Any, where: str) -> OnebitState:

@@ -244,3 +244,20 @@ def test_a_bucket_step_carries_what_its_stages_read():
       assert {w.dtype for w in b.wire_specs} == {"bfloat16"}
     else:
       assert b.batches == ()
+
+
+def test_a_recipe_compiles_its_plan_once(monkeypatch):
+  """``onebit_adamw`` and the ``sparse_sync`` inside it read one compile of
+  the plan; an equal but new plan object is compiled afresh."""
+  calls = []
+  compile_ = bucket_steps._compile  # pylint: disable=protected-access
+  monkeypatch.setattr(bucket_steps, "_compile",
+                      lambda p: calls.append(p) or compile_(p))
+  plan = _plan("aligned")
+  jaxfuse.onebit_adamw(plan, 1e-3)
+  assert calls == [plan]
+  assert bucket_steps.compile_plan(plan) is bucket_steps.compile_plan(plan)
+  assert len(calls) == 1
+  again = _plan("aligned")
+  assert bucket_steps.compile_plan(again) == bucket_steps.compile_plan(plan)
+  assert len(calls) == 2

@@ -401,8 +401,8 @@ def test_packed_indices_leave_other_schemes_int32(collective, settings):
   assert packed.bytes_per_worker() == plain.bytes_per_worker()
   sched = bucket_steps.compile_plan(packed)
   assert {u.index_bits for u in sched.wire_units} == {32}
-  assert collectives.bucket_steps(packed, 4) == collectives.bucket_steps(
-      plain, 4)
+  assert collectives.bucket_steps(sched, 4) == collectives.bucket_steps(
+      bucket_steps.compile_plan(plain), 4)
   with_ag = dataclasses.replace(packed, buckets=tuple(
       dataclasses.replace(b, collective="allgather") for b in packed.buckets))
   assert {u.index_bits for u in bucket_steps.compile_plan(

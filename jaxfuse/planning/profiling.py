@@ -62,6 +62,7 @@ import numpy as np
 from jaxfuse import _compat
 from jaxfuse import compile_options
 from jaxfuse.planning import costs as costs_lib
+from jaxfuse import bucket_steps
 from jaxfuse import plans as plan_lib
 from jaxfuse.planning.timing import jit as _jit
 from jaxfuse.version import __version__
@@ -299,7 +300,8 @@ def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
 
   def wire(plan):
     return math.fsum(lines.steps_time(s, k)
-                     for s in collectives.bucket_steps(plan, k))
+                     for s in collectives.bucket_steps(
+                         bucket_steps.compile_plan(plan), k))
   points, raw = {}, {"units": units, "points": {}}
   for x in sizes:
     t_ag, plan_ag = _time_sparse_step(mesh, [int(x)] * units, "single", **kw)

@@ -25,7 +25,7 @@ the costs does not enter). Buckets are communicated in plan order; in the
 ideal wait-free backpropagation of the papers (Cupcake Fig. 3, ASC-WFBP
 Fig. 1b) bucket i starts at max(its compression end, end of bucket i-1) and
 lasts the time of its scheme's wire steps on K workers,
-``costs.steps_time(collectives.bucket_steps(plan, K)[i], K)`` (K defaults
+``costs.steps_time(collectives.bucket_steps(compile_plan(plan), K)[i], K)`` (K defaults
 to the costs' ``workers``; at K₀ an all_gather or psum bucket takes exactly
 its measured line).
 
@@ -230,7 +230,7 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
 
   # Link: ideal WFBP order until the η budget of busy-during-compute is used.
   durations = [costs.steps_time(steps, k) for steps in
-               collectives.bucket_steps(plan, k, sched=sched)]
+               collectives.bucket_steps(sched, k)]
   total = math.fsum(durations)
   slack = 1e-12 * total  # rounding of the sums must not start a pause at η = 1
   compressed = [c for _, c in marks]
