@@ -26,6 +26,7 @@ import weakref
 
 from jaxfuse import bucket_pass
 from jaxfuse import plans
+from jaxfuse.collectives.configs import configured
 
 PSUM, FULL, SPARSE = "psum", "full", "sparse"
 
@@ -59,6 +60,9 @@ class BucketStep:
   when m comes leaf by leaf: those of matrices, vectors and scalars
   (``blendable``)."""
   batches: tuple[bucket_pass.Batch, ...]  # sparse: rows of one selection
+  scheme: object = None
+  """The bucket's collective, configured (``collectives.configured``): it
+  receives the bucket's slots and plans nothing."""
 
   def unit(self, u: int) -> plans.Unit:
     """Unit ``u`` of this bucket (a unit id of ``units``)."""
@@ -153,9 +157,9 @@ def _compile(plan: plans.Plan) -> Schedule:
   group_of_unit = tuple(group_of[u] for u in range(len(all_units)))
   group_dtypes = tuple(plans.state_dtype(all_units[ids[0]], plan.settings)
                        for ids in groups)
-  collective_of = {u: b.collective for b, ids in zip(plan.buckets, per_bucket)
-                   for u in ids}
-  wire_units = tuple(plans.wire_unit(unit, plan.settings, collective_of[u])
+  schemes = [configured(b.collective, plan.settings) for b in plan.buckets]
+  scheme_of = {u: s for s, ids in zip(schemes, per_bucket) for u in ids}
+  wire_units = tuple(plans.wire_unit(unit, plan.settings, scheme_of[u])
                      for u, unit in enumerate(all_units))
   steps = []
   for i, (bucket, ids) in enumerate(zip(plan.buckets, per_bucket)):
@@ -180,7 +184,7 @@ def _compile(plan: plans.Plan) -> Schedule:
         tuple((j, plan.leaves[j].shape) for j in bucket.leaves),
         frozenset(g for g in gids if blendable(shapes(g))),
         tuple(bucket_pass.batches(all_units, groups, gids))
-        if kind == SPARSE else ()))
+        if kind == SPARSE else (), schemes[i]))
   return Schedule(all_units, groups, group_dtypes, group_of_unit,
                   tuple(steps), len(plan.leaves), wire_units, plan.settings,
                   tuple(l.shape for l in plan.leaves),

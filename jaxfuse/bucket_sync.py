@@ -230,7 +230,7 @@ def _sparse_bucket(b, streams, carry: Carry, axis_name, rule):
   vel = ({g: _set_rows(velocity[g], new_vel[g]) for g in b.groups}
          if rule.momentum else {})
   order = list(b.units)   # the bucket's layout: its ready order
-  dense, kept = collectives.get(b.collective).sync(
+  dense, kept = b.scheme.sync(
       [parts[u] for u in order], list(b.wire_specs), axis_name, b.settings)
   for g in b.groups:  # dropped on the way: owed still
     back = [kept[order.index(u)] for u in b.units_of(g)]

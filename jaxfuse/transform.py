@@ -192,9 +192,8 @@ def sparse_sync(plan: plans.Plan, axis_name: str | tuple = "data", *,
       flat = kernels.formed(parts)   # what a dense bucket reads
     _check_state(state, groups, all_units, momentum, digest)
     for b in sched.buckets:
-      scheme = collectives.get(b.collective)
-      scheme.check(f"bucket {b.index}", num_workers, settings)
-      scheme.check_axes(f"bucket {b.index}", axis_name, settings)
+      b.scheme.check(f"bucket {b.index}", num_workers, settings)
+      b.scheme.check_axes(f"bucket {b.index}", axis_name, settings)
     sizes = (tuple(_compat.axis_size(a) for a in axis_name)
              if isinstance(axis_name, tuple) else None)
     wire_bytes = sum(w.sent for w in collectives.bucket_wire(

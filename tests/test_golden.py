@@ -95,13 +95,13 @@ CASES = {
     "sync_adamw": ("sync_adamw", {}, FLAT, 0, None),
     "onebit_adamw": ("onebit_adamw", {}, FLAT, 1, "gradient"),
     "demo": ("demo", {}, FLAT, 0, None),
-    "zen": ("sgd", dict(collective="zen", zen_table=1.0, zen_union=0.25),
-            FLAT, 0, None),
-    "spardl": ("sgd", dict(collective="spardl", spardl_teams=2,
-                           spardl_block=1.5), FLAT, 0, None),
+    "zen": ("sgd", dict(collective=jaxfuse.collectives.Zen(
+        table=1.0, union=0.25)), FLAT, 0, None),
+    "spardl": ("sgd", dict(collective=jaxfuse.collectives.SparDL(
+        teams=2, block=1.5)), FLAT, 0, None),
     "hier": ("sgd", dict(collective="hier"), HIER, 0, None),
-    "hier_spardl": ("sgd", dict(collective="hier", hier_inner="spardl"),
-                    HIER, 0, None),
+    "hier_spardl": ("sgd", dict(collective=jaxfuse.collectives.Hier(
+        inner="spardl")), HIER, 0, None),
     "psum": ("sgd", dict(density=1.0), FLAT, 0, None),
     "behind": ("sgd", dict(strategy="behind"), FLAT, 0, None),
     "topk": ("sgd", dict(estimator="topk"), FLAT, 0, None),
@@ -111,7 +111,8 @@ CASES = {
     "full_wire_bfloat16": ("onebit_adamw", {}, FLAT, 1, "bfloat16"),
     "sparse_wire_bfloat16": ("sgd", dict(sparse_wire="bfloat16"), FLAT, 0,
                              None),
-    "packed_indices": ("sgd", dict(packed_indices=True), FLAT, 0, None),
+    "packed_indices": ("sgd", dict(collective=jaxfuse.collectives.AllGather(
+        packed_indices=True)), FLAT, 0, None),
 }
 # (dgc is every other case's estimator, allgather their scheme)
 

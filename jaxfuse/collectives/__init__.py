@@ -29,6 +29,8 @@ from jaxfuse.collectives.base import SchemeError
 from jaxfuse.collectives.base import Step
 from jaxfuse.collectives.base import Synced
 from jaxfuse.collectives.base import Wire
+from jaxfuse.collectives.configs import configured
+from jaxfuse.collectives.configs import settings_fields
 from jaxfuse.collectives.hier import Hier
 from jaxfuse.collectives.psum import Psum
 from jaxfuse.collectives.spardl import SparDL
@@ -39,7 +41,8 @@ SCHEMES: dict[str, Scheme] = {
 
 
 def get(name: str) -> Scheme:
-  """The scheme called ``name`` (``plans.COLLECTIVES``)."""
+  """The scheme called ``name`` (``plans.COLLECTIVES``) with its default
+  configuration; a plan's buckets run ``configured(name, settings)``."""
   if name not in SCHEMES:
     raise plans.PlanError(f"collective {name!r} is not available; use one "
                              f"of {tuple(SCHEMES)}.")
@@ -80,8 +83,7 @@ def bucket_steps(steps, num_workers: int, *, sched=None
   settings, out = steps.settings, []
   for b in steps.buckets:
     if b.kind == "sparse":
-      out.append(get(b.collective).steps(list(b.wire_specs), num_workers,
-                                         settings))
+      out.append(b.scheme.steps(list(b.wire_specs), num_workers, settings))
     elif b.kind == "full":
       leaves = [(u.size, plans.full_wire_dtype(u, settings))
                 for u in b.unit_specs]
@@ -115,7 +117,7 @@ def bucket_wire(steps, num_workers: int,
     if (b.collective == "hier" and b.kind == "sparse" and
         mesh_sizes and len(mesh_sizes) == 2):
       out.append(hier.mesh_wire(list(b.wire_specs), *mesh_sizes,
-                                steps.settings))
+                                steps.settings, b.scheme))
     else:
       out.append(base.wire(wire, num_workers))
   return out
@@ -155,4 +157,5 @@ def all_reduce_sent(nbytes: int, num_workers: int) -> int:
 
 __all__ = ["AllGather", "Hier", "Psum", "SCHEMES", "Scheme", "SchemeError",
            "SparDL", "Step", "Synced", "Wire", "Zen", "base", "bucket_steps",
+           "configured", "settings_fields",
            "all_reduce_sent", "bucket_wire", "bytes_sent", "get"]

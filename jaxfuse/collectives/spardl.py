@@ -1,7 +1,7 @@
 """``"spardl"``: SparDL (Zhao et al.): Spar-Reduce-Scatter, global residual
 collection, Spar-All-Gather, over one data axis of K workers.
 
-Teams: T = ``settings.spardl_teams`` teams of G = K/T workers, team
+Teams: T = ``SparDL.teams`` teams of G = K/T workers, team
 t = ranks [tG, (t+1)G), position p = r mod G. The bucket's slots live in one
 flat index space [0, N) (``base.to_bucket``; C = Σ c_u slots, sentinel N)
 cut into G contiguous blocks [⌊bN/G⌋, ⌊(b+1)N/G⌋); every message carries
@@ -36,7 +36,7 @@ unit and step, up to the float rounding of the sums themselves::
 Non-finite sums are sent first (NaN ranks above every |v|) and never kept.
 
 Capacity rule: m = min(⌈N/G⌉, max(1, ⌊b·C/G⌋)), rounded up to a multiple of
-T; b = ``settings.spardl_block`` = 2 by default (the bound below; a larger b
+T; b = ``SparDL.block`` = 2 by default (the bound below; a larger b
 drops less in merges for b/2 times the bytes). With T = 1 a worker receives
 (K−1)·m slots in the reduce-scatter and (K−1)·m in the all-gather: 2(K−1)·m ≤
 4(K−1)/K·C pairs (Table I's 4(P−1)/P·k with k = C; holds whenever 2C ≥ K),
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from jax import lax
 import jax.numpy as jnp
@@ -90,7 +90,7 @@ def bruck_counts(teams: int) -> list[int]:
 def block_capacity(size: int, slots: int, team_size: int, teams: int = 1,
                    share: float = 2.0) -> int:
   """m = min(⌈N/G⌉, max(1, ⌊b·C/G⌋)) rounded up to a multiple of T
-  (b = ``settings.spardl_block``, 2 by default)."""
+  (b = ``SparDL.block``, 2 by default)."""
   m = min(-(-size // team_size), max(1, math.floor(
       plans.decimal_product(slots, share)) // team_size))
   return teams * -(-m // teams)
@@ -127,9 +127,12 @@ class BlockLayout(NamedTuple):
     return self.dtype.itemsize + INDEX_BYTES
 
 
-def layout(units, num_workers: int, settings) -> BlockLayout:
+def layout(units, num_workers: int, settings, config: "SparDL | None" = None
+           ) -> BlockLayout:
   """The static shapes of one bucket on K workers (checks the teams)."""
-  teams = settings.spardl_teams
+  del settings
+  config = SparDL() if config is None else config
+  teams = config.teams
   check_teams(f"spardl bucket of leaves {[j for u in units for j in u.leaves]}",
               num_workers, teams)
   size = sum(u.size for u in units)
@@ -137,7 +140,7 @@ def layout(units, num_workers: int, settings) -> BlockLayout:
   team = num_workers // teams
   return BlockLayout(size, teams, team,
                      block_capacity(size, slots, team, teams,
-                                    settings.spardl_block),
+                                    config.block),
                      np.dtype(jnp.result_type(*[u.dtype for u in units])))
 
 
@@ -218,23 +221,35 @@ def _partition(v, i, lay: BlockLayout, pos):
 
 @dataclasses.dataclass(frozen=True)
 class SparDL:
-  name: str = "spardl"
-  sparse: bool = True
+  """``"spardl"`` and its configuration.
+
+  teams: Spar-All-Gather teams (1: plain SAG; T > 1: the K workers form T
+    teams of K/T, R-SAG inside a team, then B-SAG).
+  block: slots per block b·C/G (G workers in a team); 2 keeps Table I's
+    4·C bound; more drops less in merges.
+  """
+  teams: int = 1
+  block: float = 2.0
+  name: ClassVar[str] = "spardl"
+  sparse: ClassVar[bool] = True
+  packs_indices: ClassVar[bool] = False   # int32 indices
 
   def check(self, where: str, num_workers: int, settings) -> None:
-    """Runs on any K with T = 1; with teams (``settings.spardl_teams``)
-    T must divide K and leave teams of at least 2."""
-    check_teams(where, num_workers, settings.spardl_teams)
+    """Runs on any K with T = 1; with teams (``teams``) T must divide K
+    and leave teams of at least 2."""
+    del settings
+    check_teams(where, num_workers, self.teams)
 
   def check_axes(self, where: str, axis_name, settings) -> None:
     """The teams against the bound axis (``sparse_sync``, per bucket)."""
+    del settings
     k = _compat.axis_size(axis_name)
     if k is not None:
-      check_teams(where, k, settings.spardl_teams)
+      check_teams(where, k, self.teams)
 
   def sync(self, parts, units, axis_name, settings) -> base.Synced:
     k = int(lax.axis_size(axis_name))
-    lay = layout(units, k, settings)
+    lay = layout(units, k, settings, self)
     n, g, nt, m, dtype = (lay.size, lay.team, lay.teams, lay.cap,
                           lay.dtype)
     rank = lax.axis_index(axis_name)
@@ -303,7 +318,7 @@ class SparDL:
     """What ``sync`` hands each primitive: per SRS round its bag of m-slot
     blocks, per SAG round one block (R-SAG) or h-slot blocks (B-SAG), then
     the m/T-slot chunk of the all-gather; slots of dtype bytes + 4."""
-    lay = layout(units, num_workers, settings)
+    lay = layout(units, num_workers, settings, self)
     b, nt, m = lay.pair_bytes, lay.teams, lay.cap
     out = [base.Step("ppermute", len(blocks) * m * b)
            for blocks in (rnd[0][1] for rnd in send_schedule(lay.team))]

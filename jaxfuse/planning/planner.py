@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -100,15 +101,13 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
          headroom: float = plans.Settings.headroom,
          min_sparse_size: int = 1024, refresh: int = 1, feedback: bool = True,
          sample_fraction: float = 0.01, sidco_stages: int = 2, seed: int = 0,
-         collective: str = "allgather", zen_table: float = 2.0,
-         zen_union: float = 1.0, spardl_teams: int = 1,
-         hier_inner: str = "allgather", spardl_block: float = 2.0,
+         collective="allgather",
          residual_dtype: str = "float32", sparse_wire: str = "gradient",
-         packed_indices: bool = False, num_workers: int | None = None,
+         num_workers: int | None = None,
          loss_fn: Callable | None = None, example_args: Sequence = (),
          ready_order: Sequence[int] | None = None,
-         costs: costs_lib.Costs | str | os.PathLike | None = None
-         ) -> plans.Plan:
+         costs: costs_lib.Costs | str | os.PathLike | None = None,
+         **old) -> plans.Plan:
   """Make a plan for ``params`` (arrays or ``jax.ShapeDtypeStruct``s).
 
   Args:
@@ -131,19 +130,18 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     headroom: capacity c = ⌈ρ·n·headroom⌉ (``"topk"``: c = ⌈ρ·n⌉ exactly).
     min_sparse_size: leaves with fewer elements (and non-float leaves) go dense.
     refresh, feedback, sample_fraction, sidco_stages, seed: ``plan.Settings``.
-    collective: the scheme of every sparse bucket, one of
-      ``plans.SPARSE_COLLECTIVES`` (``jaxfuse.collectives``; dense buckets
-      always ``"psum"``).
-    zen_table, zen_union, spardl_teams, hier_inner, spardl_block: the schemes'
-      ``plan.Settings``.
+    collective: the scheme of every sparse bucket with its configuration,
+      e.g. ``jaxfuse.collectives.Zen(table=2.0, union=1.0)``,
+      ``SparDL(teams=2)``, ``Hier(inner="zen")``,
+      ``AllGather(packed_indices=True)``; or one of
+      ``plans.SPARSE_COLLECTIVES`` for that scheme's defaults (dense
+      buckets always ``"psum"``).
     residual_dtype: ``"float32"`` (residuals of low-precision leaves kept in
       float32, the wire in the gradient dtype) or ``"gradient"``
       (``plan.Settings``).
     sparse_wire: ``"gradient"`` or ``"bfloat16"``: the sparse values' wire
       dtype (``plan.Settings``; bfloat16 sends float32 slots in 6 bytes
       instead of 8, each worker's rounding kept in its residual).
-    packed_indices: ``"allgather"`` buckets send each index in
-      ⌈log₂(n + 1)⌉ bits instead of 32 (lossless; ``plan.Settings``).
     num_workers: K the plan is made for (default: the costs' ``workers``):
       the cost strategies group for the collectives' times on K
       (``Costs.on_workers``), ``"auto"`` also picks each sparse bucket's
@@ -158,13 +156,68 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
       Needed by ``COST_STRATEGIES``; with any strategy it adds the simulated
       step time to ``plan.provenance["predicted_iteration"]`` (and the
       overlap η it used to ``plan.provenance["overlap"]``).
+    **old: 0.2's scheme keywords ``zen_table``, ``zen_union``,
+      ``spardl_teams``, ``spardl_block``, ``hier_inner``,
+      ``packed_indices``: deprecated (removed in 0.4), each with a
+      DeprecationWarning naming its ``collective=`` spelling.
+
+  Returns:
+    The ``Plan``.
+
+  Raises:
+    PlanError: an argument that cannot make a plan, named with the fix.
   """
-  a = _checked(dict(locals()))
+  a = dict(locals())
+  a.update(_scheme_fields(a.pop("collective"), a.pop("old")))
+  a = _checked(a)
   settings = _settings(a)
   leaves = _leaf_plans(params, a["density"], a["estimator"], settings)
   order = _ready_order(a, params, len(leaves))
   costs = _load_costs(a["costs"], a["strategy"], leaves)
   return _made(a, settings, leaves, order, costs)
+
+
+# 0.2's keywords of jaxfuse.plan that configure a scheme: the scheme and
+# field that take each now (``collectives.configs``).
+OLD_SCHEME_KEYWORDS = {
+    "zen_table": ("Zen", "table"), "zen_union": ("Zen", "union"),
+    "spardl_teams": ("SparDL", "teams"), "spardl_block": ("SparDL", "block"),
+    "hier_inner": ("Hier", "inner"),
+    "packed_indices": ("AllGather", "packed_indices"),
+}
+
+
+def _scheme_fields(collective, old: dict) -> dict:
+  """``collective`` (a name or a scheme object) and 0.2's scheme keywords
+  ``old`` as ``plan``'s arguments: the scheme's name and the ``Settings``
+  fields that store its configuration (``collectives.settings_fields``).
+  An old keyword warns (DeprecationWarning) with its new spelling."""
+  unknown = sorted(set(old) - set(OLD_SCHEME_KEYWORDS))
+  if unknown:
+    raise TypeError(f"plan() got an unexpected keyword argument "
+                    f"{unknown[0]!r}")
+  for key, value in old.items():
+    scheme, field = OLD_SCHEME_KEYWORDS[key]
+    warnings.warn(
+        f"jaxfuse.plan({key}=...) is deprecated (removed in 0.4): pass "
+        f"collective=jaxfuse.collectives.{scheme}({field}={value!r}) "
+        "(hier over a scheme: Hier(inner=Zen(...)), packed indices under "
+        "hier: Hier(inner=AllGather(packed_indices=True))).",
+        DeprecationWarning, stacklevel=3)
+  defaults = {key: getattr(plans.Settings, key) for key in OLD_SCHEME_KEYWORDS}
+  if isinstance(collective, str):
+    return dict(defaults, **old, collective=collective)
+  if old:
+    raise plans.PlanError(
+        f"plan: collective={collective!r} configures its scheme; leave "
+        f"{sorted(old)} out (0.2's keywords), or give the scheme's name.")
+  if getattr(collective, "name", None) not in plans.SPARSE_COLLECTIVES:
+    raise plans.PlanError(
+        f"collective={collective!r}; use a scheme of jaxfuse.collectives "
+        "(AllGather, Zen, SparDL, Hier) or one of "
+        f"{plans.SPARSE_COLLECTIVES}.")
+  return dict(defaults, **collectives.settings_fields(collective),
+              collective=collective.name)
 
 
 def _checked(a: dict) -> dict:
@@ -355,8 +408,8 @@ def pick_collectives(plan: plans.Plan, costs: costs_lib.Costs,
     times = {}
     if step.kind == bucket_steps.SPARSE:
       for name in AUTO_COLLECTIVES:
-        scheme = collectives.get(name)
-        units = [plans.wire_unit(u, plan.settings, name)
+        scheme = collectives.configured(name, plan.settings)
+        units = [plans.wire_unit(u, plan.settings, scheme)
                  for u in sched.bucket_units(step)]
         if plans.overflows_one_space(name, sum(u.size for u in units)):
           continue  # one int32 index space cannot hold the bucket
@@ -484,8 +537,8 @@ def _check_collective(collective: str, num_workers: int | None,
   workers, made now (``SchemeError``, a ``PlanError``); nothing without
   K."""
   if num_workers is not None:
-    collectives.get(collective).check(f"on {num_workers} workers",
-                                      num_workers, settings)
+    collectives.configured(collective, settings).check(
+        f"on {num_workers} workers", num_workers, settings)
 
 
 def _load_costs(costs, strategy, leaves):
