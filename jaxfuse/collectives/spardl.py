@@ -129,9 +129,10 @@ class BlockLayout(NamedTuple):
 
 def layout(units, num_workers: int, settings, config: "SparDL | None" = None
            ) -> BlockLayout:
-  """The static shapes of one bucket on K workers (checks the teams)."""
-  del settings
-  config = SparDL() if config is None else config
+  """The static shapes of one bucket on K workers (checks the teams);
+  ``config``: the scheme's (None: as a plan's ``settings`` store it)."""
+  if config is None:
+    config = SparDL(teams=settings.spardl_teams, block=settings.spardl_block)
   teams = config.teams
   check_teams(f"spardl bucket of leaves {[j for u in units for j in u.leaves]}",
               num_workers, teams)

@@ -138,8 +138,10 @@ def layout(units: Sequence[plans.Unit], num_workers: int,
            settings: plans.Settings, config: "Zen | None" = None
            ) -> TableLayout:
   """Table, union and encoding sizes: a function of N, C, K, the seed
-  (``settings.seed``) and the scheme's ``config`` (default ``Zen()``)."""
-  config = Zen() if config is None else config
+  (``settings.seed``) and the scheme's ``config`` (None: as a plan's
+  ``settings`` store it, ``collectives.configured``)."""
+  if config is None:
+    config = Zen(table=settings.zen_table, union=settings.zen_union)
   size = sum(u.size for u in units)
   slots = sum(u.capacity for u in units)
   dtype = np.dtype(jnp.result_type(*[u.dtype for u in units]))
