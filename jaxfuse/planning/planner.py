@@ -71,11 +71,12 @@ def _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
   """Leaf ids per group, in ready order; the cost strategies but "auto" need
   ``model``."""
   if strategy in COST_STRATEGIES:
-    p = strategies.problem(*model)
+    p = strategies.problem(model.leaves, order, model.costs, model.settings,
+                           model.collective)
     if strategy == "safusion":
       return strategies.safusion(p, num_buckets)
     if strategy == "asc":
-      return strategies.asc(p, costs.contention)
+      return strategies.asc(p, model.costs.contention)
     return getattr(strategies, strategy)(p)
   if strategy == "layerwise":
     return [[i] for i in order]
