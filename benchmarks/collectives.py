@@ -159,7 +159,8 @@ def measure_hlo(args: tuple) -> dict:
   t0 = time.perf_counter()
   hlo = update.lower(grads, state).compile().as_text()
   wire = hlo_wire(hlo, k)
-  predicted = collectives.bucket_wire(plan, k)
+  predicted = collectives.bucket_wire(
+      jaxfuse.bucket_steps.compile_plan(plan), k)
   sparse = [i for i, b in enumerate(plan.buckets) if b.collective != "psum"]
   slots = sum(l.capacity for l in plan.leaves if l.mode == "sparse")
   return dict(scheme=scheme, density=density, workers=k,

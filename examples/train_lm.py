@@ -180,7 +180,8 @@ def sent_line(plan, k: int, dense_bytes: int) -> str:
   if plan is None:
     sent = dense = jaxfuse.collectives.all_reduce_sent(dense_bytes, k)
   else:
-    sent, dense = jaxfuse.collectives.bytes_sent(plan, k)
+    sent, dense = jaxfuse.collectives.bytes_sent(
+        jaxfuse.bucket_steps.compile_plan(plan), k)
   return (f"; on {k} workers each sends {sent:,} B = "
           f"{sent / dense:.4f} x a dense all-reduce's ({dense:,} B)")
 
@@ -371,7 +372,7 @@ def main(argv=None) -> dict:
     # saved plan, then carry the optimizer state over to this one
     saved = jaxfuse.checkpoint.saved_plan(mngr)
     carry = bool(plan and saved and
-                 jaxfuse.schedule.layout_difference(saved, plan))
+                 jaxfuse.bucket_steps.layout_difference(saved, plan))
     try:
       like = (jaxfuse.init_state(make_opt(saved), _cast(params, grad_dtype),
                                  mesh, AXIS) if carry else opt_state)

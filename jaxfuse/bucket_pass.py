@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse import kernels
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse import radix_select
 from jaxfuse import sparsify
 
@@ -41,7 +41,7 @@ class Batch(NamedTuple):
   group: int          # state group
   rows: list[int]     # its rows in the batch
   units: list[int]    # their unit ids
-  unit: plan_lib.Unit  # the first (capacity, density, estimator, size)
+  unit: plans.Unit  # the first (capacity, density, estimator, size)
 
 
 def take(x, ids):
@@ -64,18 +64,16 @@ def rows_of(x, rows):
 
 # Rows of a batch's streams stacked together for the fused pass, which
 # reads each chunk where it is (``kernels.sparsify_pass_rows``). 1: every
-# row where it is (nothing stacked; the fastest on an H200, and a blended
-# stream stays two reshaped leaves: docs/benchmarks.md, "Overhead on one
-# GPU"). 0: the whole batch at once. XLA's GPU concatenate emitter takes
-# at most four operands; a larger stack goes to its loop emitter, at about
-# a quarter of the card's bandwidth.
+# row where it is (nothing is copied into a stack, and a blended stream
+# stays two reshaped leaves: docs/benchmarks.md, "Overhead on one GPU").
+# 0: the whole batch at once. XLA's GPU concatenate emitter takes at most
+# four operands; a larger stack goes to its slower loop emitter.
 ROWS_PER_CHUNK = 1
 # The fused pass of all of a bucket's batches as one kernel per pass
 # (``kernels.sparsify_pass_bucket``), or kernels per batch (False, the
-# default): on gpt2-small (1 × H200) one pass per bucket launched 8 kernels
-# fewer in the same step time, but the one large Triton kernel took 10 s
-# longer to compile (1.44× dense's compile against 1.04×;
-# benchmarks/results/overhead_variants_1xH200_2026-11-29/runs.md).
+# default): one kernel per bucket launches fewer kernels in about the same
+# step time, but one large Triton kernel compiles much longer than several
+# small ones.
 ONE_PASS_PER_BUCKET = False
 # Pass 1 takes every chunk as an operand and switches among them per tile;
 # a batch of more rows is cut into at most this many chunks (CUDA before
@@ -124,7 +122,7 @@ def by_chunk(fn, x, *rowwise):
   return jax.tree.map(lambda *parts: jnp.concatenate(parts), *outs)
 
 
-def batches(all_units: Sequence[plan_lib.Unit], groups: Sequence[list[int]],
+def batches(all_units: Sequence[plans.Unit], groups: Sequence[list[int]],
             gids: Sequence[int]) -> list[Batch]:
   """The batches of state groups ``gids``: rows of one capacity, density
   and estimator, in row order."""
@@ -141,26 +139,34 @@ def batches(all_units: Sequence[plan_lib.Unit], groups: Sequence[list[int]],
   return out
 
 
-def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
-                    settings):
-  """``sparsify_unit`` over every row of state groups ``gids`` (one bucket).
+def sparsify_groups(todo: Sequence[Batch], grads, residuals, ctrl, step,
+                    settings) -> list:
+  """``sparsify_unit`` over every row of a bucket's batches.
 
-  grads, residuals: per group, (G, n) streams (or a list of the G flat
-  streams: the fused pass then reads each where it is; or a ``Blend`` of
-  two such, which it forms as it reads them) and (decayed)
-  residuals; ctrl: per unit ``Control`` arrays. Returns [(batch, batched
-  ``UnitResult``, the rows' streams)].
+  Args:
+    todo: the bucket's ``Batch``es (``batches``), each a state group's rows
+      of one capacity, density and estimator.
+    grads: per state group, its (G, n) streams, or a list of the G flat
+      streams (the fused pass then reads each where it is), or a ``Blend``
+      of two such (formed as the pass reads them).
+    residuals: per state group, its (decayed) (G, n) residuals.
+    ctrl: per unit, the ``Control`` arrays.
+    step: the step (a traced int32 scalar).
+    settings: the plan's ``Settings`` (the estimators' knobs and ``seed``).
+
+  Returns:
+    [(batch, batched ``UnitResult``, the rows' streams)], in ``todo``'s
+    order.
   """
-  todo = batches(all_units, groups, gids)
-  kw = [dict(density=b.unit.density, estimator=b.unit.estimator,
-             settings=settings) for b in todo]
+  sels = [sparsify.Selection.of(b.unit, settings) for b in todo]
   x = [rows_of(grads[b.group], b.rows) for b in todo]
   r = [rows_of(residuals[b.group], b.rows) for b in todo]
   c = [jax.tree.map(lambda a, b=b: take(a, b.units), ctrl) for b in todo]
   salts = [sparsify.salt(settings.seed, step, b.units) for b in todo]
 
   chunks = [chunked(a) for a in x]   # what the fused pass reads
-  specs = [sparsify.sample_spec(b.unit.size, **k) for b, k in zip(todo, kw)]
+  specs = [sparsify.sample_spec(b.unit.size, **sel.kw())
+           for b, sel in zip(todo, sels)]
   sampled = [i for i, s in enumerate(specs) if s is not None]
   sample = jax.vmap(sparsify.sample_magnitudes, in_axes=(0, 0, 0, None))
   estimate = dict(zip(sampled, _kth(
@@ -170,26 +176,28 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
 
   pass_args = []   # (streams, r, τ, capacity, offset) per batch
   for i, b in enumerate(todo):
-    threshold = jax.vmap(functools.partial(sparsify.unit_threshold, **kw[i]),
-                         in_axes=(0, 0, 0, None, 0, 0, None))
-    target = plan_lib.target_count(b.unit.density, b.unit.size)
+    target = plans.target_count(b.unit.density, b.unit.size)
     tau, offset = by_chunk(
-        lambda x_, r_, c_, s_, e_, f=threshold, k=target: f(
-            x_, r_, c_, step, s_, e_,
-            sparsify.estimate_now(step, c_, k, settings)),
+        lambda x_, r_, c_, s_, e_, sel=sels[i], k=target: jax.vmap(
+            lambda *a: sparsify.unit_threshold(
+                a[0], a[1], a[2], sparsify.Tick(step, a[3], a[5]), a[4],
+                sel=sel),
+            in_axes=(0, 0, 0, 0, 0, None))(
+                x_, r_, c_, s_, e_,
+                sparsify.estimate_now(step, c_, k, settings)),
         chunks[i], r[i], c[i], salts[i], estimate.get(i))
     pass_args.append((chunks[i], r[i], tau, sparsify.pass_capacity(
-        b.unit.size, capacity=b.unit.capacity, **kw[i]), offset))
+        b.unit.size, capacity=b.unit.capacity, **sels[i].kw()), offset))
   passes = list(zip([a[2] for a in pass_args],
                     kernels.sparsify_pass_bucket(pass_args)
                     if ONE_PASS_PER_BUCKET else
                     [kernels.sparsify_pass_rows(*a) for a in pass_args]))
 
   staged = [i for i, b in enumerate(todo)
-            if sparsify.needs_topk_finish(b.unit.size, **kw[i])]
+            if sparsify.needs_topk_finish(b.unit.size, **sels[i].kw())]
   kths = _kth([jnp.abs(passes[i][1].values).astype(jnp.float32)
                for i in staged],
-              [plan_lib.target_count(todo[i].unit.density, todo[i].unit.size)
+              [plans.target_count(todo[i].unit.density, todo[i].unit.size)
                for i in staged])
   for i, kth in zip(staged, kths):
     b = todo[i]
@@ -197,7 +205,7 @@ def sparsify_groups(all_units, groups, gids, grads, residuals, ctrl, step,
         sparsify.topk_finish, capacity=b.unit.capacity,
         density=b.unit.density, n=b.unit.size))(*passes[i], kth)
 
-  return [(b, jax.vmap(functools.partial(sparsify.unit_result, **kw[i]))(
+  return [(b, jax.vmap(functools.partial(sparsify.unit_result, sel=sels[i]))(
       stacked(x[i]), r[i], c[i], *passes[i]), kernels.formed(x[i]))
           for i, b in enumerate(todo)]
 

@@ -8,7 +8,8 @@ Per worker k and unit (``transform.sparse_sync`` has the whole rule)::
   acc_k = x_k + d·r_k ;  sent_k = top(acc_k) ;  r_k' = acc_k − sent_k + kept_k
   out = (1/K)·Σ_k sent_k − (1/K)·Σ_k kept_k
 
-Reads the plan as compiled once (``jaxfuse.schedule``).
+Reads only its bucket's ``bucket_steps.BucketStep``: the plan compiled once by
+the transform; nothing here sees the whole plan.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from jaxfuse import _compat
 from jaxfuse import bucket_pass
 from jaxfuse import collectives
 from jaxfuse import kernels
-from jaxfuse import plans as plan_lib
-from jaxfuse import schedule as schedule_lib
+from jaxfuse import plans
+from jaxfuse import bucket_steps
 from jaxfuse import stats as stats_lib
 
 
@@ -48,51 +49,73 @@ class BucketOut(NamedTuple):
   stats: list
 
 
-def sync_bucket(plan, sched, b, flat, residuals, velocity, ctrl, step,
-                axis_name, rule, parts=None, m_rows=None) -> BucketOut:
+class Inputs(NamedTuple):
+  """What a bucket reads of this step's gradients.
+
+  flat: the leaves' gradients by leaf id (the formed stream where a blend
+    is given). parts: None, or the stream as a ``kernels.Blend`` of two
+    lists of leaves: a sparse bucket without momentum hands the fused pass
+    the parts of its groups in ``BucketStep.blends``, which it forms as it
+    reads them. m_rows: {state group: (G, n) array} of the Blend's m kept
+    in rows (``jaxfuse.grouped``), read as they are instead of leaf by
+    leaf; the pass forms the stream of every such group."""
+  flat: list
+  parts: kernels.Blend | None = None
+  m_rows: dict = {}
+
+
+class Carry(NamedTuple):
+  """The per-worker state a bucket reads: the state groups' residuals and
+  velocities (by group id), the units' ``Control`` and the step."""
+  residuals: list
+  velocity: list
+  ctrl: object
+  step: jax.Array
+
+
+def sync_bucket(b: bucket_steps.BucketStep, inputs: Inputs, carry: Carry,
+                axis_name, rule: Rule) -> BucketOut:
   """One bucket: accumulate, select (or send all), collective, place.
 
-  ``parts``: None, or the leaves' stream as a ``kernels.Blend`` of two
-  lists of leaves (``flat`` is then that stream formed): a sparse bucket
-  without momentum hands the fused pass the parts of its state groups of
-  matrices and vectors (``blends``), which it forms as it reads them.
-  ``m_rows``: {state group: (G, n) array} of the Blend's m kept in rows
-  (``jaxfuse.grouped``), read as they are instead of leaf by leaf; the
-  pass forms the stream of every such group."""
-  if b.kind == schedule_lib.PSUM:
-    leaves, stats = _psum_bucket(plan, b, flat, axis_name)
+  Args:
+    b: the bucket's compiled step (units, groups, settings, scheme).
+    inputs: this step's gradients (``Inputs``).
+    carry: the per-worker state it reads (``Carry``).
+    axis_name: the mesh axis (or axes) of the workers.
+    rule: the accumulation rule (``Rule``).
+
+  Returns:
+    Its ``BucketOut``.
+  """
+  flat = inputs.flat
+  if b.kind == bucket_steps.PSUM:
+    leaves, stats = _psum_bucket(b, flat, axis_name)
     return BucketOut(leaves, {}, {}, [], stats)
-  if b.kind == schedule_lib.FULL or rule.momentum or not FORM_IN_PASS:
+  parts = inputs.parts
+  if b.kind == bucket_steps.FULL or rule.momentum:
     parts = None
-  streams = _bucket_streams(
-      sched, b, flat, residuals, velocity, rule, parts,
-      blends(plan, sched, b.groups) if parts is not None else set(),
-      m_rows or {})
-  if b.kind == schedule_lib.FULL:
-    dense, res, vel, stats = _full_bucket(plan, sched, b, streams, residuals,
-                                          velocity, axis_name, rule)
+  streams = _bucket_streams(b, inputs._replace(parts=parts), carry, rule)
+  if b.kind == bucket_steps.FULL:
+    dense, res, vel, stats = _full_bucket(b, streams, carry, axis_name, rule)
     # Their thresholds are not used; kept as they were.
     control = [(list(b.units), jax.tree.map(
-        lambda x: bucket_pass.take(x, b.units), ctrl))]
+        lambda x: bucket_pass.take(x, b.units), carry.ctrl))]
   else:
-    dense, res, vel, control, stats = _sparse_bucket(
-        plan, sched, b, streams, residuals, velocity, ctrl, step, axis_name,
-        rule)
-  return BucketOut(_place(plan, b, dense, flat), res, vel, control, stats)
+    dense, res, vel, control, stats = _sparse_bucket(b, streams, carry,
+                                                     axis_name, rule)
+  return BucketOut(_place(b, dense, flat), res, vel, control, stats)
 
 
 def stack_rows(rows):
   """jnp.stack(rows) for flat rows of one shape and dtype: one concatenate.
 
   XLA's GPU concatenate emitter takes at most four operands, so a state
-  group of more rows goes to its loop emitter (about a quarter of an
-  H200's bandwidth:
-  benchmarks/results/overhead_variants_1xH200_2026-11-29/runs.md). Nested
-  concatenates of at most four, each level behind an optimization
-  barrier, measured slower on an H200 (1.9 against 1.0 ms a step for
-  gpt2-small's groups), and so did writing the rows in place. Only the
-  momentum rule stacks (its velocity is stacked state); without momentum
-  the fused pass reads the rows where they are."""
+  group of more rows goes to its slower loop emitter; nested concatenates
+  of at most four (each level behind an optimization barrier) and writing
+  the rows in place were both slower still, so this stays one
+  concatenate. Only the momentum rule stacks (its velocity is stacked
+  state); without momentum the fused pass reads the rows where they
+  are."""
   return jnp.stack(rows)
 
 
@@ -107,55 +130,30 @@ class _Streams(NamedTuple):
   decayed: dict
 
 
-# A Blend's stream formed inside the fused pass (False: by XLA before it,
-# for every group; an A/B switch for benchmarks/overhead.py --blend xla).
-FORM_IN_PASS = True
-
-
-def blends(plan, sched, gids) -> set[int]:
-  """The state groups among ``gids`` whose stream the fused pass forms
-  from a ``Blend``'s parts when m comes leaf by leaf (a group whose m
-  comes as rows is formed in the pass whatever it holds: below): those
-  whose leaves are all matrices, vectors or scalars. A gradient of more
-  dimensions (an attention projection's (d, heads, head_dim), a
-  convolution's kernel) is often a slice of a fused dot's result or in
-  another layout; the kernel would need it copied out first, costing what
-  forming x saves, whereas XLA fuses the slice or transpose into forming x
-  itself (gpt2-small on an H200: 48 such copies, 0.7 ms a step). A group
-  whose m comes as rows (``jaxfuse.grouped``) is always formed in the pass:
-  XLA reads a row of m's stack for such a gradient at half the speed it
-  reads an array of its own (1.5 against 0.75 ms a step), and the pass reads
-  the rows as they are (with the copies of g: 0.12–0.22 ms a step faster
-  pipelined, the same GPU time)."""
-  return {g for g in gids
-          if all(len(plan.leaves[j].shape) <= 2 for u in sched.groups[g]
-                 for j in sched.units[u].leaves)}
-
-
-def _bucket_streams(sched, b, flat, residuals, velocity, rule, parts,
-                    blended, m_rows) -> _Streams:
+def _bucket_streams(b, inputs: Inputs, carry: Carry, rule: Rule
+                    ) -> _Streams:
   grads, moved, decayed = {}, {}, {}
+  parts, m_rows = inputs.parts, inputs.m_rows
   for g in b.groups:
     rows_of = lambda leaves, g=g: [
-        _unit_stream(sched.units[u], leaves, sched.group_dtypes[g])
-        for u in sched.groups[g]]
-    if parts is not None and (g in blended or g in m_rows):
+        _unit_stream(b.unit(u), leaves, b.dtype_of(g)) for u in b.units_of(g)]
+    if parts is not None and (g in b.blends or g in m_rows):
       rows = kernels.Blend(   # m's rows where they are, if it has them
           m_rows[g] if g in m_rows else rows_of(parts.m), rows_of(parts.g),
           parts.beta)
     else:
-      rows = rows_of(flat)
+      rows = rows_of(inputs.flat)
     if rule.momentum:
-      grads[g], moved[g] = _accumulate(stack_rows(rows), velocity[g],
+      grads[g], moved[g] = _accumulate(stack_rows(rows), carry.velocity[g],
                                        rule.momentum, rule.nesterov)
     else:
       grads[g], moved[g] = rows, None
-    decayed[g] = (residuals[g] * rule.residual_decay
-                  if rule.residual_decay != 1 else residuals[g])
+    decayed[g] = (carry.residuals[g] * rule.residual_decay
+                  if rule.residual_decay != 1 else carry.residuals[g])
   return _Streams(grads, moved, decayed)
 
 
-def _psum_bucket(plan, b, flat, axis_name):
+def _psum_bucket(b, flat, axis_name):
   """Dense leaves: their exact worker mean, one ``pmean``. Non-float leaves
   (float0 or ints) have no gradient to average and pass through."""
   out = {j: flat[j] for j in b.leaves}
@@ -163,21 +161,27 @@ def _psum_bucket(plan, b, flat, axis_name):
   for j, mean in zip(ids, collectives.psum.mean([flat[j] for j in ids],
                                                 axis_name)):
     out[j] = mean
-  return out, stats_lib.dense_stats(plan, b.leaves, flat)
+  return out, stats_lib.dense_stats(_sizes(b), b.leaves, flat)
 
 
-def _full_bucket(plan, sched, b, streams, residuals, velocity, axis_name,
-                 rule):
+def _sizes(b) -> dict:
+  """{leaf id: elements} of the bucket's leaves."""
+  return {j: int(np.prod(shape, dtype=np.int64))
+          for j, shape in b.leaf_shapes}
+
+
+def _full_bucket(b, streams, carry: Carry, axis_name, rule):
   """Density-1 units: every element sent with one ``pmean``; the residual
   becomes the wire's rounding (zero where the wire is acc's dtype)."""
-  order = [u for g in b.groups for u in sched.groups[g]]
+  residuals, velocity = carry.residuals, carry.velocity
+  order = [u for g in b.groups for u in b.units_of(g)]
   dense, finite, roundings, stats = _full_sync(
-      plan, dict(b.placement), order, [sched.units[u] for u in order],
-      [streams.grads[g][i] + streams.decayed[g][i] for g in b.groups
-       for i in range(len(sched.groups[g]))], axis_name)
+      b, order, [streams.grads[g][i] + streams.decayed[g][i]
+                 for g in b.groups for i in range(len(b.units_of(g)))],
+      axis_name)
   new_res, new_vel, rows = {}, {}, 0
   for g in b.groups:
-    n = len(sched.groups[g])
+    n = len(b.units_of(g))
     ok = jnp.stack(finite[rows:rows + n])[:, None]
     new_res[g] = jnp.where(ok, jnp.stack(roundings[rows:rows + n]),
                            residuals[g])
@@ -189,20 +193,21 @@ def _full_bucket(plan, sched, b, streams, residuals, velocity, axis_name,
   return dict(zip(order, dense)), new_res, new_vel, stats
 
 
-def _sparse_bucket(plan, sched, b, streams, residuals, velocity, ctrl, step,
-                   axis_name, rule):
+def _sparse_bucket(b, streams, carry: Carry, axis_name, rule):
   """Selection per state group (``bucket_pass``), then the bucket's
   collective; what the collective hands back stays owed in the residual."""
+  residuals, velocity = carry.residuals, carry.velocity
   parts, ctrl_chunks, stats = {}, [], []
   new_res = {g: [] for g in b.groups}
   new_vel = {g: [] for g in b.groups}
+  wire_dtype = {u: w.dtype for u, w in zip(b.units, b.wire_specs)}
   for batch, out, stacked in bucket_pass.sparsify_groups(
-      sched.units, sched.groups, b.groups, streams.grads, streams.decayed,
-      ctrl, step, plan.settings):
+      b.batches, streams.grads, streams.decayed, carry.ctrl, carry.step,
+      b.settings):
     g, rows, ids = batch.group, batch.rows, batch.units
     values, residual = jax.vmap(_to_wire, in_axes=(0, 0, 0, 0, None))(
         out.values, out.indices, out.residual, out.nonfinite,
-        plan_lib.wire_unit(batch.unit, plan.settings).dtype)
+        wire_dtype[ids[0]])
     for i, u in enumerate(ids):
       parts[u] = (values[i], out.indices[i])
     # A non-finite step keeps the residual sparsify was given: the decayed
@@ -220,16 +225,15 @@ def _sparse_bucket(plan, sched, b, streams, residuals, velocity, ctrl, step,
           bad, bucket_pass.rows_of(velocity[g], rows), kept)))
     ctrl_chunks.append((ids, out.control))
     stats.extend(stats_lib.sparse_stats(
-        plan, [sched.units[u] for u in ids], out, stacked))
+        _sizes(b), b.settings, [b.unit(u) for u in ids], out, stacked))
   res = {g: _set_rows(residuals[g], new_res[g]) for g in b.groups}
   vel = ({g: _set_rows(velocity[g], new_vel[g]) for g in b.groups}
          if rule.momentum else {})
   order = list(b.units)   # the bucket's layout: its ready order
-  dense, kept = collectives.get(b.collective).sync(
-      [parts[u] for u in order], [sched.wire_units[u] for u in order],
-      axis_name, plan.settings)
+  dense, kept = b.scheme.sync(
+      [parts[u] for u in order], list(b.wire_specs), axis_name, b.settings)
   for g in b.groups:  # dropped on the way: owed still
-    back = [kept[order.index(u)] for u in sched.groups[g]]
+    back = [kept[order.index(u)] for u in b.units_of(g)]
     if any(x is not None for x in back):
       res[g] = res[g] + jnp.stack([
           jnp.zeros_like(res[g][0]) if x is None else
@@ -237,15 +241,14 @@ def _sparse_bucket(plan, sched, b, streams, residuals, velocity, ctrl, step,
   return dict(zip(order, dense)), res, vel, ctrl_chunks, stats
 
 
-def _place(plan, b, dense, flat):
+def _place(b, dense, flat):
   """Each leaf of the bucket cut from its unit's dense mean, in its shape
   and the gradient's dtype."""
-  out = {}
+  out, sizes = {}, _sizes(b)
   for u, leaves in b.placement:
     for j, start in leaves:
-      leaf = plan.leaves[j]
-      out[j] = dense[u][start:start + leaf.size].reshape(leaf.shape).astype(
-          flat[j].dtype)
+      out[j] = dense[u][start:start + sizes[j]].reshape(
+          b.leaf_shape(j)).astype(flat[j].dtype)
   return out
 
 
@@ -288,9 +291,9 @@ def _to_wire(values, indices, residual, nonfinite, wire_dtype):
   return wire, residual.at[indices].add(rounding, mode="drop")
 
 
-def _full_sync(plan, placement, ids, units, accs, axis_name):
-  """Density-1 units (``ids``, with the bucket's ``placement``): every
-  element sent, one ``pmean`` for the bucket.
+def _full_sync(b, ids, accs, axis_name):
+  """Density-1 units (``ids`` of bucket ``b``): every element sent, one
+  ``pmean`` for the bucket.
 
   Returns the dense means per unit, per unit whether acc was finite, the
   new residual (zero, or acc's rounding to the wire dtype where the
@@ -298,15 +301,15 @@ def _full_sync(plan, placement, ids, units, accs, axis_name):
   unit's, unless ``Settings.full_wire`` is narrower) and the units'
   per-leaf stats chunks (everything selected)."""
   wires, roundings = [], []
-  for unit, acc in zip(units, accs):
-    rounded, wire = _round_to(acc, plan_lib.full_wire_dtype(unit,
-                                                           plan.settings))
+  for u, acc in zip(ids, accs):
+    rounded, wire = _round_to(acc, plans.full_wire_dtype(b.unit(u), b.settings))
     wires.append(wire)
     roundings.append(acc - rounded)   # zero where the wire is acc's dtype
   means = collectives.psum.mean(wires, axis_name)
-  per_leaf = {j: acc[start:start + plan.leaves[j].size]
+  placement, sizes = dict(b.placement), _sizes(b)
+  per_leaf = {j: acc[start:start + sizes[j]]
               for u, acc in zip(ids, accs) for j, start in placement[u]}
-  stats = stats_lib.dense_stats(plan, list(per_leaf), per_leaf)
+  stats = stats_lib.dense_stats(sizes, list(per_leaf), per_leaf)
   return means, [jnp.all(jnp.isfinite(acc)) for acc in accs], roundings, stats
 
 

@@ -47,7 +47,7 @@ from jaxfuse import grouped
 from jaxfuse import placement
 from jaxfuse import plans as plan_lib
 from jaxfuse import recipes
-from jaxfuse import schedule as schedule_lib
+from jaxfuse import bucket_steps
 from jaxfuse import sparsify
 from jaxfuse import transform
 
@@ -322,7 +322,7 @@ def _leafwise_moments(tree):
 
 def _grouped_moments(tree, plan):
   """Inverse of ``_leafwise_moments`` on arrays (``grouped.group``)."""
-  lay = grouped.layout(plan)
+  lay = grouped.layout(bucket_steps.compile_plan(plan))
   return jax.tree.map(
       lambda x: x._replace(mu=grouped.group(lay, x.mu)) if _is_onebit(x)
       else x, tree, is_leaf=_is_onebit)
@@ -349,7 +349,7 @@ def _untargeted(tree):
 def _unit_targets(plan) -> np.ndarray:
   """Per unit of ``plan``, the k its controller tracks (one 0 column for
   a plan of no units, as ``sparse_sync``'s state keeps)."""
-  units = schedule_lib.compile_plan(plan).units
+  units = bucket_steps.compile_plan(plan).units
   return np.asarray([plan_lib.target_count(u.density, u.size)
                      for u in units] or [0], np.int32)
 
@@ -374,7 +374,7 @@ def _targeted(tree, targets):
 def _per_unit(tree, plan):
   """``tree`` with each ``SparseSyncState``'s residuals and velocity as
   jaxfuse 0.1 kept them: one (K, n) array per unit (shapes only)."""
-  group_of_unit = schedule_lib.compile_plan(plan).group_of_unit
+  group_of_unit = bucket_steps.compile_plan(plan).group_of_unit
 
   def unit_like(a):           # a row of a group's (K, G, n) array
     return jax.ShapeDtypeStruct(
@@ -393,7 +393,7 @@ def _per_unit(tree, plan):
 def _grouped(tree, plan, stack):
   """Inverse of ``_per_unit`` on arrays: per-unit (K, n) arrays stacked
   into one (K, G, n) array per state group."""
-  groups = schedule_lib.compile_plan(plan).groups
+  groups = bucket_steps.compile_plan(plan).groups
   join = lambda arrays: tuple(stack([arrays[u] for u in ids], axis=1)
                               for ids in groups) if arrays else ()
   return jax.tree.map(
@@ -443,7 +443,7 @@ def _check_plan(saved: dict, plan: plan_lib.Plan | None, step: int) -> None:
   except plan_lib.PlanError as e:
     raise CheckpointError(f"checkpoint {step}: its plan does not load "
                           f"({e}).") from None
-  part = schedule_lib.layout_difference(old, plan)
+  part = bucket_steps.layout_difference(old, plan)
   if part:
     raise CheckpointError(
         f"checkpoint {step} was saved with a plan whose {part} differ from "

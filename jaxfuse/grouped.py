@@ -20,13 +20,13 @@ work at all.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxfuse import plans as plan_lib
-from jaxfuse import schedule as schedule_lib
+from jaxfuse import plans
 
 
 class Grouped(NamedTuple):
@@ -50,14 +50,28 @@ class Layout(NamedTuple):
                            self.units[ids[0]])) for ids in self.groups]
 
 
-def layout(plan: plan_lib.Plan,
-           sched: schedule_lib.Schedule | None = None) -> Layout:
-  """The plan's ``Layout``: the state groups of its all-gather buckets
-  (the only scheme whose decode writes a group as one array) as rows,
-  every other leaf loose (``sched``: the plan's schedule, if compiled
-  already). It depends on the plan's layout only
-  (``schedule.layout_difference``), so every phase of a warm-up shares it."""
-  sched = sched or schedule_lib.compile_plan(plan)
+def layout(steps, sched=None) -> Layout:
+  """The ``Layout`` of a compiled plan: the state groups of its all-gather
+  buckets (the only scheme whose decode writes a group as one array) as
+  rows, every other leaf loose. It depends on the plan's layout only
+  (``bucket_steps.layout_difference``), so every phase of a warm-up shares it.
+
+  Args:
+    steps: the compiled plan (``bucket_steps.compile_plan(plan)``); a ``Plan``
+      still works until 0.4, with a DeprecationWarning.
+    sched: 0.2's second argument, the plan compiled; used where given.
+
+  Returns:
+    The ``Layout``.
+  """
+  if sched is None and isinstance(steps, plans.Plan):
+    warnings.warn(
+        "grouped.layout(plan) is deprecated (removed in 0.4): pass the "
+        "compiled plan, grouped.layout(jaxfuse.bucket_steps.compile_plan("
+        "plan)).", DeprecationWarning, stacklevel=2)
+    from jaxfuse import bucket_steps  # pylint: disable=g-import-not-at-top
+    sched = bucket_steps.compile_plan(steps)
+  sched = sched or steps
   gather = {g for b in sched.buckets if b.collective == "allgather"
             for g in b.groups}
   group_ids = tuple(g for g in range(len(sched.groups)) if g in gather)
@@ -65,9 +79,8 @@ def layout(plan: plan_lib.Plan,
   units = sched.unit_placement()
   in_rows = {j for ids in groups for u in ids for j, _ in units[u]}
   return Layout(group_ids, groups, units,
-                tuple(j for j in range(len(plan.leaves)) if j not in in_rows),
-                tuple(l.shape for l in plan.leaves),
-                tuple(l.path for l in plan.leaves))
+                tuple(j for j in range(sched.num_leaves) if j not in in_rows),
+                tuple(sched.leaf_shapes), tuple(sched.leaf_paths))
 
 
 def group(lay: Layout, tree: Any) -> Grouped:
@@ -77,7 +90,7 @@ def group(lay: Layout, tree: Any) -> Grouped:
   _check_count(lay, len(flat))
   for x, shape, path in zip(flat, lay.shapes, lay.paths):
     if tuple(x.shape) != tuple(shape):
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"grouped: leaf {path} has shape {list(x.shape)}, the plan "
           f"{list(shape)}; make the plan from these parameters.")
   row = lambda u: jnp.concatenate([flat[j].reshape(-1)
@@ -103,7 +116,7 @@ def ungroup(lay: Layout, grouped: Grouped, treedef) -> Any:
 
 def _check_count(lay: Layout, num_leaves: int) -> None:
   if num_leaves != len(lay.shapes):
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"grouped: the tree has {num_leaves} leaves, the plan "
         f"{len(lay.shapes)}; make the plan from these parameters.")
 
@@ -111,13 +124,13 @@ def _check_count(lay: Layout, num_leaves: int) -> None:
 def check(lay: Layout, grouped: Any) -> None:
   """Raises ``PlanError`` unless ``grouped`` has this layout."""
   if not isinstance(grouped, Grouped):
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"expected a Grouped tree, got {type(grouped).__name__}.")
   want = lay.row_shapes
   got = [tuple(getattr(r, "shape", ())) for r in grouped.rows]
   loose = [tuple(getattr(x, "shape", ())) for x in grouped.loose]
   if got != want or loose != [lay.shapes[j] for j in lay.loose]:
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"a Grouped tree with rows {got} and {len(loose)} loose leaves; this "
         f"plan lays it out as rows {want} and {len(lay.loose)} loose "
         "leaves. The state was made with another plan: create it with "

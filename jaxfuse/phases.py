@@ -29,7 +29,7 @@ import warnings
 
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
-from jaxfuse import schedule as schedule_lib
+from jaxfuse import bucket_steps
 
 DGC_RAMP = (0.25, 0.0625, 0.015625, 0.004)
 
@@ -114,7 +114,7 @@ def check_phases(phases: Sequence[Phase]) -> None:
     if not last and not phase.stop > phase.start:
       raise plan_lib.PlanError(f"phases[{i}]: stop={phase.stop} must be > "
                                f"start={phase.start}.")
-    name = schedule_lib.layout_difference(phases[0].plan, phase.plan)
+    name = bucket_steps.layout_difference(phases[0].plan, phase.plan)
     if name:
       raise plan_lib.PlanError(
           f"phases[{i}].plan: its {name} differ from phases[0].plan's; a "
@@ -143,13 +143,13 @@ def wire_received(plan: plan_lib.Plan, num_workers: int,
   Raises:
     Nothing of its own (a scheme's byte count may refuse K).
   """
-  return sum(w.received for w in collectives.bucket_wire(plan, num_workers,
-                                                         mesh_sizes))
+  return sum(w.received for w in collectives.bucket_wire(
+      bucket_steps.compile_plan(plan), num_workers, mesh_sizes))
 
 
 def _has_sparse_hier(plan: plan_lib.Plan) -> bool:
-  return any(b.kind == schedule_lib.SPARSE and b.collective == "hier"
-             for b in schedule_lib.compile_plan(plan).buckets)
+  return any(b.kind == bucket_steps.SPARSE and b.collective == "hier"
+             for b in bucket_steps.compile_plan(plan).buckets)
 
 
 def _workers(plan, workers, where: str = "density_warmup"

@@ -112,6 +112,13 @@ class Settings:
   sample_fraction: share of elements the ``"dgc"`` estimator samples.
   sidco_stages: exponential-fit stages of ``"sidco"``.
   seed: for sampling and for the overflow rotation.
+  The scheme knobs (``zen_table``, ``zen_union``, ``spardl_teams``,
+  ``spardl_block``, ``hier_inner``, ``packed_indices``) are where a plan
+  stores its schemes' configuration; the schemes own them
+  (``jaxfuse.collectives.Zen(table, union)``, ``SparDL(teams, block)``,
+  ``Hier(inner)``, ``AllGather(packed_indices)``; ``collectives.configured``
+  reads them from here, and ``jaxfuse.plan(collective=...)`` writes them).
+
   zen_table: ``"zen"`` push: hash-table slots per partition over the
     balanced share, r1 = ⌈zen_table·C/K⌉ (C: the bucket's slots), plus
     r2 = ⌈r1/4⌉ serial slots; each row goes on the wire in C/K + 4·√(C/K)
@@ -253,6 +260,11 @@ class Plan:
 
   @classmethod
   def from_json(cls, text: str) -> "Plan":
+    """The plan of ``to_json``'s text. The format is still version 1,
+    what jaxfuse 0.2 writes: the schemes' configuration stays in
+    ``settings`` (``collectives.configured`` reads it), so a 0.2 plan
+    file loads as it is; a later version is refused, naming the file's
+    version and the newest this jaxfuse reads (``PlanError``)."""
     body = _jsonfile.read(text, fmt=FORMAT, max_version=FORMAT_VERSION,
                           error=PlanError, what="jaxfuse plan")
     try:
@@ -391,24 +403,28 @@ def index_bits(size: int) -> int:
   return max(1, int(size).bit_length())
 
 
-def packs_indices(collective: str, settings: Settings) -> bool:
-  """Whether ``collective`` sends indices in ``index_bits`` under
-  ``settings``: ``Settings.packed_indices`` for the schemes that move
-  slots as ``fusion.pack_groups`` packs them, ``"allgather"`` and
-  ``"hier"`` over one (``hier_inner="allgather"``); ZEN and SparDL keep
-  int32."""
+def packs_indices(collective, settings: Settings) -> bool:
+  """Whether ``collective`` sends indices in ``index_bits``.
+
+  ``collective``: a scheme object (``jaxfuse.collectives``), which says
+  so itself (``AllGather(packed_indices=True)``, a ``Hier`` over one;
+  ZEN and SparDL keep int32), or a scheme's name, read with the knobs a
+  plan's ``settings`` store (``Settings.packed_indices``, ``hier_inner``).
+  """
+  if not isinstance(collective, str):
+    return bool(collective.packs_indices)
   return settings.packed_indices and (
       collective == "allgather" or
       (collective == "hier" and settings.hier_inner == "allgather"))
 
 
 def wire_unit(unit: Unit, settings: Settings,
-              collective: str = "allgather") -> Unit:
-  """``unit`` as its slots travel in a bucket of ``collective``: the
-  values' dtype the narrower of the gradient's and
-  ``Settings.sparse_wire``, and its indices' bits (``index_bits(size)``
-  where ``packs_indices``, else 32): what the collectives pack, decode and
-  count bytes by."""
+              collective="allgather") -> Unit:
+  """``unit`` as its slots travel in a bucket of ``collective`` (a scheme
+  object or name, ``packs_indices``): the values' dtype the narrower of
+  the gradient's and ``Settings.sparse_wire``, and its indices' bits
+  (``index_bits(size)`` where ``packs_indices``, else 32): what the
+  collectives pack, decode and count bytes by."""
   dtype = _narrower(unit.dtype, settings.sparse_wire)
   bits = (index_bits(unit.size) if packs_indices(collective, settings)
           else 32)

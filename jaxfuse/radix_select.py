@@ -12,14 +12,23 @@ digit per round::
 
 Eight reductions, whatever the row length or k, for all of a bucket's rows
 at once (rows of different lengths are padded with 0.0, which only ever
-counts towards t = 0, where every row has k elements anyway). On an H100,
-for one gpt2-small bucket, this is 1.4–1.9× faster than a ``lax.top_k``
-sort per group and 1.9–3.4× faster than an earlier Pallas kernel with a
-program per row deciding one bit per round (``benchmarks/kth_rows.py``).
-``kernels.radix`` runs these eight rounds in one Pallas kernel instead
-(``method="pallas"``; faster only where many buckets' calls run
-together). Off GPU ``kth_largest_rows`` sorts instead (the same bits,
-less to compile).
+counts towards t = 0, where every row has k elements anyway): a fixed
+number of reductions over all rows, where a ``lax.top_k`` sorts each row
+(``benchmarks/kth_rows.py`` compares them). ``kernels.radix`` runs these
+eight rounds in one Pallas kernel instead (``method="pallas"``: one
+program per row, so its time grows with the longest row; the XLA rounds
+spread each reduction over the whole device). Off GPU
+``kth_largest_rows`` sorts instead (the same bits, less to compile).
+
+Why two exact k-th-largest algorithms: ``kernels.threshold``
+(``kernels.kth_largest_magnitude``) finds the k-th largest |x| of one
+whole array in one read of it (a sampled bracket, the band between its
+bounds staged by the selection kernel, a sort of the band), for arrays too
+large to sort; the sync path never needs that, since its k-th largest are
+all taken of short rows (DGC's samples, ``"topk"``'s bracket sample and
+staged slots), which this module batches across a bucket. The sync path
+uses only this one; ``kernels.kth_largest_magnitude`` stays a kernel of
+the public ``jaxfuse.kernels`` API until that module's owners retire it.
 """
 
 from __future__ import annotations
@@ -39,13 +48,11 @@ METHODS = ("radix", "pallas", "sort")
 GPU_METHODS = ("auto", "radix", "pallas")
 # The method on GPUs where the Pallas kernels run: "pallas" (the rounds in
 # one kernel, a program per row: its time grows with the longest row),
-# "radix" (XLA's reductions, each round spread over the whole card, about
-# 30 kernels: 0.12–0.16 ms a call however short the rows) or "auto": the
-# kernel for rows of at most PALLAS_MAX_WIDTH, the XLA rounds for longer.
-# What an extra sparse bucket costs under ``send_early`` on 1 × H200
-# (``planning.bucket_cost``): rows of 2.6 K 0.036 ms with the kernel
-# against 0.155 ms with the rounds; rows of 21 K 0.19 against 0.12; 42 K
-# 0.38 against 0.13 (docs/benchmarks.md, "A bucket's thresholds at once").
+# "radix" (XLA's reductions, each round spread over the whole device, about
+# 30 kernels: a fixed cost however short the rows) or "auto": the kernel
+# for short rows (at most PALLAS_MAX_WIDTH), where the fixed cost of the
+# rounds dominates, the XLA rounds for longer ones, where one program per
+# row is the slower (docs/benchmarks.md, "A bucket's thresholds at once").
 DEFAULT_GPU_METHOD = "auto"
 PALLAS_MAX_WIDTH = 8192
 

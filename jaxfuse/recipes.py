@@ -53,8 +53,8 @@ from jaxfuse import clipping
 from jaxfuse import grouped
 from jaxfuse import placement
 from jaxfuse import plans as plan_lib
+from jaxfuse import bucket_steps
 from jaxfuse import recipe_checks
-from jaxfuse import schedule as schedule_lib
 from jaxfuse import transform
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]
@@ -383,8 +383,8 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       weight_decay=weight_decay, clip_norm=clip_norm)
   recipe_checks.check_betas("onebit_adamw", b1=b1, b2=b2)
   recipe_checks.check_clip(clip_norm)
-  sched = schedule_lib.compile_plan(plan)
-  dense_phase = all(b.kind != schedule_lib.SPARSE for b in sched.buckets)
+  sched = bucket_steps.compile_plan(plan)
+  dense_phase = all(b.kind != bucket_steps.SPARSE for b in sched.buckets)
   sync = transform.sparse_sync(plan, axis_name)
   # m as the all-gather decode writes it: the decoded array is the new m
   lay = grouped.layout(plan, sched)
@@ -524,8 +524,8 @@ def first_moment(state: Any, plan: plan_lib.Plan) -> Any:
     raise plan_lib.PlanError(
         f"first_moment: the state was made for a plan whose {part} differ "
         "from this plan's; pass the plan the state was made for.")
-  return grouped.ungroup(grouped.layout(plan), one.mu,
-                         jax.tree.structure(one.nu))
+  lay = grouped.layout(bucket_steps.compile_plan(plan))
+  return grouped.ungroup(lay, one.mu, jax.tree.structure(one.nu))
 
 
 def _onebit_state(state: Any, where: str) -> OnebitState:

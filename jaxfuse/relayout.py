@@ -1,6 +1,6 @@
 """Carry a train state from one plan to another plan of the same leaves.
 
-A state belongs to its plan's layout (``schedule.layout``): which leaf
+A state belongs to its plan's layout (``bucket_steps.layout``): which leaf
 each residual row holds, how ``onebit_adamw``'s m is grouped, one clip
 norm per bucket. ``relayout(tree, old, new)`` rebuilds each such piece
 for ``new`` (another strategy, bucket size, ready order or estimator),
@@ -33,7 +33,7 @@ from jaxfuse import grouped
 from jaxfuse import placement
 from jaxfuse import plans as plan_lib
 from jaxfuse import recipes
-from jaxfuse import schedule as schedule_lib
+from jaxfuse import bucket_steps
 from jaxfuse import sparsify
 from jaxfuse import transform
 
@@ -104,10 +104,10 @@ class _Move:
 
   def __init__(self, old: plan_lib.Plan, new: plan_lib.Plan):
     self.old, self.new = old, new
-    self.old_sched = schedule_lib.compile_plan(old)
-    self.new_sched = schedule_lib.compile_plan(new)
-    self.old_digest = schedule_lib.layout_digest(old, self.old_sched)
-    self.new_digest = schedule_lib.layout_digest(new, self.new_sched)
+    self.old_sched = bucket_steps.compile_plan(old)
+    self.new_sched = bucket_steps.compile_plan(new)
+    self.old_digest = bucket_steps.layout_digest(old, self.old_sched)
+    self.new_digest = bucket_steps.layout_digest(new, self.new_sched)
 
   def _per_leaf(self, state, velocity: bool) -> dict[int, jax.Array]:
     """Each sparse leaf's (K, size) slice of its old unit's row."""
@@ -130,7 +130,7 @@ class _Move:
 
   def sync(self, state: transform.SparseSyncState
            ) -> transform.SparseSyncState:
-    part = state.layout and schedule_lib.digest_difference(state.layout,
+    part = state.layout and bucket_steps.digest_difference(state.layout,
                                                            self.old_digest)
     if part:
       raise plan_lib.PlanError(

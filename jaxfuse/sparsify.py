@@ -30,7 +30,7 @@ a sample found in one batched radix select (``radix_select``).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -50,6 +50,37 @@ MIN_LOG_STEP = 1e-3
 MAX_LOG_STEP = 1.0
 INITIAL_LOG_STEP = 0.1
 MAX_LOG_SCALE = 12.0
+
+
+class Selection(NamedTuple):
+  """How a unit selects, fixed when the step is traced: its slots c, its
+  density ρ, its estimator and the plan's ``Settings`` (the estimators'
+  knobs: ``refresh``, ``feedback``, ``sample_fraction``,
+  ``sidco_stages``, ``seed``)."""
+  capacity: int
+  density: float
+  estimator: str
+  settings: Any
+
+  @classmethod
+  def of(cls, unit, settings) -> "Selection":
+    """The ``Selection`` of a ``plans.Unit`` under ``settings``."""
+    return cls(unit.capacity, unit.density, unit.estimator, settings)
+
+  def kw(self) -> dict:
+    """density, estimator and settings as keywords (``sample_spec``,
+    ``pass_capacity``, ``needs_topk_finish``)."""
+    return dict(density=self.density, estimator=self.estimator,
+                settings=self.settings)
+
+
+class Tick(NamedTuple):
+  """What varies step to step in a unit's threshold: the step, the unit's
+  salt that step (``salt``) and, for a batch of units, whether any of them
+  estimates τ afresh (``estimate_now``; None: the unit decides alone)."""
+  step: jax.Array
+  salt: jax.Array
+  now: jax.Array | None = None
 
 
 class Control(NamedTuple):
@@ -248,9 +279,9 @@ class UnitResult(NamedTuple):
 # --- one unit's stages: the pass at τ ("topk": at its sampled bracket, then
 # the k-th of the staged slots), and the result ---------------------------
 
-# sample size s: fewer samples make a larger bracket C to sort through;
-# on gpt2-small 2^14 and 2^12 ran within noise, both well ahead of 2^16
-# (benchmarks/results/overhead_variants_1xH200_2026-11-29/runs.md)
+# sample size s: fewer samples make a larger bracket C to sort through,
+# more make the sample's own selection cost more; 2^14 keeps both small
+# next to the pass over n (docs/benchmarks.md, "Overhead on one GPU")
 TOPK_SAMPLE = 1 << 14
 TOPK_MARGIN = 4.0       # sample standard deviations below rank k
 
@@ -294,17 +325,26 @@ def estimate_now(step, ctrl: Control, target: int, settings) -> jax.Array:
           jnp.any(ctrl.target != target))
 
 
-def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
-                   estimate, now=None, *, density: float, estimator: str,
-                   settings):
+def unit_threshold(grad, residual, ctrl_unit: Control, tick: Tick,
+                   estimate, *, sel: Selection):
   """(τ, rotation offset) of ``unit_pass``'s pass.
 
-  ``estimate``: the k-th largest of the unit's ``sample_spec`` (None where
-  that is None). For ``"topk"`` τ is that estimate (the bracket τ_lo);
-  otherwise the scaled estimate, a fresh estimate or the kept τ: fresh
-  where ``estimate_now`` says so. ``now``: the batch's ``estimate_now``
-  (this unit's own by default).
+  Args:
+    grad, residual: the unit's flat stream and residual.
+    ctrl_unit: its ``Control`` (scalar fields).
+    tick: the step, the unit's salt and the batch's ``estimate_now``
+      (None: this unit's own).
+    estimate: the k-th largest of the unit's ``sample_spec`` (None where
+      that is None).
+    sel: the unit's ``Selection``.
+
+  Returns:
+    (τ, offset). For ``"topk"`` τ is ``estimate`` (the bracket τ_lo);
+    otherwise the scaled estimate, a fresh estimate or the kept τ: fresh
+    where ``estimate_now`` says so.
   """
+  step, salt_, now = tick
+  density, estimator, settings = sel.density, sel.estimator, sel.settings
   offset = uniform_index(hash32(salt_), 0, grad.size)
   if estimator == "topk":
     return estimate, offset
@@ -324,17 +364,16 @@ def unit_threshold(grad, residual, ctrl_unit: Control, step, salt_,
                   lambda: kept), offset
 
 
-def unit_pass(grad, residual, ctrl_unit: Control, step, salt_, estimate, *,
-              capacity: int, density: float, estimator: str, settings):
+def unit_pass(grad, residual, ctrl_unit: Control, tick: Tick, estimate, *,
+              sel: Selection):
   """(τ, ``kernels.sparsify_pass`` result) of one unit, one step: τ and
   the offset of ``unit_threshold``, ``pass_capacity`` slots. For
   ``"topk"`` with a drawn sample ``topk_finish`` completes it."""
-  kw = dict(density=density, estimator=estimator, settings=settings)
-  tau, offset = unit_threshold(grad, residual, ctrl_unit, step, salt_,
-                               estimate, **kw)
+  tau, offset = unit_threshold(grad, residual, ctrl_unit, tick, estimate,
+                               sel=sel)
   return tau, kernels.sparsify_pass(
-      grad, residual, tau, pass_capacity(grad.size, capacity=capacity, **kw),
-      offset)
+      grad, residual, tau,
+      pass_capacity(grad.size, capacity=sel.capacity, **sel.kw()), offset)
 
 
 def needs_topk_finish(n: int, *, density: float, estimator: str,
@@ -389,11 +428,11 @@ def topk_finish(lo, out, kth, *, capacity: int, density: float, n: int):
 
 
 def unit_result(grad, residual, ctrl_unit: Control, tau, out, *,
-                density: float, estimator: str, settings) -> UnitResult:
+                sel: Selection) -> UnitResult:
   """The unit's ``UnitResult`` from its pass: the controller's next state
   (kept on a non-finite step), τ (NaN then) and the checks."""
-  target = target_count(density, grad.size)
-  if settings.feedback and estimator != "topk":
+  target = target_count(sel.density, grad.size)
+  if sel.settings.feedback and sel.estimator != "topk":
     new_ctrl = controller(ctrl_unit, out.count, target, tau)
   else:
     new_ctrl = ctrl_unit._replace(
@@ -408,9 +447,11 @@ def unit_result(grad, residual, ctrl_unit: Control, tau, out, *,
 
 
 def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
-                  capacity: int, density: float, estimator: str,
-                  settings) -> UnitResult:
+                  sel: Selection) -> UnitResult:
   """One unit, one step (all arrays flat; ``ctrl_unit`` fields scalars).
+
+  ``sel``: the unit's slots, density, estimator and settings
+  (``Selection``); ``salt_``: its ``salt`` this step.
 
   acc = grad + residual, its selection and new residual are one pass
   (``kernels.sparsify_pass``: a fused Pallas kernel on GPU); ``"topk"``
@@ -424,15 +465,14 @@ def sparsify_unit(grad, residual, ctrl_unit: Control, step, salt_, *,
   ``pmean`` would be) and ``optax.apply_if_finite`` works.
   """
   n = grad.size
-  kw = dict(density=density, estimator=estimator, settings=settings)
-  spec = sample_spec(n, **kw)
+  spec = sample_spec(n, **sel.kw())
   estimate = (None if spec is None else kth_largest(
       sample_magnitudes(grad, residual, salt_, spec), spec.rank))
-  tau, out = unit_pass(grad, residual, ctrl_unit, step, salt_, estimate,
-                       capacity=capacity, **kw)
-  if needs_topk_finish(n, **kw):
+  tau, out = unit_pass(grad, residual, ctrl_unit, Tick(step, salt_),
+                       estimate, sel=sel)
+  if needs_topk_finish(n, **sel.kw()):
     kth = kth_largest(jnp.abs(out.values).astype(jnp.float32),
-                      target_count(density, n))
-    tau, out = topk_finish(tau, out, kth, capacity=capacity, density=density,
-                           n=n)
-  return unit_result(grad, residual, ctrl_unit, tau, out, **kw)
+                      target_count(sel.density, n))
+    tau, out = topk_finish(tau, out, kth, capacity=sel.capacity,
+                           density=sel.density, n=n)
+  return unit_result(grad, residual, ctrl_unit, tau, out, sel=sel)

@@ -80,13 +80,15 @@ def sent_count(count, indices, n, nonfinite, *, finished: bool = False):
   return jnp.where(nonfinite, 1, kept).astype(jnp.int32)
 
 
-def sparse_stats(plan, units, out, stacked):
-  """Stats chunks of one vmapped group: (leaf ids, {stat: per-leaf array})."""
+def sparse_stats(sizes, settings, units, out, stacked):
+  """Stats chunks of one vmapped group: (leaf ids, {stat: per-leaf array});
+  ``sizes``: {leaf id: elements} of the bucket's leaves, ``settings``: the
+  plan's."""
   if all(len(u.leaves) == 1 for u in units):
     first = units[0]   # the group's units share size and estimator
     finished = sparsify.needs_topk_finish(
         first.size, density=first.density, estimator=first.estimator,
-        settings=plan.settings)
+        settings=settings)
     return [([u.leaves[0] for u in units], dict(
         selected=sent_count(out.count, out.indices, first.size,
                             out.nonfinite, finished=finished),
@@ -96,37 +98,38 @@ def sparse_stats(plan, units, out, stacked):
         nonzero=out.nonzero))]
   chunks = []
   for i, unit in enumerate(units):   # a "behind" unit: several leaves
-    sizes = [plan.leaves[j].size for j in unit.leaves]
+    unit_sizes = [sizes[j] for j in unit.leaves]
     acc, grad = out.acc[i], stacked[i]
     sent = jnp.zeros((unit.size,), bool).at[out.indices[i]].set(
         True, mode="drop")
     candidate = (jnp.abs(acc) >= out.tau[i]) & (acc != 0)
     chunks.append((list(unit.leaves), dict(
-        selected=segment_counts(sent, sizes),
-        candidates=segment_counts(candidate, sizes),
-        threshold=jnp.full((len(sizes),), out.tau[i], jnp.float32),
-        nonfinite=segment_counts(~jnp.isfinite(grad), sizes) > 0,
-        nonzero=segment_counts(grad != 0, sizes) > 0)))
+        selected=segment_counts(sent, unit_sizes),
+        candidates=segment_counts(candidate, unit_sizes),
+        threshold=jnp.full((len(unit_sizes),), out.tau[i], jnp.float32),
+        nonfinite=segment_counts(~jnp.isfinite(grad), unit_sizes) > 0,
+        nonzero=segment_counts(grad != 0, unit_sizes) > 0)))
   return chunks
 
 
-def dense_stats(plan, leaf_ids, flat):
+def dense_stats(sizes, leaf_ids, flat):
   """Stats chunks of a dense (psum) bucket: everything is sent. The flags
   come from the psum's own per-dtype buffers (``fusion.pack_dense``);
-  non-float leaves (no gradient) are neither non-finite nor non-zero."""
+  non-float leaves (no gradient) are neither non-finite nor non-zero.
+  ``sizes``: {leaf id: elements} of ``leaf_ids``."""
   floats = [j for j in leaf_ids if _compat.is_float_dtype(flat[j].dtype)]
   others = [j for j in leaf_ids if j not in floats]
-  sizes = lambda ids: [plan.leaves[j].size for j in ids]
+  of = lambda ids: [sizes[j] for j in ids]
   chunk = lambda ids, nonfinite, nonzero: (ids, dict(
-      selected=jnp.asarray(sizes(ids), jnp.int32),
-      candidates=jnp.asarray(sizes(ids), jnp.int32),
+      selected=jnp.asarray(of(ids), jnp.int32),
+      candidates=jnp.asarray(of(ids), jnp.int32),
       threshold=jnp.zeros((len(ids),), jnp.float32),
       nonfinite=nonfinite, nonzero=nonzero))
   chunks = []
   for dtype, g in fusion.pack_dense([flat[j] for j in floats]).items():
     ids = [j for j in floats if str(flat[j].dtype) == dtype]
-    chunks.append(chunk(ids, segment_counts(~jnp.isfinite(g), sizes(ids)) > 0,
-                        segment_counts(g != 0, sizes(ids)) > 0))
+    chunks.append(chunk(ids, segment_counts(~jnp.isfinite(g), of(ids)) > 0,
+                        segment_counts(g != 0, of(ids)) > 0))
   if others:
     none = jnp.zeros((len(others),), bool)
     chunks.append(chunk(others, none, none))

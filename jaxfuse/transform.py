@@ -25,8 +25,8 @@ from jaxfuse import bucket_sync
 from jaxfuse import collectives
 from jaxfuse import grouped
 from jaxfuse import kernels
-from jaxfuse import plans as plan_lib
-from jaxfuse import schedule as schedule_lib
+from jaxfuse import plans
+from jaxfuse import bucket_steps
 from jaxfuse import sparsify
 from jaxfuse import stats as stats_lib
 from jaxfuse.stats import SyncStats
@@ -37,7 +37,7 @@ class SparseSyncState(NamedTuple):
   array per state group (``plans.state_groups``: a bucket's units of one
   size and dtype); ``unit_residuals`` gives them per unit.
 
-  ``layout`` is the plan's ``schedule.layout_digest``: no array, it lives
+  ``layout`` is the plan's ``bucket_steps.layout_digest``: no array, it lives
   in the pytree structure (auxiliary data, like a dict's keys), so a
   step sees it at trace time and refuses a state made for a plan of
   another layout, and a checkpoint holds the same arrays as without it.
@@ -73,7 +73,7 @@ class SyncError(ValueError):
   """``sparse_sync`` used in a way that cannot work."""
 
 
-def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
+def sparse_sync(plan: plans.Plan, axis_name: str | tuple = "data", *,
                 momentum: float = 0.0, nesterov: bool = False,
                 mask_momentum: bool = True,
                 residual_decay: float = 1.0
@@ -141,9 +141,9 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     reads m and the gradient, which saves writing x out and reading it
     back: for every state group whose m comes as a ``Grouped``'s rows
     (read where they are), and for groups of matrices and vectors when m
-    comes leaf by leaf (``bucket_sync.blends``).
+    comes leaf by leaf (``bucket_steps.blendable``).
   """
-  plan_lib.require_plan(plan, "sparse_sync")
+  plans.require_plan(plan, "sparse_sync")
   check_rate("sparse_sync", "momentum", momentum, "[0, 1)")
   check_rate("sparse_sync", "residual_decay", residual_decay, "(0, 1]")
   momentum, residual_decay = float(momentum), float(residual_decay)
@@ -153,9 +153,9 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
   if nesterov and momentum == 0:
     raise SyncError("sparse_sync: nesterov=True needs momentum > 0.")
   axis_name, _ = axis_names(axis_name)
-  sched = schedule_lib.compile_plan(plan)
-  digest = schedule_lib.layout_digest(plan, sched)
-  lay = grouped.layout(plan, sched)   # of a Grouped blend's m
+  sched = bucket_steps.compile_plan(plan)
+  digest = bucket_steps.layout_digest(plan, sched)
+  lay = grouped.layout(sched)   # of a Grouped blend's m
   groups, group_dtypes = sched.groups, sched.group_dtypes
   all_units = sched.units
   settings = plan.settings
@@ -192,13 +192,12 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
       flat = kernels.formed(parts)   # what a dense bucket reads
     _check_state(state, groups, all_units, momentum, digest)
     for b in sched.buckets:
-      scheme = collectives.get(b.collective)
-      scheme.check(f"bucket {b.index}", num_workers, settings)
-      scheme.check_axes(f"bucket {b.index}", axis_name, settings)
+      b.scheme.check(f"bucket {b.index}", num_workers, settings)
+      b.scheme.check_axes(f"bucket {b.index}", axis_name, settings)
     sizes = (tuple(_compat.axis_size(a) for a in axis_name)
              if isinstance(axis_name, tuple) else None)
     wire_bytes = sum(w.sent for w in collectives.bucket_wire(
-        plan, num_workers, sizes, sched=sched))
+        sched, num_workers, sizes))
     rule = bucket_sync.Rule(momentum, nesterov, mask_momentum, residual_decay)
     step = state.step[0]
     ctrl = jax.tree.map(lambda x: x[0], state.control)
@@ -208,11 +207,11 @@ def sparse_sync(plan: plan_lib.Plan, axis_name: str | tuple = "data", *,
     velocity = [v[0] for v in state.velocity]
     ctrl_chunks = []   # (unit ids, Control of (G,) arrays)
     stat_chunks = []   # (leaf ids, {stat: (G,) array})
+    inputs = bucket_sync.Inputs(flat, parts, m_rows)
+    carry = bucket_sync.Carry(residuals, velocity, ctrl, step)
 
     for b in sched.buckets:   # the plan's (backward-ready) order
-      out = bucket_sync.sync_bucket(plan, sched, b, flat, residuals, velocity,
-                                   ctrl, step, axis_name, rule, parts,
-                                   m_rows)
+      out = bucket_sync.sync_bucket(b, inputs, carry, axis_name, rule)
       for j, x in out.leaves.items():
         synced[j] = x
       for g, r in out.residuals.items():
@@ -250,7 +249,7 @@ def check_rate(where: str, name: str, x, interval: str,
           f"{where}: {name} is a traced value; it must be a Python number "
           "known when the step is traced (it shapes the state or the "
           "program). With optax.inject_hyperparams, name it in static_args.")
-  ok = plan_lib.is_real(x) and (0 <= x < 1 if interval == "[0, 1)"
+  ok = plans.is_real(x) and (0 <= x < 1 if interval == "[0, 1)"
                                 else 0 < x <= 1)
   if not ok:
     raise SyncError(f"{where}: {name}={x!r} must be in {interval}.")
@@ -262,7 +261,7 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
   paths = [jax.tree_util.keystr(p) for p, _ in flat]
   if paths != [l.path for l in plan.leaves]:
     planned = {l.path for l in plan.leaves}
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         "gradients and plan have different leaves: in the gradients only "
         f"{[p for p in paths if p not in planned][:5]}, in the plan only "
         f"{[l.path for l in plan.leaves if l.path not in set(paths)][:5]}. "
@@ -275,7 +274,7 @@ def _check_grads(plan, updates, axis_name) -> list[jax.Array]:
                  not _compat.is_float_dtype(leaf.dtype))
     if tuple(g.shape) != leaf.shape or (str(g.dtype) != leaf.dtype and
                                         not float0_ok):
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"gradient {leaf.path}: got {g.dtype}{list(g.shape)}, plan says "
           f"{leaf.dtype}{list(leaf.shape)}. Make a new plan for this model.")
     if (vma_on and _compat.is_float_dtype(g.dtype) and
@@ -317,7 +316,7 @@ def _check_blend(plan, lay, updates, flat, blend
   if isinstance(m, grouped.Grouped):
     try:
       grouped.check(lay, m)
-    except plan_lib.PlanError as e:
+    except plans.PlanError as e:
       raise SyncError(f"{where}: m is a Grouped tree of another plan: {e}"
                       ) from None
     m_rows = dict(zip(lay.group_ids, m.rows))
@@ -349,7 +348,7 @@ def _check_state(state, groups, all_units, momentum, digest) -> None:
   if not isinstance(state, SparseSyncState):
     raise SyncError(f"expected a SparseSyncState, got {type(state).__name__}; "
                     "create the state with jaxfuse.init_state(...).")
-  part = state.layout and schedule_lib.digest_difference(state.layout, digest)
+  part = state.layout and bucket_steps.digest_difference(state.layout, digest)
   if part:
     raise SyncError(
         f"sparse_sync state was made for a plan of another layout (its "
@@ -382,16 +381,16 @@ def _check_state(state, groups, all_units, momentum, digest) -> None:
         "same transform (jaxfuse.init_state(optimizer, ...)).")
 
 
-def unit_residuals(plan: plan_lib.Plan, state: SparseSyncState,
+def unit_residuals(plan: plans.Plan, state: SparseSyncState,
                    velocity: bool = False) -> list[jax.Array]:
   """The residual (or velocity) of each selection unit, in
   ``plans.units`` order: views of the state's per-group arrays, each with
   the state's leading worker axis (K outside ``shard_map``)."""
-  plan_lib.require_plan(plan, "unit_residuals")
+  plans.require_plan(plan, "unit_residuals")
   arrays = state.velocity if velocity else state.residuals
-  all_units, per_bucket = plan_lib.units(plan)
+  all_units, per_bucket = plans.units(plan)
   want = [(len(g), all_units[g[0]].size)
-          for g in plan_lib.group_units(all_units, per_bucket)]
+          for g in plans.group_units(all_units, per_bucket)]
   have = [tuple(a.shape[-2:]) for a in arrays]
   if want != have:
     raise SyncError(f"unit_residuals: the state's groups are {have} (units "
@@ -402,7 +401,7 @@ def unit_residuals(plan: plan_lib.Plan, state: SparseSyncState,
     raise SyncError(f"unit_residuals: the state was made for a plan of "
                     f"another layout (its {part} differ): pass the plan the "
                     "state was made for.")
-  return [arrays[g][:, i] for g, i in plan_lib.unit_rows(plan)]
+  return [arrays[g][:, i] for g, i in plans.unit_rows(plan)]
 
 
 # --- helpers for users --------------------------------------------------------
@@ -511,14 +510,14 @@ def per_worker_mask(tree):
   return jax.tree.map(mark, tree, is_leaf=is_worker_state)
 
 
-def layout_mismatch(tree, plan: plan_lib.Plan) -> str | None:
-  """The first layout part (``schedule.LAYOUT_PARTS``) in which a
+def layout_mismatch(tree, plan: plans.Plan) -> str | None:
+  """The first layout part (``bucket_steps.LAYOUT_PARTS``) in which a
   ``SparseSyncState`` in ``tree`` differs from ``plan``'s layout; None
   when every one has it (or carries none)."""
-  digest = schedule_lib.layout_digest(plan)
+  digest = bucket_steps.layout_digest(plan)
   for x in jax.tree.leaves(tree, is_leaf=is_sync_state):
     part = (is_sync_state(x) and x.layout
-            and schedule_lib.digest_difference(x.layout, digest))
+            and bucket_steps.digest_difference(x.layout, digest))
     if part:
       return part
   return None

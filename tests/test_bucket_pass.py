@@ -82,15 +82,16 @@ def test_bucket_equals_each_unit_alone(estimator, method, ties, monkeypatch):
       rng.normal(size=len(all_units)) * 0.2, jnp.float32))
   step = jnp.int32(7)
   got = jax.jit(lambda *args: [(out, x) for _, out, x in (
-      bucket_pass.sparsify_groups(all_units, groups, gids, *args,
-                                  settings=plan.settings))])(
+      bucket_pass.sparsify_groups(
+          bucket_pass.batches(all_units, groups, gids), *args,
+          settings=plan.settings))])(
                                       grads, residuals, ctrl, step)
   # One jitted sparsify_unit per (capacity, density, estimator): the units
   # of a repeated shape share its compile.
   unit_step = functools.lru_cache(maxsize=None)(
       lambda capacity, density, estimator: jax.jit(functools.partial(
-          sparsify.sparsify_unit, capacity=capacity, density=density,
-          estimator=estimator, settings=plan.settings)))
+          sparsify.sparsify_unit, sel=sparsify.Selection(
+          capacity, density, estimator, plan.settings))))
   on_gpu = jax.default_backend() == "gpu"
   seen = set()
   for batch, (out, stacked) in zip(

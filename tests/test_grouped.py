@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
+from jaxfuse import bucket_steps
 from jaxfuse import grouped
 from jaxfuse import kernels
 from jaxfuse import plans as plan_lib
@@ -51,7 +52,7 @@ def test_group_then_ungroup_is_the_tree(shapes, buckets, behind, zen, seed):
       plan = dataclasses.replace(plan, buckets=tuple(
           dataclasses.replace(x, collective="zen") if i == b else x
           for i, x in enumerate(plan.buckets)))
-  lay = grouped.layout(plan)
+  lay = grouped.layout(bucket_steps.compile_plan(plan))
   rng = np.random.default_rng(seed)
   tree = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
   g = grouped.group(lay, tree)
@@ -78,10 +79,10 @@ def test_group_then_ungroup_is_the_tree(shapes, buckets, behind, zen, seed):
 
 
 def test_another_layout_is_refused_with_both_shapes():
-  lay = grouped.layout(list_plan(SHAPES, density=0.05, min_sparse_size=256,
-                                 strategy="single"))
-  other = grouped.layout(list_plan(SHAPES[:3], density=0.05,
-                                   min_sparse_size=256, strategy="single"))
+  lay = grouped.layout(bucket_steps.compile_plan(list_plan(
+      SHAPES, density=0.05, min_sparse_size=256, strategy="single")))
+  other = grouped.layout(bucket_steps.compile_plan(list_plan(
+      SHAPES[:3], density=0.05, min_sparse_size=256, strategy="single")))
   g = grouped.group(other, [jnp.zeros(s) for s in SHAPES[:3]])
   with pytest.raises(jaxfuse.PlanError, match=r"rows \[\(3, 4096\)\] and 0 "
                      r"loose.*this plan lays it out as rows \[\(1, 2048\), "
@@ -149,7 +150,7 @@ def test_onebit_on_the_pallas_pass_is_the_reference_bit_for_bit(request):
     return
   plan = list_plan(SHAPES, density=0.05, min_sparse_size=256,
                    strategy="single")
-  assert [r.shape for r in grouped.group(grouped.layout(plan), [
+  assert [r.shape for r in grouped.group(grouped.layout(bucket_steps.compile_plan(plan)), [
       jnp.zeros(s) for s in SHAPES]).rows] == [(1, 2048), (4, 4096)]
   rng = np.random.default_rng(1)
   grads = [[rng.normal(size=(K,) + s).astype(np.float32) for s in SHAPES]
@@ -174,7 +175,7 @@ def test_onebit_keeps_the_decoded_rows_as_its_m():
   opt = jaxfuse.onebit_adamw(plan, 1e-3)
   state = jaxfuse.init_state(opt, params, mesh)
   specs = jaxfuse.state_specs(state)
-  assert grouped.layout(plan).loose == (5, 6)
+  assert grouped.layout(bucket_steps.compile_plan(plan)).loose == (5, 6)
   grads = shard(mesh, [np.ones((K,) + s, np.float32) for s in SHAPES])
   step = jax.shard_map(
       lambda g, s: opt.update([x[0] for x in g], s, params), mesh=mesh,
@@ -200,7 +201,7 @@ def test_check_refuses_loose_leaves_of_another_plan():
   # min_sparse_size: a psum bucket, loose, in leaf order.
   plan = list_plan([(64, 64), (32,), (8, 8)], density=0.05,
                    min_sparse_size=256, strategy="single")
-  lay = grouped.layout(plan)
+  lay = grouped.layout(bucket_steps.compile_plan(plan))
   assert lay.row_shapes == [(1, 4096)] and lay.loose == (1, 2)
   rows = (jnp.zeros((1, 4096)),)
   grouped.check(lay, grouped.Grouped(rows, (jnp.zeros(32), jnp.zeros((8, 8)))))

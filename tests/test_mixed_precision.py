@@ -115,8 +115,8 @@ def test_bfloat16_residual_loses_small_contributions(mesh):
 def test_residual_dtype_is_checked_and_part_of_the_layout():
   with pytest.raises(plan_lib.PlanError, match="residual_dtype"):
     _plan(residual_dtype="float16")
-  from jaxfuse import schedule  # pylint: disable=g-import-not-at-top
-  assert schedule.layout_difference(
+  from jaxfuse import bucket_steps  # pylint: disable=g-import-not-at-top
+  assert bucket_steps.layout_difference(
       _plan(), _plan(residual_dtype="gradient")) == "settings"
 
 
@@ -217,13 +217,13 @@ def _check_wire_setting(plan, field):
 
 
 def test_dense_wire_is_checked_saved_and_not_part_of_the_layout():
-  from jaxfuse import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
+  from jaxfuse import bucket_steps  # pylint: disable=g-import-not-at-top
   _check_wire_setting(list_plan(SHAPES), "full_wire")
   for bad in ("fp8", "float16"):   # float16 would overflow where f32 does not
     with pytest.raises(plan_lib.PlanError, match=f"dense_wire='{bad}'"):
       _dense_phase(bad)
   half, phases = _dense_phase("bfloat16")
-  assert schedule_lib.layout_difference(phases[-1].plan, half) is None
+  assert bucket_steps.layout_difference(phases[-1].plan, half) is None
   _check_wire_setting(half, "full_wire")
 
 
@@ -308,10 +308,10 @@ def test_sparse_wire_is_checked_and_saved():
   assert plan.settings.sparse_wire == "bfloat16"
   _check_wire_setting(plan, "sparse_wire")
   # the state does not hold the wire dtype: phases may differ in it
-  from jaxfuse import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
-  assert schedule_lib.layout_difference(
+  from jaxfuse import bucket_steps  # pylint: disable=g-import-not-at-top
+  assert bucket_steps.layout_difference(
       plan, _sparse_wire_plan(sparse_wire="gradient")) is None
-  assert schedule_lib.layout_difference(
+  assert bucket_steps.layout_difference(
       plan, _sparse_wire_plan(collective="zen")) is not None
   # bfloat16 gradients already travel in bfloat16: the setting changes nothing
   low = _plan(sparse_wire="bfloat16")

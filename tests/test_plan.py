@@ -17,7 +17,7 @@ import pytest
 import jaxfuse
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
-from jaxfuse import schedule
+from jaxfuse import bucket_steps
 
 from _harness import gathered_words, init, list_plan, shard, sharded_update
 from _harness import sync
@@ -399,13 +399,13 @@ def test_packed_indices_leave_other_schemes_int32(collective, settings):
   plain, packed = made(False), made(True)
   assert packed.settings.packed_indices
   assert packed.bytes_per_worker() == plain.bytes_per_worker()
-  sched = schedule.compile_plan(packed)
+  sched = bucket_steps.compile_plan(packed)
   assert {u.index_bits for u in sched.wire_units} == {32}
-  assert collectives.bucket_steps(packed, 4) == collectives.bucket_steps(
-      plain, 4)
+  assert collectives.bucket_steps(sched, 4) == collectives.bucket_steps(
+      bucket_steps.compile_plan(plain), 4)
   with_ag = dataclasses.replace(packed, buckets=tuple(
       dataclasses.replace(b, collective="allgather") for b in packed.buckets))
-  assert {u.index_bits for u in schedule.compile_plan(
+  assert {u.index_bits for u in bucket_steps.compile_plan(
       with_ag).wire_units} == {10, 12}
 
 
@@ -441,3 +441,56 @@ def test_integer_leaves_are_dense_and_pass_through(mesh):
   np.testing.assert_allclose(K * np.asarray(w, np.float64).ravel() +
                              np.asarray(kept, np.float64).sum(0),
                              grads.reshape(K, -1).sum(0), rtol=1e-6)
+
+
+# --- each scheme owns its configuration --------------------------------------
+
+_SCHEME_PARAMS = {"w": jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                  "b": jax.ShapeDtypeStruct((8,), jnp.float32)}
+
+
+@pytest.mark.parametrize("scheme,old", [
+    (collectives.Zen(table=3.0, union=0.5),
+     dict(collective="zen", zen_table=3.0, zen_union=0.5)),
+    (collectives.SparDL(teams=2, block=1.5),
+     dict(collective="spardl", spardl_teams=2, spardl_block=1.5)),
+    (collectives.Hier(inner=collectives.Zen(table=1.5)),
+     dict(collective="hier", hier_inner="zen", zen_table=1.5)),
+    (collectives.Hier(inner=collectives.AllGather(packed_indices=True)),
+     dict(collective="hier", packed_indices=True)),
+    (collectives.AllGather(packed_indices=True),
+     dict(packed_indices=True)),
+])
+def test_a_scheme_object_plans_as_0_2s_keywords(scheme, old):
+  """``collective=`` takes a configured scheme; 0.2's keywords still make
+  the same plan, each warning with its new spelling; the plan's buckets
+  run that very configuration."""
+  new = jaxfuse.plan(_SCHEME_PARAMS, density=0.05, collective=scheme)
+  with pytest.warns(DeprecationWarning,
+                    match=r"jaxfuse.plan\(\w+=\.\.\.\) is deprecated.*"
+                    r"collective=jaxfuse.collectives.\w+\("):
+    was = jaxfuse.plan(_SCHEME_PARAMS, density=0.05, **old)
+  assert new == was
+  (sparse,) = [b for b in bucket_steps.compile_plan(new).buckets
+               if b.kind == bucket_steps.SPARSE]
+  assert sparse.scheme == scheme
+  assert new.buckets[sparse.index].collective == scheme.name
+
+
+def test_a_scheme_name_gives_its_defaults_and_bad_ones_are_named():
+  plan = jaxfuse.plan(_SCHEME_PARAMS, density=0.05, collective="spardl")
+  assert collectives.configured("spardl", plan.settings) == (
+      collectives.SparDL())
+  assert collectives.Hier(inner="spardl").inner == collectives.SparDL()
+  with pytest.raises(jaxfuse.PlanError, match=r"Hier\(inner='psum'\).*one "
+                     r"of \('allgather', 'zen', 'spardl'\)"):
+    collectives.Hier(inner="psum")
+  with pytest.raises(jaxfuse.PlanError, match=r"collective=Zen\(.*leave "
+                     r"\['zen_table'\] out"):
+    jaxfuse.plan(_SCHEME_PARAMS, collective=collectives.Zen(),
+                 zen_table=2.0)
+  with pytest.raises(jaxfuse.PlanError, match=r"collective=Psum\(\).*"
+                     r"AllGather, Zen, SparDL, Hier"):
+    jaxfuse.plan(_SCHEME_PARAMS, collective=collectives.Psum())
+  with pytest.raises(TypeError, match="zen_tabel"):
+    jaxfuse.plan(_SCHEME_PARAMS, zen_tabel=2.0)

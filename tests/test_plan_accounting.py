@@ -11,7 +11,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import plans as plan_lib
-from jaxfuse import schedule
+from jaxfuse import bucket_steps
 
 from _harness import NUM_WORKERS as K
 from _harness import init, sync
@@ -30,7 +30,7 @@ def test_units_of_one_size_but_two_dtypes_get_a_state_group_each():
                       min_sparse_size=64, residual_dtype="gradient")
   assert len(plan.buckets) == 1
   assert plan_lib.state_groups(plan) == ((0,), (1,))
-  sched = schedule.compile_plan(plan)
+  sched = bucket_steps.compile_plan(plan)
   assert sched.group_dtypes == ("float32", "bfloat16")
   state = jax.eval_shape(jaxfuse.sparse_sync(plan).init, params)
   assert [(r.shape, str(r.dtype)) for r in state.residuals] == [

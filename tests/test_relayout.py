@@ -10,7 +10,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import grouped
-from jaxfuse import schedule
+from jaxfuse import bucket_steps
 from jaxfuse import sparsify
 
 from _harness import NUM_WORKERS as K
@@ -94,12 +94,12 @@ def test_a_dense_step_after_relayout_sends_what_the_old_plan_owed(
 def test_thresholds_are_kept_for_the_same_units_only(mesh):
   old, behind, reordered = _plans()
   state = _trained(old, mesh, 0.0)
-  old_units = schedule.compile_plan(old).units
+  old_units = bucket_steps.compile_plan(old).units
   before = np.asarray(state.control.threshold)
   assert (before > 0).all()
   moved = jaxfuse.relayout(state, old, reordered)
   after = np.asarray(moved.control.threshold)
-  for u, unit in enumerate(schedule.compile_plan(reordered).units):
+  for u, unit in enumerate(bucket_steps.compile_plan(reordered).units):
     (o,) = [i for i, v in enumerate(old_units) if v.leaves == unit.leaves]
     np.testing.assert_array_equal(after[:, u], before[:, o])
   # to another density: kept too, with the k it was tuned for, so the
@@ -107,7 +107,7 @@ def test_thresholds_are_kept_for_the_same_units_only(mesh):
   # the controller's step (test_momentum_and_phases)
   denser = jaxfuse.with_density(reordered, 0.2)
   moved = jaxfuse.relayout(state, old, denser)
-  for u, unit in enumerate(schedule.compile_plan(denser).units):
+  for u, unit in enumerate(bucket_steps.compile_plan(denser).units):
     (o,) = [i for i, v in enumerate(old_units) if v.leaves == unit.leaves]
     for field in ("threshold", "log_scale", "log_step", "target"):
       np.testing.assert_array_equal(
@@ -240,7 +240,7 @@ def _per_leaf(plan, state, velocity):
   """Each sparse leaf's (K, size) rows, read through unit_residuals."""
   out = {}
   rows = jaxfuse.unit_residuals(plan, state, velocity=velocity)
-  for unit, row in zip(schedule.compile_plan(plan).units, rows):
+  for unit, row in zip(bucket_steps.compile_plan(plan).units, rows):
     start = 0
     for j in unit.leaves:
       size = plan.leaves[j].size
@@ -334,13 +334,13 @@ def test_plans_equal_under_eq_share_a_layout_digest(mesh):
   two, two_f = (jaxfuse.plan(PARAMS, density=0.05, headroom=h)
                 for h in (2, 2.0))
   assert two == two_f
-  assert schedule.layout_digest(two) == schedule.layout_digest(two_f)
+  assert bucket_steps.layout_digest(two) == bucket_steps.layout_digest(two_f)
   numpy_seed = dataclasses.replace(two, settings=dataclasses.replace(
       two.settings, headroom=np.float64(2.0)))
-  assert schedule.layout_digest(numpy_seed) == schedule.layout_digest(two)
+  assert bucket_steps.layout_digest(numpy_seed) == bucket_steps.layout_digest(two)
   other = jaxfuse.plan(PARAMS, density=0.05, headroom=2.5)
-  assert schedule.digest_difference(schedule.layout_digest(other),
-                                    schedule.layout_digest(two)) == "settings"
+  assert bucket_steps.digest_difference(bucket_steps.layout_digest(other),
+                                    bucket_steps.layout_digest(two)) == "settings"
   state = jaxfuse.init_state(jaxfuse.sparse_sync(two), PARAMS, mesh)
   grads = shard(mesh, _grads(0))
   _, after = _step(jaxfuse.sparse_sync(two_f), mesh, state)(grads, state)

@@ -220,7 +220,7 @@ def test_steps_are_what_the_program_sends(k, teams):
 
   def local(*xs):
     parts = [(xs[0][0], xs[1][0]), (xs[2][0], xs[3][0])]
-    out = spardl.SparDL().sync(parts, units, "data", s)
+    out = spardl.SparDL(teams=teams).sync(parts, units, "data", s)
     return out.means, [x[None] for x in out.kept]
 
   sh = NamedSharding(mesh, P("data"))
@@ -229,7 +229,7 @@ def test_steps_are_what_the_program_sends(k, teams):
   jaxpr = jax.make_jaxpr(jax.shard_map(
       local, mesh=mesh, in_specs=P("data"), out_specs=(P(), P("data"))))(
           *args)
-  steps = spardl.SparDL().steps(units, k, s)
+  steps = spardl.SparDL(teams=teams).steps(units, k, s)
   assert list(_wire_ops(jaxpr.jaxpr)) == [tuple(x) for x in steps]
   rounds = math.ceil(math.log2(k // teams)) + math.ceil(math.log2(teams))
   assert len(steps) == rounds + 1
@@ -243,12 +243,12 @@ def test_steps_are_what_the_program_sends(k, teams):
 def test_teams_that_cannot_form_raise_naming_the_bucket(k, teams, why):
   s = plan_lib.Settings(spardl_teams=teams)
   with pytest.raises(base.SchemeError, match=f"bucket 3: .*{why}.*spardl_teams"):
-    spardl.SparDL().check("bucket 3", k, s)
+    spardl.SparDL(teams=teams).check("bucket 3", k, s)
   with pytest.raises(base.SchemeError, match=(
       rf"^spardl bucket of leaves \[0, 1\]: spardl_teams={teams} .*{why}")):
-    spardl.SparDL().steps(UNITS, k, s)
+    spardl.SparDL(teams=teams).steps(UNITS, k, s)
   spardl.SparDL().check("bucket 3", k, plan_lib.Settings())  # T = 1: any K
-  spardl.SparDL().check("bucket 3", 8, plan_lib.Settings(spardl_teams=2))
+  spardl.SparDL(teams=2).check("bucket 3", 8, plan_lib.Settings())
 
 
 def test_sparse_sync_refuses_teams_that_cannot_form():

@@ -67,8 +67,8 @@ def test_inclusive_count_is_the_running_count(n, density, seed):
 def _unit_loop(grad_fn, steps, *, capacity, density, estimator, settings_,
                threshold=None, n):
   step_fn = jax.jit(functools.partial(
-      sparsify.sparsify_unit, capacity=capacity, density=density,
-      estimator=estimator, settings=settings_))
+      sparsify.sparsify_unit, sel=sparsify.Selection(
+          capacity, density, estimator, settings_)))
   ctrl = jax.tree.map(lambda x: x[0], sparsify.initial_control(1))
   if threshold is not None:
     ctrl = ctrl._replace(threshold=jnp.float32(threshold))
@@ -326,8 +326,8 @@ def test_per_leaf_stats_match_what_was_sent(mesh, strategy, shapes):
 @functools.lru_cache(maxsize=None)
 def _unit_fn(estimator, capacity, density):
   return jax.jit(functools.partial(
-      sparsify.sparsify_unit, capacity=capacity, density=density,
-      estimator=estimator, settings=jaxfuse.Settings()))
+      sparsify.sparsify_unit, sel=sparsify.Selection(
+          capacity, density, estimator, jaxfuse.Settings())))
 
 
 @settings(max_examples=24, deadline=None)
@@ -387,8 +387,8 @@ def _topk_fn(capacity, density, margin):
   them share one compile."""
   del margin  # part of the key only
   return jax.jit(functools.partial(
-      sparsify.sparsify_unit, capacity=capacity, density=density,
-      estimator="topk", settings=jaxfuse.Settings()))
+      sparsify.sparsify_unit, sel=sparsify.Selection(
+          capacity, density, "topk", jaxfuse.Settings())))
 
 
 def _topk(grad, residual, capacity, density=0.01, seed=3):

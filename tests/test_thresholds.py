@@ -167,7 +167,7 @@ def test_refresh_estimates_where_no_threshold_is_kept(kept, step, fresh):
       settings=settings))
   assert want > 2.5                     # the 1 % tail of N(0, 1)
   tau, _ = sparsify.unit_threshold(
-      g, r, _ctrl(0.1, tau=kept, target=target), jnp.int32(step), salt,
-      None,
-      density=0.01, estimator="gaussian", settings=settings)
+      g, r, _ctrl(0.1, tau=kept, target=target),
+      sparsify.Tick(jnp.int32(step), salt), None,
+      sel=sparsify.Selection(1, 0.01, "gaussian", settings))
   assert float(tau) == pytest.approx(want if fresh else kept, rel=1e-6)

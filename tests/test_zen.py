@@ -131,11 +131,11 @@ def _direct(k, sizes, caps, table, union):
   mesh = mesh_of(k)
   units = [plan_lib.Unit((i,), n, c, c / n, "topk", "float32")
            for i, (n, c) in enumerate(zip(sizes, caps))]
-  settings = plan_lib.Settings(zen_table=table, zen_union=union)
+  settings, zen = plan_lib.Settings(), collectives.Zen(table=table, union=union)
 
   def f(*xs):
     parts = [(xs[2 * i][0], xs[2 * i + 1][0]) for i in range(len(units))]
-    out = collectives.get("zen").sync(parts, units, "data", settings)
+    out = zen.sync(parts, units, "data", settings)
     return out.means, [x[None] for x in out.kept]
   return mesh, fast_jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
                                       out_specs=(P(), P("data"))))
@@ -331,8 +331,8 @@ def _class_max(n, k, seed=0):
 def test_steps_bytes_and_bitmap_rule(dtype, union):
   n, c, k = 6000, 60, 4
   unit = plan_lib.Unit((0,), n, c, 0.01, "topk", dtype)
-  s = plan_lib.Settings(zen_union=union)
-  push, pull = collectives.get("zen").steps([unit], k, s)
+  s, z = plan_lib.Settings(), collectives.Zen(union=union)
+  push, pull = z.steps([unit], k, s)
   b = _class_max(n, k)
   r1 = math.ceil(2.0 * c / k)
   slots = min(r1 + math.ceil(r1 / 4), c, b,
@@ -356,14 +356,14 @@ def test_steps_bytes_are_the_buffers_sent(mesh, union, dtype):
   k = NUM_WORKERS
   units = [plan_lib.Unit((0,), 900, 10, 0.01, "topk", dtype),
            plan_lib.Unit((1,), 3000, 31, 0.01, "topk", "float32")]
-  s = plan_lib.Settings(zen_union=union)
+  s, z = plan_lib.Settings(), collectives.Zen(union=union)
   u = min(math.ceil(union * 41), _class_max(3900, k))
-  assert zen_lib.layout(units, k, s).bitmap == (
+  assert zen_lib.layout(units, k, s, z).bitmap == (
       math.ceil(_class_max(3900, k) / 32) < u)
 
   def f(*xs):
     parts = [(xs[0][0], xs[1][0]), (xs[2][0], xs[3][0])]
-    return collectives.get("zen").sync(parts, units, "data", s).means
+    return z.sync(parts, units, "data", s).means
   on = NamedSharding(mesh, P("data"))
   args = [jax.ShapeDtypeStruct((k, c), t, sharding=on)
           for c, t in ((10, dtype), (10, jnp.int32), (31, jnp.float32),
@@ -383,7 +383,7 @@ def test_steps_bytes_are_the_buffers_sent(mesh, union, dtype):
           if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
             walk(getattr(sub, "jaxpr", sub))
   walk(jaxpr.jaxpr)
-  steps = collectives.get("zen").steps(units, k, s)
+  steps = z.steps(units, k, s)
   assert sent == {"all_to_all": steps[0].nbytes,
                   "all_gather": steps[1].nbytes}
 

@@ -57,7 +57,7 @@ jax.config.update("jax_platforms", "cpu")
 import jaxfuse  # pylint: disable=wrong-import-position
 from jaxfuse import collectives  # pylint: disable=wrong-import-position
 from jaxfuse import overlap  # pylint: disable=wrong-import-position
-from jaxfuse import schedule as schedule_lib  # pylint: disable=wrong-import-position
+from jaxfuse import bucket_steps  # pylint: disable=wrong-import-position
 from jaxfuse.planning import costs as costs_lib  # pylint: disable=wrong-import-position
 from jaxfuse.planning import ordering  # pylint: disable=wrong-import-position
 from jaxfuse.planning import simulate  # pylint: disable=wrong-import-position
@@ -66,13 +66,12 @@ import lm_model  # pylint: disable=wrong-import-position
 
 def window_step(plan, costs, window: int = 1) -> float:
   """The step time under ``send_early(step, window)`` (module doc)."""
-  sched = schedule_lib.compile_plan(plan)
+  sched = bucket_steps.compile_plan(plan)
   compress = simulate.compression_times(plan, costs, sched=sched)
   order = simulate.backward_order(plan)
   position = {leaf: p for p, leaf in enumerate(order)}
   durations = [costs.steps_time(s, costs.workers)
-               for s in collectives.bucket_steps(plan, costs.workers,
-                                                 sched=sched)]
+               for s in collectives.bucket_steps(sched, costs.workers)]
   done = [0.0]
   for leaf in order:
     done.append(done[-1] + costs.backward[leaf])
@@ -85,7 +84,7 @@ def window_step(plan, costs, window: int = 1) -> float:
   for i in ready_order:
     t += done[last[i] + 1] - done[made]
     made = last[i] + 1
-    if sched.buckets[i].kind != schedule_lib.PSUM:
+    if sched.buckets[i].kind != bucket_steps.PSUM:
       t += compress[i]
     end[i] = free = max(t, free) + durations[i]
     if point[i] not in opened:

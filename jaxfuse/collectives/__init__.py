@@ -15,8 +15,12 @@
 
 from __future__ import annotations
 
-from jaxfuse import plans as plan_lib
-from jaxfuse import schedule as schedule_lib
+import math
+import warnings
+
+import numpy as np
+
+from jaxfuse import plans
 from jaxfuse.collectives import base
 from jaxfuse.collectives import hier
 from jaxfuse.collectives.allgather import AllGather
@@ -25,6 +29,8 @@ from jaxfuse.collectives.base import SchemeError
 from jaxfuse.collectives.base import Step
 from jaxfuse.collectives.base import Synced
 from jaxfuse.collectives.base import Wire
+from jaxfuse.collectives.configs import configured
+from jaxfuse.collectives.configs import settings_fields
 from jaxfuse.collectives.hier import Hier
 from jaxfuse.collectives.psum import Psum
 from jaxfuse.collectives.spardl import SparDL
@@ -35,68 +41,112 @@ SCHEMES: dict[str, Scheme] = {
 
 
 def get(name: str) -> Scheme:
-  """The scheme called ``name`` (``plans.COLLECTIVES``)."""
+  """The scheme called ``name`` (``plans.COLLECTIVES``) with its default
+  configuration; a plan's buckets run ``configured(name, settings)``."""
   if name not in SCHEMES:
-    raise plan_lib.PlanError(f"collective {name!r} is not available; use one "
+    raise plans.PlanError(f"collective {name!r} is not available; use one "
                              f"of {tuple(SCHEMES)}.")
   return SCHEMES[name]
 
 
-def bucket_steps(plan: plan_lib.Plan, num_workers: int, *,
-                 sched: schedule_lib.Schedule | None = None
+def _compiled(steps, where: str):
+  """``steps`` as compiled bucket steps: a ``Plan`` (0.2's argument) is
+  compiled here for one more release, with a DeprecationWarning."""
+  if not isinstance(steps, plans.Plan):
+    return steps
+  warnings.warn(
+      f"collectives.{where}(plan, ...) is deprecated (removed in 0.4): "
+      f"pass the compiled plan, collectives.{where}("
+      "jaxfuse.bucket_steps.compile_plan(plan), ...).", DeprecationWarning,
+      stacklevel=3)
+  # pylint: disable-next=g-import-not-at-top
+  from jaxfuse.bucket_steps import compile_plan
+  return compile_plan(steps)
+
+
+def bucket_steps(steps, num_workers: int, *, sched=None
                  ) -> list[tuple[Step, ...]]:
-  """Per bucket, the primitives its scheme puts on the wire for K workers
-  (a density-1 sparse bucket goes through one all-reduce, like dense).
-  ``sched``: the plan already compiled (``schedule.compile_plan(plan)``)."""
-  if sched is None:
-    sched = schedule_lib.compile_plan(plan)
-  out = []
-  for b in sched.buckets:
-    if b.kind == schedule_lib.SPARSE:
-      out.append(get(b.collective).steps(sched.bucket_wire_units(b),
-                                         num_workers, plan.settings))
-    elif b.kind == schedule_lib.FULL:
-      leaves = [(u.size, plan_lib.full_wire_dtype(u, plan.settings))
-                for u in sched.bucket_units(b)]
-      out.append(SCHEMES["psum"].steps(leaves, num_workers, plan.settings))
+  """Per bucket, the primitives its scheme puts on the wire.
+
+  Args:
+    steps: the plan compiled (``bucket_steps.compile_plan(plan)``, a
+      ``Schedule``); a ``Plan`` still works until 0.4, with a
+      DeprecationWarning.
+    num_workers: K.
+    sched: deprecated spelling of ``steps`` (0.2 took the plan first).
+
+  Returns:
+    Per bucket, its ``Step``s for K workers (a density-1 sparse bucket goes
+    through one all-reduce, like dense).
+  """
+  steps = _compiled(sched if sched is not None else steps, "bucket_steps")
+  settings, out = steps.settings, []
+  for b in steps.buckets:
+    if b.kind == "sparse":
+      out.append(b.scheme.steps(list(b.wire_specs), num_workers, settings))
+    elif b.kind == "full":
+      leaves = [(u.size, plans.full_wire_dtype(u, settings))
+                for u in b.unit_specs]
+      out.append(SCHEMES["psum"].steps(leaves, num_workers, settings))
     else:
-      leaves = [(plan.leaves[j].size, plan.leaves[j].dtype) for j in b.leaves]
-      out.append(SCHEMES["psum"].steps(leaves, num_workers, plan.settings))
+      leaves = [(math.prod(steps.leaf_shapes[j]), steps.leaf_dtypes[j])
+                for j in b.leaves]
+      out.append(SCHEMES["psum"].steps(leaves, num_workers, settings))
   return out
 
 
-def bucket_wire(plan: plan_lib.Plan, num_workers: int,
+def bucket_wire(steps, num_workers: int,
                 mesh_sizes: tuple[int, ...] | None = None, *,
-                sched: schedule_lib.Schedule | None = None) -> list[Wire]:
-  """Per bucket, bytes one worker sends and receives per step on K workers;
-  with ``mesh_sizes`` (H, L) of a (host, local) mesh a ``"hier"`` bucket
-  counts its host steps on H and its local steps on L."""
-  if sched is None:
-    sched = schedule_lib.compile_plan(plan)
+                sched=None) -> list[Wire]:
+  """Per bucket, bytes one worker sends and receives per step on K workers.
+
+  Args:
+    steps: the compiled plan (``bucket_steps.compile_plan(plan)``); a ``Plan``
+      still works until 0.4, with a DeprecationWarning.
+    num_workers: K.
+    mesh_sizes: (H, L) of a (host, local) mesh: a ``"hier"`` bucket then
+      counts its host steps on H and its local steps on L.
+    sched: deprecated spelling of ``steps``.
+
+  Returns:
+    One ``Wire`` per bucket.
+  """
+  steps = _compiled(sched if sched is not None else steps, "bucket_wire")
   out = []
-  for b, steps in zip(sched.buckets,
-                      bucket_steps(plan, num_workers, sched=sched)):
-    if (b.collective == "hier" and b.kind == schedule_lib.SPARSE and
+  for b, wire in zip(steps.buckets, bucket_steps(steps, num_workers)):
+    if (b.collective == "hier" and b.kind == "sparse" and
         mesh_sizes and len(mesh_sizes) == 2):
-      out.append(hier.mesh_wire(sched.bucket_wire_units(b), *mesh_sizes,
-                                plan.settings))
+      out.append(hier.mesh_wire(list(b.wire_specs), *mesh_sizes,
+                                steps.settings, b.scheme))
     else:
-      out.append(base.wire(steps, num_workers))
+      out.append(base.wire(wire, num_workers))
   return out
 
 
-def bytes_sent(plan: plan_lib.Plan, num_workers: int,
+def bytes_sent(steps, num_workers: int,
                mesh_sizes: tuple[int, ...] | None = None) -> tuple[int, int]:
-  """(what one worker sends per step under ``plan`` on K workers, what it
-  sends in a ring all-reduce of the dense gradients, ⌈2(K−1)/K · D⌉).
+  """(what one worker sends per step on K workers, what it sends in a ring
+  all-reduce of the dense gradients, ⌈2(K−1)/K · D⌉).
 
   The payload (``plan.bytes_per_worker()``) understates the first for an
   all-gather, which hands it to each of the K − 1 others: on 8 workers a
-  payload of 0.157 × D sends 0.60 × the all-reduce's bytes. A ``"hier"``
-  bucket counts both axes with ``mesh_sizes`` (H, L); without them its
-  host-axis steps on K (``bucket_wire``)."""
-  sent = sum(w.sent for w in bucket_wire(plan, num_workers, mesh_sizes))
-  return sent, all_reduce_sent(plan.dense_bytes(), num_workers)
+  payload of 0.157 × D sends 0.60 × the all-reduce's bytes.
+
+  Args:
+    steps: the compiled plan (``bucket_steps.compile_plan(plan)``); a ``Plan``
+      still works until 0.4, with a DeprecationWarning.
+    num_workers: K.
+    mesh_sizes: (H, L): a ``"hier"`` bucket counts both axes; without
+      them its host-axis steps on K (``bucket_wire``).
+
+  Returns:
+    (sparse bytes sent, dense all-reduce bytes sent) per worker and step.
+  """
+  steps = _compiled(steps, "bytes_sent")
+  sent = sum(w.sent for w in bucket_wire(steps, num_workers, mesh_sizes))
+  dense = sum(math.prod(shape) * np.dtype(dtype).itemsize
+              for shape, dtype in zip(steps.leaf_shapes, steps.leaf_dtypes))
+  return sent, all_reduce_sent(dense, num_workers)
 
 
 def all_reduce_sent(nbytes: int, num_workers: int) -> int:
@@ -107,4 +157,5 @@ def all_reduce_sent(nbytes: int, num_workers: int) -> int:
 
 __all__ = ["AllGather", "Hier", "Psum", "SCHEMES", "Scheme", "SchemeError",
            "SparDL", "Step", "Synced", "Wire", "Zen", "base", "bucket_steps",
+           "configured", "settings_fields",
            "all_reduce_sent", "bucket_wire", "bytes_sent", "get"]

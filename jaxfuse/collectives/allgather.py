@@ -14,19 +14,31 @@ memory O(K·c + n) per unit. Traffic per worker grows as (K−1)·C.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 
 from jaxfuse import _compat
 from jaxfuse import fusion
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.collectives import base
 
 
 @dataclasses.dataclass(frozen=True)
 class AllGather(base.AnyMesh):
-  name: str = "allgather"
-  sparse: bool = True
+  """``"allgather"`` and its configuration.
+
+  packed_indices: send each index in b = ⌈log₂(n + 1)⌉ bits instead of 32
+    (n: the unit's size, n itself the empty slot), c indices in ⌈c·b/32⌉
+    words: lossless, 22 bits for a 768 × 3072 matrix.
+  """
+  packed_indices: bool = False
+  name: ClassVar[str] = "allgather"
+  sparse: ClassVar[bool] = True
+
+  @property
+  def packs_indices(self) -> bool:
+    return bool(self.packed_indices)
 
   def sync(self, parts, units, axis_name, settings) -> base.Synced:
     del settings
@@ -44,4 +56,4 @@ class AllGather(base.AnyMesh):
   def steps(self, units, num_workers, settings):
     del num_workers, settings
     return (base.Step("allgather",
-                      sum(plan_lib.payload_bytes(u) for u in units)),)
+                      sum(plans.payload_bytes(u) for u in units)),)

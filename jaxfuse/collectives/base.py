@@ -36,13 +36,13 @@ from jax import lax
 import jax.numpy as jnp
 
 from jaxfuse import _compat
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 
 PRIMITIVES = ("allgather", "allreduce", "alltoall", "ppermute")
 UNROLL_WORKERS = 16
 
 
-class SchemeError(plan_lib.PlanError):
+class SchemeError(plans.PlanError):
   """A collective that cannot run on this mesh (names the bucket and fix)."""
 
 
@@ -73,16 +73,16 @@ class Scheme(Protocol):
   sparse: bool
 
   def check(self, where: str, num_workers: int,
-            settings: plan_lib.Settings) -> None: ...
+            settings: plans.Settings) -> None: ...
 
   def check_axes(self, where: str, axis_name,
-                 settings: plan_lib.Settings) -> None: ...
+                 settings: plans.Settings) -> None: ...
 
-  def sync(self, parts, units: Sequence[plan_lib.Unit], axis_name: str,
-           settings: plan_lib.Settings) -> Synced: ...
+  def sync(self, parts, units: Sequence[plans.Unit], axis_name: str,
+           settings: plans.Settings) -> Synced: ...
 
-  def steps(self, units: Sequence[plan_lib.Unit], num_workers: int,
-            settings: plan_lib.Settings) -> tuple[Step, ...]: ...
+  def steps(self, units: Sequence[plans.Unit], num_workers: int,
+            settings: plans.Settings) -> tuple[Step, ...]: ...
 
 
 class AnyMesh:
@@ -150,7 +150,7 @@ def decode(values: jax.Array, indices: jax.Array, size: int,
   return out / k
 
 
-def bucket_offsets(units: Sequence[plan_lib.Unit]) -> list[int]:
+def bucket_offsets(units: Sequence[plans.Unit]) -> list[int]:
   """Start of each unit in the bucket's flat index space [0, Σ n_u)."""
   out, start = [], 0
   for u in units:

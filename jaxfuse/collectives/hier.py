@@ -10,7 +10,7 @@ index space, S = ⌈N/L⌉, C = Σ_u c_u slots per worker), worker (h, l):
   3. sent_hl = the c_s = min(S, C) largest |y_hl|    ``lax.top_k``; non-finite
      entries first, so a NaN step stays visible; in the bucket's dtype
   4. ḡ_l = (1/K)·Σ_h sent_hl                         the inner sparse scheme
-     over the host axis (``settings.hier_inner``; "allgather": all_gather of
+     over the host axis (``Hier.inner``; "allgather": all_gather of
      the slots, ``base.decode`` in host order)
   5. ĝ = ḡ_0 ‖ … ‖ ḡ_{L−1}, cut to N, per unit       ``all_gather`` over local
 
@@ -40,6 +40,7 @@ rounding (|Δ| ≤ ~K·ε·Σ_k |sent_k| per element).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from jax import lax
 import jax.numpy as jnp
@@ -47,7 +48,7 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import fusion
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.collectives import allgather
 from jaxfuse.collectives import base
 from jaxfuse.collectives import spardl
@@ -65,25 +66,48 @@ class Hier:
   ``axis_name`` must be the pair ``(host, local)``; ``check_axes`` (called
   by ``sparse_sync`` per bucket) and ``sync`` raise ``SchemeError``
   otherwise.
+
+  inner: the sparse scheme over the slow (host) axis: an
+    ``AllGather`` (its ``packed_indices`` packs the host rows' indices),
+    ``Zen`` or ``SparDL`` with its own configuration, or one of their names
+    ``"allgather"``, ``"zen"``, ``"spardl"`` for its defaults.
   """
-  name: str = "hier"
-  sparse: bool = True
+  inner: allgather.AllGather | zen.Zen | spardl.SparDL = (
+      allgather.AllGather())
+  name: ClassVar[str] = "hier"
+  sparse: ClassVar[bool] = True
+
+  def __post_init__(self):
+    if isinstance(self.inner, str):
+      if self.inner not in INNER:
+        raise plans.PlanError(
+            f"Hier(inner={self.inner!r}): the host-axis scheme must be one "
+            f"of {tuple(INNER)}, or such a scheme's object.")
+      object.__setattr__(self, "inner", INNER[self.inner])
+    elif self.inner.name not in INNER:
+      raise plans.PlanError(
+          f"Hier(inner={self.inner!r}): the host-axis scheme must be one "
+          f"of {tuple(INNER)}, or such a scheme's object.")
+
+  @property
+  def packs_indices(self) -> bool:
+    return self.inner.packs_indices
 
   def check(self, where: str, num_workers: int, settings) -> None:
     del where, num_workers, settings  # any K = H·L; the axes: check_axes
 
   def check_axes(self, where: str, axis_name, settings) -> None:
     """Raise ``SchemeError`` unless ``axis_name`` is a bound (host, local)
-    pair and ``settings.hier_inner`` runs on the host axis."""
+    pair and ``inner`` runs on the host axis."""
     host, _ = _axes(where, axis_name)
-    _inner(where, settings, host, _compat.axis_size(host))
+    _inner(where, self.inner, host, _compat.axis_size(host))
 
   def sync(self, parts, units, axis_name, settings) -> base.Synced:
     where = ("the 'hier' bucket of leaves "
              f"{[j for u in units for j in u.leaves]}")
     host, local = _axes(where, axis_name)
     hosts, size = lax.axis_size(host), lax.axis_size(local)
-    inner = _inner(where, settings, host, hosts)  # checked on the H hosts
+    inner = _inner(where, self.inner, host, hosts)  # checked on H hosts
     n, s, cs, dtype = _layout(units, size)
     acc = jnp.promote_types(dtype, jnp.float32)
 
@@ -99,8 +123,8 @@ class Hier:
       pick = lax.top_k(key, cs)[1].astype(jnp.int32)
     sent = shard[pick].astype(dtype)
     pick = jnp.where(sent != 0, pick, s)  # zeros: empty slots
-    unit = _shard_unit(s, cs, dtype, settings)
-    if settings.hier_inner == "allgather":                          # 4
+    unit = _shard_unit(s, cs, dtype, settings, inner)
+    if inner.name == "allgather":                                   # 4
       # Built in rather than inner.sync: one division by K = H·L, the
       # rounding of a flat "allgather".
       rows = _compat.all_gather_invariant(
@@ -140,8 +164,8 @@ class Hier:
     ``mesh_wire``.
     """
     n, _, cs, dtype = _layout(units, 1)
-    return _host_steps(_shard_unit(n, cs, dtype, settings), num_workers,
-                       settings)
+    return _host_steps(_shard_unit(n, cs, dtype, settings, self.inner),
+                       num_workers, settings, self.inner)
 
   def local_steps(self, units, local: int) -> tuple[base.Step, ...]:
     """The dense local-axis traffic: the reduce-scatter (in ≥ float32) and
@@ -153,14 +177,17 @@ class Hier:
                       // 2),)
 
 
-def mesh_wire(units, hosts: int, local: int, settings) -> base.Wire:
+def mesh_wire(units, hosts: int, local: int, settings,
+              scheme: Hier | None = None) -> base.Wire:
   """Bytes one worker sends and receives per step for a ``"hier"`` bucket
-  on an H × L mesh: its host-axis steps on H plus its local steps on L."""
+  (``scheme``, default ``Hier()``) on an H × L mesh: its host-axis steps
+  on H plus its local steps on L."""
+  scheme = Hier() if scheme is None else scheme
   _, s, cs, dtype = _layout(units, local)
-  parts = (base.wire(_host_steps(_shard_unit(s, cs, dtype, settings), hosts,
-                                 settings),
+  unit = _shard_unit(s, cs, dtype, settings, scheme.inner)
+  parts = (base.wire(_host_steps(unit, hosts, settings, scheme.inner),
                      hosts),
-           base.wire(Hier().local_steps(units, local), local))
+           base.wire(scheme.local_steps(units, local), local))
   return base.Wire(sum(p.sent for p in parts), sum(p.received for p in parts))
 
 
@@ -173,13 +200,11 @@ def _axes(where, axis_name) -> tuple[str, str]:
   return axis_name
 
 
-def _inner(where, settings, host, hosts):
-  """The scheme of ``settings.hier_inner`` over the host axis; raises
-  ``SchemeError`` if it cannot run on the H hosts."""
-  name = settings.hier_inner
-  scheme = INNER[name]
-  scheme.check(f"{where} (hier_inner={name!r} over the {hosts} hosts of "
-               f"axis {host!r})", hosts, settings)
+def _inner(where, scheme, host, hosts):
+  """``scheme`` (``Hier.inner``), checked on the H hosts: raises
+  ``SchemeError`` if it cannot run there."""
+  scheme.check(f"{where} (hier_inner={scheme.name!r} over the {hosts} "
+               f"hosts of axis {host!r})", hosts, None)
   return scheme
 
 
@@ -191,24 +216,23 @@ def _layout(units, local: int):
   return n, s, min(s, sum(u.capacity for u in units)), dtype
 
 
-def _shard_unit(s, cs, dtype, settings=None) -> plan_lib.Unit:
-  """A shard as a selection unit, what the host-axis scheme moves (its
-  indices packed as ``settings`` say when an all-gather moves it)."""
-  unit = plan_lib.Unit((), s, cs, cs / s, "topk", str(jnp.dtype(dtype)))
+def _shard_unit(s, cs, dtype, settings=None, inner=None) -> plans.Unit:
+  """A shard as a selection unit, what the host-axis scheme ``inner``
+  moves (its values on ``settings``' sparse wire, its indices packed
+  where ``inner`` packs them)."""
+  unit = plans.Unit((), s, cs, cs / s, "topk", str(jnp.dtype(dtype)))
   if settings is None:
     return unit
-  return plan_lib.wire_unit(unit, settings, settings.hier_inner)
+  return plans.wire_unit(unit, settings, inner)
 
 
-def _host_steps(unit, hosts, settings):
-  name = settings.hier_inner
-  scheme = INNER[name]
-  scheme.check(f"hier_inner={name!r}", hosts, settings)
-  return scheme.steps([unit], hosts, settings)
+def _host_steps(unit, hosts, settings, inner):
+  inner.check(f"hier_inner={inner.name!r}", hosts, settings)
+  return inner.steps([unit], hosts, settings)
 
 
-# The sparse schemes that run over the host axis (``settings.hier_inner``;
-# "allgather"'s sync is built into ``Hier.sync``, its steps and check are
-# its own).
+# The sparse schemes that run over the host axis (``Hier.inner``, by name
+# with their defaults; "allgather"'s sync is built into ``Hier.sync``, its
+# steps and check are its own).
 INNER = {"allgather": allgather.AllGather(), "zen": zen.Zen(),
          "spardl": spardl.SparDL()}

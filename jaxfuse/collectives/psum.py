@@ -8,6 +8,7 @@ units of a density-1 phase (every element sent, residual zero).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 from jax import lax
@@ -19,8 +20,10 @@ from jaxfuse.collectives import base
 
 @dataclasses.dataclass(frozen=True)
 class Psum(base.AnyMesh):
-  name: str = "psum"
-  sparse: bool = False
+  """``"psum"``: dense buckets, one all-reduce (nothing to configure)."""
+  name: ClassVar[str] = "psum"
+  sparse: ClassVar[bool] = False
+  packs_indices: ClassVar[bool] = False
 
   def sync(self, leaves, units, axis_name, settings) -> base.Synced:
     """``leaves``: dense arrays; returns their worker means (``units``

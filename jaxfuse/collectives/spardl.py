@@ -1,7 +1,7 @@
 """``"spardl"``: SparDL (Zhao et al.): Spar-Reduce-Scatter, global residual
 collection, Spar-All-Gather, over one data axis of K workers.
 
-Teams: T = ``settings.spardl_teams`` teams of G = K/T workers, team
+Teams: T = ``SparDL.teams`` teams of G = K/T workers, team
 t = ranks [tG, (t+1)G), position p = r mod G. The bucket's slots live in one
 flat index space [0, N) (``base.to_bucket``; C = Σ c_u slots, sentinel N)
 cut into G contiguous blocks [⌊bN/G⌋, ⌊(b+1)N/G⌋); every message carries
@@ -36,7 +36,7 @@ unit and step, up to the float rounding of the sums themselves::
 Non-finite sums are sent first (NaN ranks above every |v|) and never kept.
 
 Capacity rule: m = min(⌈N/G⌉, max(1, ⌊b·C/G⌋)), rounded up to a multiple of
-T; b = ``settings.spardl_block`` = 2 by default (the bound below; a larger b
+T; b = ``SparDL.block`` = 2 by default (the bound below; a larger b
 drops less in merges for b/2 times the bytes). With T = 1 a worker receives
 (K−1)·m slots in the reduce-scatter and (K−1)·m in the all-gather: 2(K−1)·m ≤
 4(K−1)/K·C pairs (Table I's 4(P−1)/P·k with k = C; holds whenever 2C ≥ K),
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from jax import lax
 import jax.numpy as jnp
@@ -57,7 +57,7 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import plan_checks
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.collectives import base
 
 INDEX_BYTES = 4  # int32 indices
@@ -90,9 +90,9 @@ def bruck_counts(teams: int) -> list[int]:
 def block_capacity(size: int, slots: int, team_size: int, teams: int = 1,
                    share: float = 2.0) -> int:
   """m = min(⌈N/G⌉, max(1, ⌊b·C/G⌋)) rounded up to a multiple of T
-  (b = ``settings.spardl_block``, 2 by default)."""
+  (b = ``SparDL.block``, 2 by default)."""
   m = min(-(-size // team_size), max(1, math.floor(
-      plan_lib.decimal_product(slots, share)) // team_size))
+      plans.decimal_product(slots, share)) // team_size))
   return teams * -(-m // teams)
 
 
@@ -114,7 +114,8 @@ def check_teams(where: str, num_workers: int, teams: int) -> None:
                            f"{k // t} worker on {k} workers; {fix}")
 
 
-class Layout(NamedTuple):
+class BlockLayout(NamedTuple):
+  """A bucket's SparDL sizes: teams, team size, slots per block."""
   size: int      # N
   teams: int     # T
   team: int      # G = K/T
@@ -126,17 +127,22 @@ class Layout(NamedTuple):
     return self.dtype.itemsize + INDEX_BYTES
 
 
-def layout(units, num_workers: int, settings) -> Layout:
-  """The static shapes of one bucket on K workers (checks the teams)."""
-  teams = settings.spardl_teams
+def layout(units, num_workers: int, settings, config: "SparDL | None" = None
+           ) -> BlockLayout:
+  """The static shapes of one bucket on K workers (checks the teams);
+  ``config``: the scheme's (None: as a plan's ``settings`` store it)."""
+  if config is None:
+    config = SparDL(teams=settings.spardl_teams, block=settings.spardl_block)
+  teams = config.teams
   check_teams(f"spardl bucket of leaves {[j for u in units for j in u.leaves]}",
               num_workers, teams)
   size = sum(u.size for u in units)
   slots = sum(u.capacity for u in units)
   team = num_workers // teams
-  return Layout(size, teams, team, block_capacity(size, slots, team, teams,
-                                                 settings.spardl_block),
-                np.dtype(jnp.result_type(*[u.dtype for u in units])))
+  return BlockLayout(size, teams, team,
+                     block_capacity(size, slots, team, teams,
+                                    config.block),
+                     np.dtype(jnp.result_type(*[u.dtype for u in units])))
 
 
 def _pack(v, i):
@@ -197,7 +203,7 @@ def merge(v, i, size: int, dupes: int, cap: int, dtype):
   return wire, out_i, dropped
 
 
-def _partition(v, i, lay: Layout, pos):
+def _partition(v, i, lay: BlockLayout, pos):
   """Own slots -> rows (G, m): row j holds block (pos + j) mod G, its top-m
   slots by |v| (NaN first); the rest is dropped."""
   n, g, m = lay.size, lay.team, lay.cap
@@ -216,23 +222,35 @@ def _partition(v, i, lay: Layout, pos):
 
 @dataclasses.dataclass(frozen=True)
 class SparDL:
-  name: str = "spardl"
-  sparse: bool = True
+  """``"spardl"`` and its configuration.
+
+  teams: Spar-All-Gather teams (1: plain SAG; T > 1: the K workers form T
+    teams of K/T, R-SAG inside a team, then B-SAG).
+  block: slots per block b·C/G (G workers in a team); 2 keeps Table I's
+    4·C bound; more drops less in merges.
+  """
+  teams: int = 1
+  block: float = 2.0
+  name: ClassVar[str] = "spardl"
+  sparse: ClassVar[bool] = True
+  packs_indices: ClassVar[bool] = False   # int32 indices
 
   def check(self, where: str, num_workers: int, settings) -> None:
-    """Runs on any K with T = 1; with teams (``settings.spardl_teams``)
-    T must divide K and leave teams of at least 2."""
-    check_teams(where, num_workers, settings.spardl_teams)
+    """Runs on any K with T = 1; with teams (``teams``) T must divide K
+    and leave teams of at least 2."""
+    del settings
+    check_teams(where, num_workers, self.teams)
 
   def check_axes(self, where: str, axis_name, settings) -> None:
     """The teams against the bound axis (``sparse_sync``, per bucket)."""
+    del settings
     k = _compat.axis_size(axis_name)
     if k is not None:
-      check_teams(where, k, settings.spardl_teams)
+      check_teams(where, k, self.teams)
 
   def sync(self, parts, units, axis_name, settings) -> base.Synced:
     k = int(lax.axis_size(axis_name))
-    lay = layout(units, k, settings)
+    lay = layout(units, k, settings, self)
     n, g, nt, m, dtype = (lay.size, lay.team, lay.teams, lay.cap,
                           lay.dtype)
     rank = lax.axis_index(axis_name)
@@ -301,7 +319,7 @@ class SparDL:
     """What ``sync`` hands each primitive: per SRS round its bag of m-slot
     blocks, per SAG round one block (R-SAG) or h-slot blocks (B-SAG), then
     the m/T-slot chunk of the all-gather; slots of dtype bytes + 4."""
-    lay = layout(units, num_workers, settings)
+    lay = layout(units, num_workers, settings, self)
     b, nt, m = lay.pair_bytes, lay.teams, lay.cap
     out = [base.Step("ppermute", len(blocks) * m * b)
            for blocks in (rnd[0][1] for rnd in send_schedule(lay.team))]

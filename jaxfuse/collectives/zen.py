@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import NamedTuple, Sequence
+from typing import ClassVar, NamedTuple, Sequence
 
 import jax
 from jax import lax
@@ -60,7 +60,7 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import fusion
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.collectives import base
 from jaxfuse.kernels import hash_partition as hp
 
@@ -101,7 +101,8 @@ def union_sizes(index_sets: Sequence, num_partitions: int, size: int, *,
 
 # --- static layout ------------------------------------------------------------
 
-class Layout(NamedTuple):
+class TableLayout(NamedTuple):
+  """A bucket's ZEN sizes: hash table, push rows, pull union, encoding."""
   size: int          # N
   slots: int         # C
   dtype: np.dtype    # the bucket's values
@@ -123,34 +124,40 @@ class Layout(NamedTuple):
   @property
   def push_words(self) -> tuple[int, int]:
     """uint32 words of one push row: values, indices."""
-    return plan_lib.num_words(self.push, self.dtype), self.push
+    return plans.num_words(self.push, self.dtype), self.push
 
   @property
   def pull_words(self) -> tuple[int, int, int]:
     """uint32 words of one reduced partition: values, index code, and the
     sender's non-finite flag."""
-    return (plan_lib.num_words(self.union, self.dtype),
+    return (plans.num_words(self.union, self.dtype),
             self.bitmap_words if self.bitmap else self.union, 1)
 
 
-def layout(units: Sequence[plan_lib.Unit], num_workers: int,
-           settings: plan_lib.Settings) -> Layout:
-  """Table, union and encoding sizes: a function of N, C, K and settings."""
+def layout(units: Sequence[plans.Unit], num_workers: int,
+           settings: plans.Settings, config: "Zen | None" = None
+           ) -> TableLayout:
+  """Table, union and encoding sizes: a function of N, C, K, the seed
+  (``settings.seed``) and the scheme's ``config`` (None: as a plan's
+  ``settings`` store it, ``collectives.configured``)."""
+  if config is None:
+    config = Zen(table=settings.zen_table, union=settings.zen_union)
   size = sum(u.size for u in units)
   slots = sum(u.capacity for u in units)
   dtype = np.dtype(jnp.result_type(*[u.dtype for u in units]))
   k = num_workers
-  r1 = max(1, math.ceil(plan_lib.decimal_product(slots, settings.zen_table)
+  r1 = max(1, math.ceil(plans.decimal_product(slots, config.table)
                         / k))
   r2 = math.ceil(r1 / 4)
   class_max = max(partition_sizes(size, k, settings.seed))
   share = slots / k
   push = min(r1 + r2, slots, class_max,
              math.ceil(share + PUSH_SPREAD * math.sqrt(share)))
-  union = max(1, min(plan_lib.ceil_product(slots, settings.zen_union),
+  union = max(1, min(plans.ceil_product(slots, config.union),
                      class_max))
   bitmap = -(-class_max // 32) < union
-  return Layout(size, slots, dtype, r1, r2, push, union, class_max, bitmap)
+  return TableLayout(size, slots, dtype, r1, r2, push, union, class_max,
+                     bitmap)
 
 
 # --- in-graph pieces ----------------------------------------------------------
@@ -264,7 +271,7 @@ def _compact_rows(table, size: int, push: int):
   return rows, jnp.where(valid & ~fits, table, size).reshape(-1)
 
 
-def _hash(indices, lay: Layout, num_workers: int, seed: int):
+def _hash(indices, lay: TableLayout, num_workers: int, seed: int):
   """Alg. 1: the Pallas kernel on GPU where ``jaxfuse.kernels`` runs Pallas
   (inside shard_map too: its outputs vary as the indices do), else the jnp
   reference (the same rows as sets, the same ``stored``)."""
@@ -276,8 +283,22 @@ def _hash(indices, lay: Layout, num_workers: int, seed: int):
 
 @dataclasses.dataclass(frozen=True)
 class Zen(base.AnyMesh):
-  name: str = "zen"
-  sparse: bool = True
+  """``"zen"`` and its configuration.
+
+  table: push hash-table slots per partition over the balanced share,
+    r1 = ⌈table·C/K⌉ (C: the bucket's slots), plus r2 = ⌈r1/4⌉ serial
+    slots; each row goes on the wire in C/K + 4·√(C/K) slots; what finds
+    no slot stays in the sender's residual.
+  union: pull slots per reduced partition as a share of the bucket's C (1:
+    lossless even with no overlap; the union of K workers' partitions is
+    between C/K and C); past it the largest sums go and the rest stay in
+    the reducing worker's residual.
+  """
+  table: float = 2.0
+  union: float = 1.0
+  name: ClassVar[str] = "zen"
+  sparse: ClassVar[bool] = True
+  packs_indices: ClassVar[bool] = False   # int32 indices
 
   def check(self, where: str, num_workers: int, settings) -> None:
     del settings
@@ -295,7 +316,7 @@ class Zen(base.AnyMesh):
       raise base.SchemeError(
           f"collective 'zen': a bucket of {size} elements exceeds one int32 "
           "index space; split it into smaller buckets (bucket_bytes).")
-    lay = layout(units, k, settings)
+    lay = layout(units, k, settings, self)
     n, dtype = lay.size, lay.dtype
     acc_dtype = _acc_dtype(dtype)
     values, indices = base.to_bucket(parts, units)
@@ -362,6 +383,6 @@ class Zen(base.AnyMesh):
 
   def steps(self, units, num_workers, settings):
     """all_to_all of K push rows, all_gather of one reduced partition."""
-    lay = layout(units, num_workers, settings)
+    lay = layout(units, num_workers, settings, self)
     return (base.Step("alltoall", 4 * num_workers * sum(lay.push_words)),
             base.Step("allgather", 4 * sum(lay.pull_words)))

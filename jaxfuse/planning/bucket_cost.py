@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxfuse import _compat
+from jaxfuse import bucket_steps
 from jaxfuse import plans as plan_lib
 from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning._measuring import Compression
@@ -269,7 +270,8 @@ def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
 
   def wire(plan):
     return math.fsum(lines.steps_time(s, k)
-                     for s in collectives.bucket_steps(plan, k))
+                     for s in collectives.bucket_steps(
+                         bucket_steps.compile_plan(plan), k))
   points, raw = {}, {"units": units, "points": {}}
   for x in sizes:
     t_ag, plan_ag = _time_sparse_step(mesh, [int(x)] * units, "single", **kw)

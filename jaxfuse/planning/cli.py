@@ -215,6 +215,12 @@ def cmd_plan(args) -> int:
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
   kwargs = {k: getattr(args, k) for k in PLAN_OPTIONS
             if getattr(args, k) is not None}
+  if kwargs.pop("packed_indices", False):   # the scheme's own knob
+    name = kwargs.get("collective", "allgather")
+    packed = jaxfuse.collectives.AllGather(packed_indices=True)
+    if name in ("allgather", "hier"):   # ZEN and SparDL keep int32
+      kwargs["collective"] = (packed if name == "allgather" else
+                              jaxfuse.collectives.Hier(inner=packed))
   costs = None
   check_output(args.output, "plan")
   if args.overlap is not None and not args.costs:

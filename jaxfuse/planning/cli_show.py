@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
+from jaxfuse import bucket_steps
 from jaxfuse import plans as plan_lib
 from jaxfuse.planning.cli_io import UsageError
 from jaxfuse.planning.cli_io import load_costs
@@ -169,7 +170,8 @@ def bytes_line(plan, num_workers: int | None, mesh=None) -> str:
   line = (f"wire bytes per worker {wire:,} of {dense:,} dense "
           f"({100 * wire / max(dense, 1):.2f}%)")
   if num_workers and num_workers > 1:
-    sent, dense_sent = collectives.bytes_sent(plan, num_workers, mesh)
+    sent, dense_sent = collectives.bytes_sent(
+        bucket_steps.compile_plan(plan), num_workers, mesh)
     line += (f"; on {num_workers} workers"
              + (f" ({mesh[0]} hosts x {mesh[1]})" if mesh else "")
              + f" each sends {sent:,} B, "

@@ -31,7 +31,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Callable, Mapping, Sequence
+import warnings
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -40,8 +41,8 @@ from jaxfuse import collectives
 from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning import grouping
 from jaxfuse.planning import ordering
-from jaxfuse import plans as plan_lib
-from jaxfuse import schedule as schedule_lib
+from jaxfuse import plans
+from jaxfuse import bucket_steps
 from jaxfuse.planning import simulate as simulate_lib
 from jaxfuse.planning import strategies
 from jaxfuse.version import __version__
@@ -56,17 +57,26 @@ AUTO_BUCKET_BYTES = tuple(2**k for k in (18, 20, 22, 24, 26))
 AUTO_COLLECTIVES = ("allgather", "zen", "spardl")
 
 
-def _groups(strategy, order, nbytes, num_buckets, bucket_bytes, *,
-            leaves=None, costs=None, settings=None, collective="allgather"):
+class CostInputs(NamedTuple):
+  """What a cost strategy groups by: the leaves, the costs on K workers,
+  the settings and the sparse buckets' collective (what the wire carries)."""
+  leaves: Sequence[plans.LeafPlan]
+  costs: costs_lib.Costs
+  settings: plans.Settings
+  collective: str = "allgather"
+
+
+def _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
+            model: CostInputs | None = None):
   """Leaf ids per group, in ready order; the cost strategies but "auto" need
-  ``leaves``, ``costs``, ``settings`` and ``collective`` (what the wire
-  carries)."""
+  ``model``."""
   if strategy in COST_STRATEGIES:
-    p = strategies.problem(leaves, order, costs, settings, collective)
+    p = strategies.problem(model.leaves, order, model.costs, model.settings,
+                           model.collective)
     if strategy == "safusion":
       return strategies.safusion(p, num_buckets)
     if strategy == "asc":
-      return strategies.asc(p, costs.contention)
+      return strategies.asc(p, model.costs.contention)
     return getattr(strategies, strategy)(p)
   if strategy == "layerwise":
     return [[i] for i in order]
@@ -89,18 +99,16 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
          estimator: str = "dgc", num_buckets: int = 4,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
          last_bucket_bytes: int | None = None,
-         headroom: float = plan_lib.Settings.headroom,
+         headroom: float = plans.Settings.headroom,
          min_sparse_size: int = 1024, refresh: int = 1, feedback: bool = True,
          sample_fraction: float = 0.01, sidco_stages: int = 2, seed: int = 0,
-         collective: str = "allgather", zen_table: float = 2.0,
-         zen_union: float = 1.0, spardl_teams: int = 1,
-         hier_inner: str = "allgather", spardl_block: float = 2.0,
+         collective="allgather",
          residual_dtype: str = "float32", sparse_wire: str = "gradient",
-         packed_indices: bool = False, num_workers: int | None = None,
+         num_workers: int | None = None,
          loss_fn: Callable | None = None, example_args: Sequence = (),
          ready_order: Sequence[int] | None = None,
-         costs: costs_lib.Costs | str | os.PathLike | None = None
-         ) -> plan_lib.Plan:
+         costs: costs_lib.Costs | str | os.PathLike | None = None,
+         **old) -> plans.Plan:
   """Make a plan for ``params`` (arrays or ``jax.ShapeDtypeStruct``s).
 
   Args:
@@ -117,26 +125,24 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     last_bucket_bytes: with a rule strategy (``STRATEGIES``), cut the last
       group in ready order so that its final part holds at most this many
       dense bytes (whole leaves; ``grouping.cut_last``). Its buckets are the
-      ones no backward can hide under ``send_early``: on 2 × H200 over
-      sockets, gpt2-small's ``size`` 64 MiB plan ran its step in 60.0
-      instead of 61.5 ms with ``16 * 2**20`` (docs/choosing.md). Default
-      None: no cut.
+      ones no backward can hide under ``send_early``, so a smaller last
+      part leaves less of the wire after the backward ends
+      (docs/choosing.md). Default None: no cut.
     headroom: capacity c = ⌈ρ·n·headroom⌉ (``"topk"``: c = ⌈ρ·n⌉ exactly).
     min_sparse_size: leaves with fewer elements (and non-float leaves) go dense.
     refresh, feedback, sample_fraction, sidco_stages, seed: ``plan.Settings``.
-    collective: the scheme of every sparse bucket, one of
-      ``plans.SPARSE_COLLECTIVES`` (``jaxfuse.collectives``; dense buckets
-      always ``"psum"``).
-    zen_table, zen_union, spardl_teams, hier_inner, spardl_block: the schemes'
-      ``plan.Settings``.
+    collective: the scheme of every sparse bucket with its configuration,
+      e.g. ``jaxfuse.collectives.Zen(table=2.0, union=1.0)``,
+      ``SparDL(teams=2)``, ``Hier(inner="zen")``,
+      ``AllGather(packed_indices=True)``; or one of
+      ``plans.SPARSE_COLLECTIVES`` for that scheme's defaults (dense
+      buckets always ``"psum"``).
     residual_dtype: ``"float32"`` (residuals of low-precision leaves kept in
       float32, the wire in the gradient dtype) or ``"gradient"``
       (``plan.Settings``).
     sparse_wire: ``"gradient"`` or ``"bfloat16"``: the sparse values' wire
       dtype (``plan.Settings``; bfloat16 sends float32 slots in 6 bytes
       instead of 8, each worker's rounding kept in its residual).
-    packed_indices: ``"allgather"`` buckets send each index in
-      ⌈log₂(n + 1)⌉ bits instead of 32 (lossless; ``plan.Settings``).
     num_workers: K the plan is made for (default: the costs' ``workers``):
       the cost strategies group for the collectives' times on K
       (``Costs.on_workers``), ``"auto"`` also picks each sparse bucket's
@@ -151,78 +157,152 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
       Needed by ``COST_STRATEGIES``; with any strategy it adds the simulated
       step time to ``plan.provenance["predicted_iteration"]`` (and the
       overlap η it used to ``plan.provenance["overlap"]``).
-  """
-  if strategy is None:
-    strategy = "single" if num_workers == 1 else "aligned"
-  if strategy not in STRATEGIES + COST_STRATEGIES:
-    raise plan_lib.PlanError(f"strategy={strategy!r}; use one of "
-                             f"{STRATEGIES + COST_STRATEGIES}.")
-  if estimator not in plan_lib.ESTIMATORS:
-    raise plan_lib.PlanError(
-        f"estimator={estimator!r}; use one of {plan_lib.ESTIMATORS}.")
-  if not plan_lib.is_real(density) or not 0 < density <= 1:
-    raise plan_lib.PlanError(f"density={density!r} must be a number in "
-                             "(0, 1].")
-  density = float(density)   # numpy scalars too
-  if not (plan_lib.is_int(num_buckets) and num_buckets >= 1):
-    raise plan_lib.PlanError(
-        f"num_buckets={num_buckets!r} must be an int >= 1.")
-  if not (plan_lib.is_int(bucket_bytes) and bucket_bytes > 0):
-    raise plan_lib.PlanError(f"bucket_bytes={bucket_bytes!r} must be an int "
-                             "> 0 (dense bytes, e.g. 64 * 2**20).")
-  bucket_bytes = int(bucket_bytes)
-  if not (plan_lib.is_real(headroom) and math.isfinite(headroom)
-          and headroom >= 1):
-    raise plan_lib.PlanError(
-        f"headroom={headroom!r} must be a finite number >= 1 (slots per leaf "
-        f"over the target count ⌈ρ·n⌉; {plan_lib.Settings.headroom} by "
-        "default).")
-  if num_workers is not None and not (plan_lib.is_int(num_workers)
-                                      and num_workers >= 1):
-    raise plan_lib.PlanError(f"num_workers={num_workers!r} must be an int "
-                             ">= 1 (the workers the plan is for) or None.")
-  if last_bucket_bytes is not None and not (
-      plan_lib.is_int(last_bucket_bytes) and last_bucket_bytes > 0):
-    raise plan_lib.PlanError(f"last_bucket_bytes={last_bucket_bytes!r} "
-                             "must be an int > 0 (bytes) or None.")
-  if last_bucket_bytes is not None and strategy in COST_STRATEGIES:
-    raise plan_lib.PlanError(
-        "last_bucket_bytes cuts a rule strategy's last group; "
-        f"strategy={strategy!r} chooses its groups from the costs. Leave "
-        f"last_bucket_bytes out, or use one of {STRATEGIES}.")
-  if last_bucket_bytes is not None:
-    last_bucket_bytes = int(last_bucket_bytes)   # numpy ints too
-  if collective not in plan_lib.SPARSE_COLLECTIVES:
-    raise plan_lib.PlanError(f"collective={collective!r}; use one of "
-                             f"{plan_lib.SPARSE_COLLECTIVES}.")
-  if not (plan_lib.is_int(min_sparse_size) and min_sparse_size >= 1):
-    raise plan_lib.PlanError(
-        f"min_sparse_size={min_sparse_size!r} must be an int >= 1.")
-  # numpy numbers as Python's: a plan holds plain values
-  (num_buckets, min_sparse_size, num_workers, headroom, refresh,
-   sample_fraction, sidco_stages, seed, zen_table, zen_union, spardl_teams,
-   spardl_block) = map(plan_lib.as_python, (
-       num_buckets, min_sparse_size, num_workers, headroom, refresh,
-       sample_fraction, sidco_stages, seed, zen_table, zen_union,
-       spardl_teams, spardl_block))
-  settings = plan_lib.Settings(headroom=headroom,
-                               min_sparse_size=min_sparse_size,
-                               refresh=refresh, feedback=feedback,
-                               sample_fraction=sample_fraction,
-                               sidco_stages=sidco_stages, seed=seed,
-                               zen_table=zen_table, zen_union=zen_union,
-                               spardl_teams=spardl_teams,
-                               hier_inner=hier_inner,
-                               spardl_block=spardl_block,
-                               residual_dtype=residual_dtype,
-                               sparse_wire=sparse_wire,
-                               packed_indices=packed_indices)
+    **old: 0.2's scheme keywords ``zen_table``, ``zen_union``,
+      ``spardl_teams``, ``spardl_block``, ``hier_inner``,
+      ``packed_indices``: deprecated (removed in 0.4), each with a
+      DeprecationWarning naming its ``collective=`` spelling.
 
+  Returns:
+    The ``Plan``.
+
+  Raises:
+    PlanError: an argument that cannot make a plan, named with the fix.
+  """
+  a = dict(locals())
+  a.update(_scheme_fields(a.pop("collective"), a.pop("old")))
+  a = _checked(a)
+  settings = _settings(a)
+  leaves = _leaf_plans(params, a["density"], a["estimator"], settings)
+  order = _ready_order(a, params, len(leaves))
+  costs = _load_costs(a["costs"], a["strategy"], leaves)
+  return _made(a, settings, leaves, order, costs)
+
+
+# 0.2's keywords of jaxfuse.plan that configure a scheme: the scheme and
+# field that take each now (``collectives.configs``).
+OLD_SCHEME_KEYWORDS = {
+    "zen_table": ("Zen", "table"), "zen_union": ("Zen", "union"),
+    "spardl_teams": ("SparDL", "teams"), "spardl_block": ("SparDL", "block"),
+    "hier_inner": ("Hier", "inner"),
+    "packed_indices": ("AllGather", "packed_indices"),
+}
+
+
+def _scheme_fields(collective, old: dict) -> dict:
+  """``collective`` (a name or a scheme object) and 0.2's scheme keywords
+  ``old`` as ``plan``'s arguments: the scheme's name and the ``Settings``
+  fields that store its configuration (``collectives.settings_fields``).
+  An old keyword warns (DeprecationWarning) with its new spelling."""
+  unknown = sorted(set(old) - set(OLD_SCHEME_KEYWORDS))
+  if unknown:
+    raise TypeError(f"plan() got an unexpected keyword argument "
+                    f"{unknown[0]!r}")
+  for key, value in old.items():
+    scheme, field = OLD_SCHEME_KEYWORDS[key]
+    warnings.warn(
+        f"jaxfuse.plan({key}=...) is deprecated (removed in 0.4): pass "
+        f"collective=jaxfuse.collectives.{scheme}({field}={value!r}) "
+        "(hier over a scheme: Hier(inner=Zen(...)), packed indices under "
+        "hier: Hier(inner=AllGather(packed_indices=True))).",
+        DeprecationWarning, stacklevel=3)
+  defaults = {key: getattr(plans.Settings, key) for key in OLD_SCHEME_KEYWORDS}
+  if isinstance(collective, str):
+    return dict(defaults, **old, collective=collective)
+  if old:
+    raise plans.PlanError(
+        f"plan: collective={collective!r} configures its scheme; leave "
+        f"{sorted(old)} out (0.2's keywords), or give the scheme's name.")
+  if getattr(collective, "name", None) not in plans.SPARSE_COLLECTIVES:
+    raise plans.PlanError(
+        f"collective={collective!r}; use a scheme of jaxfuse.collectives "
+        "(AllGather, Zen, SparDL, Hier) or one of "
+        f"{plans.SPARSE_COLLECTIVES}.")
+  return dict(defaults, **collectives.settings_fields(collective),
+              collective=collective.name)
+
+
+def _checked(a: dict) -> dict:
+  """``plan``'s arguments checked (``PlanError`` naming the one that is
+  wrong and what it must be), numbers as Python's: a plan holds plain
+  values."""
+  if a["strategy"] is None:
+    a["strategy"] = "single" if a["num_workers"] == 1 else "aligned"
+  strategy, density = a["strategy"], a["density"]
+  if strategy not in STRATEGIES + COST_STRATEGIES:
+    raise plans.PlanError(f"strategy={strategy!r}; use one of "
+                             f"{STRATEGIES + COST_STRATEGIES}.")
+  if a["estimator"] not in plans.ESTIMATORS:
+    raise plans.PlanError(
+        f"estimator={a['estimator']!r}; use one of {plans.ESTIMATORS}.")
+  if not plans.is_real(density) or not 0 < density <= 1:
+    raise plans.PlanError(f"density={density!r} must be a number in "
+                             "(0, 1].")
+  a["density"] = float(density)   # numpy scalars too
+  _check_sizes(a)
+  if a["collective"] not in plans.SPARSE_COLLECTIVES:
+    raise plans.PlanError(f"collective={a['collective']!r}; use one of "
+                             f"{plans.SPARSE_COLLECTIVES}.")
+  if not (plans.is_int(a["min_sparse_size"]) and
+          a["min_sparse_size"] >= 1):
+    raise plans.PlanError(
+        f"min_sparse_size={a['min_sparse_size']!r} must be an int >= 1.")
+  for name in ("num_buckets", "min_sparse_size", "num_workers", "headroom",
+               "refresh", "sample_fraction", "sidco_stages", "seed",
+               "zen_table", "zen_union", "spardl_teams", "spardl_block"):
+    a[name] = plans.as_python(a[name])
+  return a
+
+
+def _check_sizes(a: dict) -> None:
+  """``plan``'s bucket sizes, headroom and worker count checked."""
+  num_buckets, bucket_bytes = a["num_buckets"], a["bucket_bytes"]
+  headroom, num_workers = a["headroom"], a["num_workers"]
+  last = a["last_bucket_bytes"]
+  if not (plans.is_int(num_buckets) and num_buckets >= 1):
+    raise plans.PlanError(
+        f"num_buckets={num_buckets!r} must be an int >= 1.")
+  if not (plans.is_int(bucket_bytes) and bucket_bytes > 0):
+    raise plans.PlanError(f"bucket_bytes={bucket_bytes!r} must be an int "
+                             "> 0 (dense bytes, e.g. 64 * 2**20).")
+  a["bucket_bytes"] = int(bucket_bytes)
+  if not (plans.is_real(headroom) and math.isfinite(headroom)
+          and headroom >= 1):
+    raise plans.PlanError(
+        f"headroom={headroom!r} must be a finite number >= 1 (slots per leaf "
+        f"over the target count ⌈ρ·n⌉; {plans.Settings.headroom} by "
+        "default).")
+  if num_workers is not None and not (plans.is_int(num_workers)
+                                      and num_workers >= 1):
+    raise plans.PlanError(f"num_workers={num_workers!r} must be an int "
+                             ">= 1 (the workers the plan is for) or None.")
+  if last is not None and not (plans.is_int(last) and last > 0):
+    raise plans.PlanError(f"last_bucket_bytes={last!r} "
+                             "must be an int > 0 (bytes) or None.")
+  if last is not None and a["strategy"] in COST_STRATEGIES:
+    raise plans.PlanError(
+        "last_bucket_bytes cuts a rule strategy's last group; "
+        f"strategy={a['strategy']!r} chooses its groups from the costs. "
+        f"Leave last_bucket_bytes out, or use one of {STRATEGIES}.")
+  if last is not None:
+    a["last_bucket_bytes"] = int(last)   # numpy ints too
+
+
+def _settings(a: dict) -> plans.Settings:
+  """The ``Settings`` of ``plan``'s checked arguments."""
+  return plans.Settings(**{f.name: a[f.name] for f in
+                              dataclasses.fields(plans.Settings)
+                              if f.name in a})
+
+
+def _leaf_plans(params, density: float, estimator: str,
+                settings: plans.Settings) -> list[plans.LeafPlan]:
+  """A ``LeafPlan`` per leaf of ``params``: sparse where it is a float leaf
+  of at least ``min_sparse_size`` elements and ρ < 1, else dense."""
   _refuse_nnx_object(params)
   _refuse_linen_variables(params)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   if not flat:
-    raise plan_lib.PlanError("params has no array leaves to plan for.")
+    raise plans.PlanError("params has no array leaves to plan for.")
   leaves = []
   for path, x in flat:
     name = jax.tree_util.keystr(path)
@@ -230,37 +310,48 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     shape = tuple(int(d) for d in np.shape(x))
     size = math.prod(shape)
     if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"leaf {name}: {dtype} parameters are not supported (jaxfuse "
           "averages and sparsifies real gradients); keep the real and "
           "imaginary parts as two float leaves.")
     if size == 0:
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"leaf {name}: has zero elements; remove it from the parameters.")
-    sparse = (density < 1 and size >= min_sparse_size and
-              plan_lib._is_float(dtype))  # pylint: disable=protected-access
+    sparse = (density < 1 and size >= settings.min_sparse_size and
+              plans._is_float(dtype))  # pylint: disable=protected-access
     if sparse:
-      cap = plan_lib.capacity(density, size, estimator, headroom)
-      leaves.append(plan_lib.LeafPlan(name, shape, dtype, "sparse",
+      cap = plans.capacity(density, size, estimator, settings.headroom)
+      leaves.append(plans.LeafPlan(name, shape, dtype, "sparse",
                                       float(density), cap, estimator))
     else:
-      leaves.append(plan_lib.LeafPlan(name, shape, dtype, "dense", 1.0,
+      leaves.append(plans.LeafPlan(name, shape, dtype, "dense", 1.0,
                                       size, None))
+  return leaves
 
-  if ready_order is not None:
-    given = list(ready_order)
-    ints = all(plan_lib.is_int(i) for i in given)
-    order, source = [int(i) for i in given] if ints else [], "given"
-    if not (ints and plan_lib.is_leaf_order(order, len(leaves))):
-      raise plan_lib.PlanError(
-          f"ready_order must list each of the {len(leaves)} leaf ids "
+
+def _ready_order(a: dict, params, num_leaves: int) -> tuple[list, str]:
+  """(leaf ids in backward-ready order, where the order came from)."""
+  if a["ready_order"] is not None:
+    given = list(a["ready_order"])
+    ints = all(plans.is_int(i) for i in given)
+    order = [int(i) for i in given] if ints else []
+    if not (ints and plans.is_leaf_order(order, num_leaves)):
+      raise plans.PlanError(
+          f"ready_order must list each of the {num_leaves} leaf ids "
           "(ints, pytree order) once.")
-  elif loss_fn is not None:
-    order, source = _backward_order(loss_fn, params, example_args), "jaxpr"
-  else:
-    order, source = ordering.reverse_order(len(leaves)), "reverse_pytree"
+    return order, "given"
+  if a["loss_fn"] is not None:
+    return _backward_order(a["loss_fn"], params, a["example_args"]), "jaxpr"
+  return ordering.reverse_order(num_leaves), "reverse_pytree"
 
-  costs = _load_costs(costs, strategy, leaves)
+
+def _made(a: dict, settings, leaves, order_source, costs) -> plans.Plan:
+  """The plan of checked arguments ``a``: groups by the strategy, buckets,
+  provenance; with costs, the simulated step time (and for ``"auto"``,
+  each sparse bucket's collective)."""
+  order, source = order_source
+  strategy, collective = a["strategy"], a["collective"]
+  num_workers, last = a["num_workers"], a["last_bucket_bytes"]
   k = None if costs is None else (
       costs.workers if num_workers is None else num_workers)
   on_k = None if costs is None else costs.on_workers(k)  # groups made for K
@@ -269,27 +360,28 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   provenance = {
       "strategy": strategy, "jaxfuse_version": __version__,
       "ready_order": source, "backward_order": list(order),
-      "parameters": {"density": density, "estimator": estimator,
+      "parameters": {"density": a["density"], "estimator": a["estimator"],
                      "collective": collective,
-                     "num_buckets": num_buckets, "bucket_bytes": bucket_bytes},
+                     "num_buckets": a["num_buckets"],
+                     "bucket_bytes": a["bucket_bytes"]},
   }
-  if last_bucket_bytes is not None:
-    provenance["parameters"]["last_bucket_bytes"] = last_bucket_bytes
+  if last is not None:
+    provenance["parameters"]["last_bucket_bytes"] = last
   nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
   if strategy == "auto":
     leaves, groups, provenance["auto"] = _auto(
-        tuple(leaves), order, nbytes, on_k, num_buckets, bucket_bytes,
-        settings)
+        tuple(leaves), order, nbytes, on_k,
+        (a["num_buckets"], a["bucket_bytes"]), settings)
   else:
-    groups = _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
-                     leaves=leaves, costs=on_k, settings=settings,
-                     collective=collective)
-    if last_bucket_bytes is not None:
-      groups = grouping.cut_last(groups, nbytes, last_bucket_bytes)
+    groups = _groups(strategy, order, nbytes, a["num_buckets"],
+                     a["bucket_bytes"],
+                     CostInputs(leaves, on_k, settings, collective))
+    if last is not None:
+      groups = grouping.cut_last(groups, nbytes, last)
   buckets = grouping.buckets_from_groups(
-      leaves, groups, behind=strategy == "behind", headroom=headroom,
-      collective=collective)
-  made = plan_lib.Plan(tuple(leaves), buckets, settings, provenance)
+      leaves, groups, behind=strategy == "behind",
+      headroom=settings.headroom, collective=collective)
+  made = plans.Plan(tuple(leaves), buckets, settings, provenance)
   if costs is None:
     return made
   if strategy == "auto":
@@ -299,11 +391,11 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   provenance["num_workers"] = k
   provenance["overlap"] = costs.overlap   # the η of predicted_iteration
   provenance["costs"] = dict(costs.provenance)
-  return plan_lib.Plan(made.leaves, made.buckets, settings, provenance)
+  return plans.Plan(made.leaves, made.buckets, settings, provenance)
 
 
-def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
-                     num_workers: int) -> tuple[plan_lib.Plan, list]:
+def pick_collectives(plan: plans.Plan, costs: costs_lib.Costs,
+                     num_workers: int) -> tuple[plans.Plan, list]:
   """Each sparse bucket moved by the scheme of ``AUTO_COLLECTIVES`` whose
   wire steps and extra compute take least time on K workers
   (``costs.steps_time`` + ``costs.scheme_time``). The simulated step is
@@ -311,16 +403,16 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
   grouping fixed this is optimal where one scheme is cheapest in both;
   else it takes the least sum. Returns the plan and, per bucket,
   {scheme: seconds} (empty for dense buckets)."""
-  sched = schedule_lib.compile_plan(plan)
+  sched = bucket_steps.compile_plan(plan)
   buckets, report = [], []
   for b, step in zip(plan.buckets, sched.buckets):
     times = {}
-    if step.kind == schedule_lib.SPARSE:
+    if step.kind == bucket_steps.SPARSE:
       for name in AUTO_COLLECTIVES:
-        scheme = collectives.get(name)
-        units = [plan_lib.wire_unit(u, plan.settings, name)
+        scheme = collectives.configured(name, plan.settings)
+        units = [plans.wire_unit(u, plan.settings, scheme)
                  for u in sched.bucket_units(step)]
-        if plan_lib.overflows_one_space(name, sum(u.size for u in units)):
+        if plans.overflows_one_space(name, sum(u.size for u in units)):
           continue  # one int32 index space cannot hold the bucket
         try:
           scheme.check("auto", num_workers, plan.settings)
@@ -332,7 +424,7 @@ def pick_collectives(plan: plan_lib.Plan, costs: costs_lib.Costs,
       b = dataclasses.replace(b, collective=min(times, key=times.get))
     buckets.append(b)
     report.append(times)
-  return plan_lib.Plan(plan.leaves, tuple(buckets), plan.settings,
+  return plans.Plan(plan.leaves, tuple(buckets), plan.settings,
                        plan.provenance), report
 
 
@@ -349,7 +441,7 @@ def _leaf_dtype(name: str, x) -> str:
   where = f"leaf {name}" if name else "params"
   dtype = getattr(x, "dtype", None)
   if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"{where}: holds {dtype} values (PRNG keys), which have no "
         f"gradient; plan the trained parameters only (with flax NNX, "
         f"{_NNX_SPLIT}).")
@@ -361,7 +453,7 @@ def _leaf_dtype(name: str, x) -> str:
     what = (f"the type {x.__name__}" if isinstance(x, type) else
             f"an array of {dtype}" if hasattr(x, "shape") else
             f"a {type(x).__name__}")
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"{where}: {what}, not a numeric array: params must be a pytree of "
         "arrays. Register a dataclass as a pytree "
         "(jax.tree_util.register_dataclass, flax.struct.dataclass) and keep "
@@ -394,7 +486,7 @@ def _refuse_linen_variables(params) -> None:
     return
   others = sorted(k for k in params if k in _LINEN_STATE)
   if others:
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"params holds the flax collections {['params', *others]}: a linen "
         "model's variables, not its parameters. Plan variables['params'] "
         "(and differentiate with respect to it); keep the other "
@@ -414,13 +506,13 @@ def _refuse_nnx_object(params) -> None:
     names = _nnx_classes(x)
     where = (f"params{jax.tree_util.keystr(path)}" if path else "params")
     if names and "Variable" not in names and "State" not in names:
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"{where} is a flax NNX {names[0]} ({type(x).__name__}), which "
           "can hold batch statistics, RNG state or an optimizer's state "
           f"besides parameters; plan its parameters: {_NNX_SPLIT}.")
     kind = next((n for n in names if n in _NNX_STATE), None)
     if kind:
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"{where} is an nnx.{type(x).__name__} ({kind}), not a "
           f"parameter; plan the model's parameters: {_NNX_SPLIT}.")
 
@@ -428,14 +520,14 @@ def _refuse_nnx_object(params) -> None:
 def _backward_order(loss_fn, params, example_args) -> list[int]:
   """``ordering.ready_order``, with the user's loss named when it fails."""
   if not callable(loss_fn):
-    raise plan_lib.PlanError(f"loss_fn={loss_fn!r} must be a function "
+    raise plans.PlanError(f"loss_fn={loss_fn!r} must be a function "
                              "loss_fn(params, *example_args).")
   try:
     return ordering.ready_order(loss_fn, params, *tuple(example_args))
   except ordering.LossOutputError:
     raise   # names its own fixes; example_args are not the cause
   except Exception as e:  # the user's code: any error
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         "reading the backward order: jax.grad(loss_fn)(params, "
         f"*example_args) raised {type(e).__name__}: {e}. Give example_args "
         "as one worker's batch, the arguments loss_fn takes after params."
@@ -443,20 +535,20 @@ def _backward_order(loss_fn, params, example_args) -> list[int]:
 
 
 def _check_collective(collective: str, num_workers: int | None,
-                      settings: plan_lib.Settings) -> None:
+                      settings: plans.Settings) -> None:
   """The check ``sparse_sync`` makes of each sparse bucket's scheme on K
   workers, made now (``SchemeError``, a ``PlanError``); nothing without
   K."""
   if num_workers is not None:
-    collectives.get(collective).check(f"on {num_workers} workers",
-                                      num_workers, settings)
+    collectives.configured(collective, settings).check(
+        f"on {num_workers} workers", num_workers, settings)
 
 
 def _load_costs(costs, strategy, leaves):
   """``costs`` as a checked ``Costs``, or None where none is needed."""
   if costs is None:
     if strategy in COST_STRATEGIES:
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"strategy={strategy!r} needs costs=: a "
           "jaxfuse.planning.costs.Costs or the path of a costs JSON. Measure "
           "them on the training mesh with `jaxfuse profile`, or load a file "
@@ -466,27 +558,27 @@ def _load_costs(costs, strategy, leaves):
     try:
       costs = costs_lib.Costs.load(costs)
     except (OSError, ValueError) as e:
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"costs={os.fspath(costs)!r} cannot be read ({e}). Give the JSON "
           "written by `jaxfuse profile` or by Costs.save.") from e
   if not isinstance(costs, costs_lib.Costs):
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"costs must be a jaxfuse.planning.costs.Costs or a path, not "
         f"{type(costs).__name__}.")
   try:
     costs.check(len(leaves), holder="params",
                 leaves=[(l.path, l.shape) for l in leaves])
   except costs_lib.CostsError as e:
-    raise plan_lib.PlanError(str(e)) from None
+    raise plans.PlanError(str(e)) from None
   return costs
 
 
-def _dense(leaf: plan_lib.LeafPlan) -> plan_lib.LeafPlan:
-  return plan_lib.LeafPlan(leaf.path, leaf.shape, leaf.dtype, "dense", 1.0,
+def _dense(leaf: plans.LeafPlan) -> plans.LeafPlan:
+  return plans.LeafPlan(leaf.path, leaf.shape, leaf.dtype, "dense", 1.0,
                            leaf.size, None)
 
 
-def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
+def _auto(leaves, order, nbytes, costs, sizes, settings):
   """The fastest candidate under ``simulate``, then dense where it pays.
 
   Candidates: every cost strategy, ``layerwise``, ``single``, ``aligned`` and
@@ -495,8 +587,10 @@ def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
   ``strategies.densify`` switches groups to dense one at a time while the
   step gets faster, and the new modes are regrouped optimally; each kept
   only if ``simulate`` says it is faster. (``behind`` is no candidate: it
-  may leave tensors out of a step.) Returns (leaves, groups, report).
+  may leave tensors out of a step.) ``sizes``: (num_buckets,
+  bucket_bytes) as given to ``plan``. Returns (leaves, groups, report).
   """
+  num_buckets, bucket_bytes = sizes
   from jaxfuse.planning import strategies  # pylint: disable=g-import-not-at-top
   dense = tuple(_dense(l) for l in leaves)
   rules = [("layerwise", "layerwise", num_buckets, bucket_bytes),
@@ -510,8 +604,8 @@ def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
     if prefix and dense == leaves:
       break
     cands += [(prefix + name, ls, _groups(name, order, nbytes, num_buckets,
-                                          bucket_bytes, leaves=ls,
-                                          costs=costs, settings=settings))
+                                          bucket_bytes,
+                                          CostInputs(ls, costs, settings)))
               for name in COST_STRATEGIES if name != "auto"]
     cands += [(prefix + name, ls, _groups(rule, order, nbytes, m, b))
               for name, rule, m, b in rules]
@@ -519,7 +613,7 @@ def _auto(leaves, order, nbytes, costs, num_buckets, bucket_bytes, settings):
   def time(ls, groups):
     buckets = grouping.buckets_from_groups(ls, groups, behind=False,
                                   headroom=settings.headroom)
-    return simulate_lib.simulate(plan_lib.Plan(ls, buckets, settings),
+    return simulate_lib.simulate(plans.Plan(ls, buckets, settings),
                                  costs, order=order).iteration
 
   times, best = {}, None

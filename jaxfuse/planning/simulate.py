@@ -25,7 +25,7 @@ the costs does not enter). Buckets are communicated in plan order; in the
 ideal wait-free backpropagation of the papers (Cupcake Fig. 3, ASC-WFBP
 Fig. 1b) bucket i starts at max(its compression end, end of bucket i-1) and
 lasts the time of its scheme's wire steps on K workers,
-``costs.steps_time(collectives.bucket_steps(plan, K)[i], K)`` (K defaults
+``costs.steps_time(collectives.bucket_steps(compile_plan(plan), K)[i], K)`` (K defaults
 to the costs' ``workers``; at K₀ an all_gather or psum bucket takes exactly
 its measured line).
 
@@ -57,7 +57,7 @@ import math
 
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
-from jaxfuse import schedule as schedule_lib
+from jaxfuse import bucket_steps
 from jaxfuse.planning import costs as costs_lib
 
 
@@ -151,20 +151,20 @@ def step_from_one_worker(t1: float, eta: float, ideal: Timeline,
 
 
 def compression_times(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
-                      sched: schedule_lib.Schedule | None = None
+                      sched: bucket_steps.Schedule | None = None
                       ) -> list[float]:
   """Per bucket: Σ over its selection units of compress.time(unit.size),
   plus, for a sparse bucket, ``costs.scheme_time`` of its scheme for its
   slots (Σ capacity) and ``costs.bucket``. ``sched``: the plan already
-  compiled (``schedule.compile_plan(plan)``)."""
+  compiled (``bucket_steps.compile_plan(plan)``)."""
   if sched is None:
-    sched = schedule_lib.compile_plan(plan)
+    sched = bucket_steps.compile_plan(plan)
   out = []
   for b in sched.buckets:
     units = sched.bucket_units(b)
     extra = costs.scheme_time(b.collective, sum(
         u.capacity for u in units)) + costs.bucket if (
-            b.kind == schedule_lib.SPARSE) else 0.0
+            b.kind == bucket_steps.SPARSE) else 0.0
     out.append(sum(costs.compress.time(u.size) for u in units) + extra)
   return out
 
@@ -196,7 +196,7 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
   costs.check(len(plan.leaves),
               leaves=[(l.path, l.shape) for l in plan.leaves])
   k = costs.workers if num_workers is None else num_workers
-  sched = schedule_lib.compile_plan(plan)
+  sched = bucket_steps.compile_plan(plan)
   wire = plan_lib.bucket_payload_bytes(plan)
   compress = compression_times(plan, costs, sched=sched)
   order = backward_order(plan) if order is None else tuple(order)
@@ -219,17 +219,17 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
     t += costs.backward[j]
     for i in done_at[p]:
       ready = t
-      if sched.buckets[i].kind != schedule_lib.PSUM:
+      if sched.buckets[i].kind != bucket_steps.PSUM:
         t += compress[i]
       marks[i] = (ready, t)
   compute_end = t
   backward = math.fsum(costs.backward)
   compression = math.fsum(h for b, h in zip(sched.buckets, compress)
-                          if b.kind != schedule_lib.PSUM)
+                          if b.kind != bucket_steps.PSUM)
 
   # Link: ideal WFBP order until the η budget of busy-during-compute is used.
   durations = [costs.steps_time(steps, k) for steps in
-               collectives.bucket_steps(plan, k, sched=sched)]
+               collectives.bucket_steps(sched, k)]
   total = math.fsum(durations)
   slack = 1e-12 * total  # rounding of the sums must not start a pause at η = 1
   compressed = [c for _, c in marks]
