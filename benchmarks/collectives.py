@@ -160,7 +160,7 @@ def measure_hlo(args: tuple) -> dict:
   hlo = update.lower(grads, state).compile().as_text()
   wire = hlo_wire(hlo, k)
   predicted = collectives.bucket_wire(
-      jaxfuse.bucket_steps.compile_plan(plan), k)
+      jaxfuse.sync.bucket_steps.compile_plan(plan), k)
   sparse = [i for i, b in enumerate(plan.buckets) if b.collective != "psum"]
   slots = sum(l.capacity for l in plan.leaves if l.mode == "sparse")
   return dict(scheme=scheme, density=density, workers=k,

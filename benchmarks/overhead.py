@@ -72,8 +72,8 @@ from jax.sharding import NamedSharding  # pylint: disable=wrong-import-position
 from jax.sharding import PartitionSpec as P  # pylint: disable=wrong-import-position
 
 import jaxfuse  # pylint: disable=wrong-import-position
-from jaxfuse import bucket_pass  # pylint: disable=wrong-import-position
-from jaxfuse import radix_select  # pylint: disable=wrong-import-position
+from jaxfuse.sync import bucket_pass  # pylint: disable=wrong-import-position
+from jaxfuse.kernels import radix_select  # pylint: disable=wrong-import-position
 from jaxfuse.kernels import fused_pass  # pylint: disable=wrong-import-position
 from jaxfuse.planning import timing  # pylint: disable=wrong-import-position
 import lm_model  # pylint: disable=wrong-import-position
@@ -242,12 +242,12 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--rows-per-chunk", type=int,
                  default=bucket_pass.ROWS_PER_CHUNK,
                  help="rows of a state group's streams stacked together for "
-                 "the fused pass (jaxfuse.bucket_pass.ROWS_PER_CHUNK; 1: "
+                 "the fused pass (jaxfuse.sync.bucket_pass.ROWS_PER_CHUNK; 1: "
                  "each row read where it is, 0: the whole group)")
   p.add_argument("--radix", default=radix_select.DEFAULT_GPU_METHOD,
                  choices=radix_select.GPU_METHODS,
                  help="how the k-th largests are found where the Pallas "
-                 "kernels run (jaxfuse.radix_select.DEFAULT_GPU_METHOD): "
+                 "kernels run (jaxfuse.kernels.radix_select.DEFAULT_GPU_METHOD): "
                  "radix, XLA reductions; pallas, one kernel; auto, the "
                  "kernel for short rows")
   p.add_argument("--scan-blocks", type=int,
@@ -262,7 +262,7 @@ def main(argv=None) -> list[dict]:
                  choices=["bucket", "batch"],
                  help="the fused pass's kernels: one per pass for the "
                  "bucket's batches or per batch "
-                 "(jaxfuse.bucket_pass.ONE_PASS_PER_BUCKET)")
+                 "(jaxfuse.sync.bucket_pass.ONE_PASS_PER_BUCKET)")
   p.add_argument("--topk-sample", type=int,
                  default=jaxfuse.sparsify.TOPK_SAMPLE,
                  help="topk's bracket sample per unit "

@@ -68,7 +68,7 @@ import optax
 from flax import nnx
 
 import jaxfuse
-from jaxfuse import checkpoint
+from jaxfuse.state import checkpoint
 
 FEATURES, CLASSES = 64, 10
 

@@ -181,7 +181,7 @@ def sent_line(plan, k: int, dense_bytes: int) -> str:
     sent = dense = jaxfuse.collectives.all_reduce_sent(dense_bytes, k)
   else:
     sent, dense = jaxfuse.collectives.bytes_sent(
-        jaxfuse.bucket_steps.compile_plan(plan), k)
+        jaxfuse.sync.bucket_steps.compile_plan(plan), k)
   return (f"; on {k} workers each sends {sent:,} B = "
           f"{sent / dense:.4f} x a dense all-reduce's ({dense:,} B)")
 
@@ -257,14 +257,14 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
         sparse_wire=args.sparse_wire or plan.settings.sparse_wire,
         packed_indices=args.packed_indices or plan.settings.packed_indices))
   if args.plan:   # the plan's, not the flags', in the log and the JSON
-    args.density = jaxfuse.phases.final_density(plan)
+    args.density = jaxfuse.optim.phases.final_density(plan)
     args.estimator = next((l.estimator for l in plan.leaves
                            if l.mode == "sparse"), args.estimator)
   say(plan.summary())
   if args.warmup_densities is None and args.optimizer != "onebit_adamw":
     args.warmup_densities = "dgc"
   elif args.warmup_densities is None:   # resolved here: the run's JSON says
-    final = jaxfuse.phases.final_density(plan)
+    final = jaxfuse.optim.phases.final_density(plan)
     args.warmup_densities = ([d for d in ONEBIT_WARMUP_DENSITIES
                               if d > final] if args.warmup_steps else [])
   phases = warmup_phases(args, plan, args.dense_warmup, k)
@@ -372,7 +372,7 @@ def main(argv=None) -> dict:
     # saved plan, then carry the optimizer state over to this one
     saved = jaxfuse.checkpoint.saved_plan(mngr)
     carry = bool(plan and saved and
-                 jaxfuse.bucket_steps.layout_difference(saved, plan))
+                 jaxfuse.sync.bucket_steps.layout_difference(saved, plan))
     try:
       like = (jaxfuse.init_state(make_opt(saved), _cast(params, grad_dtype),
                                  mesh, AXIS) if carry else opt_state)

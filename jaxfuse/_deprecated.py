@@ -1,14 +1,24 @@
-"""Names of 0.1 that moved in 0.2, kept for one more release (0.3).
-
-0.2 moved the offline modules into ``jaxfuse.planning``. The old names still
-work, each use warning with the new place (``DeprecationWarning``):
+"""Module paths that moved, kept for one more release, each use warning
+with the new place (``DeprecationWarning``):
 
   jaxfuse.costs, from jaxfuse import costs      module ``__getattr__``
   import jaxfuse.costs, from jaxfuse.costs import Costs
                                                  ``_MovedFinder`` (last on
                                                  ``sys.meta_path``)
 
-and give the very module object of the new place. Removed in 0.4.
+and give the very module object of the new place.
+
+- 0.2 moved the offline modules into ``jaxfuse.planning`` (removed in 0.4).
+- 0.3 grouped the step's modules into folders that show the pipeline:
+  ``jaxfuse.optim`` (recipes, phases, clipping, delay, non-finite
+  handling, send_early), ``jaxfuse.state`` (placement, checkpoints,
+  relayout, elastic restarts), ``jaxfuse.sync`` (the bucket steps) and
+  ``jaxfuse.plans`` (the plan, its checks, its JSON files) (removed in 0.5).
+  ``jaxfuse.checkpoint``, ``jaxfuse.clipping``, ``jaxfuse.elastic`` and
+  ``jaxfuse.grouped`` stay public attributes of ``jaxfuse``, without a
+  warning; only their old import paths warn. ``jaxfuse.relayout`` is the
+  function: its module's old path is not kept (importing it would rebind
+  the package's attribute to the module).
 """
 
 from __future__ import annotations
@@ -20,23 +30,46 @@ import sys
 import types
 import warnings
 
-# 0.1's jaxfuse.<name> -> where it lives since 0.2.
+# old jaxfuse.<name> -> (where it lives now, the release that moved it,
+# the release that removes the old name).
 MOVED_MODULES = {
-    name: f"jaxfuse.planning.{name}"
-    for name in ("cli", "costs", "optimal", "ordering", "planner",
-                 "profiling", "simulate", "strategies", "timeline_plot")
+    **{name: (f"jaxfuse.planning.{name}", "0.2", "0.4")
+       for name in ("cli", "costs", "optimal", "ordering", "planner",
+                    "profiling", "simulate", "strategies", "timeline_plot")},
+    **{name: (f"jaxfuse.{new}", "0.3", "0.5") for name, new in {
+        "recipes": "optim.recipes", "phases": "optim.phases",
+        "clipping": "optim.clipping", "delay": "optim.delay",
+        "nonfinite": "optim.nonfinite", "overlap": "optim.overlap",
+        "compile_options": "optim.compile_options",
+        "placement": "state.placement", "checkpoint": "state.checkpoint",
+        "elastic": "state.elastic",
+        "bucket_sync": "sync.bucket_sync", "bucket_pass": "sync.bucket_pass",
+        "grouped": "sync.grouped", "schedule": "sync.bucket_steps",
+        "radix_select": "kernels.radix_select",
+        "plan_checks": "plans.checks", "_jsonfile": "plans.jsonfile",
+    }.items()},
 }
-REMOVED_IN = "0.4"
 
 
 def moved_module(name: str, stacklevel: int = 2) -> types.ModuleType:
-  """The module 0.1 called ``jaxfuse.<name>``, with a DeprecationWarning."""
-  new = MOVED_MODULES[name]
+  """The module once called ``jaxfuse.<name>``, with a DeprecationWarning.
+
+  Args:
+    name: the old module name under ``jaxfuse`` (a key of MOVED_MODULES).
+    stacklevel: passed to ``warnings.warn`` (the caller's frame is 2).
+
+  Returns:
+    The module object at its new place.
+
+  Raises:
+    KeyError: ``name`` is not a moved module.
+  """
+  new, moved_in, removed_in = MOVED_MODULES[name]
   package, _, module = new.rpartition(".")
   warnings.warn(
-      f"jaxfuse.{name} moved to {new} in jaxfuse 0.2; import it from there "
-      f"(from {package} import {module}). The old name will be removed in "
-      f"{REMOVED_IN}.", DeprecationWarning, stacklevel=stacklevel + 1)
+      f"jaxfuse.{name} moved to {new} in jaxfuse {moved_in}; import it from "
+      f"there (from {package} import {module}). The old name will be "
+      f"removed in {removed_in}.", DeprecationWarning, stacklevel=stacklevel + 1)
   return importlib.import_module(new)
 
 

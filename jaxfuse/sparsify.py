@@ -44,7 +44,7 @@ from jaxfuse.kernels.reference import hash32
 from jaxfuse.kernels.reference import uniform_index
 from jaxfuse.plans import ceil_product
 from jaxfuse.plans import target_count
-from jaxfuse.radix_select import kth_largest
+from jaxfuse.kernels.radix_select import kth_largest
 
 MIN_LOG_STEP = 1e-3
 MAX_LOG_STEP = 1.0

@@ -5,7 +5,7 @@ gradients; returns the worker-averaged gradients, identical on every worker.
 
 Per-worker state (residuals, thresholds, stats) has a leading axis of size 1
 inside ``shard_map``; globally that axis has size K, sharded over the data
-axis. ``jaxfuse.placement.init_state`` builds it that way and
+axis. ``jaxfuse.state.placement.init_state`` builds it that way and
 ``state_specs`` gives the ``PartitionSpec``s to pass through ``shard_map``
 and ``jax.jit``.
 """
@@ -21,12 +21,12 @@ import numpy as np
 import optax
 
 from jaxfuse import _compat
-from jaxfuse import bucket_sync
+from jaxfuse.sync import bucket_sync
 from jaxfuse import collectives
-from jaxfuse import grouped
+from jaxfuse.sync import grouped
 from jaxfuse import kernels
 from jaxfuse import plans
-from jaxfuse import bucket_steps
+from jaxfuse.sync import bucket_steps
 from jaxfuse import sparsify
 from jaxfuse import stats as stats_lib
 from jaxfuse.stats import SyncStats

@@ -30,7 +30,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 import jaxfuse  # pylint: disable=wrong-import-position
-from jaxfuse import checkpoint  # pylint: disable=wrong-import-position
+from jaxfuse.state import checkpoint  # pylint: disable=wrong-import-position
 
 K, DIN, HIDDEN, DOUT, ROWS = 8, 32, 64, 8, 16
 DENSE_STEPS = 2

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse import overlap
+from jaxfuse.optim import overlap
 
 from _harness import NUM_WORKERS, all_eqns, doc_snippet, mesh_of, mlp_loss
 

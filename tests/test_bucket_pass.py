@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfuse import bucket_pass
+from jaxfuse.sync import bucket_pass
 from jaxfuse import kernels
 from jaxfuse import plans as plan_lib
-from jaxfuse import radix_select
+from jaxfuse.kernels import radix_select
 from jaxfuse import sparsify
 
 from _harness import list_plan

@@ -11,7 +11,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import plans as plan_lib
-from jaxfuse import bucket_steps
+from jaxfuse.sync import bucket_steps
 
 from _harness import NUM_WORKERS as K
 from _harness import init, sync
@@ -202,7 +202,8 @@ def test_old_spellings_warn_and_give_the_same():
   import importlib  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   sys.modules.pop("jaxfuse.schedule", None)
-  with pytest.warns(DeprecationWarning, match="jaxfuse.bucket_steps"):
+  with pytest.warns(DeprecationWarning,
+                    match=r"jaxfuse\.schedule moved to jaxfuse\.sync\.bucket_steps"):
     old = importlib.import_module("jaxfuse.schedule")
   assert old.compile_plan is bucket_steps.compile_plan
   plan = _plan("aligned", collective="zen")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jaxfuse
-from jaxfuse import checkpoint
+from jaxfuse.state import checkpoint
 
 from _harness import cpu_env, init, list_plan, sync
 from _harness import NUM_WORKERS as K

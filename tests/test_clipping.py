@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxfuse
-from jaxfuse import clipping
+from jaxfuse.optim import clipping
 
 SHAPES = {"a": (30,), "b": (8, 5), "c": (12,), "d": (50,)}
 

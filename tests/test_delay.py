@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import elastic
+from jaxfuse.state import elastic
 
 from _harness import NUM_WORKERS
 from _harness import mesh_of
@@ -183,7 +183,7 @@ def test_pending_gradients_are_per_worker_and_kept_on_resize(predict):
 @pytest.mark.parametrize("predict", [False, True])
 def test_a_checkpoint_keeps_the_pending_gradients_and_last_update(
     tmp_path, predict):
-  from jaxfuse import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxfuse.state import checkpoint  # pylint: disable=g-import-not-at-top
   mesh = mesh_of(4)
   plan, params, grads = _problem(5, 2, 4)
   opt = jaxfuse.delayed(jaxfuse.sgd(plan, 0.1, 0.9), predict=predict)

@@ -14,8 +14,8 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import checkpoint
-from jaxfuse import elastic
+from jaxfuse.state import checkpoint
+from jaxfuse.state import elastic
 
 from _harness import assert_replicas_identical, list_plan, mesh_of
 from _harness import NUM_WORKERS as K

@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse import checkpoint
-from jaxfuse import overlap
+from jaxfuse.state import checkpoint
+from jaxfuse.optim import overlap
 from jaxfuse import transform
 
 from _harness import NUM_WORKERS, all_eqns, doc_snippet, mesh_of, mlp_loss

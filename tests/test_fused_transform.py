@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse import bucket_pass
+from jaxfuse.sync import bucket_pass
 from jaxfuse import kernels
 
 from _harness import list_plan, mesh_of, pass1_segments, shard

@@ -16,8 +16,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse import bucket_steps
-from jaxfuse import grouped
+from jaxfuse.sync import bucket_steps
+from jaxfuse.sync import grouped
 from jaxfuse import kernels
 from jaxfuse import plans as plan_lib
 

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse import recipes
+from jaxfuse.optim import recipes
 
 from _harness import NUM_WORKERS, fast_jit, mesh_of, shard, sharded_update
 
@@ -102,7 +102,7 @@ def test_static_hyperparameters_left_to_inject_name_the_fix(recipe):
   injected = optax.inject_hyperparams(jaxfuse.RECIPES[recipe])(
       plan=plan, learning_rate=1e-2)
   with pytest.raises(jaxfuse.SyncError,
-                     match=rf"static_args=jaxfuse.recipes.STATIC_ARGS\['{recipe}'\]"):
+                     match=rf"static_args=jaxfuse.optim.recipes.STATIC_ARGS\['{recipe}'\]"):
     jaxfuse.init_state(injected, params, mesh)
 
 

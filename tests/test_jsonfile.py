@@ -1,4 +1,4 @@
-"""Saving a plan or costs file (``jaxfuse._jsonfile.save``): whole or not
+"""Saving a plan or costs file (``jaxfuse.plans.jsonfile.save``): whole or not
 at all, with the permissions a file written by ``open`` would have."""
 
 import os

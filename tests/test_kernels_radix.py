@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxfuse import kernels
-from jaxfuse import radix_select
+from jaxfuse.kernels import radix_select
 from jaxfuse.kernels import radix
 
 from _harness import MAGNITUDES

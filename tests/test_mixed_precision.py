@@ -115,7 +115,7 @@ def test_bfloat16_residual_loses_small_contributions(mesh):
 def test_residual_dtype_is_checked_and_part_of_the_layout():
   with pytest.raises(plan_lib.PlanError, match="residual_dtype"):
     _plan(residual_dtype="float16")
-  from jaxfuse import bucket_steps  # pylint: disable=g-import-not-at-top
+  from jaxfuse.sync import bucket_steps  # pylint: disable=g-import-not-at-top
   assert bucket_steps.layout_difference(
       _plan(), _plan(residual_dtype="gradient")) == "settings"
 
@@ -217,7 +217,7 @@ def _check_wire_setting(plan, field):
 
 
 def test_dense_wire_is_checked_saved_and_not_part_of_the_layout():
-  from jaxfuse import bucket_steps  # pylint: disable=g-import-not-at-top
+  from jaxfuse.sync import bucket_steps  # pylint: disable=g-import-not-at-top
   _check_wire_setting(list_plan(SHAPES), "full_wire")
   for bad in ("fp8", "float16"):   # float16 would overflow where f32 does not
     with pytest.raises(plan_lib.PlanError, match=f"dense_wire='{bad}'"):
@@ -308,7 +308,7 @@ def test_sparse_wire_is_checked_and_saved():
   assert plan.settings.sparse_wire == "bfloat16"
   _check_wire_setting(plan, "sparse_wire")
   # the state does not hold the wire dtype: phases may differ in it
-  from jaxfuse import bucket_steps  # pylint: disable=g-import-not-at-top
+  from jaxfuse.sync import bucket_steps  # pylint: disable=g-import-not-at-top
   assert bucket_steps.layout_difference(
       plan, _sparse_wire_plan(sparse_wire="gradient")) is None
   assert bucket_steps.layout_difference(

@@ -324,7 +324,7 @@ def test_density_warmup_runs_dense_where_sparse_moves_more(workers, wire,
   phases = jaxfuse.density_warmup(plan, steps=10, dense_steps=5,
                                   dense_wire=wire, workers=workers)
   dense = 5 + 10 * len(folded)
-  ramp = [d for d in jaxfuse.phases.DGC_RAMP if d > 0.01 and d not in folded]
+  ramp = [d for d in jaxfuse.optim.phases.DGC_RAMP if d > 0.01 and d not in folded]
   assert [(p.start, p.stop) for p in phases] == (
       [(0, dense)] + [(dense + 10 * i, dense + 10 * (i + 1))
                       for i in range(len(ramp))]
@@ -583,7 +583,7 @@ def test_wire_warnings_name_a_sparse_phase_that_moves_more_than_dense():
   message = str(record[0].message)
   assert f"{7 * 8 * slots:,} bytes" in message
   assert "7,340,032" in message and "collective='zen'" in message
-  assert jaxfuse.phases.wire_warnings(phases, 8) == [message]
+  assert jaxfuse.optim.phases.wire_warnings(phases, 8) == [message]
   # a bfloat16 dense warm-up halves the dense bytes the phase is held to
   with pytest.warns(UserWarning, match="phase 1") as record:
     jaxfuse.density_warmup(plan, steps=0, dense_steps=4,
@@ -593,7 +593,7 @@ def test_wire_warnings_name_a_sparse_phase_that_moves_more_than_dense():
   import warnings as warnings_lib
   with warnings_lib.catch_warnings():
     warnings_lib.simplefilter("error")
-    assert jaxfuse.phases.wire_warnings(
+    assert jaxfuse.optim.phases.wire_warnings(
         jaxfuse.density_warmup(cheap, steps=0, workers=2), 2) == []
 
 

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse import checkpoint
+from jaxfuse.state import checkpoint
 
 from _harness import NUM_WORKERS, doc_snippet, mesh_of, shard
 

@@ -146,7 +146,7 @@ def test_a_non_finite_worker_keeps_its_residual_as_it_was(sparse_wire, decay):
   step = fast_jit(sharded_update(tx, mesh, jaxfuse.state_specs(state)))
   _, s1 = jax.block_until_ready(step(shard(mesh, _grads(1)), state))
   _, s2 = jax.block_until_ready(step(shard(mesh, _grads(2, nan=True)), s1))
-  (u,) = [i for i, unit in enumerate(jaxfuse.bucket_steps.compile_plan(
+  (u,) = [i for i, unit in enumerate(jaxfuse.sync.bucket_steps.compile_plan(
       plan).units) if plan.leaves[unit.leaves[0]].path == "['w']"]
   before = np.asarray(jaxfuse.unit_residuals(plan, s1)[u])
   after = np.asarray(jaxfuse.unit_residuals(plan, s2)[u])
@@ -227,7 +227,7 @@ def test_a_wrapped_state_checkpoints_and_restores(tmp_path):
   mesh = mesh_of(K)
   plan = _plan()
   tx = jaxfuse.apply_if_finite(optax.inject_hyperparams(
-      jaxfuse.sgd, static_args=jaxfuse.recipes.STATIC_ARGS["sgd"])(
+      jaxfuse.sgd, static_args=jaxfuse.optim.recipes.STATIC_ARGS["sgd"])(
           plan=plan, learning_rate=0.05), 3)
   params, state, run = _runner(tx, mesh)
   params, state, _ = run(params, state, _grads(1))

@@ -17,7 +17,7 @@ import pytest
 import jaxfuse
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
-from jaxfuse import bucket_steps
+from jaxfuse.sync import bucket_steps
 
 from _harness import gathered_words, init, list_plan, shard, sharded_update
 from _harness import sync

@@ -11,7 +11,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import plans as plan_lib
-from jaxfuse import bucket_steps
+from jaxfuse.sync import bucket_steps
 
 from _harness import NUM_WORKERS as K
 from _harness import init, sync

@@ -6,6 +6,8 @@ so in CHANGELOG.md.
 """
 
 import importlib
+import re
+import pathlib
 import pkgutil
 import sys
 import warnings
@@ -119,7 +121,9 @@ def fresh():
 
 
 def test_the_moved_table_is_0_1s():
-  assert sorted(_deprecated.MOVED_MODULES) == MOVED
+  moved_in_0_2 = [n for n, (_, v, _) in _deprecated.MOVED_MODULES.items()
+                  if v == "0.2"]
+  assert sorted(moved_in_0_2) == MOVED
   assert not set(MOVED) & set(jaxfuse.__all__)
 
 
@@ -170,3 +174,66 @@ def test_unknown_names_still_fail(fresh):
                "jaxfuse.planning.nothing"):
     with pytest.raises(ModuleNotFoundError):
       importlib.import_module(name)
+
+
+# --- 0.2's module paths, moved into folders in 0.3 ----------------------------
+
+MOVED_0_3 = {
+    "recipes": "optim.recipes", "phases": "optim.phases",
+    "clipping": "optim.clipping", "delay": "optim.delay",
+    "nonfinite": "optim.nonfinite", "overlap": "optim.overlap",
+    "compile_options": "optim.compile_options",
+    "placement": "state.placement", "checkpoint": "state.checkpoint",
+    "elastic": "state.elastic",
+    "bucket_sync": "sync.bucket_sync", "bucket_pass": "sync.bucket_pass",
+    "grouped": "sync.grouped", "schedule": "sync.bucket_steps",
+    "radix_select": "kernels.radix_select",
+    "plan_checks": "plans.checks", "_jsonfile": "plans.jsonfile",
+}
+PUBLIC_MODULES = ("checkpoint", "clipping", "elastic", "grouped")
+
+
+def test_the_0_3_table():
+  got = {n: new.removeprefix("jaxfuse.")
+         for n, (new, v, removed) in _deprecated.MOVED_MODULES.items()
+         if v == "0.3" and removed == "0.5"}
+  assert got == MOVED_0_3
+
+
+def test_package_root_holds_at_most_ten_modules():
+  root = pathlib.Path(jaxfuse.__file__).parent
+  assert len(list(root.glob("*.py"))) <= 10, sorted(root.glob("*.py"))
+
+
+@pytest.mark.parametrize("name", sorted(MOVED_0_3))
+def test_0_2_import_path_warns_and_is_the_new_module(name):
+  new = importlib.import_module(f"jaxfuse.{MOVED_0_3[name]}")
+  sys.modules.pop(f"jaxfuse.{name}", None)
+  had = name in vars(jaxfuse)
+  saved = vars(jaxfuse).pop(name, None)
+  try:
+    with pytest.warns(DeprecationWarning,
+                      match=rf"jaxfuse\.{name} moved to "
+                      rf"jaxfuse\.{re.escape(MOVED_0_3[name])} in jaxfuse 0\.3"
+                      rf".*removed in 0\.5"):
+      old = importlib.import_module(f"jaxfuse.{name}")
+    assert old is new
+  finally:
+    sys.modules.pop(f"jaxfuse.{name}", None)
+    if had:
+      vars(jaxfuse)[name] = saved
+    else:
+      vars(jaxfuse).pop(name, None)
+
+
+def test_relayout_stays_the_function():
+  assert callable(jaxfuse.relayout)
+  assert "relayout" not in _deprecated.MOVED_MODULES
+
+
+def test_public_module_attributes_stay_without_warning():
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for name in PUBLIC_MODULES:
+      assert getattr(jaxfuse, name) is importlib.import_module(
+          f"jaxfuse.{MOVED_0_3[name]}")

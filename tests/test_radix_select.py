@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfuse import radix_select
+from jaxfuse.kernels import radix_select
 
 from _harness import MAGNITUDES
 from _harness import fast_jit

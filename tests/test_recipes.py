@@ -523,7 +523,7 @@ def test_second_moment_is_bias_corrected_and_its_change_relative():
   plan = jaxfuse.plan(params, density=1.0)
   opt = jaxfuse.onebit_adamw(plan, 1e-3)
   (state,) = [s for s in opt.init(params)
-               if isinstance(s, jaxfuse.recipes.OnebitState)]
+               if isinstance(s, jaxfuse.optim.recipes.OnebitState)]
   nu = {"a": jnp.array([1.0, 2.0, 3.0]), "b": jnp.full((2, 2), 0.5)}
   before = state._replace(nu=nu, nu_count=jnp.array(1, jnp.int32))
   now = state._replace(nu=jax.tree.map(lambda x: 2 * x, nu),

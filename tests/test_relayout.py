@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxfuse
-from jaxfuse import grouped
-from jaxfuse import bucket_steps
+from jaxfuse.sync import grouped
+from jaxfuse.sync import bucket_steps
 from jaxfuse import sparsify
 
 from _harness import NUM_WORKERS as K
@@ -181,7 +181,7 @@ def test_onebit_first_moment_moves_leaf_by_leaf(mesh):
 
 def test_resuming_a_checkpoint_with_a_new_plan(tmp_path, mesh):
   # The README's recipe: restore with the saved plan, then relayout.
-  from jaxfuse import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxfuse.state import checkpoint  # pylint: disable=g-import-not-at-top
   old, behind, _ = _plans()
   state = _trained(old, mesh, 0.9)
   mngr = checkpoint.manager(tmp_path)

@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import overlap
+from jaxfuse.optim import overlap
 from jaxfuse.planning import optimal
 
 from _harness import fast_jit

@@ -213,7 +213,7 @@ def test_summary_counts_slots_and_elements_of_sparse_leaves_only():
   assert summary["overflow"] == 2.5
   # The same counts under the plan of a dense phase fill every slot.
   dense = jaxfuse.summarize(stats._replace(selected=ints(
-      [[1200, 2000, 10]] * 2)), jaxfuse.phases.with_density(plan, 1.0))
+      [[1200, 2000, 10]] * 2)), jaxfuse.optim.phases.with_density(plan, 1.0))
   assert dense["density"] == dense["slot_fill"] == 1.0
 
 

@@ -19,7 +19,7 @@ import jaxfuse
 
 from _harness import NUM_WORKERS, mesh_of, sharded_update
 
-RECIPES = sorted(jaxfuse.recipes.RECIPES)
+RECIPES = sorted(jaxfuse.optim.recipes.RECIPES)
 
 
 def _params(dtype):
@@ -89,7 +89,7 @@ def test_a_step_keeps_the_state_and_the_parameters_dtypes(recipe, data):
                 "number type")
   options = {k: number(v) if type(v) is float else v  # pylint: disable=unidiomatic-typecheck
              for k, v in options.items()}
-  make = jaxfuse.recipes.RECIPES[recipe]
+  make = jaxfuse.optim.recipes.RECIPES[recipe]
   tx = make(phase.plan, number(1e-3), **options)
   if draw(st.booleans(), "apply_if_finite"):
     tx = jaxfuse.apply_if_finite(tx, 2)

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import checkpoint
+from jaxfuse.state import checkpoint
 from jaxfuse.optim import train_step
 
 from _harness import NUM_WORKERS, mesh_of, mlp_loss

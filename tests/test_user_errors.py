@@ -118,7 +118,7 @@ def test_complex_leaves_are_refused_not_left_unaveraged():
     jaxfuse.plan(dict(PARAMS, c=jnp.ones(8, jnp.complex64)))
 
 
-@pytest.mark.parametrize("recipe", sorted(jaxfuse.recipes.RECIPES))
+@pytest.mark.parametrize("recipe", sorted(jaxfuse.optim.recipes.RECIPES))
 def test_a_recipe_refuses_integer_leaves_it_cannot_train(recipe):
   """An integer leaf's gradient is float0, which no recipe's arithmetic
   takes: refused when the optimizer is made, naming the leaf, not a
@@ -126,8 +126,8 @@ def test_a_recipe_refuses_integer_leaves_it_cannot_train(recipe):
   made = jaxfuse.plan(dict(PARAMS, n=jnp.arange(3)), density=0.05)
   with pytest.raises(jaxfuse.PlanError, match=(
       rf"^{recipe}: leaves \[\"\['n'\] \(int32\)\"\] are not floating point")):
-    jaxfuse.recipes.RECIPES[recipe](made, 1e-3)
-  jaxfuse.recipes.RECIPES[recipe](jaxfuse.plan(PARAMS, density=0.05), 1e-3)
+    jaxfuse.optim.recipes.RECIPES[recipe](made, 1e-3)
+  jaxfuse.optim.recipes.RECIPES[recipe](jaxfuse.plan(PARAMS, density=0.05), 1e-3)
 
 
 @pytest.mark.parametrize("make", [
@@ -451,7 +451,7 @@ def test_local_params_outside_shard_map_or_on_another_axis():
 def test_checkpoint_save_refuses_before_writing(tmp_path, plan, step, extra,
                                                 message):
   pytest.importorskip("orbax.checkpoint")
-  from jaxfuse import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxfuse.state import checkpoint  # pylint: disable=g-import-not-at-top
   mngr = checkpoint.manager(tmp_path / "run")
   with pytest.raises(checkpoint.CheckpointError) as e:
     checkpoint.save(mngr, step, {"w": jnp.ones(4)}, plan, extra=extra)
@@ -474,7 +474,7 @@ def test_checkpoint_files_and_trees_that_do_not_fit(tmp_path, plan):
   an argument jaxfuse does not take); a float32 checkpoint restored with
   a bfloat16 plan names the leaf and both dtypes."""
   pytest.importorskip("orbax.checkpoint")
-  from jaxfuse import checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxfuse.state import checkpoint  # pylint: disable=g-import-not-at-top
   (tmp_path / "afile").write_text("x")
   with pytest.raises(checkpoint.CheckpointError, match="afile is a file, "
                      "not a folder"):

@@ -59,7 +59,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse import radix_select
+from jaxfuse.kernels import radix_select
 from jaxfuse.planning import hlo
 from jaxfuse.planning import timing
 from jaxfuse.planning import trace as trace_lib

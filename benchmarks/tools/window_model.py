@@ -56,8 +56,8 @@ jax.config.update("jax_platforms", "cpu")
 
 import jaxfuse  # pylint: disable=wrong-import-position
 from jaxfuse import collectives  # pylint: disable=wrong-import-position
-from jaxfuse import overlap  # pylint: disable=wrong-import-position
-from jaxfuse import bucket_steps  # pylint: disable=wrong-import-position
+from jaxfuse.optim import overlap  # pylint: disable=wrong-import-position
+from jaxfuse.sync import bucket_steps  # pylint: disable=wrong-import-position
 from jaxfuse.planning import costs as costs_lib  # pylint: disable=wrong-import-position
 from jaxfuse.planning import ordering  # pylint: disable=wrong-import-position
 from jaxfuse.planning import simulate  # pylint: disable=wrong-import-position

@@ -57,10 +57,10 @@ def _compiled(steps, where: str):
   warnings.warn(
       f"collectives.{where}(plan, ...) is deprecated (removed in 0.4): "
       f"pass the compiled plan, collectives.{where}("
-      "jaxfuse.bucket_steps.compile_plan(plan), ...).", DeprecationWarning,
+      "jaxfuse.sync.bucket_steps.compile_plan(plan), ...).", DeprecationWarning,
       stacklevel=3)
   # pylint: disable-next=g-import-not-at-top
-  from jaxfuse.bucket_steps import compile_plan
+  from jaxfuse.sync.bucket_steps import compile_plan
   return compile_plan(steps)
 
 

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse import _compat
-from jaxfuse import plan_checks
+from jaxfuse.plans import checks as plan_checks
 from jaxfuse import plans
 from jaxfuse.collectives import base
 

@@ -100,7 +100,7 @@ def radix_rows_pallas(bits: jax.Array, k: jax.Array, lengths=None, *,
       # one tile of slack keeps the last row's last tile where it is.
       jnp.pad(jnp.reshape(bits, (-1,)), (0, tile if interpret else 0)),
       interpret=interpret, kernel="radix_rows_pallas",
-      reference="jaxfuse.radix_select.radix_rows")
+      reference="jaxfuse.kernels.radix_select.radix_rows")
   whole = pl.BlockSpec()
   return pl.pallas_call(
       functools.partial(_radix_kernel, width=width, tile=tile),

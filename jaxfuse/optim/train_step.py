@@ -36,16 +36,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from jaxfuse import checkpoint
-from jaxfuse import compile_options
-from jaxfuse import overlap
-from jaxfuse import placement
+from jaxfuse.state import checkpoint
+from jaxfuse.optim import compile_options
+from jaxfuse.optim import overlap
+from jaxfuse.state import placement
 from jaxfuse import plans
-from jaxfuse import recipes
+from jaxfuse.optim import recipes
 from jaxfuse import transform
-from jaxfuse.phases import Phase
-from jaxfuse.phases import check_phases
-from jaxfuse.phases import phase_index
+from jaxfuse.optim.phases import Phase
+from jaxfuse.optim.phases import check_phases
+from jaxfuse.optim.phases import phase_index
 from jaxfuse.optim import local_step
 from jaxfuse.planning import agreement
 

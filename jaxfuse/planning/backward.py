@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse import overlap
+from jaxfuse.optim import overlap
 from jaxfuse.planning import ordering
 from jaxfuse.planning._measuring import Model
 from jaxfuse.planning._measuring import Timing

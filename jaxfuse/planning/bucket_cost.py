@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxfuse import _compat
-from jaxfuse import bucket_steps
+from jaxfuse.sync import bucket_steps
 from jaxfuse import plans as plan_lib
 from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning._measuring import Compression
@@ -135,8 +135,8 @@ def early_step(mesh, strategy: str, *, units: int, width: int,
     arguments to call it with.
   """
   # pylint: disable=g-import-not-at-top
-  from jaxfuse import overlap
-  from jaxfuse import placement
+  from jaxfuse.optim import overlap
+  from jaxfuse.state import placement
   from jaxfuse import transform
   from jaxfuse.planning import planner
   # pylint: enable=g-import-not-at-top
@@ -306,7 +306,7 @@ def _sparse_step(mesh, sizes, strategy, *, compression, axis_name="data",
   ``mesh``), planned as ``strategy`` with every leaf sparse, compressed as
   ``compression`` and moved by ``collective``, and the arguments to call
   it with."""
-  from jaxfuse import placement  # pylint: disable=g-import-not-at-top
+  from jaxfuse.state import placement  # pylint: disable=g-import-not-at-top
   from jaxfuse import transform  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(sum(sizes))

@@ -145,7 +145,7 @@ def check_output(path: str, what: str) -> None:
   """Refuse an output path that cannot take the ``what`` file (a JSON
   file), before any work: a missing folder, something that is not a
   regular file, a Python source (the model's own, say)."""
-  from jaxfuse import _jsonfile  # pylint: disable=g-import-not-at-top
+  from jaxfuse.plans import jsonfile as _jsonfile  # pylint: disable=g-import-not-at-top
   try:
     real = _jsonfile.writable_target(path)   # what save() checks, now
   except OSError as e:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from jaxfuse import bucket_steps
+from jaxfuse.sync import bucket_steps
 from jaxfuse import plans as plan_lib
 from jaxfuse.planning.cli_io import UsageError
 from jaxfuse.planning.cli_io import load_costs

@@ -55,8 +55,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jaxfuse import _jsonfile
-from jaxfuse import plan_checks
+from jaxfuse.plans import jsonfile as _jsonfile
+from jaxfuse.plans import checks as plan_checks
 
 FORMAT = "jaxfuse.costs"
 FORMAT_VERSION = 2   # 2 added ``bucket`` and ``schemes`` (a version-1

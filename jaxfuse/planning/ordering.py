@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse import plan_checks
+from jaxfuse.plans import checks as plan_checks
 
 
 class LossOutputError(plan_checks.PlanError):

@@ -42,7 +42,7 @@ from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning import grouping
 from jaxfuse.planning import ordering
 from jaxfuse import plans
-from jaxfuse import bucket_steps
+from jaxfuse.sync import bucket_steps
 from jaxfuse.planning import simulate as simulate_lib
 from jaxfuse.planning import strategies
 from jaxfuse.version import __version__

@@ -65,7 +65,7 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxfuse import _compat
-from jaxfuse import compile_options
+from jaxfuse.optim import compile_options
 from jaxfuse.planning import costs as costs_lib
 from jaxfuse.planning._measuring import Compression
 from jaxfuse.planning._measuring import Model

@@ -57,7 +57,7 @@ import math
 
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
-from jaxfuse import bucket_steps
+from jaxfuse.sync import bucket_steps
 from jaxfuse.planning import costs as costs_lib
 
 

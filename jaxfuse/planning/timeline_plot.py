@@ -46,7 +46,7 @@ def save_figure(fig, path: str | os.PathLike) -> None:
   """``fig.savefig(path)`` whole or not at all (``_jsonfile.save_with``:
   a temporary file beside it, renamed over it), in the format of its
   suffix; without one a PNG at ``path`` + ".png", as matplotlib names it."""
-  from jaxfuse import _jsonfile  # pylint: disable=g-import-not-at-top
+  from jaxfuse.plans import jsonfile as _jsonfile  # pylint: disable=g-import-not-at-top
   path = os.fspath(path)
   fmt = os.path.splitext(path)[1][1:].lower()
   if not fmt:

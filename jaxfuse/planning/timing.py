@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from jaxfuse import compile_options
+from jaxfuse.optim import compile_options
 
 Progress = Callable[[int, int, str], None]  # (done, total, what is next)
 

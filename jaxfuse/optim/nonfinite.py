@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse import _compat
-from jaxfuse import delay
-from jaxfuse import placement
-from jaxfuse import plan_checks
+from jaxfuse.optim import delay
+from jaxfuse.state import placement
+from jaxfuse.plans import checks as plan_checks
 from jaxfuse import transform
 
 

@@ -66,8 +66,8 @@ from jax import lax
 from jax.extend import core as jex
 
 from jaxfuse import _compat
-from jaxfuse import compile_options
-from jaxfuse import plan_checks
+from jaxfuse.optim import compile_options
+from jaxfuse.plans import checks as plan_checks
 
 # Primitives that move data between workers (names as in jaxprs).
 COLLECTIVES = frozenset({

@@ -42,12 +42,12 @@ import jax
 
 import numpy as np
 
-from jaxfuse import elastic
-from jaxfuse import grouped
-from jaxfuse import placement
+from jaxfuse.state import elastic
+from jaxfuse.sync import grouped
+from jaxfuse.state import placement
 from jaxfuse import plans as plan_lib
-from jaxfuse import recipes
-from jaxfuse import bucket_steps
+from jaxfuse.optim import recipes
+from jaxfuse.sync import bucket_steps
 from jaxfuse import sparsify
 from jaxfuse import transform
 

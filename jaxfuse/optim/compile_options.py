@@ -19,7 +19,7 @@ import os
 
 import jax
 
-from jaxfuse import plan_checks
+from jaxfuse.plans import checks as plan_checks
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 

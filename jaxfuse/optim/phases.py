@@ -29,7 +29,7 @@ import warnings
 
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
-from jaxfuse import bucket_steps
+from jaxfuse.sync import bucket_steps
 
 DGC_RAMP = (0.25, 0.0625, 0.015625, 0.004)
 

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse import _compat
-from jaxfuse import bucket_pass
+from jaxfuse.sync import bucket_pass
 from jaxfuse import collectives
 from jaxfuse import kernels
 from jaxfuse import plans
-from jaxfuse import bucket_steps
+from jaxfuse.sync import bucket_steps
 from jaxfuse import stats as stats_lib
 
 

@@ -24,9 +24,9 @@ import jax
 import numpy as np
 
 from jaxfuse import _compat
-from jaxfuse import _jsonfile
+from jaxfuse.plans import jsonfile as _jsonfile
 # the fields' names, the number checks and PlanError, used through here
-from jaxfuse.plan_checks import (  # pylint: disable=unused-import
+from jaxfuse.plans.checks import (  # pylint: disable=unused-import
     COLLECTIVES, ESTIMATORS, FULL_WIRES, MAX_LEAF_SIZE, MODES,
     RESIDUAL_DTYPES, SPARSE_COLLECTIVES, SPARSE_WIRES, SPARSIFY, PlanError,
     as_python, check_plan, is_int, is_leaf_order, is_real,

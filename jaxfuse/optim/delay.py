@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse import _compat
-from jaxfuse import placement
+from jaxfuse.state import placement
 from jaxfuse import transform
 
 

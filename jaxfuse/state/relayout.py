@@ -28,12 +28,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxfuse import clipping
-from jaxfuse import grouped
-from jaxfuse import placement
+from jaxfuse.optim import clipping
+from jaxfuse.sync import grouped
+from jaxfuse.state import placement
 from jaxfuse import plans as plan_lib
-from jaxfuse import recipes
-from jaxfuse import bucket_steps
+from jaxfuse.optim import recipes
+from jaxfuse.sync import bucket_steps
 from jaxfuse import sparsify
 from jaxfuse import transform
 

@@ -24,7 +24,7 @@ import math
 import numbers
 import weakref
 
-from jaxfuse import bucket_pass
+from jaxfuse.sync import bucket_pass
 from jaxfuse import plans
 from jaxfuse.collectives.configs import configured
 

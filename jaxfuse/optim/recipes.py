@@ -49,12 +49,12 @@ import numpy as np
 import optax
 
 from jaxfuse import _compat
-from jaxfuse import clipping
-from jaxfuse import grouped
-from jaxfuse import placement
+from jaxfuse.optim import clipping
+from jaxfuse.sync import grouped
+from jaxfuse.state import placement
 from jaxfuse import plans as plan_lib
-from jaxfuse import bucket_steps
-from jaxfuse import recipe_checks
+from jaxfuse.sync import bucket_steps
+from jaxfuse.optim import recipe_checks
 from jaxfuse import transform
 
 ScalarOrSchedule = float | Callable[[jax.Array], jax.Array]

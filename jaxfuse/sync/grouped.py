@@ -67,9 +67,9 @@ def layout(steps, sched=None) -> Layout:
   if sched is None and isinstance(steps, plans.Plan):
     warnings.warn(
         "grouped.layout(plan) is deprecated (removed in 0.4): pass the "
-        "compiled plan, grouped.layout(jaxfuse.bucket_steps.compile_plan("
+        "compiled plan, grouped.layout(jaxfuse.sync.bucket_steps.compile_plan("
         "plan)).", DeprecationWarning, stacklevel=2)
-    from jaxfuse import bucket_steps  # pylint: disable=g-import-not-at-top
+    from jaxfuse.sync import bucket_steps  # pylint: disable=g-import-not-at-top
     sched = bucket_steps.compile_plan(steps)
   sched = sched or steps
   gather = {g for b in sched.buckets if b.collective == "allgather"

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse import _compat
-from jaxfuse import clipping
+from jaxfuse.optim import clipping
 from jaxfuse import plans as plan_lib
 from jaxfuse import transform
 
@@ -137,7 +137,7 @@ def numbers(where: str, **values) -> list:
         "traced (each shapes the state or the program), not traced. "
         "With optax.inject_hyperparams keep them static: "
         f"optax.inject_hyperparams(jaxfuse.{where}, "
-        f"static_args=jaxfuse.recipes.STATIC_ARGS[{where!r}]).")
+        f"static_args=jaxfuse.optim.recipes.STATIC_ARGS[{where!r}]).")
   out = [plan_lib.as_python(v) for v in values.values()]
   for name, v in zip(values, out):
     numeric = isinstance(v, (np.ndarray, jax.Array)) and (

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxfuse import kernels
 from jaxfuse import plans
-from jaxfuse import radix_select
+from jaxfuse.kernels import radix_select
 from jaxfuse import sparsify
 
 

@@ -1,0 +1,1 @@
+"""Per-worker state: placement on the mesh, checkpoints, relayout, elastic restarts."""
