@@ -354,8 +354,9 @@ def main(argv=None) -> dict:
     carry = bool(plan and saved and
                  jaxfuse.schedule.layout_difference(saved, plan))
     try:
-      like = (jaxfuse.init_state(make_opt(saved), cast_params(params, grad_dtype),
-                                 mesh, AXIS) if carry else state.opt_state)
+      like = (jaxfuse.init_state(make_opt(saved),
+                                 cast_params(params, grad_dtype), mesh, AXIS)
+              if carry else state.opt_state)
       start, saved_tree = jaxfuse.checkpoint.restore(
           mngr, {"params": state.params, "opt": like},
           saved if carry else plan)
