@@ -14,6 +14,10 @@ the same order; only the gradient synchronization differs:
            --send-early --network-gbytes-s 1.5
   behind   as jaxfuse, with jaxfuse.plan(strategy="behind")
 
+The jaxfuse modes train with one ``jaxfuse.make_train_step`` call (its
+phases, ``--flush-every``'s steps and the flags' ``StepOptions``:
+train_lm_step.py); the dense baseline's step is written by hand there.
+
 On a CPU-only machine it runs on 8 simulated devices (--cpu-devices); on
 GPUs it uses all of them (or --devices N):
 
