@@ -60,7 +60,16 @@ def step_options(args, grad_dtype, xla_options) -> jaxfuse.StepOptions:
   """The step builder's options for the flags: where each worker takes its
   gradient (``--predict``: at ``jaxfuse.predicted_params``; ``--grad-dtype``:
   at a copy in that dtype), ``--send-early`` with its window, and the XLA
-  options (``--xla-option``, ``--xla-defaults``)."""
+  options (``--xla-option``, ``--xla-defaults``).
+
+  Args:
+    args: the parsed flags (``train_lm_args.parse_args``).
+    grad_dtype: ``--grad-dtype`` (None: float32, the params' own).
+    xla_options: the XLA options the step compiles with.
+
+  Returns:
+    The ``jaxfuse.StepOptions`` for ``jaxfuse.make_train_step``.
+  """
   def grad_at(params, opt_state):
     at = (jaxfuse.predicted_params(params, opt_state) if args.predict
           else params)
@@ -74,7 +83,18 @@ def step_options(args, grad_dtype, xla_options) -> jaxfuse.StepOptions:
 
 def with_flushes(phases, flush_plan, every: int, steps: int) -> tuple:
   """``phases`` with every ``every``-th step (steps every-1, 2·every-1, ...
-  below ``steps``) on ``flush_plan`` (``--flush-every``; 0: ``phases``)."""
+  below ``steps``) on ``flush_plan`` (``--flush-every``).
+
+  Args:
+    phases: the warm-up's ``jaxfuse.Phase``s.
+    flush_plan: the density-1 plan (None: no flushes).
+    every: ``--flush-every`` (0: no flushes).
+    steps: the run's steps.
+
+  Returns:
+    The phases to give ``jaxfuse.make_train_step``: one plan object per
+    plan, so that each compiles once; ``phases`` without flushes.
+  """
   if not every or flush_plan is None:
     return tuple(phases)
   plan_at = [flush_plan if (s + 1) % every == 0 else

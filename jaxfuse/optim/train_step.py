@@ -84,9 +84,10 @@ class StepOptions:
       always). E.g. a bfloat16 copy, ``lambda p, s: jax.tree.map(lambda x:
       x.astype(jnp.bfloat16), p)`` (the gradients and what the sync sends
       are then bfloat16), or ``jaxfuse.predicted_params`` under
-      ``jaxfuse.delayed(..., predict=True)``. The optimizer state is
-      initialized from the params cast to the dtypes ``grad_at`` returns
-      (the gradients'). None: at ``params``.
+      ``jaxfuse.delayed(..., predict=True)``. The plan is the plan of
+      what ``grad_at`` returns (its dtypes are checked against it), and
+      the optimizer state is initialized at the params cast to them (the
+      gradients' dtypes). None: at ``params``.
     compiler_options: the XLA options the steps compile with. None:
       ``jaxfuse.xla_options()`` for the mesh's platform; a dict: these
       (``{}``: XLA's defaults).
