@@ -14,6 +14,10 @@ the same order; only the gradient synchronization differs:
            --send-early --network-gbytes-s 1.5
   behind   as jaxfuse, with jaxfuse.plan(strategy="behind")
 
+The jaxfuse modes train with one ``jaxfuse.make_train_step`` call (its
+phases, ``--flush-every``'s steps and the flags' ``StepOptions``:
+train_lm_step.py); the dense baseline's step is written by hand there.
+
 On a CPU-only machine it runs on 8 simulated devices (--cpu-devices); on
 GPUs it uses all of them (or --devices N):
 
@@ -105,7 +109,6 @@ from lm_model import windows
 from train_lm_args import AXIS
 from train_lm_args import make_optimizer
 from train_lm_args import ONEBIT_WARMUP_DENSITIES
-from train_lm_args import SEND_EARLY_WINDOW
 from train_lm_args import parse_args
 from train_lm_args import parse_xla_options
 from train_lm_args import plan_options
@@ -117,40 +120,11 @@ from train_lm_args import warmup_phases
 from train_lm_record import log_line
 from train_lm_record import RunRecord
 from train_lm_record import stats_line
-
-
-def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
-                    compiler_options=None, grad_dtype=None, send_early=False,
-                    window=SEND_EARLY_WINDOW, predict=False):
-  """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss.
-  ``grad_dtype``: differentiate a copy of the parameters in this dtype (the
-  gradients, and what the sync sends, are in it; params stay float32).
-  ``send_early``: the step under ``jaxfuse.send_early`` with ``window``
-  (0: unbounded). ``predict``: the gradient at
-  ``jaxfuse.predicted_params`` (``opt`` is ``jaxfuse.delayed(...,
-  predict=True)``)."""
-  def local(params, opt_state, batch):
-    # Each worker's own gradient of its own shard of the batch.
-    at = jaxfuse.predicted_params(params, opt_state) if predict else params
-    loss, grads = jax.value_and_grad(loss_fn)(
-        _cast(jaxfuse.local_params(at, AXIS), grad_dtype), batch)
-    if sync == "dense":
-      grads = jax.lax.pmean(grads, AXIS)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state,
-            jax.lax.pmean(loss, AXIS))
-  if send_early:
-    local = jaxfuse.send_early(local, window=window or None)
-  step = jax.shard_map(local,
-                       mesh=mesh, in_specs=(P(), opt_specs, P(AXIS)),
-                       out_specs=(P(), opt_specs, P()))
-  return jax.jit(step, donate_argnums=(0, 1),
-                 compiler_options=compiler_options or None)
-
-
-def _cast(tree, dtype):
-  return tree if dtype is None else jax.tree.map(
-      lambda x: x.astype(dtype), tree)
+from train_lm_step import cast_params
+from train_lm_step import DenseStep
+from train_lm_step import make_train_step  # benchmarks/overhead.py's
+from train_lm_step import step_options
+from train_lm_step import with_flushes
 
 
 def init_distributed(args) -> None:
@@ -248,7 +222,7 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
     return SyncSetup(None, (jaxfuse.Phase(0, None, None),),
                      replicated(make_opt(None).init(params), mesh), P())
   plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
-      _cast(params, grad_dtype), loss_fn=loss_fn,
+      cast_params(params, grad_dtype), loss_fn=loss_fn,
       example_args=(example_batch,), **plan_options(args)))
   if args.plan and (args.sparse_wire or args.packed_indices):
     # the wire is not part of the layout
@@ -271,7 +245,7 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
   if len(phases) > 1:
     say(warmup_line(args, phases, steps, k))
   opt_state = jaxfuse.init_state(make_opt(phases[0].plan),
-                                 _cast(params, grad_dtype), mesh, AXIS)
+                                 cast_params(params, grad_dtype), mesh, AXIS)
   return SyncSetup(plan, phases, opt_state,
                    jaxfuse.state_specs(opt_state, AXIS))
 
@@ -355,6 +329,17 @@ def main(argv=None) -> dict:
       make_opt, grad_dtype, say)
   # the payload a worker sends per step (dense: every gradient)
   wire_bytes = plan.bytes_per_worker() if plan else dense_bytes
+  flush_plan = None if plan is None else jaxfuse.with_density(plan, 1.0)
+  if plan is None:
+    train_step = DenseStep(loss_fn, make_opt(None), mesh, xla_options)
+    state = jaxfuse.TrainState(params, opt_state, None, 0)
+  else:
+    # one call: the step of each phase (and of --flush-every's density-1
+    # steps), compiled when first run; the state (at --grad-dtype)
+    state, train_step = jaxfuse.make_train_step(
+        loss_fn, params, make_opt,
+        with_flushes(phases, flush_plan, args.flush_every, steps), mesh,
+        step_options(args, grad_dtype, xla_options))
   start, mngr = 0, None
   if args.checkpoint_dir:
     mngr = jaxfuse.checkpoint.manager(args.checkpoint_dir)
@@ -374,19 +359,23 @@ def main(argv=None) -> dict:
     carry = bool(plan and saved and
                  jaxfuse.sync.bucket_steps.layout_difference(saved, plan))
     try:
-      like = (jaxfuse.init_state(make_opt(saved), _cast(params, grad_dtype),
-                                 mesh, AXIS) if carry else opt_state)
-      start, state = jaxfuse.checkpoint.restore(
-          mngr, {"params": params, "opt": like}, saved if carry else plan)
+      like = (jaxfuse.init_state(make_opt(saved),
+                                 cast_params(params, grad_dtype), mesh, AXIS)
+              if carry else state.opt_state)
+      start, saved_tree = jaxfuse.checkpoint.restore(
+          mngr, {"params": state.params, "opt": like},
+          saved if carry else plan)
       if carry:
-        state["opt"] = jaxfuse.relayout(state["opt"], saved, plan)
+        saved_tree["opt"] = jaxfuse.relayout(saved_tree["opt"], saved, plan)
         say("--resume: the saved plan's layout differs from this run's; "
             "the optimizer state was carried over (jaxfuse.relayout)")
     except (jaxfuse.checkpoint.CheckpointError, jaxfuse.PlanError) as e:
       raise SystemExit(f"train_lm.py: error: --resume: {e} Resume with the "
                        "flags of the run that saved it, or give a new "
                        "--checkpoint-dir.") from None
-    params, opt_state = state["params"], state["opt"]
+    start = int(start)
+    state = jaxfuse.TrainState(saved_tree["params"], saved_tree["opt"], None,
+                               start)
     rng.bit_generator.state = jaxfuse.checkpoint.saved_extra(mngr)["rng"]
     first_batch = draw(rng, train)
     say(f"resumed from step {start} of {args.checkpoint_dir} (saved on "
@@ -406,9 +395,6 @@ def main(argv=None) -> dict:
   tokens_per_step = batch_size * seq_len
   record, stats = RunRecord(start), {}
   batch = first_batch
-  phase_id, train_step = -1, None
-  flush_step = None  # a density-1 step: pays every residual back
-  flush_plan = None if plan is None else jaxfuse.with_density(plan, 1.0)
   settle_prev = None  # --dense-settle: the last second moment looked at
   # --pipeline: step t+1 is queued before step t's loss is read, except
   # after a step whose bookkeeping reads params or state (log, evaluation,
@@ -429,11 +415,11 @@ def main(argv=None) -> dict:
 
   def finish(step, loss, t0, phase, rng_state) -> bool:
     """Wait for step's loss and do its bookkeeping; False: stop here."""
-    nonlocal settle_prev, phases
+    nonlocal settle_prev, phases, train_step
     loss = scalar(jax.block_until_ready(loss))
     record.add_step(loss, t0, time.perf_counter(), phase)
     if settles(step, phase):
-      settle_now = jaxfuse.second_moment(opt_state)
+      settle_now = jaxfuse.second_moment(state.opt_state)
       if settle_prev is not None and step + 1 < phases[0].stop:
         change = jaxfuse.second_moment_change(settle_prev, settle_now)
         say(f"step {step + 1}: the second moment moved {change:.3g} in "
@@ -441,12 +427,14 @@ def main(argv=None) -> dict:
             f"{args.dense_settle:g})")
         if change < args.dense_settle:   # replicated: every host agrees
           phases = warmup_phases(args, plan, step + 1, k)
+          train_step = train_step.with_phases(with_flushes(
+              phases, flush_plan, args.flush_every, steps))
           say(f"dense phase ends at step {phases[0].stop}")
       settle_prev = settle_now
     if saves(step):
-      jaxfuse.checkpoint.save(mngr, step + 1, {"params": params,
-                                               "opt": opt_state}, plan,
-                              {"rng": rng_state})
+      jaxfuse.checkpoint.save(mngr, step + 1, {"params": state.params,
+                                               "opt": state.opt_state},
+                              plan, {"rng": rng_state})
       say(f"checkpoint saved at step {step + 1}", flush=True)
     if logs(step):
       entry = record.log_entry(step, args.log_every, tokens_per_step)
@@ -454,13 +442,13 @@ def main(argv=None) -> dict:
       if plan is not None:   # the plan that made the logged step's stats
         made_by = phases[phase].plan if phase >= 0 else flush_plan
         stats.update(jaxfuse.summarize(global_values(
-            jaxfuse.sync_stats(opt_state)), made_by))
+            jaxfuse.sync_stats(state.opt_state)), made_by))
         entry["stats"] = dict(stats)
         line += stats_line(stats)
       say(line, flush=True)
     if evaluates(step):
       record.val_curve.append({"step": step + 1,
-                               "val_loss": evaluate(params)})
+                               "val_loss": evaluate(state.params)})
       say(f"step {step + 1:5d}  validation loss "
           f"{record.val_curve[-1]['val_loss']:.4f}", flush=True)
     if not math.isfinite(loss):
@@ -473,21 +461,12 @@ def main(argv=None) -> dict:
   traced = trace_steps(args, start, steps)   # --trace-dir's steps, or ()
   tracing = False
   for step in range(start, steps):
-    if jaxfuse.phase_index(phases, step) != phase_id:
-      phase_id = jaxfuse.phase_index(phases, step)
-      train_step = make_train_step(loss_fn, make_opt(phases[phase_id].plan),
-                                   mesh, opt_specs, args.sync, xla_options,
-                                   grad_dtype, args.send_early,
-                                   args.send_early_window, args.predict)
-    step_fn = train_step
-    if plan is not None and args.flush_every and (
-        (step + 1) % args.flush_every == 0):
-      if flush_step is None:
-        flush_step = make_train_step(
-            loss_fn, make_opt(flush_plan), mesh,
-            opt_specs, args.sync, xla_options, grad_dtype, args.send_early,
-            args.send_early_window, args.predict)
-      step_fn = flush_step
+    # the program this step runs (its phase's, or a flush step's)
+    step_fn = train_step.compiled(jaxfuse.phase_index(train_step.phases,
+                                                      step))
+    flushes = plan is not None and args.flush_every and (
+        (step + 1) % args.flush_every == 0)
+    phase_id = -1 if flushes else jaxfuse.phase_index(phases, step)
     compiles = not any(f is step_fn for f in called)
     if compiles:                                 # this call compiles it
       called.append(step_fn)
@@ -506,19 +485,15 @@ def main(argv=None) -> dict:
                                profiler_options=quiet)
       tracing = True
     t0 = time.perf_counter()
-    if compiles and jax.process_count() > 1:
-      # Programs whose collectives differ between processes would hang:
-      # compare them first (the call below runs this compiled program).
-      jaxfuse.check_same_collectives(
-          step_fn.lower(params, opt_state, batch).compile(),
-          what=f"the step compiled at step {step}")
+    # (under jax.distributed a step first checks, as it compiles, that
+    # every process runs the same collectives)
     with (jax.profiler.StepTraceAnnotation("train", step_num=step)
           if tracing else contextlib.nullcontext()):
-      params, opt_state, loss = step_fn(params, opt_state, batch)
+      state, loss = train_step(state, batch)
       record.dispatch_times.append(time.perf_counter() - t0)
       if tracing:     # each traced step's kernels inside its marker
-        jax.block_until_ready((params, opt_state, loss))
-    this = (step, loss, t0, -1 if step_fn is flush_step else phase_id,
+        jax.block_until_ready((state.params, state.opt_state, loss))
+    this = (step, loss, t0, phase_id,
             rng.bit_generator.state)   # before the next batch: resume point
     if step + 1 < steps:  # the next batch, drawn while the GPU works
       batch = draw(rng, train)
@@ -543,12 +518,12 @@ def main(argv=None) -> dict:
   if queued is not None:
     finish(*queued)
 
-  val_loss = evaluate(params) if eval_batches else float("nan")
+  val_loss = evaluate(state.params) if eval_batches else float("nan")
   record.val_curve.append({"step": start + len(record.losses),
                            "val_loss": val_loss})
 
   # Replica consistency: every device holds its own copy of the params.
-  replicas_identical = replicas_identical_everywhere(params)
+  replicas_identical = replicas_identical_everywhere(state.params)
   say(f"parameters bitwise identical on all {jax.device_count()} devices: "
       f"{replicas_identical}")
 

@@ -332,3 +332,62 @@ def test_apply_if_finite_wraps_the_update_rule(example, sync):
     want = (train_lm.jaxfuse.ApplyIfFiniteState if sync == "jaxfuse"
             else optax.ApplyIfFiniteState)
     assert type(state) is want   # pylint: disable=unidiomatic-typecheck
+
+
+def test_flush_steps_lie_between_the_warm_up_phases(example):
+  """``--flush-every 4`` on a 2-dense-step warm-up of 10 steps: steps 3
+  and 7 on the density-1 plan, the others on their phase's plan (one
+  object per plan: each compiles once), the last phase open."""
+  train_lm, _ = example
+  jaxfuse = train_lm.jaxfuse
+  plan = jaxfuse.plan({"w": np.zeros((64, 64), np.float32)}, density=0.05)
+  dense, sparse = jaxfuse.with_density(plan, 1.0), plan
+  phases = (jaxfuse.Phase(0, 2, dense), jaxfuse.Phase(2, None, sparse))
+  flush = jaxfuse.with_density(plan, 1.0)
+  got = train_lm.with_flushes(phases, flush, 4, 10)
+  assert [(p.start, p.stop) for p in got] == [
+      (0, 2), (2, 3), (3, 4), (4, 7), (7, 8), (8, None)]
+  assert [p.plan for p in got] == [dense, sparse, flush, sparse, flush,
+                                   sparse]
+  assert all(a.plan is not b.plan for a, b in zip(got, got[1:]))
+  assert train_lm.with_flushes(phases, flush, 0, 10) == tuple(phases)
+  assert train_lm.with_flushes(phases, None, 4, 10) == tuple(phases)
+
+
+@pytest.mark.parametrize("grad_dtype", [None, "bfloat16"])
+def test_the_builders_step_is_the_hand_written_one(example, grad_dtype):
+  """``--delay --predict`` (and ``--grad-dtype bfloat16``) through
+  ``jaxfuse.make_train_step`` with ``step_options``: bitwise the step the
+  demo wrote by hand, state and params, over three steps."""
+  train_lm, args_lib = example
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  argv = ["--delay", "--predict"] + (
+      ["--grad-dtype", grad_dtype] if grad_dtype else [])
+  args = args_lib.parse_args(argv)
+  mesh = jaxfuse.make_mesh(min(2, jax.device_count()), train_lm.AXIS)
+  params = {"w": jax.numpy.arange(1.0, 9.0).reshape(2, 4),
+            "b": jax.numpy.arange(4.0)}
+  plan = jaxfuse.plan(train_lm.cast_params(params, grad_dtype),
+                      density=0.5, min_sparse_size=4)
+  make_opt = lambda plan: jaxfuse.delayed(
+      jaxfuse.sgd(plan, 0.25, momentum=0.5), predict=True)
+  loss_fn = lambda p, b: jax.numpy.sum(
+      (b @ p["w"].astype(jax.numpy.float32) + p["b"]) ** 2)
+  batches = [np.arange(k, k + 4 * mesh.size, dtype=np.float32).reshape(
+      2 * mesh.size, 2) / 8 for k in range(3)]
+
+  state, step = jaxfuse.make_train_step(
+      loss_fn, params, make_opt, plan, mesh,
+      train_lm.step_options(args, grad_dtype, {}))
+  opt_state = jaxfuse.init_state(
+      make_opt(plan), train_lm.cast_params(params, grad_dtype), mesh)
+  by_hand = train_lm.make_train_step(
+      loss_fn, make_opt(plan), mesh, jaxfuse.state_specs(opt_state),
+      "jaxfuse", {}, grad_dtype, predict=True)
+  hand = (jax.tree.map(jax.numpy.array, params), opt_state)
+  for batch in batches:
+    state, loss = step(state, batch)
+    *hand, hand_loss = by_hand(*hand, step.place(batch))
+  bits = lambda t: [np.asarray(x).tobytes() for x in jax.tree.leaves(t)]
+  assert bits((state.params, state.opt_state, loss)) == bits(
+      (hand[0], hand[1], hand_loss))

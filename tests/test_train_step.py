@@ -264,3 +264,132 @@ def test_send_early_and_no_donation_step_bitwise_alike():
     results.append(_bits((state, loss)))
   assert results[0] == results[1]
   assert _bits(first.params) == _bits(jax.tree.map(np.asarray, params))
+
+
+def _half_square(p, batch):
+  """½‖θ‖²: its gradient is the point it is taken at."""
+  del batch
+  return 0.5 * sum(jnp.sum(x.astype(jnp.float32) ** 2)
+                   for x in jax.tree.leaves(p))
+
+
+def test_grad_at_moves_where_the_gradient_is_taken():
+  """``grad_at`` picks the point each worker differentiates at; the step
+  still moves ``params``: θ1 = θ0 − η·(θ0 + 1) on ½‖θ‖² at θ + 1."""
+  params, batches = _problem(1)
+  plan = jaxfuse.with_density(_plan(params), 1.0)
+  opt = functools.partial(jaxfuse.sgd, learning_rate=0.25, momentum=0.0)
+  state, step = jaxfuse.make_train_step(
+      _half_square, params, opt, plan, mesh_of(K),
+      jaxfuse.StepOptions(grad_at=lambda p, s: jax.tree.map(
+          lambda x: x + 1.0, p)))
+  state, _ = step(state, batches[0])
+  for name in params:
+    np.testing.assert_allclose(
+        np.asarray(state.params[name]),
+        params[name] - 0.25 * (params[name] + 1.0), rtol=1e-6, atol=1e-6)
+
+
+def test_grad_at_a_bfloat16_copy_steps_by_the_bfloat16_gradient():
+  """At a bfloat16 copy the gradient is bfloat16: on ½‖θ‖², θ1 = θ0 −
+  η·bf16(θ0), not θ0 − η·θ0; the params stay float32 and the optimizer
+  state is the one ``init_state`` makes at the cast params."""
+  params, batches = _problem(1)
+  cast = lambda p, s: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+  # the plan of what is differentiated; density 1: the mean of the workers'
+  plan = jaxfuse.with_density(_plan(cast(params, None)), 1.0)
+  opt = functools.partial(jaxfuse.sgd, learning_rate=0.25, momentum=0.0)
+  state, step = jaxfuse.make_train_step(
+      _half_square, params, opt, plan, mesh_of(K),
+      jaxfuse.StepOptions(grad_at=cast))
+  want = jaxfuse.init_state(opt(plan), cast(params, None), mesh_of(K))
+  assert ([x.dtype for x in jax.tree.leaves(state.opt_state)] ==
+          [x.dtype for x in jax.tree.leaves(want)])
+  state, _ = step(state, batches[0])
+  for name, x in params.items():
+    got = np.asarray(state.params[name])
+    assert got.dtype == np.float32
+    at = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(np.float32))
+    np.testing.assert_allclose(got, x - 0.25 * at, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(got, x - 0.25 * x, rtol=1e-6, atol=1e-7)
+
+
+def test_grad_at_errors_name_the_fix():
+  params, _ = _problem(0)
+  plan = _plan(params)
+  with pytest.raises(TypeError, match=r"grad_at=3 must be a function"):
+    jaxfuse.StepOptions(grad_at=3)
+  with pytest.raises(TypeError, match="another structure than the params"):
+    jaxfuse.make_train_step(
+        mlp_loss, params, SGD, plan, mesh_of(K),
+        jaxfuse.StepOptions(grad_at=lambda p, s: p["w1"]))
+  with pytest.raises(TypeError, match=r"\['w2'\] has shape \(64, 8\)"):
+    jaxfuse.make_train_step(
+        mlp_loss, params, SGD, plan, mesh_of(K),
+        jaxfuse.StepOptions(grad_at=lambda p, s: {**p, "w2": p["w2"].T}))
+  with pytest.raises(TypeError, match=r"\['w1'\] as bfloat16, but the plan "
+                     r"was made for float32; make the plan from"):
+    jaxfuse.make_train_step(
+        mlp_loss, params, SGD, plan, mesh_of(K),
+        jaxfuse.StepOptions(grad_at=lambda p, s: jax.tree.map(
+            lambda x: x.astype(jnp.bfloat16), p)))
+
+
+def test_send_early_window_and_compiler_options_reach_the_step(monkeypatch):
+  params, batches = _problem(1)
+  plan = _plan(params)
+  seen = []
+
+  def recording(local, **kwargs):
+    seen.append(kwargs)
+    return local
+
+  monkeypatch.setattr(jaxfuse.overlap, "send_early", recording)
+  for send in (True, 3, 0, False):
+    _, step = jaxfuse.make_train_step(
+        mlp_loss, params, SGD, plan, mesh_of(K),
+        jaxfuse.StepOptions(send_early=send))
+    step.compiled(0)
+  assert seen == [{}, {"window": 3}, {"window": None}]
+  with pytest.raises(TypeError, match=r"send_early=-1 must be .* >= 0"):
+    jaxfuse.StepOptions(send_early=-1)
+  with pytest.raises(TypeError, match=r"compiler_options='x' must be a dict"):
+    jaxfuse.StepOptions(compiler_options="x")
+  state, step = jaxfuse.make_train_step(
+      mlp_loss, params, SGD, plan, mesh_of(K),
+      jaxfuse.StepOptions(compiler_options={"no_such_xla_option": "1"}))
+  with pytest.raises(Exception, match="no_such_xla_option"):
+    step(state, batches[0])
+
+
+def test_with_phases_shares_the_steps_compiled_for_a_plan():
+  """Phases of one ``Plan`` object share one compiled step (a plan that
+  comes back, e.g. a density-1 step every N steps), and ``with_phases``
+  (a warm-up that ends early) keeps what is compiled; the old step keeps
+  its phases."""
+  params, batches = _problem(4)
+  plan = _plan(params)
+  dense = jaxfuse.with_density(plan, 1.0)
+  every_other = [jaxfuse.Phase(0, 1, dense), jaxfuse.Phase(1, 2, plan),
+                 jaxfuse.Phase(2, 3, dense), jaxfuse.Phase(3, None, plan)]
+  state, step = jaxfuse.make_train_step(mlp_loss, params, SGD, every_other,
+                                        mesh_of(K))
+  assert step.compiled(0) is step.compiled(2)
+  assert step.compiled(1) is step.compiled(3)
+  assert step.compiled(0) is not step.compiled(1)
+  shorter = step.with_phases([jaxfuse.Phase(0, 1, dense),
+                              jaxfuse.Phase(1, None, plan)])
+  assert shorter.compiled(1) is step.compiled(1)
+  assert len(step.phases) == 4 and len(shorter.phases) == 2
+  # the straight run on the shorter phases, bitwise
+  straight, alone = jaxfuse.make_train_step(
+      mlp_loss, params, SGD, [jaxfuse.Phase(0, 1, dense),
+                              jaxfuse.Phase(1, None, plan)], mesh_of(K))
+  state, _ = step(state, batches[0])
+  straight, _ = alone(straight, batches[0])
+  for batch in batches[1:]:
+    state, _ = shorter(state, batch)
+    straight, _ = alone(straight, batch)
+  assert _bits(state) == _bits(straight)
+  with pytest.raises(jaxfuse.PlanError, match=r"stop=None"):
+    step.with_phases([jaxfuse.Phase(0, 3, plan)])

@@ -24,7 +24,8 @@ _HOW_TO_ASK_FOR_AUX = "options=jaxfuse.StepOptions(has_aux=True)"
 
 
 def per_worker_step(loss_fn: Callable, opt, has_aux: bool,
-                    with_state: bool, axis: str) -> Callable:
+                    with_state: bool, axis: str,
+                    grad_at: Callable | None = None) -> Callable:
   """The step one worker runs inside ``shard_map``.
 
   Args:
@@ -33,6 +34,8 @@ def per_worker_step(loss_fn: Callable, opt, has_aux: bool,
     has_aux: ``loss_fn`` returns auxiliary outputs too.
     with_state: ``loss_fn`` takes and returns the model's state.
     axis: the workers' mesh axis.
+    grad_at: ``grad_at(params, opt_state)``, the point each worker
+      differentiates its loss at (``StepOptions.grad_at``); None: params.
 
   Returns:
     ``local(params, opt_state, model_state, batch) -> (params, opt_state,
@@ -66,9 +69,10 @@ def per_worker_step(loss_fn: Callable, opt, has_aux: bool,
     return loss, (new_state, aux)
 
   def local(params, opt_state, model_state, batch):
+    at = params if grad_at is None else grad_at(params, opt_state)
     (loss, (new_state, aux)), grads = jax.value_and_grad(
         loss_and_rest, has_aux=True)(
-            transform.local_params(params, axis), model_state, batch)
+            transform.local_params(at, axis), model_state, batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     if with_state:

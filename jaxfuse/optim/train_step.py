@@ -25,6 +25,7 @@ phase of ``state.step``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -69,28 +70,56 @@ class StepOptions:
       worker (a step counter, an RNG count).
     send_early: run the step under ``jaxfuse.send_early``. None: on where
       it pays, several GPUs with ``jaxfuse.xla_flags`` in ``XLA_FLAGS``;
-      off on CPU. The results are bitwise the same either way.
+      off on CPU. True: on, with ``send_early``'s default window; an int
+      w >= 0: on, with window w (0: unbounded). The results are bitwise
+      the same either way.
     donate: give the state's buffers to the step (updated in place, not
       copied); the state passed in is then consumed.
     check_replicas: after each step, check on the host that the params
       (and float model state) are bitwise identical on every device.
     axis_name: the mesh axis the workers lie along.
+    grad_at: where each worker takes its gradient: ``grad_at(params,
+      opt_state) -> params'``, a tree of the params' structure, and the
+      step computes g_k = ∇L_k(params') (then steps ``params`` as
+      always). E.g. a bfloat16 copy, ``lambda p, s: jax.tree.map(lambda x:
+      x.astype(jnp.bfloat16), p)`` (the gradients and what the sync sends
+      are then bfloat16), or ``jaxfuse.predicted_params`` under
+      ``jaxfuse.delayed(..., predict=True)``. The plan is the plan of
+      what ``grad_at`` returns (its dtypes are checked against it), and
+      the optimizer state is initialized at the params cast to them (the
+      gradients' dtypes). None: at ``params``.
+    compiler_options: the XLA options the steps compile with. None:
+      ``jaxfuse.xla_options()`` for the mesh's platform; a dict: these
+      (``{}``: XLA's defaults).
   """
   has_aux: bool = False
   model_state: Any = None
-  send_early: bool | None = None
+  send_early: bool | int | None = None
   donate: bool = True
   check_replicas: bool = False
   axis_name: str = "data"
+  grad_at: Callable | None = None
+  compiler_options: dict | None = None
 
   def __post_init__(self):
     for name in ("has_aux", "donate", "check_replicas"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"StepOptions.{name}={getattr(self, name)!r} must "
                         "be True or False.")
-    if self.send_early is not None and not isinstance(self.send_early, bool):
-      raise TypeError(f"StepOptions.send_early={self.send_early!r} must be "
-                      "True, False or None (on where it pays).")
+    send = self.send_early
+    if send is not None and not isinstance(send, (bool, int)) or (
+        isinstance(send, int) and not isinstance(send, bool) and send < 0):
+      raise TypeError(f"StepOptions.send_early={send!r} must be True, "
+                      "False, None (on where it pays) or a window >= 0 "
+                      "(0: unbounded).")
+    if self.grad_at is not None and not callable(self.grad_at):
+      raise TypeError(f"StepOptions.grad_at={self.grad_at!r} must be a "
+                      "function (params, opt_state) -> params, or None.")
+    if self.compiler_options is not None and not isinstance(
+        self.compiler_options, dict):
+      raise TypeError(f"StepOptions.compiler_options="
+                      f"{self.compiler_options!r} must be a dict of XLA "
+                      "options (e.g. jaxfuse.xla_options()), or None.")
     if not isinstance(self.axis_name, str):
       raise TypeError(f"StepOptions.axis_name={self.axis_name!r} must be "
                       "the mesh axis name, a string such as 'data'.")
@@ -175,7 +204,12 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
   model_state = options.model_state
   if model_state is not None:
     model_state = _replicated_copy(model_state, mesh)
-  opt_state = placement.init_state(opt, params, mesh, options.axis_name)
+  init_at = params
+  if options.grad_at is not None:   # the state of the gradients' dtypes
+    init_at = _in_plan_dtypes(params, phases[-1].plan)
+  opt_state = placement.init_state(opt, init_at, mesh, options.axis_name)
+  if options.grad_at is not None:
+    _check_grad_at(options.grad_at, params, opt_state, phases[-1].plan)
   if not transform.holds(opt_state, transform.is_sync_state):
     raise TypeError(
         "optimizer(plan) holds no jaxfuse.sparse_sync, so the workers' "
@@ -186,6 +220,49 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
   specs = placement.state_specs(opt_state, options.axis_name)
   step = TrainStep(loss_fn, factory, phases, mesh, options, specs)
   return TrainState(params, opt_state, model_state, 0), step
+
+
+def _in_plan_dtypes(params: Any, plan: plans.Plan) -> Any:
+  """``params`` cast to the dtypes ``plan`` records for its leaves (those
+  of the gradients it syncs), or ``params`` where they are the same."""
+  leaves, treedef = jax.tree.flatten(params)
+  if len(leaves) != len(plan.leaves) or all(
+      str(jnp.result_type(x)) == leaf.dtype
+      for x, leaf in zip(leaves, plan.leaves)):
+    return params    # (init_state names a plan of other leaves)
+  return jax.tree.unflatten(treedef, [
+      x.astype(leaf.dtype) for x, leaf in zip(leaves, plan.leaves)])
+
+
+def _check_grad_at(grad_at: Callable, params: Any, opt_state: Any,
+                   plan: plans.Plan) -> None:
+  """``grad_at(params, opt_state)`` has the params' structure and shapes,
+  and the dtypes ``plan`` was made for."""
+  try:
+    shapes = jax.eval_shape(grad_at, params, opt_state)
+  except Exception as e:  # pylint: disable=broad-except
+    raise TypeError(f"StepOptions.grad_at(params, opt_state) failed ({e}); "
+                    "it must take the params and the optimizer state and "
+                    "return the params to differentiate at.") from e
+  if jax.tree.structure(shapes) != jax.tree.structure(params):
+    raise TypeError(
+        "StepOptions.grad_at returned another structure than the params "
+        f"({jax.tree.structure(shapes)} against "
+        f"{jax.tree.structure(params)}); return the params, e.g. cast.")
+  for (path, x), s, leaf in zip(jax.tree_util.tree_leaves_with_path(params),
+                                jax.tree.leaves(shapes), plan.leaves):
+    where = f"params{jax.tree_util.keystr(path)}"
+    if np.shape(x) != s.shape:
+      raise TypeError(
+          f"StepOptions.grad_at: {where} has shape {np.shape(x)}, but "
+          f"grad_at returns {s.shape}; return each leaf in its own shape "
+          "(a cast or a shift of it).")
+    if str(s.dtype) != leaf.dtype:
+      raise TypeError(
+          f"StepOptions.grad_at returns {where} as {s.dtype}, but the plan "
+          f"was made for {leaf.dtype}; make the plan from the params as "
+          "grad_at returns them (jaxfuse.plan(<params cast to that "
+          "dtype>, ...)).")
 
 
 def _replicated_copy(tree: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -283,8 +360,8 @@ class TrainStep:
     self._loss_fn = loss_fn
     self._factory = factory
     self._specs = specs
-    self._compiled = {}
-    self._agreed = set()   # phases whose collectives all processes agree on
+    self._compiled = {}    # id(plan) -> (plan, its jitted step)
+    self._agreed = set()   # ids of plans whose steps all processes agree on
     platform = mesh.devices.flat[0].platform
     self._platform = platform
     # XLA's CPU collectives can stall when steps queue up (one device has
@@ -292,9 +369,12 @@ class TrainStep:
     self._block = platform == "cpu" and mesh.size > 1
     send = options.send_early
     if send is None:
-      send = (compile_options.on_gpu(platform) and mesh.size > 1 and
-              compile_options.network_flags_set())
+      send = bool(compile_options.on_gpu(platform) and mesh.size > 1 and
+                  compile_options.network_flags_set())
     self._send_early = send
+    compiler = options.compiler_options
+    self._compiler_options = (compile_options.xla_options(platform)
+                              if compiler is None else dict(compiler))
 
   def __call__(self, state: TrainState, batch: Any):
     """One step: ``(state, batch) -> (new_state, loss)``.
@@ -331,13 +411,14 @@ class TrainStep:
     compiled = self.compiled(index)
     args = (state.params, state.opt_state, state.model_state,
             self.place(batch))
-    if jax.process_count() > 1 and index not in self._agreed:
+    key = id(self.phases[index].plan)
+    if jax.process_count() > 1 and key not in self._agreed:
       # programs whose collectives differ between processes would wait for
       # each other forever: compare them first (the call runs this one)
       agreement.check_same_collectives(
           compiled.lower(*args).compile(),
           what=f"the step of phase {index} (first at step {at})")
-      self._agreed.add(index)
+      self._agreed.add(key)
     params, opt_state, model_state, out = compiled(*args)
     if self._block:
       jax.block_until_ready(out)
@@ -360,7 +441,8 @@ class TrainStep:
     return self.phases[phase_index(self.phases, step)]
 
   def compiled(self, index: int):
-    """The jitted step of one phase, built on first use and then cached.
+    """The jitted step of one phase, built on first use and then cached
+    by its plan: phases of the same ``Plan`` object share one step.
 
     Args:
       index: the phase's index in ``phases``.
@@ -373,22 +455,45 @@ class TrainStep:
     Raises:
       TypeError: ``optimizer(plan)`` is not an optax transform.
     """
-    if index not in self._compiled:
-      opt = _build(self._factory, self.phases[index].plan)
+    plan = self.phases[index].plan
+    if id(plan) not in self._compiled:
+      opt = _build(self._factory, plan)
       local = local_step.per_worker_step(
           self._loss_fn, opt, self.options.has_aux,
-          self.options.model_state is not None, self.options.axis_name)
-      if self._send_early:
-        local = overlap.send_early(local)
+          self.options.model_state is not None, self.options.axis_name,
+          self.options.grad_at)
+      send = self._send_early
+      if send is not False:
+        window = {} if send is True else {"window": send or None}
+        local = overlap.send_early(local, **window)
       axis = self.options.axis_name
       mapped = jax.shard_map(
           local, mesh=self.mesh, in_specs=(P(), self._specs, P(), P(axis)),
           out_specs=(P(), self._specs, P(), P()))
-      self._compiled[index] = jax.jit(
+      self._compiled[id(plan)] = (plan, jax.jit(
           mapped, donate_argnums=(0, 1, 2) if self.options.donate else (),
-          compiler_options=compile_options.xla_options(self._platform)
-          or None)
-    return self._compiled[index]
+          compiler_options=self._compiler_options or None))
+    return self._compiled[id(plan)][1]
+
+  def with_phases(self, phases: Any) -> "TrainStep":
+    """This step on other phases (e.g. a warm-up that ends early), sharing
+    its compiled steps: a phase whose plan is a ``Plan`` object already
+    compiled here does not compile again.
+
+    Args:
+      phases: a ``jaxfuse.Plan`` or ``Phase``s tiling the steps from 0,
+        whose optimizers keep the state of this step's (the same layout).
+
+    Returns:
+      A ``TrainStep`` on ``phases``; this one is unchanged.
+
+    Raises:
+      TypeError: ``phases`` is neither a plan nor a sequence of phases.
+      PlanError: phases that do not tile the steps from 0.
+    """
+    other = copy.copy(self)
+    other.phases = _as_phases(phases)
+    return other
 
   def place(self, batch: Any) -> Any:
     """``batch`` placed with its leading axis split over the workers.
