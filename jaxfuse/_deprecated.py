@@ -23,11 +23,13 @@ and give the very module object of the new place.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.util
 import sys
 import types
+from typing import Callable
 import warnings
 
 # old jaxfuse.<name> -> (where it lives now, the release that moved it,
@@ -100,3 +102,31 @@ def install() -> None:
   other finder knows reach it."""
   if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
     sys.meta_path.append(_MovedFinder())
+
+
+def legacy_keywords(upgrade: Callable[[dict], dict]):
+  """Decorator: a function keeps accepting its old keyword arguments.
+
+  ``upgrade(kwargs)`` gets every keyword argument of a call and returns the
+  new ones: it pops each old name, warns (``DeprecationWarning``, naming
+  the new spelling and the release that removes the old one) and puts the
+  value where it now goes. The decorated function's own signature holds
+  only the new parameters.
+
+  Args:
+    upgrade: ``dict -> dict``, the call's keyword arguments old to new.
+
+  Returns:
+    A decorator; the wrapped function has the original's name, docstring
+    and signature (``functools.wraps``).
+
+  Raises:
+    Nothing itself; ``upgrade`` raises for a combination it refuses (an
+    old and a new spelling of one thing together, say).
+  """
+  def decorate(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+      return fn(*args, **upgrade(kwargs))
+    return wrapped
+  return decorate
