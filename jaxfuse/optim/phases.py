@@ -27,6 +27,7 @@ import dataclasses
 from typing import Sequence
 import warnings
 
+from jaxfuse import _deprecated
 from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
 from jaxfuse.sync import bucket_steps
@@ -178,19 +179,23 @@ def _workers(plan, workers, where: str = "density_warmup"
   return int(workers), None
 
 
+def _upgrade_workers(kwargs: dict) -> dict:
+  """``density_warmup``'s keywords with 0.2's ``num_workers=`` /
+  ``mesh_sizes=`` made ``workers=`` (a ``DeprecationWarning``; removed in
+  0.4): the upgrade of ``_deprecated.legacy_keywords``."""
+  legacy = {k: kwargs.pop(k) for k in ("num_workers", "mesh_sizes")
+            if k in kwargs}
+  if legacy:
+    kwargs["workers"] = _legacy_workers(kwargs.get("workers"), legacy)
+  return kwargs
+
+
 def _legacy_workers(workers, legacy: dict):
-  """``workers`` from 0.2's ``num_workers=`` / ``mesh_sizes=`` (a
-  ``DeprecationWarning``; removed in 0.4)."""
-  unknown = sorted(set(legacy) - {"num_workers", "mesh_sizes"})
-  if unknown:
-    raise TypeError(f"density_warmup() got an unexpected keyword argument "
-                    f"{unknown[0]!r}")
-  if not legacy:
-    return workers
+  """``workers`` from 0.2's ``num_workers=`` / ``mesh_sizes=``."""
   warnings.warn(
       "density_warmup: num_workers= and mesh_sizes= are now one argument, "
       "workers= (K, or (hosts, devices per host) for a 'hier' plan); the "
-      "old names go in 0.4.", DeprecationWarning, stacklevel=3)
+      "old names go in 0.4.", DeprecationWarning, stacklevel=4)
   if workers is not None:
     raise plan_lib.PlanError(
         f"density_warmup: workers={workers!r} given with "
@@ -300,11 +305,12 @@ def wire_warnings(phases: Sequence[Phase], workers,
   return messages
 
 
+@_deprecated.legacy_keywords(_upgrade_workers)
 def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
                    densities: Sequence[float] | None = None,
                    dense_steps: int = 0, dense_wire: str = "gradient",
-                   workers: int | tuple[int, int] | None = None,
-                   **legacy) -> tuple[Phase, ...]:
+                   workers: int | tuple[int, int] | None = None
+                   ) -> tuple[Phase, ...]:
   """Phases: ``dense_steps`` dense, then ``steps`` at each warm-up density,
   then ``plan`` to the end.
 
@@ -335,8 +341,8 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
       bandwidth-bound network. A sparse phase left that receives more
       than dense is named in a ``UserWarning`` (``wire_warnings``). None:
       every density as given.
-    **legacy: 0.2's ``num_workers=`` and ``mesh_sizes=``, now
-      ``workers=`` (``DeprecationWarning``; removed in 0.4).
+      0.2's ``num_workers=`` and ``mesh_sizes=`` still work until 0.4,
+      as ``workers=`` (``DeprecationWarning``).
 
   Returns:
     The ``Phase``s, tiling the steps from 0; the last is ``plan``'s, with
@@ -348,7 +354,6 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
       ``workers``), or a density not above the plan's.
   """
   plan_lib.require_plan(plan, "density_warmup")
-  workers = _legacy_workers(workers, legacy)
   if densities is not None and not isinstance(densities, (list, tuple)):
     raise plan_lib.PlanError(f"density_warmup: densities={densities!r} must "
                              "be a list of densities, e.g. (0.0625,).")
