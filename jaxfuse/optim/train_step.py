@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from typing import Any, Callable, NamedTuple, Sequence
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -233,7 +234,11 @@ def _wire_warnings(phases: tuple[Phase, ...], mesh: jax.sharding.Mesh,
   mesh (a ``"hier"`` plan's)."""
   workers = (tuple(int(n) for n in mesh.devices.shape)
              if mesh.devices.ndim == 2 else mesh.shape[axis_name])
-  wire_warnings(phases, workers)
+  with warnings.catch_warnings():   # said again, at the caller's line
+    warnings.simplefilter("ignore", UserWarning)
+    messages = wire_warnings(phases, workers)
+  for message in messages:
+    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _replicated_copy(tree: Any, mesh: jax.sharding.Mesh) -> Any:
