@@ -28,7 +28,9 @@ from jaxfuse import kernels
 from jaxfuse import plans
 from jaxfuse.sync import bucket_steps
 from jaxfuse import sparsify
-from jaxfuse import stats as stats_lib
+from jaxfuse.stats import empty_stats
+from jaxfuse.stats import finish_stats
+from jaxfuse.stats import in_order
 from jaxfuse.stats import SyncStats
 
 
@@ -172,7 +174,7 @@ def sparse_sync(plan: plans.Plan, axis_name: str | tuple = "data", *,
         # zero-size arrays, which XLA's GPU compiler (JAX 0.11.2) crashes on.
         control=jax.tree.map(lambda x: x[None], sparsify.initial_control(
             max(1, len(all_units)))),
-        stats=stats_lib.empty_stats(sched.num_leaves),
+        stats=empty_stats(sched.num_leaves),
         velocity=zeros() if momentum else (),
         layout=digest)
 
@@ -221,8 +223,8 @@ def sparse_sync(plan: plans.Plan, axis_name: str | tuple = "data", *,
       ctrl_chunks.extend(out.control)
       stat_chunks.extend(out.stats)
 
-    stats = stats_lib.finish_stats(stats_lib.in_order(stat_chunks), wire_bytes)
-    control = (jax.tree.map(lambda x: x[None], stats_lib.in_order(ctrl_chunks))
+    stats = finish_stats(in_order(stat_chunks), wire_bytes)
+    control = (jax.tree.map(lambda x: x[None], in_order(ctrl_chunks))
                if ctrl_chunks else state.control)
     new_state = SparseSyncState(state.step + 1,
                                 tuple(r[None] for r in residuals), control,

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse.optim import clipping
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse import transform
 
 
@@ -158,7 +158,7 @@ def numbers(where: str, **values) -> list:
         "With optax.inject_hyperparams keep them static: "
         f"optax.inject_hyperparams(jaxfuse.{where}, "
         f"static_args=jaxfuse.optim.recipes.STATIC_ARGS[{where!r}]).")
-  out = [plan_lib.as_python(v) for v in values.values()]
+  out = [plans.as_python(v) for v in values.values()]
   for name, v in zip(values, out):
     numeric = isinstance(v, (np.ndarray, jax.Array)) and (
         jnp.issubdtype(v.dtype, jnp.number))
@@ -179,7 +179,7 @@ def check_clip(max_norm):
     raise transform.SyncError(str(e)) from None
 
 
-def _nonfinite_seen(name: str, plan: plan_lib.Plan, flags) -> None:
+def _nonfinite_seen(name: str, plan: plans.Plan, flags) -> None:
   flags = np.asarray(flags).reshape(-1)
   key = ("nonfinite", name)
   if key in _warned or not flags.any():
@@ -199,7 +199,7 @@ def _nonfinite_seen(name: str, plan: plan_lib.Plan, flags) -> None:
       "each step.", UserWarning, stacklevel=2)
 
 
-def warn_if_nonfinite(name: str, plan: plan_lib.Plan, stats) -> None:
+def warn_if_nonfinite(name: str, plan: plans.Plan, stats) -> None:
   """Warn (once a process and recipe) when a step's gradient had a NaN or
   Inf (``SyncStats.nonfinite``): at once for concrete stats, else through
   a host callback under a ``lax.cond`` that runs only on such a step."""

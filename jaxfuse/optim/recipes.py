@@ -51,7 +51,7 @@ from jaxfuse import _deprecated
 from jaxfuse.optim import clipping
 from jaxfuse.sync import grouped
 from jaxfuse.state import placement
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.sync import bucket_steps
 from jaxfuse.optim import moments
 from jaxfuse.optim import recipe_checks
@@ -82,11 +82,11 @@ def _bucket_clip(plan, max_norm, axis_name):
 def _require_trainable(plan, where: str) -> None:
   """A ``Plan`` whose every leaf is floating point: a recipe updates every
   leaf, and an integer leaf's gradient (``float0``) supports no arithmetic."""
-  plan_lib.require_plan(plan, where)
+  plans.require_plan(plan, where)
   ints = [f"{l.path} ({l.dtype})" for l in plan.leaves
           if not _compat.is_float_dtype(l.dtype)]
   if ints:
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"{where}: leaves {ints[:5]} are not floating point and cannot be "
         "trained. Plan and differentiate the floating-point parameters "
         "only (keep integer state in a tree of its own), or chain "
@@ -101,7 +101,7 @@ def _kinds(state) -> tuple:
   return (type(state).__name__,) + parts
 
 
-def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation,
+def _recipe(name: str, plan: plans.Plan, tx: optax.GradientTransformation,
             axis_name) -> optax.GradientTransformationExtraArgs:
   """``tx``, whose update first checks that the state has the parts its
   init makes (types, at the top level; ``sparse_sync`` checks its own
@@ -119,7 +119,7 @@ def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation,
             jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.leaves])
         try:
           wanted[treedef] = _kinds(jax.eval_shape(tx.init, like))
-        except plan_lib.PlanError:   # other leaves: sparse_sync names them
+        except plans.PlanError:   # other leaves: sparse_sync names them
           wanted[treedef] = None
       want = wanted[treedef]
       if want is not None and _kinds(state) != want:
@@ -149,7 +149,7 @@ def _tail(learning_rate, weight_decay, mask):
 
 @_deprecated.legacy_keywords(recipe_checks.upgrade(
     "sgd", SGDOptions._fields + RecipeOptions._fields))
-def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+def sgd(plan: plans.Plan, learning_rate: ScalarOrSchedule,
         momentum: float = 0.9, *, weight_decay: float = 0.0,
         sgd_options: SGDOptions | None = None,
         options: RecipeOptions | None = None) -> optax.GradientTransformationExtraArgs:
@@ -227,7 +227,7 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 
 @_deprecated.legacy_keywords(recipe_checks.upgrade(
     "local_adamw", ("b1", "b2") + RecipeOptions._fields))
-def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+def local_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                 weight_decay: float = 1e-4, *,
                 options: RecipeOptions | None = None) -> optax.GradientTransformationExtraArgs:
@@ -270,7 +270,7 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 
 @_deprecated.legacy_keywords(recipe_checks.upgrade(
     "sync_adamw", ("b1", "b2") + RecipeOptions._fields))
-def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+def sync_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 1e-4, *,
                options: RecipeOptions | None = None) -> optax.GradientTransformationExtraArgs:
@@ -314,7 +314,7 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
 
 @_deprecated.legacy_keywords(recipe_checks.upgrade(
     "onebit_adamw", ("b1", "b2") + RecipeOptions._fields))
-def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+def onebit_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                   weight_decay: float = 1e-4, *,
                   options: RecipeOptions | None = None) -> optax.GradientTransformationExtraArgs:
@@ -441,7 +441,7 @@ def _record_bucket_norms(plan, grads, state: transform.PerWorkerState):
 
 @_deprecated.legacy_keywords(recipe_checks.upgrade(
     "demo", RecipeOptions._fields))
-def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+def demo(plan: plans.Plan, learning_rate: ScalarOrSchedule,
          momentum: float = 0.999, weight_decay: float = 1e-4, *,
          sign: bool = True, options: RecipeOptions | None = None) -> optax.GradientTransformationExtraArgs:
   """DeMo: the decaying local momentum is the error-feedback buffer

@@ -42,8 +42,8 @@ import numpy as np
 from jaxfuse import _compat
 from jaxfuse import _deprecated
 from jaxfuse.sync import bucket_steps
-from jaxfuse import plans as plan_lib
-from jaxfuse.planning import costs as costs_lib
+from jaxfuse import plans
+from jaxfuse.planning import costs
 from jaxfuse.planning._measuring import Compression
 from jaxfuse.planning._measuring import Timing
 from jaxfuse.planning._measuring import legacy_groups
@@ -193,10 +193,10 @@ def measure_compress(sizes: Sequence[int], *,
       >= 1.
   """
   estimator, chain = compression.estimator, timing.chain
-  if estimator not in plan_lib.ESTIMATORS:
+  if estimator not in plans.ESTIMATORS:
     raise ProfileError(f"estimator={estimator!r}; use one of "
-                       f"{plan_lib.ESTIMATORS}.")
-  if not (plan_lib.is_int(chain) and chain >= 1):
+                       f"{plans.ESTIMATORS}.")
+  if not (plans.is_int(chain) and chain >= 1):
     raise ProfileError(f"chain={chain!r} must be an int >= 1.")
   device = device or jax.local_devices()[0]
   mesh = jax.sharding.Mesh(np.array([device]), ("data",))
@@ -240,11 +240,11 @@ def _legacy_units(fn: Callable) -> Callable:
 @_legacy_units
 @_deprecated.legacy_keywords(legacy_groups(
     "measure_scheme_costs", 1, compression=Compression(), timing=Timing()))
-def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
+def measure_scheme_costs(mesh, lines: costs.Costs, *,
                          sizes: Sequence[int] | None = None,
                          compression: Compression = Compression(),
                          timing: Timing = Timing(), axis_name: str = "data"
-                         ) -> tuple[dict[str, costs_lib.LinearCost], dict]:
+                         ) -> tuple[dict[str, costs.LinearCost], dict]:
   """The compute each sparse scheme of ``auto``'s other than all_gather
   adds to a bucket (``Costs.schemes``).
 
@@ -275,7 +275,7 @@ def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
                        SCHEME_UNITS)
 
 
-def _scheme_costs(mesh, lines: costs_lib.Costs, sizes, kw: dict,
+def _scheme_costs(mesh, lines: costs.Costs, sizes, kw: dict,
                   units: int):
   """``measure_scheme_costs`` on buckets of ``units`` leaves; ``kw``: the
   ``compression``, ``timing`` and ``axis_name`` of ``_time_sparse_step``."""
@@ -306,7 +306,7 @@ def _scheme_costs(mesh, lines: costs_lib.Costs, sizes, kw: dict,
       e = t_s - t_ag - (wire(plan_s) - wire(plan_ag))
       points.setdefault(name, []).append((slots, e))
       raw["points"].setdefault(name, []).append([slots, t_s, t_ag, e])
-  fits = {name: costs_lib.fit_linear(*zip(*pts))
+  fits = {name: costs.fit_linear(*zip(*pts))
           for name, pts in points.items() if len({c for c, _ in pts}) > 1}
   return fits, raw
 

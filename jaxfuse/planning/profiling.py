@@ -67,7 +67,9 @@ import numpy as np
 from jaxfuse import _compat
 from jaxfuse import _deprecated
 from jaxfuse.optim import compile_options
-from jaxfuse.planning import costs as costs_lib
+from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import MEASURABLE
+from jaxfuse.planning.costs import fit_linear
 from jaxfuse.planning._measuring import Compression
 from jaxfuse.planning._measuring import Model
 from jaxfuse.planning._measuring import Sweep
@@ -178,8 +180,8 @@ def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
     ProfileError: for an unknown ``kind`` or an ``axis_name`` not in
       ``mesh``.
   """
-  if kind not in costs_lib.MEASURABLE:
-    raise ProfileError(f"kind={kind!r}; use one of {costs_lib.MEASURABLE}.")
+  if kind not in MEASURABLE:
+    raise ProfileError(f"kind={kind!r}; use one of {MEASURABLE}.")
   if axis_name not in mesh.axis_names:
     raise ProfileError(f"mesh has axes {mesh.axis_names}, not {axis_name!r}.")
   k = mesh.shape[axis_name]
@@ -402,7 +404,7 @@ def _upgrade_model(kwargs: dict) -> dict:
     "compression": Compression()}))
 def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
             compression: Compression = Compression(),
-            axis_name: str = "data", progress: Progress | None = None) -> costs_lib.Costs:
+            axis_name: str = "data", progress: Progress | None = None) -> Costs:
   """Measure a ``Costs`` on ``mesh`` (module docstring).
 
   With a ``model`` also the forward time, the per-leaf backward times
@@ -444,7 +446,7 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
   _check_sweep("sizes", sizes)
   _check_sweep("compress_sizes", compress_sizes)
   timing = sweep.timing
-  total = (len(costs_lib.MEASURABLE) * len(sizes) + len(compress_sizes) + 4 +
+  total = (len(MEASURABLE) * len(sizes) + len(compress_sizes) + 4 +
            (2 if model else 0))
   done = [0]
 
@@ -455,19 +457,19 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
 
   samples = {kind: measure_collective(kind, mesh, sizes, timing=timing,
                                       axis_name=axis_name, progress=step)
-             for kind in costs_lib.MEASURABLE}
-  collectives = {kind: costs_lib.fit_linear(*zip(*pts))
+             for kind in MEASURABLE}
+  collectives = {kind: fit_linear(*zip(*pts))
                  for kind, pts in samples.items()}
   samples["compress"] = measure_compress(
       compress_sizes, compression=compression, timing=timing, progress=step)
-  compress = costs_lib.fit_linear(*zip(*samples["compress"]))
+  compress = fit_linear(*zip(*samples["compress"]))
 
   step("bucket cost: one sparse bucket against one per layer")
   bucket, bucket_raw = measure_bucket_cost(
       mesh, compression=compression, timing=timing, axis_name=axis_name)
   step("schemes: one bucket moved by each scheme against all_gather")
   schemes, schemes_raw = measure_scheme_costs(
-      mesh, costs_lib.Costs(collectives, compress, (),
+      mesh, Costs(collectives, compress, (),
                             workers=mesh.shape[axis_name]),
       compression=compression, timing=timing, axis_name=axis_name)
 
@@ -530,7 +532,7 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
     provenance["backward"] = backward_raw
     # the model measured, so that planning another one is refused
     provenance["leaves"] = _model_leaves(model.params)
-  return same_on_every_process(costs_lib.Costs(
+  return same_on_every_process(Costs(
       collectives, compress, backward, contention=gamma, overlap=eta,
       forward=forward, provenance=provenance,
       workers=mesh.shape[axis_name], bucket=bucket, schemes=schemes))
@@ -543,7 +545,7 @@ def _model_leaves(params) -> list[list]:
           for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
-def same_on_every_process(costs: costs_lib.Costs) -> costs_lib.Costs:
+def same_on_every_process(costs: Costs) -> Costs:
   """Process 0's ``costs`` on every process of a ``jax.distributed`` job
   (one process: ``costs`` itself); every process must call it.
 
@@ -567,4 +569,4 @@ def same_on_every_process(costs: costs_lib.Costs) -> costs_lib.Costs:
   if jax.process_index() == 0:
     buf[:] = np.frombuffer(text, np.uint8)
   buf = np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8)
-  return costs_lib.Costs.from_json(buf.tobytes().decode())
+  return Costs.from_json(buf.tobytes().decode())
