@@ -36,6 +36,13 @@ learning rate, λ the weight decay:
 The dense phase of a warm-up (``jaxfuse.density_warmup``) runs any of them
 on a density-1 plan: every element is sent, and each recipe becomes its
 dense optimizer (``sgd``: plain SGD, DGC's masking clears the velocity).
+
+0.2's keywords (``b1``, ``b2``, ``nesterov``, ``mask_momentum``,
+``residual_decay``, ``clip_norm``, ``mask``, ``axis_name``) still work
+until 0.4, with a ``DeprecationWarning`` naming their new place
+(``betas=``, ``sgd_options=``, ``options=``): ``recipe_checks.upgrade``
+through ``jaxfuse._deprecated.legacy_keywords``. ``onebit_adamw``'s
+moments and state are in ``jaxfuse.optim.moments``.
 """
 
 from __future__ import annotations
