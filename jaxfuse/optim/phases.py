@@ -61,12 +61,12 @@ def with_density(plan: plans.Plan, density: float) -> plans.Plan:
   plans.require_plan(plan, "with_density")
   if not plans.is_real(density) or not 0 < density <= 1:
     raise plans.PlanError(f"with_density: density={density!r} must be in "
-                             "(0, 1].")
+                          "(0, 1].")
   headroom = plan.settings.headroom
   leaves = tuple(
       dataclasses.replace(l, density=float(density),
                           capacity=plans.capacity(density, l.size,
-                                                     l.estimator, headroom))
+                                                  l.estimator, headroom))
       if l.mode == "sparse" else l for l in plan.leaves)
   buckets = []
   for b in plan.buckets:
@@ -102,7 +102,7 @@ def check_phases(phases: Sequence[Phase]) -> None:
     if not isinstance(phase, Phase) or not isinstance(phase.plan,
                                                       plans.Plan):
       raise plans.PlanError(f"phases[{i}]: expected a jaxfuse.Phase with "
-                               "a jaxfuse.Plan.")
+                            "a jaxfuse.Plan.")
     if phase.start != expected_start:
       raise plans.PlanError(
           f"phases[{i}].start={phase.start}: must be {expected_start} (the "
@@ -114,7 +114,7 @@ def check_phases(phases: Sequence[Phase]) -> None:
           "None (it runs to the end).")
     if not last and not phase.stop > phase.start:
       raise plans.PlanError(f"phases[{i}]: stop={phase.stop} must be > "
-                               f"start={phase.start}.")
+                            f"start={phase.start}.")
     name = bucket_steps.layout_difference(phases[0].plan, phase.plan)
     if name:
       raise plans.PlanError(
@@ -170,7 +170,7 @@ def _workers(plan, workers, where: str = "density_warmup"
     return sizes[0] * sizes[1], sizes
   if not plans.is_int(workers) or workers < 1:
     raise plans.PlanError(f"{where}: workers={workers!r} must be an "
-                             "integer >= 1 (the mesh size, mesh.size).")
+                          "integer >= 1 (the mesh size, mesh.size).")
   if workers > 1 and _has_sparse_hier(plan):
     raise plans.PlanError(
         f"{where}: the plan's 'hier' buckets move bytes on both mesh "
@@ -356,7 +356,7 @@ def density_warmup(plan: plans.Plan, *, steps: int | Sequence[int],
   plans.require_plan(plan, "density_warmup")
   if densities is not None and not isinstance(densities, (list, tuple)):
     raise plans.PlanError(f"density_warmup: densities={densities!r} must "
-                             "be a list of densities, e.g. (0.0625,).")
+                          "be a list of densities, e.g. (0.0625,).")
   num_workers, mesh_sizes = _workers(plan, workers)
   if dense_wire not in plans.FULL_WIRES:
     raise plans.PlanError(
@@ -375,7 +375,7 @@ def density_warmup(plan: plans.Plan, *, steps: int | Sequence[int],
                       ("dense_steps", dense_steps)):
     if not plans.is_int(value) or value < 0:
       raise plans.PlanError(f"density_warmup: {name}={value!r} must be an "
-                               "integer >= 0.")
+                            "integer >= 0.")
   final = final_density(plan)
   if densities is None:
     densities = [d for d in DGC_RAMP if d > final] if steps else []
@@ -397,7 +397,7 @@ def density_warmup(plan: plans.Plan, *, steps: int | Sequence[int],
         "a warm-up sends more than the plan it ends with.")
   if densities and not steps:
     raise plans.PlanError("density_warmup: densities given with steps=0; "
-                             "give steps per warm-up density.")
+                          "give steps per warm-up density.")
   ramp = [(float(d), int(n)) for d, n in zip(
       densities, counts if per_density else [steps] * len(densities))]
   dense_steps = int(dense_steps)

@@ -26,9 +26,9 @@ def _leaf_wire_bytes(leaf: plans.LeafPlan, settings: plans.Settings,
   if leaf.mode == "dense":
     return leaf.size * jnp.dtype(leaf.dtype).itemsize
   unit = plans.Unit((0,), leaf.size, leaf.capacity, leaf.density,
-                       leaf.estimator, leaf.dtype)
+                    leaf.estimator, leaf.dtype)
   return plans.payload_bytes(plans.wire_unit(unit, settings,
-                                                   collective))
+                                          collective))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class GroupingProblem:
                                    if order is None else order))
     if not plans.is_leaf_order(order, len(plan.leaves)):
       raise plans.PlanError(f"order must list each of the "
-                               f"{len(plan.leaves)} leaf ids once.")
+                            f"{len(plan.leaves)} leaf ids once.")
     leaves = [plan.leaves[i] for i in order]
     sparse = tuple(l.mode == "sparse" for l in leaves)
     collective_of = {j: b.collective for b in plan.buckets for j in b.leaves}

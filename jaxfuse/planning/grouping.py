@@ -49,7 +49,7 @@ def buckets_from_groups(leaves, groups, *, behind: bool, headroom: float,
       size = sum(leaves[i].size for i in sparse)
       cap = plans.capacity(density, size, estimator, headroom)
       buckets.append(plans.BucketPlan(tuple(sparse), collective, "behind",
-                                         cap, estimator, float(density)))
+                                      cap, estimator, float(density)))
     elif sparse:
       buckets.append(plans.BucketPlan(tuple(sparse), collective))
     if dense:

@@ -143,13 +143,13 @@ def plan_from_groups(base: plans.Plan, groups: Sequence[Sequence[int]], *,
   """
   if sparsify not in plans.SPARSIFY:
     raise plans.PlanError(f"sparsify={sparsify!r}; use one of "
-                             f"{plans.SPARSIFY}.")
+                          f"{plans.SPARSIFY}.")
   leaves = base.leaves
   groups = [[int(i) for i in group] for group in groups]
   for group in groups:
     if any(not 0 <= i < len(leaves) for i in group):
       raise plans.PlanError(f"group {group} has leaf ids out of range "
-                               f"[0, {len(leaves)}).")
+                            f"[0, {len(leaves)}).")
   buckets = grouping.buckets_from_groups(leaves, groups,
                                         behind=sparsify == "behind",
                                         headroom=base.settings.headroom)

@@ -470,7 +470,7 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
   step("schemes: one bucket moved by each scheme against all_gather")
   schemes, schemes_raw = measure_scheme_costs(
       mesh, Costs(collectives, compress, (),
-                            workers=mesh.shape[axis_name]),
+                  workers=mesh.shape[axis_name]),
       compression=compression, timing=timing, axis_name=axis_name)
 
   step(f"contention: two psums of {human_bytes(max(sizes))}")

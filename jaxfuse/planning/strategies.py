@@ -47,7 +47,7 @@ def problem(leaves: Sequence[plans.LeafPlan], order: Sequence[int],
                                           collective=collective)
   return optimal.GroupingProblem.from_plan(
       plans.Plan(tuple(leaves), layerwise,
-                    settings or plans.Settings()), costs, order)
+                 settings or plans.Settings()), costs, order)
 
 
 class _Line:
