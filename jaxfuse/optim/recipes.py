@@ -159,7 +159,8 @@ def _tail(learning_rate, weight_decay, mask):
 def sgd(plan: plans.Plan, learning_rate: ScalarOrSchedule,
         momentum: float = 0.9, *, weight_decay: float = 0.0,
         sgd_options: SGDOptions | None = None,
-        options: RecipeOptions | None = None) -> optax.GradientTransformationExtraArgs:
+        options: RecipeOptions | None = None
+        ) -> optax.GradientTransformationExtraArgs:
   """SGD with DGC's momentum correction and factor masking (module doc).
 
   Momentum lives on each worker, before the sparsification: momentum applied
@@ -237,7 +238,8 @@ def sgd(plan: plans.Plan, learning_rate: ScalarOrSchedule,
 def local_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                 weight_decay: float = 1e-4, *,
-                options: RecipeOptions | None = None) -> optax.GradientTransformationExtraArgs:
+                options: RecipeOptions | None = None
+                ) -> optax.GradientTransformationExtraArgs:
   """AdamW preconditioned on each worker, error feedback on the update
   (module doc).
 
@@ -280,7 +282,8 @@ def local_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
 def sync_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 1e-4, *,
-               options: RecipeOptions | None = None) -> optax.GradientTransformationExtraArgs:
+               options: RecipeOptions | None = None
+               ) -> optax.GradientTransformationExtraArgs:
   """The baseline: sparse-sync the gradient, then AdamW (``clip_norm``
   clips the synced gradient's global norm, after the sync).
 
@@ -324,7 +327,8 @@ def sync_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
 def onebit_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                   weight_decay: float = 1e-4, *,
-                  options: RecipeOptions | None = None) -> optax.GradientTransformationExtraArgs:
+                  options: RecipeOptions | None = None
+                  ) -> optax.GradientTransformationExtraArgs:
   """1-bit Adam's scheme with top-k in place of 1-bit (module doc).
 
   Its plan decides the stage: a density-1 plan (``with_density(plan, 1)``,
@@ -450,7 +454,8 @@ def _record_bucket_norms(plan, grads, state: transform.PerWorkerState):
     "demo", RecipeOptions._fields))
 def demo(plan: plans.Plan, learning_rate: ScalarOrSchedule,
          momentum: float = 0.999, weight_decay: float = 1e-4, *,
-         sign: bool = True, options: RecipeOptions | None = None) -> optax.GradientTransformationExtraArgs:
+         sign: bool = True, options: RecipeOptions | None = None
+         ) -> optax.GradientTransformationExtraArgs:
   """DeMo: the decaying local momentum is the error-feedback buffer
   (module doc).
 

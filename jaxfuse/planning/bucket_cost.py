@@ -72,7 +72,8 @@ def _platform_key() -> str:
     "measure_bucket_cost", compression=Compression(), timing=Timing()))
 def measure_bucket_cost(mesh, *, units: int = 8, elements: int | None = None,
                         compression: Compression = Compression(),
-                        timing: Timing = Timing(), axis_name: str = "data") -> tuple[float, dict]:
+                        timing: Timing = Timing(), axis_name: str = "data"
+                        ) -> tuple[float, dict]:
   """The compute per sparse bucket beyond its units' compression.
 
   The module docstring's c = max(0, (t_u − t₁) / (u − 1)), on the first
@@ -164,7 +165,8 @@ def early_step(mesh, strategy: str, *, units: int, width: int,
 def measure_compress(sizes: Sequence[int], *,
                      compression: Compression = Compression(),
                      timing: Timing = Timing(), device=None,
-                     progress: Callable[[str], None] | None = None) -> list[tuple[int, float]]:
+                     progress: Callable[[str], None] | None = None
+                     ) -> list[tuple[int, float]]:
   """What one more selection unit of x elements adds to a sparse bucket.
 
   What a step runs: ``sparse_sync``'s update for one bucket of float32

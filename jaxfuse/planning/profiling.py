@@ -221,7 +221,8 @@ def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
                                            timing=Timing()))
 def measure_collective(kind: str, mesh, sizes: Sequence[int], *,
                        timing: Timing = Timing(), axis_name: str = "data",
-                       progress: Callable[[str], None] | None = None) -> list[tuple[int, float]]:
+                       progress: Callable[[str], None] | None = None
+                       ) -> list[tuple[int, float]]:
   """The time of one collective of ``kind`` at each size of a sweep.
 
   Each size is timed as ``collective_chain`` of ``timing.chain`` dependent
@@ -294,7 +295,8 @@ def overlap_factor(t_backward: float, t_comm: float, t_both: float) -> float:
 @_deprecated.legacy_keywords(legacy_groups("measure_contention",
                                            timing=Timing()))
 def measure_contention(mesh, nbytes: int, alpha: float, *,
-                       timing: Timing = Timing(), axis_name: str = "data") -> tuple[float, dict]:
+                       timing: Timing = Timing(), axis_name: str = "data"
+                       ) -> tuple[float, dict]:
   """γ from one against two simultaneous psums (``contention_factor``).
 
   Args:
@@ -327,7 +329,8 @@ def measure_contention(mesh, nbytes: int, alpha: float, *,
                                            timing=Timing()))
 def measure_overlap(mesh, loss_fn: Callable, params,
                     example_args: Sequence = (), *,
-                    timing: Timing = Timing(), axis_name: str = "data") -> tuple[float, dict]:
+                    timing: Timing = Timing(), axis_name: str = "data"
+                    ) -> tuple[float, dict]:
   """η from backward alone, all-reduce alone and both in one jit
   (``overlap_factor``); per worker, the gradient of ``loss_fn`` on the whole
   example batch.
