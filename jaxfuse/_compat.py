@@ -232,8 +232,9 @@ def ordered_effects(effects) -> list:
   (``io_callback(ordered=True)``, state); all but the collectives' named-axis
   effects where JAX's internal registry has moved."""
   try:
-    from jax._src import effects as effects_lib  # pylint: disable=g-import-not-at-top
-    return [e for e in effects if effects_lib.ordered_effects.contains(e)]
+    # pylint: disable-next=g-import-not-at-top
+    from jax._src import effects as jax_effects
+    return [e for e in effects if jax_effects.ordered_effects.contains(e)]
   except (ImportError, AttributeError):
     return [e for e in effects if type(e).__name__ != "NamedAxisEffect"]
 

@@ -27,6 +27,7 @@ import functools
 import importlib
 import importlib.abc
 import importlib.util
+import inspect
 import sys
 import types
 from typing import Callable
@@ -111,22 +112,69 @@ def legacy_keywords(upgrade: Callable[[dict], dict]):
   new ones: it pops each old name, warns (``DeprecationWarning``, naming
   the new spelling and the release that removes the old one) and puts the
   value where it now goes. The decorated function's own signature holds
-  only the new parameters.
+  only the new parameters; the wrapper's ``inspect.signature`` adds
+  ``**legacy``, so that a tool which binds a call to the signature before
+  making it (``optax.inject_hyperparams``) accepts the old keywords too:
+  such a tool passes them back as one ``legacy=`` dict, which the wrapper
+  unpacks before ``upgrade`` sees them.
 
   Args:
     upgrade: ``dict -> dict``, the call's keyword arguments old to new.
 
   Returns:
-    A decorator; the wrapped function has the original's name, docstring
-    and signature (``functools.wraps``).
+    A decorator; the wrapped function has the original's name and
+    docstring (``functools.wraps``) and its signature plus ``**legacy``.
 
   Raises:
     Nothing itself; ``upgrade`` raises for a combination it refuses (an
     old and a new spelling of one thing together, say).
   """
   def decorate(fn):
+    signature = inspect.signature(fn)
+    params = list(signature.parameters.values())
+    extends = (_LEGACY not in signature.parameters and not any(
+        p.kind == inspect.Parameter.VAR_KEYWORD for p in params))
+
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+      if extends and isinstance(kwargs.get(_LEGACY), dict):
+        kwargs.update(kwargs.pop(_LEGACY))
       return fn(*args, **upgrade(kwargs))
+    if extends:
+      wrapped.__signature__ = signature.replace(parameters=params + [
+          inspect.Parameter(_LEGACY, inspect.Parameter.VAR_KEYWORD)])
     return wrapped
   return decorate
+
+
+def legacy_positional(upgrade: Callable[[tuple, dict], tuple]):
+  """Decorator: a function keeps accepting an old positional form.
+
+  ``upgrade(args, kwargs)`` gets a call's positional and keyword arguments
+  and returns the new ``(args, kwargs)``: for the old form it warns
+  (``DeprecationWarning``, naming the new form and the release that
+  removes the old one) and moves the values where they now go.
+
+  Args:
+    upgrade: ``(tuple, dict) -> (tuple, dict)``, the call's arguments old
+      to new.
+
+  Returns:
+    A decorator; the wrapped function has the original's name, docstring
+    and signature (``functools.wraps``).
+
+  Raises:
+    Nothing itself; ``upgrade`` raises (``TypeError``) for a call that is
+    neither form.
+  """
+  def decorate(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+      args, kwargs = upgrade(args, kwargs)
+      return fn(*args, **kwargs)
+    return wrapped
+  return decorate
+
+
+# the name of the ``**`` parameter ``legacy_keywords`` shows in a signature
+_LEGACY = "legacy"

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import fusion
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse import sparsify
 
 
@@ -163,7 +163,7 @@ def finish_stats(per_leaf, wire_bytes) -> SyncStats:
       wire_bytes=jnp.full((1,), wire_bytes, jnp.float32))
 
 
-def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
+def summarize(stats: SyncStats, plan: plans.Plan) -> dict[str, Any]:
   """Plain Python numbers for logging: means over workers.
 
   ``density``: elements sent over the sparse leaves' elements.
@@ -186,7 +186,7 @@ def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
     ValueError: the stats come from another phase's plan (their leaf
       count, or a unit that selected more than this plan's slots).
   """
-  plan_lib.require_plan(plan, "summarize")
+  plans.require_plan(plan, "summarize")
   if np.shape(stats.selected)[-1] != len(plan.leaves):
     raise ValueError(f"summarize: the stats have "
                      f"{np.shape(stats.selected)[-1]} leaves, the plan "
@@ -195,7 +195,7 @@ def summarize(stats: SyncStats, plan: plan_lib.Plan) -> dict[str, Any]:
   sparse = np.array([l.mode == "sparse" for l in plan.leaves])
   sizes = np.array([l.size for l in plan.leaves], np.float64)
   selected = np.asarray(stats.selected, np.float64)
-  units = plan_lib.units(plan)[0]
+  units = plans.units(plan)[0]
   for unit in units:
     most = selected[..., list(unit.leaves)].sum(-1).max()
     if most > unit.capacity:

@@ -28,7 +28,9 @@ from jaxfuse import kernels
 from jaxfuse import plans
 from jaxfuse.sync import bucket_steps
 from jaxfuse import sparsify
-from jaxfuse import stats as stats_lib
+from jaxfuse.stats import empty_stats
+from jaxfuse.stats import finish_stats
+from jaxfuse.stats import in_order
 from jaxfuse.stats import SyncStats
 
 
@@ -142,6 +144,13 @@ def sparse_sync(plan: plans.Plan, axis_name: str | tuple = "data", *,
     back: for every state group whose m comes as a ``Grouped``'s rows
     (read where they are), and for groups of matrices and vectors when m
     comes leaf by leaf (``bucket_steps.blendable``).
+
+  Raises:
+    PlanError: ``plan`` is not a ``jaxfuse.Plan``.
+    SyncError: ``momentum`` or ``residual_decay`` out of range,
+      ``nesterov`` or ``mask_momentum`` not a bool, or ``nesterov`` without
+      momentum; at ``update``, a state, blend or gradient that does not fit
+      the plan (each message names the leaf or field and the fix).
   """
   plans.require_plan(plan, "sparse_sync")
   check_rate("sparse_sync", "momentum", momentum, "[0, 1)")
@@ -172,7 +181,7 @@ def sparse_sync(plan: plans.Plan, axis_name: str | tuple = "data", *,
         # zero-size arrays, which XLA's GPU compiler (JAX 0.11.2) crashes on.
         control=jax.tree.map(lambda x: x[None], sparsify.initial_control(
             max(1, len(all_units)))),
-        stats=stats_lib.empty_stats(sched.num_leaves),
+        stats=empty_stats(sched.num_leaves),
         velocity=zeros() if momentum else (),
         layout=digest)
 
@@ -221,8 +230,8 @@ def sparse_sync(plan: plans.Plan, axis_name: str | tuple = "data", *,
       ctrl_chunks.extend(out.control)
       stat_chunks.extend(out.stats)
 
-    stats = stats_lib.finish_stats(stats_lib.in_order(stat_chunks), wire_bytes)
-    control = (jax.tree.map(lambda x: x[None], stats_lib.in_order(ctrl_chunks))
+    stats = finish_stats(in_order(stat_chunks), wire_bytes)
+    control = (jax.tree.map(lambda x: x[None], in_order(ctrl_chunks))
                if ctrl_chunks else state.control)
     new_state = SparseSyncState(state.step + 1,
                                 tuple(r[None] for r in residuals), control,
@@ -385,7 +394,20 @@ def unit_residuals(plan: plans.Plan, state: SparseSyncState,
                    velocity: bool = False) -> list[jax.Array]:
   """The residual (or velocity) of each selection unit, in
   ``plans.units`` order: views of the state's per-group arrays, each with
-  the state's leading worker axis (K outside ``shard_map``)."""
+  the state's leading worker axis (K outside ``shard_map``).
+
+  Args:
+    plan: the plan the state was made for.
+    state: a ``SparseSyncState`` (``sparse_sync``'s).
+    velocity: return the momentum velocity instead of the residual.
+
+  Returns:
+    One array per selection unit, shape (workers, unit elements).
+
+  Raises:
+    PlanError: ``plan`` is not a ``jaxfuse.Plan``.
+    SyncError: the state was made for a plan of other groups or layout.
+  """
   plans.require_plan(plan, "unit_residuals")
   arrays = state.velocity if velocity else state.residuals
   all_units, per_bucket = plans.units(plan)
@@ -417,11 +439,20 @@ def axis_names(axis_name):
 def local_params(params, axis_name: str | tuple = "data"):
   """Mark replicated params as per-worker so ``jax.grad`` gives local grads.
 
-  ``axis_name``: the workers' mesh axis, or a tuple of axes (all of them).
-
   Inside ``shard_map`` the gradient of a replicated input is summed over the
   axis by JAX itself; differentiating this view instead keeps each worker's
   own gradient for ``sparse_sync`` to sparsify. No data moves.
+
+  Args:
+    params: the replicated parameters (any pytree), inside ``shard_map``.
+    axis_name: the workers' mesh axis, or a tuple of axes (all of them).
+
+  Returns:
+    ``params``, varying over ``axis_name`` (the same values).
+
+  Raises:
+    SyncError: a name that is not an axis of the enclosing ``shard_map``
+      (or a call outside one).
   """
   axis_name, names = axis_names(axis_name)
   for name in names:
@@ -449,9 +480,18 @@ def per_worker(inner: optax.GradientTransformation, *,
   ``init_state`` and ``state_specs`` shard it over the data axis like the
   residuals. Stateless transforms need no wrapper.
 
-  ``float32_state``: low-precision (bfloat16, float16) leaves go through
-  ``inner`` in float32, so its state is float32 (as ``sparse_sync``'s
-  residual is); its outputs come back in the updates' dtype.
+  Args:
+    inner: the optax transform to run per worker.
+    float32_state: low-precision (bfloat16, float16) leaves go through
+      ``inner`` in float32, so its state is float32 (as ``sparse_sync``'s
+      residual is); its outputs come back in the updates' dtype.
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs`` whose state is a
+    ``PerWorkerState`` (a leading worker axis on every leaf).
+
+  Raises:
+    SyncError: at ``update``, a state that is not its ``PerWorkerState``.
   """
   inner = optax.with_extra_args_support(inner)
   wide = _at_least_float32 if float32_state else (lambda tree: tree)
@@ -500,9 +540,19 @@ def holds(tree, kind) -> bool:
 
 
 def per_worker_mask(tree):
-  """The same structure as ``tree`` (any pytree holding optimizer states),
-  True at the leaves of ``sparse_sync``'s and ``per_worker``'s states (a
-  leading worker axis), False elsewhere."""
+  """Which leaves of an optimizer state are per worker.
+
+  Args:
+    tree: any pytree holding optimizer states.
+
+  Returns:
+    The same structure as ``tree``, True at the leaves of
+    ``sparse_sync``'s and ``per_worker``'s states (a leading worker axis),
+    False elsewhere.
+
+  Raises:
+    Nothing.
+  """
   def mark(x):
     if is_worker_state(x):
       return jax.tree.map(lambda _: True, x)
@@ -524,7 +574,17 @@ def layout_mismatch(tree, plan: plans.Plan) -> str | None:
 
 
 def sync_stats(opt_state) -> SyncStats:
-  """The ``SyncStats`` inside an optimizer state (first ``sparse_sync``)."""
+  """The ``SyncStats`` inside an optimizer state (first ``sparse_sync``).
+
+  Args:
+    opt_state: an optimizer state holding a ``sparse_sync`` state.
+
+  Returns:
+    That state's ``SyncStats`` (the last step's).
+
+  Raises:
+    SyncError: ``opt_state`` holds no ``sparse_sync`` state.
+  """
   for x in jax.tree.leaves(opt_state, is_leaf=is_sync_state):
     if is_sync_state(x):
       return x.stats

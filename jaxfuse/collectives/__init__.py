@@ -42,7 +42,17 @@ SCHEMES: dict[str, Scheme] = {
 
 def get(name: str) -> Scheme:
   """The scheme called ``name`` (``plans.COLLECTIVES``) with its default
-  configuration; a plan's buckets run ``configured(name, settings)``."""
+  configuration; a plan's buckets run ``configured(name, settings)``.
+
+  Args:
+    name: a collective's name, e.g. ``"allgather"`` or ``"zen"``.
+
+  Returns:
+    The ``Scheme``.
+
+  Raises:
+    PlanError: no scheme has that name (the message lists those that do).
+  """
   if name not in SCHEMES:
     raise plans.PlanError(f"collective {name!r} is not available; use one "
                              f"of {tuple(SCHEMES)}.")
@@ -78,6 +88,9 @@ def bucket_steps(steps, num_workers: int, *, sched=None
   Returns:
     Per bucket, its ``Step``s for K workers (a density-1 sparse bucket goes
     through one all-reduce, like dense).
+  Raises:
+    Nothing for a compiled plan (a ``Plan`` is compiled here, with a
+    ``DeprecationWarning``, until 0.4).
   """
   steps = _compiled(sched if sched is not None else steps, "bucket_steps")
   settings, out = steps.settings, []
@@ -110,6 +123,9 @@ def bucket_wire(steps, num_workers: int,
 
   Returns:
     One ``Wire`` per bucket.
+  Raises:
+    Nothing for a compiled plan (a ``Plan`` is compiled here, with a
+    ``DeprecationWarning``, until 0.4).
   """
   steps = _compiled(sched if sched is not None else steps, "bucket_wire")
   out = []
@@ -141,6 +157,9 @@ def bytes_sent(steps, num_workers: int,
 
   Returns:
     (sparse bytes sent, dense all-reduce bytes sent) per worker and step.
+  Raises:
+    Nothing for a compiled plan (a ``Plan`` is compiled here, with a
+    ``DeprecationWarning``, until 0.4).
   """
   steps = _compiled(steps, "bytes_sent")
   sent = sum(w.sent for w in bucket_wire(steps, num_workers, mesh_sizes))
@@ -151,7 +170,18 @@ def bytes_sent(steps, num_workers: int,
 
 def all_reduce_sent(nbytes: int, num_workers: int) -> int:
   """Bytes one worker sends in a ring all-reduce of ``nbytes`` on K
-  workers: ⌈2(K−1)/K · nbytes⌉."""
+  workers: ⌈2(K−1)/K · nbytes⌉.
+
+  Args:
+    nbytes: the all-reduced buffer's bytes.
+    num_workers: K.
+
+  Returns:
+    The bytes sent per worker, an int (0 on one worker).
+
+  Raises:
+    Nothing.
+  """
   return base.step_wire(Step("allreduce", nbytes), num_workers).sent
 
 

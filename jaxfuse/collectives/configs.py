@@ -53,7 +53,18 @@ def configured(name: str, settings: plans.Settings):
 def settings_fields(scheme) -> dict:
   """The ``Settings`` fields that store ``scheme``'s configuration (the
   inverse of ``configured``): e.g. ``Zen(table=3.0)`` gives
-  ``{"zen_table": 3.0, "zen_union": 1.0}``."""
+  ``{"zen_table": 3.0, "zen_union": 1.0}``.
+
+  Args:
+    scheme: a scheme configuration (``AllGather``, ``Zen``, ``SparDL``,
+      ``Hier``, ``Psum``).
+
+  Returns:
+    {field: value}; empty for a scheme with nothing to configure.
+
+  Raises:
+    Nothing.
+  """
   if isinstance(scheme, AllGather):
     return {"packed_indices": scheme.packed_indices}
   if isinstance(scheme, Zen):

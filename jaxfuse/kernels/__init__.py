@@ -28,7 +28,17 @@ _backend = os.environ.get("JAXFUSE_KERNELS", "auto")
 
 
 def set_backend(name: str) -> None:
-  """Force ``"pallas"`` or ``"reference"`` kernels, or go back to ``"auto"``."""
+  """Force ``"pallas"`` or ``"reference"`` kernels, or go back to ``"auto"``.
+
+  Args:
+    name: one of ``BACKENDS``.
+
+  Returns:
+    None; ``backend()`` follows it from the next trace on.
+
+  Raises:
+    ValueError: ``name`` is not one of ``BACKENDS``.
+  """
   global _backend
   if name not in BACKENDS:
     raise ValueError(f"kernel backend {name!r}; use one of {BACKENDS}.")
@@ -44,7 +54,16 @@ def backend() -> str:
 
   The kernels are written for Pallas's Triton backend (deprecated in JAX
   0.12). On a JAX without it, ``"auto"`` takes the reference, with one
-  warning on GPUs, and ``"pallas"`` is a ``KernelError``."""
+  warning on GPUs, and ``"pallas"`` is a ``KernelError``.
+
+  Returns:
+    ``"pallas"`` or ``"reference"``.
+
+  Raises:
+    ValueError: ``JAXFUSE_KERNELS`` names no backend.
+    KernelError: ``"pallas"`` forced where this JAX has no Pallas Triton
+      backend.
+  """
   if _backend not in BACKENDS:
     raise ValueError(f"JAXFUSE_KERNELS={_backend!r}; use one of {BACKENDS}.")
   has_triton = _compat.pallas_triton() is not None
@@ -80,7 +99,23 @@ def _warn_no_triton() -> None:
 
 
 def select(acc, tau, capacity: int, offset):
-  """Fixed-capacity threshold selection (see ``reference.select``)."""
+  """Fixed-capacity threshold selection (see ``reference.select``).
+
+  Args:
+    acc: the flat values to select from.
+    tau: the threshold: candidates are |acc| ≥ τ, acc ≠ 0.
+    capacity: c, the slots written.
+    offset: where the rotated ranking of candidates starts.
+
+  Returns:
+    (values[c], indices[c] int32 with the sentinel n in unused slots, the
+    true candidate count m).
+
+  Raises:
+    ValueError: ``JAXFUSE_KERNELS`` names no backend.
+    KernelError: ``"pallas"`` forced where this JAX has no Pallas Triton
+      backend.
+  """
   if backend() == "pallas":
     from jaxfuse.kernels import selection  # pylint: disable=g-import-not-at-top
     return selection.select_pallas(
@@ -92,7 +127,23 @@ def select(acc, tau, capacity: int, offset):
 def sparsify_pass(x, r, tau, capacity: int, offset):
   """acc = x + r, its selection, the new residual and the unit's checks in
   one pass (``fused_pass.sparsify_pass_reference``; the Pallas kernels for
-  float32 x and r, the reference for narrower ones)."""
+  float32 x and r, the reference for narrower ones).
+
+  Args:
+    x: the unit's flat gradient.
+    r: its residual (the same shape).
+    tau: the selection threshold.
+    capacity: the slots written.
+    offset: where the rotated ranking starts.
+
+  Returns:
+    The ``PassResult`` (selection, new residual, checks).
+
+  Raises:
+    ValueError: ``JAXFUSE_KERNELS`` names no backend.
+    KernelError: ``"pallas"`` forced where this JAX has no Pallas Triton
+      backend.
+  """
   from jaxfuse.kernels import fused_pass  # pylint: disable=g-import-not-at-top
   if backend() == "pallas" and x.dtype == r.dtype == jax.numpy.float32:
     return fused_pass.sparsify_pass_pallas(
@@ -116,7 +167,23 @@ def sparsify_pass_rows(xs, r, taus, capacity: int, offsets):
   Pallas kernels read where they are; or a ``reference.Blend`` of two
   such, which they form as they read it), x_i its row i, r_i = ``r[i]``,
   τ_i = ``taus[i]``, o_i = ``offsets[i]``; a ``PassResult`` with a leading
-  axis of G (``fused_pass.sparsify_pass_rows_reference``)."""
+  axis of G (``fused_pass.sparsify_pass_rows_reference``).
+
+  Args:
+    xs: the G units' streams (see above).
+    r: the residuals, (G, n).
+    taus: the thresholds, (G,).
+    capacity: the slots written per unit.
+    offsets: the rotated rankings' starts, (G,).
+
+  Returns:
+    A ``PassResult`` with a leading axis of G.
+
+  Raises:
+    ValueError: ``JAXFUSE_KERNELS`` names no backend.
+    KernelError: ``"pallas"`` forced where this JAX has no Pallas Triton
+      backend.
+  """
   from jaxfuse.kernels import fused_pass  # pylint: disable=g-import-not-at-top
   if _pass_in_pallas(xs, r):
     return fused_pass.sparsify_pass_rows_pallas(
@@ -131,7 +198,20 @@ def sparsify_pass_bucket(batches):
   """``sparsify_pass_rows`` of each batch of a bucket, ``batches`` a list
   of (xs, r, taus, capacity, offsets); the float32 batches' Pallas kernels
   as segments of one call per pass
-  (``fused_pass.sparsify_pass_bucket_pallas``)."""
+  (``fused_pass.sparsify_pass_bucket_pallas``).
+
+  Args:
+    batches: a list of (xs, r, taus, capacity, offsets), one per batch of
+      units of one length (``sparsify_pass_rows``' arguments).
+
+  Returns:
+    One ``PassResult`` per batch, in order.
+
+  Raises:
+    ValueError: ``JAXFUSE_KERNELS`` names no backend.
+    KernelError: ``"pallas"`` forced where this JAX has no Pallas Triton
+      backend.
+  """
   from jaxfuse.kernels import fused_pass  # pylint: disable=g-import-not-at-top
   fast = [i for i, (xs, r, *_) in enumerate(batches)
           if _pass_in_pallas(xs, r)]
@@ -154,6 +234,18 @@ def kth_largest_magnitude(x, k: int):
   bracket, the band kernel, a sort of the band). On the Pallas backend from
   ``threshold.PAYS_FROM`` elements (``BATCHED_PAYS_FROM`` per row under
   vmap); below, and on other backends, ``lax.top_k``, which is then faster.
+
+  Args:
+    x: the values (flat, or batched under ``vmap``).
+    k: the rank, 1 <= k <= x.size.
+
+  Returns:
+    The k-th largest |x|, a scalar of x's dtype.
+
+  Raises:
+    ValueError: ``JAXFUSE_KERNELS`` names no backend.
+    KernelError: ``"pallas"`` forced where this JAX has no Pallas Triton
+      backend.
   """
   from jaxfuse.kernels import threshold  # pylint: disable=g-import-not-at-top
   if backend() == "pallas":              # it takes the reference below those

@@ -57,7 +57,18 @@ def blend(m, g, beta: float):
 
 def formed(x):
   """x itself, or a ``Blend``'s β·m + (1 − β)·g (a list part by part; a
-  (G, n) array against a list of rows or chunks is cut like the list)."""
+  (G, n) array against a list of rows or chunks is cut like the list).
+
+  Args:
+    x: an array, a list of arrays, or a ``Blend`` of two such.
+
+  Returns:
+    ``x``, or the blend formed (a list where either part is one).
+
+  Raises:
+    ValueError: a ``Blend`` whose parts do not line up (``zip``'s strict
+      check).
+  """
   if not isinstance(x, Blend):
     return x
   m, g = x.m, x.g

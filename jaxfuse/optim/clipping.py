@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from jaxfuse import _compat
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse import transform
 
 
@@ -62,12 +62,12 @@ def check_max_norm(max_norm) -> None:
     ClipError: ``max_norm`` is not a number > 0 or None.
   """
   if max_norm is not None and not (
-      plan_lib.is_real(max_norm) and max_norm > 0):
+      plans.is_real(max_norm) and max_norm > 0):
     raise ClipError(f"clip_norm={max_norm!r} must be a number > 0 (or None: "
                     "no clipping).")
 
 
-def bucket_norms(plan: plan_lib.Plan, grads) -> list[jax.Array]:
+def bucket_norms(plan: plans.Plan, grads) -> list[jax.Array]:
   """‖g_b‖ for every bucket of ``plan``, float32 scalars; each from its own
   leaves only (non-float leaves count 0). Kept apart: one array of all of
   them would make every bucket's clip wait for every norm.
@@ -99,7 +99,7 @@ def _recorded(norms: list[jax.Array], old: jax.Array) -> BucketClipState:
   return BucketClipState(jnp.where(jnp.isfinite(new), new, old))
 
 
-def _size_shares(plan: plan_lib.Plan) -> np.ndarray:
+def _size_shares(plan: plans.Plan) -> np.ndarray:
   sizes = np.array([sum(plan.leaves[j].size for j in b.leaves
                         if _compat.is_float_dtype(plan.leaves[j].dtype))
                     for b in plan.buckets], np.float64)
@@ -115,7 +115,7 @@ def _shares(prev, size_shares):
   return filled / jnp.sqrt(jnp.sum(jnp.square(filled)))
 
 
-def clip_by_bucket_norm(plan: plan_lib.Plan, max_norm: float,
+def clip_by_bucket_norm(plan: plans.Plan, max_norm: float,
                         axis_name: str | tuple = "data"
                         ) -> optax.GradientTransformation:
   """Clip each bucket's local gradient at its share of max_norm·√K (module
@@ -134,7 +134,7 @@ def clip_by_bucket_norm(plan: plan_lib.Plan, max_norm: float,
     ClipError: ``max_norm`` is not a number > 0.
   """
   check_max_norm(max_norm)
-  plan_lib.require_plan(plan, "clip_by_bucket_norm")
+  plans.require_plan(plan, "clip_by_bucket_norm")
   max_norm = float(max_norm)
   num_buckets = len(plan.buckets)
   size_shares = jnp.asarray(_size_shares(plan))
@@ -160,7 +160,7 @@ def clip_by_bucket_norm(plan: plan_lib.Plan, max_norm: float,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def record_bucket_norms(plan: plan_lib.Plan, grads,
+def record_bucket_norms(plan: plans.Plan, grads,
                         state: BucketClipState) -> BucketClipState:
   """The state after a step that does not clip per bucket (a dense phase,
   which clips the synced mean): the norms of this step's local gradient,

@@ -27,8 +27,9 @@ import dataclasses
 from typing import Sequence
 import warnings
 
+from jaxfuse import _deprecated
 from jaxfuse import collectives
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.sync import bucket_steps
 
 DGC_RAMP = (0.25, 0.0625, 0.015625, 0.004)
@@ -39,10 +40,10 @@ class Phase:
   """Steps [start, stop) train with ``plan`` (stop None: to the end)."""
   start: int
   stop: int | None
-  plan: plan_lib.Plan
+  plan: plans.Plan
 
 
-def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
+def with_density(plan: plans.Plan, density: float) -> plans.Plan:
   """The same plan with every sparse unit at ``density`` (capacities
   recomputed as the planner does; 1 sends everything with a ``pmean``).
 
@@ -57,26 +58,26 @@ def with_density(plan: plan_lib.Plan, density: float) -> plan_lib.Plan:
   Raises:
     PlanError: ``plan`` is not a plan, or ``density`` is out of range.
   """
-  plan_lib.require_plan(plan, "with_density")
-  if not plan_lib.is_real(density) or not 0 < density <= 1:
-    raise plan_lib.PlanError(f"with_density: density={density!r} must be in "
-                             "(0, 1].")
+  plans.require_plan(plan, "with_density")
+  if not plans.is_real(density) or not 0 < density <= 1:
+    raise plans.PlanError(f"with_density: density={density!r} must be in "
+                          "(0, 1].")
   headroom = plan.settings.headroom
   leaves = tuple(
       dataclasses.replace(l, density=float(density),
-                          capacity=plan_lib.capacity(density, l.size,
-                                                     l.estimator, headroom))
+                          capacity=plans.capacity(density, l.size,
+                                                  l.estimator, headroom))
       if l.mode == "sparse" else l for l in plan.leaves)
   buckets = []
   for b in plan.buckets:
     if b.collective != "psum" and b.sparsify == "behind":
       size = sum(plan.leaves[j].size for j in b.leaves)
       b = dataclasses.replace(b, density=float(density),
-                              capacity=plan_lib.capacity(
+                              capacity=plans.capacity(
                                   density, size, b.estimator, headroom))
     buckets.append(b)
   provenance = dict(plan.provenance, phase_density=float(density))
-  return plan_lib.Plan(leaves, tuple(buckets), plan.settings, provenance)
+  return plans.Plan(leaves, tuple(buckets), plan.settings, provenance)
 
 
 def check_phases(phases: Sequence[Phase]) -> None:
@@ -95,35 +96,35 @@ def check_phases(phases: Sequence[Phase]) -> None:
       phase's plan has another layout than the first's.
   """
   if not phases:
-    raise plan_lib.PlanError("phases: empty; give at least one Phase.")
+    raise plans.PlanError("phases: empty; give at least one Phase.")
   expected_start = 0
   for i, phase in enumerate(phases):
     if not isinstance(phase, Phase) or not isinstance(phase.plan,
-                                                      plan_lib.Plan):
-      raise plan_lib.PlanError(f"phases[{i}]: expected a jaxfuse.Phase with "
-                               "a jaxfuse.Plan.")
+                                                      plans.Plan):
+      raise plans.PlanError(f"phases[{i}]: expected a jaxfuse.Phase with "
+                            "a jaxfuse.Plan.")
     if phase.start != expected_start:
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"phases[{i}].start={phase.start}: must be {expected_start} (the "
           "phases tile the steps in order, from 0).")
     last = i == len(phases) - 1
     if last != (phase.stop is None):
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"phases[{i}].stop={phase.stop!r}: only the last phase has stop="
           "None (it runs to the end).")
     if not last and not phase.stop > phase.start:
-      raise plan_lib.PlanError(f"phases[{i}]: stop={phase.stop} must be > "
-                               f"start={phase.start}.")
+      raise plans.PlanError(f"phases[{i}]: stop={phase.stop} must be > "
+                            f"start={phase.start}.")
     name = bucket_steps.layout_difference(phases[0].plan, phase.plan)
     if name:
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"phases[{i}].plan: its {name} differ from phases[0].plan's; a "
           "warm-up schedule keeps one layout and changes only densities "
           "(make each phase with jaxfuse.with_density(plan, d)).")
     expected_start = phase.stop
 
 
-def wire_received(plan: plan_lib.Plan, num_workers: int,
+def wire_received(plan: plans.Plan, num_workers: int,
                   mesh_sizes: tuple[int, int] | None = None) -> int:
   """Bytes one worker receives per step of ``plan`` on K workers (every
   bucket; ``collectives.bucket_wire``; a ``"hier"`` bucket on the (H, L)
@@ -147,7 +148,7 @@ def wire_received(plan: plan_lib.Plan, num_workers: int,
       bucket_steps.compile_plan(plan), num_workers, mesh_sizes))
 
 
-def _has_sparse_hier(plan: plan_lib.Plan) -> bool:
+def _has_sparse_hier(plan: plans.Plan) -> bool:
   return any(b.kind == bucket_steps.SPARSE and b.collective == "hier"
              for b in bucket_steps.compile_plan(plan).buckets)
 
@@ -160,65 +161,69 @@ def _workers(plan, workers, where: str = "density_warmup"
     return None, None
   if isinstance(workers, (tuple, list)):
     if (len(workers) != 2 or
-        not all(plan_lib.is_int(s) and s >= 1 for s in workers)):
-      raise plan_lib.PlanError(
+        not all(plans.is_int(s) and s >= 1 for s in workers)):
+      raise plans.PlanError(
           f"{where}: workers={workers!r} must be K (an integer >= 1, the "
           "mesh size) or (hosts, devices per host) of the 'hier' mesh, "
           "e.g. mesh.devices.shape.")
     sizes = (int(workers[0]), int(workers[1]))
     return sizes[0] * sizes[1], sizes
-  if not plan_lib.is_int(workers) or workers < 1:
-    raise plan_lib.PlanError(f"{where}: workers={workers!r} must be an "
-                             "integer >= 1 (the mesh size, mesh.size).")
+  if not plans.is_int(workers) or workers < 1:
+    raise plans.PlanError(f"{where}: workers={workers!r} must be an "
+                          "integer >= 1 (the mesh size, mesh.size).")
   if workers > 1 and _has_sparse_hier(plan):
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"{where}: the plan's 'hier' buckets move bytes on both mesh "
         "axes, which a worker count alone cannot count; give workers="
         "(hosts, devices per host) instead (e.g. mesh.devices.shape).")
   return int(workers), None
 
 
+def _upgrade_workers(kwargs: dict) -> dict:
+  """``density_warmup``'s keywords with 0.2's ``num_workers=`` /
+  ``mesh_sizes=`` made ``workers=`` (a ``DeprecationWarning``; removed in
+  0.4): the upgrade of ``_deprecated.legacy_keywords``."""
+  legacy = {k: kwargs.pop(k) for k in ("num_workers", "mesh_sizes")
+            if k in kwargs}
+  if legacy:
+    kwargs["workers"] = _legacy_workers(kwargs.get("workers"), legacy)
+  return kwargs
+
+
 def _legacy_workers(workers, legacy: dict):
-  """``workers`` from 0.2's ``num_workers=`` / ``mesh_sizes=`` (a
-  ``DeprecationWarning``; removed in 0.4)."""
-  unknown = sorted(set(legacy) - {"num_workers", "mesh_sizes"})
-  if unknown:
-    raise TypeError(f"density_warmup() got an unexpected keyword argument "
-                    f"{unknown[0]!r}")
-  if not legacy:
-    return workers
+  """``workers`` from 0.2's ``num_workers=`` / ``mesh_sizes=``."""
   warnings.warn(
       "density_warmup: num_workers= and mesh_sizes= are now one argument, "
       "workers= (K, or (hosts, devices per host) for a 'hier' plan); the "
-      "old names go in 0.4.", DeprecationWarning, stacklevel=3)
+      "old names go in 0.4.", DeprecationWarning, stacklevel=4)
   if workers is not None:
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"density_warmup: workers={workers!r} given with "
         f"{', '.join(sorted(legacy))}=; give workers= only.")
   num_workers = legacy.get("num_workers")
   mesh_sizes = legacy.get("mesh_sizes")
   if mesh_sizes is None:
-    if num_workers is not None and (not plan_lib.is_int(num_workers) or
+    if num_workers is not None and (not plans.is_int(num_workers) or
                                     num_workers < 1):
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"density_warmup: num_workers={num_workers!r} must be an integer "
           ">= 1 (the mesh size); spell it workers= (0.3).")
     return num_workers
   if (not isinstance(mesh_sizes, (tuple, list)) or len(mesh_sizes) != 2
-      or not all(plan_lib.is_int(s) and s >= 1 for s in mesh_sizes)):
-    raise plan_lib.PlanError(
+      or not all(plans.is_int(s) and s >= 1 for s in mesh_sizes)):
+    raise plans.PlanError(
         f"density_warmup: mesh_sizes={mesh_sizes!r} must be (hosts, "
         "devices per host) of the 'hier' mesh, e.g. mesh.devices.shape; "
         "spell it workers= (0.3).")
   size = int(mesh_sizes[0]) * int(mesh_sizes[1])
   if num_workers is not None and num_workers != size:
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"density_warmup: num_workers={num_workers!r} is not the "
         f"{size} workers of mesh_sizes={tuple(mesh_sizes)}; give one.")
   return tuple(mesh_sizes)
 
 
-def has_sparse_units(plan: plan_lib.Plan) -> bool:
+def has_sparse_units(plan: plans.Plan) -> bool:
   """Whether ``plan`` sparsifies anything: a sparse leaf, or a ``"behind"``
   bucket that is not a plain ``psum``.
 
@@ -236,7 +241,7 @@ def has_sparse_units(plan: plan_lib.Plan) -> bool:
       for b in plan.buckets)
 
 
-def _dense_plan(plan: plan_lib.Plan, dense_wire: str) -> plan_lib.Plan:
+def _dense_plan(plan: plans.Plan, dense_wire: str) -> plans.Plan:
   return dataclasses.replace(with_density(plan, 1.0),
                              settings=dataclasses.replace(
                                  plan.settings, full_wire=dense_wire))
@@ -300,11 +305,12 @@ def wire_warnings(phases: Sequence[Phase], workers,
   return messages
 
 
-def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
+@_deprecated.legacy_keywords(_upgrade_workers)
+def density_warmup(plan: plans.Plan, *, steps: int | Sequence[int],
                    densities: Sequence[float] | None = None,
                    dense_steps: int = 0, dense_wire: str = "gradient",
-                   workers: int | tuple[int, int] | None = None,
-                   **legacy) -> tuple[Phase, ...]:
+                   workers: int | tuple[int, int] | None = None
+                   ) -> tuple[Phase, ...]:
   """Phases: ``dense_steps`` dense, then ``steps`` at each warm-up density,
   then ``plan`` to the end.
 
@@ -335,8 +341,8 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
       bandwidth-bound network. A sparse phase left that receives more
       than dense is named in a ``UserWarning`` (``wire_warnings``). None:
       every density as given.
-    **legacy: 0.2's ``num_workers=`` and ``mesh_sizes=``, now
-      ``workers=`` (``DeprecationWarning``; removed in 0.4).
+      0.2's ``num_workers=`` and ``mesh_sizes=`` still work until 0.4,
+      as ``workers=`` (``DeprecationWarning``).
 
   Returns:
     The ``Phase``s, tiling the steps from 0; the last is ``plan``'s, with
@@ -347,30 +353,29 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
       kind (``steps``, ``densities``, ``dense_steps``, ``dense_wire``,
       ``workers``), or a density not above the plan's.
   """
-  plan_lib.require_plan(plan, "density_warmup")
-  workers = _legacy_workers(workers, legacy)
+  plans.require_plan(plan, "density_warmup")
   if densities is not None and not isinstance(densities, (list, tuple)):
-    raise plan_lib.PlanError(f"density_warmup: densities={densities!r} must "
-                             "be a list of densities, e.g. (0.0625,).")
+    raise plans.PlanError(f"density_warmup: densities={densities!r} must "
+                          "be a list of densities, e.g. (0.0625,).")
   num_workers, mesh_sizes = _workers(plan, workers)
-  if dense_wire not in plan_lib.FULL_WIRES:
-    raise plan_lib.PlanError(
+  if dense_wire not in plans.FULL_WIRES:
+    raise plans.PlanError(
         f"density_warmup: dense_wire={dense_wire!r}; use one of "
-        f"{', '.join(map(repr, plan_lib.FULL_WIRES))}.")
-  per_density = not plan_lib.is_int(steps)
+        f"{', '.join(map(repr, plans.FULL_WIRES))}.")
+  per_density = not plans.is_int(steps)
   if per_density:
     counts = list(steps) if isinstance(steps, (list, tuple)) else None
     if (counts is None or densities is None or
         len(counts) != len(densities) or
-        not all(plan_lib.is_int(c) and c >= 1 for c in counts)):
-      raise plan_lib.PlanError(
+        not all(plans.is_int(c) and c >= 1 for c in counts)):
+      raise plans.PlanError(
           f"density_warmup: steps={steps!r}: give one integer >= 1 per "
           "density of densities= (or one integer for all).")
   for name, value in (("steps", 0 if per_density else steps),
                       ("dense_steps", dense_steps)):
-    if not plan_lib.is_int(value) or value < 0:
-      raise plan_lib.PlanError(f"density_warmup: {name}={value!r} must be an "
-                               "integer >= 0.")
+    if not plans.is_int(value) or value < 0:
+      raise plans.PlanError(f"density_warmup: {name}={value!r} must be an "
+                            "integer >= 0.")
   final = final_density(plan)
   if densities is None:
     densities = [d for d in DGC_RAMP if d > final] if steps else []
@@ -385,14 +390,14 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
         "strategy='size')) or a lower min_sparse_size.",
         UserWarning, stacklevel=2)
     densities = []
-  below = [d for d in densities if not (plan_lib.is_real(d) and final < d <= 1)]
+  below = [d for d in densities if not (plans.is_real(d) and final < d <= 1)]
   if below:
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"density_warmup: densities {below} must each be in ({final:g}, 1]: "
         "a warm-up sends more than the plan it ends with.")
   if densities and not steps:
-    raise plan_lib.PlanError("density_warmup: densities given with steps=0; "
-                             "give steps per warm-up density.")
+    raise plans.PlanError("density_warmup: densities given with steps=0; "
+                          "give steps per warm-up density.")
   ramp = [(float(d), int(n)) for d, n in zip(
       densities, counts if per_density else [steps] * len(densities))]
   dense_steps = int(dense_steps)
@@ -418,7 +423,7 @@ def density_warmup(plan: plan_lib.Plan, *, steps: int | Sequence[int],
   return tuple(phases)
 
 
-def final_density(plan: plan_lib.Plan) -> float:
+def final_density(plan: plans.Plan) -> float:
   """The plan's largest sparse density (1.0 for an all-dense plan): a
   warm-up density must lie above it.
 
@@ -451,8 +456,8 @@ def phase_index(phases: Sequence[Phase], step: int) -> int:
     ValueError: ``step`` is not an integer >= 0, or no phase trains it
       (the last phase's stop is not None).
   """
-  step = plan_lib.as_python(step)
-  if not plan_lib.is_int(step) or step < 0:
+  step = plans.as_python(step)
+  if not plans.is_int(step) or step < 0:
     raise ValueError(f"phase_index: step={step!r} must be an integer >= 0 "
                      "(steps count from 0).")
   for i, phase in enumerate(phases):

@@ -9,7 +9,7 @@ trains nothing) and a gradient with a NaN or Inf.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 import warnings
 
 import jax
@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse.optim import clipping
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse import transform
 
 
@@ -80,40 +80,60 @@ _MOVED = {"clip_norm": "options=jaxfuse.RecipeOptions(clip_norm=...)",
               "sgd_options=jaxfuse.SGDOptions(residual_decay=...)"}
 
 
-def moved(where: str, legacy: dict, allowed: tuple) -> dict:
-  """0.2's keywords of ``where`` from ``legacy`` (``**legacy``; optax's
-  ``inject_hyperparams`` passes them as one ``legacy=`` dict), with a
-  ``DeprecationWarning`` naming the new spelling; ``TypeError`` for any
-  other keyword."""
-  if set(legacy) == {"legacy"} and isinstance(legacy["legacy"], dict):
-    legacy = legacy["legacy"]
-  unknown = sorted(set(legacy) - set(allowed))
-  if unknown:
-    raise TypeError(f"{where}() got an unexpected keyword argument "
-                    f"{unknown[0]!r}")
-  if legacy:
+def upgrade(where: str, allowed: tuple) -> Callable[[dict], dict]:
+  """The keyword upgrade of recipe ``where``, for
+  ``_deprecated.legacy_keywords``: 0.2's keywords (those of ``allowed``)
+  folded into ``betas=``, ``sgd_options=`` and ``options=``, with one
+  ``DeprecationWarning`` naming each new spelling.
+
+  Args:
+    where: the recipe's name, for the message.
+    allowed: the 0.2 keywords it took (``b1``, ``b2``, the fields of
+      ``SGDOptions`` and ``RecipeOptions``).
+
+  Returns:
+    ``kwargs -> kwargs``; any other keyword passes through untouched (the
+    recipe's own ``TypeError`` names an unknown one).
+
+  Raises:
+    Nothing itself; the recipe checks what it is given.
+  """
+  def run(kwargs: dict) -> dict:
+    old = {k: kwargs.pop(k) for k in list(kwargs) if k in allowed}
+    if not old:
+      return kwargs
     warnings.warn(
-        f"{where}: " + "; ".join(f"{k}= is now {_MOVED[k]}" for k in legacy)
+        f"{where}: " + "; ".join(f"{k}= is now {_MOVED[k]}" for k in old)
         + " (the old keywords go in 0.4).", DeprecationWarning, stacklevel=3)
-  return dict(legacy)
+    for name, kind in (("options", RecipeOptions),
+                       ("sgd_options", SGDOptions)):
+      fields = {k: old[k] for k in kind._fields if k in old}
+      base = kwargs.get(name)
+      base = kind() if base is None else base
+      if fields and isinstance(base, kind):   # else the recipe names it
+        kwargs[name] = base._replace(**fields)
+    if "b1" in old or "b2" in old:
+      pair = kwargs.get("betas", (0.9, 0.999))
+      if isinstance(pair, (tuple, list)) and len(pair) == 2:
+        kwargs["betas"] = (old.get("b1", pair[0]), old.get("b2", pair[1]))
+    return kwargs
+  return run
 
 
-def options(where: str, options, legacy: dict) -> RecipeOptions:
-  """``options`` (default ``RecipeOptions()``) with 0.2's keywords in
-  ``legacy`` applied (taken out of it)."""
+def options(where: str, options) -> RecipeOptions:
+  """``options``, default ``RecipeOptions()``; ``SyncError`` for another
+  kind."""
   if options is None:
     options = RecipeOptions()
   if not isinstance(options, RecipeOptions):
     raise transform.SyncError(
         f"{where}: options={options!r} must be a jaxfuse.RecipeOptions("
         "clip_norm=..., mask=..., axis_name=...).")
-  return options._replace(**{k: legacy.pop(k) for k in RecipeOptions._fields
-                             if k in legacy})
+  return options
 
 
-def betas(where: str, pair, legacy: dict) -> tuple:
-  """(b1, b2) from ``pair`` (a recipe's ``betas``) and 0.2's ``b1=`` /
-  ``b2=`` in ``legacy``."""
+def betas(where: str, pair) -> tuple:
+  """(b1, b2) from ``pair`` (a recipe's ``betas``)."""
   if isinstance(pair, (int, float, np.number)) and not isinstance(
       pair, bool):
     raise transform.SyncError(
@@ -122,7 +142,7 @@ def betas(where: str, pair, legacy: dict) -> tuple:
   if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
     raise transform.SyncError(f"{where}: betas={pair!r} must be (b1, b2), "
                               "e.g. (0.9, 0.999).")
-  return (legacy.pop("b1", pair[0]), legacy.pop("b2", pair[1]))
+  return (pair[0], pair[1])
 
 
 def numbers(where: str, **values) -> list:
@@ -138,7 +158,7 @@ def numbers(where: str, **values) -> list:
         "With optax.inject_hyperparams keep them static: "
         f"optax.inject_hyperparams(jaxfuse.{where}, "
         f"static_args=jaxfuse.optim.recipes.STATIC_ARGS[{where!r}]).")
-  out = [plan_lib.as_python(v) for v in values.values()]
+  out = [plans.as_python(v) for v in values.values()]
   for name, v in zip(values, out):
     numeric = isinstance(v, (np.ndarray, jax.Array)) and (
         jnp.issubdtype(v.dtype, jnp.number))
@@ -159,7 +179,7 @@ def check_clip(max_norm):
     raise transform.SyncError(str(e)) from None
 
 
-def _nonfinite_seen(name: str, plan: plan_lib.Plan, flags) -> None:
+def _nonfinite_seen(name: str, plan: plans.Plan, flags) -> None:
   flags = np.asarray(flags).reshape(-1)
   key = ("nonfinite", name)
   if key in _warned or not flags.any():
@@ -179,7 +199,7 @@ def _nonfinite_seen(name: str, plan: plan_lib.Plan, flags) -> None:
       "each step.", UserWarning, stacklevel=2)
 
 
-def warn_if_nonfinite(name: str, plan: plan_lib.Plan, stats) -> None:
+def warn_if_nonfinite(name: str, plan: plans.Plan, stats) -> None:
   """Warn (once a process and recipe) when a step's gradient had a NaN or
   Inf (``SyncStats.nonfinite``): at once for concrete stats, else through
   a host callback under a ``lax.cond`` that runs only on such a step."""

@@ -36,24 +36,31 @@ learning rate, λ the weight decay:
 The dense phase of a warm-up (``jaxfuse.density_warmup``) runs any of them
 on a density-1 plan: every element is sent, and each recipe becomes its
 dense optimizer (``sgd``: plain SGD, DGC's masking clears the velocity).
+
+0.2's keywords (``b1``, ``b2``, ``nesterov``, ``mask_momentum``,
+``residual_decay``, ``clip_norm``, ``mask``, ``axis_name``) still work
+until 0.4, with a ``DeprecationWarning`` naming their new place
+(``betas=``, ``sgd_options=``, ``options=``): ``recipe_checks.upgrade``
+through ``jaxfuse._deprecated.legacy_keywords``. ``onebit_adamw``'s
+moments and state are in ``jaxfuse.optim.moments``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
-import warnings
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxfuse import _compat
+from jaxfuse import _deprecated
 from jaxfuse.optim import clipping
 from jaxfuse.sync import grouped
 from jaxfuse.state import placement
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.sync import bucket_steps
+from jaxfuse.optim import moments
 from jaxfuse.optim import recipe_checks
 from jaxfuse import transform
 
@@ -62,6 +69,10 @@ RecipeOptions = recipe_checks.RecipeOptions
 SGDOptions = recipe_checks.SGDOptions
 STATIC_ARGS = recipe_checks.STATIC_ARGS
 local_clip_by_global_norm = clipping.local_clip_by_global_norm
+OnebitState = moments.OnebitState
+first_moment = moments.first_moment
+second_moment = moments.second_moment
+second_moment_change = moments.second_moment_change
 
 
 def _bucket_clip(plan, max_norm, axis_name):
@@ -78,11 +89,11 @@ def _bucket_clip(plan, max_norm, axis_name):
 def _require_trainable(plan, where: str) -> None:
   """A ``Plan`` whose every leaf is floating point: a recipe updates every
   leaf, and an integer leaf's gradient (``float0``) supports no arithmetic."""
-  plan_lib.require_plan(plan, where)
+  plans.require_plan(plan, where)
   ints = [f"{l.path} ({l.dtype})" for l in plan.leaves
           if not _compat.is_float_dtype(l.dtype)]
   if ints:
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"{where}: leaves {ints[:5]} are not floating point and cannot be "
         "trained. Plan and differentiate the floating-point parameters "
         "only (keep integer state in a tree of its own), or chain "
@@ -97,7 +108,7 @@ def _kinds(state) -> tuple:
   return (type(state).__name__,) + parts
 
 
-def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation,
+def _recipe(name: str, plan: plans.Plan, tx: optax.GradientTransformation,
             axis_name) -> optax.GradientTransformationExtraArgs:
   """``tx``, whose update first checks that the state has the parts its
   init makes (types, at the top level; ``sparse_sync`` checks its own
@@ -115,7 +126,7 @@ def _recipe(name: str, plan: plan_lib.Plan, tx: optax.GradientTransformation,
             jax.ShapeDtypeStruct(l.shape, l.dtype) for l in plan.leaves])
         try:
           wanted[treedef] = _kinds(jax.eval_shape(tx.init, like))
-        except plan_lib.PlanError:   # other leaves: sparse_sync names them
+        except plans.PlanError:   # other leaves: sparse_sync names them
           wanted[treedef] = None
       want = wanted[treedef]
       if want is not None and _kinds(state) != want:
@@ -143,11 +154,13 @@ def _tail(learning_rate, weight_decay, mask):
                      optax.scale_by_learning_rate(learning_rate))
 
 
-def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+@_deprecated.legacy_keywords(recipe_checks.upgrade(
+    "sgd", SGDOptions._fields + RecipeOptions._fields))
+def sgd(plan: plans.Plan, learning_rate: ScalarOrSchedule,
         momentum: float = 0.9, *, weight_decay: float = 0.0,
         sgd_options: SGDOptions | None = None,
-        options: RecipeOptions | None = None,
-        **legacy) -> optax.GradientTransformationExtraArgs:
+        options: RecipeOptions | None = None
+        ) -> optax.GradientTransformationExtraArgs:
   """SGD with DGC's momentum correction and factor masking (module doc).
 
   Momentum lives on each worker, before the sparsification: momentum applied
@@ -178,9 +191,6 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       residual_decay)``; None: the defaults.
     options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
       the defaults.
-    **legacy: 0.2's ``nesterov``, ``mask_momentum``, ``residual_decay``,
-      ``clip_norm``, ``mask`` and ``axis_name`` keywords
-      (``DeprecationWarning``; removed in 0.4).
 
   Returns:
     An optax ``GradientTransformationExtraArgs``; make its state with
@@ -193,16 +203,14 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       of ``STATIC_ARGS["sgd"]`` is traced.
     TypeError: an unknown keyword.
   """
-  legacy = recipe_checks.moved(
-      "sgd", legacy, SGDOptions._fields + RecipeOptions._fields)
-  clip_norm, mask, axis_name = recipe_checks.options("sgd", options, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("sgd", options)
   if sgd_options is None:
     sgd_options = SGDOptions()
   if not isinstance(sgd_options, SGDOptions):
     raise transform.SyncError(
         f"sgd: sgd_options={sgd_options!r} must be a jaxfuse.SGDOptions("
         "nesterov=..., mask_momentum=..., residual_decay=...).")
-  nesterov, mask_momentum, residual_decay = sgd_options._replace(**legacy)
+  nesterov, mask_momentum, residual_decay = sgd_options
   _require_trainable(plan, "sgd")
   (learning_rate, momentum, clip_norm, weight_decay,
    residual_decay) = recipe_checks.numbers(
@@ -225,11 +233,13 @@ def sgd(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
-def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+@_deprecated.legacy_keywords(recipe_checks.upgrade(
+    "local_adamw", ("b1", "b2") + RecipeOptions._fields))
+def local_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                 weight_decay: float = 1e-4, *,
-                options: RecipeOptions | None = None,
-                **legacy) -> optax.GradientTransformationExtraArgs:
+                options: RecipeOptions | None = None
+                ) -> optax.GradientTransformationExtraArgs:
   """AdamW preconditioned on each worker, error feedback on the update
   (module doc).
 
@@ -241,8 +251,6 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
     weight_decay: λ, decoupled (x ← x − η·λ·x).
     options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
       the defaults.
-    **legacy: 0.2's ``b1``, ``b2``, ``clip_norm``, ``mask`` and
-      ``axis_name`` keywords (``DeprecationWarning``; removed in 0.4).
 
   Returns:
     An optax ``GradientTransformationExtraArgs``; make its state with
@@ -255,11 +263,8 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
     TypeError: an unknown keyword.
   """
-  legacy = recipe_checks.moved("local_adamw", legacy,
-                               ("b1", "b2") + RecipeOptions._fields)
-  b1, b2 = recipe_checks.betas("local_adamw", betas, legacy)
-  clip_norm, mask, axis_name = recipe_checks.options("local_adamw", options,
-                                                     legacy)
+  b1, b2 = recipe_checks.betas("local_adamw", betas)
+  clip_norm, mask, axis_name = recipe_checks.options("local_adamw", options)
   _require_trainable(plan, "local_adamw")
   learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "local_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
@@ -272,11 +277,13 @@ def local_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       _tail(learning_rate, weight_decay, mask)), axis_name)
 
 
-def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+@_deprecated.legacy_keywords(recipe_checks.upgrade(
+    "sync_adamw", ("b1", "b2") + RecipeOptions._fields))
+def sync_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                weight_decay: float = 1e-4, *,
-               options: RecipeOptions | None = None,
-               **legacy) -> optax.GradientTransformationExtraArgs:
+               options: RecipeOptions | None = None
+               ) -> optax.GradientTransformationExtraArgs:
   """The baseline: sparse-sync the gradient, then AdamW (``clip_norm``
   clips the synced gradient's global norm, after the sync).
 
@@ -288,8 +295,6 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
     weight_decay: λ, decoupled (x ← x − η·λ·x).
     options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
       the defaults.
-    **legacy: 0.2's ``b1``, ``b2``, ``clip_norm``, ``mask`` and
-      ``axis_name`` keywords (``DeprecationWarning``; removed in 0.4).
 
   Returns:
     An optax ``GradientTransformationExtraArgs``; make its state with
@@ -302,11 +307,8 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
     TypeError: an unknown keyword.
   """
-  legacy = recipe_checks.moved("sync_adamw", legacy,
-                               ("b1", "b2") + RecipeOptions._fields)
-  b1, b2 = recipe_checks.betas("sync_adamw", betas, legacy)
-  clip_norm, mask, axis_name = recipe_checks.options("sync_adamw", options,
-                                                     legacy)
+  b1, b2 = recipe_checks.betas("sync_adamw", betas)
+  clip_norm, mask, axis_name = recipe_checks.options("sync_adamw", options)
   _require_trainable(plan, "sync_adamw")
   learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "sync_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
@@ -320,20 +322,13 @@ def sync_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
                   mask=mask)), axis_name)
 
 
-class OnebitState(NamedTuple):
-  count: jax.Array     # steps taken, int32 (replicated)
-  nu_count: jax.Array  # steps that updated nu (the dense phase)
-  mu: grouped.Grouped  # replicated first moment (``first_moment``)
-  nu: Any              # replicated second moment (frozen in sparse phases)
-  sync: transform.SparseSyncState
-  clip: Any = ()       # per-worker bucket norms (clip_norm set), every phase
-
-
-def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+@_deprecated.legacy_keywords(recipe_checks.upgrade(
+    "onebit_adamw", ("b1", "b2") + RecipeOptions._fields))
+def onebit_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
                   betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                   weight_decay: float = 1e-4, *,
-                  options: RecipeOptions | None = None,
-                  **legacy) -> optax.GradientTransformationExtraArgs:
+                  options: RecipeOptions | None = None
+                  ) -> optax.GradientTransformationExtraArgs:
   """1-bit Adam's scheme with top-k in place of 1-bit (module doc).
 
   Its plan decides the stage: a density-1 plan (``with_density(plan, 1)``,
@@ -358,8 +353,6 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
     weight_decay: λ, decoupled (x ← x − η·λ·x).
     options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
       the defaults.
-    **legacy: 0.2's ``b1``, ``b2``, ``clip_norm``, ``mask`` and
-      ``axis_name`` keywords (``DeprecationWarning``; removed in 0.4).
 
   Returns:
     An optax ``GradientTransformationExtraArgs``; make its state with
@@ -372,11 +365,8 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
     TypeError: an unknown keyword.
   """
-  legacy = recipe_checks.moved("onebit_adamw", legacy,
-                               ("b1", "b2") + RecipeOptions._fields)
-  b1, b2 = recipe_checks.betas("onebit_adamw", betas, legacy)
-  clip_norm, mask, axis_name = recipe_checks.options("onebit_adamw", options,
-                                                     legacy)
+  b1, b2 = recipe_checks.betas("onebit_adamw", betas)
+  clip_norm, mask, axis_name = recipe_checks.options("onebit_adamw", options)
   _require_trainable(plan, "onebit_adamw")
   learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       "onebit_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
@@ -396,15 +386,16 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
     plan.validate(params)   # names the leaves that differ, before grouping
     zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32),
                          params)
-    return OnebitState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
-                       grouped.group(lay, zeros), zeros, sync.init(params),
-                       bucket_clip.init(params) if clip_norm else ())
+    return moments.OnebitState(
+        jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
+        grouped.group(lay, zeros), zeros, sync.init(params),
+        bucket_clip.init(params) if clip_norm else ())
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     cast = lambda tree, like: jax.tree.map(lambda x, y: x.astype(y.dtype),
                                            tree, like)
-    _check_moment(lay, state.mu)
+    moments.check_moment(lay, state.mu)
     treedef = jax.tree.structure(updates)
     clip_state = state.clip
     if dense_phase:
@@ -443,111 +434,13 @@ def onebit_adamw(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
         lambda m, v: jnp.where(nu_count > 0,
                                (m / c1) / (jnp.sqrt(v / c2) + eps), 0.0),
         grouped.ungroup(lay, mu, treedef), nu)
-    new_state = OnebitState(count, nu_count, mu, nu, sync_state, clip_state)
+    new_state = moments.OnebitState(count, nu_count, mu, nu, sync_state,
+                                    clip_state)
     return cast(step, updates), new_state
 
   return _recipe("onebit_adamw", plan, optax.chain(
       optax.GradientTransformationExtraArgs(init_fn, update_fn),
       _tail(learning_rate, weight_decay, mask)), axis_name)
-
-
-def second_moment(state: Any, b2: float = 0.999) -> list:
-  """``onebit_adamw``'s bias-corrected second moment, v̂ = ν / (1 −
-  b2^nu_count), as host arrays (float64), from the one ``OnebitState``
-  anywhere inside an optimizer state. ν is replicated (the dense phase
-  updates it from the synced gradient), so every worker and host reads the
-  same values. Raises ``SyncError`` when ``state`` holds no such state.
-
-  Args:
-    state: an optimizer state holding one ``OnebitState``.
-    b2: the β₂ the optimizer was made with, in [0, 1).
-
-  Returns:
-    v̂ per leaf, a list of float64 numpy arrays in leaf order.
-
-  Raises:
-    SyncError: ``state`` holds no ``OnebitState`` (or more than one), or
-      ``b2`` is out of range.
-  """
-  recipe_checks.check_betas("second_moment", b2=b2)
-  one = _onebit_state(state, "second_moment")
-  count = int(jax.device_get(one.nu_count))
-  scale = 1.0 / (1.0 - b2 ** max(count, 1))
-  return [np.asarray(jax.device_get(v), np.float64) * scale
-          for v in jax.tree.leaves(one.nu)]
-
-
-def second_moment_change(before: list, now: list) -> float:
-  """How much the second moment moved (``second_moment`` of two states)::
-
-    change = ‖v̂_now − v̂_before‖₁ / ‖v̂_now‖₁
-
-  A run may end its dense phase once the change over N steps falls below a
-  tolerance: the settling that 0/1 Adam's variance freezing relies on.
-
-  Args:
-    before: ``second_moment`` of the earlier state.
-    now: ``second_moment`` of the later state (the same leaves).
-
-  Returns:
-    The change, a float (inf when ``now`` is all zero).
-
-  Raises:
-    ValueError: the two lists' arrays have different shapes (numpy's).
-  """
-  moved = sum(np.abs(a - b).sum() for a, b in zip(before, now))
-  size = sum(np.abs(b).sum() for b in now)
-  return float(moved / size) if size > 0 else float("inf")
-
-
-def first_moment(state: Any, plan: plan_lib.Plan) -> Any:
-  """``onebit_adamw``'s first moment m in the params' shapes (float32),
-  from the one ``OnebitState`` anywhere inside an optimizer state and the
-  plan it was made with. The state keeps m as the all-gather decode
-  writes it (``jaxfuse.grouped``). Raises ``SyncError`` when ``state``
-  holds no such state, ``PlanError`` for another plan's state.
-
-  Args:
-    state: an optimizer state holding one ``OnebitState``.
-    plan: the plan the state was made with.
-
-  Returns:
-    m, a pytree of float32 arrays in the params' structure and shapes.
-
-  Raises:
-    SyncError: ``state`` holds no ``OnebitState``, or more than one.
-    PlanError: the state was made for another plan's layout.
-  """
-  one = _onebit_state(state, "first_moment")
-  part = transform.layout_mismatch(one.sync, plan)
-  if part:
-    raise plan_lib.PlanError(
-        f"first_moment: the state was made for a plan whose {part} differ "
-        "from this plan's; pass the plan the state was made for.")
-  lay = grouped.layout(bucket_steps.compile_plan(plan))
-  return grouped.ungroup(lay, one.mu, jax.tree.structure(one.nu))
-
-
-def _onebit_state(state: Any, where: str) -> OnebitState:
-  ones = [x for x in jax.tree.leaves(
-      state, is_leaf=lambda x: isinstance(x, OnebitState))
-          if isinstance(x, OnebitState)]
-  if len(ones) != 1:
-    raise transform.SyncError(
-        f"{where}: the state holds {len(ones)} onebit_adamw states; "
-        "pass the optimizer state of a run with one onebit_adamw.")
-  return ones[0]
-
-
-def _check_moment(lay, mu) -> None:
-  try:
-    grouped.check(lay, mu)
-  except plan_lib.PlanError as e:
-    raise transform.SyncError(
-        f"onebit_adamw: the state's first moment does not fit this plan "
-        f"({e}) Create the state with this optimizer "
-        "(jaxfuse.init_state), or restore it with jaxfuse.checkpoint, "
-        "which converts checkpoints of earlier versions.") from None
 
 
 def _record_bucket_norms(plan, grads, state: transform.PerWorkerState):
@@ -557,10 +450,12 @@ def _record_bucket_norms(plan, grads, state: transform.PerWorkerState):
       clipping.record_bucket_norms(plan, grads, local).norms[None]))
 
 
-def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
+@_deprecated.legacy_keywords(recipe_checks.upgrade(
+    "demo", RecipeOptions._fields))
+def demo(plan: plans.Plan, learning_rate: ScalarOrSchedule,
          momentum: float = 0.999, weight_decay: float = 1e-4, *,
-         sign: bool = True, options: RecipeOptions | None = None,
-         **legacy) -> optax.GradientTransformationExtraArgs:
+         sign: bool = True, options: RecipeOptions | None = None
+         ) -> optax.GradientTransformationExtraArgs:
   """DeMo: the decaying local momentum is the error-feedback buffer
   (module doc).
 
@@ -572,8 +467,6 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
     sign: step by the sign of the synced momentum (DeMo's); False: by it.
     options: ``jaxfuse.RecipeOptions(clip_norm, mask, axis_name)``; None:
       the defaults.
-    **legacy: 0.2's ``mask``, ``clip_norm`` and ``axis_name`` keywords
-      (``DeprecationWarning``; removed in 0.4).
 
   Returns:
     An optax ``GradientTransformationExtraArgs``; make its state with
@@ -586,8 +479,7 @@ def demo(plan: plan_lib.Plan, learning_rate: ScalarOrSchedule,
       of ``STATIC_ARGS["demo"]`` is traced.
     TypeError: an unknown keyword.
   """
-  legacy = recipe_checks.moved("demo", legacy, RecipeOptions._fields)
-  clip_norm, mask, axis_name = recipe_checks.options("demo", options, legacy)
+  clip_norm, mask, axis_name = recipe_checks.options("demo", options)
   _require_trainable(plan, "demo")
   learning_rate, momentum, weight_decay, clip_norm = recipe_checks.numbers(
       "demo", learning_rate=learning_rate, momentum=momentum,

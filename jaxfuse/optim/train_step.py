@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-import inspect
 from typing import Any, Callable, NamedTuple, Sequence
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +41,13 @@ from jaxfuse.optim import compile_options
 from jaxfuse.optim import overlap
 from jaxfuse.state import placement
 from jaxfuse import plans
-from jaxfuse.optim import recipes
 from jaxfuse import transform
 from jaxfuse.optim.phases import Phase
 from jaxfuse.optim.phases import check_phases
 from jaxfuse.optim.phases import phase_index
+from jaxfuse.optim.phases import wire_warnings
 from jaxfuse.optim import local_step
+from jaxfuse.optim import step_args
 from jaxfuse.planning import agreement
 
 
@@ -148,6 +148,9 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
   params with the phase of ``state.step``'s optimizer (which syncs the
   g_k) and returns ``(new_state, loss)``, the loss averaged over the
   workers.
+  A phase whose sparse steps would receive more bytes per worker than a
+  dense step on the mesh's workers is named in a ``UserWarning``
+  (``jaxfuse.optim.phases.wire_warnings``), once, when the step is made.
 
   Examples:
     >>> opt = functools.partial(jaxfuse.onebit_adamw, learning_rate=3e-4)
@@ -198,18 +201,20 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
                      f"{options.axis_name!r}: make it with jaxfuse.make_mesh() "
                      "or set StepOptions(axis_name=...).")
   phases = _as_phases(phases)
-  factory = _as_factory(optimizer)
-  opt = _build(factory, phases[-1].plan)
+  _wire_warnings(phases, mesh, options.axis_name)
+  factory = step_args.as_factory(optimizer)
+  opt = step_args.build(factory, phases[-1].plan)
   params = _replicated_copy(params, mesh)
   model_state = options.model_state
   if model_state is not None:
     model_state = _replicated_copy(model_state, mesh)
   init_at = params
   if options.grad_at is not None:   # the state of the gradients' dtypes
-    init_at = _in_plan_dtypes(params, phases[-1].plan)
+    init_at = step_args.in_plan_dtypes(params, phases[-1].plan)
   opt_state = placement.init_state(opt, init_at, mesh, options.axis_name)
   if options.grad_at is not None:
-    _check_grad_at(options.grad_at, params, opt_state, phases[-1].plan)
+    step_args.check_grad_at(options.grad_at, params, opt_state,
+                            phases[-1].plan)
   if not transform.holds(opt_state, transform.is_sync_state):
     raise TypeError(
         "optimizer(plan) holds no jaxfuse.sparse_sync, so the workers' "
@@ -222,47 +227,18 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
   return TrainState(params, opt_state, model_state, 0), step
 
 
-def _in_plan_dtypes(params: Any, plan: plans.Plan) -> Any:
-  """``params`` cast to the dtypes ``plan`` records for its leaves (those
-  of the gradients it syncs), or ``params`` where they are the same."""
-  leaves, treedef = jax.tree.flatten(params)
-  if len(leaves) != len(plan.leaves) or all(
-      str(jnp.result_type(x)) == leaf.dtype
-      for x, leaf in zip(leaves, plan.leaves)):
-    return params    # (init_state names a plan of other leaves)
-  return jax.tree.unflatten(treedef, [
-      x.astype(leaf.dtype) for x, leaf in zip(leaves, plan.leaves)])
-
-
-def _check_grad_at(grad_at: Callable, params: Any, opt_state: Any,
-                   plan: plans.Plan) -> None:
-  """``grad_at(params, opt_state)`` has the params' structure and shapes,
-  and the dtypes ``plan`` was made for."""
-  try:
-    shapes = jax.eval_shape(grad_at, params, opt_state)
-  except Exception as e:  # pylint: disable=broad-except
-    raise TypeError(f"StepOptions.grad_at(params, opt_state) failed ({e}); "
-                    "it must take the params and the optimizer state and "
-                    "return the params to differentiate at.") from e
-  if jax.tree.structure(shapes) != jax.tree.structure(params):
-    raise TypeError(
-        "StepOptions.grad_at returned another structure than the params "
-        f"({jax.tree.structure(shapes)} against "
-        f"{jax.tree.structure(params)}); return the params, e.g. cast.")
-  for (path, x), s, leaf in zip(jax.tree_util.tree_leaves_with_path(params),
-                                jax.tree.leaves(shapes), plan.leaves):
-    where = f"params{jax.tree_util.keystr(path)}"
-    if np.shape(x) != s.shape:
-      raise TypeError(
-          f"StepOptions.grad_at: {where} has shape {np.shape(x)}, but "
-          f"grad_at returns {s.shape}; return each leaf in its own shape "
-          "(a cast or a shift of it).")
-    if str(s.dtype) != leaf.dtype:
-      raise TypeError(
-          f"StepOptions.grad_at returns {where} as {s.dtype}, but the plan "
-          f"was made for {leaf.dtype}; make the plan from the params as "
-          "grad_at returns them (jaxfuse.plan(<params cast to that "
-          "dtype>, ...)).")
+def _wire_warnings(phases: tuple[Phase, ...], mesh: jax.sharding.Mesh,
+                   axis_name: str) -> None:
+  """``phases.wire_warnings`` on the mesh's workers: K = the size of
+  ``axis_name``, or the mesh's (hosts, devices per host) for a two-axis
+  mesh (a ``"hier"`` plan's)."""
+  workers = (tuple(int(n) for n in mesh.devices.shape)
+             if mesh.devices.ndim == 2 else mesh.shape[axis_name])
+  with warnings.catch_warnings():   # said again, at the caller's line
+    warnings.simplefilter("ignore", UserWarning)
+    messages = wire_warnings(phases, workers)
+  for message in messages:
+    warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _replicated_copy(tree: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -285,62 +261,6 @@ def _as_phases(phases: Any) -> tuple[Phase, ...]:
   phases = tuple(phases)
   check_phases(phases)
   return phases
-
-
-def _as_factory(optimizer: Any) -> Callable[[plans.Plan], Any]:
-  """``optimizer`` as a function ``plan -> optax transform``."""
-  if isinstance(optimizer, str):
-    optimizer = (optimizer, {})
-  if isinstance(optimizer, tuple) and optimizer and isinstance(optimizer[0],
-                                                               str):
-    return _recipe_factory(*optimizer)
-  if callable(getattr(optimizer, "init", None)) and callable(
-      getattr(optimizer, "update", None)):
-    raise TypeError(
-        "optimizer: got a built optax transform; make_train_step builds one "
-        "per phase from the phase's plan, so pass a factory plan -> "
-        "transform, e.g. functools.partial(jaxfuse.onebit_adamw, "
-        "learning_rate=3e-4), or a recipe by name: ('onebit_adamw', "
-        "{'learning_rate': 3e-4}).")
-  if not callable(optimizer):
-    raise TypeError(f"optimizer: expected a factory plan -> optax transform "
-                    f"or a recipe name, got {type(optimizer).__name__}.")
-  return optimizer
-
-
-def _recipe_factory(name: str, settings: dict | None = None, *rest):
-  """``RECIPES[name]`` with ``settings`` bound, checked against its
-  signature."""
-  if rest or not isinstance(settings, dict):
-    raise TypeError(f"optimizer=({name!r}, ...): give the recipe's settings "
-                    "as one dict, e.g. ('sgd', {'learning_rate': 0.1}).")
-  if name not in recipes.RECIPES:
-    raise ValueError(f"optimizer={name!r} is not a recipe; use one of "
-                     f"{', '.join(sorted(recipes.RECIPES))} or a factory "
-                     "plan -> optax transform.")
-  recipe = recipes.RECIPES[name]
-  params = list(inspect.signature(recipe).parameters.values())[1:]
-  known = {p.name for p in params}
-  unknown = sorted(set(settings) - known)
-  if unknown:
-    raise ValueError(f"optimizer=({name!r}, ...): jaxfuse.{name} has no "
-                     f"setting {', '.join(unknown)}; it takes "
-                     f"{', '.join(sorted(known))}.")
-  missing = [p.name for p in params if p.default is inspect.Parameter.empty
-             and p.kind != inspect.Parameter.VAR_KEYWORD
-             and p.name not in settings]
-  if missing:
-    raise ValueError(f"optimizer={name!r}: jaxfuse.{name} needs "
-                     f"{', '.join(missing)}; give it with the name, e.g. "
-                     f"({name!r}, {{{missing[0]!r}: ...}}).")
-  return functools.partial(recipe, **settings)
-
-
-def _build(factory: Callable, plan: plans.Plan):
-  """``factory(plan)``, checked to be an optax transform."""
-  opt = factory(plan)
-  placement.require_transform(opt, "make_train_step's optimizer(plan)")
-  return opt
 
 
 class TrainStep:
@@ -457,7 +377,7 @@ class TrainStep:
     """
     plan = self.phases[index].plan
     if id(plan) not in self._compiled:
-      opt = _build(self._factory, plan)
+      opt = step_args.build(self._factory, plan)
       local = local_step.per_worker_step(
           self._loss_fn, opt, self.options.has_aux,
           self.options.model_state is not None, self.options.axis_name,

@@ -13,21 +13,22 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse.planning import costs as costs_lib
-from jaxfuse import plans as plan_lib
-from jaxfuse.planning import simulate as simulate_lib
+from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import LinearCost
+from jaxfuse import plans
+from jaxfuse.planning import simulate
 
 
-def _leaf_wire_bytes(leaf: plan_lib.LeafPlan, settings: plan_lib.Settings,
+def _leaf_wire_bytes(leaf: plans.LeafPlan, settings: plans.Settings,
                      collective: str) -> int:
   """A dense leaf's bytes, or a sparse leaf's slots as ``collective``
   carries them (``plans.wire_unit``)."""
   if leaf.mode == "dense":
     return leaf.size * jnp.dtype(leaf.dtype).itemsize
-  unit = plan_lib.Unit((0,), leaf.size, leaf.capacity, leaf.density,
-                       leaf.estimator, leaf.dtype)
-  return plan_lib.payload_bytes(plan_lib.wire_unit(unit, settings,
-                                                   collective))
+  unit = plans.Unit((0,), leaf.size, leaf.capacity, leaf.density,
+                    leaf.estimator, leaf.dtype)
+  return plans.payload_bytes(plans.wire_unit(unit, settings,
+                                          collective))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +43,14 @@ class GroupingProblem:
   backward: tuple[float, ...]
   compress: tuple[float, ...]
   wire: tuple[int, ...]
-  allgather: costs_lib.LinearCost
-  psum: costs_lib.LinearCost
+  allgather: LinearCost
+  psum: LinearCost
   forward: float
   overlap: float
   bucket: float = 0.0   # compute per sparse bucket (``costs.bucket``)
 
   @classmethod
-  def from_plan(cls, plan: plan_lib.Plan, costs: costs_lib.Costs,
+  def from_plan(cls, plan: plans.Plan, costs: Costs,
                 order: Sequence[int] | None = None) -> "GroupingProblem":
     """The problem of grouping ``plan``'s leaves under ``costs``.
 
@@ -70,11 +71,11 @@ class GroupingProblem:
       CostsError: if ``costs`` does not fit ``plan``'s leaves.
     """
     costs.check(len(plan.leaves))
-    order = tuple(int(i) for i in (simulate_lib.backward_order(plan)
+    order = tuple(int(i) for i in (simulate.backward_order(plan)
                                    if order is None else order))
-    if not plan_lib.is_leaf_order(order, len(plan.leaves)):
-      raise plan_lib.PlanError(f"order must list each of the "
-                               f"{len(plan.leaves)} leaf ids once.")
+    if not plans.is_leaf_order(order, len(plan.leaves)):
+      raise plans.PlanError(f"order must list each of the "
+                            f"{len(plan.leaves)} leaf ids once.")
     leaves = [plan.leaves[i] for i in order]
     sparse = tuple(l.mode == "sparse" for l in leaves)
     collective_of = {j: b.collective for b in plan.buckets for j in b.leaves}

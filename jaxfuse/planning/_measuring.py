@@ -2,9 +2,9 @@
 
 ``profiling`` re-exports these (``profiling.Model``, ``profiling.Timing``,
 ``profiling.Compression``, ``profiling.Sweep``); the measuring functions
-take them instead of one keyword per field. ``upgrade_keywords`` maps the
-keywords those functions took up to 0.2 onto them, with a
-``DeprecationWarning`` (removed in 0.4).
+take them instead of one keyword per field. ``legacy_groups`` (for
+``jaxfuse._deprecated.legacy_keywords``) maps the keywords those functions
+took up to 0.2 onto them, with a ``DeprecationWarning`` (removed in 0.4).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ _GROUPS = {"repeats": Timing, "warmup": Timing, "chain": Timing,
            "compress_sizes": Sweep}
 
 
-def upgrade_keywords(where: str, old: Mapping[str, Any],
+def upgrade_keywords(where: str, old: Mapping[str, Any], *,
+                     stacklevel: int = 3,
                      **groups: NamedTuple) -> dict[str, NamedTuple]:
   """``groups`` (keyword -> the ``Timing``, ``Compression`` or ``Sweep``
   given) with the 0.2 keywords of ``old`` folded in, one
@@ -80,6 +81,8 @@ def upgrade_keywords(where: str, old: Mapping[str, Any],
   Args:
     where: the function called, for the messages (e.g. "profile").
     old: the keywords it was called with beyond its own parameters.
+    stacklevel: the warnings' (``warnings.warn``'s), 3: this function's
+      caller's caller.
     **groups: the grouped parameters the function was given, by name; a
       dotted name ("sweep.timing") is a group inside another.
 
@@ -104,6 +107,51 @@ def upgrade_keywords(where: str, old: Mapping[str, Any],
     warnings.warn(
         f"{where}({key}=...) is deprecated: pass {outer}={new} "
         f"(jaxfuse.planning.profiling.{kind.__name__}); the keyword goes in "
-        "0.4.", DeprecationWarning, stacklevel=3)
+        "0.4.", DeprecationWarning, stacklevel=stacklevel)
     groups[name] = groups[name]._replace(**{key: value})
   return groups
+
+
+def legacy_groups(where: str, frames: int = 0,
+                  **groups: NamedTuple) -> Callable[[dict], dict]:
+  """The upgrade of a measuring function for
+  ``jaxfuse._deprecated.legacy_keywords``: its 0.2 keywords (those of
+  ``_GROUPS`` whose group it takes) folded into its groups by
+  ``upgrade_keywords``.
+
+  Args:
+    where: the function, for the messages (e.g. "profile").
+    frames: the wrappers between ``legacy_keywords``' and the caller
+      (another ``legacy_keywords`` stacked on top: 1), so that each
+      warning names the caller's line.
+    **groups: the group parameters by name and their defaults; a dotted
+      name ("sweep.timing") is a group inside another (its default is
+      taken from the outer one).
+
+  Returns:
+    ``kwargs -> kwargs``; any other keyword passes through (the function's
+    own ``TypeError`` names an unknown one).
+
+  Raises:
+    Nothing itself.
+  """
+  kinds = {type(v) for v in groups.values()}
+
+  def run(kwargs: dict) -> dict:
+    old = {k: kwargs.pop(k) for k in list(kwargs)
+           if k not in groups and _GROUPS.get(k) in kinds}
+    if not old:
+      return kwargs
+    given = {k: kwargs.get(k, v) for k, v in groups.items() if "." not in k}
+    for name in groups:
+      outer, _, inner = name.partition(".")
+      if inner:
+        given[name] = getattr(given[outer], inner)
+    new = upgrade_keywords(where, old, stacklevel=4 + frames, **given)
+    for name in groups:
+      outer, _, inner = name.partition(".")
+      if inner:
+        new[outer] = new[outer]._replace(**{inner: new.pop(name)})
+    kwargs.update(new)
+    return kwargs
+  return run

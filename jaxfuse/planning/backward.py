@@ -21,11 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse import _deprecated
 from jaxfuse.optim import overlap
 from jaxfuse.planning import ordering
 from jaxfuse.planning._measuring import Model
 from jaxfuse.planning._measuring import Timing
-from jaxfuse.planning._measuring import upgrade_keywords
+from jaxfuse.planning._measuring import legacy_groups
 from jaxfuse.planning.timing import ProfileError
 from jaxfuse.planning.timing import jit as _jit
 from jaxfuse.planning.timing import time_call
@@ -343,11 +344,38 @@ def derive_backward(loss_fn: Callable, params, example_args: Sequence = (), *,
 VALIDATE_TIMING = Timing(repeats=7)
 
 
+def _upgrade_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+  """``validate_backward``'s arguments with the 0.2 form (loss_fn, params,
+  example_args=(), backward=None) made (Model, backward), with a
+  ``DeprecationWarning``: the upgrade of ``_deprecated.legacy_positional``.
+  """
+  if args and callable(args[0]):
+    warnings.warn(
+        "validate_backward(loss_fn, params, example_args, backward) is "
+        "deprecated: pass validate_backward(Model(loss_fn, params, "
+        "example_args), backward) (jaxfuse.planning.profiling.Model); the "
+        "old form goes in 0.4.", DeprecationWarning, stacklevel=3)
+    loss_fn, rest = args[0], args[1:]
+    params = rest[0] if rest else kwargs.pop("backward", None)
+    example_args = rest[1] if len(rest) > 1 else kwargs.pop(
+        "example_args", ())
+    backward = rest[2] if len(rest) > 2 else kwargs.pop("backward", None)
+    return (Model(loss_fn, params, example_args), backward), kwargs
+  if len(args) > 2:
+    raise TypeError("validate_backward(model, backward) takes 2 positional "
+                    f"arguments, not {len(args)}: give the rest by "
+                    "keyword.")
+  return args, kwargs
+
+
+@_deprecated.legacy_positional(_upgrade_args)
+@_deprecated.legacy_keywords(legacy_groups("validate_backward", 1,
+                                           timing=VALIDATE_TIMING))
 def validate_backward(model: Model, backward: Sequence[float] | None = None,
-                      *legacy, order: Sequence[int] | None = None,
+                      *, order: Sequence[int] | None = None,
                       num_prefixes: int = 3,
-                      timing: Timing = VALIDATE_TIMING, device=None,
-                      **deprecated) -> dict:
+                      timing: Timing = VALIDATE_TIMING,
+                      device=None) -> dict:
   """Measured vs derived ready times of the first leaves of the backward.
 
   For k leaves ready first (``num_prefixes`` values of k spread over the
@@ -364,13 +392,14 @@ def validate_backward(model: Model, backward: Sequence[float] | None = None,
       still works, with a ``DeprecationWarning``.
     backward: derived per-leaf backward times (pytree order); default
       ``derive_backward`` with the device's measured rates.
-    *legacy: the 0.2 form's ``example_args`` and ``backward``.
     order: leaf ids in backward-ready order (default
       ``ordering.ready_order``).
     num_prefixes: how many prefixes of the ready order to measure.
     timing: a ``Timing`` (``repeats`` and ``warmup`` are used).
     device: the device to run on (default the first local one).
-    **deprecated: the 0.2 keywords ``repeats`` and ``warmup``.
+
+  (0.2's keywords ``repeats`` and ``warmup`` still work until 0.4, with a
+  ``DeprecationWarning``.)
 
   Returns:
     {"device", "forward", "backward", "prefixes": [{"leaves", "measured",
@@ -382,21 +411,6 @@ def validate_backward(model: Model, backward: Sequence[float] | None = None,
     TypeError: for more than two positional arguments after a ``Model``,
       or a keyword that is neither its own nor a 0.2 one.
   """
-  if callable(model):   # 0.2: (loss_fn, params, example_args=(), backward)
-    warnings.warn(
-        "validate_backward(loss_fn, params, example_args, backward) is "
-        "deprecated: pass validate_backward(Model(loss_fn, params, "
-        "example_args), backward) (jaxfuse.planning.profiling.Model); the "
-        "old form goes in 0.4.", DeprecationWarning, stacklevel=2)
-    example_args = legacy[0] if legacy else deprecated.pop("example_args", ())
-    model, backward = Model(model, backward, example_args), (
-        legacy[1] if len(legacy) > 1 else deprecated.pop("backward", None))
-  elif legacy:
-    raise TypeError("validate_backward(model, backward) takes 2 positional "
-                    f"arguments, not {2 + len(legacy)}: give the rest by "
-                    "keyword.")
-  timing = upgrade_keywords("validate_backward", deprecated,
-                            timing=timing)["timing"]
   loss_fn, params, example_args = model
   repeats, warmup = timing.repeats, timing.warmup
   device = device or jax.local_devices()[0]

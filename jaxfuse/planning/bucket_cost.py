@@ -28,6 +28,8 @@ all_gather adds to a bucket, past its wire steps.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Callable, Sequence
 import warnings
@@ -38,12 +40,13 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxfuse import _compat
+from jaxfuse import _deprecated
 from jaxfuse.sync import bucket_steps
-from jaxfuse import plans as plan_lib
-from jaxfuse.planning import costs as costs_lib
+from jaxfuse import plans
+from jaxfuse.planning import costs
 from jaxfuse.planning._measuring import Compression
 from jaxfuse.planning._measuring import Timing
-from jaxfuse.planning._measuring import upgrade_keywords
+from jaxfuse.planning._measuring import legacy_groups
 from jaxfuse.planning.backward import synthetic_model
 from jaxfuse.planning.timing import ProfileError
 from jaxfuse.planning.timing import jit as _jit
@@ -65,10 +68,12 @@ def _platform_key() -> str:
   return "cpu" if jax.devices()[0].platform == "cpu" else "other"
 
 
+@_deprecated.legacy_keywords(legacy_groups(
+    "measure_bucket_cost", compression=Compression(), timing=Timing()))
 def measure_bucket_cost(mesh, *, units: int = 8, elements: int | None = None,
                         compression: Compression = Compression(),
-                        timing: Timing = Timing(), axis_name: str = "data",
-                        **deprecated) -> tuple[float, dict]:
+                        timing: Timing = Timing(), axis_name: str = "data"
+                        ) -> tuple[float, dict]:
   """The compute per sparse bucket beyond its units' compression.
 
   The module docstring's c = max(0, (t_u − t₁) / (u − 1)), on the first
@@ -82,8 +87,6 @@ def measure_bucket_cost(mesh, *, units: int = 8, elements: int | None = None,
     compression: the sparse step's estimator, density and headroom.
     timing: a ``Timing`` (``repeats`` and ``warmup`` are used).
     axis_name: the data axis's name.
-    **deprecated: the 0.2 keywords ``estimator``, ``density``,
-      ``headroom``, ``repeats`` and ``warmup``.
 
   Returns:
     (c, raw): c in seconds, and the raw times.
@@ -91,9 +94,6 @@ def measure_bucket_cost(mesh, *, units: int = 8, elements: int | None = None,
   Raises:
     ProfileError: if ``units`` < 2.
   """
-  groups = upgrade_keywords("measure_bucket_cost", deprecated,
-                            compression=compression, timing=timing)
-  compression, timing = groups["compression"], groups["timing"]
   if units < 2:
     raise ProfileError(f"units={units} must be >= 2 (one bucket against "
                        "several).")
@@ -160,11 +160,13 @@ def early_step(mesh, strategy: str, *, units: int, width: int,
   return step, (params, state, x)
 
 
+@_deprecated.legacy_keywords(legacy_groups(
+    "measure_compress", compression=Compression(), timing=Timing()))
 def measure_compress(sizes: Sequence[int], *,
                      compression: Compression = Compression(),
                      timing: Timing = Timing(), device=None,
-                     progress: Callable[[str], None] | None = None,
-                     **deprecated) -> list[tuple[int, float]]:
+                     progress: Callable[[str], None] | None = None
+                     ) -> list[tuple[int, float]]:
   """What one more selection unit of x elements adds to a sparse bucket.
 
   What a step runs: ``sparse_sync``'s update for one bucket of float32
@@ -184,8 +186,6 @@ def measure_compress(sizes: Sequence[int], *,
     timing: a ``Timing``.
     device: the device to run on (default the first local one).
     progress: called with a line before each size.
-    **deprecated: the 0.2 keywords ``estimator``, ``density``,
-      ``headroom``, ``chain``, ``repeats`` and ``warmup``.
 
   Returns:
     [(elements, seconds)] over ``sizes``.
@@ -194,14 +194,11 @@ def measure_compress(sizes: Sequence[int], *,
     ProfileError: for an unknown estimator or a chain that is not an int
       >= 1.
   """
-  groups = upgrade_keywords("measure_compress", deprecated,
-                            compression=compression, timing=timing)
-  compression, timing = groups["compression"], groups["timing"]
   estimator, chain = compression.estimator, timing.chain
-  if estimator not in plan_lib.ESTIMATORS:
+  if estimator not in plans.ESTIMATORS:
     raise ProfileError(f"estimator={estimator!r}; use one of "
-                       f"{plan_lib.ESTIMATORS}.")
-  if not (plan_lib.is_int(chain) and chain >= 1):
+                       f"{plans.ESTIMATORS}.")
+  if not (plans.is_int(chain) and chain >= 1):
     raise ProfileError(f"chain={chain!r} must be an int >= 1.")
   device = device or jax.local_devices()[0]
   mesh = jax.sharding.Mesh(np.array([device]), ("data",))
@@ -217,12 +214,39 @@ def measure_compress(sizes: Sequence[int], *,
   return out
 
 
-def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
+def _legacy_units(fn: Callable) -> Callable:
+  """``measure_scheme_costs`` still taking 0.2's ``units=`` (the bucket's
+  leaves; a ``DeprecationWarning``, removed in 0.4); its other keywords
+  go through ``fn``'s own upgrade."""
+  groups = legacy_groups("measure_scheme_costs",
+                         compression=Compression(), timing=Timing())
+
+  @functools.wraps(fn)
+  def wrapped(mesh, lines, **kwargs):
+    if "units" not in kwargs:
+      return fn(mesh, lines, **kwargs)
+    units = kwargs.pop("units")
+    warnings.warn("measure_scheme_costs(units=...) is deprecated: the "
+                  "bucket has SCHEME_UNITS leaves "
+                  "(jaxfuse.planning.profiling.SCHEME_UNITS); the keyword "
+                  "goes in 0.4.", DeprecationWarning, stacklevel=2)
+    kw = inspect.signature(fn).bind(mesh, lines, **groups(kwargs))
+    kw.apply_defaults()
+    kw = dict(kw.arguments)
+    return _scheme_costs(mesh, lines, kw.pop("sizes"),
+                         {k: kw[k] for k in ("compression", "timing",
+                                             "axis_name")}, units)
+  return wrapped
+
+
+@_legacy_units
+@_deprecated.legacy_keywords(legacy_groups(
+    "measure_scheme_costs", 1, compression=Compression(), timing=Timing()))
+def measure_scheme_costs(mesh, lines: costs.Costs, *,
                          sizes: Sequence[int] | None = None,
                          compression: Compression = Compression(),
-                         timing: Timing = Timing(), axis_name: str = "data",
-                         **deprecated
-                         ) -> tuple[dict[str, costs_lib.LinearCost], dict]:
+                         timing: Timing = Timing(), axis_name: str = "data"
+                         ) -> tuple[dict[str, costs.LinearCost], dict]:
   """The compute each sparse scheme of ``auto``'s other than all_gather
   adds to a bucket (``Costs.schemes``).
 
@@ -241,8 +265,6 @@ def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
     compression: the sparse step's estimator, density and headroom.
     timing: a ``Timing`` (``repeats`` and ``warmup`` are used).
     axis_name: the data axis's name.
-    **deprecated: the 0.2 keywords ``estimator``, ``density``,
-      ``headroom``, ``repeats``, ``warmup`` and ``units``.
 
   Returns:
     ({scheme: e_s}, raw): the fits, and the raw points.
@@ -250,23 +272,21 @@ def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
   Raises:
     ProfileError: if ``sizes`` has fewer than two distinct sizes >= 1.
   """
+  return _scheme_costs(mesh, lines, sizes, dict(
+      compression=compression, timing=timing, axis_name=axis_name),
+                       SCHEME_UNITS)
+
+
+def _scheme_costs(mesh, lines: costs.Costs, sizes, kw: dict,
+                  units: int):
+  """``measure_scheme_costs`` on buckets of ``units`` leaves; ``kw``: the
+  ``compression``, ``timing`` and ``axis_name`` of ``_time_sparse_step``."""
   from jaxfuse import collectives  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
-  units = SCHEME_UNITS
-  if "units" in deprecated:
-    units = deprecated.pop("units")
-    warnings.warn("measure_scheme_costs(units=...) is deprecated: the "
-                  "bucket has SCHEME_UNITS leaves "
-                  "(jaxfuse.planning.profiling.SCHEME_UNITS); the keyword "
-                  "goes in 0.4.", DeprecationWarning, stacklevel=2)
-  groups = upgrade_keywords("measure_scheme_costs", deprecated,
-                            compression=compression, timing=timing)
-  k = mesh.shape[axis_name]
   sizes = tuple(int(x) for x in (sizes or
                                  DEFAULT_SCHEME_SIZES[_platform_key()]))
   _check_sweep("sizes", sizes)
-  kw = dict(compression=groups["compression"], timing=groups["timing"],
-            axis_name=axis_name)
+  k = mesh.shape[kw["axis_name"]]
 
   def wire(plan):
     return math.fsum(lines.steps_time(s, k)
@@ -288,7 +308,7 @@ def measure_scheme_costs(mesh, lines: costs_lib.Costs, *,
       e = t_s - t_ag - (wire(plan_s) - wire(plan_ag))
       points.setdefault(name, []).append((slots, e))
       raw["points"].setdefault(name, []).append([slots, t_s, t_ag, e])
-  fits = {name: costs_lib.fit_linear(*zip(*pts))
+  fits = {name: costs.fit_linear(*zip(*pts))
           for name, pts in points.items() if len({c for c, _ in pts}) > 1}
   return fits, raw
 

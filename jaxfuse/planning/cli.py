@@ -29,7 +29,7 @@ import os
 import sys
 from typing import Sequence
 
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.planning.cli_io import Parser
 from jaxfuse.planning.cli_io import UsageError
 from jaxfuse.planning.cli_io import check_output
@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
                   help="sparse buckets' scheme: allgather, zen, spardl, hier"
                   + _plan_default("collective")
                   + "; with --costs, auto picks one per bucket")
-  pl.add_argument("--sparse-wire", choices=plan_lib.SPARSE_WIRES,
+  pl.add_argument("--sparse-wire", choices=plans.SPARSE_WIRES,
                   help="the sparse values' wire dtype: bfloat16 sends float32 "
                   "slots in 6 bytes instead of 8 (default: the gradient's)")
   pl.add_argument("--packed-indices", action="store_true", default=None,

@@ -13,7 +13,7 @@ import os
 from typing import Sequence
 
 from jaxfuse.sync import bucket_steps
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.planning.cli_io import UsageError
 from jaxfuse.planning.cli_io import load_costs
 from jaxfuse.planning.cli_io import load_plan
@@ -33,8 +33,8 @@ def _short(path: str, width: int = 28) -> str:
 
 def plan_table(plan, timeline=None) -> str:
   """One row per bucket (and totals); with a timeline, its times in ms."""
-  from jaxfuse import plans as plan_lib  # pylint: disable=g-import-not-at-top
-  wire = plan_lib.bucket_payload_bytes(plan)
+  from jaxfuse import plans  # pylint: disable=g-import-not-at-top
+  wire = plans.bucket_payload_bytes(plan)
   header = ["bucket", "collective", "leaves", "elements", "capacity",
             "wire bytes"]
   if timeline is not None:
@@ -187,7 +187,7 @@ def _with_overlap(costs, plan, overlap: float | None):
   planned = plan.provenance.get("overlap")
   if overlap is not None:
     return costs.replace(overlap=overlap), "--overlap"
-  if plan_lib.is_real(planned) and 0 <= planned <= 1:
+  if plans.is_real(planned) and 0 <= planned <= 1:
     return costs.replace(overlap=float(planned)), "the plan's"
   return costs, "the costs'"
 
@@ -209,7 +209,7 @@ def cmd_show(args) -> int:
                      "--costs COSTS.json too.")
   planned = plan.provenance.get("num_workers")   # the K it was made for
   workers = (args.num_workers or
-             (planned if plan_lib.is_int(planned) and planned >= 1 else None)
+             (planned if plans.is_int(planned) and planned >= 1 else None)
              or (costs and costs.workers))
   mesh = host_mesh(workers, args.local)
   measured = step = None

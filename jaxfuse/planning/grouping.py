@@ -6,7 +6,7 @@ The one step every strategy shares, below them all: the rules in
 
 from __future__ import annotations
 
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 
 
 def cut_last(groups, nbytes, limit: int) -> list[list[int]]:
@@ -32,7 +32,7 @@ def cut_last(groups, nbytes, limit: int) -> list[list[int]]:
 
 def buckets_from_groups(leaves, groups, *, behind: bool, headroom: float,
                         collective: str = "allgather"
-                        ) -> tuple[plan_lib.BucketPlan, ...]:
+                        ) -> tuple[plans.BucketPlan, ...]:
   """Each group (leaf ids in ready order) -> a sparse bucket moved by
   ``collective``, then a dense one (``"psum"``).
 
@@ -47,11 +47,11 @@ def buckets_from_groups(leaves, groups, *, behind: bool, headroom: float,
       density, estimator = (leaves[sparse[0]].density,
                             leaves[sparse[0]].estimator)
       size = sum(leaves[i].size for i in sparse)
-      cap = plan_lib.capacity(density, size, estimator, headroom)
-      buckets.append(plan_lib.BucketPlan(tuple(sparse), collective, "behind",
-                                         cap, estimator, float(density)))
+      cap = plans.capacity(density, size, estimator, headroom)
+      buckets.append(plans.BucketPlan(tuple(sparse), collective, "behind",
+                                      cap, estimator, float(density)))
     elif sparse:
-      buckets.append(plan_lib.BucketPlan(tuple(sparse), collective))
+      buckets.append(plans.BucketPlan(tuple(sparse), collective))
     if dense:
-      buckets.append(plan_lib.BucketPlan(tuple(dense), "psum"))
+      buckets.append(plans.BucketPlan(tuple(dense), "psum"))
   return tuple(buckets)

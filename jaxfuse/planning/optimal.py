@@ -105,19 +105,19 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from jaxfuse.planning import costs as costs_lib
+from jaxfuse.planning.costs import Costs
 from jaxfuse.planning import grouping
-from jaxfuse import plans as plan_lib
-from jaxfuse.planning import simulate as simulate_lib
+from jaxfuse import plans
+from jaxfuse.planning import simulate
 from jaxfuse.planning._grouping_problem import GroupingProblem
 from jaxfuse.planning._grouping_problem import _objective
 
 
 # --- plans from groups -------------------------------------------------------
 
-def plan_from_groups(base: plan_lib.Plan, groups: Sequence[Sequence[int]], *,
+def plan_from_groups(base: plans.Plan, groups: Sequence[Sequence[int]], *,
                      sparsify: str = "ahead", strategy: str = "optimal",
-                     provenance: dict | None = None) -> plan_lib.Plan:
+                     provenance: dict | None = None) -> plans.Plan:
   """The plan whose buckets are ``groups`` (leaf ids, in ready order).
 
   As in ``jaxfuse.plan``: each group becomes at most one sparse bucket (its
@@ -141,25 +141,25 @@ def plan_from_groups(base: plan_lib.Plan, groups: Sequence[Sequence[int]], *,
   Raises:
     PlanError: for an unknown ``sparsify`` or a leaf id out of range.
   """
-  if sparsify not in plan_lib.SPARSIFY:
-    raise plan_lib.PlanError(f"sparsify={sparsify!r}; use one of "
-                             f"{plan_lib.SPARSIFY}.")
+  if sparsify not in plans.SPARSIFY:
+    raise plans.PlanError(f"sparsify={sparsify!r}; use one of "
+                          f"{plans.SPARSIFY}.")
   leaves = base.leaves
   groups = [[int(i) for i in group] for group in groups]
   for group in groups:
     if any(not 0 <= i < len(leaves) for i in group):
-      raise plan_lib.PlanError(f"group {group} has leaf ids out of range "
-                               f"[0, {len(leaves)}).")
+      raise plans.PlanError(f"group {group} has leaf ids out of range "
+                            f"[0, {len(leaves)}).")
   buckets = grouping.buckets_from_groups(leaves, groups,
                                         behind=sparsify == "behind",
                                         headroom=base.settings.headroom)
   prov = dict(base.provenance)
   prov["strategy"] = strategy
   made = [i for group in groups for i in group]
-  if plan_lib.is_leaf_order(made, len(leaves)):   # groups in ready order
+  if plans.is_leaf_order(made, len(leaves)):   # groups in ready order
     prov["backward_order"] = made
   prov.update(provenance or {})
-  return plan_lib.Plan(leaves, buckets, base.settings, prov)
+  return plans.Plan(leaves, buckets, base.settings, prov)
 
 
 # --- search -------------------------------------------------------------------
@@ -188,7 +188,7 @@ def _heuristics(n: int):
       yield tuple(sorted({min(n - 1, i + per - 1) for i in range(0, n, per)}))
 
 
-def optimal_grouping(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
+def optimal_grouping(plan: plans.Plan, costs: Costs, *,
                      order: Sequence[int] | None = None,
                      prune_bound: bool = True,
                      prune_dominance: bool = True,
@@ -449,7 +449,7 @@ def _path(parent, cut, label, last) -> tuple[int, ...]:
   return tuple(reversed(cuts))
 
 
-def brute_force_grouping(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
+def brute_force_grouping(plan: plans.Plan, costs: Costs, *,
                          order: Sequence[int] | None = None,
                          exact: bool = False) -> Grouping:
   """Every one of the 2^(N-1) contiguous groupings; for tests (N <= ~16).
@@ -471,7 +471,7 @@ def brute_force_grouping(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
   problem = GroupingProblem.from_plan(plan, costs, order)
   if not exact:
     return brute_force(problem)
-  score = lambda cuts: simulate_lib.simulate(
+  score = lambda cuts: simulate.simulate(
       plan_from_groups(plan, problem.groups(cuts)), costs,
       order=problem.order).iteration
   return brute_force(problem, score)

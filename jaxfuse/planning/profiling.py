@@ -65,13 +65,16 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from jaxfuse import _compat
+from jaxfuse import _deprecated
 from jaxfuse.optim import compile_options
-from jaxfuse.planning import costs as costs_lib
+from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import MEASURABLE
+from jaxfuse.planning.costs import fit_linear
 from jaxfuse.planning._measuring import Compression
 from jaxfuse.planning._measuring import Model
 from jaxfuse.planning._measuring import Sweep
 from jaxfuse.planning._measuring import Timing
-from jaxfuse.planning._measuring import upgrade_keywords
+from jaxfuse.planning._measuring import legacy_groups
 from jaxfuse.planning.timing import jit as _jit
 from jaxfuse.version import __version__
 
@@ -177,8 +180,8 @@ def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
     ProfileError: for an unknown ``kind`` or an ``axis_name`` not in
       ``mesh``.
   """
-  if kind not in costs_lib.MEASURABLE:
-    raise ProfileError(f"kind={kind!r}; use one of {costs_lib.MEASURABLE}.")
+  if kind not in MEASURABLE:
+    raise ProfileError(f"kind={kind!r}; use one of {MEASURABLE}.")
   if axis_name not in mesh.axis_names:
     raise ProfileError(f"mesh has axes {mesh.axis_names}, not {axis_name!r}.")
   k = mesh.shape[axis_name]
@@ -214,10 +217,12 @@ def collective_chain(kind: str, mesh, nbytes: int, *, chain: int = 4,
   return fn, inputs
 
 
+@_deprecated.legacy_keywords(legacy_groups("measure_collective",
+                                           timing=Timing()))
 def measure_collective(kind: str, mesh, sizes: Sequence[int], *,
                        timing: Timing = Timing(), axis_name: str = "data",
-                       progress: Callable[[str], None] | None = None,
-                       **deprecated) -> list[tuple[int, float]]:
+                       progress: Callable[[str], None] | None = None
+                       ) -> list[tuple[int, float]]:
   """The time of one collective of ``kind`` at each size of a sweep.
 
   Each size is timed as ``collective_chain`` of ``timing.chain`` dependent
@@ -230,7 +235,9 @@ def measure_collective(kind: str, mesh, sizes: Sequence[int], *,
     timing: a ``Timing``.
     axis_name: the data axis's name.
     progress: called with a line before each size.
-    **deprecated: the 0.2 keywords ``chain``, ``repeats`` and ``warmup``.
+
+  (0.2's keywords ``chain``, ``repeats`` and ``warmup`` still work until 0.4,
+  with a ``DeprecationWarning``.)
 
   Returns:
     [(bytes per worker, seconds per collective)] over ``sizes``.
@@ -239,8 +246,6 @@ def measure_collective(kind: str, mesh, sizes: Sequence[int], *,
     ProfileError: for an unknown ``kind`` or an ``axis_name`` not in
       ``mesh``.
   """
-  timing = upgrade_keywords("measure_collective", deprecated,
-                            timing=timing)["timing"]
   out = []
   for nbytes in sizes:
     if progress:
@@ -287,9 +292,11 @@ def overlap_factor(t_backward: float, t_comm: float, t_both: float) -> float:
   return float(min(1.0, max(0.0, (t_backward + t_comm - t_both) / ideal)))
 
 
+@_deprecated.legacy_keywords(legacy_groups("measure_contention",
+                                           timing=Timing()))
 def measure_contention(mesh, nbytes: int, alpha: float, *,
-                       timing: Timing = Timing(), axis_name: str = "data",
-                       **deprecated) -> tuple[float, dict]:
+                       timing: Timing = Timing(), axis_name: str = "data"
+                       ) -> tuple[float, dict]:
   """γ from one against two simultaneous psums (``contention_factor``).
 
   Args:
@@ -298,13 +305,13 @@ def measure_contention(mesh, nbytes: int, alpha: float, *,
     alpha: the psum line's latency α (seconds).
     timing: a ``Timing``.
     axis_name: the data axis's name.
-    **deprecated: the 0.2 keywords ``chain``, ``repeats`` and ``warmup``.
+
+  (0.2's keywords ``chain``, ``repeats`` and ``warmup`` still work until 0.4,
+  with a ``DeprecationWarning``.)
 
   Returns:
     (γ, raw): γ in [1, 2], and the raw times.
   """
-  timing = upgrade_keywords("measure_contention", deprecated,
-                            timing=timing)["timing"]
   chain = timing.chain
   calls = [collective_chain("psum", mesh, nbytes, chain=chain,
                             parallel=parallel, axis_name=axis_name)
@@ -318,10 +325,12 @@ def measure_contention(mesh, nbytes: int, alpha: float, *,
 
 # --- overlap ------------------------------------------------------------------
 
+@_deprecated.legacy_keywords(legacy_groups("measure_overlap",
+                                           timing=Timing()))
 def measure_overlap(mesh, loss_fn: Callable, params,
                     example_args: Sequence = (), *,
-                    timing: Timing = Timing(), axis_name: str = "data",
-                    **deprecated) -> tuple[float, dict]:
+                    timing: Timing = Timing(), axis_name: str = "data"
+                    ) -> tuple[float, dict]:
   """η from backward alone, all-reduce alone and both in one jit
   (``overlap_factor``); per worker, the gradient of ``loss_fn`` on the whole
   example batch.
@@ -333,13 +342,13 @@ def measure_overlap(mesh, loss_fn: Callable, params,
     example_args: a sample batch.
     timing: a ``Timing`` (``repeats`` and ``warmup`` are used).
     axis_name: the data axis's name.
-    **deprecated: the 0.2 keywords ``repeats`` and ``warmup``.
+
+  (0.2's keywords ``repeats`` and ``warmup`` still work until 0.4, with a
+  ``DeprecationWarning``.)
 
   Returns:
     (η, raw): η in [0, 1], and the three times.
   """
-  timing = upgrade_keywords("measure_overlap", deprecated,
-                            timing=timing)["timing"]
   k = mesh.shape[axis_name]
   replicated = NamedSharding(mesh, P())
   params, args = jax.device_put((params, tuple(example_args)), replicated)
@@ -368,10 +377,37 @@ def measure_overlap(mesh, loss_fn: Callable, params,
 
 # --- everything ---------------------------------------------------------------
 
+def _upgrade_model(kwargs: dict) -> dict:
+  """``profile``'s keywords with 0.2's ``loss_fn``, ``params`` and
+  ``example_args`` made one ``model=`` (a ``DeprecationWarning``): the
+  upgrade of ``_deprecated.legacy_keywords``."""
+  given = {k: kwargs.pop(k) for k in ("loss_fn", "params", "example_args")
+           if k in kwargs}
+  if not given:
+    return kwargs
+  warnings.warn(
+      f"profile({', '.join(f'{k}=...' for k in given)}) is deprecated: pass "
+      "model=Model(loss_fn, params, example_args) "
+      "(jaxfuse.planning.profiling.Model); the keywords go in 0.4.",
+      DeprecationWarning, stacklevel=3)
+  if (kwargs.get("model") is not None or
+      ("loss_fn" in given) != ("params" in given)):
+    raise ProfileError("give both loss_fn and params (a model), or neither: "
+                       "profile(mesh, model=Model(loss_fn, params, "
+                       "example_args)).")
+  if "loss_fn" in given:
+    kwargs["model"] = Model(given["loss_fn"], given["params"],
+                            tuple(given.get("example_args", ())))
+  return kwargs
+
+
+@_deprecated.legacy_keywords(_upgrade_model)
+@_deprecated.legacy_keywords(legacy_groups("profile", 1, **{
+    "sweep": Sweep(), "sweep.timing": Timing(),
+    "compression": Compression()}))
 def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
             compression: Compression = Compression(),
-            axis_name: str = "data", progress: Progress | None = None,
-            **deprecated) -> costs_lib.Costs:
+            axis_name: str = "data", progress: Progress | None = None) -> Costs:
   """Measure a ``Costs`` on ``mesh`` (module docstring).
 
   With a ``model`` also the forward time, the per-leaf backward times
@@ -386,10 +422,11 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
     axis_name: the data axis's name.
     progress: ``progress(done, total, what)``, called before each
       measurement and once at the end.
-    **deprecated: the 0.2 keywords ``loss_fn``, ``params``,
-      ``example_args`` (now ``model``), ``sizes``, ``compress_sizes``,
-      ``repeats``, ``warmup``, ``chain`` (now ``sweep``), ``estimator``,
-      ``density`` and ``headroom`` (now ``compression``).
+
+  (0.2's keywords ``loss_fn``, ``params``, ``example_args`` (now ``model``),
+  ``sizes``, ``compress_sizes``, ``repeats``, ``warmup``, ``chain`` (now
+  ``sweep``), ``estimator``, ``density`` and ``headroom`` (now
+  ``compression``) still work until 0.4, with a ``DeprecationWarning``.)
 
   Returns:
     The measured ``Costs``, the same on every process (process 0's).
@@ -399,12 +436,6 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
       than two distinct sizes, or (0.2 keywords) only one of ``loss_fn``
       and ``params`` is given.
   """
-  model = _model_from_keywords(model, deprecated)
-  groups = upgrade_keywords("profile", deprecated, **{
-      "sweep": sweep, "sweep.timing": sweep.timing,
-      "compression": compression})
-  sweep = groups["sweep"]._replace(timing=groups["sweep.timing"])
-  compression = groups["compression"]
   mesh = mesh if mesh is not None else _compat.make_mesh(axis_name=axis_name)
   if axis_name in mesh.axis_names and mesh.shape[axis_name] < 2:
     raise ProfileError(
@@ -418,7 +449,7 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
   _check_sweep("sizes", sizes)
   _check_sweep("compress_sizes", compress_sizes)
   timing = sweep.timing
-  total = (len(costs_lib.MEASURABLE) * len(sizes) + len(compress_sizes) + 4 +
+  total = (len(MEASURABLE) * len(sizes) + len(compress_sizes) + 4 +
            (2 if model else 0))
   done = [0]
 
@@ -429,20 +460,20 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
 
   samples = {kind: measure_collective(kind, mesh, sizes, timing=timing,
                                       axis_name=axis_name, progress=step)
-             for kind in costs_lib.MEASURABLE}
-  collectives = {kind: costs_lib.fit_linear(*zip(*pts))
+             for kind in MEASURABLE}
+  collectives = {kind: fit_linear(*zip(*pts))
                  for kind, pts in samples.items()}
   samples["compress"] = measure_compress(
       compress_sizes, compression=compression, timing=timing, progress=step)
-  compress = costs_lib.fit_linear(*zip(*samples["compress"]))
+  compress = fit_linear(*zip(*samples["compress"]))
 
   step("bucket cost: one sparse bucket against one per layer")
   bucket, bucket_raw = measure_bucket_cost(
       mesh, compression=compression, timing=timing, axis_name=axis_name)
   step("schemes: one bucket moved by each scheme against all_gather")
   schemes, schemes_raw = measure_scheme_costs(
-      mesh, costs_lib.Costs(collectives, compress, (),
-                            workers=mesh.shape[axis_name]),
+      mesh, Costs(collectives, compress, (),
+                  workers=mesh.shape[axis_name]),
       compression=compression, timing=timing, axis_name=axis_name)
 
   step(f"contention: two psums of {human_bytes(max(sizes))}")
@@ -504,33 +535,10 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
     provenance["backward"] = backward_raw
     # the model measured, so that planning another one is refused
     provenance["leaves"] = _model_leaves(model.params)
-  return same_on_every_process(costs_lib.Costs(
+  return same_on_every_process(Costs(
       collectives, compress, backward, contention=gamma, overlap=eta,
       forward=forward, provenance=provenance,
       workers=mesh.shape[axis_name], bucket=bucket, schemes=schemes))
-
-
-def _model_from_keywords(model: Model | None, old: dict) -> Model | None:
-  """``model``, or the 0.2 keywords ``loss_fn``, ``params`` and
-  ``example_args`` popped from ``old`` as one (with a
-  ``DeprecationWarning``)."""
-  given = {k: old.pop(k) for k in ("loss_fn", "params", "example_args")
-           if k in old}
-  if not given:
-    return model
-  warnings.warn(
-      f"profile({', '.join(f'{k}=...' for k in given)}) is deprecated: pass "
-      "model=Model(loss_fn, params, example_args) "
-      "(jaxfuse.planning.profiling.Model); the keywords go in 0.4.",
-      DeprecationWarning, stacklevel=3)
-  if model is not None or ("loss_fn" in given) != ("params" in given):
-    raise ProfileError("give both loss_fn and params (a model), or neither: "
-                       "profile(mesh, model=Model(loss_fn, params, "
-                       "example_args)).")
-  if "loss_fn" not in given:
-    return None
-  return Model(given["loss_fn"], given["params"],
-               tuple(given.get("example_args", ())))
 
 
 def _model_leaves(params) -> list[list]:
@@ -540,7 +548,7 @@ def _model_leaves(params) -> list[list]:
           for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
-def same_on_every_process(costs: costs_lib.Costs) -> costs_lib.Costs:
+def same_on_every_process(costs: Costs) -> Costs:
   """Process 0's ``costs`` on every process of a ``jax.distributed`` job
   (one process: ``costs`` itself); every process must call it.
 
@@ -564,4 +572,4 @@ def same_on_every_process(costs: costs_lib.Costs) -> costs_lib.Costs:
   if jax.process_index() == 0:
     buf[:] = np.frombuffer(text, np.uint8)
   buf = np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8)
-  return costs_lib.Costs.from_json(buf.tobytes().decode())
+  return Costs.from_json(buf.tobytes().decode())

@@ -11,7 +11,7 @@ taking ``costs.backward[leaf]``: the buckets do not reorder the model's
 backward, so a bucket is ready when the last of its leaves in that order
 is. Right after that, the bucket is sparsified on the same stream (it
 shares the GPU, so it delays the later backward work): the sum over its
-selection units (``plan_lib.units``) of ``costs.compress.time(unit.size)``,
+selection units (``plans.units``) of ``costs.compress.time(unit.size)``,
 plus its scheme's extra compute ``costs.scheme_time(scheme, Σ capacity)``
 (0 for all_gather), plus ``costs.bucket``, what a sparse bucket computes
 beyond its units' compression (its own selection call, reductions,
@@ -56,9 +56,9 @@ import dataclasses
 import math
 
 from jaxfuse import collectives
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.sync import bucket_steps
-from jaxfuse.planning import costs as costs_lib
+from jaxfuse.planning.costs import Costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +150,7 @@ def step_from_one_worker(t1: float, eta: float, ideal: Timeline,
   return step_at(t1 + ideal.compute_end - anchor.compute_end, eta, ideal)
 
 
-def compression_times(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
+def compression_times(plan: plans.Plan, costs: Costs, *,
                       sched: bucket_steps.Schedule | None = None
                       ) -> list[float]:
   """Per bucket: Σ over its selection units of compress.time(unit.size),
@@ -169,7 +169,7 @@ def compression_times(plan: plan_lib.Plan, costs: costs_lib.Costs, *,
   return out
 
 
-def backward_order(plan: plan_lib.Plan) -> tuple[int, ...]:
+def backward_order(plan: plans.Plan) -> tuple[int, ...]:
   """The order the model's backward makes the leaves in: the plan's
   ``provenance["backward_order"]`` when it holds each leaf id once (what
   ``jaxfuse.plan`` records), else ``plan.ready_order``."""
@@ -177,12 +177,12 @@ def backward_order(plan: plan_lib.Plan) -> tuple[int, ...]:
   n = len(plan.leaves)
   if (isinstance(order, (list, tuple)) and
       all(isinstance(i, int) for i in order) and
-      plan_lib.is_leaf_order(order, n)):
+      plans.is_leaf_order(order, n)):
     return tuple(order)
   return plan.ready_order
 
 
-def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
+def simulate(plan: plans.Plan, costs: Costs,
              num_workers: int | None = None, *,
              order: tuple[int, ...] | None = None) -> Timeline:
   """The timeline of one training step of ``plan`` under ``costs`` on K =
@@ -197,10 +197,10 @@ def simulate(plan: plan_lib.Plan, costs: costs_lib.Costs,
               leaves=[(l.path, l.shape) for l in plan.leaves])
   k = costs.workers if num_workers is None else num_workers
   sched = bucket_steps.compile_plan(plan)
-  wire = plan_lib.bucket_payload_bytes(plan)
+  wire = plans.bucket_payload_bytes(plan)
   compress = compression_times(plan, costs, sched=sched)
   order = backward_order(plan) if order is None else tuple(order)
-  if not plan_lib.is_leaf_order(order, len(plan.leaves)):
+  if not plans.is_leaf_order(order, len(plan.leaves)):
     raise ValueError(f"order must list each of the {len(plan.leaves)} leaf "
                      "ids once.")
 

@@ -26,18 +26,18 @@ import itertools
 import math
 from typing import Sequence
 
-from jaxfuse.planning import costs as costs_lib
+from jaxfuse.planning.costs import Costs
 from jaxfuse.planning import optimal
 from jaxfuse.planning import grouping
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 
 Groups = tuple[tuple[int, ...], ...]
 NORMAL, MERGED, SIMULTANEOUS = "normal", "merged", "simultaneous"
 
 
-def problem(leaves: Sequence[plan_lib.LeafPlan], order: Sequence[int],
-            costs: costs_lib.Costs,
-            settings: plan_lib.Settings | None = None,
+def problem(leaves: Sequence[plans.LeafPlan], order: Sequence[int],
+            costs: Costs,
+            settings: plans.Settings | None = None,
             collective: str = "allgather") -> optimal.GroupingProblem:
   """The leaves (pytree order) in ready ``order``, with their costs; a
   sparse leaf's wire bytes as ``collective`` sends its slots under
@@ -46,8 +46,8 @@ def problem(leaves: Sequence[plan_lib.LeafPlan], order: Sequence[int],
                                           behind=False, headroom=1.0,
                                           collective=collective)
   return optimal.GroupingProblem.from_plan(
-      plan_lib.Plan(tuple(leaves), layerwise,
-                    settings or plan_lib.Settings()), costs, order)
+      plans.Plan(tuple(leaves), layerwise,
+                 settings or plans.Settings()), costs, order)
 
 
 class _Line:

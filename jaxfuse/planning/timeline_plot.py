@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 import re
 
-from jaxfuse import plans as plan_lib
-from jaxfuse.planning import simulate as simulate_lib
+from jaxfuse import plans
+from jaxfuse.planning import simulate
 
 MS = 1e3
 _FORWARD = "#9e9e9e"
@@ -90,7 +90,7 @@ def _frame(ax, span_ms, handles, title):
   ax.set_title(title, fontsize=10)
 
 
-def draw_timeline(ax, plan: plan_lib.Plan, timeline: simulate_lib.Timeline,
+def draw_timeline(ax, plan: plans.Plan, timeline: simulate.Timeline,
                   *, span_ms: float | None = None, title: str | None = None):
   """Draw the simulated ``timeline`` of ``plan`` on the axes ``ax``
   (x from 0 to ``span_ms``, default the step's)."""
@@ -142,7 +142,7 @@ def draw_timeline(ax, plan: plan_lib.Plan, timeline: simulate_lib.Timeline,
       f"{100 * timeline.overlap_ratio:.0f}% hidden"))
 
 
-def plot_timeline(plan: plan_lib.Plan, timeline: simulate_lib.Timeline,
+def plot_timeline(plan: plans.Plan, timeline: simulate.Timeline,
                   path: str | os.PathLike | None = None, *,
                   title: str | None = None):
   """Draw ``timeline`` (from
@@ -205,8 +205,8 @@ def draw_measured(ax, step, *, span_ms: float | None = None,
 
 
 def plot_measured(step, path: str | os.PathLike | None = None, *,
-                  plan: plan_lib.Plan | None = None,
-                  timeline: simulate_lib.Timeline | None = None,
+                  plan: plans.Plan | None = None,
+                  timeline: simulate.Timeline | None = None,
                   device: str = "GPU", title: str | None = None):
   """Draw a measured step; with ``plan`` and ``timeline`` (its simulation)
   the simulated chart above it on a shared time axis.

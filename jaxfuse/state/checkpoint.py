@@ -45,7 +45,7 @@ import numpy as np
 from jaxfuse.state import elastic
 from jaxfuse.sync import grouped
 from jaxfuse.state import placement
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.optim import recipes
 from jaxfuse.sync import bucket_steps
 from jaxfuse import sparsify
@@ -107,7 +107,7 @@ def manager(directory: str | os.PathLike, *, max_to_keep: int | None = 3,
                                item_names=(STATE, PLAN, EXTRA))
 
 
-def save(mngr, step: int, state: Any, plan: plan_lib.Plan | None,
+def save(mngr, step: int, state: Any, plan: plans.Plan | None,
          extra: dict | None = None) -> None:
   """Write ``state`` (a pytree of arrays, sharded as it lives), ``plan``
   and ``extra`` (JSON: e.g. the data loader's position) as checkpoint
@@ -129,7 +129,7 @@ def save(mngr, step: int, state: Any, plan: plan_lib.Plan | None,
       jaxfuse's own).
   """
   ocp = _ocp()
-  if not plan_lib.is_int(step) or step < 0:
+  if not plans.is_int(step) or step < 0:
     raise CheckpointError(f"step={step!r} must be an int >= 0.")
   step = int(step)
   if step in mngr.all_steps():
@@ -140,7 +140,7 @@ def save(mngr, step: int, state: Any, plan: plan_lib.Plan | None,
     raise CheckpointError("state has no arrays to save; pass the train "
                           "state (e.g. (params, opt_state)).")
   if plan is not None:
-    plan_lib.require_plan(plan, "checkpoint.save")
+    plans.require_plan(plan, "checkpoint.save")
     part = transform.layout_mismatch(state, plan)
     if part:
       raise CheckpointError(
@@ -213,7 +213,7 @@ def abstract(tree: Any) -> Any:
   return jax.tree.map(spec, tree)
 
 
-def restore(mngr, like: Any, plan: plan_lib.Plan | None,
+def restore(mngr, like: Any, plan: plans.Plan | None,
             step: int | None = None) -> tuple[int, Any]:
   """(step, state): checkpoint ``step`` (default the latest) restored into
   the structure, shapes, dtypes and shardings of ``like`` (a freshly
@@ -261,7 +261,7 @@ def restore(mngr, like: Any, plan: plan_lib.Plan | None,
   saved_like = _per_unit(like, plan) if per_unit else like
   saved_like = _leafwise_moments(saved_like) if leafwise else saved_like
   saved_like = _untargeted(saved_like) if untargeted else saved_like
-  targets = (_unit_targets(plan_lib.Plan.from_json(json.dumps(saved)))
+  targets = (_unit_targets(plans.Plan.from_json(json.dumps(saved)))
              if untargeted and plan is not None else None)
   new_k = _num_workers(like)
   elastic_k = saved_k is not None and new_k is not None and saved_k != new_k
@@ -350,7 +350,7 @@ def _unit_targets(plan) -> np.ndarray:
   """Per unit of ``plan``, the k its controller tracks (one 0 column for
   a plan of no units, as ``sparse_sync``'s state keeps)."""
   units = bucket_steps.compile_plan(plan).units
-  return np.asarray([plan_lib.target_count(u.density, u.size)
+  return np.asarray([plans.target_count(u.density, u.size)
                      for u in units] or [0], np.int32)
 
 
@@ -430,7 +430,7 @@ def _place(host: np.ndarray, like: jax.ShapeDtypeStruct) -> jax.Array:
                                       lambda index: host[index])
 
 
-def _check_plan(saved: dict, plan: plan_lib.Plan | None, step: int) -> None:
+def _check_plan(saved: dict, plan: plans.Plan | None, step: int) -> None:
   if plan is None or not saved:
     if bool(plan is None) != bool(not saved):
       raise CheckpointError(
@@ -439,8 +439,8 @@ def _check_plan(saved: dict, plan: plan_lib.Plan | None, step: int) -> None:
           " one; use the same setup.")
     return
   try:
-    old = plan_lib.Plan.from_json(json.dumps(saved))
-  except plan_lib.PlanError as e:
+    old = plans.Plan.from_json(json.dumps(saved))
+  except plans.PlanError as e:
     raise CheckpointError(f"checkpoint {step}: its plan does not load "
                           f"({e}).") from None
   part = bucket_steps.layout_difference(old, plan)
@@ -488,7 +488,7 @@ def saved_workers(mngr, step: int | None = None) -> int | None:
   return (_json_item(mngr, _resolve(mngr, step), EXTRA) or {}).get(WORKERS)
 
 
-def saved_plan(mngr, step: int | None = None) -> plan_lib.Plan | None:
+def saved_plan(mngr, step: int | None = None) -> plans.Plan | None:
   """The plan saved with checkpoint ``step`` (default the latest).
 
   Args:
@@ -502,7 +502,7 @@ def saved_plan(mngr, step: int | None = None) -> plan_lib.Plan | None:
     CheckpointError: no such checkpoint, or it cannot be read.
   """
   saved = _json_item(mngr, _resolve(mngr, step), PLAN)
-  return plan_lib.Plan.from_json(json.dumps(saved)) if saved else None
+  return plans.Plan.from_json(json.dumps(saved)) if saved else None
 
 
 def _resolve(mngr, step: int | None) -> int:

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxfuse import _compat
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.transform import SyncError
 from jaxfuse.transform import axis_names
 from jaxfuse.transform import holds
@@ -325,7 +325,7 @@ def state_specs(opt_state, axis_name: str | tuple = "data"):
 def require_transform(optimizer, where: str) -> None:
   """``TypeError`` unless ``optimizer`` is an optax transform (has callable
   ``init`` and ``update``; a ``Plan`` is not one)."""
-  if isinstance(optimizer, plan_lib.Plan) or not (
+  if isinstance(optimizer, plans.Plan) or not (
       callable(getattr(optimizer, "init", None)) and
       callable(getattr(optimizer, "update", None))):
     raise TypeError(f"{where} expects an optax transform (e.g. "

@@ -31,14 +31,14 @@ import jax.numpy as jnp
 from jaxfuse.optim import clipping
 from jaxfuse.sync import grouped
 from jaxfuse.state import placement
-from jaxfuse import plans as plan_lib
+from jaxfuse import plans
 from jaxfuse.optim import recipes
 from jaxfuse.sync import bucket_steps
 from jaxfuse import sparsify
 from jaxfuse import transform
 
 
-def relayout(tree: Any, old: plan_lib.Plan, new: plan_lib.Plan) -> Any:
+def relayout(tree: Any, old: plans.Plan, new: plans.Plan) -> Any:
   """``tree`` (a train state, or any pytree holding optimizer states made
   with ``old``) with its plan-shaped parts rebuilt for ``new``; arrays
   keep their shardings. ``new`` must have ``old``'s leaves (paths,
@@ -57,11 +57,11 @@ def relayout(tree: Any, old: plan_lib.Plan, new: plan_lib.Plan) -> Any:
       and field), or ``tree`` holds states of another layout than
       ``old``'s.
   """
-  plan_lib.require_plan(old, "relayout")
-  plan_lib.require_plan(new, "relayout")
+  plans.require_plan(old, "relayout")
+  plans.require_plan(new, "relayout")
   _check_leaves(old, new)
   if not transform.holds(tree, transform.is_sync_state):
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         "relayout: the tree holds no sparse_sync state; pass the optimizer "
         "state (or the train state holding it).")
   move = _Move(old, new)
@@ -83,15 +83,15 @@ def relayout(tree: Any, old: plan_lib.Plan, new: plan_lib.Plan) -> Any:
   return jax.tree.map(rebuild, tree, is_leaf=is_part)
 
 
-def _check_leaves(old: plan_lib.Plan, new: plan_lib.Plan) -> None:
+def _check_leaves(old: plans.Plan, new: plans.Plan) -> None:
   if len(old.leaves) != len(new.leaves):
-    raise plan_lib.PlanError(
+    raise plans.PlanError(
         f"relayout: the old plan has {len(old.leaves)} leaves, the new "
         f"{len(new.leaves)}; make both from the same parameters.")
   for j, (a, b) in enumerate(zip(old.leaves, new.leaves)):
     if (a.path, a.shape, a.dtype, a.mode) != (b.path, b.shape, b.dtype,
                                               b.mode):
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"relayout: leaf {j} is {a.path} {a.dtype} {list(a.shape)} "
           f"{a.mode} in the old plan and {b.path} {b.dtype} "
           f"{list(b.shape)} {b.mode} in the new one; both plans must be "
@@ -102,7 +102,7 @@ def _check_leaves(old: plan_lib.Plan, new: plan_lib.Plan) -> None:
 class _Move:
   """Where each leaf sits in both plans' state groups."""
 
-  def __init__(self, old: plan_lib.Plan, new: plan_lib.Plan):
+  def __init__(self, old: plans.Plan, new: plans.Plan):
     self.old, self.new = old, new
     self.old_sched = bucket_steps.compile_plan(old)
     self.new_sched = bucket_steps.compile_plan(new)
@@ -133,7 +133,7 @@ class _Move:
     part = state.layout and bucket_steps.digest_difference(state.layout,
                                                            self.old_digest)
     if part:
-      raise plan_lib.PlanError(
+      raise plans.PlanError(
           f"relayout: a sparse_sync state in the tree was made for another "
           f"plan than the old one (its {part} differ); relayout each part "
           "of an optax.multi_transform with its own plans.")

@@ -27,7 +27,8 @@ from jaxfuse import collectives
 from jaxfuse import kernels
 from jaxfuse import plans
 from jaxfuse.sync import bucket_steps
-from jaxfuse import stats as stats_lib
+from jaxfuse.stats import dense_stats
+from jaxfuse.stats import sparse_stats
 
 
 class Rule(NamedTuple):
@@ -161,7 +162,7 @@ def _psum_bucket(b, flat, axis_name):
   for j, mean in zip(ids, collectives.psum.mean([flat[j] for j in ids],
                                                 axis_name)):
     out[j] = mean
-  return out, stats_lib.dense_stats(_sizes(b), b.leaves, flat)
+  return out, dense_stats(_sizes(b), b.leaves, flat)
 
 
 def _sizes(b) -> dict:
@@ -224,7 +225,7 @@ def _sparse_bucket(b, streams, carry: Carry, axis_name, rule):
       new_vel[g].append((rows, jnp.where(
           bad, bucket_pass.rows_of(velocity[g], rows), kept)))
     ctrl_chunks.append((ids, out.control))
-    stats.extend(stats_lib.sparse_stats(
+    stats.extend(sparse_stats(
         _sizes(b), b.settings, [b.unit(u) for u in ids], out, stacked))
   res = {g: _set_rows(residuals[g], new_res[g]) for g in b.groups}
   vel = ({g: _set_rows(velocity[g], new_vel[g]) for g in b.groups}
@@ -309,7 +310,7 @@ def _full_sync(b, ids, accs, axis_name):
   placement, sizes = dict(b.placement), _sizes(b)
   per_leaf = {j: acc[start:start + sizes[j]]
               for u, acc in zip(ids, accs) for j, start in placement[u]}
-  stats = stats_lib.dense_stats(sizes, list(per_leaf), per_leaf)
+  stats = dense_stats(sizes, list(per_leaf), per_leaf)
   return means, [jnp.all(jnp.isfinite(acc)) for acc in accs], roundings, stats
 
 

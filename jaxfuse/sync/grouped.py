@@ -63,6 +63,10 @@ def layout(steps, sched=None) -> Layout:
 
   Returns:
     The ``Layout``.
+
+  Raises:
+    Nothing for a compiled plan (a ``Plan`` is compiled here, with a
+    ``DeprecationWarning``, until 0.4).
   """
   if sched is None and isinstance(steps, plans.Plan):
     warnings.warn(
@@ -85,7 +89,19 @@ def layout(steps, sched=None) -> Layout:
 
 def group(lay: Layout, tree: Any) -> Grouped:
   """A params-shaped tree (leaves in the plan's order) as ``Grouped``,
-  float32."""
+  float32.
+
+  Args:
+    lay: the plan's ``layout``.
+    tree: a pytree with the plan's leaves, in its order and shapes.
+
+  Returns:
+    The ``Grouped`` tree: the all-gather groups' units as rows, the other
+    leaves loose, all float32.
+
+  Raises:
+    PlanError: another leaf count, or a leaf of another shape (named).
+  """
   flat = [jnp.asarray(x, jnp.float32) for x in jax.tree.leaves(tree)]
   _check_count(lay, len(flat))
   for x, shape, path in zip(flat, lay.shapes, lay.paths):
@@ -100,7 +116,20 @@ def group(lay: Layout, tree: Any) -> Grouped:
 
 
 def ungroup(lay: Layout, grouped: Grouped, treedef) -> Any:
-  """Inverse of ``group``: the tree of ``treedef`` (the params')."""
+  """Inverse of ``group``: the tree of ``treedef`` (the params').
+
+  Args:
+    lay: the plan's ``layout``.
+    grouped: a ``Grouped`` tree of that layout.
+    treedef: the params' tree structure (``jax.tree.structure(params)``).
+
+  Returns:
+    The tree of ``treedef``, each leaf in the plan's shape.
+
+  Raises:
+    PlanError: ``grouped`` is not of this layout (``check``), or
+      ``treedef`` has another leaf count.
+  """
   check(lay, grouped)
   _check_count(lay, treedef.num_leaves)
   out = [None] * len(lay.shapes)
@@ -122,7 +151,19 @@ def _check_count(lay: Layout, num_leaves: int) -> None:
 
 
 def check(lay: Layout, grouped: Any) -> None:
-  """Raises ``PlanError`` unless ``grouped`` has this layout."""
+  """Check that ``grouped`` has the layout ``lay``.
+
+  Args:
+    lay: the plan's ``layout``.
+    grouped: the tree to check (a ``Grouped``, e.g. ``OnebitState.mu``).
+
+  Returns:
+    None.
+
+  Raises:
+    PlanError: ``grouped`` is not a ``Grouped``, or its rows or loose
+      leaves have other shapes (a state made with another plan).
+  """
   if not isinstance(grouped, Grouped):
     raise plans.PlanError(
         f"expected a Grouped tree, got {type(grouped).__name__}.")
