@@ -268,44 +268,51 @@ def test_counts_follow_optax_when_a_non_finite_update_goes_through(limit):
   assert counts(s) == (0, True, limit + 1)
 
 
-@pytest.mark.parametrize("recipe", ["sgd", "onebit_adamw"])
-def test_a_nonfinite_gradient_under_a_recipe_is_reported(recipe, monkeypatch):
-  """One worker's NaN in one leaf (b) under a recipe: the step warns once,
-  naming the recipe, that leaf and the fixes; a finite step says nothing
-  (the NaN used to be silent unless the user read the stats)."""
-  params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
+def _builder_run(recipe, batches, phases=None):
+  """``make_train_step`` over a small least squares with ``recipe`` (8 CPU
+  workers); the states and losses of ``batches``."""
+  params = {"w": jnp.ones((64, 32)) / 64, "b": jnp.zeros((32,))}
   plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
-  if recipe == "onebit_adamw":
-    plan = jaxfuse.with_density(plan, 1.0)   # its dense phase
-  opt = jaxfuse.RECIPES[recipe](plan, 0.1)
-  mesh = jaxfuse.make_mesh(NUM_WORKERS)
 
-  def local(p, s, x):
-    g = jax.grad(lambda p: jnp.sum((x[:, 1:] @ p["w"][1:]) ** 2)
-                 + jnp.sum(p["b"] * x[0, 0]))(
-        jaxfuse.local_params(p))
-    u, s = opt.update(g, s, p)
-    return optax.apply_updates(p, u), s
+  def loss_fn(p, x):
+    return jnp.mean((x[:, :64] @ p["w"] + p["b"]) ** 2) + 0 * jnp.sum(x)
 
-  params = jax.device_put(params, NamedSharding(mesh, P()))
-  state = jaxfuse.init_state(opt, params, mesh)
-  specs = jaxfuse.state_specs(state)
-  step = jax.jit(jax.shard_map(local, mesh=mesh,
-                               in_specs=(P(), specs, P("data")),
-                               out_specs=(P(), specs)))
+  opt = (recipe, {"learning_rate": 0.1})
+  state, step = jaxfuse.make_train_step(
+      loss_fn, params, opt, phases(plan) if phases else plan,
+      jaxfuse.make_mesh(NUM_WORKERS))
+  losses = []
+  for x in batches:
+    state, loss = step(state, x)
+    losses.append(loss)
+  return state, losses, step
+
+
+@pytest.mark.parametrize("recipe", ["sgd", "onebit_adamw"])
+def test_a_nonfinite_loss_under_the_step_builder_is_reported(recipe):
+  """One worker's NaN under a recipe: the step builder warns once, naming
+  the step, the diverged loss and the fixes; finite steps say nothing."""
   x = jnp.ones((NUM_WORKERS * 2, 64)) / 64
-  monkeypatch.setattr(jaxfuse.recipe_checks, "_warned", [])
+  dense_first = lambda plan: jaxfuse.density_warmup(plan, dense_steps=2,
+                                                    steps=1)
   import warnings as warnings_lib
   with warnings_lib.catch_warnings():
     warnings_lib.simplefilter("error")
-    jax.block_until_ready(step(params, state, shard(mesh, x)))
-    jax.effects_barrier()
-  bad = shard(mesh, x.at[-2, 0].set(jnp.nan))   # the last worker's batch
-  with pytest.warns(UserWarning, match=rf"{recipe}: a gradient had a NaN or "
-                    r"Inf \(leaves \['b'\]\).*learning rate.*"
-                    r"jaxfuse\.apply_if_finite") as record:
-    out = step(params, state, bad)
-    jax.block_until_ready(out)
-    jax.effects_barrier()
-  assert len([r for r in record if "NaN" in str(r.message)]) == 1
-  assert not np.isfinite(np.asarray(out[0]["b"])).all()
+    _builder_run(recipe, [x, x], dense_first)
+  bad = x.at[-2, 0].set(jnp.nan)   # the last worker's batch
+  with pytest.warns(UserWarning, match=r"make_train_step: the loss of step 1 "
+                    r"is nan.*learning rate.*jaxfuse\.apply_if_finite") as rec:
+    _, losses, _ = _builder_run(recipe, [x, bad, bad], dense_first)
+  assert len([r for r in rec if "the loss of step" in str(r.message)]) == 1
+  assert np.isfinite(float(losses[0])) and not np.isfinite(float(losses[1]))
+
+
+def test_no_host_callback_inside_a_recipe_step():
+  """The checks stay out of the compiled step: a host callback there, even
+  under a ``lax.cond``, makes a GPU wait for the host every step."""
+  x = jnp.ones((NUM_WORKERS * 2, 64)) / 64
+  for recipe in ("sgd", "onebit_adamw"):
+    state, _, step = _builder_run(recipe, [x])
+    args = (state.params, state.opt_state, state.model_state, step.place(x))
+    text = step.compiled(0).lower(*args).as_text()
+    assert "callback" not in text.lower(), recipe

@@ -723,37 +723,30 @@ def test_a_state_from_opt_init_names_init_state_and_state_specs(recipe):
 
 def test_onebit_adamw_without_a_dense_step_warns(monkeypatch):
   """onebit_adamw's sparse steps before any dense step leave v = 0 and
-  the update zero: the run trains nothing, and says so (once), on the
-  first such step under jit. After a dense step nothing is said."""
+  the update zero: the run trains nothing, and the step builder says so
+  (once) when such a phase starts. After a dense phase nothing is said."""
   params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
   plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
   assert any(l.mode == "sparse" for l in plan.leaves)
   mesh = jaxfuse.make_mesh(NUM_WORKERS)
-  params = jax.device_put(params, NamedSharding(mesh, P()))
-  x = jax.device_put(jnp.arange(NUM_WORKERS * 4 * 64.0).reshape(-1, 64)
-                     / 1e4, NamedSharding(mesh, P("data")))
-  sparse_opt = jaxfuse.onebit_adamw(plan, 0.1, weight_decay=0.0)
-  dense_opt = jaxfuse.onebit_adamw(jaxfuse.with_density(plan, 1.0), 0.1,
-                                   weight_decay=0.0)
-  state = jaxfuse.init_state(sparse_opt, params, mesh)
-  specs = jaxfuse.state_specs(state)
-  sparse = _one_step(mesh, sparse_opt, specs)
-  monkeypatch.setattr(jaxfuse.recipe_checks, "_warned", [])
+  x = jnp.arange(NUM_WORKERS * 4 * 64.0).reshape(-1, 64) / 1e4
+  loss_fn = lambda p, x: jnp.sum((x @ p["w"] + p["b"]) ** 2)
+  opt = ("onebit_adamw", {"learning_rate": 0.1, "weight_decay": 0.0})
+  monkeypatch.setattr(jaxfuse.optim.recipe_checks, "_warned", [])
+  state, step = jaxfuse.make_train_step(loss_fn, params, opt, plan, mesh)
   with pytest.warns(UserWarning, match="before any dense step.*trains "
                     "nothing.*dense_steps="):
-    moved, _ = sparse(params, state, x)
-    jax.block_until_ready(moved)
-    jax.effects_barrier()
-  np.testing.assert_array_equal(moved["w"], params["w"])   # nothing trained
-  monkeypatch.setattr(jaxfuse.recipe_checks, "_warned", [])
+    moved, _ = step(state, x)
+  np.testing.assert_array_equal(moved.params["w"], params["w"])  # untrained
+  monkeypatch.setattr(jaxfuse.optim.recipe_checks, "_warned", [])
+  phases = jaxfuse.density_warmup(plan, dense_steps=1, steps=1)
+  state, step = jaxfuse.make_train_step(loss_fn, params, opt, phases, mesh)
   import warnings as warnings_lib
   with warnings_lib.catch_warnings():
     warnings_lib.simplefilter("error")
-    params2, state = _one_step(mesh, dense_opt, specs)(params, state, x)
-    moved, _ = sparse(params2, state, x)
-    jax.block_until_ready(moved)
-    jax.effects_barrier()
-  assert not np.array_equal(moved["w"], params2["w"])
+    for _ in range(3):   # dense, then the ramp, then the plan
+      state, _ = step(state, x)
+  assert not np.array_equal(state.params["w"], params["w"])
 
 
 def test_a_loss_returning_a_tuple_names_both_fixes_not_example_args():

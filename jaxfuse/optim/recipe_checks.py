@@ -201,15 +201,15 @@ def _nonfinite_seen(name: str, plan: plans.Plan, flags) -> None:
 
 def warn_if_nonfinite(name: str, plan: plans.Plan, stats) -> None:
   """Warn (once a process and recipe) when a step's gradient had a NaN or
-  Inf (``SyncStats.nonfinite``): at once for concrete stats, else through
-  a host callback under a ``lax.cond`` that runs only on such a step."""
+  Inf (``SyncStats.nonfinite``), for concrete stats (a step run eagerly).
+
+  Under ``jit`` nothing is added to the step: a host callback there, even
+  under a ``lax.cond``, makes a GPU wait for the host at every step. The
+  step builder reports a non-finite loss instead (``step_watch``), and
+  ``jaxfuse.summarize`` counts the leaves each step."""
   flags = stats.nonfinite
-  report = lambda f: _nonfinite_seen(name, plan, f)
   if not _compat.is_tracer(flags):
-    report(flags)
-    return
-  jax.lax.cond(jnp.any(flags), lambda f: jax.debug.callback(report, f),
-               lambda f: None, flags)
+    _nonfinite_seen(name, plan, flags)
 
 
 NO_DENSE_STEP = (
@@ -230,16 +230,13 @@ def _no_dense_step_seen():
 
 
 def warn_if_no_dense_step(nu_count) -> None:
-  """Warn (once a process) when a sparse step finds ``nu_count == 0``: at
-  trace time for a concrete count, else on the step, through a host
-  callback under a ``lax.cond`` that runs only while the count is 0."""
-  if not _compat.is_tracer(nu_count):
-    if int(nu_count) == 0:
-      _no_dense_step_seen()
-    return
-  jax.lax.cond(nu_count == 0,
-               lambda: jax.debug.callback(_no_dense_step_seen),
-               lambda: None)
+  """Warn (once a process) when a sparse step finds ``nu_count == 0``, for
+  a concrete count (a step run eagerly, or the step builder's check when a
+  sparse phase starts: ``step_watch.check_dense_before_sparse``). Under
+  ``jit`` nothing is added to the step (no host callback: see
+  ``warn_if_nonfinite``)."""
+  if not _compat.is_tracer(nu_count) and int(nu_count) == 0:
+    _no_dense_step_seen()
 
 
 def check_betas(where: str, upper_closed: bool = False, **betas):

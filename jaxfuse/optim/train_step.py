@@ -48,6 +48,7 @@ from jaxfuse.optim.phases import phase_index
 from jaxfuse.optim.phases import wire_warnings
 from jaxfuse.optim import local_step
 from jaxfuse.optim import step_args
+from jaxfuse.optim import step_watch
 from jaxfuse.planning import agreement
 
 
@@ -282,6 +283,8 @@ class TrainStep:
     self._specs = specs
     self._compiled = {}    # id(plan) -> (plan, its jitted step)
     self._agreed = set()   # ids of plans whose steps all processes agree on
+    self._started = set()  # phases whose first step ran (their checks done)
+    self._losses = step_watch.LossWatch()
     platform = mesh.devices.flat[0].platform
     self._platform = platform
     # XLA's CPU collectives can stall when steps queue up (one device has
@@ -339,9 +342,14 @@ class TrainStep:
           compiled.lower(*args).compile(),
           what=f"the step of phase {index} (first at step {at})")
       self._agreed.add(key)
+    if index not in self._started:
+      self._started.add(index)
+      step_watch.check_dense_before_sparse(state.opt_state,
+                                           self.phases[index].plan)
     params, opt_state, model_state, out = compiled(*args)
     if self._block:
       jax.block_until_ready(out)
+    self._losses.add(at, out[0] if self.options.has_aux else out)
     if self.options.check_replicas:
       check_replicas({"params": params, "model_state": model_state}, at)
     return TrainState(params, opt_state, model_state, at + 1), out
