@@ -98,7 +98,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse.planning import agreement
+from jaxfuse.sync import agreement
 from jaxfuse.planning.costs import CostsError
 from lm_model import build_model
 from lm_model import load_corpus

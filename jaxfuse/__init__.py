@@ -22,8 +22,8 @@ from jaxfuse.state import elastic
 from jaxfuse.sync import grouped
 from jaxfuse import kernels
 from jaxfuse._compat import make_mesh
-from jaxfuse.planning.agreement import CollectivesDifferError
-from jaxfuse.planning.agreement import check_same_collectives
+from jaxfuse.sync.agreement import CollectivesDifferError
+from jaxfuse.sync.agreement import check_same_collectives
 from jaxfuse.optim.compile_options import xla_flags
 from jaxfuse.optim.compile_options import xla_options
 from jaxfuse.optim.delay import DelayedState

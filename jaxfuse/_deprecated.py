@@ -50,6 +50,8 @@ MOVED_MODULES = {
         "grouped": "sync.grouped", "schedule": "sync.bucket_steps",
         "radix_select": "kernels.radix_select",
         "plan_checks": "plans.checks", "_jsonfile": "plans.jsonfile",
+        # run by the step builder: the step wing imports no planning module
+        "planning.agreement": "sync.agreement", "planning.hlo": "sync.hlo",
     }.items()},
 }
 
@@ -85,15 +87,14 @@ class _MovedLoader(importlib.abc.Loader):
 
   def exec_module(self, module):
     name = module.__name__
-    sys.modules[name] = moved_module(name.rpartition(".")[2])
+    sys.modules[name] = moved_module(name.removeprefix("jaxfuse."))
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):
   """Finds only the moved ``jaxfuse.<name>`` modules (nothing else)."""
 
   def find_spec(self, fullname, path=None, target=None):
-    package, _, name = fullname.rpartition(".")
-    if package != "jaxfuse" or name not in MOVED_MODULES:
+    if fullname.removeprefix("jaxfuse.") not in MOVED_MODULES:
       return None
     return importlib.util.spec_from_loader(fullname, _MovedLoader())
 

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
-from jaxfuse.planning import agreement
+from jaxfuse.sync import agreement
 
 from _harness import mesh_of
 

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse.planning import hlo
+from jaxfuse.sync import hlo
 
 from _harness import mesh_of
 

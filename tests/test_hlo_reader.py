@@ -1,4 +1,4 @@
-"""``jaxfuse.planning.hlo``: the HLO text reader under the buckets-apart
+"""``jaxfuse.sync.hlo``: the HLO text reader under the buckets-apart
 check, the overlap benchmark and the benchmarks' HLO tools."""
 
 import textwrap
@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import pytest
 
-from jaxfuse.planning import hlo
+from jaxfuse.sync import hlo
 
 from _harness import mesh_of
 

@@ -40,9 +40,9 @@ PUBLIC = [
     "unit_residuals", "with_density", "xla_flags", "xla_options",
 ]
 PLANNING_MODULES = [
-    "agreement", "backward", "bucket_cost", "cli", "cli_io", "cli_show",
+    "backward", "bucket_cost", "cli", "cli_io", "cli_show",
     "costs",
-    "grouping", "hlo",
+    "grouping",
     "optimal", "ordering", "planner", "profiling", "simulate", "strategies",
     "timeline_plot", "timing", "trace",
 ]
@@ -189,6 +189,7 @@ MOVED_0_3 = {
     "grouped": "sync.grouped", "schedule": "sync.bucket_steps",
     "radix_select": "kernels.radix_select",
     "plan_checks": "plans.checks", "_jsonfile": "plans.jsonfile",
+    "planning.agreement": "sync.agreement", "planning.hlo": "sync.hlo",
 }
 PUBLIC_MODULES = ("checkpoint", "clipping", "elastic", "grouped")
 

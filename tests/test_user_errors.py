@@ -565,7 +565,7 @@ def test_wrappers_and_agreement_name_what_they_were_given(plan):
   with pytest.raises(jaxfuse.SyncError, match=r"delayed\(delayed\(\.\.\.\)\)"
                      ": the gradients would be two steps old"):
     twice.init(PARAMS)
-  from jaxfuse.planning import agreement  # pylint: disable=g-import-not-at-top
+  from jaxfuse.sync import agreement  # pylint: disable=g-import-not-at-top
   with pytest.raises(TypeError, match=r"expects the compiled step, "
                      r"jax.jit\(f\).lower\(\*args\).compile\(\)"):
     agreement.check_same_collectives(jax.jit(lambda x: x))

@@ -20,8 +20,8 @@ import pathlib
 import re
 import sys
 
-from jaxfuse.planning.agreement import first_difference
-from jaxfuse.planning import hlo
+from jaxfuse.sync.agreement import first_difference
+from jaxfuse.sync import hlo
 
 collectives = hlo.collective_list   # 'opcode shape groups', in order
 

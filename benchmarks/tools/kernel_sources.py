@@ -31,7 +31,7 @@ import pathlib
 import re
 from typing import NamedTuple
 
-from jaxfuse.planning import hlo
+from jaxfuse.sync import hlo
 
 NOT_KERNELS = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast",

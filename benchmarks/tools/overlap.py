@@ -4,7 +4,7 @@ One plan of the example LM (``size`` buckets of --bucket-mb, density ρ) and
 the README recipe's sparse phase (``onebit_adamw``, clip 1.0), compiled under
 several XLA option sets on all GPUs. For each: where every collective starts
 and finishes against the backward pass in the scheduled program
-(``jaxfuse.planning.hlo.schedule``), and the measured step time T_K. Also,
+(``jaxfuse.sync.hlo.schedule``), and the measured step time T_K. Also,
 on the same GPUs and one of them:
 
   T₁   the same step on one GPU, the same per-worker batch (no wire)
@@ -60,7 +60,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfuse
 from jaxfuse.kernels import radix_select
-from jaxfuse.planning import hlo
+from jaxfuse.sync import hlo
 from jaxfuse.planning import timing
 from jaxfuse.planning import trace as trace_lib
 from lm_model import build_model

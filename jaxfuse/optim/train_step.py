@@ -49,7 +49,7 @@ from jaxfuse.optim.phases import wire_warnings
 from jaxfuse.optim import local_step
 from jaxfuse.optim import step_args
 from jaxfuse.optim import step_watch
-from jaxfuse.planning import agreement
+from jaxfuse.sync import agreement
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -12,7 +12,7 @@ before that step runs, and raises instead:
   jaxfuse.check_same_collectives(compiled)   # every process calls it
   params, opt_state, loss = step(params, opt_state, batch)   # same program
 
-Each process hashes its list (``planning.hlo.collective_list``: opcode,
+Each process hashes its list (``sync.hlo.collective_list``: opcode,
 shape and replica groups of every collective start, in program order);
 the hashes are gathered, and only when they differ the lists themselves,
 to say where.
@@ -25,7 +25,7 @@ import hashlib
 import jax
 import numpy as np
 
-from jaxfuse.planning import hlo
+from jaxfuse.sync import hlo
 
 
 class CollectivesDifferError(RuntimeError):
