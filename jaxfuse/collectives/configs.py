@@ -1,15 +1,18 @@
 """A bucket's scheme object, configured, from what a plan stores.
 
 Each scheme owns its configuration (``AllGather(packed_indices)``,
-``Zen(table, union)``, ``SparDL(teams, block)``, ``Hier(inner)``): the
-transform hands a bucket to its configured scheme, which plans nothing.
-A plan (format 1, as jaxfuse 0.2 wrote it) stores the knobs in its
-``Settings`` (``zen_table``, ``zen_union``, ``spardl_teams``,
-``spardl_block``, ``hier_inner``, ``packed_indices``); ``configured``
-reads them, ``settings_fields`` writes a scheme object's back.
+``Zen(table, union)``, ``SparDL(teams, block)``, ``Hier(inner)``) and a
+plan keeps it with each bucket (``BucketPlan.scheme``): the transform
+hands a bucket to its configured scheme, which plans nothing.
+``of_bucket`` gives a bucket's scheme, ``of_json`` reads one from a plan
+file (format 2), and ``configured`` from the knobs a format-1 plan (as
+jaxfuse 0.2 wrote it) kept in its settings.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
 
 from jaxfuse import plans
 from jaxfuse.collectives.allgather import AllGather
@@ -21,45 +24,90 @@ from jaxfuse.collectives.zen import Zen
 SCHEME_TYPES = {t.name: t for t in (AllGather, Zen, SparDL, Hier, Psum)}
 
 
-def configured(name: str, settings: plans.Settings):
-  """The scheme called ``name`` with the configuration ``settings`` store.
+def _unknown(name) -> plans.PlanError:
+  return plans.PlanError(f"collective {name!r} is not available; use one of "
+                         f"{tuple(SCHEME_TYPES)}.")
+
+
+def of_bucket(bucket: plans.BucketPlan):
+  """The scheme that moves ``bucket``: its ``scheme``, or the defaults of
+  its ``collective`` where it keeps none.
 
   Args:
-    name: one of ``plans.COLLECTIVES``.
-    settings: a plan's ``Settings``.
+    bucket: a ``plans.BucketPlan``.
 
   Returns:
     The scheme object (``AllGather``, ``Zen``, ``SparDL``, ``Hier`` or
     ``Psum``).
 
   Raises:
+    PlanError: for an unknown collective name, naming the ones there are.
+  """
+  if bucket.scheme is not None:
+    return bucket.scheme
+  if bucket.collective not in SCHEME_TYPES:
+    raise _unknown(bucket.collective)
+  return SCHEME_TYPES[bucket.collective]()
+
+
+def of_json(fields: Mapping):
+  """The scheme object of ``plans.scheme_json``'s fields.
+
+  Args:
+    fields: ``{"name": ..., <the scheme's fields>}`` (``Hier``'s ``inner``
+      nested the same way).
+
+  Returns:
+    The scheme object.
+
+  Raises:
+    PlanError: an unknown scheme name, or a field the scheme does not
+      have (naming the bucket's scheme and its fields).
+  """
+  if not isinstance(fields, Mapping):
+    raise plans.PlanError(f"bucket scheme {fields!r} must be an object "
+                          "with a 'name'; the plan file is corrupted.")
+  fields = dict(fields)
+  name = fields.pop("name", None)
+  if name not in SCHEME_TYPES:
+    raise _unknown(name)
+  kind = SCHEME_TYPES[name]
+  known = {f.name for f in dataclasses.fields(kind)}
+  if set(fields) - known:
+    raise plans.PlanError(
+        f"bucket scheme {name!r} has no field(s) {sorted(set(fields) - known)}"
+        f"; {name!r} takes {sorted(known)}. The plan file is corrupted.")
+  if isinstance(fields.get("inner"), Mapping):
+    fields["inner"] = of_json(fields["inner"])
+  return kind(**fields)
+
+
+def configured(name: str, knobs: Mapping):
+  """The scheme called ``name`` with the configuration a format-1 plan's
+  settings stored (0.2's ``zen_table``, ``zen_union``, ``spardl_teams``,
+  ``spardl_block``, ``hier_inner``, ``packed_indices``).
+
+  Args:
+    name: one of ``plans.COLLECTIVES``.
+    knobs: those settings fields (a missing one: 0.2's default, which is
+      the scheme's own).
+
+  Returns:
+    The scheme object.
+
+  Raises:
     PlanError: for an unknown name, naming the ones there are.
   """
   if name == "allgather":
-    return AllGather(packed_indices=settings.packed_indices)
+    return AllGather(packed_indices=knobs.get("packed_indices", False))
   if name == "zen":
-    return Zen(table=settings.zen_table, union=settings.zen_union)
+    return Zen(table=knobs.get("zen_table", 2.0),
+               union=knobs.get("zen_union", 1.0))
   if name == "spardl":
-    return SparDL(teams=settings.spardl_teams, block=settings.spardl_block)
+    return SparDL(teams=knobs.get("spardl_teams", 1),
+                  block=knobs.get("spardl_block", 2.0))
   if name == "hier":
-    inner = configured(settings.hier_inner, settings)
-    return Hier(inner=inner)
+    return Hier(inner=configured(knobs.get("hier_inner", "allgather"), knobs))
   if name == "psum":
     return Psum()
-  raise plans.PlanError(f"collective {name!r} is not available; use one of "
-                        f"{tuple(SCHEME_TYPES)}.")
-
-
-def settings_fields(scheme) -> dict:
-  """The ``Settings`` fields that store ``scheme``'s configuration (the
-  inverse of ``configured``): e.g. ``Zen(table=3.0)`` gives
-  ``{"zen_table": 3.0, "zen_union": 1.0}``."""
-  if isinstance(scheme, AllGather):
-    return {"packed_indices": scheme.packed_indices}
-  if isinstance(scheme, Zen):
-    return {"zen_table": scheme.table, "zen_union": scheme.union}
-  if isinstance(scheme, SparDL):
-    return {"spardl_teams": scheme.teams, "spardl_block": scheme.block}
-  if isinstance(scheme, Hier):
-    return dict(settings_fields(scheme.inner), hier_inner=scheme.inner.name)
-  return {}
+  raise _unknown(name)
