@@ -88,7 +88,13 @@ def one_of(field: str, value, choices) -> None:
 def check_plan(plan) -> None:
   """Internal consistency: every field known, every leaf in exactly one
   bucket."""
-  s = plan.settings
+  check_settings(plan.settings)
+  _check_leaves(plan)
+  _check_buckets(plan)
+
+
+def check_settings(s) -> None:
+  """PlanError naming the field of ``Settings`` ``s`` that is wrong."""
   if not (is_real(s.headroom) and math.isfinite(s.headroom)
           and s.headroom >= 1):
     raise PlanError(f"settings.headroom={s.headroom!r} must be a finite "
@@ -103,8 +109,6 @@ def check_plan(plan) -> None:
   one_of("settings.full_wire", s.full_wire, FULL_WIRES)
   one_of("settings.sparse_wire", s.sparse_wire, SPARSE_WIRES)
   one_of("settings.residual_dtype", s.residual_dtype, RESIDUAL_DTYPES)
-  _check_leaves(plan)
-  _check_buckets(plan)
 
 
 def _check_leaves(plan) -> None:
