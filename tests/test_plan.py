@@ -37,7 +37,8 @@ def test_every_strategy_gives_a_valid_plan(sizes, strategy, num_buckets,
   order = [int(i) for i in rng.permutation(len(sizes))]
   plan = list_plan([(s,) for s in sizes], strategy=strategy, density=density,
                    num_buckets=num_buckets, bucket_bytes=bucket_bytes,
-                   min_sparse_size=100, ready_order=order)
+                   settings=jaxfuse.Settings(min_sparse_size=100),
+                   order=order)
   # every leaf exactly once, and the backward-ready order kept
   assert list(plan.ready_order) != [] and sorted(plan.ready_order) == list(
       range(len(sizes)))
@@ -114,8 +115,9 @@ def test_last_bucket_bytes_cuts_only_the_last_group(sizes, strategy,
   order = [int(i) for i in rng.permutation(len(sizes))]
   plan = list_plan([(s,) for s in sizes], strategy=strategy, density=0.01,
                    num_buckets=num_buckets, bucket_bytes=bucket_bytes,
-                   last_bucket_bytes=last, min_sparse_size=100,
-                   ready_order=order)
+                   last_bucket_bytes=last,
+                   settings=jaxfuse.Settings(min_sparse_size=100),
+                   order=order)
   group = _rule_groups(strategy, order, sizes, num_buckets, bucket_bytes)
   members = [p for p, g in enumerate(group) if g == group[-1]]
   nbytes = [4 * sizes[order[p]] for p in members]
@@ -134,7 +136,7 @@ def test_last_bucket_bytes_by_hand():
   def groups(last):
     plan = list_plan([(10,), (2,), (4,), (3,)], strategy="single",
                      density=1.0, last_bucket_bytes=last,
-                     ready_order=[0, 1, 2, 3])
+                     order=[0, 1, 2, 3])
     return [list(b.leaves) for b in plan.buckets]
   assert groups(30) == groups(np.int64(30)) == [[0, 1], [2, 3]]
   assert groups(10) == [[0, 1, 2], [3]]
@@ -158,13 +160,16 @@ def _three_layer_params():
 def test_ready_order_follows_the_backward_pass(jit_loss):
   loss = jax.jit(_three_layer_loss) if jit_loss else _three_layer_loss
   params = _three_layer_params()
-  plan = jaxfuse.plan(params, strategy="layerwise", loss_fn=loss,
-                      example_args=(jnp.ones((3, 4)),), min_sparse_size=1)
+  plan = jaxfuse.plan(params, strategy="layerwise",
+                      settings=jaxfuse.Settings(min_sparse_size=1),
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          loss, (jnp.ones((3, 4)),)))
   names = [plan.leaves[i].path for i in plan.ready_order]
   assert names == ["['a_out']", "['c_mid']", "['b_in']"]
   assert plan.provenance["ready_order"] == "jaxpr"
   # without a loss: reverse pytree order, and the plan says so
-  plan = jaxfuse.plan(params, strategy="layerwise", min_sparse_size=1)
+  plan = jaxfuse.plan(params, strategy="layerwise",
+                      settings=jaxfuse.Settings(min_sparse_size=1))
   assert [plan.leaves[i].path for i in plan.ready_order] == [
       "['c_mid']", "['b_in']", "['a_out']"]
   assert plan.provenance["ready_order"] == "reverse_pytree"
@@ -174,8 +179,10 @@ def test_plan_records_the_backward_order_that_buckets_hide():
   """``single`` lists its sparse bucket first, so its ready_order is not
   the backward's; the plan keeps the backward's (what ``simulate`` uses)."""
   params = _three_layer_params()
-  plan = jaxfuse.plan(params, strategy="single", loss_fn=_three_layer_loss,
-                      example_args=(jnp.ones((3, 4)),), min_sparse_size=200)
+  plan = jaxfuse.plan(params, strategy="single",
+                      settings=jaxfuse.Settings(min_sparse_size=200),
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          _three_layer_loss, (jnp.ones((3, 4)),)))
   names = lambda ids: [plan.leaves[i].path for i in ids]
   assert names(plan.ready_order) == ["['c_mid']", "['a_out']", "['b_in']"]
   assert names(plan.provenance["backward_order"]) == [
@@ -188,8 +195,9 @@ def test_json_round_trip(tmp_path):
   params = {"w": jnp.ones((64, 64)), "b": jnp.ones(3, jnp.bfloat16),
             "e": jnp.ones((100, 20), jnp.bfloat16)}
   for strategy in jaxfuse.STRATEGIES:
-    plan = jaxfuse.plan(params, strategy=strategy, density=0.05,
-                        min_sparse_size=10, estimator="sidco", refresh=3)
+    plan = jaxfuse.plan(params, strategy=strategy, density=0.05, estimator="sidco",
+                        settings=jaxfuse.Settings(
+                            min_sparse_size=10, estimation=jaxfuse.Estimation(refresh=3)))
     path = tmp_path / f"{strategy}.json"
     plan.save(path)
     loaded = jaxfuse.Plan.load(path)
@@ -200,7 +208,7 @@ def test_json_round_trip(tmp_path):
 
 def _plan_json():
   return json.loads(list_plan([(100, 10), (5,)], density=0.1,
-                              min_sparse_size=10).to_json())
+                              settings=jaxfuse.Settings(min_sparse_size=10)).to_json())
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -242,9 +250,9 @@ def test_corrupted_json_file(tmp_path):
     (dict(strategy="greedy"), "strategy='greedy'"),
     (dict(estimator="oracle"), "estimator='oracle'"),
     (dict(num_buckets=0), "num_buckets=0"),
-    (dict(headroom=0.9), "headroom=0.9"),
-    (dict(headroom=float("nan")), "headroom=nan"),
-    (dict(headroom=True), "headroom=True"),
+    (dict(settings=jaxfuse.Settings(headroom=0.9)), "headroom=0.9"),
+    (dict(settings=jaxfuse.Settings(headroom=float("nan"))), "headroom=nan"),
+    (dict(settings=jaxfuse.Settings(headroom=True)), "headroom=True"),
     (dict(last_bucket_bytes=0), "last_bucket_bytes=0"),
     (dict(last_bucket_bytes=2.5), "last_bucket_bytes=2.5"),
     (dict(last_bucket_bytes=True), "last_bucket_bytes=True"),
@@ -258,10 +266,11 @@ def test_bad_plan_arguments(kwargs, message):
 
 def test_plan_headroom_default_is_the_settings_default():
   """plan()'s default and its error's "by default" figure are Settings'."""
-  default = inspect.signature(jaxfuse.plan).parameters["headroom"].default
-  assert default == plan_lib.Settings().headroom == 1.5
+  default = inspect.signature(jaxfuse.plan).parameters["settings"].default
+  assert default.headroom == plan_lib.Settings().headroom == 1.5
   with pytest.raises(jaxfuse.PlanError, match=r"1\.5 by default"):
-    list_plan([(100,)], headroom=0.5)
+    list_plan([(100,)],
+              settings=jaxfuse.Settings(headroom=0.5))
 
 
 def test_zero_size_leaf_is_rejected():
@@ -341,7 +350,7 @@ def test_state_passed_replicated_is_a_clear_error(mesh):
 
 def test_wire_bytes_match_the_buffers(mesh):
   plan = list_plan([(1000,), (3000,), (10,)], density=0.01, strategy="single",
-                   min_sparse_size=100)
+                   settings=jaxfuse.Settings(min_sparse_size=100))
   units, _ = plan_lib.units(plan)
   payload = sum(8 * u.capacity for u in units)
   assert plan.bytes_per_worker() == payload + 4 * 10
@@ -359,7 +368,9 @@ def test_packed_indices_send_the_same_in_fewer_bytes(mesh):
   c + ⌈c·b/32⌉ words a unit."""
   shapes = [(1000,), (3000,), (10,)]
   plain, packed = (list_plan(shapes, density=0.01, strategy="single",
-                             min_sparse_size=100, packed_indices=p)
+                             settings=jaxfuse.Settings(min_sparse_size=100),
+                             collective=jaxfuse.collectives.AllGather(
+                                 packed_indices=p))
                    for p in (False, True))
   units, _ = plan_lib.units(packed)
   bits = {1000: 10, 3000: 12}
@@ -383,36 +394,35 @@ def test_packed_indices_send_the_same_in_fewer_bytes(mesh):
                                 expect)
 
 
-@pytest.mark.parametrize("collective,settings", [
-    ("zen", {}), ("spardl", {}), ("hier", {"hier_inner": "zen"}),
-    ("hier", {"hier_inner": "spardl"})])
-def test_packed_indices_leave_other_schemes_int32(collective, settings):
-  """ZEN and SparDL (alone or over hier's hosts) move int32 indices
-  whatever ``packed_indices`` says: their units, bytes and steps are the
-  unpacked ones."""
-  def made(packed):
-    base = list_plan([(1000,), (3000,)], density=0.01, strategy="single",
-                     min_sparse_size=100, packed_indices=packed)
-    return plan_lib.Plan(base.leaves, tuple(
-        dataclasses.replace(b, collective=collective) for b in base.buckets),
-        dataclasses.replace(base.settings, **settings))
-  plain, packed = made(False), made(True)
-  assert packed.settings.packed_indices
-  assert packed.bytes_per_worker() == plain.bytes_per_worker()
-  sched = bucket_steps.compile_plan(packed)
-  assert {u.index_bits for u in sched.wire_units} == {32}
-  assert collectives.bucket_steps(sched, 4) == collectives.bucket_steps(
-      bucket_steps.compile_plan(plain), 4)
-  with_ag = dataclasses.replace(packed, buckets=tuple(
-      dataclasses.replace(b, collective="allgather") for b in packed.buckets))
+@pytest.mark.parametrize("scheme", [
+    collectives.Zen(), collectives.SparDL(),
+    collectives.Hier(inner=collectives.Zen()),
+    collectives.Hier(inner=collectives.SparDL())], ids=repr)
+def test_packed_indices_leave_other_schemes_int32(scheme):
+  """ZEN and SparDL (alone or over hier's hosts) move int32 indices: only
+  ``AllGather(packed_indices=True)`` (alone or as hier's inner) packs
+  them; the per-worker payload is the unpacked all-gather's."""
+  def made(collective):
+    return list_plan([(1000,), (3000,)], density=0.01, strategy="single",
+                     settings=jaxfuse.Settings(min_sparse_size=100),
+                     collective=collective)
+  plain = made(collectives.AllGather())
+  other = made(scheme)
+  assert other.bytes_per_worker() == plain.bytes_per_worker()
   assert {u.index_bits for u in bucket_steps.compile_plan(
-      with_ag).wire_units} == {10, 12}
+      other).wire_units} == {32}
+  for packing in (collectives.AllGather(packed_indices=True),
+                  collectives.Hier(inner=collectives.AllGather(
+                      packed_indices=True))):
+    assert {u.index_bits for u in bucket_steps.compile_plan(
+        made(packing)).wire_units} == {10, 12}
 
 
 def test_integer_leaves_are_dense_and_pass_through(mesh):
   """float0 gradients of integer leaves (jax.grad(..., allow_int=True))."""
   params = {"w": jnp.ones((64, 64)), "n": jnp.arange(3)}
-  plan = jaxfuse.plan(params, min_sparse_size=1)
+  plan = jaxfuse.plan(params,
+                      settings=jaxfuse.Settings(min_sparse_size=1))
   assert [l.mode for l in plan.leaves] == ["dense", "sparse"]
   tx = jaxfuse.sparse_sync(plan)
   state = jaxfuse.init_state(tx, params, mesh)
@@ -479,7 +489,8 @@ def test_a_scheme_object_plans_as_0_2s_keywords(scheme, old):
 
 def test_a_scheme_name_gives_its_defaults_and_bad_ones_are_named():
   plan = jaxfuse.plan(_SCHEME_PARAMS, density=0.05, collective="spardl")
-  assert collectives.configured("spardl", plan.settings) == (
+  (sparse,) = [b for b in plan.buckets if b.collective != "psum"]
+  assert sparse.scheme == collectives.of_bucket(sparse) == (
       collectives.SparDL())
   assert collectives.Hier(inner="spardl").inner == collectives.SparDL()
   with pytest.raises(jaxfuse.PlanError, match=r"Hier\(inner='psum'\).*one "

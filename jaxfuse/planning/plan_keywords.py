@@ -11,17 +11,18 @@ turned into it (``upgrade``, for ``_deprecated.legacy_keywords``).
   packed_indices                         block), Hier(inner),
                                          AllGather(packed_indices)
   ready_order                          order=[leaf ids]
-  loss_fn, example_args                order=ordering.ready_order(loss_fn,
-                                         params, *example_args)
+  loss_fn, example_args                order=ordering.FromLoss(loss_fn,
+                                         example_args)
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 import warnings
 
 from jaxfuse import plans
 from jaxfuse.collectives import configs
+from jaxfuse.planning import ordering
 
 OLD_SETTINGS = ("headroom", "min_sparse_size", "seed", "residual_dtype",
                 "sparse_wire")
@@ -42,14 +43,6 @@ class Schemes(NamedTuple):
   (``by_name``; ``"auto"`` picks among them)."""
   name: str
   by_name: dict
-
-
-class Backward(NamedTuple):
-  """0.2's ``loss_fn`` and ``example_args``: the order is read from
-  ``loss_fn(params, *example_args)``'s gradient, as ``order`` with a
-  function of the params does."""
-  loss_fn: Callable
-  example_args: tuple
 
 
 def _warn(old: str, new: str) -> None:
@@ -131,7 +124,6 @@ def _upgrade_order(kw: dict) -> None:
   if "loss_fn" in kw or "example_args" in kw:
     loss_fn, args = kw.pop("loss_fn", None), kw.pop("example_args", ())
     _warn("loss_fn=..., example_args=...",
-          "order=jaxfuse.planning.ordering.ready_order(loss_fn, params, "
-          "*example_args), or order=lambda p: loss_fn(p, batch)")
+          "order=jaxfuse.planning.ordering.FromLoss(loss_fn, example_args)")
     if loss_fn is not None and kw.get("order") is None:
-      kw["order"] = Backward(loss_fn, tuple(args))
+      kw["order"] = ordering.FromLoss(loss_fn, tuple(args))

@@ -146,10 +146,11 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
       ``collective`` that cannot run on K (e.g. ``"zen"`` past 64 workers)
       is refused here, with the error ``sparse_sync`` would raise.
     order: the backward-ready order: leaf ids (pytree order) in the order
-      their gradients are ready, or a function of the parameters alone
-      whose gradient's jaxpr gives it (``lambda p: loss_fn(p, batch)``,
-      one worker's batch; ``ordering.ready_order(loss_fn, params, *args)``
-      gives the ids). Default: reverse pytree order.
+      their gradients are ready; or where to read it from the gradient's
+      jaxpr: ``jaxfuse.planning.ordering.FromLoss(loss_fn, (batch,))``
+      (``loss_fn(params, *example_args)``, one worker's batch, arrays or
+      ``jax.ShapeDtypeStruct``s), or a function of the parameters alone
+      (``lambda p: loss_fn(p, batch)``). Default: reverse pytree order.
     costs: a ``jaxfuse.planning.costs.Costs`` or the path of its JSON,
       measured for this model (``costs.backward`` per leaf, pytree order).
       Needed by ``COST_STRATEGIES``; with any strategy it adds the simulated
@@ -282,7 +283,7 @@ def _ready_order(a: dict, params, num_leaves: int) -> tuple[list, str]:
   given = a["order"]
   if given is None:
     return ordering.reverse_order(num_leaves), "reverse_pytree"
-  if isinstance(given, plan_keywords.Backward):
+  if isinstance(given, ordering.FromLoss):
     return _backward_order(given.loss_fn, params,
                            given.example_args), "jaxpr"
   if callable(given):

@@ -98,7 +98,8 @@ def check_settings(s) -> None:
   if not (is_real(s.headroom) and math.isfinite(s.headroom)
           and s.headroom >= 1):
     raise PlanError(f"settings.headroom={s.headroom!r} must be a finite "
-                    "number >= 1.")
+                    "number >= 1 (slots per leaf over the target count "
+                    "⌈ρ·n⌉; 1.5 by default).")
   if not (is_int(s.min_sparse_size) and s.min_sparse_size >= 1):
     raise PlanError(f"settings.min_sparse_size={s.min_sparse_size!r} must "
                     "be an integer >= 1.")
