@@ -119,8 +119,9 @@ CASES = {
 
 def _plan(params, knobs: dict):
   """The case's plan: the one construction call a refactor may change."""
-  return jaxfuse.plan(params, **dict(_BASE, **knobs), loss_fn=_loss,
-                      example_args=(_batches()[0],))
+  return jaxfuse.plan(params, **dict(_BASE, **knobs),
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          _loss, (_batches()[0],)))
 
 
 def _opt(recipe: str, plan, axis_name):

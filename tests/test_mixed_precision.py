@@ -62,8 +62,8 @@ def _run(plan, mesh, steps, acc_dtype=None, grads_of=None):
 
 
 def _plan(**kwargs):
-  plan = list_plan(SHAPES, dtype="bfloat16", density=0.01,
-                   min_sparse_size=64, strategy="layerwise", **kwargs)
+  plan = list_plan(SHAPES, dtype="bfloat16", density=0.01, strategy="layerwise", **kwargs,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   assert all(l.mode == "sparse" for l in plan.leaves)
   return plan
 
@@ -150,8 +150,9 @@ def test_recipe_moments_are_float32_for_bfloat16_gradients(mesh):
 # --- float32 gradients, a dense phase on a bfloat16 wire ----------------------
 
 def _dense_phase(dense_wire):
-  plan = list_plan(SHAPES, density=0.01, min_sparse_size=64,
-                   strategy="layerwise")
+  plan = list_plan(SHAPES, density=0.01,
+                   strategy="layerwise",
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   phases = jaxfuse.density_warmup(plan, steps=0, dense_steps=3,
                                   dense_wire=dense_wire)
   return phases[0].plan, phases
@@ -231,9 +232,10 @@ def test_dense_wire_is_checked_saved_and_not_part_of_the_layout():
 
 def _sparse_wire_plan(collective="allgather", sparse_wire="bfloat16",
                       **options):
-  return list_plan(SHAPES, density=0.01, min_sparse_size=64,
-                   strategy="layerwise", collective=collective,
-                   sparse_wire=sparse_wire, **options)
+  return list_plan(SHAPES, density=0.01,
+                   strategy="layerwise", collective=collective, **options,
+                   settings=jaxfuse.Settings(
+                       min_sparse_size=64, sparse_wire=sparse_wire))
 
 
 @pytest.mark.parametrize("collective,options", [

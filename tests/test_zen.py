@@ -83,7 +83,8 @@ def test_conserves_identical_replicas_equals_allgather(k):
   mesh = mesh_of(k)
   kw = dict(density=0.005, min_sparse_size=64, strategy="single",
             estimator="topk")
-  plan = list_plan(SHAPES, collective="zen", zen_table=4.0, **kw)
+  plan = list_plan(SHAPES, **kw,
+                   collective=jaxfuse.collectives.Zen(table=4.0))
   ours = _run(plan, mesh, k, 2, seed=k, shared=10.0)
   theirs = _run(list_plan(SHAPES, collective="allgather", **kw), mesh, k, 2,
                 seed=k, shared=10.0)
@@ -96,9 +97,10 @@ def test_conserves_identical_replicas_equals_allgather(k):
 
 
 def test_both_pull_encodings_are_covered_by_the_mesh_tests():
-  units, _ = plan_lib.units(list_plan(SHAPES, density=0.005,
-                                      min_sparse_size=64, strategy="single",
-                                      estimator="topk", collective="zen"))
+  units, _ = plan_lib.units(list_plan(SHAPES, density=0.005, strategy="single",
+                                      estimator="topk", collective="zen",
+                                      settings=jaxfuse.Settings(
+                                          min_sparse_size=64)))
   kinds = {zen_lib.layout(units, k, plan_lib.Settings()).bitmap
            for k in (3, 5, 6, 7, 8)}
   assert kinds == {True, False}
@@ -108,9 +110,10 @@ def test_pull_overflow_goes_to_the_residual(mesh):
   """zen_union 0.05: K·U < C, fewer pulled entries than one worker selects,
   so some must wait in a residual; conservation still holds."""
   k = NUM_WORKERS
-  plan = list_plan(TWO_UNITS, density=0.05, min_sparse_size=64,
-                   strategy="single", estimator="topk", collective="zen",
-                   zen_table=1.0, zen_union=0.05)
+  plan = list_plan(TWO_UNITS, density=0.05,
+                   strategy="single", estimator="topk",
+                   settings=jaxfuse.Settings(min_sparse_size=64),
+                   collective=jaxfuse.collectives.Zen(table=1.0, union=0.05))
   units, _ = plan_lib.units(plan)
   c = sum(u.capacity for u in units)
   cap = math.ceil(0.05 * c)
