@@ -19,11 +19,12 @@ from _harness import init, sync
 SHAPES = {"a": (30, 20), "b": (20,), "c": (64, 8), "d": (5,), "e": (48, 48)}
 
 
-def _plan(strategy, **kw):
+def _plan(strategy, sparse_wire="gradient", **kw):
   return jaxfuse.plan({n: jax.ShapeDtypeStruct(s, jnp.float32)
                        for n, s in SHAPES.items()}, density=0.05,
                       strategy=strategy, **kw,
-                      settings=jaxfuse.Settings(min_sparse_size=64))
+                      settings=jaxfuse.Settings(min_sparse_size=64,
+                                                sparse_wire=sparse_wire))
 
 
 @pytest.mark.parametrize("strategy", ["layerwise", "single", "aligned",

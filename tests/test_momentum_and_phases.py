@@ -219,9 +219,11 @@ def test_a_phase_of_another_density_retunes_the_threshold(mesh, estimator,
 
 # 5. Errors that name the field ------------------------------------------------
 
-def _small_plan(**kwargs):
+def _small_plan(min_sparse_size=64, **kwargs):
   return list_plan([(40, 30), (100,), (7,)], **dict(
-      dict(density=0.05, min_sparse_size=64), **kwargs))
+      dict(density=0.05,
+           settings=jaxfuse.Settings(min_sparse_size=min_sparse_size)),
+      **kwargs))
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -77,12 +77,12 @@ def _run(plan, mesh, k, steps, seed, shared=0.0, shapes=SHAPES):
 
 @pytest.mark.parametrize("k", sorted({NUM_WORKERS, 3, 5, 6, 7}))
 def test_conserves_identical_replicas_equals_allgather(k):
-  """Ample tables (zen_table 4) and zen_union 1 on overlapping selections:
+  """Ample tables (Zen(table=4)) and union 1 on overlapping selections:
   nothing overflows, so ĝ and the residuals equal allgather's bit for bit
   (same f32 sums in rank order, same /K)."""
   mesh = mesh_of(k)
-  kw = dict(density=0.005, min_sparse_size=64, strategy="single",
-            estimator="topk")
+  kw = dict(density=0.005, settings=jaxfuse.Settings(min_sparse_size=64),
+            strategy="single", estimator="topk")
   plan = list_plan(SHAPES, **kw,
                    collective=jaxfuse.collectives.Zen(table=4.0))
   ours = _run(plan, mesh, k, 2, seed=k, shared=10.0)
@@ -107,7 +107,7 @@ def test_both_pull_encodings_are_covered_by_the_mesh_tests():
 
 
 def test_pull_overflow_goes_to_the_residual(mesh):
-  """zen_union 0.05: K·U < C, fewer pulled entries than one worker selects,
+  """Zen(union=0.05): K·U < C, fewer pulled entries than one worker selects,
   so some must wait in a residual; conservation still holds."""
   k = NUM_WORKERS
   plan = list_plan(TWO_UNITS, density=0.05,
