@@ -4,6 +4,7 @@ import dataclasses
 import inspect
 import json
 import math
+import pathlib
 
 from hypothesis import given
 from hypothesis import settings
@@ -505,3 +506,107 @@ def test_a_scheme_name_gives_its_defaults_and_bad_ones_are_named():
     jaxfuse.plan(_SCHEME_PARAMS, collective=collectives.Psum())
   with pytest.raises(TypeError, match="zen_tabel"):
     jaxfuse.plan(_SCHEME_PARAMS, zen_tabel=2.0)
+
+
+# --- plan files: format 2, and 0.2's format 1 converted ---------------------
+
+_V1_PLAN = (pathlib.Path(__file__).parent / "data" / "checkpoint_0.2" / "ckpt"
+            / "3" / "plan" / "metadata")
+
+
+def _v1_body(**settings):
+  """A format-1 plan body as jaxfuse 0.2 wrote it: two sparse leaves in a
+  ``"zen"``, a ``"hier"`` and an ``"allgather"`` bucket, a dense one in
+  ``"psum"``; ``settings`` over 0.2's defaults."""
+  defaults = {"headroom": 1.5, "min_sparse_size": 10, "refresh": 1,
+              "feedback": True, "sample_fraction": 0.01, "sidco_stages": 2,
+              "seed": 0, "zen_table": 2.0, "zen_union": 1.0,
+              "spardl_teams": 1, "hier_inner": "allgather",
+              "spardl_block": 2.0, "residual_dtype": "float32",
+              "full_wire": "gradient", "sparse_wire": "gradient",
+              "packed_indices": False}
+  leaf = lambda p, n: {"path": p, "shape": [n], "dtype": "float32",
+                       "mode": "sparse", "density": 0.1,
+                       "capacity": n // 10, "estimator": "dgc"}
+  bucket = lambda ids, c: {"leaves": ids, "collective": c,
+                           "sparsify": "ahead", "capacity": 0,
+                           "estimator": None, "density": 1.0}
+  return {"format": "jaxfuse.plan", "version": 1,
+          "settings": dict(defaults, **settings),
+          "provenance": {"strategy": "layerwise"},
+          "leaves": [leaf("[0]", 100), leaf("[1]", 200), leaf("[2]", 300),
+                     dict(leaf("[3]", 5), mode="dense", density=1.0,
+                          capacity=5, estimator=None)],
+          "buckets": [bucket([0], "zen"), bucket([1], "hier"),
+                      bucket([2], "allgather"), bucket([3], "psum")]}
+
+
+def test_a_format_1_plan_moves_the_scheme_knobs_into_its_buckets():
+  body = _v1_body(zen_table=3.0, zen_union=0.5, spardl_teams=2,
+                  spardl_block=1.5, hier_inner="spardl", packed_indices=True,
+                  refresh=3, feedback=False, sample_fraction=0.05,
+                  sidco_stages=4, seed=7, headroom=2.0)
+  plan = jaxfuse.Plan.from_json(json.dumps(body))
+  assert [b.scheme for b in plan.buckets] == [
+      collectives.Zen(table=3.0, union=0.5),
+      collectives.Hier(inner=collectives.SparDL(teams=2, block=1.5)),
+      collectives.AllGather(packed_indices=True), None]
+  assert plan.settings == jaxfuse.Settings(
+      headroom=2.0, min_sparse_size=10, seed=7,
+      estimation=jaxfuse.Estimation(refresh=3, feedback=False,
+                                    sample_fraction=0.05, sidco_stages=4))
+  again = json.loads(plan.to_json())
+  assert again["version"] == 2
+  assert again["buckets"][1]["scheme"] == {
+      "name": "hier", "inner": {"name": "spardl", "teams": 2, "block": 1.5}}
+  assert again["settings"]["estimation"] == {
+      "refresh": 3, "feedback": False, "sample_fraction": 0.05,
+      "sidco_stages": 4}
+  assert "zen_table" not in again["settings"]
+  assert jaxfuse.Plan.from_json(plan.to_json()) == plan
+
+
+def test_a_plan_file_jaxfuse_0_2_wrote_loads_as_the_same_plan():
+  """The plan of tests/data/checkpoint_0.2 (format 1, 0.2's defaults) is
+  the plan this jaxfuse makes for the same arguments: its all-gather bucket
+  with the default ``AllGather()``, and its state layout the same."""
+  text = _V1_PLAN.read_text()
+  assert json.loads(text)["version"] == 1
+  old = jaxfuse.Plan.from_json(text)
+  assert [b.scheme for b in old.buckets] == [collectives.AllGather(), None]
+  assert old.settings == jaxfuse.Settings(min_sparse_size=256)
+  made = plan_lib.Plan(old.leaves, tuple(
+      dataclasses.replace(b, scheme=None) for b in old.buckets),
+                       old.settings, old.provenance)
+  assert bucket_steps.layout_digest(made) == bucket_steps.layout_digest(old)
+  assert jaxfuse.Plan.from_json(old.to_json()) == old
+
+
+@pytest.mark.parametrize("scheme", [
+    collectives.AllGather(packed_indices=True), collectives.Zen(table=1.5),
+    collectives.SparDL(teams=2, block=3.0),
+    collectives.Hier(inner=collectives.Zen(union=0.25))], ids=repr)
+def test_format_2_round_trip_keeps_each_buckets_scheme(tmp_path, scheme):
+  plan = jaxfuse.plan(_SCHEME_PARAMS, density=0.05, collective=scheme,
+                      settings=jaxfuse.Settings(
+                          estimation=jaxfuse.Estimation(sidco_stages=3)))
+  plan.save(tmp_path / "p.json")
+  loaded = jaxfuse.Plan.load(tmp_path / "p.json")
+  assert loaded == plan
+  assert [b.scheme for b in loaded.buckets if b.collective != "psum"] == [
+      scheme]
+  assert loaded.settings.estimation.sidco_stages == 3
+
+
+def test_a_bucket_scheme_with_an_unknown_field_is_named():
+  body = json.loads(list_plan([(100, 10)], density=0.1,
+                              settings=jaxfuse.Settings(
+                                  min_sparse_size=10)).to_json())
+  body["buckets"][0]["scheme"]["table"] = 2.0
+  with pytest.raises(jaxfuse.PlanError,
+                     match=r"scheme 'allgather' has no field\(s\) \['table'\]"):
+    jaxfuse.Plan.from_json(json.dumps(body))
+  body["buckets"][0]["scheme"] = {"name": "zen", "table": 2.0, "union": 1.0}
+  with pytest.raises(jaxfuse.PlanError,
+                     match=r"bucket 0: scheme=Zen\(.*is not a 'allgather'"):
+    jaxfuse.Plan.from_json(json.dumps(body))
