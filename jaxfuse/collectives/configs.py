@@ -11,7 +11,6 @@ jaxfuse 0.2 wrote it) kept in its settings.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping
 
 from jaxfuse import plans
@@ -22,6 +21,7 @@ from jaxfuse.collectives.spardl import SparDL
 from jaxfuse.collectives.zen import Zen
 
 SCHEME_TYPES = {t.name: t for t in (AllGather, Zen, SparDL, Hier, Psum)}
+plans.register_schemes(SCHEME_TYPES)
 
 
 def _unknown(name) -> plans.PlanError:
@@ -62,24 +62,9 @@ def of_json(fields: Mapping):
 
   Raises:
     PlanError: an unknown scheme name, or a field the scheme does not
-      have (naming the bucket's scheme and its fields).
+      have (naming the scheme and its fields).
   """
-  if not isinstance(fields, Mapping):
-    raise plans.PlanError(f"bucket scheme {fields!r} must be an object "
-                          "with a 'name'; the plan file is corrupted.")
-  fields = dict(fields)
-  name = fields.pop("name", None)
-  if name not in SCHEME_TYPES:
-    raise _unknown(name)
-  kind = SCHEME_TYPES[name]
-  known = {f.name for f in dataclasses.fields(kind)}
-  if set(fields) - known:
-    raise plans.PlanError(
-        f"bucket scheme {name!r} has no field(s) {sorted(set(fields) - known)}"
-        f"; {name!r} takes {sorted(known)}. The plan file is corrupted.")
-  if isinstance(fields.get("inner"), Mapping):
-    fields["inner"] = of_json(fields["inner"])
-  return kind(**fields)
+  return plans.scheme_of_json(fields)
 
 
 def configured(name: str, knobs: Mapping):
@@ -98,16 +83,4 @@ def configured(name: str, knobs: Mapping):
   Raises:
     PlanError: for an unknown name, naming the ones there are.
   """
-  if name == "allgather":
-    return AllGather(packed_indices=knobs.get("packed_indices", False))
-  if name == "zen":
-    return Zen(table=knobs.get("zen_table", 2.0),
-               union=knobs.get("zen_union", 1.0))
-  if name == "spardl":
-    return SparDL(teams=knobs.get("spardl_teams", 1),
-                  block=knobs.get("spardl_block", 2.0))
-  if name == "hier":
-    return Hier(inner=configured(knobs.get("hier_inner", "allgather"), knobs))
-  if name == "psum":
-    return Psum()
-  raise _unknown(name)
+  return plans.v1_scheme(name, knobs)

@@ -325,27 +325,78 @@ def _bucket_json(b: BucketPlan) -> dict:
               leaves=list(b.leaves), scheme=scheme_json(b.scheme))
 
 
+# The scheme classes by name (``jaxfuse.collectives`` registers them when it
+# is imported, as ``import jaxfuse`` does: the plan model imports no scheme).
+SCHEME_TYPES: dict[str, type] = {}
+
+# Format 1's settings field of each scheme field, by scheme.
+V1_SCHEME_KNOBS = {"allgather": {"packed_indices": "packed_indices"},
+                   "zen": {"table": "zen_table", "union": "zen_union"},
+                   "spardl": {"teams": "spardl_teams", "block": "spardl_block"},
+                   "psum": {}}
+
+
+def register_schemes(types: Mapping[str, type]) -> None:
+  """Make the scheme classes ``types`` ({name: class}) known to plan files
+  (``jaxfuse.collectives`` calls this once)."""
+  SCHEME_TYPES.update(types)
+
+
+def _scheme_type(name) -> type:
+  if name not in SCHEME_TYPES:
+    raise PlanError(f"collective {name!r} is not available; use one of "
+                    f"{tuple(SCHEME_TYPES)}.")
+  return SCHEME_TYPES[name]
+
+
+def scheme_of_json(fields: Mapping):
+  """The scheme object of ``scheme_json``'s fields (``PlanError`` naming
+  an unknown scheme or field)."""
+  if not isinstance(fields, Mapping):
+    raise PlanError(f"bucket scheme {fields!r} must be an object with a "
+                    "'name'; the plan file is corrupted.")
+  fields = dict(fields)
+  name = fields.pop("name", None)
+  kind = _scheme_type(name)
+  known = {f.name for f in dataclasses.fields(kind)}
+  if set(fields) - known:
+    raise PlanError(
+        f"bucket scheme {name!r} has no field(s) {sorted(set(fields) - known)}"
+        f"; {name!r} takes {sorted(known)}. The plan file is corrupted.")
+  if isinstance(fields.get("inner"), Mapping):
+    fields["inner"] = scheme_of_json(fields["inner"])
+  return kind(**fields)
+
+
+def v1_scheme(name: str, knobs: Mapping):
+  """The scheme ``name`` configured by the knobs a format-1 plan's
+  settings stored (0.2's ``zen_table`` … ``packed_indices``; one missing:
+  the scheme's default, which was 0.2's)."""
+  if name == "hier":
+    return _scheme_type(name)(
+        inner=v1_scheme(knobs.get("hier_inner", "allgather"), knobs))
+  fields = V1_SCHEME_KNOBS.get(name, {})
+  return _scheme_type(name)(**{f: knobs[k] for f, k in fields.items()
+                               if k in knobs})
+
+
 def _bucket_of_json(fields: dict) -> BucketPlan:
   """A ``BucketPlan`` of its JSON fields (the scheme an object again)."""
-  # pylint: disable-next=g-import-not-at-top  (collectives import plans)
-  from jaxfuse.collectives import configs
   fields = dict(fields, leaves=tuple(fields["leaves"]))
   if fields.get("scheme") is not None:
-    fields["scheme"] = configs.of_json(fields["scheme"])
+    fields["scheme"] = scheme_of_json(fields["scheme"])
   return BucketPlan(**fields)
 
 
 def _upgraded_v1(body: dict) -> dict:
   """A format-1 body as format 2: the scheme knobs of 0.2's ``settings``
   go into each bucket's ``scheme``, the estimators' into ``estimation``."""
-  # pylint: disable-next=g-import-not-at-top  (collectives import plans)
-  from jaxfuse.collectives import configs
   settings = dict(body["settings"])
   knobs = {k: settings.pop(k) for k in V1_SCHEME_FIELDS if k in settings}
   settings["estimation"] = {k: settings.pop(k) for k in V1_ESTIMATION_FIELDS
                             if k in settings}
   buckets = [dict(b, scheme=None if b.get("collective") == "psum" else
-                  scheme_json(configs.configured(b["collective"], knobs)))
+                  scheme_json(v1_scheme(b["collective"], knobs)))
              for b in body["buckets"]]
   return dict(body, version=FORMAT_VERSION, settings=settings,
               buckets=buckets)
