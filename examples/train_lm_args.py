@@ -26,7 +26,7 @@ DESCRIPTION = ("Data-parallel byte-level language model, dense vs. jaxfuse "
 SEND_EARLY_WINDOW = inspect.signature(
     jaxfuse.send_early).parameters["window"].default
 # jaxfuse.plan's slots per sparse leaf over ⌈ρ·n⌉, read where it is defined.
-PLAN_HEADROOM = inspect.signature(jaxfuse.plan).parameters["headroom"].default
+PLAN_HEADROOM = jaxfuse.Settings().headroom
 # The README recipe's defaults where they are not jaxfuse's own.
 ONEBIT_WARMUP_DENSITIES = (0.0625,)   # those above the plan's density
 SIZE_BUCKET_BYTES = 64 * 2**20        # --strategy size

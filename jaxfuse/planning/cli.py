@@ -277,9 +277,12 @@ def cmd_plan(args) -> int:
 # --- the parser ---------------------------------------------------------------
 
 def _plan_default(name: str) -> str:
-  """' (default: X)' for ``jaxfuse.plan``'s argument ``name``."""
+  """' (default: X)' for ``jaxfuse.plan``'s argument ``name`` (or its
+  ``settings``' field ``name``)."""
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
-  value = inspect.signature(planner.plan).parameters[name].default
+  parameters = inspect.signature(planner.plan).parameters
+  value = (parameters[name].default if name in parameters else
+           getattr(parameters["settings"].default, name))
   if name.endswith("bytes"):
     value = f"{value // 2**20}M"
   return f" (default: {value})"
