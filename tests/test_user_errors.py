@@ -40,16 +40,25 @@ def plan():
     (dict(strategy="size", bucket_bytes="25M"),
      "bucket_bytes='25M' must be an int > 0"),
     (dict(strategy="size", bucket_bytes=2.5e7), "bucket_bytes=25000000.0"),
-    (dict(headroom=float("inf")), "headroom=inf must be a finite number"),
-    (dict(sample_fraction="x"), "sample_fraction='x' must be a number"),
-    (dict(seed="abc"), "seed='abc' must be an integer"),
-    (dict(feedback="no"), "feedback='no' must be True or False"),
-    (dict(min_sparse_size=2.5), "min_sparse_size=2.5 must be an int"),
+    (dict(settings=jaxfuse.Settings(headroom=float("inf"))),
+     "settings.headroom=inf must be a finite number"),
+    (dict(settings=jaxfuse.Settings(
+        estimation=jaxfuse.Estimation(sample_fraction="x"))),
+     "settings.estimation.sample_fraction='x' must be a number"),
+    (dict(settings=jaxfuse.Settings(seed="abc")),
+     "settings.seed='abc' must be an integer"),
+    (dict(settings=jaxfuse.Settings(
+        estimation=jaxfuse.Estimation(feedback="no"))),
+     "settings.estimation.feedback='no' must be True or False"),
+    (dict(settings=jaxfuse.Settings(min_sparse_size=2.5)),
+     "settings.min_sparse_size=2.5 must be an int"),
+    (dict(settings={"headroom": 2.0}), "give a jaxfuse.Settings"),
     (dict(num_workers=0), "num_workers=0 must be an int >= 1"),
     (dict(num_workers=True), "num_workers=True must be an int >= 1"),
-    (dict(ready_order=["a", "b"]), "ready_order must list each of the 2"),
-    (dict(ready_order=[0, 0]), "ready_order must list each of the 2"),
-    (dict(loss_fn="f"), "loss_fn='f' must be a function"),
+    (dict(order=["a", "b"]), "order must list each of the 2"),
+    (dict(order=[0, 0]), "order must list each of the 2"),
+    (dict(order=jaxfuse.planning.ordering.FromLoss("f")),
+     "loss_fn='f' must be a function"),
 ])
 def test_plan_names_the_bad_argument(kwargs, message):
   with pytest.raises(jaxfuse.PlanError) as e:
@@ -99,16 +108,23 @@ def test_numpy_scalars_elsewhere_are_their_values(plan):
                              buckets=(bucket,) + plan.buckets[1:])
   assert jaxfuse.Plan.from_json(made.to_json()) == plan
   # jaxfuse.plan keeps plain numbers whatever it is given
-  kw = dict(density=0.05, num_buckets=2, min_sparse_size=64, refresh=2,
-            sample_fraction=0.5, spardl_teams=2, num_workers=4,
-            collective="spardl", costs=_costs())
-  numpy_kw = {k: np.int64(v) if isinstance(v, int) else
-              np.float64(v) if isinstance(v, float) else v
-              for k, v in kw.items()}
-  got = jaxfuse.plan(PARAMS, **numpy_kw)
-  assert got == jaxfuse.plan(PARAMS, **kw)
-  assert all(type(v) in (int, float, bool, str)  # pylint: disable=unidiomatic-typecheck
-             for v in dataclasses.asdict(got.settings).values())
+  def kw(num):
+    return dict(density=num(0.05), num_buckets=num(2), num_workers=num(4),
+                settings=jaxfuse.Settings(
+                    min_sparse_size=num(64), estimation=jaxfuse.Estimation(
+                        refresh=num(2), sample_fraction=num(0.5))),
+                collective=jaxfuse.collectives.SparDL(teams=num(2)),
+                costs=_costs())
+  numpy = lambda v: np.int64(v) if isinstance(v, int) else np.float64(v)
+  got = jaxfuse.plan(PARAMS, **kw(numpy))
+  assert got == jaxfuse.plan(PARAMS, **kw(lambda v: v))
+  (scheme,) = {b.scheme for b in got.buckets if b.collective == "spardl"}
+  for fields in (dataclasses.asdict(got.settings.estimation),
+                 dataclasses.asdict(scheme),
+                 {k: v for k, v in dataclasses.asdict(got.settings).items()
+                  if k != "estimation"}):
+    assert all(type(v) in (int, float, bool, str)  # pylint: disable=unidiomatic-typecheck
+               for v in fields.values()), fields
   assert jaxfuse.make_mesh(np.int64(1)).size == 1
 
 

@@ -194,9 +194,19 @@ def _schemes(collective) -> tuple[str, dict]:
         f"collective={collective!r}; use a scheme of jaxfuse.collectives "
         "(AllGather, Zen, SparDL, Hier) or one of "
         f"{plans.SPARSE_COLLECTIVES}.")
+  collective = _plain_scheme(collective)
   inner = getattr(collective, "inner", None)   # Hier: its host-axis scheme
   by_name = {inner.name: inner} if inner is not None else {}
   return collective.name, dict(by_name, **{collective.name: collective})
+
+
+def _plain_scheme(scheme):
+  """``scheme`` with its numbers as Python's (a plan holds plain values)."""
+  return dataclasses.replace(scheme, **{
+      f.name: (_plain_scheme(v) if dataclasses.is_dataclass(v) else
+               plans.as_python(v))
+      for f in dataclasses.fields(scheme)
+      for v in [getattr(scheme, f.name)]})
 
 
 def _scheme(a: dict, name: str):
