@@ -610,3 +610,33 @@ def test_a_bucket_scheme_with_an_unknown_field_is_named():
   with pytest.raises(jaxfuse.PlanError,
                      match=r"bucket 0: scheme=Zen\(.*is not a 'allgather'"):
     jaxfuse.Plan.from_json(json.dumps(body))
+
+
+def test_0_2s_settings_and_order_keywords_plan_as_the_new_spelling():
+  """0.2's ``headroom=`` … ``sidco_stages=``, ``ready_order=`` and
+  ``loss_fn=``/``example_args=`` still make the same plan, each warning
+  with its new spelling; with ``settings=`` as well they are refused."""
+  params = _three_layer_params()
+  new = jaxfuse.plan(params, strategy="layerwise", settings=jaxfuse.Settings(
+      headroom=2.0, min_sparse_size=1, seed=3,
+      estimation=jaxfuse.Estimation(refresh=3, sample_fraction=0.05)),
+                     order=jaxfuse.planning.ordering.FromLoss(
+                         _three_layer_loss, (jnp.ones((3, 4)),)))
+  with pytest.warns(DeprecationWarning) as caught:
+    was = jaxfuse.plan(params, strategy="layerwise", headroom=2.0,
+                       min_sparse_size=1, seed=3, refresh=3,
+                       sample_fraction=0.05, loss_fn=_three_layer_loss,
+                       example_args=(jnp.ones((3, 4)),))
+  assert was == new
+  said = " ".join(str(w.message) for w in caught)
+  assert ("settings=jaxfuse.Settings(headroom=2.0, min_sparse_size=1, "
+          "seed=3, estimation=jaxfuse.Estimation(refresh=3, "
+          "sample_fraction=0.05))") in said
+  assert "order=jaxfuse.planning.ordering.FromLoss(" in said
+  assert "removed in 0.4" in said
+  with pytest.warns(DeprecationWarning, match=r"order=\[leaf ids\]"):
+    given = jaxfuse.plan(params, ready_order=[2, 1, 0])
+  assert given == jaxfuse.plan(params, order=[2, 1, 0])
+  with pytest.raises(jaxfuse.PlanError, match=r"settings= and 0.2's "
+                     r"\['headroom'\] given together"):
+    jaxfuse.plan(params, headroom=2.0, settings=jaxfuse.Settings())
