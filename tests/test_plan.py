@@ -196,9 +196,10 @@ def test_json_round_trip(tmp_path):
   params = {"w": jnp.ones((64, 64)), "b": jnp.ones(3, jnp.bfloat16),
             "e": jnp.ones((100, 20), jnp.bfloat16)}
   for strategy in jaxfuse.STRATEGIES:
-    plan = jaxfuse.plan(params, strategy=strategy, density=0.05, estimator="sidco",
-                        settings=jaxfuse.Settings(
-                            min_sparse_size=10, estimation=jaxfuse.Estimation(refresh=3)))
+    plan = jaxfuse.plan(params, strategy=strategy, density=0.05,
+                        estimator="sidco", settings=jaxfuse.Settings(
+                            min_sparse_size=10,
+                            estimation=jaxfuse.Estimation(refresh=3)))
     path = tmp_path / f"{strategy}.json"
     plan.save(path)
     loaded = jaxfuse.Plan.load(path)
@@ -208,8 +209,9 @@ def test_json_round_trip(tmp_path):
 
 
 def _plan_json():
-  return json.loads(list_plan([(100, 10), (5,)], density=0.1,
-                              settings=jaxfuse.Settings(min_sparse_size=10)).to_json())
+  return json.loads(list_plan(
+      [(100, 10), (5,)], density=0.1,
+      settings=jaxfuse.Settings(min_sparse_size=10)).to_json())
 
 
 @pytest.mark.parametrize("mutate, message", [

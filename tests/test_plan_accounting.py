@@ -72,13 +72,14 @@ def test_packed_index_bits_hold_the_empty_slot():
 
 
 def test_hier_over_allgather_packs_indices_too():
-  # Settings.packed_indices covers "allgather" and "hier" over an
-  # all-gather (hier_inner="allgather"), not "hier" over ZEN.
+  # AllGather(packed_indices=True) packs alone and as "hier"'s host-axis
+  # scheme (Hier(inner=AllGather(...))); "hier" over ZEN keeps int32.
   params = [_sds((4096,), jnp.float32)]
   packed = jaxfuse.plan(params, density=0.01, estimator="topk",
                         settings=jaxfuse.Settings(min_sparse_size=64),
                         collective=jaxfuse.collectives.Hier(
-                            inner=jaxfuse.collectives.AllGather(packed_indices=True)))
+                            inner=jaxfuse.collectives.AllGather(
+                                packed_indices=True)))
   assert packed.bytes_per_worker() == 4 * (41 + 17)
   over_zen = jaxfuse.plan(params, density=0.01, estimator="topk",
                           settings=jaxfuse.Settings(min_sparse_size=64),

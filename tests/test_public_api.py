@@ -43,7 +43,8 @@ PLANNING_MODULES = [
     "agreement", "backward", "bucket_cost", "cli", "cli_io", "cli_show",
     "costs",
     "grouping", "hlo", "leaves",
-    "optimal", "ordering", "plan_keywords", "planner", "profiling", "simulate", "strategies",
+    "optimal", "ordering", "plan_keywords", "planner", "profiling",
+    "simulate", "strategies",
     "timeline_plot", "timing", "trace",
 ]
 # What profiling and cli export, their re-exports from the modules they were

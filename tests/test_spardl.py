@@ -247,7 +247,8 @@ def test_steps_are_what_the_program_sends(k, teams):
                                          (7, 2, "does not divide")])
 def test_teams_that_cannot_form_raise_naming_the_bucket(k, teams, why):
   s = plan_lib.Settings()
-  with pytest.raises(base.SchemeError, match=rf"bucket 3: .*{why}.*SparDL\(teams="):
+  with pytest.raises(base.SchemeError,
+                     match=rf"bucket 3: .*{why}.*SparDL\(teams="):
     spardl.SparDL(teams=teams).check("bucket 3", k, s)
   with pytest.raises(base.SchemeError, match=(
       rf"^spardl bucket of leaves \[0, 1\]: SparDL\(teams={teams}\) .*{why}")):

@@ -136,8 +136,8 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     settings: the knobs shared by every leaf, ``jaxfuse.Settings(headroom,
       min_sparse_size, seed, residual_dtype, full_wire, sparse_wire,
       estimation=jaxfuse.Estimation(refresh, feedback, sample_fraction,
-      sidco_stages))``: capacity c = ⌈ρ·n·headroom⌉ (``"topk"``: c = ⌈ρ·n⌉
-      exactly); leaves with fewer than ``min_sparse_size`` elements (and
+      sidco_stages))``: capacity c = ⌈ρ·n·headroom⌉ (``"topk"``:
+      c = ⌈ρ·n⌉ exactly); leaves with fewer than ``min_sparse_size`` elements (and
       non-float leaves) go dense.
     num_workers: K the plan is made for (default: the costs' ``workers``):
       the cost strategies group for the collectives' times on K
