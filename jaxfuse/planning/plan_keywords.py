@@ -48,7 +48,7 @@ class Schemes(NamedTuple):
 def _warn(old: str, new: str) -> None:
   warnings.warn(f"jaxfuse.plan({old}) is deprecated (removed in "
                 f"{REMOVED_IN}): pass {new}.", DeprecationWarning,
-                stacklevel=4)
+                stacklevel=5)  # the caller of jaxfuse.plan
 
 
 def upgrade(kwargs: dict) -> dict:
