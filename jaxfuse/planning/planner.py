@@ -182,13 +182,14 @@ def _schemes(collective) -> tuple[str, dict]:
   """``collective`` (a name, a scheme object, or 0.2's keywords'
   ``plan_keywords.Schemes``) as (the scheme's name, {name: the configured
   scheme}); a name not in the dict runs with its defaults."""
+  by_name = {}
   if isinstance(collective, plan_keywords.Schemes):
-    return collective.name, dict(collective.by_name)
+    collective, by_name = collective.name, dict(collective.by_name)
   if isinstance(collective, str):
     if collective not in plans.SPARSE_COLLECTIVES:
       raise plans.PlanError(f"collective={collective!r}; use one of "
                             f"{plans.SPARSE_COLLECTIVES}.")
-    return collective, {}
+    return collective, by_name
   if getattr(collective, "name", None) not in plans.SPARSE_COLLECTIVES:
     raise plans.PlanError(
         f"collective={collective!r}; use a scheme of jaxfuse.collectives "
