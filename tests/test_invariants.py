@@ -38,8 +38,9 @@ def _pmean(mesh, grads):
 
 # 1. Dense equivalence ---------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs", [dict(density=1.0),
-                                    dict(density=0.01, min_sparse_size=10**9)])
+@pytest.mark.parametrize("kwargs", [
+    dict(density=1.0),
+    dict(density=0.01, settings=jaxfuse.Settings(min_sparse_size=10**9))])
 def test_all_dense_plan_equals_pmean_bitwise(mesh, kwargs):
   shapes = [(64, 33), (7,), (3, 5, 2)]
   plan = list_plan(shapes, strategy="size", bucket_bytes=1000, **kwargs)
