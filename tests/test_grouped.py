@@ -51,7 +51,8 @@ def test_group_then_ungroup_is_the_tree(shapes, buckets, behind, zen, seed):
               if b.collective != "psum"), None)
     if b is not None:
       plan = dataclasses.replace(plan, buckets=tuple(
-          dataclasses.replace(x, collective="zen") if i == b else x
+          dataclasses.replace(x, collective="zen", scheme=None) if i == b
+          else x
           for i, x in enumerate(plan.buckets)))
   lay = grouped.layout(bucket_steps.compile_plan(plan))
   rng = np.random.default_rng(seed)

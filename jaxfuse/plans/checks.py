@@ -205,7 +205,9 @@ def _check_buckets(plan) -> None:
         b.collective:
       raise PlanError(f"{where}: scheme={b.scheme!r} is not a "
                       f"{b.collective!r} scheme; give a scheme of "
-                      "jaxfuse.collectives whose name is the collective.")
+                      "jaxfuse.collectives whose name is the collective, "
+                      "or scheme=None for its defaults (replacing a "
+                      "bucket's collective: replace its scheme too).")
     check_scheme(where, b.scheme)
     one_of(f"{where}: sparsify", b.sparsify, SPARSIFY)
     if any(not is_int(j) or not 0 <= j < len(plan.leaves)
