@@ -13,7 +13,7 @@ Three parts (each optional):
   overlap  how much the selected indices of K workers overlap on real
            example-LM gradients (tiny preset, different batches per worker,
            after a short SGD run): the union over workers as a share of
-           Σ_k |I_k|, the quantity ZEN's pull moves (zen_union).
+           Σ_k |I_k|, the quantity ZEN's pull moves (Zen(union)).
   simulate step time of gpt2-small from ``simulate`` for K up to 1024 with a
            measured costs file (socket transport), for dense, allgather,
            zen (lossless pull and the measured union) and spardl.
@@ -239,17 +239,17 @@ def run_simulate(costs_path, densities, workers, union_share) -> list[dict]:
   costs = costs_lib.Costs.load(costs_path)
   leaves = _gpt2_shapes()
   rows = []
-  variants = [("dense", 1.0, "allgather", {}), ]
+  variants = [("dense", 1.0, "allgather"), ]
   for d in densities:
-    variants += [("allgather", d, "allgather", {}),
-                 ("zen", d, "zen", {}),
-                 ("spardl", d, "spardl", {})]
+    variants += [("allgather", d, "allgather"),
+                 ("zen", d, "zen"),
+                 ("spardl", d, "spardl")]
     if union_share:
-      variants.append(("zen-union", d, "zen",
-                       {"zen_union": min(1.0, union_share.get(d, 1.0))}))
-  for name, density, scheme, extra in variants:
+      variants.append(("zen-union", d, jaxfuse.collectives.Zen(
+          union=min(1.0, union_share.get(d, 1.0)))))
+  for name, density, scheme in variants:
     plan = jaxfuse.plan(leaves, density=density, strategy="aligned",
-                        collective=scheme, costs=costs, **extra)
+                        collective=scheme, costs=costs)
     for k in workers:
       t = simulate.simulate(plan, costs, k)
       rows.append(dict(scheme=name, density=density, workers=k,
@@ -345,7 +345,7 @@ def main(argv=None):
   union_share = {}
   if "overlap" in args.parts:
     result["overlap"] = run_overlap(args.workers, args.densities)
-    # zen_union = U/C per partition ≈ the union's share of K·C, with 25 %
+    # Zen(union) = U/C per partition ≈ the union's share of K·C, with 25 %
     # headroom, at the largest K measured.
     union_share = {r["density"]: 1.25 * r["union_share"]
                    for r in result["overlap"] if r["workers"] ==

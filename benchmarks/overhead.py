@@ -146,10 +146,13 @@ def run(sync, estimator, args, setup, finite: bool = False) -> dict:
     sizing = ({"bucket_bytes": int(args.bucket_mb * 2**20)}
               if args.bucket_mb else {})
     plan = jaxfuse.plan(params, density=args.density, estimator=estimator,
-                        strategy=args.strategy, loss_fn=loss_fn, **sizing,
-                        sparse_wire=args.sparse_wire,
-                        packed_indices=args.packed_indices,
-                        example_args=(local_batch,))
+                        strategy=args.strategy, **sizing,
+                        settings=jaxfuse.Settings(
+                            sparse_wire=args.sparse_wire),
+                        collective=jaxfuse.collectives.AllGather(
+                            packed_indices=args.packed_indices),
+                        order=jaxfuse.planning.ordering.FromLoss(
+                            loss_fn, (local_batch,)))
     # The sparse phase from the start: with no dense step before it the
     # recipe's update is zero (v = 0), but every step does its full work.
     opt = jaxfuse.onebit_adamw(plan, lr, weight_decay=0.01,

@@ -231,7 +231,8 @@ def cmd_measure(args) -> list[dict]:
   costs, params, loss_fn, tokens = _planning_inputs(args)
   import jaxfuse  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import simulate  # pylint: disable=g-import-not-at-top
-  base = dict(loss_fn=loss_fn, example_args=(tokens,), costs=costs)
+  base = dict(order=jaxfuse.planning.ordering.FromLoss(loss_fn, (tokens,)),
+              costs=costs)
   rows = []
   if args.flags_via == "env":     # process-wide, every program of the run
     env, flag_args = _env(args.transport, FLAG_SETS[args.flags]), []
@@ -357,8 +358,9 @@ def cmd_eta(args) -> list[dict]:
   for density in args.densities:
     for eta in args.etas:
       costs = dataclasses.replace(profiled, overlap=eta)
-      base = dict(density=density, loss_fn=loss_fn, example_args=(tokens,),
-                  costs=costs)
+      base = dict(density=density, costs=costs,
+                  order=jaxfuse.planning.ordering.FromLoss(loss_fn,
+                                                           (tokens,)))
       sized = {mb: simulate.simulate(jaxfuse.plan(
           params, strategy="size", bucket_bytes=mb * 2**20, **base),
                                      costs).iteration

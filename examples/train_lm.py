@@ -213,6 +213,19 @@ class SyncSetup(NamedTuple):
   opt_specs: object
 
 
+def _packing(bucket):
+  """``bucket`` with its all-gather sending packed indices
+  (``--packed-indices`` over a saved plan; alone or under hier)."""
+  gather = jaxfuse.collectives.AllGather(packed_indices=True)
+  if bucket.collective == "allgather":
+    return dataclasses.replace(bucket, scheme=gather)
+  if bucket.collective == "hier" and getattr(
+      bucket.scheme, "inner", gather).name == "allgather":
+    return dataclasses.replace(bucket,
+                               scheme=jaxfuse.collectives.Hier(inner=gather))
+  return bucket
+
+
 def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
                grad_dtype, say) -> SyncSetup:
   """The plan (``--plan`` or ``jaxfuse.plan`` from ``example_batch``, one
@@ -222,14 +235,16 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
     return SyncSetup(None, (jaxfuse.Phase(0, None, None),),
                      replicated(make_opt(None).init(params), mesh), P())
   plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
-      cast_params(params, grad_dtype), loss_fn=loss_fn,
-      example_args=(example_batch,), **plan_options(args)))
+      cast_params(params, grad_dtype),
+      order=jaxfuse.planning.ordering.FromLoss(loss_fn, (example_batch,)),
+      **plan_options(args)))
   if args.plan and (args.sparse_wire or args.packed_indices):
     # the wire is not part of the layout
     plan = dataclasses.replace(plan, settings=dataclasses.replace(
         plan.settings,
-        sparse_wire=args.sparse_wire or plan.settings.sparse_wire,
-        packed_indices=args.packed_indices or plan.settings.packed_indices))
+        sparse_wire=args.sparse_wire or plan.settings.sparse_wire),
+        buckets=tuple(_packing(b) if args.packed_indices else b
+                      for b in plan.buckets))
   if args.plan:   # the plan's, not the flags', in the log and the JSON
     args.density = jaxfuse.optim.phases.final_density(plan)
     args.estimator = next((l.estimator for l in plan.leaves

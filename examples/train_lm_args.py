@@ -26,7 +26,7 @@ DESCRIPTION = ("Data-parallel byte-level language model, dense vs. jaxfuse "
 SEND_EARLY_WINDOW = inspect.signature(
     jaxfuse.send_early).parameters["window"].default
 # jaxfuse.plan's slots per sparse leaf over ⌈ρ·n⌉, read where it is defined.
-PLAN_HEADROOM = inspect.signature(jaxfuse.plan).parameters["headroom"].default
+PLAN_HEADROOM = jaxfuse.Settings().headroom
 # The README recipe's defaults where they are not jaxfuse's own.
 ONEBIT_WARMUP_DENSITIES = (0.0625,)   # those above the plan's density
 SIZE_BUCKET_BYTES = 64 * 2**20        # --strategy size
@@ -105,7 +105,7 @@ def _counts(text):
 
 def add_wire_args(p, sparse_wire_default="gradient"):
   """``--sparse-wire`` and ``--packed-indices`` (``Settings.sparse_wire``,
-  ``Settings.packed_indices``), shared with the benchmark scripts."""
+  ``AllGather(packed_indices)``), shared with the benchmark scripts."""
   p.add_argument("--sparse-wire", choices=jaxfuse.plans.SPARSE_WIRES,
                  default=sparse_wire_default,
                  help="the sparse values' wire dtype (indices: "
@@ -118,7 +118,7 @@ def add_wire_args(p, sparse_wire_default="gradient"):
   p.add_argument("--packed-indices", action="store_true",
                  help="allgather buckets send each index in "
                  "ceil(log2(n+1)) bits instead of 32, losslessly "
-                 "(Settings.packed_indices)")
+                 "(jaxfuse.collectives.AllGather(packed_indices=True))")
 
 
 def parse_args(argv):
@@ -437,16 +437,27 @@ def make_optimizer(args, schedule, decay_mask, plan):
   return jaxfuse.delayed(rule, predict=args.predict) if args.delay else rule
 
 
+def scheme_of(args):
+  """``--collective`` with its options as a scheme object
+  (``--packed-indices`` for an all-gather, alone or under hier;
+  ``--spardl-block`` for SparDL)."""
+  gather = jaxfuse.collectives.AllGather(packed_indices=args.packed_indices)
+  return {"allgather": gather,
+          "zen": jaxfuse.collectives.Zen(),
+          "spardl": jaxfuse.collectives.SparDL(block=args.spardl_block),
+          "hier": jaxfuse.collectives.Hier(inner=gather)}[args.collective]
+
+
 def plan_options(args) -> dict:
   """``jaxfuse.plan``'s keyword arguments from the command line."""
   options = dict(
       density=args.density,
       strategy="behind" if args.sync == "behind" else args.strategy,
-      estimator=args.estimator, headroom=args.headroom, seed=args.seed,
-      collective=args.collective, spardl_block=args.spardl_block,
-      residual_dtype=args.residual_dtype,
-      sparse_wire=args.sparse_wire or "gradient",
-      packed_indices=args.packed_indices,
+      estimator=args.estimator, collective=scheme_of(args),
+      settings=jaxfuse.Settings(
+          headroom=args.headroom, seed=args.seed,
+          residual_dtype=args.residual_dtype,
+          sparse_wire=args.sparse_wire or "gradient"),
       num_buckets=args.num_buckets, costs=args.costs)
   if args.bucket_bytes:
     options["bucket_bytes"] = args.bucket_bytes

@@ -36,6 +36,7 @@ from jaxfuse.optim import StepOptions
 from jaxfuse.optim import TrainState
 from jaxfuse.optim import make_train_step
 from jaxfuse.plans import BucketPlan
+from jaxfuse.plans import Estimation
 from jaxfuse.plans import LeafPlan
 from jaxfuse.plans import Plan
 from jaxfuse.plans import PlanError
@@ -78,7 +79,7 @@ from jaxfuse.version import __version__
 
 __all__ = [
     "ApplyIfFiniteState", "apply_if_finite", "BucketPlan", "COST_STRATEGIES",
-    "CollectivesDifferError", "DelayedState",
+    "CollectivesDifferError", "DelayedState", "Estimation",
     "check_same_collectives", "checkpoint",
     "clipping", "collectives", "delayed", "elastic",
     "first_moment", "grouped", "kernels",

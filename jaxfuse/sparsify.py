@@ -54,9 +54,9 @@ MAX_LOG_SCALE = 12.0
 
 class Selection(NamedTuple):
   """How a unit selects, fixed when the step is traced: its slots c, its
-  density ρ, its estimator and the plan's ``Settings`` (the estimators'
-  knobs: ``refresh``, ``feedback``, ``sample_fraction``,
-  ``sidco_stages``, ``seed``)."""
+  density ρ, its estimator and the plan's ``Settings`` (``seed``, and
+  the estimators' knobs in ``settings.estimation``: ``refresh``,
+  ``feedback``, ``sample_fraction``, ``sidco_stages``)."""
   capacity: int
   density: float
   estimator: str
@@ -128,7 +128,7 @@ class Sample(NamedTuple):
 def dgc_sample_spec(n: int, density: float, settings) -> Sample:
   """DGC's uniform sample: s = max(f·n, 256) positions (at most n),
   rank k_s = round(ρ·s) (at least 1)."""
-  s = min(n, max(256, ceil_product(n, settings.sample_fraction)))
+  s = min(n, max(256, ceil_product(n, settings.estimation.sample_fraction)))
   return Sample(s, max(1, round(density * s)), False)
 
 
@@ -137,7 +137,7 @@ def sample_spec(n: int, *, density: float, estimator: str,
   """What a unit's estimate is the k-th largest of: DGC's sample (when it
   is refreshed every step), or ``"topk"``'s bracket sample (``topk_bracket``;
   all of |acc| for a unit too small for one). None for the others."""
-  if estimator == "dgc" and settings.refresh == 1:
+  if estimator == "dgc" and settings.estimation.refresh == 1:
     return dgc_sample_spec(n, density, settings)
   if estimator == "topk":
     k = target_count(density, n)
@@ -196,7 +196,7 @@ def sidco_threshold(a, *, density, salt_, settings):
   so that the stages multiply to a tail probability ρ.
   """
   del salt_
-  stages = settings.sidco_stages
+  stages = settings.estimation.sidco_stages
   log_inv_delta = -math.log(density) / stages
   tau = jnp.zeros((), a.dtype)
   for _ in range(stages):
@@ -321,7 +321,8 @@ def estimate_now(step, ctrl: Control, target: int, settings) -> jax.Array:
   τ·e^Δ would keep 0 at 0), or a kept τ tuned for another k (a warm-up
   phase of another density). One scalar for a batch, so its ``lax.cond``
   stays one branch under ``vmap``."""
-  return ((step % settings.refresh == 0) | jnp.any(~(ctrl.threshold > 0)) |
+  return ((step % settings.estimation.refresh == 0) |
+          jnp.any(~(ctrl.threshold > 0)) |
           jnp.any(ctrl.target != target))
 
 
@@ -354,7 +355,7 @@ def unit_threshold(grad, residual, ctrl_unit: Control, tick: Tick,
   fresh = lambda: (estimate_threshold(
       grad, residual, estimator=estimator, density=density, salt_=salt_,
       settings=settings) * scale).astype(jnp.float32)
-  if settings.refresh == 1:
+  if settings.estimation.refresh == 1:
     return fresh(), offset
   kept = ctrl_unit.threshold
   renew = estimate_now(step, ctrl_unit, target_count(density, grad.size),
@@ -432,7 +433,7 @@ def unit_result(grad, residual, ctrl_unit: Control, tau, out, *,
   """The unit's ``UnitResult`` from its pass: the controller's next state
   (kept on a non-finite step), τ (NaN then) and the checks."""
   target = target_count(sel.density, grad.size)
-  if sel.settings.feedback and sel.estimator != "topk":
+  if sel.settings.estimation.feedback and sel.estimator != "topk":
     new_ctrl = controller(ctrl_unit, out.count, target, tau)
   else:
     new_ctrl = ctrl_unit._replace(

@@ -68,7 +68,8 @@ def main(argv=None):
 
   mesh = jaxfuse.make_mesh(K)
   params = params0()
-  plan = jaxfuse.plan(params, density=args.density, min_sparse_size=256)
+  plan = jaxfuse.plan(params, density=args.density,
+                      settings=jaxfuse.Settings(min_sparse_size=256))
   phases = jaxfuse.density_warmup(plan, steps=0, dense_steps=DENSE_STEPS)
   opts = [jaxfuse.onebit_adamw(ph.plan, 1e-2) for ph in phases]
   rep = NamedSharding(mesh, P())

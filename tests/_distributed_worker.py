@@ -246,7 +246,7 @@ def main():
       ("hier", hmesh, ("host", "local"), "hier"),
       ("hierflat", mesh, "data", "allgather")):
     p_plan = dataclasses.replace(flat_plan, buckets=tuple(
-        dataclasses.replace(b, collective=collective)
+        dataclasses.replace(b, collective=collective, scheme=None)
         if b.collective != "psum" else b for b in flat_plan.buckets))
     sync = jaxfuse.sparse_sync(p_plan, axis_name=axis)
     put = lambda v, spec, m=m: jax.make_array_from_callback(

@@ -33,7 +33,8 @@ def test_micro_batches_inside_the_step_are_one_large_batch():
            rng.normal(size=(16 * K, 8)).astype(np.float32))
   params = jax.device_put(params, NamedSharding(mesh, P()))
   batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  plan = jaxfuse.plan(params, density=0.05, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.05,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   # the dense phase: exact Adam on the mean gradient, so the two steps
   # agree to rounding whatever the selection would have done
   opt = jaxfuse.onebit_adamw(jaxfuse.with_density(plan, 1.0), 1e-2)

@@ -48,7 +48,7 @@ def test_bucket_equals_each_unit_alone(estimator, method, ties, monkeypatch):
   first, *other = estimator.split("+")
   plan = list_plan(SHAPES, density=0.01, estimator=first,
                    strategy="aligned", num_buckets=1,
-                   min_sparse_size=256)
+                   settings=plan_lib.Settings(min_sparse_size=256))
   if other:   # a hand-made plan: the second leaf of each shape on another
     # estimator of the same capacity, so that one state group's rows
     # differ in estimator alone

@@ -19,10 +19,12 @@ from _harness import init, sync
 SHAPES = {"a": (30, 20), "b": (20,), "c": (64, 8), "d": (5,), "e": (48, 48)}
 
 
-def _plan(strategy, **kw):
+def _plan(strategy, sparse_wire="gradient", **kw):
   return jaxfuse.plan({n: jax.ShapeDtypeStruct(s, jnp.float32)
                        for n, s in SHAPES.items()}, density=0.05,
-                      strategy=strategy, min_sparse_size=64, **kw)
+                      strategy=strategy, **kw,
+                      settings=jaxfuse.Settings(min_sparse_size=64,
+                                                sparse_wire=sparse_wire))
 
 
 @pytest.mark.parametrize("strategy", ["layerwise", "single", "aligned",
@@ -177,7 +179,7 @@ def test_layout_ignores_the_wire_dtypes_and_counts_leaves():
   fewer = jaxfuse.plan({n: jax.ShapeDtypeStruct(s, jnp.float32)
                         for n, s in SHAPES.items() if n != "d"},
                        density=0.05, strategy="size", bucket_bytes=4096,
-                       min_sparse_size=64)
+                       settings=jaxfuse.Settings(min_sparse_size=64))
   assert bucket_steps.layout_difference(plan, fewer) == "leaves"
   assert bucket_steps.digest_difference(bucket_steps.layout_digest(plan),
                                     bucket_steps.layout_digest(fewer)) == "leaves"

@@ -87,8 +87,9 @@ LEAF_OF = dict(enumerate(sorted(SHAPES)))
 def test_each_collective_waits_for_its_own_leaves_only(recipe, finite):
   mesh, params, x = _problem(0)
   plan = jaxfuse.plan(params, density=0.1, strategy="layerwise",
-                      min_sparse_size=64, loss_fn=loss_fn,
-                      example_args=(jnp.ones((2, 24 * len(SHAPES))),))
+                      settings=jaxfuse.Settings(min_sparse_size=64),
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          loss_fn, (jnp.ones((2, 24 * len(SHAPES))),)))
   assert sum(b.collective == "allgather" for b in plan.buckets) == 5
   opt = _recipe(recipe, plan)
   if finite:   # its check of the synced update comes after every collective
@@ -114,7 +115,7 @@ def test_a_global_norm_before_the_sync_is_caught():
   """The check sees the join the global clip makes (the test can fail)."""
   mesh, params, x = _problem(1)
   plan = jaxfuse.plan(params, density=0.1, strategy="layerwise",
-                      min_sparse_size=64)
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   opt = optax.chain(jaxfuse.local_clip_by_global_norm(1.0),
                     jaxfuse.sgd(plan, 1e-3))
   text = _compiled_step(mesh, plan, opt, params, x)
@@ -131,7 +132,7 @@ def test_delayed_collectives_wait_for_no_gradient_of_their_step(recipe):
   is among what they wait for, so they can start at the top of the step."""
   mesh, params, x = _problem(2)
   plan = jaxfuse.plan(params, density=0.1, strategy="layerwise",
-                      min_sparse_size=64)
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   text = _compiled_step(mesh, plan, jaxfuse.delayed(_recipe(recipe, plan)),
                         params, x)
   found = hlo.collective_inputs(text)

@@ -48,7 +48,8 @@ def test_resume_in_a_fresh_process_is_bitwise_the_straight_run(
 
 @pytest.fixture(name="trained")
 def _trained(mesh):
-  plan = list_plan([(64, 64), (32,)], density=0.05, min_sparse_size=256)
+  plan = list_plan([(64, 64), (32,)], density=0.05,
+                   settings=jaxfuse.Settings(min_sparse_size=256))
   state = init(plan, mesh)
   grads = [jax.random.normal(jax.random.PRNGKey(i), (K,) + l.shape)
            for i, l in enumerate(plan.leaves)]
@@ -109,8 +110,9 @@ def test_plan_checks(tmp_path, trained):
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert checkpoint.saved_plan(mngr) == plan
-  other = list_plan([(64, 64), (32,)], density=0.05, min_sparse_size=256,
-                    estimator="topk")
+  other = list_plan([(64, 64), (32,)], density=0.05,
+                    estimator="topk",
+                    settings=jaxfuse.Settings(min_sparse_size=256))
   with pytest.raises(checkpoint.CheckpointError,
                      match="selection units differ.*saved_plan"):
     checkpoint.restore(mngr, like, other)
@@ -214,8 +216,8 @@ def test_a_jaxfuse_0_1_checkpoint_is_regrouped(tmp_path, mesh):
   stacks them into today's state groups, bitwise, on the same worker count
   and (through the elastic path) on half of it."""
   ocp = pytest.importorskip("orbax.checkpoint")
-  plan = list_plan([(64, 64), (64, 64), (32,)], density=0.05,
-                   min_sparse_size=256, num_buckets=1)
+  plan = list_plan([(64, 64), (64, 64), (32,)], density=0.05, num_buckets=1,
+                   settings=jaxfuse.Settings(min_sparse_size=256))
   assert any(len(ids) == 2 for ids in jaxfuse.plans.state_groups(plan))
   state = init(plan, mesh)
   grads = [jax.random.normal(jax.random.PRNGKey(i), (K,) + l.shape)
@@ -249,8 +251,8 @@ def test_a_controller_without_targets_gets_the_saved_plans(tmp_path, mesh):
   ⌈0.05·4096⌉ = 205 for both units (the (32,) leaf is dense, no unit),
   bitwise today's state after the same step, on K workers and K/2."""
   ocp = pytest.importorskip("orbax.checkpoint")
-  plan = list_plan([(64, 64), (64, 64), (32,)], density=0.05,
-                   min_sparse_size=256, num_buckets=1)
+  plan = list_plan([(64, 64), (64, 64), (32,)], density=0.05, num_buckets=1,
+                   settings=jaxfuse.Settings(min_sparse_size=256))
   state = init(plan, mesh)
   grads = [jax.random.normal(jax.random.PRNGKey(i), (K,) + l.shape)
            for i, l in enumerate(plan.leaves)]
@@ -294,8 +296,8 @@ def _check_legacy(tmp_path, ocp, old, extra, state, plan, like, mesh):
 def test_per_unit_layout_round_trip_with_velocity(mesh):
   """``_per_unit`` (shapes) and ``_grouped`` (arrays) are inverse, for the
   residuals and the velocity of every state group."""
-  plan = list_plan([(64, 64), (64, 64), (32, 64), (64, 64)], density=0.05,
-                   min_sparse_size=256, num_buckets=1)
+  plan = list_plan([(64, 64), (64, 64), (32, 64), (64, 64)], density=0.05, num_buckets=1,
+                   settings=jaxfuse.Settings(min_sparse_size=256))
   params = [jnp.zeros(l.shape) for l in plan.leaves]
   state = jaxfuse.init_state(jaxfuse.sparse_sync(plan, momentum=0.9), params,
                              mesh)
@@ -323,8 +325,8 @@ def test_a_leafwise_onebit_moment_is_regrouped(tmp_path, mesh):
   layout 2): restore groups it as the all-gather decode writes it,
   bitwise, on the same worker count and on half of it."""
   ocp = pytest.importorskip("orbax.checkpoint")
-  plan = list_plan([(64, 64), (64, 64), (32,)], density=0.05,
-                   min_sparse_size=256, num_buckets=1)
+  plan = list_plan([(64, 64), (64, 64), (32,)], density=0.05, num_buckets=1,
+                   settings=jaxfuse.Settings(min_sparse_size=256))
   params = [jnp.zeros(l.shape) for l in plan.leaves]
   opt = jaxfuse.onebit_adamw(plan, 1e-3)
   state = jaxfuse.init_state(opt, params, mesh)

@@ -199,7 +199,9 @@ def test_plan_sparse_wire(workdir, capsys, monkeypatch):
                    "--packed-indices", "-o", "packed.json"]) == 0
   capsys.readouterr()
   packed = jaxfuse.Plan.load(workdir / "packed.json")
-  assert packed.settings.packed_indices and not exact.settings.packed_indices
+  packs = lambda plan: [b.scheme.packed_indices for b in plan.buckets
+                        if b.collective == "allgather"]
+  assert packs(packed) == [True] and packs(exact) == [False]
   units = jaxfuse.plans.units(packed)[0]
   assert packed.bytes_per_worker() == dense + sum(
       4 * (u.capacity + -(-u.capacity * u.size.bit_length() // 32))

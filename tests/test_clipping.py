@@ -18,7 +18,8 @@ SHAPES = {"a": (30,), "b": (8, 5), "c": (12,), "d": (50,)}
 def _plan():
   plan = jaxfuse.plan({n: jax.ShapeDtypeStruct(s, jnp.float32)
                        for n, s in SHAPES.items()}, density=0.1,
-                      strategy="layerwise", min_sparse_size=1)
+                      strategy="layerwise",
+                      settings=jaxfuse.Settings(min_sparse_size=1))
   assert len(plan.buckets) == len(SHAPES)
   return plan
 

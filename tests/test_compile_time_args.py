@@ -30,7 +30,7 @@ def test_each_plan_spec_sets_its_plan_and_keeps_the_defaults(ct, spec, want):
   assert (args.preset, args.density, args.dtype, args.estimator) == (
       "tiny", 0.01, "float32", "dgc")
   assert args.headroom == inspect.signature(
-      jaxfuse.plan).parameters["headroom"].default
+      jaxfuse.plan).parameters["settings"].default.headroom
 
 
 def test_overlap_build_takes_them(ct):

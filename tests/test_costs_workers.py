@@ -86,7 +86,7 @@ def test_bucket_wire_of_the_allgather_scheme():
   params = [jax.ShapeDtypeStruct((100, 100), "float32"),
             jax.ShapeDtypeStruct((10,), "float32")]
   plan = jaxfuse.plan(params, density=0.01, strategy="single",
-                      min_sparse_size=100)
+                      settings=jaxfuse.Settings(min_sparse_size=100))
   sparse, dense = collectives.bucket_wire(plan, 8)
   c = plan.leaves[0].capacity
   assert sparse == collectives.Wire(7 * 8 * c, 7 * 8 * c)

@@ -29,8 +29,8 @@ def _problem(seed, steps, k):
   grads = [{n: rng.normal(size=(k,) + s).astype(np.float32)
             for n, s in SHAPES.items()} for _ in range(steps)]
   plan = jaxfuse.plan({n: jax.ShapeDtypeStruct(s, jnp.float32)
-                       for n, s in SHAPES.items()}, density=0.05,
-                      min_sparse_size=64, estimator="topk")
+                       for n, s in SHAPES.items()}, density=0.05, estimator="topk",
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   return plan, params, grads
 
 
@@ -235,7 +235,8 @@ def test_predict_with_an_integer_leaf_steps_as_without():
   mesh = mesh_of(NUM_WORKERS)
   params = {"w": jnp.ones((40, 40), jnp.float32),
             "n": jnp.zeros((3,), jnp.int32)}
-  plan = jaxfuse.plan(params, density=0.05, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.05,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   x = shard(mesh, np.ones((NUM_WORKERS, 40), np.float32))
   updates = {}
   for predict in (False, True):

@@ -75,7 +75,8 @@ def _setup_once(k):
   params = jax.device_put([jax.random.normal(jax.random.PRNGKey(i), s) * 0.1
                            for i, s in enumerate(SHAPES)],
                           jax.sharding.NamedSharding(mesh, P()))
-  plan = list_plan(SHAPES, density=0.05, min_sparse_size=256)
+  plan = list_plan(SHAPES, density=0.05,
+                   settings=jaxfuse.Settings(min_sparse_size=256))
   opt = optax.chain(jaxfuse.per_worker(optax.scale_by_adam()),
                     jaxfuse.sparse_sync(plan, momentum=0.9),
                     optax.sgd(0.1))

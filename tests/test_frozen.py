@@ -94,7 +94,8 @@ def test_frozen_part_is_neither_differentiated_nor_sent():
 def test_multi_transform_with_a_whole_tree_plan_points_to_the_doc():
   mesh = mesh_of(K)
   params, _ = _problem(mesh)
-  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.1,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   opt = optax.multi_transform({"train": jaxfuse.sgd(plan, 0.05),
                                "frozen": optax.set_to_zero()},
                               {"embed": "frozen", "head": "train"})
@@ -112,7 +113,7 @@ def test_freezing_with_set_to_zero_or_masked_is_refused_at_init():
   mesh = mesh_of(K)
   params, _ = _problem(mesh)
   plan = jaxfuse.plan({"head": params["head"]}, density=0.1,
-                      min_sparse_size=64)
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   zero = optax.multi_transform({"train": jaxfuse.sgd(plan, 0.05),
                                 "frozen": optax.set_to_zero()},
                                {"embed": "frozen", "head": "train"})
@@ -134,7 +135,8 @@ LABELS = {"embed": "sparse", "head": "dense"}
 
 def _parts(params):
   return {"sparse": jaxfuse.sgd(jaxfuse.plan(
-              {"embed": params["embed"]}, density=0.1, min_sparse_size=64),
+              {"embed": params["embed"]}, density=0.1,
+              settings=jaxfuse.Settings(min_sparse_size=64)),
               0.05, momentum=0.9),
           "dense": jaxfuse.sync_adamw(jaxfuse.plan({"head": params["head"]},
                                                    density=1.0), 1e-2)}

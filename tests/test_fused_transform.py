@@ -76,7 +76,8 @@ def test_pallas_equals_reference(estimator, strategy, shapes, one_pass,
                                  monkeypatch):
   monkeypatch.setattr(bucket_pass, "ONE_PASS_PER_BUCKET", one_pass)
   plan = list_plan(shapes, density=0.05, estimator=estimator,
-                   strategy=strategy, min_sparse_size=64)
+                   strategy=strategy,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   rng = np.random.default_rng(0)
   steps = [[rng.normal(size=(K,) + s).astype(np.float32) for s in shapes]
            for _ in range(3)]
@@ -104,7 +105,8 @@ def test_the_pass_reads_a_groups_streams_in_chunks(estimator, momentum, per,
   monkeypatch.setattr(bucket_pass, "ROWS_PER_CHUNK", per)
   shapes = [(40, 50)] * 6 + [(300,)]
   plan = list_plan(shapes, density=0.05, estimator=estimator,
-                   strategy="single", min_sparse_size=64)
+                   strategy="single",
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   mesh, tx, state, specs = _setup(plan, 1, momentum=momentum)
   kernels.set_backend("pallas")
   try:
@@ -157,7 +159,8 @@ def test_a_blend_syncs_what_its_formed_stream_syncs(estimator, strategy,
   on the references, with a dense (psum) leaf, several-leaf units, a
   non-finite step and a worker whose stream is all zero."""
   plan = list_plan(shapes, density=0.05, estimator=estimator,
-                   strategy=strategy, min_sparse_size=64)
+                   strategy=strategy,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   rng = np.random.default_rng(1)
   draw = lambda: [rng.normal(size=(K,) + s).astype(np.float32)
                   for s in shapes]
@@ -177,7 +180,7 @@ def _blend_update(dtype):
   """update(blend) on a two-leaf plan for ``dtype`` gradients (all ones),
   traced only (``jax.eval_shape``): the checks run when tracing."""
   plan = list_plan([(40, 50), (300,)], dtype=dtype, density=0.05,
-                   min_sparse_size=64)
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   mesh, tx, state, specs = _setup(plan, 1, dtype)
   g = shard(mesh, [np.ones((1,) + l.shape, dtype) for l in plan.leaves])
   return lambda blend: jax.eval_shape(jax.shard_map(
@@ -221,7 +224,7 @@ def test_the_pass_forms_a_blend_of_matrices_and_vectors(monkeypatch,
   monkeypatch.setattr(bucket_pass, "ONE_PASS_PER_BUCKET", one_pass)
   shapes = [(40, 50)] * 3 + [(6, 5, 20)]
   plan = list_plan(shapes, density=0.05, estimator="dgc", strategy="single",
-                   min_sparse_size=64)
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   mesh, tx, state, specs = _setup(plan, 1)
   kernels.set_backend("pallas")
   try:

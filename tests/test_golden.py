@@ -88,7 +88,7 @@ def _batches():
 # --- the cases -------------------------------------------------------------
 # name -> (recipe, plan knobs, mesh, dense steps, dense wire)
 _BASE = dict(density=0.1, strategy="size", bucket_bytes=3000,
-             min_sparse_size=256)
+             settings=jaxfuse.Settings(min_sparse_size=256))
 CASES = {
     "sgd": ("sgd", {}, FLAT, 0, None),
     "local_adamw": ("local_adamw", {}, FLAT, 0, None),
@@ -109,8 +109,8 @@ CASES = {
     "redsync": ("sgd", dict(estimator="redsync"), FLAT, 0, None),
     "sidco": ("sgd", dict(estimator="sidco"), FLAT, 0, None),
     "full_wire_bfloat16": ("onebit_adamw", {}, FLAT, 1, "bfloat16"),
-    "sparse_wire_bfloat16": ("sgd", dict(sparse_wire="bfloat16"), FLAT, 0,
-                             None),
+    "sparse_wire_bfloat16": ("sgd", dict(settings=jaxfuse.Settings(
+        min_sparse_size=256, sparse_wire="bfloat16")), FLAT, 0, None),
     "packed_indices": ("sgd", dict(collective=jaxfuse.collectives.AllGather(
         packed_indices=True)), FLAT, 0, None),
 }
@@ -119,8 +119,9 @@ CASES = {
 
 def _plan(params, knobs: dict):
   """The case's plan: the one construction call a refactor may change."""
-  return jaxfuse.plan(params, **dict(_BASE, **knobs), loss_fn=_loss,
-                      example_args=(_batches()[0],))
+  return jaxfuse.plan(params, **dict(_BASE, **knobs),
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          _loss, (_batches()[0],)))
 
 
 def _opt(recipe: str, plan, axis_name):

@@ -42,15 +42,17 @@ def test_group_then_ungroup_is_the_tree(shapes, buckets, behind, zen, seed):
   """Every leaf lands in exactly one place (a row of an all-gather state
   group, or loose) and comes back bit for bit; rows are the state groups'
   units in their order, a unit's leaves one after another."""
-  plan = list_plan(shapes, density=0.05, min_sparse_size=256,
+  plan = list_plan(shapes, density=0.05,
                    strategy="behind" if behind else "size",
-                   bucket_bytes=buckets * 30000)
+                   bucket_bytes=buckets * 30000,
+                   settings=jaxfuse.Settings(min_sparse_size=256))
   if zen:   # the first sparse bucket on another scheme: its leaves loose
     b = next((i for i, b in enumerate(plan.buckets)
               if b.collective != "psum"), None)
     if b is not None:
       plan = dataclasses.replace(plan, buckets=tuple(
-          dataclasses.replace(x, collective="zen") if i == b else x
+          dataclasses.replace(x, collective="zen", scheme=None) if i == b
+          else x
           for i, x in enumerate(plan.buckets)))
   lay = grouped.layout(bucket_steps.compile_plan(plan))
   rng = np.random.default_rng(seed)
@@ -80,9 +82,11 @@ def test_group_then_ungroup_is_the_tree(shapes, buckets, behind, zen, seed):
 
 def test_another_layout_is_refused_with_both_shapes():
   lay = grouped.layout(bucket_steps.compile_plan(list_plan(
-      SHAPES, density=0.05, min_sparse_size=256, strategy="single")))
+      SHAPES, density=0.05, strategy="single",
+      settings=jaxfuse.Settings(min_sparse_size=256))))
   other = grouped.layout(bucket_steps.compile_plan(list_plan(
-      SHAPES[:3], density=0.05, min_sparse_size=256, strategy="single")))
+      SHAPES[:3], density=0.05, strategy="single",
+      settings=jaxfuse.Settings(min_sparse_size=256))))
   g = grouped.group(other, [jnp.zeros(s) for s in SHAPES[:3]])
   with pytest.raises(jaxfuse.PlanError, match=r"rows \[\(3, 4096\)\] and 0 "
                      r"loose.*this plan lays it out as rows \[\(1, 2048\), "
@@ -148,8 +152,9 @@ def test_onebit_on_the_pallas_pass_is_the_reference_bit_for_bit(request):
   if CLASSIC_EMITTERS:
     run_under_fusion_emitters(request)
     return
-  plan = list_plan(SHAPES, density=0.05, min_sparse_size=256,
-                   strategy="single")
+  plan = list_plan(SHAPES, density=0.05,
+                   strategy="single",
+                   settings=jaxfuse.Settings(min_sparse_size=256))
   assert [r.shape for r in grouped.group(grouped.layout(bucket_steps.compile_plan(plan)), [
       jnp.zeros(s) for s in SHAPES]).rows] == [(1, 2048), (4, 4096)]
   rng = np.random.default_rng(1)
@@ -168,8 +173,9 @@ def test_onebit_keeps_the_decoded_rows_as_its_m():
   itself, and the fused pass reads m's rows as one operand: nothing
   stacks a group's rows (not m into the fused pass, not the synced mean
   into the state) or cuts m into rows for the pass."""
-  plan = list_plan(SHAPES, density=0.05, min_sparse_size=256,
-                   strategy="single")
+  plan = list_plan(SHAPES, density=0.05,
+                   strategy="single",
+                   settings=jaxfuse.Settings(min_sparse_size=256))
   mesh = mesh_of(K)
   params = [jnp.zeros(s) for s in SHAPES]
   opt = jaxfuse.onebit_adamw(plan, 1e-3)
@@ -199,8 +205,8 @@ def test_onebit_keeps_the_decoded_rows_as_its_m():
 def test_check_refuses_loose_leaves_of_another_plan():
   # (64, 64) sparse: one all-gather row of 4096; (32,) and (8, 8) below
   # min_sparse_size: a psum bucket, loose, in leaf order.
-  plan = list_plan([(64, 64), (32,), (8, 8)], density=0.05,
-                   min_sparse_size=256, strategy="single")
+  plan = list_plan([(64, 64), (32,), (8, 8)], density=0.05, strategy="single",
+                   settings=jaxfuse.Settings(min_sparse_size=256))
   lay = grouped.layout(bucket_steps.compile_plan(plan))
   assert lay.row_shapes == [(1, 4096)] and lay.loose == (1, 2)
   rows = (jnp.zeros((1, 4096)),)

@@ -46,12 +46,21 @@ def _plan(collective, inner="allgather", sparse_wire="gradient",
                estimator="topk"),
             mk("[3]", SHAPES[3], mode="dense", density=1.0, capacity=7,
                estimator=None))
-  buckets = (plan_lib.BucketPlan((0,), collective),
-             plan_lib.BucketPlan((1, 2), collective),
+  scheme = _scheme(collective, inner, packed_indices)
+  buckets = (plan_lib.BucketPlan((0,), collective, scheme=scheme),
+             plan_lib.BucketPlan((1, 2), collective, scheme=scheme),
              plan_lib.BucketPlan((3,), "psum"))
   return plan_lib.Plan(leaves, buckets, plan_lib.Settings(
-      hier_inner=inner, sparse_wire=sparse_wire,
-      packed_indices=packed_indices))
+      sparse_wire=sparse_wire))
+
+
+def _scheme(collective, inner="allgather", packed_indices=False):
+  """The scheme of ``collective`` (``"hier"`` over ``inner``), its
+  all-gather packing indices where asked."""
+  gather = collectives.AllGather(packed_indices=packed_indices)
+  if collective == "hier":
+    return collectives.Hier(inner=gather if inner == "allgather" else inner)
+  return gather if collective == "allgather" else None
 
 
 def _params():
@@ -201,10 +210,10 @@ def test_conservation_when_the_shard_selection_drops(runs, mesh_name):
 
 @pytest.mark.parametrize("inner", ["spardl", "zen"])
 def test_inner_scheme_over_the_host_axis(feeds, runs, inner):
-  """hier_inner = spardl / zen on 2 × 4: the host-axis scheme's own kept
+  """Hier(inner=spardl / zen) on 2 × 4: the host-axis scheme's own kept
   joins the shard's, conservation stays exact (both feeds); SparDL is
   lossless here, so ample equals flat bitwise (ZEN's pull slots,
-  zen_union·c_s, may keep some: its means are not compared)."""
+  Zen's union·c_s, may keep some: its means are not compared)."""
   _, out = runs
   run = _sync_run(_plan("hier", inner), jaxfuse.make_mesh(K, local=4), HIER,
                   feeds[:2])
@@ -360,14 +369,12 @@ def test_local_params_and_state_over_both_axes():
 
 
 def test_inner_scheme_that_cannot_run_is_a_clear_error():
-  """hier_inner's own check runs on the H hosts, named after the bucket:
-  SparDL with 4 teams cannot run over 2 hosts."""
-  plan = _plan("hier", "spardl")
-  plan = plan_lib.Plan(plan.leaves, plan.buckets, plan_lib.Settings(
-      hier_inner="spardl", spardl_teams=4))
+  """Hier's inner scheme's own check runs on the H hosts, named after the
+  bucket: SparDL with 4 teams cannot run over 2 hosts."""
+  plan = _plan("hier", collectives.SparDL(teams=4))
   with pytest.raises(collectives.SchemeError,
-                     match=r"bucket 0 \(hier_inner='spardl' over the 2 hosts "
-                     r"of axis 'host'\).*spardl_teams"):
+                     match=r"bucket 0 \(Hier\(inner='spardl'\) over the 2 "
+                     r"hosts of axis 'host'\).*SparDL\(teams="):
     _trace(plan, jaxfuse.make_mesh(K, local=4), HIER)
 
 

@@ -26,7 +26,9 @@ def _setup():
             for k, s in SHAPES.items()}
   grads = [{k: rng.normal(size=(K,) + s).astype(np.float32)
             for k, s in SHAPES.items()} for _ in range(2)]
-  return params, grads, jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  return params, grads, jaxfuse.plan(params, density=0.1,
+                                     settings=jaxfuse.Settings(
+                                         min_sparse_size=64))
 
 
 def _steps(tx, params, grads, mesh, set_lr=None):

@@ -38,8 +38,9 @@ def _pmean(mesh, grads):
 
 # 1. Dense equivalence ---------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs", [dict(density=1.0),
-                                    dict(density=0.01, min_sparse_size=10**9)])
+@pytest.mark.parametrize("kwargs", [
+    dict(density=1.0),
+    dict(density=0.01, settings=jaxfuse.Settings(min_sparse_size=10**9))])
 def test_all_dense_plan_equals_pmean_bitwise(mesh, kwargs):
   shapes = [(64, 33), (7,), (3, 5, 2)]
   plan = list_plan(shapes, strategy="size", bucket_bytes=1000, **kwargs)
@@ -56,8 +57,9 @@ def test_all_dense_plan_equals_pmean_bitwise(mesh, kwargs):
 def test_sparse_path_at_full_capacity_equals_pmean(mesh):
   """Every element selected (capacity n, τ = 0): the sparse path is the mean."""
   shapes = [(50, 40), (2048,)]
-  base = list_plan(shapes, density=0.5, min_sparse_size=1, strategy="single",
-                   estimator="topk")
+  base = list_plan(shapes, density=0.5, strategy="single",
+                   estimator="topk",
+                   settings=jaxfuse.Settings(min_sparse_size=1))
   leaves = tuple(l.__class__(l.path, l.shape, l.dtype, "sparse", 1.0, l.size,
                              "topk") for l in base.leaves)
   plan = jaxfuse.Plan(leaves, base.buckets, base.settings, base.provenance)
@@ -90,8 +92,9 @@ def test_conservation(mesh, shapes, density, estimator, strategy, seed):
   8 CPU devices, two cores).
   """
   plan = list_plan(shapes, density=density, estimator=estimator,
-                   strategy=strategy, min_sparse_size=64, num_buckets=2,
-                   bucket_bytes=4000)
+                   strategy=strategy, num_buckets=2,
+                   bucket_bytes=4000,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   units, _ = plan_lib.units(plan)
   state = init(plan, mesh)
   key = jax.random.PRNGKey(seed)
@@ -125,8 +128,9 @@ def test_a_behind_unit_places_each_leaf_at_its_offset(mesh):
   its stream): 5 non-zeros against 410 slots, so every worker sends all
   and each leaf comes back as the exact worker mean, at its own place.
   Worker k sends (k + 1)·x: the mean is x·(K + 1)/2."""
-  plan = list_plan([(4096,), (4096,)], density=0.05, min_sparse_size=64,
-                   estimator="topk", strategy="behind", bucket_bytes=1 << 20)
+  plan = list_plan([(4096,), (4096,)], density=0.05,
+                   estimator="topk", strategy="behind", bucket_bytes=1 << 20,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   (bucket,) = plan.buckets
   assert bucket.sparsify == "behind" and bucket.capacity == 410
   scale = np.arange(1, K + 1, dtype=np.float32)[:, None]
@@ -221,8 +225,9 @@ def _train(mesh, plan, steps, lr=1e-2):
 
 def test_replicas_stay_bitwise_identical_and_loss_drops(mesh):
   plan = jaxfuse.plan(_mlp(jax.random.PRNGKey(0)), density=0.05,
-                      min_sparse_size=100, loss_fn=_mlp_loss,
-                      example_args=((jnp.zeros((8, 32)), jnp.zeros((8, 16))),))
+                      settings=jaxfuse.Settings(min_sparse_size=100),
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          _mlp_loss, ((jnp.zeros((8, 32)), jnp.zeros((8, 16))),)))
   assert {l.mode for l in plan.leaves} == {"sparse", "dense"}
   params, _, losses, _, _ = _train(mesh, plan, 50)
   assert_replicas_identical(jax.tree.leaves(params), K)
@@ -233,7 +238,7 @@ def test_replicas_stay_bitwise_identical_and_loss_drops(mesh):
 
 def test_no_retrace_after_first_step(mesh):
   plan = jaxfuse.plan(_mlp(jax.random.PRNGKey(0)), density=0.05,
-                      min_sparse_size=100)
+                      settings=jaxfuse.Settings(min_sparse_size=100))
   params = _mlp(jax.random.PRNGKey(0))
   opt = optax.chain(jaxfuse.sparse_sync(plan), optax.adam(1e-2))
   before = jax.tree.map(jax.typeof, jaxfuse.init_state(opt, params, mesh))

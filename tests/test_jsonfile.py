@@ -13,7 +13,8 @@ import jaxfuse
 
 def _plan():
   return jaxfuse.plan([jax.ShapeDtypeStruct((4096,), jnp.float32)],
-                      density=0.05, min_sparse_size=64)
+                      density=0.05,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
 
 
 def _mode(path):

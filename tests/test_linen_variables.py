@@ -25,8 +25,10 @@ def test_variables_with_batch_stats_are_refused():
       r"params holds the flax collections \['params', 'batch_stats'\]: a "
       r"linen model's variables, not its parameters. Plan "
       r"variables\['params'\]")):
-    jaxfuse.plan(variables, density=0.05, min_sparse_size=16)
-  plan = jaxfuse.plan(variables["params"], density=0.05, min_sparse_size=16)
+    jaxfuse.plan(variables, density=0.05,
+                 settings=jaxfuse.Settings(min_sparse_size=16))
+  plan = jaxfuse.plan(variables["params"], density=0.05,
+                      settings=jaxfuse.Settings(min_sparse_size=16))
   assert not any("batch_stats" in leaf.path or "mean" in leaf.path
                  for leaf in plan.leaves)
   # 2 Dense (kernel, bias) and BatchNorm's scale and bias
@@ -36,5 +38,6 @@ def test_variables_with_batch_stats_are_refused():
 def test_a_params_only_variables_dict_is_planned():
   # {"params": ...} alone (no other collection) is a parameter tree
   variables = {"params": {"w": jnp.zeros((64, 64))}}
-  plan = jaxfuse.plan(variables, density=0.05, min_sparse_size=16)
+  plan = jaxfuse.plan(variables, density=0.05,
+                      settings=jaxfuse.Settings(min_sparse_size=16))
   assert [leaf.path for leaf in plan.leaves] == ["['params']['w']"]

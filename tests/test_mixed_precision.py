@@ -61,9 +61,10 @@ def _run(plan, mesh, steps, acc_dtype=None, grads_of=None):
     yield acc, new, [np.asarray(synced[j], np.float32) for j in leaf_of]
 
 
-def _plan(**kwargs):
+def _plan(**settings):
   plan = list_plan(SHAPES, dtype="bfloat16", density=0.01,
-                   min_sparse_size=64, strategy="layerwise", **kwargs)
+                   strategy="layerwise",
+                   settings=jaxfuse.Settings(min_sparse_size=64, **settings))
   assert all(l.mode == "sparse" for l in plan.leaves)
   return plan
 
@@ -150,8 +151,9 @@ def test_recipe_moments_are_float32_for_bfloat16_gradients(mesh):
 # --- float32 gradients, a dense phase on a bfloat16 wire ----------------------
 
 def _dense_phase(dense_wire):
-  plan = list_plan(SHAPES, density=0.01, min_sparse_size=64,
-                   strategy="layerwise")
+  plan = list_plan(SHAPES, density=0.01,
+                   strategy="layerwise",
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   phases = jaxfuse.density_warmup(plan, steps=0, dense_steps=3,
                                   dense_wire=dense_wire)
   return phases[0].plan, phases
@@ -229,27 +231,27 @@ def test_dense_wire_is_checked_saved_and_not_part_of_the_layout():
 
 # --- float32 gradients, sparse values on a bfloat16 wire ----------------------
 
-def _sparse_wire_plan(collective="allgather", sparse_wire="bfloat16",
-                      **options):
-  return list_plan(SHAPES, density=0.01, min_sparse_size=64,
+def _sparse_wire_plan(collective="allgather", sparse_wire="bfloat16"):
+  return list_plan(SHAPES, density=0.01,
                    strategy="layerwise", collective=collective,
-                   sparse_wire=sparse_wire, **options)
+                   settings=jaxfuse.Settings(
+                       min_sparse_size=64, sparse_wire=sparse_wire))
 
 
-@pytest.mark.parametrize("collective,options", [
-    ("allgather", {}), ("zen", {"zen_union": 0.05}), ("spardl", {}),
-    ("spardl", {"spardl_teams": 4})])
+@pytest.mark.parametrize("collective", [
+    "allgather", jaxfuse.collectives.Zen(union=0.05), "spardl",
+    jaxfuse.collectives.SparDL(teams=4)], ids=str)
 def test_sparse_wire_sends_bfloat16_values_and_keeps_their_rounding(
-    mesh, collective, options):
+    mesh, collective):
   """float32 acc, bfloat16 wire: nothing is lost but float32 rounding,
   K·ĝ + Σ_k r'_k = Σ_k acc_k, though ZEN's reducers (pushed sums beyond
-  ``zen_union``, and each sum's rounding to the wire) and SparDL's merges
+  ``Zen(union)``, and each sum's rounding to the wire) and SparDL's merges
   hand values back. ``allgather`` hands nothing back: per worker
   r' = acc − bf16(top(acc)) exactly, an unsent element keeps acc bit for
   bit, and ĝ is the float32 mean of what was sent."""
-  if K % options.get("spardl_teams", 1):
-    pytest.skip(f"{options} needs a multiple of the teams as workers")
-  plan = _sparse_wire_plan(collective, **options)
+  if K % getattr(collective, "teams", 1):
+    pytest.skip(f"{collective} needs a multiple of the teams as workers")
+  plan = _sparse_wire_plan(collective)
   for acc, new, synced in _run(plan, mesh, 3, grads_of=_float32_grads):
     for a, r1, s in zip(acc, new, synced):
       a, r1, s = (x.astype(np.float64) for x in (a, r1, s))

@@ -59,8 +59,8 @@ def test_momentum_conserves_what_workers_owe(mesh, shapes, density, momentum,
   """Per unit: Σ_k (sent_k + v_k') = Σ_k (v_k + u_k'), u_k' = m·u_k + g_k
   before masking (Nesterov: u_k' = m·(u_k + g_k), and g_k is added too);
   u_k'' is u_k' with the sent slots zeroed (or kept: mask_momentum=False)."""
-  plan = list_plan(shapes, density=density, strategy=strategy,
-                   min_sparse_size=64, num_buckets=2, estimator=estimator)
+  plan = list_plan(shapes, density=density, strategy=strategy, num_buckets=2, estimator=estimator,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   fn, state = _momentum_sync_fn(plan.to_json(), mesh, momentum, nesterov,
                                 mask_momentum)
   units, _ = plan_lib.units(plan)
@@ -107,7 +107,8 @@ def _bits(tree):
 
 def test_warmup_phases_share_one_state_bitwise(mesh):
   shapes = [(40, 30), (7,), (300,)]
-  plan = list_plan(shapes, density=0.05, min_sparse_size=64)
+  plan = list_plan(shapes, density=0.05,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   phases = jaxfuse.density_warmup(plan, steps=2, densities=[0.3],
                                   dense_steps=2)
   jaxfuse.check_phases(phases)
@@ -193,8 +194,9 @@ def test_a_phase_of_another_density_retunes_the_threshold(mesh, estimator,
   its converged step ±1e-3, starts again from its initial +0.1 (a
   step of +0.1, or −0.05 where it reverses at once)."""
   n = 20000
-  plan = list_plan([(n,)], density=0.0625, estimator=estimator,
-                   refresh=refresh, strategy="single")
+  plan = list_plan([(n,)], density=0.0625, estimator=estimator, strategy="single",
+                   settings=jaxfuse.Settings(
+                       estimation=jaxfuse.Estimation(refresh=refresh)))
   assert (plan.leaves[0].mode, plan.leaves[0].capacity) == ("sparse", 1875)
   phases = jaxfuse.density_warmup(plan, steps=6, densities=[0.25])
   assert [(p.start, p.stop) for p in phases] == [(0, 6), (6, None)]
@@ -217,9 +219,11 @@ def test_a_phase_of_another_density_retunes_the_threshold(mesh, estimator,
 
 # 5. Errors that name the field ------------------------------------------------
 
-def _small_plan(**kwargs):
+def _small_plan(min_sparse_size=64, **kwargs):
   return list_plan([(40, 30), (100,), (7,)], **dict(
-      dict(density=0.05, min_sparse_size=64), **kwargs))
+      dict(density=0.05,
+           settings=jaxfuse.Settings(min_sparse_size=min_sparse_size)),
+      **kwargs))
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -287,7 +291,7 @@ def test_check_phases_names_the_phase_and_field():
   jaxfuse.check_phases([jaxfuse.Phase(0, 5, half),
                         jaxfuse.Phase(5, None, plan)])
   other_model = list_plan([(40, 31), (100,), (7,)], density=0.05,
-                          min_sparse_size=64)
+                          settings=jaxfuse.Settings(min_sparse_size=64))
   all_dense = _small_plan(min_sparse_size=2000)
   others = [other_model, all_dense] + [_small_plan(strategy=s) for s in
                                        ("single", "behind")]
@@ -320,7 +324,8 @@ def test_density_warmup_runs_dense_where_sparse_moves_more(workers, wire,
   slot, headroom 1.5) receives (K−1)·8·1.5·ρ·n bytes; the ring all-reduce
   2(K−1)/K·(4 or 2)·n. Where the first is not smaller the warm-up density
   runs dense, on the dense wire, and the dense phase grows by its steps."""
-  plan = list_plan([(1 << 20,)], density=0.01, min_sparse_size=64)
+  plan = list_plan([(1 << 20,)], density=0.01,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   phases = jaxfuse.density_warmup(plan, steps=10, dense_steps=5,
                                   dense_wire=wire, workers=workers)
   dense = 5 + 10 * len(folded)
@@ -348,7 +353,8 @@ def test_density_warmup_default_ramp_is_dgcs(final, ramp):
   """Without densities= the ramp is DGC's warm-up (Lin et al. 2018:
   sparsity 75 %, 93.75 %, 98.4375 %, 99.6 %), the densities above the
   plan's, each for ``steps``, and the plan after."""
-  plan = list_plan([(1 << 12,)], density=final, min_sparse_size=64)
+  plan = list_plan([(1 << 12,)], density=final,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   phases = jaxfuse.density_warmup(plan, steps=3)
   assert [p.plan.leaves[0].density for p in phases] == [*ramp, final]
   assert [(p.start, p.stop) for p in phases] == (
@@ -403,7 +409,8 @@ def test_density_warmup_counts_hier_buckets_on_both_axes(wire, sparse):
 def test_density_warmup_takes_a_step_count_per_density():
   """steps=[...]: each density its own length (a ramp that holds 0.05 for
   longer before the plan's 0.01); folded densities add their own count."""
-  plan = list_plan([(1 << 20,)], density=0.01, min_sparse_size=64)
+  plan = list_plan([(1 << 20,)], density=0.01,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   phases = jaxfuse.density_warmup(plan, densities=[0.25, 0.05],
                                   steps=[10, 30], dense_steps=5)
   assert [(p.start, p.stop) for p in phases] == [(0, 5), (5, 15), (15, 45),
@@ -463,7 +470,7 @@ def test_per_worker_state_is_sharded_and_params_stay_identical(mesh):
   shapes = {"b": (7,), "w": (40, 30)}
   plan = jaxfuse.plan({n: jax.ShapeDtypeStruct(s, jnp.float32)
                        for n, s in shapes.items()}, density=0.05,
-                      min_sparse_size=64)
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   b1, b2 = 0.8, 0.9
   opt = optax.chain(jaxfuse.per_worker(optax.scale_by_adam(b1, b2)),
                     jaxfuse.sparse_sync(plan), optax.adam(1e-2))
@@ -523,8 +530,9 @@ def test_plan_mixing_density_one_and_sparse_buckets_keeps_its_state(mesh):
   """A hand-edited plan with one density-1 bucket among sparse ones: the
   threshold state keeps one entry per unit, and the density-1 leaf is the
   exact worker mean."""
-  base = list_plan([(40, 30), (300,)], density=0.05, min_sparse_size=64,
-                   strategy="layerwise")
+  base = list_plan([(40, 30), (300,)], density=0.05,
+                   strategy="layerwise",
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   for full in (0, 1):
     leaves = list(base.leaves)
     leaves[full] = dataclasses.replace(leaves[full], density=1.0,
@@ -553,7 +561,8 @@ def test_density_warmup_on_a_plan_with_no_sparse_leaves():
   the README recipe's densities=(0.0625,) are dropped with a warning that
   says so, and the phases are the dense steps, then the plan (it used to
   stop with 'densities [0.0625] must each be in (1, 1]')."""
-  plan = list_plan([(1 << 12,)], density=0.05, min_sparse_size=1 << 20)
+  plan = list_plan([(1 << 12,)], density=0.05,
+                   settings=jaxfuse.Settings(min_sparse_size=1 << 20))
   assert all(l.mode == "dense" for l in plan.leaves)
   with pytest.warns(UserWarning, match="no sparse leaves") as record:
     phases = jaxfuse.density_warmup(plan, dense_steps=5, steps=3,
@@ -575,7 +584,8 @@ def test_wire_warnings_name_a_sparse_phase_that_moves_more_than_dense():
   2²⁰ elements 2·(7/8)·4·n = 7 340 032: the plan's own phase is named,
   with both counts and the fix. On 2 workers at ρ = 0.01 (7·... < dense)
   nothing is said."""
-  plan = list_plan([(1 << 20,)], density=0.25, min_sparse_size=64)
+  plan = list_plan([(1 << 20,)], density=0.25,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   slots = plan.leaves[0].capacity
   assert slots >= 1.5 * 0.25 * (1 << 20)
   with pytest.warns(UserWarning, match="phase 0") as record:
@@ -589,7 +599,8 @@ def test_wire_warnings_name_a_sparse_phase_that_moves_more_than_dense():
     jaxfuse.density_warmup(plan, steps=0, dense_steps=4,
                            dense_wire="bfloat16", workers=8)
   assert "3,670,016" in str(record[0].message)
-  cheap = list_plan([(1 << 20,)], density=0.01, min_sparse_size=64)
+  cheap = list_plan([(1 << 20,)], density=0.01,
+                    settings=jaxfuse.Settings(min_sparse_size=64))
   import warnings as warnings_lib
   with warnings_lib.catch_warnings():
     warnings_lib.simplefilter("error")
@@ -600,7 +611,8 @@ def test_wire_warnings_name_a_sparse_phase_that_moves_more_than_dense():
 def test_density_warmup_old_worker_arguments_warn_and_agree():
   """0.2's num_workers= / mesh_sizes= still work until 0.4, with a
   DeprecationWarning naming workers=."""
-  plan = list_plan([(1 << 20,)], density=0.01, min_sparse_size=64)
+  plan = list_plan([(1 << 20,)], density=0.01,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   with pytest.warns(DeprecationWarning, match="workers="):
     old = jaxfuse.density_warmup(plan, steps=10, num_workers=4)
   assert old == jaxfuse.density_warmup(plan, steps=10, workers=4)

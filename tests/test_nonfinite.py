@@ -26,8 +26,9 @@ def _params():
 
 
 def _plan(collective="allgather"):
-  return jaxfuse.plan(_params(), density=0.05, min_sparse_size=64,
-                      collective=collective)
+  return jaxfuse.plan(_params(), density=0.05,
+                      collective=collective,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
 
 
 def _grads(seed, nan=False):
@@ -139,8 +140,9 @@ def test_a_non_finite_worker_keeps_its_residual_as_it_was(sparse_wire, decay):
   residual it had, undecayed (residual_decay) and free of the wire's
   rounding; the other workers step."""
   mesh = mesh_of(K)
-  plan = jaxfuse.plan(_params(), density=0.05, min_sparse_size=64,
-                      sparse_wire=sparse_wire)
+  plan = jaxfuse.plan(_params(), density=0.05,
+                      settings=jaxfuse.Settings(
+                          min_sparse_size=64, sparse_wire=sparse_wire))
   tx = jaxfuse.sparse_sync(plan, residual_decay=decay)
   state = jaxfuse.init_state(tx, _params(), mesh)
   step = fast_jit(sharded_update(tx, mesh, jaxfuse.state_specs(state)))
@@ -272,7 +274,8 @@ def _builder_run(recipe, batches, phases=None):
   """``make_train_step`` over a small least squares with ``recipe`` (8 CPU
   workers); the states and losses of ``batches``."""
   params = {"w": jnp.ones((64, 32)) / 64, "b": jnp.zeros((32,))}
-  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.1,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
 
   def loss_fn(p, x):
     return jnp.mean((x[:, :64] @ p["w"] + p["b"]) ** 2) + 0 * jnp.sum(x)

@@ -13,6 +13,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse.planning import optimal
+from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
 from jaxfuse.planning import planner
 from jaxfuse.planning.costs import Costs
@@ -31,11 +32,15 @@ def leaf(i, size, is_sparse):
                            None)
 
 
-def layerwise(leaves, order, plan_settings=plan_lib.Settings()):
-  """One bucket per leaf in ``order``: ready_order is the true order."""
+def layerwise(leaves, order, plan_settings=plan_lib.Settings(),
+              packed=False):
+  """One bucket per leaf in ``order``: ready_order is the true order (the
+  sparse ones all-gathered, their indices ``packed``)."""
+  gather = collectives.AllGather(packed_indices=packed)
   return plan_lib.Plan(tuple(leaves), tuple(
-      plan_lib.BucketPlan((i,), "allgather" if leaves[i].mode == "sparse"
-                          else "psum") for i in order), plan_settings)
+      plan_lib.BucketPlan((i,), "allgather", scheme=gather)
+      if leaves[i].mode == "sparse" else plan_lib.BucketPlan((i,), "psum")
+      for i in order), plan_settings)
 
 
 @st.composite
@@ -59,8 +64,8 @@ def instances(draw, max_leaves=14):
       bucket=draw(st.sampled_from([0.0, 1e-4, 1e-3])))
   wire = draw(st.sampled_from(plan_lib.SPARSE_WIRES))  # values of 4 or 2 B
   packed = draw(st.booleans())                 # indices of 32 or ~17 bits
-  return layerwise(leaves, order, plan_lib.Settings(
-      sparse_wire=wire, packed_indices=packed)), costs
+  return layerwise(leaves, order, plan_lib.Settings(sparse_wire=wire),
+                   packed), costs
 
 
 def random_cuts(rng, n):
@@ -236,8 +241,8 @@ def _params(sizes):
 def test_plan_from_groups_builds_buckets_like_the_planner(strategy):
   sizes = [5000, 10, 3000, 2000, 7, 9000, 40, 1500, 1200]
   order = [8, 7, 6, 5, 4, 3, 2, 1, 0]
-  kw = dict(density=0.01, min_sparse_size=1000, num_buckets=3,
-            bucket_bytes=20000, ready_order=order)
+  kw = dict(density=0.01, settings=jaxfuse.Settings(min_sparse_size=1000),
+            num_buckets=3, bucket_bytes=20000, order=order)
   want = jaxfuse.plan(_params(sizes), strategy=strategy, **kw)
   base = jaxfuse.plan(_params(sizes), strategy="layerwise", **kw)
   nbytes = [4 * s for s in sizes]
@@ -282,12 +287,16 @@ def test_wire_bytes_of_the_problem_follow_the_scheme():
                  "psum": LinearCost(1e-4, 1e-9)}, LinearCost(1e-5, 1e-9),
                 (1e-4, 1e-4))
   def wire(collective, packed):
-    plan = layerwise(leaves, [0, 1],
-                     plan_lib.Settings(packed_indices=packed))
+    plan = layerwise(leaves, [0, 1])
+    scheme = (collectives.AllGather(packed_indices=packed)
+              if collective == "allgather" else collective)
     plan = plan_lib.Plan(plan.leaves, tuple(
-        b if b.collective == "psum" else plan_lib.BucketPlan(
-            b.leaves, collective) for b in plan.buckets), plan.settings)
+        b if b.collective == "psum" else
+        plan_lib.BucketPlan(b.leaves, collective, scheme=(
+            None if isinstance(scheme, str) else scheme))
+        for b in plan.buckets), plan.settings)
     return optimal.GroupingProblem.from_plan(plan, costs).wire
   c = leaves[0].capacity
   assert wire("allgather", False) == wire("zen", True) == (8 * c, 200)
+  # (ZEN has no packed indices: "packed" asks nothing of it)
   assert wire("allgather", True) == (4 * (c + -(-17 * c // 32)), 200)

@@ -4,6 +4,7 @@ import dataclasses
 import inspect
 import json
 import math
+import pathlib
 
 from hypothesis import given
 from hypothesis import settings
@@ -37,7 +38,8 @@ def test_every_strategy_gives_a_valid_plan(sizes, strategy, num_buckets,
   order = [int(i) for i in rng.permutation(len(sizes))]
   plan = list_plan([(s,) for s in sizes], strategy=strategy, density=density,
                    num_buckets=num_buckets, bucket_bytes=bucket_bytes,
-                   min_sparse_size=100, ready_order=order)
+                   settings=jaxfuse.Settings(min_sparse_size=100),
+                   order=order)
   # every leaf exactly once, and the backward-ready order kept
   assert list(plan.ready_order) != [] and sorted(plan.ready_order) == list(
       range(len(sizes)))
@@ -114,8 +116,9 @@ def test_last_bucket_bytes_cuts_only_the_last_group(sizes, strategy,
   order = [int(i) for i in rng.permutation(len(sizes))]
   plan = list_plan([(s,) for s in sizes], strategy=strategy, density=0.01,
                    num_buckets=num_buckets, bucket_bytes=bucket_bytes,
-                   last_bucket_bytes=last, min_sparse_size=100,
-                   ready_order=order)
+                   last_bucket_bytes=last,
+                   settings=jaxfuse.Settings(min_sparse_size=100),
+                   order=order)
   group = _rule_groups(strategy, order, sizes, num_buckets, bucket_bytes)
   members = [p for p, g in enumerate(group) if g == group[-1]]
   nbytes = [4 * sizes[order[p]] for p in members]
@@ -134,7 +137,7 @@ def test_last_bucket_bytes_by_hand():
   def groups(last):
     plan = list_plan([(10,), (2,), (4,), (3,)], strategy="single",
                      density=1.0, last_bucket_bytes=last,
-                     ready_order=[0, 1, 2, 3])
+                     order=[0, 1, 2, 3])
     return [list(b.leaves) for b in plan.buckets]
   assert groups(30) == groups(np.int64(30)) == [[0, 1], [2, 3]]
   assert groups(10) == [[0, 1, 2], [3]]
@@ -158,13 +161,16 @@ def _three_layer_params():
 def test_ready_order_follows_the_backward_pass(jit_loss):
   loss = jax.jit(_three_layer_loss) if jit_loss else _three_layer_loss
   params = _three_layer_params()
-  plan = jaxfuse.plan(params, strategy="layerwise", loss_fn=loss,
-                      example_args=(jnp.ones((3, 4)),), min_sparse_size=1)
+  plan = jaxfuse.plan(params, strategy="layerwise",
+                      settings=jaxfuse.Settings(min_sparse_size=1),
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          loss, (jnp.ones((3, 4)),)))
   names = [plan.leaves[i].path for i in plan.ready_order]
   assert names == ["['a_out']", "['c_mid']", "['b_in']"]
   assert plan.provenance["ready_order"] == "jaxpr"
   # without a loss: reverse pytree order, and the plan says so
-  plan = jaxfuse.plan(params, strategy="layerwise", min_sparse_size=1)
+  plan = jaxfuse.plan(params, strategy="layerwise",
+                      settings=jaxfuse.Settings(min_sparse_size=1))
   assert [plan.leaves[i].path for i in plan.ready_order] == [
       "['c_mid']", "['b_in']", "['a_out']"]
   assert plan.provenance["ready_order"] == "reverse_pytree"
@@ -174,8 +180,10 @@ def test_plan_records_the_backward_order_that_buckets_hide():
   """``single`` lists its sparse bucket first, so its ready_order is not
   the backward's; the plan keeps the backward's (what ``simulate`` uses)."""
   params = _three_layer_params()
-  plan = jaxfuse.plan(params, strategy="single", loss_fn=_three_layer_loss,
-                      example_args=(jnp.ones((3, 4)),), min_sparse_size=200)
+  plan = jaxfuse.plan(params, strategy="single",
+                      settings=jaxfuse.Settings(min_sparse_size=200),
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          _three_layer_loss, (jnp.ones((3, 4)),)))
   names = lambda ids: [plan.leaves[i].path for i in ids]
   assert names(plan.ready_order) == ["['c_mid']", "['a_out']", "['b_in']"]
   assert names(plan.provenance["backward_order"]) == [
@@ -189,7 +197,9 @@ def test_json_round_trip(tmp_path):
             "e": jnp.ones((100, 20), jnp.bfloat16)}
   for strategy in jaxfuse.STRATEGIES:
     plan = jaxfuse.plan(params, strategy=strategy, density=0.05,
-                        min_sparse_size=10, estimator="sidco", refresh=3)
+                        estimator="sidco", settings=jaxfuse.Settings(
+                            min_sparse_size=10,
+                            estimation=jaxfuse.Estimation(refresh=3)))
     path = tmp_path / f"{strategy}.json"
     plan.save(path)
     loaded = jaxfuse.Plan.load(path)
@@ -199,8 +209,9 @@ def test_json_round_trip(tmp_path):
 
 
 def _plan_json():
-  return json.loads(list_plan([(100, 10), (5,)], density=0.1,
-                              min_sparse_size=10).to_json())
+  return json.loads(list_plan(
+      [(100, 10), (5,)], density=0.1,
+      settings=jaxfuse.Settings(min_sparse_size=10)).to_json())
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -242,9 +253,9 @@ def test_corrupted_json_file(tmp_path):
     (dict(strategy="greedy"), "strategy='greedy'"),
     (dict(estimator="oracle"), "estimator='oracle'"),
     (dict(num_buckets=0), "num_buckets=0"),
-    (dict(headroom=0.9), "headroom=0.9"),
-    (dict(headroom=float("nan")), "headroom=nan"),
-    (dict(headroom=True), "headroom=True"),
+    (dict(settings=jaxfuse.Settings(headroom=0.9)), "headroom=0.9"),
+    (dict(settings=jaxfuse.Settings(headroom=float("nan"))), "headroom=nan"),
+    (dict(settings=jaxfuse.Settings(headroom=True)), "headroom=True"),
     (dict(last_bucket_bytes=0), "last_bucket_bytes=0"),
     (dict(last_bucket_bytes=2.5), "last_bucket_bytes=2.5"),
     (dict(last_bucket_bytes=True), "last_bucket_bytes=True"),
@@ -258,10 +269,11 @@ def test_bad_plan_arguments(kwargs, message):
 
 def test_plan_headroom_default_is_the_settings_default():
   """plan()'s default and its error's "by default" figure are Settings'."""
-  default = inspect.signature(jaxfuse.plan).parameters["headroom"].default
-  assert default == plan_lib.Settings().headroom == 1.5
+  default = inspect.signature(jaxfuse.plan).parameters["settings"].default
+  assert default.headroom == plan_lib.Settings().headroom == 1.5
   with pytest.raises(jaxfuse.PlanError, match=r"1\.5 by default"):
-    list_plan([(100,)], headroom=0.5)
+    list_plan([(100,)],
+              settings=jaxfuse.Settings(headroom=0.5))
 
 
 def test_zero_size_leaf_is_rejected():
@@ -341,7 +353,7 @@ def test_state_passed_replicated_is_a_clear_error(mesh):
 
 def test_wire_bytes_match_the_buffers(mesh):
   plan = list_plan([(1000,), (3000,), (10,)], density=0.01, strategy="single",
-                   min_sparse_size=100)
+                   settings=jaxfuse.Settings(min_sparse_size=100))
   units, _ = plan_lib.units(plan)
   payload = sum(8 * u.capacity for u in units)
   assert plan.bytes_per_worker() == payload + 4 * 10
@@ -359,7 +371,9 @@ def test_packed_indices_send_the_same_in_fewer_bytes(mesh):
   c + ⌈c·b/32⌉ words a unit."""
   shapes = [(1000,), (3000,), (10,)]
   plain, packed = (list_plan(shapes, density=0.01, strategy="single",
-                             min_sparse_size=100, packed_indices=p)
+                             settings=jaxfuse.Settings(min_sparse_size=100),
+                             collective=jaxfuse.collectives.AllGather(
+                                 packed_indices=p))
                    for p in (False, True))
   units, _ = plan_lib.units(packed)
   bits = {1000: 10, 3000: 12}
@@ -383,36 +397,35 @@ def test_packed_indices_send_the_same_in_fewer_bytes(mesh):
                                 expect)
 
 
-@pytest.mark.parametrize("collective,settings", [
-    ("zen", {}), ("spardl", {}), ("hier", {"hier_inner": "zen"}),
-    ("hier", {"hier_inner": "spardl"})])
-def test_packed_indices_leave_other_schemes_int32(collective, settings):
-  """ZEN and SparDL (alone or over hier's hosts) move int32 indices
-  whatever ``packed_indices`` says: their units, bytes and steps are the
-  unpacked ones."""
-  def made(packed):
-    base = list_plan([(1000,), (3000,)], density=0.01, strategy="single",
-                     min_sparse_size=100, packed_indices=packed)
-    return plan_lib.Plan(base.leaves, tuple(
-        dataclasses.replace(b, collective=collective) for b in base.buckets),
-        dataclasses.replace(base.settings, **settings))
-  plain, packed = made(False), made(True)
-  assert packed.settings.packed_indices
-  assert packed.bytes_per_worker() == plain.bytes_per_worker()
-  sched = bucket_steps.compile_plan(packed)
-  assert {u.index_bits for u in sched.wire_units} == {32}
-  assert collectives.bucket_steps(sched, 4) == collectives.bucket_steps(
-      bucket_steps.compile_plan(plain), 4)
-  with_ag = dataclasses.replace(packed, buckets=tuple(
-      dataclasses.replace(b, collective="allgather") for b in packed.buckets))
+@pytest.mark.parametrize("scheme", [
+    collectives.Zen(), collectives.SparDL(),
+    collectives.Hier(inner=collectives.Zen()),
+    collectives.Hier(inner=collectives.SparDL())], ids=repr)
+def test_packed_indices_leave_other_schemes_int32(scheme):
+  """ZEN and SparDL (alone or over hier's hosts) move int32 indices: only
+  ``AllGather(packed_indices=True)`` (alone or as hier's inner) packs
+  them; the per-worker payload is the unpacked all-gather's."""
+  def made(collective):
+    return list_plan([(1000,), (3000,)], density=0.01, strategy="single",
+                     settings=jaxfuse.Settings(min_sparse_size=100),
+                     collective=collective)
+  plain = made(collectives.AllGather())
+  other = made(scheme)
+  assert other.bytes_per_worker() == plain.bytes_per_worker()
   assert {u.index_bits for u in bucket_steps.compile_plan(
-      with_ag).wire_units} == {10, 12}
+      other).wire_units} == {32}
+  for packing in (collectives.AllGather(packed_indices=True),
+                  collectives.Hier(inner=collectives.AllGather(
+                      packed_indices=True))):
+    assert {u.index_bits for u in bucket_steps.compile_plan(
+        made(packing)).wire_units} == {10, 12}
 
 
 def test_integer_leaves_are_dense_and_pass_through(mesh):
   """float0 gradients of integer leaves (jax.grad(..., allow_int=True))."""
   params = {"w": jnp.ones((64, 64)), "n": jnp.arange(3)}
-  plan = jaxfuse.plan(params, min_sparse_size=1)
+  plan = jaxfuse.plan(params,
+                      settings=jaxfuse.Settings(min_sparse_size=1))
   assert [l.mode for l in plan.leaves] == ["dense", "sparse"]
   tx = jaxfuse.sparse_sync(plan)
   state = jaxfuse.init_state(tx, params, mesh)
@@ -479,7 +492,8 @@ def test_a_scheme_object_plans_as_0_2s_keywords(scheme, old):
 
 def test_a_scheme_name_gives_its_defaults_and_bad_ones_are_named():
   plan = jaxfuse.plan(_SCHEME_PARAMS, density=0.05, collective="spardl")
-  assert collectives.configured("spardl", plan.settings) == (
+  (sparse,) = [b for b in plan.buckets if b.collective != "psum"]
+  assert sparse.scheme == collectives.of_bucket(sparse) == (
       collectives.SparDL())
   assert collectives.Hier(inner="spardl").inner == collectives.SparDL()
   with pytest.raises(jaxfuse.PlanError, match=r"Hier\(inner='psum'\).*one "
@@ -494,3 +508,137 @@ def test_a_scheme_name_gives_its_defaults_and_bad_ones_are_named():
     jaxfuse.plan(_SCHEME_PARAMS, collective=collectives.Psum())
   with pytest.raises(TypeError, match="zen_tabel"):
     jaxfuse.plan(_SCHEME_PARAMS, zen_tabel=2.0)
+
+
+# --- plan files: format 2, and 0.2's format 1 converted ---------------------
+
+_V1_PLAN = (pathlib.Path(__file__).parent / "data" / "checkpoint_0.2" / "ckpt"
+            / "3" / "plan" / "metadata")
+
+
+def _v1_body(**settings):
+  """A format-1 plan body as jaxfuse 0.2 wrote it: two sparse leaves in a
+  ``"zen"``, a ``"hier"`` and an ``"allgather"`` bucket, a dense one in
+  ``"psum"``; ``settings`` over 0.2's defaults."""
+  defaults = {"headroom": 1.5, "min_sparse_size": 10, "refresh": 1,
+              "feedback": True, "sample_fraction": 0.01, "sidco_stages": 2,
+              "seed": 0, "zen_table": 2.0, "zen_union": 1.0,
+              "spardl_teams": 1, "hier_inner": "allgather",
+              "spardl_block": 2.0, "residual_dtype": "float32",
+              "full_wire": "gradient", "sparse_wire": "gradient",
+              "packed_indices": False}
+  leaf = lambda p, n: {"path": p, "shape": [n], "dtype": "float32",
+                       "mode": "sparse", "density": 0.1,
+                       "capacity": n // 10, "estimator": "dgc"}
+  bucket = lambda ids, c: {"leaves": ids, "collective": c,
+                           "sparsify": "ahead", "capacity": 0,
+                           "estimator": None, "density": 1.0}
+  return {"format": "jaxfuse.plan", "version": 1,
+          "settings": dict(defaults, **settings),
+          "provenance": {"strategy": "layerwise"},
+          "leaves": [leaf("[0]", 100), leaf("[1]", 200), leaf("[2]", 300),
+                     dict(leaf("[3]", 5), mode="dense", density=1.0,
+                          capacity=5, estimator=None)],
+          "buckets": [bucket([0], "zen"), bucket([1], "hier"),
+                      bucket([2], "allgather"), bucket([3], "psum")]}
+
+
+def test_a_format_1_plan_moves_the_scheme_knobs_into_its_buckets():
+  body = _v1_body(zen_table=3.0, zen_union=0.5, spardl_teams=2,
+                  spardl_block=1.5, hier_inner="spardl", packed_indices=True,
+                  refresh=3, feedback=False, sample_fraction=0.05,
+                  sidco_stages=4, seed=7, headroom=2.0)
+  plan = jaxfuse.Plan.from_json(json.dumps(body))
+  assert [b.scheme for b in plan.buckets] == [
+      collectives.Zen(table=3.0, union=0.5),
+      collectives.Hier(inner=collectives.SparDL(teams=2, block=1.5)),
+      collectives.AllGather(packed_indices=True), None]
+  assert plan.settings == jaxfuse.Settings(
+      headroom=2.0, min_sparse_size=10, seed=7,
+      estimation=jaxfuse.Estimation(refresh=3, feedback=False,
+                                    sample_fraction=0.05, sidco_stages=4))
+  again = json.loads(plan.to_json())
+  assert again["version"] == 2
+  assert again["buckets"][1]["scheme"] == {
+      "name": "hier", "inner": {"name": "spardl", "teams": 2, "block": 1.5}}
+  assert again["settings"]["estimation"] == {
+      "refresh": 3, "feedback": False, "sample_fraction": 0.05,
+      "sidco_stages": 4}
+  assert "zen_table" not in again["settings"]
+  assert jaxfuse.Plan.from_json(plan.to_json()) == plan
+
+
+def test_a_plan_file_jaxfuse_0_2_wrote_loads_as_the_same_plan():
+  """The plan of tests/data/checkpoint_0.2 (format 1, 0.2's defaults) is
+  the plan this jaxfuse makes for the same arguments: its all-gather bucket
+  with the default ``AllGather()``, and its state layout the same."""
+  text = _V1_PLAN.read_text()
+  assert json.loads(text)["version"] == 1
+  old = jaxfuse.Plan.from_json(text)
+  assert [b.scheme for b in old.buckets] == [collectives.AllGather(), None]
+  assert old.settings == jaxfuse.Settings(min_sparse_size=256)
+  made = plan_lib.Plan(old.leaves, tuple(
+      dataclasses.replace(b, scheme=None) for b in old.buckets),
+                       old.settings, old.provenance)
+  assert bucket_steps.layout_digest(made) == bucket_steps.layout_digest(old)
+  assert jaxfuse.Plan.from_json(old.to_json()) == old
+
+
+@pytest.mark.parametrize("scheme", [
+    collectives.AllGather(packed_indices=True), collectives.Zen(table=1.5),
+    collectives.SparDL(teams=2, block=3.0),
+    collectives.Hier(inner=collectives.Zen(union=0.25))], ids=repr)
+def test_format_2_round_trip_keeps_each_buckets_scheme(tmp_path, scheme):
+  plan = jaxfuse.plan(_SCHEME_PARAMS, density=0.05, collective=scheme,
+                      settings=jaxfuse.Settings(
+                          estimation=jaxfuse.Estimation(sidco_stages=3)))
+  plan.save(tmp_path / "p.json")
+  loaded = jaxfuse.Plan.load(tmp_path / "p.json")
+  assert loaded == plan
+  assert [b.scheme for b in loaded.buckets if b.collective != "psum"] == [
+      scheme]
+  assert loaded.settings.estimation.sidco_stages == 3
+
+
+def test_a_bucket_scheme_with_an_unknown_field_is_named():
+  body = json.loads(list_plan([(100, 10)], density=0.1,
+                              settings=jaxfuse.Settings(
+                                  min_sparse_size=10)).to_json())
+  body["buckets"][0]["scheme"]["table"] = 2.0
+  with pytest.raises(jaxfuse.PlanError,
+                     match=r"scheme 'allgather' has no field\(s\) \['table'\]"):
+    jaxfuse.Plan.from_json(json.dumps(body))
+  body["buckets"][0]["scheme"] = {"name": "zen", "table": 2.0, "union": 1.0}
+  with pytest.raises(jaxfuse.PlanError,
+                     match=r"bucket 0: scheme=Zen\(.*is not a 'allgather'"):
+    jaxfuse.Plan.from_json(json.dumps(body))
+
+
+def test_0_2s_settings_and_order_keywords_plan_as_the_new_spelling():
+  """0.2's ``headroom=`` … ``sidco_stages=``, ``ready_order=`` and
+  ``loss_fn=``/``example_args=`` still make the same plan, each warning
+  with its new spelling; with ``settings=`` as well they are refused."""
+  params = _three_layer_params()
+  new = jaxfuse.plan(params, strategy="layerwise", settings=jaxfuse.Settings(
+      headroom=2.0, min_sparse_size=1, seed=3,
+      estimation=jaxfuse.Estimation(refresh=3, sample_fraction=0.05)),
+                     order=jaxfuse.planning.ordering.FromLoss(
+                         _three_layer_loss, (jnp.ones((3, 4)),)))
+  with pytest.warns(DeprecationWarning) as caught:
+    was = jaxfuse.plan(params, strategy="layerwise", headroom=2.0,
+                       min_sparse_size=1, seed=3, refresh=3,
+                       sample_fraction=0.05, loss_fn=_three_layer_loss,
+                       example_args=(jnp.ones((3, 4)),))
+  assert was == new
+  said = " ".join(str(w.message) for w in caught)
+  assert ("settings=jaxfuse.Settings(headroom=2.0, min_sparse_size=1, "
+          "seed=3, estimation=jaxfuse.Estimation(refresh=3, "
+          "sample_fraction=0.05))") in said
+  assert "order=jaxfuse.planning.ordering.FromLoss(" in said
+  assert "removed in 0.4" in said
+  with pytest.warns(DeprecationWarning, match=r"order=\[leaf ids\]"):
+    given = jaxfuse.plan(params, ready_order=[2, 1, 0])
+  assert given == jaxfuse.plan(params, order=[2, 1, 0])
+  with pytest.raises(jaxfuse.PlanError, match=r"settings= and 0.2's "
+                     r"\['headroom'\] given together"):
+    jaxfuse.plan(params, headroom=2.0, settings=jaxfuse.Settings())

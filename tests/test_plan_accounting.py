@@ -27,7 +27,8 @@ def test_units_of_one_size_but_two_dtypes_get_a_state_group_each():
   # group is one (G, n) array of one dtype, so they cannot share one.
   params = {"a": _sds((64, 64), jnp.bfloat16), "b": _sds((64, 64), jnp.float32)}
   plan = jaxfuse.plan(params, density=0.05, strategy="single",
-                      min_sparse_size=64, residual_dtype="gradient")
+                      settings=jaxfuse.Settings(
+                          min_sparse_size=64, residual_dtype="gradient"))
   assert len(plan.buckets) == 1
   assert plan_lib.state_groups(plan) == ((0,), (1,))
   sched = bucket_steps.compile_plan(plan)
@@ -44,7 +45,8 @@ def test_a_behind_bucket_of_mixed_dtypes_goes_on_the_wire_promoted():
   # int32 indices, 8 bytes a slot.
   params = {"a": _sds((64, 64), jnp.bfloat16), "b": _sds((32, 32), jnp.float32)}
   plan = jaxfuse.plan(params, density=0.05, strategy="behind",
-                      min_sparse_size=64, ready_order=[0, 1])
+                      settings=jaxfuse.Settings(min_sparse_size=64),
+                      order=[0, 1])
   (bucket,) = plan.buckets
   assert bucket.leaves == (0, 1) and bucket.capacity == 384
   (unit,), _ = plan_lib.units(plan)
@@ -61,23 +63,28 @@ def test_packed_index_bits_hold_the_empty_slot():
   # 4096 elements at density 0.01, "topk": c = ⌈40.96⌉ = 41 slots; packed
   # indices take ⌈41·13/32⌉ = 17 words, the values 41 words: 232 bytes.
   plan = jaxfuse.plan([_sds((4096,), jnp.float32)], density=0.01,
-                      estimator="topk", min_sparse_size=64,
-                      packed_indices=True)
+                      estimator="topk",
+                      settings=jaxfuse.Settings(min_sparse_size=64),
+                      collective=jaxfuse.collectives.AllGather(
+                          packed_indices=True))
   assert plan.leaves[0].capacity == 41
   assert plan.bytes_per_worker() == 4 * (41 + 17)
 
 
 def test_hier_over_allgather_packs_indices_too():
-  # Settings.packed_indices covers "allgather" and "hier" over an
-  # all-gather (hier_inner="allgather"), not "hier" over ZEN.
+  # AllGather(packed_indices=True) packs alone and as "hier"'s host-axis
+  # scheme (Hier(inner=AllGather(...))); "hier" over ZEN keeps int32.
   params = [_sds((4096,), jnp.float32)]
   packed = jaxfuse.plan(params, density=0.01, estimator="topk",
-                        min_sparse_size=64, packed_indices=True,
-                        collective="hier")
+                        settings=jaxfuse.Settings(min_sparse_size=64),
+                        collective=jaxfuse.collectives.Hier(
+                            inner=jaxfuse.collectives.AllGather(
+                                packed_indices=True)))
   assert packed.bytes_per_worker() == 4 * (41 + 17)
   over_zen = jaxfuse.plan(params, density=0.01, estimator="topk",
-                          min_sparse_size=64, packed_indices=True,
-                          collective="hier", hier_inner="zen")
+                          settings=jaxfuse.Settings(min_sparse_size=64),
+                          collective=jaxfuse.collectives.Hier(
+                              inner=jaxfuse.collectives.Zen()))
   assert over_zen.bytes_per_worker() == 4 * (41 + 41)
 
 
@@ -85,7 +92,7 @@ def test_a_density_one_bucket_counts_its_full_wire_dtype():
   # A dense warm-up phase (density 1) of a float32 leaf of 4096 elements
   # with full_wire="bfloat16" sends 2 bytes an element, not 4.
   plan = jaxfuse.plan([_sds((4096,), jnp.float32)], density=0.05,
-                      min_sparse_size=64)
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   dense = jaxfuse.with_density(plan, 1.0)
   assert dense.bytes_per_worker() == 4096 * 4
   half = dataclasses.replace(
@@ -129,9 +136,9 @@ def test_a_decimal_density_selects_what_it_says(percent):
 def test_a_plan_at_a_decimal_density_has_the_decimal_capacity():
   params = [_sds((1400,), jnp.float32)]
   topk = jaxfuse.plan(params, density=0.07, estimator="topk",
-                      min_sparse_size=1)
+                      settings=jaxfuse.Settings(min_sparse_size=1))
   dgc = jaxfuse.plan(params, density=0.07, estimator="dgc",
-                     min_sparse_size=1)
+                     settings=jaxfuse.Settings(min_sparse_size=1))
   assert topk.leaves[0].capacity == 98       # 0.07 · 1400
   assert dgc.leaves[0].capacity == 147       # 0.07 · 1400 · 1.5
 
@@ -149,7 +156,8 @@ def test_a_bfloat16_wire_never_rounds_a_float16_gradient(mesh):
   # 1 + 2**-8 (exact in float16, and so is every partial sum of up to 16
   # of them; bfloat16 rounds it to 1): the mean is 1 + 2**-8.
   plan = jaxfuse.with_density(jaxfuse.plan(
-      [_sds((4096,), jnp.float16)], density=0.05, min_sparse_size=64), 1.0)
+      [_sds((4096,), jnp.float16)], density=0.05,
+      settings=jaxfuse.Settings(min_sparse_size=64)), 1.0)
   plan = dataclasses.replace(plan, settings=dataclasses.replace(
       plan.settings, full_wire="bfloat16"))
   value = np.float16(1 + 2**-8)
@@ -166,11 +174,12 @@ def test_the_schemes_sizes_read_their_settings_as_decimals():
   from jaxfuse.collectives import spardl  # pylint: disable=g-import-not-at-top
   from jaxfuse.collectives import zen  # pylint: disable=g-import-not-at-top
   unit = plan_lib.Unit((0,), 200_000, 1400, 0.007, "dgc", "float32")
-  lay = zen.layout([unit], 10, plan_lib.Settings(zen_union=0.07,
-                                                 zen_table=1.1))
+  lay = zen.layout([unit], 10, plan_lib.Settings(),
+                   zen.Zen(table=1.1, union=0.07))
   assert lay.union == 98        # ⌈0.07 · 1400⌉
   assert lay.r1 == 154          # ⌈1.1 · 1400 / 10⌉
   assert spardl.block_capacity(10_000, 100, 2, 1, 0.58) == 29  # ⌊58 / 2⌋
   spec = sparsify.dgc_sample_spec(
-      140_000, 0.01, plan_lib.Settings(sample_fraction=0.07))
+      140_000, 0.01, plan_lib.Settings(
+          estimation=plan_lib.Estimation(sample_fraction=0.07)))
   assert spec.size == 9800      # ⌈0.07 · 140000⌉

@@ -10,18 +10,61 @@ import jax.numpy as jnp
 import pytest
 
 import jaxfuse
+from jaxfuse import collectives
 from jaxfuse import plans as plan_lib
 
 
 def _base():
   return jaxfuse.plan([jax.ShapeDtypeStruct((4096,), jnp.float32)],
-                      density=0.05, min_sparse_size=64)
+                      density=0.05,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
 
 
-def _with(**settings):
+# Where each of 0.2's settings lives now: the estimators' knobs in
+# settings.estimation, the schemes' in each bucket's scheme.
+_ESTIMATION = ("refresh", "feedback", "sample_fraction", "sidco_stages")
+_SCHEME = {"zen_table": (collectives.Zen, "table"),
+           "zen_union": (collectives.Zen, "union"),
+           "spardl_teams": (collectives.SparDL, "teams"),
+           "spardl_block": (collectives.SparDL, "block"),
+           "packed_indices": (collectives.AllGather, "packed_indices")}
+
+
+def _with(**fields):
+  """The base plan with one setting (0.2's name) changed where it lives."""
+  (name, value), = fields.items()
   base = _base()
+  if name in _SCHEME:
+    kind, field = _SCHEME[name]
+    return dataclasses.replace(base, buckets=tuple(
+        dataclasses.replace(b, collective=kind.name,
+                            scheme=kind(**{field: value}))
+        for b in base.buckets))
+  if name in _ESTIMATION:
+    return dataclasses.replace(base, settings=dataclasses.replace(
+        base.settings, estimation=dataclasses.replace(
+            base.settings.estimation, **{name: value})))
   return dataclasses.replace(
-      base, settings=dataclasses.replace(base.settings, **settings))
+      base, settings=dataclasses.replace(base.settings, **{name: value}))
+
+
+def _read(plan, name):
+  if name in _SCHEME:
+    return getattr(plan.buckets[0].scheme, _SCHEME[name][1])
+  if name in _ESTIMATION:
+    return getattr(plan.settings.estimation, name)
+  return getattr(plan.settings, name)
+
+
+def _field(name) -> str:
+  """How a check names the field: settings.x, settings.estimation.x, or
+  the bucket's scheme, Zen(table=...)."""
+  if name in _SCHEME:
+    kind, field = _SCHEME[name]
+    return rf"bucket 0: {kind.__name__}\({field}="
+  if name in _ESTIMATION:
+    return f"settings.estimation.{name}="
+  return f"settings.{name}="
 
 
 @pytest.mark.parametrize("name,value", [
@@ -31,7 +74,7 @@ def _with(**settings):
     ("spardl_block", 1e-6), ("headroom", 1.0), ("zen_table", 1.0),
     ("refresh", 1), ("min_sparse_size", 1), ("spardl_teams", 1)])
 def test_each_setting_accepts_the_ends_of_its_range(name, value):
-  assert getattr(_with(**{name: value}).settings, name) == value
+  assert _read(_with(**{name: value}), name) == value
 
 
 @pytest.mark.parametrize("name,value", [
@@ -41,16 +84,17 @@ def test_each_setting_accepts_the_ends_of_its_range(name, value):
     ("spardl_block", 0.0), ("headroom", 0.99), ("zen_table", 0.99),
     ("refresh", 0), ("min_sparse_size", 0), ("spardl_teams", 0)])
 def test_each_setting_refuses_just_past_its_range(name, value):
-  with pytest.raises(plan_lib.PlanError, match=f"settings.{name}="):
+  with pytest.raises(plan_lib.PlanError, match=_field(name)):
     _with(**{name: value})
 
 
 @pytest.mark.parametrize("name,value,message", [
     ("seed", -1, r"settings.seed=-1 must be an integer in \[0, 2\*\*32\)"),
     ("seed", 2**32, r"settings.seed=4294967296 must be an integer in"),
-    ("zen_table", float("inf"), r"settings.zen_table=inf must be a finite"),
+    ("zen_table", float("inf"), r"bucket 0: Zen\(table=inf\) must be a "
+     "finite"),
     ("spardl_block", float("inf"),
-     r"settings.spardl_block=inf must be a finite"),
+     r"bucket 0: SparDL\(block=inf\) must be a finite"),
 ])
 def test_settings_a_step_could_not_use_are_refused(name, value, message):
   # each used to pass the plan and fail in the step with a bare
@@ -128,9 +172,10 @@ def test_a_plan_file_with_a_bad_provenance_is_a_plan_error(provenance):
 
 
 def test_packed_indices_must_be_a_bool():
-  assert _with(packed_indices=True).settings.packed_indices is True
+  assert _with(packed_indices=True).buckets[0].scheme.packed_indices is True
   with pytest.raises(plan_lib.PlanError,
-                     match="settings.packed_indices=1 must be True or False"):
+                     match=r"bucket 0: AllGather\(packed_indices=1\) must "
+                     "be True or False"):
     _with(packed_indices=1)
 
 

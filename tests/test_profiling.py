@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxfuse import plans
 from jaxfuse.planning import _measuring
 from jaxfuse.planning import bucket_cost
 from jaxfuse.planning import costs as costs_lib
@@ -175,8 +176,9 @@ def test_scheme_cost_is_its_time_over_allgather_past_the_wire(
     del mesh_, kw
     plan = planner.plan([jax.ShapeDtypeStruct((n,), "float32")
                          for n in sizes], density=0.01, strategy=strategy,
-                        headroom=1.5, min_sparse_size=1,
-                        collective=collective)
+                        collective=collective,
+                        settings=plans.Settings(
+                            headroom=1.5, min_sparse_size=1))
     extra = {"allgather": 0.0, "zen": 1e-3 if sizes[0] == 2**14 else 3e-3,
              "spardl": 0.0}[collective]
     return 5e-3 + extra, plan

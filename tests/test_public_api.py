@@ -22,7 +22,7 @@ from jaxfuse.planning import profiling
 
 PUBLIC = [
     "ApplyIfFiniteState", "BucketPlan", "COST_STRATEGIES", "CollectivesDifferError",
-    "DelayedState", "LeafPlan",
+    "DelayedState", "Estimation", "LeafPlan",
     "PerWorkerState", "Phase", "Plan", "PlanError", "RECIPES",
     "RecipeOptions", "SGDOptions", "STRATEGIES",
     "Settings", "SparseSyncState", "StepOptions", "SyncError", "SyncStats",
@@ -42,8 +42,9 @@ PUBLIC = [
 PLANNING_MODULES = [
     "backward", "bucket_cost", "cli", "cli_io", "cli_show",
     "costs",
-    "grouping",
-    "optimal", "ordering", "planner", "profiling", "simulate", "strategies",
+    "grouping", "leaves",
+    "optimal", "ordering", "plan_keywords", "planner", "profiling",
+    "simulate", "strategies",
     "timeline_plot", "timing", "trace",
 ]
 # What profiling and cli export, their re-exports from the modules they were

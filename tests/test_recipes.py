@@ -233,8 +233,8 @@ def _problem(seed, steps):
             .reshape((K,) + s).astype(np.float32) for n, s in SHAPES.items()}
            for _ in range(steps)]
   plan = jaxfuse.plan({n: jax.ShapeDtypeStruct(s, jnp.float32)
-                       for n, s in SHAPES.items()}, density=DENSITY,
-                      min_sparse_size=64, estimator="topk")
+                       for n, s in SHAPES.items()}, density=DENSITY, estimator="topk",
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   assert {l.path: l.mode for l in plan.leaves} == {
       "['b']": "dense", "['w']": "sparse"}
   return plan, params, grads
@@ -371,7 +371,8 @@ def test_onebit_adamw_with_a_bfloat16_leaf_steps_the_others_alike(mesh):
   half_plan = jaxfuse.plan(
       {n: jax.ShapeDtypeStruct(np.shape(p), p.dtype)
        for n, p in half_params.items()},
-      density=DENSITY, min_sparse_size=64, estimator="topk")
+      density=DENSITY, estimator="topk",
+      settings=jaxfuse.Settings(min_sparse_size=64))
   make = lambda p: jaxfuse.onebit_adamw(p, LR, eps=1e-3, weight_decay=WD,
                                         mask=DECAY_MASK)
   full, half = (_run(mesh, [(make(jaxfuse.with_density(p, 1.0)), 2),

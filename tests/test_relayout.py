@@ -28,10 +28,11 @@ def _plans():
   # one concatenated unit per bucket, in the other ready order
   behind = jaxfuse.plan(PARAMS, density=0.05, strategy="behind",
                         bucket_bytes=16 * 1024, estimator="dgc",
-                        ready_order=[3, 2, 1, 0])
+                        order=[3, 2, 1, 0])
   # per-leaf units again, in the other order
   reordered = jaxfuse.plan(PARAMS, density=0.05, strategy="single",
-                           estimator="dgc", ready_order=[3, 2, 1, 0])
+                           estimator="dgc",
+                           order=[3, 2, 1, 0])
   return old, behind, reordered
 
 
@@ -264,7 +265,8 @@ def test_relayout_keeps_every_leafs_rows_and_round_trips(
   order = lambda: data.draw(st.permutations(range(len(shapes))))
   first, second = (jaxfuse.plan(params, density=0.05, strategy=s,
                                 num_buckets=2, bucket_bytes=8 * 1024,
-                                min_sparse_size=64, ready_order=order())
+                                settings=jaxfuse.Settings(min_sparse_size=64),
+                                order=order())
                    for s in strategies)
   tx = jaxfuse.sparse_sync(first, momentum=0.9 if momentum else 0.0)
   state = jaxfuse.init_state(tx, params, mesh)
@@ -297,7 +299,8 @@ def test_what_relayout_refuses(mesh):
                      r"float32 \[40, 41\] sparse in the new one"):
     jaxfuse.relayout(state, old, wider)
   # the same leaves, but a and b (1536 elements) fall below min_sparse_size
-  split = jaxfuse.plan(PARAMS, density=0.05, min_sparse_size=1600)
+  split = jaxfuse.plan(PARAMS, density=0.05,
+                       settings=jaxfuse.Settings(min_sparse_size=1600))
   with pytest.raises(jaxfuse.PlanError, match=r"relayout: leaf 0 is \['a'\] "
                      r"float32 \[32, 48\] sparse in the old plan and \['a'\] "
                      r"float32 \[32, 48\] dense in the new one; .* the same "
@@ -331,14 +334,16 @@ def test_first_moment_checks_the_plan(mesh):
 def test_plans_equal_under_eq_share_a_layout_digest(mesh):
   # 2 and 2.0, a numpy scalar and its float: equal plans, one state
   import dataclasses  # pylint: disable=g-import-not-at-top
-  two, two_f = (jaxfuse.plan(PARAMS, density=0.05, headroom=h)
+  two, two_f = (jaxfuse.plan(PARAMS, density=0.05,
+                             settings=jaxfuse.Settings(headroom=h))
                 for h in (2, 2.0))
   assert two == two_f
   assert bucket_steps.layout_digest(two) == bucket_steps.layout_digest(two_f)
   numpy_seed = dataclasses.replace(two, settings=dataclasses.replace(
       two.settings, headroom=np.float64(2.0)))
   assert bucket_steps.layout_digest(numpy_seed) == bucket_steps.layout_digest(two)
-  other = jaxfuse.plan(PARAMS, density=0.05, headroom=2.5)
+  other = jaxfuse.plan(PARAMS, density=0.05,
+                       settings=jaxfuse.Settings(headroom=2.5))
   assert bucket_steps.digest_difference(bucket_steps.layout_digest(other),
                                     bucket_steps.layout_digest(two)) == "settings"
   state = jaxfuse.init_state(jaxfuse.sparse_sync(two), PARAMS, mesh)

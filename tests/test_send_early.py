@@ -85,9 +85,11 @@ def _setup(layers, recipe="onebit_adamw", bucket_bytes=6000, density=0.2,
   grouping = (dict(strategy="size", bucket_bytes=bucket_bytes)
               if num_buckets is None else
               dict(strategy="aligned", num_buckets=num_buckets))
-  plan = jaxfuse.plan(params, density=density, loss_fn=loss_fn,
-                      example_args=(x[:2],), seed=0, collective=collective,
-                      **grouping)
+  plan = jaxfuse.plan(params, density=density, collective=collective,
+                      **grouping,
+                      settings=jaxfuse.Settings(seed=0),
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          loss_fn, (x[:2],)))
   if groups is not None:
     order = plan.provenance["backward_order"]
     plan = optimal.plan_from_groups(

@@ -114,9 +114,10 @@ def _shard(mesh, x):
 def test_sync_conserves_is_identical_and_lossless_when_it_fits(
     k, teams, shapes, vs_allgather):
   mesh = mesh_of(k)
-  plan = list_plan(shapes, density=0.05, collective="spardl",
-                   estimator="topk", min_sparse_size=100, strategy="single",
-                   spardl_teams=teams)
+  plan = list_plan(shapes, density=0.05,
+                   estimator="topk", strategy="single",
+                   settings=jaxfuse.Settings(min_sparse_size=100),
+                   collective=jaxfuse.collectives.SparDL(teams=teams))
   assert len(plan.buckets) == 1
   n = sum(math.prod(s) for s in shapes)
   c = sum(l.capacity for l in plan.leaves)
@@ -141,8 +142,9 @@ def test_sync_conserves_is_identical_and_lossless_when_it_fits(
                                rtol=1e-6)  # XLA may multiply by 1/K
   if vs_allgather:
     lossless = list_plan(shapes, density=0.05, collective="allgather",
-                         estimator="topk", min_sparse_size=100,
-                         strategy="single")
+                         estimator="topk",
+                         strategy="single",
+                         settings=jaxfuse.Settings(min_sparse_size=100))
     want, _ = sync(lossless, mesh, grads, init(lossless, mesh),
                    fast_compile=True)
     for a, b in zip(got, want):
@@ -163,9 +165,11 @@ def test_bsag_conserves_on_a_bfloat16_wire():
   teams that hold the sum; K·ĝ + Σ_k r'_k = Σ_k acc_k still holds."""
   k, teams, shapes = 6, 3, [(600,)]
   mesh = mesh_of(k)
-  plan = list_plan(shapes, density=0.3, collective="spardl",
-                   estimator="topk", min_sparse_size=100, strategy="single",
-                   spardl_teams=teams, sparse_wire="bfloat16")
+  plan = list_plan(shapes, density=0.3,
+                   estimator="topk", strategy="single",
+                   settings=jaxfuse.Settings(
+                       min_sparse_size=100, sparse_wire="bfloat16"),
+                   collective=jaxfuse.collectives.SparDL(teams=teams))
   for _ in _random_steps(plan, mesh, k, shapes, 5):
     pass
 
@@ -179,7 +183,8 @@ def test_bsag_conserves_on_a_bfloat16_wire():
 def test_conservation_any_shape_density_k(k, shapes, density, seed):
   mesh = mesh_of(k)
   plan = list_plan(shapes, density=density, collective="spardl",
-                   estimator="topk", min_sparse_size=100, strategy="single")
+                   estimator="topk", strategy="single",
+                   settings=jaxfuse.Settings(min_sparse_size=100))
   for _ in _random_steps(plan, mesh, k, shapes, seed):
     pass
 
@@ -215,7 +220,7 @@ def _wire_ops(jaxpr):
 def test_steps_are_what_the_program_sends(k, teams):
   units = [plan_lib.Unit((0,), 1000, 40, 0.04, "topk", "float32"),
            plan_lib.Unit((1,), 300, 13, 0.04, "topk", "bfloat16")]
-  s = plan_lib.Settings(spardl_teams=teams)
+  s = plan_lib.Settings()
   mesh = mesh_of(k)
 
   def local(*xs):
@@ -241,11 +246,12 @@ def test_steps_are_what_the_program_sends(k, teams):
                                          (8, 8, "teams of 1"),
                                          (7, 2, "does not divide")])
 def test_teams_that_cannot_form_raise_naming_the_bucket(k, teams, why):
-  s = plan_lib.Settings(spardl_teams=teams)
-  with pytest.raises(base.SchemeError, match=f"bucket 3: .*{why}.*spardl_teams"):
+  s = plan_lib.Settings()
+  with pytest.raises(base.SchemeError,
+                     match=rf"bucket 3: .*{why}.*SparDL\(teams="):
     spardl.SparDL(teams=teams).check("bucket 3", k, s)
   with pytest.raises(base.SchemeError, match=(
-      rf"^spardl bucket of leaves \[0, 1\]: spardl_teams={teams} .*{why}")):
+      rf"^spardl bucket of leaves \[0, 1\]: SparDL\(teams={teams}\) .*{why}")):
     spardl.SparDL(teams=teams).steps(UNITS, k, s)
   spardl.SparDL().check("bucket 3", k, plan_lib.Settings())  # T = 1: any K
   spardl.SparDL(teams=2).check("bucket 3", 8, plan_lib.Settings())
@@ -253,10 +259,11 @@ def test_teams_that_cannot_form_raise_naming_the_bucket(k, teams, why):
 
 def test_sparse_sync_refuses_teams_that_cannot_form():
   mesh = mesh_of(6)
-  plan = list_plan([(600,)], density=0.05, collective="spardl",
-                   min_sparse_size=100, spardl_teams=4)
+  plan = list_plan([(600,)], density=0.05,
+                   settings=jaxfuse.Settings(min_sparse_size=100),
+                   collective=jaxfuse.collectives.SparDL(teams=4))
   # "bucket 0: …" from check_axes, or "spardl bucket of leaves [0]: …"
-  with pytest.raises(base.SchemeError, match="bucket.*spardl_teams=4"):
+  with pytest.raises(base.SchemeError, match=r"bucket.*SparDL\(teams=4\)"):
     sync(plan, mesh, [np.ones((6, 600), np.float32)], init(plan, mesh))
 
 

@@ -88,7 +88,8 @@ def test_overflow_does_not_starve_the_tail():
   Keeping "the first c by position" would send elements 0..c-1 forever.
   """
   n, capacity = 5000, 100
-  settings_ = jaxfuse.Settings(refresh=10**9, feedback=False)
+  settings_ = jaxfuse.Settings(
+      estimation=jaxfuse.Estimation(refresh=10**9, feedback=False))
   results = _unit_loop(lambda t: jnp.ones(n), 200, capacity=capacity,
                        density=0.02, estimator="dgc", settings_=settings_,
                        threshold=1e-6, n=n)
@@ -197,7 +198,8 @@ def test_summary_counts_slots_and_elements_of_sparse_leaves_only():
   over the sparse leaves, each the mean over workers; a dense leaf's
   elements count in neither."""
   params = {"a": jnp.zeros(1200), "b": jnp.zeros(2000), "c": jnp.zeros(10)}
-  plan = jaxfuse.plan(params, density=0.05, headroom=1.5)
+  plan = jaxfuse.plan(params, density=0.05,
+                      settings=jaxfuse.Settings(headroom=1.5))
   assert [l.mode for l in plan.leaves] == ["sparse", "sparse", "dense"]
   assert [l.capacity for l in plan.leaves[:2]] == [90, 150]
   ints = lambda rows: jnp.asarray(rows, jnp.int32)
@@ -237,8 +239,9 @@ def test_slot_fill_of_a_behind_bucket_counts_its_one_capacity():
 
 def test_threshold_is_refreshed_every_refresh_steps(mesh):
   """Between refreshes τ is the one kept in state (feedback off: unchanged)."""
-  plan = list_plan([(5000,)], density=0.01, estimator="gaussian", refresh=4,
-                   feedback=False)
+  plan = list_plan([(5000,)], density=0.01, estimator="gaussian",
+                   settings=jaxfuse.Settings(
+                       estimation=jaxfuse.Estimation(refresh=4, feedback=False)))
   state = init(plan, mesh)
   taus = []
   for t in range(9):
@@ -258,8 +261,9 @@ def test_a_step_between_refreshes_estimates_nothing(mesh):
   keeps it behind a conditional (one scalar per batch of units), not a
   select that computes it every step; refresh = 1 has none."""
   def compiled(refresh):
-    plan = list_plan([(5000,), (5000,)], density=0.01, estimator="gaussian",
-                     refresh=refresh, strategy="single")
+    plan = list_plan([(5000,), (5000,)], density=0.01, estimator="gaussian", strategy="single",
+                     settings=jaxfuse.Settings(
+                         estimation=jaxfuse.Estimation(refresh=refresh)))
     tx = jaxfuse.sparse_sync(plan)
     state = init(plan, mesh)
     specs = jaxfuse.state_specs(state)
@@ -281,8 +285,8 @@ def test_per_leaf_stats_match_what_was_sent(mesh, strategy, shapes):
   elements that left the residual, ``candidates`` = |g| ≥ τ and g ≠ 0,
   ``nonfinite`` and ``missing`` as defined, for same-shape units (one vmap),
   dense leaves and the several leaves of a "behind" unit."""
-  plan = list_plan(shapes, density=0.05, strategy=strategy,
-                   min_sparse_size=64, num_buckets=1)
+  plan = list_plan(shapes, density=0.05, strategy=strategy, num_buckets=1,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   rng = np.random.default_rng(0)
   grads = [rng.standard_normal((K,) + s).astype(np.float32) for s in shapes]
   grads[1][:, :7] = 0.0                       # zeros are never candidates

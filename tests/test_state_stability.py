@@ -72,13 +72,16 @@ def test_a_step_keeps_the_state_and_the_parameters_dtypes(recipe, data):
   params = _params(dtype)
   plan = jaxfuse.plan(
       params, density=draw(st.sampled_from([0.05, 0.3]), "density"),
-      min_sparse_size=64,
       strategy=draw(st.sampled_from(["aligned", "size", "single"])),
       bucket_bytes=20_000, num_buckets=2,
-      collective=draw(st.sampled_from(["allgather", "zen", "spardl"])),
-      residual_dtype=draw(st.sampled_from(["float32", "gradient"])),
-      sparse_wire=draw(st.sampled_from(["gradient", "bfloat16"])),
-      packed_indices=draw(st.booleans()))
+      collective=draw(st.sampled_from([
+          jaxfuse.collectives.AllGather(packed_indices=False),
+          jaxfuse.collectives.AllGather(packed_indices=True), "zen",
+          "spardl"])),
+      settings=jaxfuse.Settings(
+          min_sparse_size=64,
+          residual_dtype=draw(st.sampled_from(["float32", "gradient"])),
+          sparse_wire=draw(st.sampled_from(["gradient", "bfloat16"]))))
   phases = jaxfuse.density_warmup(
       plan, dense_steps=2, steps=1, densities=[0.5],
       dense_wire=draw(st.sampled_from(["gradient", "bfloat16"])))
@@ -127,9 +130,11 @@ def test_x64_keeps_float32_and_float64_states(recipe, collective):
   with jax.enable_x64(True):
     for dtype in (jnp.float32, jnp.float64):
       params = _params(dtype)
-      plan = jaxfuse.plan(params, density=0.05, min_sparse_size=64,
-                          strategy="size", bucket_bytes=20_000,
-                          collective=collective, packed_indices=True)
+      scheme = (jaxfuse.collectives.AllGather(packed_indices=True)
+                if collective == "allgather" else collective)
+      plan = jaxfuse.plan(params, density=0.05, strategy="size",
+                          bucket_bytes=20_000, collective=scheme,
+                          settings=jaxfuse.Settings(min_sparse_size=64))
       for phase in jaxfuse.density_warmup(plan, dense_steps=1, steps=0):
         tx = jaxfuse.RECIPES[recipe](phase.plan, 1e-3, clip_norm=1.0)
         state, (updates, new_state) = _traced_step(tx, params, mesh)

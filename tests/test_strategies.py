@@ -53,9 +53,10 @@ def models(draw, max_leaves=16):
 
 
 def make(sizes, order, costs, strategy, density=0.01, **kw):
-  return jaxfuse.plan(params_of(sizes), strategy=strategy, density=density,
-                      min_sparse_size=1000, ready_order=order, costs=costs,
-                      **kw)
+  return jaxfuse.plan(params_of(sizes), strategy=strategy, density=density, costs=costs,
+                      **kw,
+                      settings=jaxfuse.Settings(min_sparse_size=1000),
+                      order=order)
 
 
 def predicted(plan, costs):

@@ -17,7 +17,8 @@ def _plan():
   # a (1200) and b (2000) sparse, capacity ⌈0.05·n·1.5⌉ = 90 and 150;
   # c (10) dense.
   params = {"a": jnp.zeros(1200), "b": jnp.zeros(2000), "c": jnp.zeros(10)}
-  plan = jaxfuse.plan(params, density=0.05, headroom=1.5)
+  plan = jaxfuse.plan(params, density=0.05,
+                      settings=jaxfuse.Settings(headroom=1.5))
   assert [l.mode for l in plan.leaves] == ["sparse", "sparse", "dense"]
   assert [l.capacity for l in plan.leaves[:2]] == [90, 150]
   return plan
@@ -64,8 +65,9 @@ def test_overflow_of_a_non_finite_leaf_is_zero(mesh):
   # A NaN on one worker: that worker sends a NaN in slot 0 and counts no
   # candidate; capacity held nothing back, so its overflow is 0 (never
   # negative), as on the other workers.
-  plan = list_plan([(4096,)], density=0.01, min_sparse_size=64,
-                   estimator="topk")
+  plan = list_plan([(4096,)], density=0.01,
+                   estimator="topk",
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   grads = np.tile(np.arange(1, 4097, dtype=np.float32) / 4096, (K, 1))
   grads[K - 1, 17] = np.nan
   _, state = sync(plan, mesh, [grads], init(plan, mesh), fast_compile=True)
@@ -83,8 +85,9 @@ def test_a_behind_buckets_zeros_are_no_candidates(mesh):
   # "behind" over a (all zeros) and b (3 non-zero entries), "topk" at 0.05:
   # k = ⌈0.05·8192⌉ = 410 > 3 non-zeros, so τ is 0. Only non-zero
   # entries with |acc| ≥ τ are candidates: a has none, b its 3, all sent.
-  plan = list_plan([(4096,), (4096,)], density=0.05, min_sparse_size=64,
-                   estimator="topk", strategy="behind", bucket_bytes=1 << 20)
+  plan = list_plan([(4096,), (4096,)], density=0.05,
+                   estimator="topk", strategy="behind", bucket_bytes=1 << 20,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   (bucket,) = plan.buckets
   assert bucket.sparsify == "behind" and bucket.capacity == 410
   a = np.zeros((K, 4096), np.float32)
@@ -102,8 +105,9 @@ def test_a_behind_buckets_inf_flags_its_leaf_non_finite(mesh):
   # The plan of the test above (one compile). An inf (not a NaN) in b on
   # the last worker: b is non-finite there, a nowhere; summarize counts
   # one leaf.
-  plan = list_plan([(4096,), (4096,)], density=0.05, min_sparse_size=64,
-                   estimator="topk", strategy="behind", bucket_bytes=1 << 20)
+  plan = list_plan([(4096,), (4096,)], density=0.05,
+                   estimator="topk", strategy="behind", bucket_bytes=1 << 20,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   a = np.ones((K, 4096), np.float32)
   b = np.ones((K, 4096), np.float32)
   b[K - 1, 100] = np.inf

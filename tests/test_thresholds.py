@@ -48,7 +48,8 @@ def test_sidco_stages_multiply_to_the_tail(stages, density):
   over the last τ (NumPy, float64); exponential magnitudes are memoryless,
   so every S lands at ρ."""
   a = np.random.default_rng(1).exponential(1.0, 400_000).astype(np.float32)
-  settings = plan_lib.Settings(sidco_stages=stages)
+  settings = plan_lib.Settings(
+      estimation=plan_lib.Estimation(sidco_stages=stages))
   tau = float(sparsify.sidco_threshold(jnp.asarray(a), density=density,
                                        salt_=None, settings=settings))
   want = 0.0
@@ -157,7 +158,8 @@ def test_refresh_estimates_where_no_threshold_is_kept(kept, step, fresh):
   one tuned for another density's k (ρ = 0.04 of 4096: k = ⌈163.84⌉ =
   164, where this unit's ρ = 0.01 has k = ⌈40.96⌉ = 41)."""
   target = 164 if fresh == "ρ=0.04" else 41
-  settings = plan_lib.Settings(refresh=4)
+  settings = plan_lib.Settings(
+      estimation=plan_lib.Estimation(refresh=4))
   rng = np.random.default_rng(0)
   g = jnp.asarray(rng.normal(size=4096).astype(np.float32))
   r = jnp.zeros_like(g)

@@ -249,8 +249,9 @@ def test_the_defaults_are_the_readme_recipe(example, density):
     return phases
 
   plan = jaxfuse.plan(params, density=density, strategy="size",
-                      bucket_bytes=64 * 2**20, loss_fn=loss_fn,
-                      example_args=(batch,))
+                      bucket_bytes=64 * 2**20,
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          loss_fn, (batch,)))
   assert plan.provenance["parameters"]["bucket_bytes"] == 64 * 2**20
   ramp = (0.0625,) if density < 0.0625 else ()
   want = jaxfuse.density_warmup(plan, dense_steps=100,
@@ -368,7 +369,8 @@ def test_the_builders_step_is_the_hand_written_one(example, grad_dtype):
   params = {"w": jax.numpy.arange(1.0, 9.0).reshape(2, 4),
             "b": jax.numpy.arange(4.0)}
   plan = jaxfuse.plan(train_lm.cast_params(params, grad_dtype),
-                      density=0.5, min_sparse_size=4)
+                      density=0.5,
+                      settings=jaxfuse.Settings(min_sparse_size=4))
   make_opt = lambda plan: jaxfuse.delayed(
       jaxfuse.sgd(plan, 0.25, momentum=0.5), predict=True)
   loss_fn = lambda p, b: jax.numpy.sum(

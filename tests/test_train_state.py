@@ -33,7 +33,8 @@ def test_train_state_steps_as_the_plain_step():
   params, batches = _problem()
   start = params["w1"]
   params = jax.device_put(params, NamedSharding(mesh, P()))
-  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.1,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   opt = jaxfuse.sgd(plan, 0.05, momentum=0.9)
 
   class Model:   # what TrainState keeps of the model: apply_fn
@@ -65,7 +66,8 @@ def test_a_state_of_one_workers_shapes_is_refused():
   if len(jax.devices()) < 2:
     pytest.skip("one device: one worker's shapes are the state's")
   params, _ = _problem()
-  opt = jaxfuse.sgd(jaxfuse.plan(params, density=0.1, min_sparse_size=64),
+  opt = jaxfuse.sgd(jaxfuse.plan(params, density=0.1,
+                                 settings=jaxfuse.Settings(min_sparse_size=64)),
                     0.05)
   state = train_state.TrainState.create(apply_fn=None, params=params, tx=opt)
   with pytest.raises(jaxfuse.SyncError, match=r"jaxfuse.init_state\("):
@@ -91,7 +93,8 @@ def test_phases_with_a_train_state_step_as_the_plain_loop():
   mesh = mesh_of(K)
   params, batches = _problem()
   params = jax.device_put(params, NamedSharding(mesh, P()))
-  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.1,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   phases = jaxfuse.density_warmup(plan, dense_steps=1, steps=1,
                                   densities=(0.25,))
   make_opt = lambda plan: jaxfuse.onebit_adamw(plan, 1e-2)

@@ -33,7 +33,8 @@ def _problem(steps=3):
 
 
 def _plan(params):
-  return jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  return jaxfuse.plan(params, density=0.1,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
 
 
 SGD = functools.partial(jaxfuse.sgd, learning_rate=0.05, momentum=0.9)
@@ -137,7 +138,8 @@ def test_model_state_with_aux_and_a_batch_dependent_integer():
 def test_resume_inside_the_warm_up_is_bitwise_the_straight_run(tmp_path):
   params, batches = _problem(6)
   mesh = mesh_of(K)
-  plan = jaxfuse.plan(params, density=0.05, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.05,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   phases = jaxfuse.density_warmup(plan, dense_steps=2, steps=2,
                                   densities=(0.25,))
   assert [p.start for p in phases] == [0, 2, 4]

@@ -34,7 +34,8 @@ def _train(jax, jaxfuse, to_global):
   from _harness import mlp_loss  # pylint: disable=g-import-not-at-top
   params, batches = _problem()
   mesh = jaxfuse.make_mesh()
-  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.1,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   phases = jaxfuse.density_warmup(plan, dense_steps=1, steps=0)
   opt = functools.partial(jaxfuse.sgd, learning_rate=0.05, momentum=0.9)
   state, step = jaxfuse.make_train_step(mlp_loss, params, opt, phases, mesh)

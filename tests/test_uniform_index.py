@@ -61,7 +61,7 @@ def test_dgc_is_the_rank_of_its_sample(n):
   tau = float(sparsify.estimate_threshold(
       jnp.asarray(g), jnp.asarray(r), estimator="dgc", density=density,
       salt_=salt, settings=settings_))
-  s = min(n, max(256, math.ceil(settings_.sample_fraction * n)))
+  s = min(n, max(256, math.ceil(settings_.estimation.sample_fraction * n)))
   idx = _numpy_uniform_index(int(salt), s, n)
   magnitudes = np.sort(np.abs(g[idx] + r[idx]))[::-1]
   assert tau == magnitudes[max(1, round(density * s)) - 1]

@@ -40,16 +40,25 @@ def plan():
     (dict(strategy="size", bucket_bytes="25M"),
      "bucket_bytes='25M' must be an int > 0"),
     (dict(strategy="size", bucket_bytes=2.5e7), "bucket_bytes=25000000.0"),
-    (dict(headroom=float("inf")), "headroom=inf must be a finite number"),
-    (dict(sample_fraction="x"), "sample_fraction='x' must be a number"),
-    (dict(seed="abc"), "seed='abc' must be an integer"),
-    (dict(feedback="no"), "feedback='no' must be True or False"),
-    (dict(min_sparse_size=2.5), "min_sparse_size=2.5 must be an int"),
+    (dict(settings=jaxfuse.Settings(headroom=float("inf"))),
+     "settings.headroom=inf must be a finite number"),
+    (dict(settings=jaxfuse.Settings(
+        estimation=jaxfuse.Estimation(sample_fraction="x"))),
+     "settings.estimation.sample_fraction='x' must be a number"),
+    (dict(settings=jaxfuse.Settings(seed="abc")),
+     "settings.seed='abc' must be an integer"),
+    (dict(settings=jaxfuse.Settings(
+        estimation=jaxfuse.Estimation(feedback="no"))),
+     "settings.estimation.feedback='no' must be True or False"),
+    (dict(settings=jaxfuse.Settings(min_sparse_size=2.5)),
+     "settings.min_sparse_size=2.5 must be an int"),
+    (dict(settings={"headroom": 2.0}), "give a jaxfuse.Settings"),
     (dict(num_workers=0), "num_workers=0 must be an int >= 1"),
     (dict(num_workers=True), "num_workers=True must be an int >= 1"),
-    (dict(ready_order=["a", "b"]), "ready_order must list each of the 2"),
-    (dict(ready_order=[0, 0]), "ready_order must list each of the 2"),
-    (dict(loss_fn="f"), "loss_fn='f' must be a function"),
+    (dict(order=["a", "b"]), "order must list each of the 2"),
+    (dict(order=[0, 0]), "order must list each of the 2"),
+    (dict(order=jaxfuse.planning.ordering.FromLoss("f")),
+     "loss_fn='f' must be a function"),
 ])
 def test_plan_names_the_bad_argument(kwargs, message):
   with pytest.raises(jaxfuse.PlanError) as e:
@@ -99,16 +108,23 @@ def test_numpy_scalars_elsewhere_are_their_values(plan):
                              buckets=(bucket,) + plan.buckets[1:])
   assert jaxfuse.Plan.from_json(made.to_json()) == plan
   # jaxfuse.plan keeps plain numbers whatever it is given
-  kw = dict(density=0.05, num_buckets=2, min_sparse_size=64, refresh=2,
-            sample_fraction=0.5, spardl_teams=2, num_workers=4,
-            collective="spardl", costs=_costs())
-  numpy_kw = {k: np.int64(v) if isinstance(v, int) else
-              np.float64(v) if isinstance(v, float) else v
-              for k, v in kw.items()}
-  got = jaxfuse.plan(PARAMS, **numpy_kw)
-  assert got == jaxfuse.plan(PARAMS, **kw)
-  assert all(type(v) in (int, float, bool, str)  # pylint: disable=unidiomatic-typecheck
-             for v in dataclasses.asdict(got.settings).values())
+  def kw(num):
+    return dict(density=num(0.05), num_buckets=num(2), num_workers=num(4),
+                settings=jaxfuse.Settings(
+                    min_sparse_size=num(64), estimation=jaxfuse.Estimation(
+                        refresh=num(2), sample_fraction=num(0.5))),
+                collective=jaxfuse.collectives.SparDL(teams=num(2)),
+                costs=_costs())
+  numpy = lambda v: np.int64(v) if isinstance(v, int) else np.float64(v)
+  got = jaxfuse.plan(PARAMS, **kw(numpy))
+  assert got == jaxfuse.plan(PARAMS, **kw(lambda v: v))
+  (scheme,) = {b.scheme for b in got.buckets if b.collective == "spardl"}
+  for fields in (dataclasses.asdict(got.settings.estimation),
+                 dataclasses.asdict(scheme),
+                 {k: v for k, v in dataclasses.asdict(got.settings).items()
+                  if k != "estimation"}):
+    assert all(type(v) in (int, float, bool, str)  # pylint: disable=unidiomatic-typecheck
+               for v in fields.values()), fields
   assert jaxfuse.make_mesh(np.int64(1)).size == 1
 
 
@@ -146,8 +162,9 @@ def test_numpy_hyperparameters_step_as_python_floats(make):
   mesh = mesh_of(NUM_WORKERS)
   params = {"w": jnp.ones((64, 64), jnp.bfloat16),
             "b": jnp.ones(64, jnp.bfloat16)}
-  made = jaxfuse.plan(params, density=0.05, min_sparse_size=64,
-                      residual_dtype="gradient")
+  made = jaxfuse.plan(params, density=0.05,
+                      settings=jaxfuse.Settings(
+                          min_sparse_size=64, residual_dtype="gradient"))
   rng = np.random.default_rng(0)
   grads = [{k: jnp.asarray(rng.normal(size=(NUM_WORKERS,) + v.shape),
                            jnp.bfloat16) for k, v in params.items()}
@@ -178,9 +195,12 @@ def test_a_failing_loss_names_example_args():
   with pytest.raises(jaxfuse.PlanError, match=r"reading the backward order: "
                      r"jax\.grad\(loss_fn\).*dot_general.*Give example_args "
                      "as one worker's batch"):
-    jaxfuse.plan(PARAMS, loss_fn=loss_fn, example_args=(jnp.ones((3, 3)),))
+    jaxfuse.plan(PARAMS,
+                 order=jaxfuse.planning.ordering.FromLoss(
+                     loss_fn, (jnp.ones((3, 3)),)))
   with pytest.raises(jaxfuse.PlanError, match="missing 1 required"):
-    jaxfuse.plan(PARAMS, loss_fn=loss_fn)   # example_args left out
+    jaxfuse.plan(PARAMS,
+                 order=jaxfuse.planning.ordering.FromLoss(loss_fn))   # example_args left out
 
 
 # --- plan files ---------------------------------------------------------------
@@ -338,7 +358,7 @@ def test_a_state_of_another_layout_with_the_same_shapes_is_refused():
   # other leaf.
   params = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
   first, second = (jaxfuse.plan(params, density=0.05, strategy="single",
-                                ready_order=order) for order in ([0, 1], [1, 0]))
+                                order=order) for order in ([0, 1], [1, 0]))
   mesh = mesh_of(2)
   state = jaxfuse.init_state(jaxfuse.sparse_sync(first), params, mesh)
   other = jaxfuse.init_state(jaxfuse.sparse_sync(second), params, mesh)
@@ -633,7 +653,8 @@ def test_state_specs_refuses_axes_partly_off_the_mesh(mesh):
     (0.9, 0.0, 1, 0), (0.0, 0.9, 0, 1)])
 def test_a_state_of_another_momentum_is_refused(mesh, made_with,
                                                 stepped_with, have, need):
-  plan = list_plan([(64, 64)], density=0.05, min_sparse_size=64)
+  plan = list_plan([(64, 64)], density=0.05,
+                   settings=jaxfuse.Settings(min_sparse_size=64))
   params = [np.zeros((64, 64), np.float32)]
   state = jaxfuse.init_state(jaxfuse.sparse_sync(plan, momentum=made_with),
                              params, mesh)
@@ -699,7 +720,8 @@ def test_a_state_from_opt_init_names_init_state_and_state_specs(recipe):
   whole K-worker state on a mesh that reshards (axis type Auto) comes
   into each worker with leading axis K: named too."""
   params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
-  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.1,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   opt = jaxfuse.RECIPES[recipe](plan, 0.1)
   mesh = jaxfuse.make_mesh(NUM_WORKERS)
   params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -726,7 +748,8 @@ def test_onebit_adamw_without_a_dense_step_warns(monkeypatch):
   the update zero: the run trains nothing, and the step builder says so
   (once) when such a phase starts. After a dense phase nothing is said."""
   params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
-  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.1,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   assert any(l.mode == "sparse" for l in plan.leaves)
   mesh = jaxfuse.make_mesh(NUM_WORKERS)
   x = jnp.arange(NUM_WORKERS * 4 * 64.0).reshape(-1, 64) / 1e4
@@ -757,7 +780,8 @@ def test_a_loss_returning_a_tuple_names_both_fixes_not_example_args():
     return jnp.sum(params["w"] @ x), {"count": jnp.ones(())}
   x = jnp.ones((64, 3))
   with pytest.raises(jaxfuse.PlanError) as e:
-    jaxfuse.plan(PARAMS, loss_fn=nnx_style, example_args=(x,))
+    jaxfuse.plan(PARAMS,
+                 order=jaxfuse.planning.ordering.FromLoss(nnx_style, (x,)))
   assert re.search(r"returned a tuple of 2 parts.*scalar loss.*"
                    r"lambda params, \*args: f\(params, \*args\)\[0\]",
                    str(e.value))
@@ -765,9 +789,11 @@ def test_a_loss_returning_a_tuple_names_both_fixes_not_example_args():
   per_example = lambda params, x: jnp.sum(params["w"] @ x, axis=0)
   with pytest.raises(jaxfuse.PlanError, match=r"array of shape \(3,\).*mean "
                      "of per-example losses"):
-    jaxfuse.plan(PARAMS, loss_fn=per_example, example_args=(x,))
+    jaxfuse.plan(PARAMS,
+                 order=jaxfuse.planning.ordering.FromLoss(per_example, (x,)))
   scalar = lambda params, x: nnx_style(params, x)[0]
-  assert jaxfuse.plan(PARAMS, loss_fn=scalar, example_args=(x,)).provenance[
+  assert jaxfuse.plan(PARAMS,
+                      order=jaxfuse.planning.ordering.FromLoss(scalar, (x,))).provenance[
       "ready_order"] == "jaxpr"
 
 
@@ -808,7 +834,8 @@ def test_recipes_old_keywords_warn_and_step_bitwise_alike(recipe, old, new):
   new spelling (betas=, sgd_options=, options=), and the step they make
   is bitwise the new spelling's."""
   params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
-  plan = jaxfuse.plan(params, density=0.1, min_sparse_size=64)
+  plan = jaxfuse.plan(params, density=0.1,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
   if recipe == "onebit_adamw":
     plan = jaxfuse.with_density(plan, 1.0)
   make = jaxfuse.RECIPES[recipe]

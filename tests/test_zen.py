@@ -77,13 +77,14 @@ def _run(plan, mesh, k, steps, seed, shared=0.0, shapes=SHAPES):
 
 @pytest.mark.parametrize("k", sorted({NUM_WORKERS, 3, 5, 6, 7}))
 def test_conserves_identical_replicas_equals_allgather(k):
-  """Ample tables (zen_table 4) and zen_union 1 on overlapping selections:
+  """Ample tables (Zen(table=4)) and union 1 on overlapping selections:
   nothing overflows, so ĝ and the residuals equal allgather's bit for bit
   (same f32 sums in rank order, same /K)."""
   mesh = mesh_of(k)
-  kw = dict(density=0.005, min_sparse_size=64, strategy="single",
-            estimator="topk")
-  plan = list_plan(SHAPES, collective="zen", zen_table=4.0, **kw)
+  kw = dict(density=0.005, settings=jaxfuse.Settings(min_sparse_size=64),
+            strategy="single", estimator="topk")
+  plan = list_plan(SHAPES, **kw,
+                   collective=jaxfuse.collectives.Zen(table=4.0))
   ours = _run(plan, mesh, k, 2, seed=k, shared=10.0)
   theirs = _run(list_plan(SHAPES, collective="allgather", **kw), mesh, k, 2,
                 seed=k, shared=10.0)
@@ -96,21 +97,23 @@ def test_conserves_identical_replicas_equals_allgather(k):
 
 
 def test_both_pull_encodings_are_covered_by_the_mesh_tests():
-  units, _ = plan_lib.units(list_plan(SHAPES, density=0.005,
-                                      min_sparse_size=64, strategy="single",
-                                      estimator="topk", collective="zen"))
+  units, _ = plan_lib.units(list_plan(SHAPES, density=0.005, strategy="single",
+                                      estimator="topk", collective="zen",
+                                      settings=jaxfuse.Settings(
+                                          min_sparse_size=64)))
   kinds = {zen_lib.layout(units, k, plan_lib.Settings()).bitmap
            for k in (3, 5, 6, 7, 8)}
   assert kinds == {True, False}
 
 
 def test_pull_overflow_goes_to_the_residual(mesh):
-  """zen_union 0.05: K·U < C, fewer pulled entries than one worker selects,
+  """Zen(union=0.05): K·U < C, fewer pulled entries than one worker selects,
   so some must wait in a residual; conservation still holds."""
   k = NUM_WORKERS
-  plan = list_plan(TWO_UNITS, density=0.05, min_sparse_size=64,
-                   strategy="single", estimator="topk", collective="zen",
-                   zen_table=1.0, zen_union=0.05)
+  plan = list_plan(TWO_UNITS, density=0.05,
+                   strategy="single", estimator="topk",
+                   settings=jaxfuse.Settings(min_sparse_size=64),
+                   collective=jaxfuse.collectives.Zen(table=1.0, union=0.05))
   units, _ = plan_lib.units(plan)
   c = sum(u.capacity for u in units)
   cap = math.ceil(0.05 * c)

@@ -222,10 +222,14 @@ def build(args, devices):
   sizing = ({"bucket_bytes": int(args.bucket_mb * 2**20)}
             if args.strategy == "size" else {})
   plan = jaxfuse.plan(params, density=args.density, strategy=args.strategy,
-                      estimator=args.estimator, headroom=args.headroom,
-                      sparse_wire=args.sparse_wire,
-                      packed_indices=args.packed_indices, seed=0,
-                      loss_fn=loss_fn, example_args=(tokens[:1],), **sizing)
+                      estimator=args.estimator, **sizing,
+                      settings=jaxfuse.Settings(
+                          headroom=args.headroom, seed=0,
+                          sparse_wire=args.sparse_wire),
+                      collective=jaxfuse.collectives.AllGather(
+                          packed_indices=args.packed_indices),
+                      order=jaxfuse.planning.ordering.FromLoss(
+                          loss_fn, (tokens[:1],)))
   return mesh, params, loss_fn, batch, plan
 
 

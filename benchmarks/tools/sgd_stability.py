@@ -155,7 +155,8 @@ def main(argv=None):
         opt = optax.sgd(lr, args.momentum, nesterov=nesterov)
       else:
         plan = jaxfuse.plan({"w": jax.ShapeDtypeStruct((args.dim,), "float32")},
-                            density=density, strategy="single", seed=0)
+                            density=density, strategy="single",
+                            settings=jaxfuse.Settings(seed=0))
         opt = jaxfuse.sgd(plan, lr, momentum=args.momentum,
                           sgd_options=jaxfuse.SGDOptions(
                               nesterov=nesterov, mask_momentum=mask,

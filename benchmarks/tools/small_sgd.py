@@ -100,8 +100,10 @@ def train_small(problem, recipe: str, density: float, lr: float,
   params, loss_fn, (x, y), test = problem
   mesh = jaxfuse.make_mesh(num_workers)
   params = jax.device_put(params, NamedSharding(mesh, P()))
-  plan = jaxfuse.plan(params, density=density, min_sparse_size=1024,
-                      strategy="aligned", estimator="topk", seed=seed)
+  plan = jaxfuse.plan(params, density=density,
+                      strategy="aligned", estimator="topk",
+                      settings=jaxfuse.Settings(
+                          min_sparse_size=1024, seed=seed))
 
   def optimizer(p):
     if recipe == "dense":

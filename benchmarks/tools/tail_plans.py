@@ -62,9 +62,10 @@ def main(argv=None):
   out.mkdir(parents=True, exist_ok=True)
   rows = []
   for d in args.densities:
-    kw = dict(density=d, strategy="size", seed=0,
+    kw = dict(density=d, strategy="size", settings=jaxfuse.Settings(seed=0),
               bucket_bytes=int(args.bucket_mb * 2**20),
-              loss_fn=make_loss(model), example_args=(tokens,))
+              order=jaxfuse.planning.ordering.FromLoss(make_loss(model),
+                                                       (tokens,)))
     size = jaxfuse.plan(params, **kw)
     tail = jaxfuse.plan(params, last_bucket_bytes=int(args.last_mib * 2**20),
                         **kw)

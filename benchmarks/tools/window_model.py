@@ -122,7 +122,8 @@ def main(argv=None):
     options = dict(bucket_bytes=int(name.split()[1]) * 2**20) if (
         strategy == "size") else {}
     plan = jaxfuse.plan(params, density=density, strategy=strategy,
-                        costs=costs, ready_order=order, **options)
+                        costs=costs, **options,
+                        order=order)
     if len(plan.buckets) != row["buckets"]:
       print(f"{name:22s} skipped: planned now with {len(plan.buckets)} "
             f"buckets, measured with {row['buckets']}")

@@ -9,7 +9,7 @@
               local axis, a sparse scheme over the host axis, all_gather back
   psum        dense buckets: one all-reduce
 
-``transform`` looks a bucket's scheme up with ``get(bucket.collective)``;
+``transform`` runs a bucket's configured scheme (``of_bucket(bucket)``);
 ``planning`` asks the same object for its wire steps and their cost.
 """
 
@@ -29,8 +29,7 @@ from jaxfuse.collectives.base import SchemeError
 from jaxfuse.collectives.base import Step
 from jaxfuse.collectives.base import Synced
 from jaxfuse.collectives.base import Wire
-from jaxfuse.collectives.configs import configured
-from jaxfuse.collectives.configs import settings_fields
+from jaxfuse.collectives.configs import of_bucket
 from jaxfuse.collectives.hier import Hier
 from jaxfuse.collectives.psum import Psum
 from jaxfuse.collectives.spardl import SparDL
@@ -42,7 +41,7 @@ SCHEMES: dict[str, Scheme] = {
 
 def get(name: str) -> Scheme:
   """The scheme called ``name`` (``plans.COLLECTIVES``) with its default
-  configuration; a plan's buckets run ``configured(name, settings)``.
+  configuration; a plan's buckets run their own (``of_bucket``).
 
   Args:
     name: a collective's name, e.g. ``"allgather"`` or ``"zen"``.
@@ -187,5 +186,5 @@ def all_reduce_sent(nbytes: int, num_workers: int) -> int:
 
 __all__ = ["AllGather", "Hier", "Psum", "SCHEMES", "Scheme", "SchemeError",
            "SparDL", "Step", "Synced", "Wire", "Zen", "base", "bucket_steps",
-           "configured", "settings_fields",
+           "of_bucket",
            "all_reduce_sent", "bucket_wire", "bytes_sent", "get"]

@@ -203,7 +203,7 @@ def _axes(where, axis_name) -> tuple[str, str]:
 def _inner(where, scheme, host, hosts):
   """``scheme`` (``Hier.inner``), checked on the H hosts: raises
   ``SchemeError`` if it cannot run there."""
-  scheme.check(f"{where} (hier_inner={scheme.name!r} over the {hosts} "
+  scheme.check(f"{where} (Hier(inner={scheme.name!r}) over the {hosts} "
                f"hosts of axis {host!r})", hosts, None)
   return scheme
 
@@ -227,7 +227,7 @@ def _shard_unit(s, cs, dtype, settings=None, inner=None) -> plans.Unit:
 
 
 def _host_steps(unit, hosts, settings, inner):
-  inner.check(f"hier_inner={inner.name!r}", hosts, settings)
+  inner.check(f"Hier(inner={inner.name!r})", hosts, settings)
   return inner.steps([unit], hosts, settings)
 
 

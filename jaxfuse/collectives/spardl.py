@@ -102,15 +102,15 @@ def check_teams(where: str, num_workers: int, teams: int) -> None:
   if t == 1:
     return
   ok = [d for d in range(1, k + 1) if k % d == 0 and k // d >= 2]
-  fix = (f"set spardl_teams to one of {ok} (a divisor of {k} leaving teams "
+  fix = (f"give SparDL(teams=...) one of {ok} (a divisor of {k} leaving teams "
          "of at least 2 workers; 1: no teams).")
   if not plan_checks.is_int(t) or t < 1:
-    raise base.SchemeError(f"{where}: spardl_teams={t!r}; {fix}")
+    raise base.SchemeError(f"{where}: SparDL(teams={t!r}); {fix}")
   if k % t:
-    raise base.SchemeError(f"{where}: spardl_teams={t} does not divide the "
+    raise base.SchemeError(f"{where}: SparDL(teams={t}) does not divide the "
                            f"{k} workers; {fix}")
   if k // t < 2:
-    raise base.SchemeError(f"{where}: spardl_teams={t} leaves teams of "
+    raise base.SchemeError(f"{where}: SparDL(teams={t}) leaves teams of "
                            f"{k // t} worker on {k} workers; {fix}")
 
 
@@ -130,9 +130,10 @@ class BlockLayout(NamedTuple):
 def layout(units, num_workers: int, settings, config: "SparDL | None" = None
            ) -> BlockLayout:
   """The static shapes of one bucket on K workers (checks the teams);
-  ``config``: the scheme's (None: as a plan's ``settings`` store it)."""
+  ``config``: the scheme's (None: its defaults, ``SparDL()``)."""
+  del settings
   if config is None:
-    config = SparDL(teams=settings.spardl_teams, block=settings.spardl_block)
+    config = SparDL()
   teams = config.teams
   check_teams(f"spardl bucket of leaves {[j for u in units for j in u.leaves]}",
               num_workers, teams)

@@ -6,7 +6,7 @@ sentinel N), K workers, h0 the seeded first-level hash of
 I_j = {i ∈ [0, N) : h0(i) = j}:
 
   push    Alg. 1 (hierarchical hash) puts this worker's indices into K rows
-          of r1 = ⌈zen_table·C/K⌉ parallel + r2 = ⌈r1/4⌉ serial slots; each
+          of r1 = ⌈table·C/K⌉ parallel + r2 = ⌈r1/4⌉ serial slots; each
           row is compacted to P = min(r1 + r2, ⌈C/K + 4·√(C/K)⌉) slots
           (the balanced share plus four standard deviations of its
           binomial spread: h0 is data independent, Theorem 2) and row j
@@ -17,7 +17,7 @@ I_j = {i ∈ [0, N) : h0(i) = j}:
           f32 sum s_j (i ∈ I_j) and a hit mask; within a row the indices are
           distinct, so each element's sum order is the rank order whatever
           the slot positions (thread timing, backend).
-  pull    U = min(⌈zen_union·C⌉, B) slots (B = max_j |I_j|) take s_j/K
+  pull    U = min(⌈union·C⌉, B) slots (B = max_j |I_j|) take s_j/K
           at the hits of I_j, in increasing index order; when more than U
           hit, the U largest |s_j| go and the others stay with the reducer
           (kept_j += s_j: late, not lost, and growing there until they go).
@@ -39,7 +39,7 @@ sort; the same on every worker); then
 bit(i) = word_{h0(i)}[rank >> 5] >> (rank & 31) and its value sits at
 popcount(words before) + popcount(lower bits of its word).
 
-With zen_union = 1 and tables that do not overflow, ĝ equals ``"allgather"``'s
+With Zen(union=1) and tables that do not overflow, ĝ equals ``"allgather"``'s
 bit for bit: the same f32 sums in rank order, the same division by K.
 A non-finite value sent by any worker makes all of the bucket's ĝ NaN on
 every worker (even where it overflowed) and is never kept, so
@@ -138,10 +138,10 @@ def layout(units: Sequence[plans.Unit], num_workers: int,
            settings: plans.Settings, config: "Zen | None" = None
            ) -> TableLayout:
   """Table, union and encoding sizes: a function of N, C, K, the seed
-  (``settings.seed``) and the scheme's ``config`` (None: as a plan's
-  ``settings`` store it, ``collectives.configured``)."""
+  (``settings.seed``) and the scheme's ``config`` (None: its defaults,
+  ``Zen()``)."""
   if config is None:
-    config = Zen(table=settings.zen_table, union=settings.zen_union)
+    config = Zen()
   size = sum(u.size for u in units)
   slots = sum(u.capacity for u in units)
   dtype = np.dtype(jnp.result_type(*[u.dtype for u in units]))
@@ -306,7 +306,7 @@ class Zen(base.AnyMesh):
       raise base.SchemeError(
           f"{where}: collective 'zen' hashes into one partition per worker "
           f"and takes at most {hp.MAX_PARTITIONS} workers, got {num_workers}; "
-          "use 'allgather' for this bucket, or 'hier' with hier_inner='zen' "
+          "use 'allgather' for this bucket, or Hier(inner=Zen()) "
           f"over at most {hp.MAX_PARTITIONS} hosts.")
 
   def sync(self, parts, units, axis_name, settings) -> base.Synced:

@@ -20,7 +20,7 @@ from jaxfuse.planning import simulate
 
 
 def _leaf_wire_bytes(leaf: plans.LeafPlan, settings: plans.Settings,
-                     collective: str) -> int:
+                     collective) -> int:
   """A dense leaf's bytes, or a sparse leaf's slots as ``collective``
   carries them (``plans.wire_unit``)."""
   if leaf.mode == "dense":
@@ -78,7 +78,8 @@ class GroupingProblem:
                             f"{len(plan.leaves)} leaf ids once.")
     leaves = [plan.leaves[i] for i in order]
     sparse = tuple(l.mode == "sparse" for l in leaves)
-    collective_of = {j: b.collective for b in plan.buckets for j in b.leaves}
+    collective_of = {j: plans.bucket_scheme(b) for b in plan.buckets
+                     for j in b.leaves}
     return cls(order, sparse,
                tuple(costs.backward[i] for i in order),
                tuple(costs.compress.time(l.size) if s else 0.0

@@ -44,6 +44,7 @@ from jaxfuse import _deprecated
 from jaxfuse.sync import bucket_steps
 from jaxfuse import plans
 from jaxfuse.planning import costs
+from jaxfuse.planning import ordering
 from jaxfuse.planning._measuring import Compression
 from jaxfuse.planning._measuring import Timing
 from jaxfuse.planning._measuring import legacy_groups
@@ -143,8 +144,9 @@ def early_step(mesh, strategy: str, *, units: int, width: int,
   loss_fn, params, (x,) = synthetic_model(width, layers=units, batch=8)
   plan = planner.plan(params, density=compression.density, strategy=strategy,
                       estimator=compression.estimator,
-                      headroom=compression.headroom,
-                      min_sparse_size=1, loss_fn=loss_fn, example_args=(x,))
+                      settings=plans.Settings(
+                          headroom=compression.headroom, min_sparse_size=1),
+                      order=ordering.FromLoss(loss_fn, (x,)))
   opt = transform.sparse_sync(plan, axis_name=axis_name)
   params = jax.device_put(params, NamedSharding(mesh, P()))
   x = jax.device_put(x, NamedSharding(mesh, P()))
@@ -334,8 +336,9 @@ def _sparse_step(mesh, sizes, strategy, *, compression, axis_name="data",
                           NamedSharding(mesh, P())) for n in sizes]
   plan = planner.plan(grads, density=compression.density,
                       strategy=strategy, estimator=compression.estimator,
-                      headroom=compression.headroom,
-                      min_sparse_size=1, collective=collective)
+                      settings=plans.Settings(
+                          headroom=compression.headroom, min_sparse_size=1),
+                      collective=collective)
   opt = transform.sparse_sync(plan, axis_name=axis_name)
   state = placement.init_state(opt, grads, mesh, axis_name=axis_name)
   specs = placement.state_specs(state, axis_name)

@@ -181,6 +181,8 @@ PLAN_OPTIONS = ("density", "strategy", "estimator", "num_buckets",
                 "bucket_bytes", "last_bucket_bytes", "headroom",
                 "min_sparse_size", "collective", "sparse_wire",
                 "packed_indices", "num_workers")
+# The options of PLAN_OPTIONS that jaxfuse.plan takes in settings=Settings().
+PLAN_SETTINGS = ("headroom", "min_sparse_size", "sparse_wire")
 
 
 def _strategies() -> tuple[str, ...]:
@@ -221,6 +223,9 @@ def cmd_plan(args) -> int:
     if name in ("allgather", "hier"):   # ZEN and SparDL keep int32
       kwargs["collective"] = (packed if name == "allgather" else
                               jaxfuse.collectives.Hier(inner=packed))
+  settings = {k: kwargs.pop(k) for k in PLAN_SETTINGS if k in kwargs}
+  if settings:
+    kwargs["settings"] = jaxfuse.Settings(**settings)
   costs = None
   check_output(args.output, "plan")
   if args.overlap is not None and not args.costs:
@@ -246,7 +251,8 @@ def cmd_plan(args) -> int:
   mesh = host_mesh(workers, args.local)   # refused before planning
   loss_fn, params, example_args = load_model(args.model)
   if loss_fn is not None:
-    kwargs.update(loss_fn=loss_fn, example_args=example_args)
+    kwargs["order"] = jaxfuse.planning.ordering.FromLoss(
+        loss_fn, tuple(example_args))
   try:
     plan = jaxfuse.plan(params, **kwargs)
   except (ValueError, TypeError) as e:  # PlanError, CostsError
@@ -271,9 +277,12 @@ def cmd_plan(args) -> int:
 # --- the parser ---------------------------------------------------------------
 
 def _plan_default(name: str) -> str:
-  """' (default: X)' for ``jaxfuse.plan``'s argument ``name``."""
+  """' (default: X)' for ``jaxfuse.plan``'s argument ``name`` (or its
+  ``settings``' field ``name``)."""
   from jaxfuse.planning import planner  # pylint: disable=g-import-not-at-top
-  value = inspect.signature(planner.plan).parameters[name].default
+  parameters = inspect.signature(planner.plan).parameters
+  value = (parameters[name].default if name in parameters else
+           getattr(parameters["settings"].default, name))
   if name.endswith("bytes"):
     value = f"{value // 2**20}M"
   return f" (default: {value})"

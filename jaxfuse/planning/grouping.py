@@ -31,14 +31,18 @@ def cut_last(groups, nbytes, limit: int) -> list[list[int]]:
 
 
 def buckets_from_groups(leaves, groups, *, behind: bool, headroom: float,
-                        collective: str = "allgather"
+                        collective="allgather"
                         ) -> tuple[plans.BucketPlan, ...]:
   """Each group (leaf ids in ready order) -> a sparse bucket moved by
-  ``collective``, then a dense one (``"psum"``).
+  ``collective`` (a scheme's name, or a scheme object of
+  ``jaxfuse.collectives`` that the bucket keeps as its ``scheme``), then a
+  dense one (``"psum"``).
 
   With ``behind`` a sparse bucket is selected jointly: one τ over the fused
   buffer, capacity ⌈ρ·Σn·headroom⌉ (``"topk"``: ⌈ρ·Σn⌉).
   """
+  name, scheme = ((collective, None) if isinstance(collective, str) else
+                  (collective.name, collective))
   buckets = []
   for group in groups:
     sparse = [i for i in group if leaves[i].mode == "sparse"]
@@ -48,10 +52,12 @@ def buckets_from_groups(leaves, groups, *, behind: bool, headroom: float,
                             leaves[sparse[0]].estimator)
       size = sum(leaves[i].size for i in sparse)
       cap = plans.capacity(density, size, estimator, headroom)
-      buckets.append(plans.BucketPlan(tuple(sparse), collective, "behind",
-                                      cap, estimator, float(density)))
+      buckets.append(plans.BucketPlan(tuple(sparse), name, "behind",
+                                         cap, estimator, float(density),
+                                         scheme))
     elif sparse:
-      buckets.append(plans.BucketPlan(tuple(sparse), collective))
+      buckets.append(plans.BucketPlan(tuple(sparse), name,
+                                         scheme=scheme))
     if dense:
       buckets.append(plans.BucketPlan(tuple(dense), "psum"))
   return tuple(buckets)

@@ -115,13 +115,24 @@ from jaxfuse.planning._grouping_problem import _objective
 
 # --- plans from groups -------------------------------------------------------
 
+def _gather_of(base: plans.Plan):
+  """The all-gather of ``base``'s buckets as configured there (alone, or
+  as a hier's host-axis scheme), or ``"allgather"``'s defaults."""
+  for b in base.buckets:
+    scheme = getattr(b.scheme, "inner", b.scheme)
+    if getattr(scheme, "name", None) == "allgather":
+      return scheme
+  return "allgather"
+
+
 def plan_from_groups(base: plans.Plan, groups: Sequence[Sequence[int]], *,
                      sparsify: str = "ahead", strategy: str = "optimal",
                      provenance: dict | None = None) -> plans.Plan:
   """The plan whose buckets are ``groups`` (leaf ids, in ready order).
 
   As in ``jaxfuse.plan``: each group becomes at most one sparse bucket (its
-  sparse leaves, ``"allgather"``) followed by one dense bucket (its dense
+  sparse leaves, ``"allgather"``, configured as ``base``'s all-gather is:
+  ``_gather_of``) followed by one dense bucket (its dense
   leaves, ``"psum"``). Leaves, settings and provenance come from ``base``;
   ``provenance["strategy"]`` becomes ``strategy``. With ``sparsify="behind"``
   each sparse bucket is selected jointly, with capacity from the leaves'
@@ -152,7 +163,8 @@ def plan_from_groups(base: plans.Plan, groups: Sequence[Sequence[int]], *,
                             f"[0, {len(leaves)}).")
   buckets = grouping.buckets_from_groups(leaves, groups,
                                         behind=sparsify == "behind",
-                                        headroom=base.settings.headroom)
+                                        headroom=base.settings.headroom,
+                                        collective=_gather_of(base))
   prov = dict(base.provenance)
   prov["strategy"] = strategy
   made = [i for group in groups for i in group]

@@ -12,7 +12,7 @@ or a literal (an unused parameter: zero gradient) is ready at once (key ()).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +79,15 @@ def _ready_keys(jaxpr) -> dict:
         inner = sub_keys.get(sub.outvars[j], ())
       keys[v] = (i,) + inner
   return keys
+
+
+class FromLoss(NamedTuple):
+  """The backward-ready order read from the gradient of
+  ``loss_fn(params, *example_args)`` (``jaxfuse.plan(order=FromLoss(
+  loss_fn, (batch,)))``; ``example_args``: one worker's batch, arrays or
+  ``jax.ShapeDtypeStruct``s)."""
+  loss_fn: Callable
+  example_args: tuple = ()
 
 
 def ready_order(loss_fn: Callable, params, *args) -> list[int]:

@@ -31,20 +31,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import warnings
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
-import numpy as np
 
+from jaxfuse import _deprecated
 from jaxfuse import collectives
-from jaxfuse.planning import costs as costs_lib
-from jaxfuse.planning import grouping
-from jaxfuse.planning import ordering
 from jaxfuse import plans
-from jaxfuse.sync import bucket_steps
-from jaxfuse.planning import simulate as simulate_lib
+from jaxfuse.plans import checks as plan_checks
+from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import CostsError
+from jaxfuse.planning import grouping
+from jaxfuse.planning import leaves as leaves_lib
+from jaxfuse.planning import ordering
+from jaxfuse.planning import plan_keywords
+from jaxfuse.planning.simulate import simulate
 from jaxfuse.planning import strategies
+from jaxfuse.sync import bucket_steps
 from jaxfuse.version import __version__
 
 STRATEGIES = ("layerwise", "single", "aligned", "size", "behind")
@@ -59,11 +62,12 @@ AUTO_COLLECTIVES = ("allgather", "zen", "spardl")
 
 class CostInputs(NamedTuple):
   """What a cost strategy groups by: the leaves, the costs on K workers,
-  the settings and the sparse buckets' collective (what the wire carries)."""
+  the settings and the sparse buckets' collective (a name or a configured
+  scheme: what the wire carries)."""
   leaves: Sequence[plans.LeafPlan]
-  costs: costs_lib.Costs
+  costs: Costs
   settings: plans.Settings
-  collective: str = "allgather"
+  collective: object = "allgather"
 
 
 def _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
@@ -95,20 +99,15 @@ def _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
   return groups + ([current] if current else [])
 
 
+@_deprecated.legacy_keywords(plan_keywords.upgrade)
 def plan(params, *, density: float = 0.01, strategy: str | None = None,
          estimator: str = "dgc", num_buckets: int = 4,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-         last_bucket_bytes: int | None = None,
-         headroom: float = plans.Settings.headroom,
-         min_sparse_size: int = 1024, refresh: int = 1, feedback: bool = True,
-         sample_fraction: float = 0.01, sidco_stages: int = 2, seed: int = 0,
-         collective="allgather",
-         residual_dtype: str = "float32", sparse_wire: str = "gradient",
-         num_workers: int | None = None,
-         loss_fn: Callable | None = None, example_args: Sequence = (),
-         ready_order: Sequence[int] | None = None,
-         costs: costs_lib.Costs | str | os.PathLike | None = None,
-         **old) -> plans.Plan:
+         last_bucket_bytes: int | None = None, collective="allgather",
+         settings: plans.Settings = plans.Settings(),
+         num_workers: int | None = None, order=None,
+         costs: Costs | str | os.PathLike | None = None
+         ) -> plans.Plan:
   """Make a plan for ``params`` (arrays or ``jax.ShapeDtypeStruct``s).
 
   Args:
@@ -119,7 +118,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
       docstring). Default ``"aligned"``; with ``num_workers=1``
       ``"single"``: one worker has no communication to hide, and one
       sparse bucket runs the fewest kernels.
-    estimator: threshold estimator, one of ``plan.ESTIMATORS``.
+    estimator: threshold estimator, one of ``plans.ESTIMATORS``.
     num_buckets: M for ``"aligned"`` (and the start of ``"safusion"``).
     bucket_bytes: dense bytes per bucket for ``"size"`` and ``"behind"``.
     last_bucket_bytes: with a rule strategy (``STRATEGIES``), cut the last
@@ -128,39 +127,43 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
       ones no backward can hide under ``send_early``, so a smaller last
       part leaves less of the wire after the backward ends
       (docs/choosing.md). Default None: no cut.
-    headroom: capacity c = ⌈ρ·n·headroom⌉ (``"topk"``: c = ⌈ρ·n⌉ exactly).
-    min_sparse_size: leaves with fewer elements (and non-float leaves) go dense.
-    refresh, feedback, sample_fraction, sidco_stages, seed: ``plan.Settings``.
     collective: the scheme of every sparse bucket with its configuration,
-      e.g. ``jaxfuse.collectives.Zen(table=2.0, union=1.0)``,
+      kept with each bucket (``BucketPlan.scheme``), e.g.
+      ``jaxfuse.collectives.Zen(table=2.0, union=1.0)``,
       ``SparDL(teams=2)``, ``Hier(inner="zen")``,
       ``AllGather(packed_indices=True)``; or one of
       ``plans.SPARSE_COLLECTIVES`` for that scheme's defaults (dense
       buckets always ``"psum"``).
-    residual_dtype: ``"float32"`` (residuals of low-precision leaves kept in
-      float32, the wire in the gradient dtype) or ``"gradient"``
-      (``plan.Settings``).
-    sparse_wire: ``"gradient"`` or ``"bfloat16"``: the sparse values' wire
-      dtype (``plan.Settings``; bfloat16 sends float32 slots in 6 bytes
-      instead of 8, each worker's rounding kept in its residual).
+    settings: the knobs shared by every leaf, ``jaxfuse.Settings(headroom,
+      min_sparse_size, seed, residual_dtype, full_wire, sparse_wire,
+      estimation=jaxfuse.Estimation(refresh, feedback, sample_fraction,
+      sidco_stages))``: capacity c = ⌈ρ·n·headroom⌉ (``"topk"``:
+      c = ⌈ρ·n⌉ exactly); leaves with fewer than ``min_sparse_size`` elements (and
+      non-float leaves) go dense.
     num_workers: K the plan is made for (default: the costs' ``workers``):
       the cost strategies group for the collectives' times on K
       (``Costs.on_workers``), ``"auto"`` also picks each sparse bucket's
       collective for it, and the predicted step time is for it. A
       ``collective`` that cannot run on K (e.g. ``"zen"`` past 64 workers)
       is refused here, with the error ``sparse_sync`` would raise.
-    loss_fn, example_args: ``loss_fn(params, *example_args)``; its gradient's
-      jaxpr gives the backward-ready order. Without it, reverse pytree order.
-    ready_order: leaf ids in ready order, overriding ``loss_fn``.
+    order: the backward-ready order: leaf ids (pytree order) in the order
+      their gradients are ready; or where to read it from the gradient's
+      jaxpr: ``jaxfuse.planning.ordering.FromLoss(loss_fn, (batch,))``
+      (``loss_fn(params, *example_args)``, one worker's batch, arrays or
+      ``jax.ShapeDtypeStruct``s), or a function of the parameters alone
+      (``lambda p: loss_fn(p, batch)``). Default: reverse pytree order.
     costs: a ``jaxfuse.planning.costs.Costs`` or the path of its JSON,
       measured for this model (``costs.backward`` per leaf, pytree order).
       Needed by ``COST_STRATEGIES``; with any strategy it adds the simulated
       step time to ``plan.provenance["predicted_iteration"]`` (and the
       overlap η it used to ``plan.provenance["overlap"]``).
-    **old: 0.2's scheme keywords ``zen_table``, ``zen_union``,
-      ``spardl_teams``, ``spardl_block``, ``hier_inner``,
-      ``packed_indices``: deprecated (removed in 0.4), each with a
-      DeprecationWarning naming its ``collective=`` spelling.
+
+  0.2's keywords (``headroom``, ``min_sparse_size``, ``refresh``,
+  ``feedback``, ``sample_fraction``, ``sidco_stages``, ``seed``,
+  ``residual_dtype``, ``sparse_wire``, the scheme knobs ``zen_table`` …
+  ``packed_indices``, ``ready_order``, ``loss_fn``, ``example_args``) still
+  work until 0.4, each with a DeprecationWarning naming its new spelling
+  (``plan_keywords``).
 
   Returns:
     The ``Plan``.
@@ -168,57 +171,49 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
   Raises:
     PlanError: an argument that cannot make a plan, named with the fix.
   """
-  a = dict(locals())
-  a.update(_scheme_fields(a.pop("collective"), a.pop("old")))
-  a = _checked(a)
-  settings = _settings(a)
-  leaves = _leaf_plans(params, a["density"], a["estimator"], settings)
+  a = _checked(dict(locals()))
+  leaves = leaves_lib.leaf_plans(params, a["density"], a["estimator"],
+                                 a["settings"])
   order = _ready_order(a, params, len(leaves))
   costs = _load_costs(a["costs"], a["strategy"], leaves)
-  return _made(a, settings, leaves, order, costs)
+  return _made(a, leaves, order, costs)
 
 
-# 0.2's keywords of jaxfuse.plan that configure a scheme: the scheme and
-# field that take each now (``collectives.configs``).
-OLD_SCHEME_KEYWORDS = {
-    "zen_table": ("Zen", "table"), "zen_union": ("Zen", "union"),
-    "spardl_teams": ("SparDL", "teams"), "spardl_block": ("SparDL", "block"),
-    "hier_inner": ("Hier", "inner"),
-    "packed_indices": ("AllGather", "packed_indices"),
-}
-
-
-def _scheme_fields(collective, old: dict) -> dict:
-  """``collective`` (a name or a scheme object) and 0.2's scheme keywords
-  ``old`` as ``plan``'s arguments: the scheme's name and the ``Settings``
-  fields that store its configuration (``collectives.settings_fields``).
-  An old keyword warns (DeprecationWarning) with its new spelling."""
-  unknown = sorted(set(old) - set(OLD_SCHEME_KEYWORDS))
-  if unknown:
-    raise TypeError(f"plan() got an unexpected keyword argument "
-                    f"{unknown[0]!r}")
-  for key, value in old.items():
-    scheme, field = OLD_SCHEME_KEYWORDS[key]
-    warnings.warn(
-        f"jaxfuse.plan({key}=...) is deprecated (removed in 0.4): pass "
-        f"collective=jaxfuse.collectives.{scheme}({field}={value!r}) "
-        "(hier over a scheme: Hier(inner=Zen(...)), packed indices under "
-        "hier: Hier(inner=AllGather(packed_indices=True))).",
-        DeprecationWarning, stacklevel=3)
-  defaults = {key: getattr(plans.Settings, key) for key in OLD_SCHEME_KEYWORDS}
+def _schemes(collective) -> tuple[str, dict]:
+  """``collective`` (a name, a scheme object, or 0.2's keywords'
+  ``plan_keywords.Schemes``) as (the scheme's name, {name: the configured
+  scheme}); a name not in the dict runs with its defaults."""
+  by_name = {}
+  if isinstance(collective, plan_keywords.Schemes):
+    collective, by_name = collective.name, dict(collective.by_name)
   if isinstance(collective, str):
-    return dict(defaults, **old, collective=collective)
-  if old:
-    raise plans.PlanError(
-        f"plan: collective={collective!r} configures its scheme; leave "
-        f"{sorted(old)} out (0.2's keywords), or give the scheme's name.")
+    if collective not in plans.SPARSE_COLLECTIVES:
+      raise plans.PlanError(f"collective={collective!r}; use one of "
+                            f"{plans.SPARSE_COLLECTIVES}.")
+    return collective, by_name
   if getattr(collective, "name", None) not in plans.SPARSE_COLLECTIVES:
     raise plans.PlanError(
         f"collective={collective!r}; use a scheme of jaxfuse.collectives "
         "(AllGather, Zen, SparDL, Hier) or one of "
         f"{plans.SPARSE_COLLECTIVES}.")
-  return dict(defaults, **collectives.settings_fields(collective),
-              collective=collective.name)
+  collective = _plain_scheme(collective)
+  inner = getattr(collective, "inner", None)   # Hier: its host-axis scheme
+  by_name = {inner.name: inner} if inner is not None else {}
+  return collective.name, dict(by_name, **{collective.name: collective})
+
+
+def _plain_scheme(scheme):
+  """``scheme`` with its numbers as Python's (a plan holds plain values)."""
+  return dataclasses.replace(scheme, **{
+      f.name: (_plain_scheme(v) if dataclasses.is_dataclass(v) else
+               plans.as_python(v))
+      for f in dataclasses.fields(scheme)
+      for v in [getattr(scheme, f.name)]})
+
+
+def _scheme(a: dict, name: str):
+  """The configured scheme ``name`` of ``plan``'s arguments."""
+  return a["schemes"].get(name) or collectives.SCHEMES[name]
 
 
 def _checked(a: dict) -> dict:
@@ -239,25 +234,39 @@ def _checked(a: dict) -> dict:
                              "(0, 1].")
   a["density"] = float(density)   # numpy scalars too
   _check_sizes(a)
-  if a["collective"] not in plans.SPARSE_COLLECTIVES:
-    raise plans.PlanError(f"collective={a['collective']!r}; use one of "
-                             f"{plans.SPARSE_COLLECTIVES}.")
-  if not (plans.is_int(a["min_sparse_size"]) and
-          a["min_sparse_size"] >= 1):
-    raise plans.PlanError(
-        f"min_sparse_size={a['min_sparse_size']!r} must be an int >= 1.")
-  for name in ("num_buckets", "min_sparse_size", "num_workers", "headroom",
-               "refresh", "sample_fraction", "sidco_stages", "seed",
-               "zen_table", "zen_union", "spardl_teams", "spardl_block"):
+  a["collective"], a["schemes"] = _schemes(a["collective"])
+  a["settings"] = _checked_settings(a["settings"])
+  for name in ("num_buckets", "num_workers"):
     a[name] = plans.as_python(a[name])
   return a
 
 
+def _checked_settings(settings) -> plans.Settings:
+  """``settings`` checked (``PlanError`` naming the field), its numbers
+  as Python's."""
+  if not isinstance(settings, plans.Settings):
+    raise plans.PlanError(
+        f"settings={settings!r}; give a jaxfuse.Settings(...).")
+  estimation = settings.estimation
+  if not isinstance(estimation, plans.Estimation):
+    raise plans.PlanError(
+        f"settings.estimation={estimation!r}; give a "
+        "jaxfuse.Estimation(...).")
+  settings = dataclasses.replace(
+      settings, estimation=dataclasses.replace(estimation, **{
+          f.name: plans.as_python(getattr(estimation, f.name))
+          for f in dataclasses.fields(estimation)}), **{
+              f.name: plans.as_python(getattr(settings, f.name))
+              for f in dataclasses.fields(settings)
+              if f.name != "estimation"})
+  plan_checks.check_settings(settings)
+  return settings
+
+
 def _check_sizes(a: dict) -> None:
-  """``plan``'s bucket sizes, headroom and worker count checked."""
+  """``plan``'s bucket sizes and worker count checked."""
   num_buckets, bucket_bytes = a["num_buckets"], a["bucket_bytes"]
-  headroom, num_workers = a["headroom"], a["num_workers"]
-  last = a["last_bucket_bytes"]
+  num_workers, last = a["num_workers"], a["last_bucket_bytes"]
   if not (plans.is_int(num_buckets) and num_buckets >= 1):
     raise plans.PlanError(
         f"num_buckets={num_buckets!r} must be an int >= 1.")
@@ -265,12 +274,6 @@ def _check_sizes(a: dict) -> None:
     raise plans.PlanError(f"bucket_bytes={bucket_bytes!r} must be an int "
                              "> 0 (dense bytes, e.g. 64 * 2**20).")
   a["bucket_bytes"] = int(bucket_bytes)
-  if not (plans.is_real(headroom) and math.isfinite(headroom)
-          and headroom >= 1):
-    raise plans.PlanError(
-        f"headroom={headroom!r} must be a finite number >= 1 (slots per leaf "
-        f"over the target count ⌈ρ·n⌉; {plans.Settings.headroom} by "
-        "default).")
   if num_workers is not None and not (plans.is_int(num_workers)
                                       and num_workers >= 1):
     raise plans.PlanError(f"num_workers={num_workers!r} must be an int "
@@ -287,106 +290,74 @@ def _check_sizes(a: dict) -> None:
     a["last_bucket_bytes"] = int(last)   # numpy ints too
 
 
-def _settings(a: dict) -> plans.Settings:
-  """The ``Settings`` of ``plan``'s checked arguments."""
-  return plans.Settings(**{f.name: a[f.name] for f in
-                              dataclasses.fields(plans.Settings)
-                              if f.name in a})
-
-
-def _leaf_plans(params, density: float, estimator: str,
-                settings: plans.Settings) -> list[plans.LeafPlan]:
-  """A ``LeafPlan`` per leaf of ``params``: sparse where it is a float leaf
-  of at least ``min_sparse_size`` elements and ρ < 1, else dense."""
-  _refuse_nnx_object(params)
-  _refuse_linen_variables(params)
-  flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  if not flat:
-    raise plans.PlanError("params has no array leaves to plan for.")
-  leaves = []
-  for path, x in flat:
-    name = jax.tree_util.keystr(path)
-    dtype = _leaf_dtype(name, x)
-    shape = tuple(int(d) for d in np.shape(x))
-    size = math.prod(shape)
-    if jax.numpy.issubdtype(dtype, jax.numpy.complexfloating):
-      raise plans.PlanError(
-          f"leaf {name}: {dtype} parameters are not supported (jaxfuse "
-          "averages and sparsifies real gradients); keep the real and "
-          "imaginary parts as two float leaves.")
-    if size == 0:
-      raise plans.PlanError(
-          f"leaf {name}: has zero elements; remove it from the parameters.")
-    sparse = (density < 1 and size >= settings.min_sparse_size and
-              plans._is_float(dtype))  # pylint: disable=protected-access
-    if sparse:
-      cap = plans.capacity(density, size, estimator, settings.headroom)
-      leaves.append(plans.LeafPlan(name, shape, dtype, "sparse",
-                                      float(density), cap, estimator))
-    else:
-      leaves.append(plans.LeafPlan(name, shape, dtype, "dense", 1.0,
-                                      size, None))
-  return leaves
-
-
 def _ready_order(a: dict, params, num_leaves: int) -> tuple[list, str]:
   """(leaf ids in backward-ready order, where the order came from)."""
-  if a["ready_order"] is not None:
-    given = list(a["ready_order"])
-    ints = all(plans.is_int(i) for i in given)
-    order = [int(i) for i in given] if ints else []
-    if not (ints and plans.is_leaf_order(order, num_leaves)):
-      raise plans.PlanError(
-          f"ready_order must list each of the {num_leaves} leaf ids "
-          "(ints, pytree order) once.")
-    return order, "given"
-  if a["loss_fn"] is not None:
-    return _backward_order(a["loss_fn"], params, a["example_args"]), "jaxpr"
-  return ordering.reverse_order(num_leaves), "reverse_pytree"
+  given = a["order"]
+  if given is None:
+    return ordering.reverse_order(num_leaves), "reverse_pytree"
+  if isinstance(given, ordering.FromLoss):
+    return _backward_order(given.loss_fn, params,
+                           given.example_args), "jaxpr"
+  if callable(given):
+    return _backward_order(given, params, ()), "jaxpr"
+  given = list(given)
+  ints = all(plans.is_int(i) for i in given)
+  order = [int(i) for i in given] if ints else []
+  if not (ints and plans.is_leaf_order(order, num_leaves)):
+    raise plans.PlanError(
+        f"order must list each of the {num_leaves} leaf ids "
+        "(ints, pytree order) once, or be a function of the params.")
+  return order, "given"
 
 
-def _made(a: dict, settings, leaves, order_source, costs) -> plans.Plan:
+def _provenance(a: dict, order, source: str) -> dict:
+  """What a plan records of how it was made."""
+  provenance = {
+      "strategy": a["strategy"], "jaxfuse_version": __version__,
+      "ready_order": source, "backward_order": list(order),
+      "parameters": {"density": a["density"], "estimator": a["estimator"],
+                     "collective": a["collective"],
+                     "num_buckets": a["num_buckets"],
+                     "bucket_bytes": a["bucket_bytes"]},
+  }
+  if a["last_bucket_bytes"] is not None:
+    provenance["parameters"]["last_bucket_bytes"] = a["last_bucket_bytes"]
+  return provenance
+
+
+def _made(a: dict, leaves, order_source, costs) -> plans.Plan:
   """The plan of checked arguments ``a``: groups by the strategy, buckets,
   provenance; with costs, the simulated step time (and for ``"auto"``,
   each sparse bucket's collective)."""
   order, source = order_source
-  strategy, collective = a["strategy"], a["collective"]
-  num_workers, last = a["num_workers"], a["last_bucket_bytes"]
+  strategy, settings = a["strategy"], a["settings"]
+  num_workers, scheme = a["num_workers"], _scheme(a, a["collective"])
   k = None if costs is None else (
       costs.workers if num_workers is None else num_workers)
   on_k = None if costs is None else costs.on_workers(k)  # groups made for K
   if strategy != "auto" and any(l.mode == "sparse" for l in leaves):
-    _check_collective(collective, num_workers or k, settings)
-  provenance = {
-      "strategy": strategy, "jaxfuse_version": __version__,
-      "ready_order": source, "backward_order": list(order),
-      "parameters": {"density": a["density"], "estimator": a["estimator"],
-                     "collective": collective,
-                     "num_buckets": a["num_buckets"],
-                     "bucket_bytes": a["bucket_bytes"]},
-  }
-  if last is not None:
-    provenance["parameters"]["last_bucket_bytes"] = last
+    _check_collective(scheme, num_workers or k, settings)
+  provenance = _provenance(a, order, source)
   nbytes = [l.size * jax.numpy.dtype(l.dtype).itemsize for l in leaves]
   if strategy == "auto":
     leaves, groups, provenance["auto"] = _auto(
-        tuple(leaves), order, nbytes, on_k,
-        (a["num_buckets"], a["bucket_bytes"]), settings)
+        tuple(leaves), order, nbytes, on_k, a)
   else:
     groups = _groups(strategy, order, nbytes, a["num_buckets"],
                      a["bucket_bytes"],
-                     CostInputs(leaves, on_k, settings, collective))
-    if last is not None:
-      groups = grouping.cut_last(groups, nbytes, last)
+                     CostInputs(leaves, on_k, settings, scheme))
+    if a["last_bucket_bytes"] is not None:
+      groups = grouping.cut_last(groups, nbytes, a["last_bucket_bytes"])
   buckets = grouping.buckets_from_groups(
       leaves, groups, behind=strategy == "behind",
-      headroom=settings.headroom, collective=collective)
+      headroom=settings.headroom, collective=scheme)
   made = plans.Plan(tuple(leaves), buckets, settings, provenance)
   if costs is None:
     return made
   if strategy == "auto":
-    made, provenance["auto"]["collectives"] = pick_collectives(made, costs, k)
-  provenance["predicted_iteration"] = simulate_lib.simulate(
+    made, provenance["auto"]["collectives"] = pick_collectives(
+        made, costs, k, a["schemes"])
+  provenance["predicted_iteration"] = simulate(
       made, costs, k).iteration
   provenance["num_workers"] = k
   provenance["overlap"] = costs.overlap   # the η of predicted_iteration
@@ -394,127 +365,57 @@ def _made(a: dict, settings, leaves, order_source, costs) -> plans.Plan:
   return plans.Plan(made.leaves, made.buckets, settings, provenance)
 
 
-def pick_collectives(plan: plans.Plan, costs: costs_lib.Costs,
-                     num_workers: int) -> tuple[plans.Plan, list]:
+def pick_collectives(plan: plans.Plan, costs: Costs,
+                     num_workers: int, schemes=None) -> tuple[plans.Plan, list]:
   """Each sparse bucket moved by the scheme of ``AUTO_COLLECTIVES`` whose
   wire steps and extra compute take least time on K workers
   (``costs.steps_time`` + ``costs.scheme_time``). The simulated step is
   non-decreasing in every bucket's link and compute time, so with the
   grouping fixed this is optimal where one scheme is cheapest in both;
-  else it takes the least sum. Returns the plan and, per bucket,
-  {scheme: seconds} (empty for dense buckets)."""
+  else it takes the least sum.
+
+  Args:
+    plan: the plan whose sparse buckets get a scheme.
+    costs: the measured costs.
+    num_workers: K.
+    schemes: {name: configured scheme} to weigh (a name not in it: its
+      defaults).
+
+  Returns:
+    The plan and, per bucket, {scheme: seconds} (empty for dense buckets).
+  """
   sched = bucket_steps.compile_plan(plan)
   buckets, report = [], []
   for b, step in zip(plan.buckets, sched.buckets):
-    times = {}
+    times, chosen = {}, {}
     if step.kind == bucket_steps.SPARSE:
       for name in AUTO_COLLECTIVES:
-        scheme = collectives.configured(name, plan.settings)
-        units = [plans.wire_unit(u, plan.settings, scheme)
-                 for u in sched.bucket_units(step)]
-        if plans.overflows_one_space(name, sum(u.size for u in units)):
-          continue  # one int32 index space cannot hold the bucket
-        try:
-          scheme.check("auto", num_workers, plan.settings)
-          steps = scheme.steps(units, num_workers, plan.settings)
-        except collectives.SchemeError:
-          continue  # cannot run on K workers (e.g. SparDL's teams)
-        times[name] = costs.steps_time(steps, num_workers) + \
-            costs.scheme_time(name, sum(u.capacity for u in units))
-      b = dataclasses.replace(b, collective=min(times, key=times.get))
+        chosen[name] = (schemes or {}).get(name) or collectives.SCHEMES[name]
+        t = _scheme_time(chosen[name], sched.bucket_units(step), plan,
+                         costs, num_workers)
+        if t is not None:
+          times[name] = t
+      best = min(times, key=times.get)
+      b = dataclasses.replace(b, collective=best, scheme=chosen[best])
     buckets.append(b)
     report.append(times)
   return plans.Plan(plan.leaves, tuple(buckets), plan.settings,
                        plan.provenance), report
 
 
-_NNX_SPLIT = ("`graphdef, params, rest = nnx.split(model, nnx.Param, ...)`, "
-              "then `jaxfuse.plan(params, ...)` (docs/choosing.md, \"With "
-              "flax NNX\")")
-
-
-def _leaf_dtype(name: str, x) -> str:
-  """The dtype of a parameter leaf: an array (or array-like with shape and
-  dtype) or a Python/numpy number; ``PlanError`` naming the leaf for
-  anything else (a string, a dtype, an unregistered dataclass, PRNG
-  keys)."""
-  where = f"leaf {name}" if name else "params"
-  dtype = getattr(x, "dtype", None)
-  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-    raise plans.PlanError(
-        f"{where}: holds {dtype} values (PRNG keys), which have no "
-        f"gradient; plan the trained parameters only (with flax NNX, "
-        f"{_NNX_SPLIT}).")
-  numeric = isinstance(x, (bool, int, float, complex, np.number)) or (
-      hasattr(x, "shape") and dtype is not None and (
-          jax.numpy.issubdtype(dtype, jax.numpy.number) or
-          jax.numpy.issubdtype(dtype, jax.numpy.bool_)))
-  if not numeric:
-    what = (f"the type {x.__name__}" if isinstance(x, type) else
-            f"an array of {dtype}" if hasattr(x, "shape") else
-            f"a {type(x).__name__}")
-    raise plans.PlanError(
-        f"{where}: {what}, not a numeric array: params must be a pytree of "
-        "arrays. Register a dataclass as a pytree "
-        "(jax.tree_util.register_dataclass, flax.struct.dataclass) and keep "
-        "strings, dtypes and other settings out of the tree.")
-  return str(jax.numpy.result_type(x))
-
-
-def _nnx_classes(x) -> list[str]:
-  """Names of the flax NNX classes ``x`` is an instance of (none when flax
-  is not in use: detected by the classes' module, so that flax stays an
-  optional dependency)."""
-  return [c.__name__ for c in type(x).__mro__
-          if c.__module__.startswith("flax.nnx")]
-
-
-# NNX variable types that hold no trained parameters
-_NNX_STATE = ("BatchStat", "RngState", "Cache", "Intermediate", "OptState")
-
-
-# flax linen variable collections that hold no trained parameters
-_LINEN_STATE = ("batch_stats", "cache", "intermediates", "perturbations",
-                "losses")
-
-
-def _refuse_linen_variables(params) -> None:
-  """A flax linen ``variables`` dict (``model.init``'s whole output) with
-  collections besides ``"params"``: the running statistics would be
-  planned, and their gradients synced, as if trained."""
-  if not isinstance(params, Mapping) or "params" not in params:
-    return
-  others = sorted(k for k in params if k in _LINEN_STATE)
-  if others:
-    raise plans.PlanError(
-        f"params holds the flax collections {['params', *others]}: a linen "
-        "model's variables, not its parameters. Plan variables['params'] "
-        "(and differentiate with respect to it); keep the other "
-        "collections out of the optimizer.")
-
-
-def _refuse_nnx_object(params) -> None:
-  """A flax NNX object (a ``Module``, an ``Optimizer``) anywhere in
-  ``params``, or an NNX variable that is no parameter (batch statistics,
-  RNG state, an optimizer's state): its ``nnx.Param`` part is what a plan
-  covers."""
-  def stop(x) -> bool:
-    names = _nnx_classes(x)
-    return bool(names) and "State" not in names
-  for path, x in jax.tree_util.tree_flatten_with_path(params,
-                                                       is_leaf=stop)[0]:
-    names = _nnx_classes(x)
-    where = (f"params{jax.tree_util.keystr(path)}" if path else "params")
-    if names and "Variable" not in names and "State" not in names:
-      raise plans.PlanError(
-          f"{where} is a flax NNX {names[0]} ({type(x).__name__}), which "
-          "can hold batch statistics, RNG state or an optimizer's state "
-          f"besides parameters; plan its parameters: {_NNX_SPLIT}.")
-    kind = next((n for n in names if n in _NNX_STATE), None)
-    if kind:
-      raise plans.PlanError(
-          f"{where} is an nnx.{type(x).__name__} ({kind}), not a "
-          f"parameter; plan the model's parameters: {_NNX_SPLIT}.")
+def _scheme_time(scheme, units, plan, costs, num_workers) -> float | None:
+  """Seconds ``scheme`` takes for a bucket of ``units`` on K workers (its
+  wire steps and extra compute), or None where it cannot run."""
+  units = [plans.wire_unit(u, plan.settings, scheme) for u in units]
+  if plans.overflows_one_space(scheme.name, sum(u.size for u in units)):
+    return None  # one int32 index space cannot hold the bucket
+  try:
+    scheme.check("auto", num_workers, plan.settings)
+    steps = scheme.steps(units, num_workers, plan.settings)
+  except collectives.SchemeError:
+    return None  # cannot run on K workers (e.g. SparDL's teams)
+  return costs.steps_time(steps, num_workers) + \
+      costs.scheme_time(scheme.name, sum(u.capacity for u in units))
 
 
 def _backward_order(loss_fn, params, example_args) -> list[int]:
@@ -534,14 +435,13 @@ def _backward_order(loss_fn, params, example_args) -> list[int]:
     ) from e
 
 
-def _check_collective(collective: str, num_workers: int | None,
+def _check_collective(scheme, num_workers: int | None,
                       settings: plans.Settings) -> None:
   """The check ``sparse_sync`` makes of each sparse bucket's scheme on K
   workers, made now (``SchemeError``, a ``PlanError``); nothing without
   K."""
   if num_workers is not None:
-    collectives.configured(collective, settings).check(
-        f"on {num_workers} workers", num_workers, settings)
+    scheme.check(f"on {num_workers} workers", num_workers, settings)
 
 
 def _load_costs(costs, strategy, leaves):
@@ -556,43 +456,31 @@ def _load_costs(costs, strategy, leaves):
     return None
   if isinstance(costs, (str, os.PathLike)):
     try:
-      costs = costs_lib.Costs.load(costs)
+      costs = Costs.load(costs)
     except (OSError, ValueError) as e:
       raise plans.PlanError(
           f"costs={os.fspath(costs)!r} cannot be read ({e}). Give the JSON "
           "written by `jaxfuse profile` or by Costs.save.") from e
-  if not isinstance(costs, costs_lib.Costs):
+  if not isinstance(costs, Costs):
     raise plans.PlanError(
         f"costs must be a jaxfuse.planning.costs.Costs or a path, not "
         f"{type(costs).__name__}.")
   try:
     costs.check(len(leaves), holder="params",
                 leaves=[(l.path, l.shape) for l in leaves])
-  except costs_lib.CostsError as e:
+  except CostsError as e:
     raise plans.PlanError(str(e)) from None
   return costs
 
 
-def _dense(leaf: plans.LeafPlan) -> plans.LeafPlan:
-  return plans.LeafPlan(leaf.path, leaf.shape, leaf.dtype, "dense", 1.0,
-                           leaf.size, None)
-
-
-def _auto(leaves, order, nbytes, costs, sizes, settings):
-  """The fastest candidate under ``simulate``, then dense where it pays.
-
-  Candidates: every cost strategy, ``layerwise``, ``single``, ``aligned`` and
-  ``size`` at the given and at ``AUTO_NUM_BUCKETS`` / ``AUTO_BUCKET_BYTES``
-  sizes; each also with every leaf dense ("dense+…"). Then on the winner,
-  ``strategies.densify`` switches groups to dense one at a time while the
-  step gets faster, and the new modes are regrouped optimally; each kept
-  only if ``simulate`` says it is faster. (``behind`` is no candidate: it
-  may leave tensors out of a step.) ``sizes``: (num_buckets,
-  bucket_bytes) as given to ``plan``. Returns (leaves, groups, report).
-  """
-  num_buckets, bucket_bytes = sizes
-  from jaxfuse.planning import strategies  # pylint: disable=g-import-not-at-top
-  dense = tuple(_dense(l) for l in leaves)
+def _candidates(leaves, order, nbytes, costs, a: dict) -> list:
+  """``_auto``'s candidates: (name, leaves, groups) of every cost strategy,
+  ``layerwise``, ``single``, ``aligned`` and ``size`` at the given and at
+  ``AUTO_NUM_BUCKETS`` / ``AUTO_BUCKET_BYTES`` sizes; each also with every
+  leaf dense ("dense+…")."""
+  num_buckets, bucket_bytes = a["num_buckets"], a["bucket_bytes"]
+  gather = _scheme(a, "allgather")
+  dense = tuple(leaves_lib.dense(l) for l in leaves)
   rules = [("layerwise", "layerwise", num_buckets, bucket_bytes),
            ("single", "single", num_buckets, bucket_bytes)]
   rules += [(f"aligned(num_buckets={m})", "aligned", m, bucket_bytes)
@@ -603,32 +491,48 @@ def _auto(leaves, order, nbytes, costs, sizes, settings):
   for prefix, ls in (("", leaves), ("dense+", dense)):
     if prefix and dense == leaves:
       break
-    cands += [(prefix + name, ls, _groups(name, order, nbytes, num_buckets,
-                                          bucket_bytes,
-                                          CostInputs(ls, costs, settings)))
+    cands += [(prefix + name, ls, _groups(
+        name, order, nbytes, num_buckets, bucket_bytes,
+        CostInputs(ls, costs, a["settings"], gather)))
               for name in COST_STRATEGIES if name != "auto"]
     cands += [(prefix + name, ls, _groups(rule, order, nbytes, m, b))
               for name, rule, m, b in rules]
+  return cands
+
+
+def _auto(leaves, order, nbytes, costs, a: dict):
+  """The fastest candidate under ``simulate``, then dense where it pays.
+
+  Candidates: ``_candidates``. Then on the winner, ``strategies.densify``
+  switches groups to dense one at a time while the step gets faster, and
+  the new modes are regrouped optimally; each kept only if ``simulate``
+  says it is faster. (``behind`` is no candidate: it may leave tensors out
+  of a step.) ``a``: ``plan``'s checked arguments. Returns (leaves,
+  groups, report).
+  """
+  settings, gather = a["settings"], _scheme(a, "allgather")
 
   def time(ls, groups):
     buckets = grouping.buckets_from_groups(ls, groups, behind=False,
-                                  headroom=settings.headroom)
-    return simulate_lib.simulate(plans.Plan(ls, buckets, settings),
+                                           headroom=settings.headroom,
+                                           collective=gather)
+    return simulate(plans.Plan(ls, buckets, settings),
                                  costs, order=order).iteration
 
   times, best = {}, None
-  for name, ls, groups in cands:
+  for name, ls, groups in _candidates(leaves, order, nbytes, costs, a):
     times[name] = time(ls, groups)
     if best is None or times[name] < best[0]:
       best = (times[name], name, ls, groups)
   _, name, ls, groups = best
 
-  p = strategies.problem(ls, order, costs, settings)
+  p = strategies.problem(ls, order, costs, settings, gather)
   switch = set(strategies.densify(p, groups, [nbytes[i] for i in order]))
   if switch:
-    mixed = tuple(dense[i] if i in switch else l for i, l in enumerate(ls))
+    mixed = tuple(leaves_lib.dense(l) if i in switch else l
+                  for i, l in enumerate(ls))
     regrouped = strategies.cupcake(strategies.problem(mixed, order, costs,
-                                                      settings))
+                                                      settings, gather))
     dense_name = f"{name}+dense({len(switch)} leaves)"
     for trial, gs in ((dense_name, groups), (dense_name + "+cupcake",
                                               regrouped)):

@@ -38,9 +38,10 @@ NORMAL, MERGED, SIMULTANEOUS = "normal", "merged", "simultaneous"
 def problem(leaves: Sequence[plans.LeafPlan], order: Sequence[int],
             costs: Costs,
             settings: plans.Settings | None = None,
-            collective: str = "allgather") -> optimal.GroupingProblem:
+            collective="allgather") -> optimal.GroupingProblem:
   """The leaves (pytree order) in ready ``order``, with their costs; a
-  sparse leaf's wire bytes as ``collective`` sends its slots under
+  sparse leaf's wire bytes as ``collective`` (a name or a configured
+  scheme object) sends its slots under
   ``settings`` (default ``Settings()``)."""
   layerwise = grouping.buckets_from_groups(leaves, [[i] for i in order],
                                           behind=False, headroom=1.0,

@@ -33,7 +33,9 @@ from jaxfuse.plans.checks import (  # pylint: disable=unused-import
     overflows_one_space)
 
 FORMAT = "jaxfuse.plan"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+
 def leaf_paths(tree) -> list[str]:
   """``jax.tree_util.keystr`` of every leaf, in pytree order."""
   return [jax.tree_util.keystr(p)
@@ -91,48 +93,50 @@ class LeafPlan:
 
 @dataclasses.dataclass(frozen=True)
 class BucketPlan:
+  """One bucket: its leaves, the collective that moves it and how.
+
+  collective: the scheme's name (one of ``COLLECTIVES``).
+  scheme: the scheme with its configuration, an object of
+    ``jaxfuse.collectives`` (``AllGather(packed_indices)``,
+    ``Zen(table, union)``, ``SparDL(teams, block)``, ``Hier(inner)``,
+    ``Psum()``) whose ``name`` is ``collective``; None: that scheme's
+    defaults. The plan's JSON stores its fields with the bucket.
+  """
   leaves: tuple[int, ...]
   collective: str
   sparsify: str = "ahead"
   capacity: int = 0             # "behind" only: slots of the fused selection
   estimator: str | None = None  # "behind" only
   density: float = 1.0          # "behind" only
+  scheme: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
-class Settings:
-  """Knobs shared by every leaf.
+class Estimation:
+  """How the sampled estimators find their threshold τ (every leaf's).
 
-  headroom: capacity over target count (c = ⌈ρ·n·headroom⌉).
-  min_sparse_size: leaves with fewer elements are synchronized dense.
   refresh: re-estimate τ every ``refresh`` steps; in between only feedback
     (and a fresh estimate where no τ is kept yet: after a dense phase or
     for a unit new after ``relayout``).
   feedback: scale τ step to step so the selected count tracks ρ·n.
   sample_fraction: share of elements the ``"dgc"`` estimator samples.
   sidco_stages: exponential-fit stages of ``"sidco"``.
-  seed: for sampling and for the overflow rotation.
-  The scheme knobs (``zen_table``, ``zen_union``, ``spardl_teams``,
-  ``spardl_block``, ``hier_inner``, ``packed_indices``) are where a plan
-  stores its schemes' configuration; the schemes own them
-  (``jaxfuse.collectives.Zen(table, union)``, ``SparDL(teams, block)``,
-  ``Hier(inner)``, ``AllGather(packed_indices)``; ``collectives.configured``
-  reads them from here, and ``jaxfuse.plan(collective=...)`` writes them).
+  """
+  refresh: int = 1
+  feedback: bool = True
+  sample_fraction: float = 0.01
+  sidco_stages: int = 2
 
-  zen_table: ``"zen"`` push: hash-table slots per partition over the
-    balanced share, r1 = ⌈zen_table·C/K⌉ (C: the bucket's slots), plus
-    r2 = ⌈r1/4⌉ serial slots; each row goes on the wire in C/K + 4·√(C/K)
-    slots; what finds no slot stays in the sender's residual.
-  zen_union: ``"zen"`` pull: slots per reduced partition as a share of the
-    bucket's C (1: lossless even with no overlap; the union of K workers'
-    partitions is between C/K and C); past it the largest sums go and the
-    rest stay in the reducing worker's residual.
-  spardl_teams: ``"spardl"``: Spar-All-Gather teams (1: plain SAG; T > 1:
-    the K workers form T teams of K/T, R-SAG inside a team, then B-SAG).
-  spardl_block: ``"spardl"``: slots per block b·C/G (G workers in a team);
-    2 keeps Table I's 4·C bound; more drops less in merges.
-  hier_inner: ``"hier"``: the sparse collective run over the slow (host)
-    axis, one of ``"allgather"``, ``"zen"``, ``"spardl"``.
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Knobs shared by every leaf. Each bucket's collective keeps its own
+  configuration (``BucketPlan.scheme``, e.g. ``jaxfuse.collectives.Zen(
+  table, union)``); the estimators' knobs are in ``estimation``.
+
+  headroom: capacity over target count (c = ⌈ρ·n·headroom⌉).
+  min_sparse_size: leaves with fewer elements are synchronized dense.
+  seed: for sampling and for the overflow rotation.
   residual_dtype: dtype of the per-worker residual and velocity of a unit.
     ``"float32"`` (default): at least float32 (``promote_types(dtype,
     float32)``), so a bfloat16 gradient's small contributions accumulate
@@ -147,35 +151,24 @@ class Settings:
     the next step: x_t + r_t = wire_t + r_{t+1}, so only the reduction's
     own rounding is lost. Phases may differ in it.
   sparse_wire: dtype of the selected values of sparse units on the wire
-    (their indices: ``packed_indices``): ``"gradient"`` (default), or
-    ``"bfloat16"`` for float32 (or wider) gradients, which cuts a float32
-    slot from 8 to 6 bytes (a quarter of a sparse bucket's traffic).
-    r' = acc − bf16(v) at the sent slots, so each worker's rounding is
-    sent later; the schemes decode in float32 and keep what their own sums
-    lose to the wire (ZEN's reducer, SparDL's merges, ``"hier"``'s mean
-    on host 0) in a residual: nothing is lost but float32 rounding. A
-    finite value beyond bfloat16's range goes as its largest value.
-  packed_indices: ``"allgather"`` (and ``"hier"`` over an all-gather)
-    send each index in b = ⌈log₂(n + 1)⌉ bits instead of 32 (n: the
-    unit's size, n itself the empty slot), c indices in ⌈c·b/32⌉ words:
-    lossless, 22 bits for a 768 × 3072 matrix. ZEN and SparDL keep int32.
+    (their indices: ``AllGather(packed_indices)``): ``"gradient"``
+    (default), or ``"bfloat16"`` for float32 (or wider) gradients, which
+    cuts a float32 slot from 8 to 6 bytes (a quarter of a sparse bucket's
+    traffic). r' = acc − bf16(v) at the sent slots, so each worker's
+    rounding is sent later; the schemes decode in float32 and keep what
+    their own sums lose to the wire (ZEN's reducer, SparDL's merges,
+    ``"hier"``'s mean on host 0) in a residual: nothing is lost but
+    float32 rounding. A finite value beyond bfloat16's range goes as its
+    largest value.
+  estimation: the threshold estimators' knobs (``Estimation``).
   """
   headroom: float = 1.5
   min_sparse_size: int = 1024
-  refresh: int = 1
-  feedback: bool = True
-  sample_fraction: float = 0.01
-  sidco_stages: int = 2
   seed: int = 0
-  zen_table: float = 2.0
-  zen_union: float = 1.0
-  spardl_teams: int = 1
-  hier_inner: str = "allgather"
-  spardl_block: float = 2.0
   residual_dtype: str = "float32"
   full_wire: str = "gradient"
   sparse_wire: str = "gradient"
-  packed_indices: bool = False
+  estimation: Estimation = Estimation()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,30 +242,44 @@ class Plan:
 
   # --- JSON -------------------------------------------------------------------
   def to_json(self) -> str:
+    """The plan as JSON text (format version 2: each bucket's ``scheme``
+    as its fields, ``scheme_json``)."""
     return _jsonfile.write({
         "settings": dataclasses.asdict(self.settings),
         "provenance": dict(self.provenance),
         "leaves": [dict(dataclasses.asdict(l), shape=list(l.shape))
                    for l in self.leaves],
-        "buckets": [dict(dataclasses.asdict(b), leaves=list(b.leaves))
-                    for b in self.buckets],
+        "buckets": [_bucket_json(b) for b in self.buckets],
     }, fmt=FORMAT, version=FORMAT_VERSION)
 
   @classmethod
   def from_json(cls, text: str) -> "Plan":
-    """The plan of ``to_json``'s text. The format is still version 1,
-    what jaxfuse 0.2 writes: the schemes' configuration stays in
-    ``settings`` (``collectives.configured`` reads it), so a 0.2 plan
-    file loads as it is; a later version is refused, naming the file's
-    version and the newest this jaxfuse reads (``PlanError``)."""
+    """The plan of ``to_json``'s text.
+
+    Args:
+      text: a plan file's text, format version 2 or 1 (what jaxfuse 0.2
+        wrote: its ``settings`` held the schemes' knobs, which move into
+        each bucket's ``scheme``, and the estimators', which move into
+        ``Settings.estimation``).
+
+    Returns:
+      The ``Plan``.
+
+    Raises:
+      PlanError: not a plan, a later version (naming the file's and the
+        newest this jaxfuse reads), or fields missing or unknown.
+    """
     body = _jsonfile.read(text, fmt=FORMAT, max_version=FORMAT_VERSION,
                           error=PlanError, what="jaxfuse plan")
     try:
-      settings = Settings(**body["settings"])
+      if body["version"] == 1:
+        body = _upgraded_v1(body)
+      fields = dict(body["settings"])
+      fields["estimation"] = Estimation(**fields.get("estimation", {}))
+      settings = Settings(**fields)
       leaves = tuple(LeafPlan(**dict(l, shape=tuple(l["shape"])))
                      for l in body["leaves"])
-      buckets = tuple(BucketPlan(**dict(b, leaves=tuple(b["leaves"])))
-                      for b in body["buckets"])
+      buckets = tuple(_bucket_of_json(b) for b in body["buckets"])
       provenance = dict(body.get("provenance", {}))
     except PlanError:
       raise
@@ -289,6 +296,110 @@ class Plan:
   def load(cls, path: str | os.PathLike) -> "Plan":
     return cls.from_json(_jsonfile.read_file(path, error=PlanError,
                                              what="jaxfuse plan"))
+
+
+# Format 1 (jaxfuse 0.2): ``settings`` held these knobs of the schemes ...
+V1_SCHEME_FIELDS = ("zen_table", "zen_union", "spardl_teams",
+                    "spardl_block", "hier_inner", "packed_indices")
+# ... and of the estimators (now ``Settings.estimation``).
+V1_ESTIMATION_FIELDS = ("refresh", "feedback", "sample_fraction",
+                        "sidco_stages")
+
+
+def scheme_json(scheme) -> dict | None:
+  """A bucket's scheme object as JSON fields: its ``name`` and its
+  configuration, e.g. ``{"name": "zen", "table": 2.0, "union": 1.0}``
+  (``Hier``'s ``inner`` nested the same way); None stays None."""
+  if scheme is None:
+    return None
+  out = {"name": scheme.name}
+  for f in dataclasses.fields(scheme):
+    value = getattr(scheme, f.name)
+    out[f.name] = (scheme_json(value) if dataclasses.is_dataclass(value)
+                   else as_python(value))
+  return out
+
+
+def _bucket_json(b: BucketPlan) -> dict:
+  return dict(dataclasses.asdict(dataclasses.replace(b, scheme=None)),
+              leaves=list(b.leaves), scheme=scheme_json(b.scheme))
+
+
+# The scheme classes by name (``jaxfuse.collectives`` registers them when it
+# is imported, as ``import jaxfuse`` does: the plan model imports no scheme).
+SCHEME_TYPES: dict[str, type] = {}
+
+# Format 1's settings field of each scheme field, by scheme.
+V1_SCHEME_KNOBS = {"allgather": {"packed_indices": "packed_indices"},
+                   "zen": {"table": "zen_table", "union": "zen_union"},
+                   "spardl": {"teams": "spardl_teams", "block": "spardl_block"},
+                   "psum": {}}
+
+
+def register_schemes(types: Mapping[str, type]) -> None:
+  """Make the scheme classes ``types`` ({name: class}) known to plan files
+  (``jaxfuse.collectives`` calls this once)."""
+  SCHEME_TYPES.update(types)
+
+
+def _scheme_type(name) -> type:
+  if name not in SCHEME_TYPES:
+    raise PlanError(f"collective {name!r} is not available; use one of "
+                    f"{tuple(SCHEME_TYPES)}.")
+  return SCHEME_TYPES[name]
+
+
+def scheme_of_json(fields: Mapping):
+  """The scheme object of ``scheme_json``'s fields (``PlanError`` naming
+  an unknown scheme or field)."""
+  if not isinstance(fields, Mapping):
+    raise PlanError(f"bucket scheme {fields!r} must be an object with a "
+                    "'name'; the plan file is corrupted.")
+  fields = dict(fields)
+  name = fields.pop("name", None)
+  kind = _scheme_type(name)
+  known = {f.name for f in dataclasses.fields(kind)}
+  if set(fields) - known:
+    raise PlanError(
+        f"bucket scheme {name!r} has no field(s) {sorted(set(fields) - known)}"
+        f"; {name!r} takes {sorted(known)}. The plan file is corrupted.")
+  if isinstance(fields.get("inner"), Mapping):
+    fields["inner"] = scheme_of_json(fields["inner"])
+  return kind(**fields)
+
+
+def v1_scheme(name: str, knobs: Mapping):
+  """The scheme ``name`` configured by the knobs a format-1 plan's
+  settings stored (0.2's ``zen_table`` … ``packed_indices``; one missing:
+  the scheme's default, which was 0.2's)."""
+  if name == "hier":
+    return _scheme_type(name)(
+        inner=v1_scheme(knobs.get("hier_inner", "allgather"), knobs))
+  fields = V1_SCHEME_KNOBS.get(name, {})
+  return _scheme_type(name)(**{f: knobs[k] for f, k in fields.items()
+                               if k in knobs})
+
+
+def _bucket_of_json(fields: dict) -> BucketPlan:
+  """A ``BucketPlan`` of its JSON fields (the scheme an object again)."""
+  fields = dict(fields, leaves=tuple(fields["leaves"]))
+  if fields.get("scheme") is not None:
+    fields["scheme"] = scheme_of_json(fields["scheme"])
+  return BucketPlan(**fields)
+
+
+def _upgraded_v1(body: dict) -> dict:
+  """A format-1 body as format 2: the scheme knobs of 0.2's ``settings``
+  go into each bucket's ``scheme``, the estimators' into ``estimation``."""
+  settings = dict(body["settings"])
+  knobs = {k: settings.pop(k) for k in V1_SCHEME_FIELDS if k in settings}
+  settings["estimation"] = {k: settings.pop(k) for k in V1_ESTIMATION_FIELDS
+                            if k in settings}
+  buckets = [dict(b, scheme=None if b.get("collective") == "psum" else
+                  scheme_json(v1_scheme(b["collective"], knobs)))
+             for b in body["buckets"]]
+  return dict(body, version=FORMAT_VERSION, settings=settings,
+              buckets=buckets)
 
 
 def require_plan(plan, where: str) -> None:
@@ -403,19 +514,22 @@ def index_bits(size: int) -> int:
   return max(1, int(size).bit_length())
 
 
-def packs_indices(collective, settings: Settings) -> bool:
+def packs_indices(collective) -> bool:
   """Whether ``collective`` sends indices in ``index_bits``.
 
   ``collective``: a scheme object (``jaxfuse.collectives``), which says
   so itself (``AllGather(packed_indices=True)``, a ``Hier`` over one;
-  ZEN and SparDL keep int32), or a scheme's name, read with the knobs a
-  plan's ``settings`` store (``Settings.packed_indices``, ``hier_inner``).
+  ZEN and SparDL keep int32), or a scheme's name (its defaults: int32).
   """
-  if not isinstance(collective, str):
-    return bool(collective.packs_indices)
-  return settings.packed_indices and (
-      collective == "allgather" or
-      (collective == "hier" and settings.hier_inner == "allgather"))
+  if isinstance(collective, str):
+    return False
+  return bool(collective.packs_indices)
+
+
+def bucket_scheme(bucket: BucketPlan):
+  """The bucket's configured scheme, or its name where it keeps its
+  scheme's defaults (``BucketPlan.scheme`` None)."""
+  return bucket.collective if bucket.scheme is None else bucket.scheme
 
 
 def wire_unit(unit: Unit, settings: Settings,
@@ -426,8 +540,7 @@ def wire_unit(unit: Unit, settings: Settings,
   (``index_bits(size)`` where ``packs_indices``, else 32): what the
   collectives pack, decode and count bytes by."""
   dtype = _narrower(unit.dtype, settings.sparse_wire)
-  bits = (index_bits(unit.size) if packs_indices(collective, settings)
-          else 32)
+  bits = index_bits(unit.size) if packs_indices(collective) else 32
   if (dtype, bits) == (unit.dtype, unit.index_bits):
     return unit
   return dataclasses.replace(unit, dtype=dtype, index_bits=bits)
@@ -480,6 +593,6 @@ def bucket_payload_bytes(plan: Plan) -> list[int]:
                      for u in unit_ids))
     else:
       out.append(sum(payload_bytes(wire_unit(all_units[u], plan.settings,
-                                             b.collective))
+                                             bucket_scheme(b)))
                      for u in unit_ids))
   return out

@@ -88,47 +88,32 @@ def one_of(field: str, value, choices) -> None:
 def check_plan(plan) -> None:
   """Internal consistency: every field known, every leaf in exactly one
   bucket."""
-  s = plan.settings
+  check_settings(plan.settings)
+  _check_leaves(plan)
+  _check_buckets(plan)
+
+
+def check_settings(s) -> None:
+  """PlanError naming the field of ``Settings`` ``s`` that is wrong."""
   if not (is_real(s.headroom) and math.isfinite(s.headroom)
           and s.headroom >= 1):
     raise PlanError(f"settings.headroom={s.headroom!r} must be a finite "
-                    "number >= 1.")
+                    "number >= 1 (slots per leaf over the target count "
+                    "⌈ρ·n⌉; 1.5 by default).")
   if not (is_int(s.min_sparse_size) and s.min_sparse_size >= 1):
     raise PlanError(f"settings.min_sparse_size={s.min_sparse_size!r} must "
                     "be an integer >= 1.")
-  if not isinstance(s.feedback, bool):
-    raise PlanError(f"settings.feedback={s.feedback!r} must be True or "
-                    "False.")
   if not (is_int(s.seed) and 0 <= s.seed < 2**32):
     raise PlanError(f"settings.seed={s.seed!r} must be an integer in "
                     "[0, 2**32) (it seeds uint32 hashes).")
-  if not (is_int(s.refresh) and s.refresh >= 1):
-    raise PlanError(f"settings.refresh={s.refresh!r} must be an integer >= 1.")
-  if not (is_real(s.sample_fraction) and 0 < s.sample_fraction <= 1):
-    raise PlanError(f"settings.sample_fraction={s.sample_fraction!r} must "
-                    "be a number in (0, 1].")
-  if not (is_int(s.sidco_stages) and 1 <= s.sidco_stages <= 8):
-    raise PlanError(f"settings.sidco_stages={s.sidco_stages!r} must be 1..8.")
-  if not (is_real(s.zen_table) and math.isfinite(s.zen_table)
-          and s.zen_table >= 1):
-    raise PlanError(f"settings.zen_table={s.zen_table!r} must be a finite "
-                    "number >= 1.")
-  if not (is_real(s.zen_union) and 0 < s.zen_union <= 1):
-    raise PlanError(f"settings.zen_union={s.zen_union!r} must be in (0, 1].")
-  if not (is_int(s.spardl_teams) and s.spardl_teams >= 1):
-    raise PlanError(f"settings.spardl_teams={s.spardl_teams!r} must be an "
-                    "integer >= 1 (1: no teams).")
-  if not (is_real(s.spardl_block) and math.isfinite(s.spardl_block)
-          and s.spardl_block > 0):
-    raise PlanError(f"settings.spardl_block={s.spardl_block!r} must be a "
-                    "finite number > 0.")
-  one_of("settings.hier_inner", s.hier_inner, ("allgather", "zen", "spardl"))
+  check_estimation(s.estimation)
   one_of("settings.full_wire", s.full_wire, FULL_WIRES)
   one_of("settings.sparse_wire", s.sparse_wire, SPARSE_WIRES)
-  if not isinstance(s.packed_indices, bool):
-    raise PlanError(f"settings.packed_indices={s.packed_indices!r} must be "
-                    "True or False.")
   one_of("settings.residual_dtype", s.residual_dtype, RESIDUAL_DTYPES)
+
+
+def _check_leaves(plan) -> None:
+  """Each leaf's fields (PlanError naming the leaf)."""
   for i, leaf in enumerate(plan.leaves):
     if not isinstance(leaf.path, str):
       raise PlanError(f"leaf {i}: path={leaf.path!r} must be a string (the "
@@ -162,12 +147,68 @@ def check_plan(plan) -> None:
                         "at least one, at most its elements); make the plan "
                         "again (jaxfuse.plan sets it from density and "
                         "headroom), or make the leaf dense.")
+
+
+def check_estimation(e) -> None:
+  """PlanError naming the ``settings.estimation`` field that is wrong."""
+  if not isinstance(e.feedback, bool):
+    raise PlanError(f"settings.estimation.feedback={e.feedback!r} must be "
+                    "True or False.")
+  if not (is_int(e.refresh) and e.refresh >= 1):
+    raise PlanError(f"settings.estimation.refresh={e.refresh!r} must be an "
+                    "integer >= 1.")
+  if not (is_real(e.sample_fraction) and 0 < e.sample_fraction <= 1):
+    raise PlanError(f"settings.estimation.sample_fraction="
+                    f"{e.sample_fraction!r} must be a number in (0, 1].")
+  if not (is_int(e.sidco_stages) and 1 <= e.sidco_stages <= 8):
+    raise PlanError(f"settings.estimation.sidco_stages={e.sidco_stages!r} "
+                    "must be 1..8.")
+
+
+def check_scheme(where: str, scheme) -> None:
+  """PlanError naming the bucket (``where``) and the field of its scheme
+  (``BucketPlan.scheme``) whose value is out of range, with the fix."""
+  name = getattr(scheme, "name", None)
+  fix = "; give the bucket's scheme a valid value (jaxfuse.collectives)."
+  if name == "zen":
+    if not (is_real(scheme.table) and math.isfinite(scheme.table)
+            and scheme.table >= 1):
+      raise PlanError(f"{where}: Zen(table={scheme.table!r}) must be a "
+                      f"finite number >= 1{fix}")
+    if not (is_real(scheme.union) and 0 < scheme.union <= 1):
+      raise PlanError(f"{where}: Zen(union={scheme.union!r}) must be in "
+                      f"(0, 1]{fix}")
+  elif name == "spardl":
+    if not (is_int(scheme.teams) and scheme.teams >= 1):
+      raise PlanError(f"{where}: SparDL(teams={scheme.teams!r}) must be an "
+                      f"integer >= 1 (1: no teams){fix}")
+    if not (is_real(scheme.block) and math.isfinite(scheme.block)
+            and scheme.block > 0):
+      raise PlanError(f"{where}: SparDL(block={scheme.block!r}) must be a "
+                      f"finite number > 0{fix}")
+  elif name == "allgather":
+    if not isinstance(scheme.packed_indices, bool):
+      raise PlanError(f"{where}: AllGather(packed_indices="
+                      f"{scheme.packed_indices!r}) must be True or False"
+                      f"{fix}")
+  elif name == "hier":
+    check_scheme(f"{where} (Hier's inner)", scheme.inner)
+def _check_buckets(plan) -> None:
+  """Each bucket's fields; every leaf in exactly one bucket."""
   seen = []
   for i, b in enumerate(plan.buckets):
     where = f"bucket {i}"
     if not b.leaves:
       raise PlanError(f"{where}: has no leaves.")
     one_of(f"{where}: collective", b.collective, COLLECTIVES)
+    if b.scheme is not None and getattr(b.scheme, "name", None) != \
+        b.collective:
+      raise PlanError(f"{where}: scheme={b.scheme!r} is not a "
+                      f"{b.collective!r} scheme; give a scheme of "
+                      "jaxfuse.collectives whose name is the collective, "
+                      "or scheme=None for its defaults (replacing a "
+                      "bucket's collective: replace its scheme too).")
+    check_scheme(where, b.scheme)
     one_of(f"{where}: sparsify", b.sparsify, SPARSIFY)
     if any(not is_int(j) or not 0 <= j < len(plan.leaves)
            for j in b.leaves):

@@ -26,7 +26,7 @@ import weakref
 
 from jaxfuse.sync import bucket_pass
 from jaxfuse import plans
-from jaxfuse.collectives.configs import configured
+from jaxfuse.collectives import configs
 
 PSUM, FULL, SPARSE = "psum", "full", "sparse"
 
@@ -48,8 +48,7 @@ class BucketStep:
   placement: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
   """Per unit of ``units``: (unit id, ((leaf id, offset in the unit), …))."""
   settings: plans.Settings
-  """The plan's settings: the estimators' knobs, the wire dtypes, the
-  schemes' configuration."""
+  """The plan's settings: the estimators' knobs, the wire dtypes."""
   unit_specs: tuple[plans.Unit, ...]   # of ``units``, in that order
   wire_specs: tuple[plans.Unit, ...]   # as they travel (``wire_unit``)
   group_units: tuple[tuple[int, ...], ...]  # per group of ``groups``
@@ -61,8 +60,9 @@ class BucketStep:
   (``blendable``)."""
   batches: tuple[bucket_pass.Batch, ...]  # sparse: rows of one selection
   scheme: object = None
-  """The bucket's collective, configured (``collectives.configured``): it
-  receives the bucket's slots and plans nothing."""
+  """The bucket's collective with its configuration (``BucketPlan.scheme``,
+  ``collectives.of_bucket``): it receives the bucket's slots and plans
+  nothing."""
 
   def unit(self, u: int) -> plans.Unit:
     """Unit ``u`` of this bucket (a unit id of ``units``)."""
@@ -157,7 +157,7 @@ def _compile(plan: plans.Plan) -> Schedule:
   group_of_unit = tuple(group_of[u] for u in range(len(all_units)))
   group_dtypes = tuple(plans.state_dtype(all_units[ids[0]], plan.settings)
                        for ids in groups)
-  schemes = [configured(b.collective, plan.settings) for b in plan.buckets]
+  schemes = [configs.of_bucket(b) for b in plan.buckets]
   scheme_of = {u: s for s, ids in zip(schemes, per_bucket) for u in ids}
   wire_units = tuple(plans.wire_unit(unit, plan.settings, scheme_of[u])
                      for u, unit in enumerate(all_units))
@@ -195,14 +195,16 @@ def _compile(plan: plans.Plan) -> Schedule:
 def layout(plan: plans.Plan, sched: Schedule | None = None) -> tuple:
   """What a state's arrays mean, which must not change between phases
   (``LAYOUT_PARTS``): leaves, units (without capacity or density),
-  buckets, modes, dtypes, settings (but the wire dtypes ``full_wire`` and
-  ``sparse_wire``, which the state does not hold)."""
+  buckets (each with its scheme's configuration), modes, dtypes, settings
+  (but the wire dtypes ``full_wire`` and ``sparse_wire``, which the state
+  does not hold)."""
   sched = sched or compile_plan(plan)
   return (tuple((l.path, l.shape, l.dtype, l.mode) for l in plan.leaves),
           tuple((u.leaves, u.size, u.dtype, u.estimator)
                 for u in sched.units),
           tuple(b.units for b in sched.buckets),
-          tuple((b.leaves, b.collective, b.sparsify) for b in plan.buckets),
+          tuple((b.leaves, b.collective, b.sparsify, step.scheme)
+                for b, step in zip(plan.buckets, sched.buckets)),
           dataclasses.replace(plan.settings, full_wire="gradient",
                               sparse_wire="gradient"))
 
