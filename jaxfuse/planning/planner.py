@@ -42,7 +42,7 @@ from jaxfuse.plans import checks as plan_checks
 from jaxfuse.planning.costs import Costs
 from jaxfuse.planning.costs import CostsError
 from jaxfuse.planning import grouping
-from jaxfuse.planning import leaves as leaves_lib
+from jaxfuse.planning import leaves as leaf_planning
 from jaxfuse.planning import ordering
 from jaxfuse.planning import plan_keywords
 from jaxfuse.planning.simulate import simulate
@@ -172,7 +172,7 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
     PlanError: an argument that cannot make a plan, named with the fix.
   """
   a = _checked(dict(locals()))
-  leaves = leaves_lib.leaf_plans(params, a["density"], a["estimator"],
+  leaves = leaf_planning.leaf_plans(params, a["density"], a["estimator"],
                                  a["settings"])
   order = _ready_order(a, params, len(leaves))
   costs = _load_costs(a["costs"], a["strategy"], leaves)
@@ -480,7 +480,7 @@ def _candidates(leaves, order, nbytes, costs, a: dict) -> list:
   leaf dense ("dense+…")."""
   num_buckets, bucket_bytes = a["num_buckets"], a["bucket_bytes"]
   gather = _scheme(a, "allgather")
-  dense = tuple(leaves_lib.dense(l) for l in leaves)
+  dense = tuple(leaf_planning.dense(l) for l in leaves)
   rules = [("layerwise", "layerwise", num_buckets, bucket_bytes),
            ("single", "single", num_buckets, bucket_bytes)]
   rules += [(f"aligned(num_buckets={m})", "aligned", m, bucket_bytes)
@@ -529,7 +529,7 @@ def _auto(leaves, order, nbytes, costs, a: dict):
   p = strategies.problem(ls, order, costs, settings, gather)
   switch = set(strategies.densify(p, groups, [nbytes[i] for i in order]))
   if switch:
-    mixed = tuple(leaves_lib.dense(l) if i in switch else l
+    mixed = tuple(leaf_planning.dense(l) if i in switch else l
                   for i, l in enumerate(ls))
     regrouped = strategies.cupcake(strategies.problem(mixed, order, costs,
                                                       settings, gather))
