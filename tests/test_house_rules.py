@@ -51,6 +51,11 @@ def test_the_parameter_count_sees_every_kind():
   assert _param_count(fn) == 7
 
 
+# The one documented exception: ``jaxfuse.plan``, the planner's front door
+# (its knobs are the plan's own fields), takes at most 12.
+WIDER = {("jaxfuse/planning/planner.py", "plan"): 12}
+
+
 def test_no_function_outside_kernels_takes_more_than_six_parameters():
   over = []
   for path in _sources():
@@ -59,7 +64,7 @@ def test_no_function_outside_kernels_takes_more_than_six_parameters():
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         n = _param_count(node)
-        if n > MAX_PARAMS:
+        if n > WIDER.get((_name(path), node.name), MAX_PARAMS):
           over.append(f"{_name(path)}:{node.lineno} {node.name} ({n})")
   assert not over, (
       f"functions with more than {MAX_PARAMS} parameters: {over}; group "

@@ -301,6 +301,8 @@ def test_a_nonfinite_loss_under_the_step_builder_is_reported(recipe):
   import warnings as warnings_lib
   with warnings_lib.catch_warnings():
     warnings_lib.simplefilter("error")
+    # the ramp's 25 % phase moves more than dense on 8 workers: said apart
+    warnings_lib.filterwarnings("ignore", message=r"phase \d+ .* receives")
     _builder_run(recipe, [x, x], dense_first)
   bad = x.at[-2, 0].set(jnp.nan)   # the last worker's batch
   with pytest.warns(UserWarning, match=r"make_train_step: the loss of step 1 "
