@@ -440,12 +440,16 @@ def make_optimizer(args, schedule, decay_mask, plan):
 def scheme_of(args):
   """``--collective`` with its options as a scheme object
   (``--packed-indices`` for an all-gather, alone or under hier;
-  ``--spardl-block`` for SparDL)."""
+  ``--spardl-block`` for SparDL); under ``--strategy auto``, which may
+  pick any scheme per bucket, a tuple that configures those too."""
   gather = jaxfuse.collectives.AllGather(packed_indices=args.packed_indices)
-  return {"allgather": gather,
-          "zen": jaxfuse.collectives.Zen(),
-          "spardl": jaxfuse.collectives.SparDL(block=args.spardl_block),
-          "hier": jaxfuse.collectives.Hier(inner=gather)}[args.collective]
+  spardl = jaxfuse.collectives.SparDL(block=args.spardl_block)
+  scheme = {"allgather": gather, "zen": jaxfuse.collectives.Zen(),
+            "spardl": spardl,
+            "hier": jaxfuse.collectives.Hier(inner=gather)}[args.collective]
+  if args.strategy != "auto":
+    return scheme
+  return (scheme,) + tuple(s for s in (gather, spardl) if s.name != scheme.name)
 
 
 def plan_options(args) -> dict:

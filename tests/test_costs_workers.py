@@ -112,6 +112,28 @@ def test_auto_picks_each_sparse_buckets_collective_for_k():
         assert b.collective == min(times, key=times.get) == want, times
 
 
+def test_auto_runs_the_schemes_it_picks_as_the_tuple_configures_them():
+  """collective=(AllGather(), SparDL(block=4.0)): the rule strategies use
+  the first; "auto" picks SparDL on 64 workers and keeps block=4.0."""
+  params = [jax.ShapeDtypeStruct((256, 256), "float32") for _ in range(3)]
+  costs = Costs({"allgather": LinearCost(1e-5, 1e-9),
+                 "psum": LinearCost(1e-5, 1e-9)}, LinearCost(0.0, 0.0),
+                (1e-4,) * 3, overlap=0.0, workers=2)
+  given = (collectives.AllGather(), collectives.SparDL(block=4.0))
+  auto = jaxfuse.plan(params, density=0.01, strategy="auto", costs=costs,
+                      num_workers=64, collective=given)
+  sparse = [b for b in auto.buckets if b.collective != "psum"]
+  assert sparse and all(b.scheme == collectives.SparDL(teams=1, block=4.0)
+                        for b in sparse)
+  rule = jaxfuse.plan(params, density=0.01, strategy="single",
+                      collective=given)
+  assert [b.scheme for b in rule.buckets] == [collectives.AllGather()]
+  with pytest.raises(jaxfuse.PlanError, match="names a scheme twice"):
+    jaxfuse.plan(params, collective=(collectives.Zen(), "zen"))
+  with pytest.raises(jaxfuse.PlanError, match="at least one scheme"):
+    jaxfuse.plan(params, collective=())
+
+
 def test_a_schemes_measured_compute_can_change_autos_choice():
   """On 64 workers SparDL's wire steps win; with SparDL and ZEN charged
   1 s of compute per bucket, allgather wins, and the simulated step counts

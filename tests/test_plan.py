@@ -208,6 +208,33 @@ def test_json_round_trip(tmp_path):
     loaded.validate(params)
 
 
+def test_summary_names_each_buckets_scheme_and_settings():
+  # a hand-made plan: the text is written out here, not by the code
+  params = {"a": jnp.zeros((300, 200)), "b": jnp.zeros(1000),
+            "c": jnp.zeros((64, 64))}
+  plan = jaxfuse.plan(params, density=0.05, num_buckets=3,
+                      collective=collectives.Zen(table=3.0))
+  assert plan.summary().splitlines()[2:] == [
+      "  bucket 0: Zen(table=3.0, union=1.0), ahead, 1 leaf (ρ 0.05, dgc): "
+      "['c']",
+      "  bucket 1: psum, 1 leaf: ['b']",
+      "  bucket 2: Zen(table=3.0, union=1.0), ahead, 1 leaf (ρ 0.05, dgc): "
+      "['a']"]
+  behind = jaxfuse.plan(params, density=0.05, strategy="behind",
+                        collective=collectives.Hier(inner="zen"))
+  lines = behind.summary().splitlines()
+  assert lines[0] == ("jaxfuse plan: 3 leaves, 2 buckets, "
+                      "strategy=behind")
+  # capacity ⌈ρ·n·headroom⌉ over both leaves: ⌈0.05·(4096 + 60000)·1.5⌉
+  assert lines[2] == (
+      "  bucket 0: Hier(inner=Zen(table=2.0, union=1.0)), behind (ρ 0.05, "
+      "dgc, capacity 4,808), 2 leaves: ['c'], ['a']")
+  # a bucket kept without its scheme reads as the scheme's defaults
+  bare = dataclasses.replace(plan, buckets=tuple(
+      dataclasses.replace(b, scheme=None) for b in plan.buckets))
+  assert "bucket 0: Zen(table=2.0, union=1.0), ahead" in bare.summary()
+
+
 def _plan_json():
   return json.loads(list_plan(
       [(100, 10), (5,)], density=0.1,

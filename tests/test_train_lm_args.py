@@ -162,6 +162,22 @@ def test_headroom_sets_the_plans_slots(example, headroom):
   assert plan.provenance["parameters"]["bucket_bytes"] == 10_000
 
 
+@pytest.mark.parametrize("strategy", ["size", "auto"])
+def test_scheme_flags_configure_the_schemes_auto_may_pick(example, strategy):
+  """--spardl-block and --packed-indices reach the schemes a plan runs:
+  the --collective one under a rule strategy, and every one auto may pick."""
+  train_lm, args_lib = example
+  collectives = train_lm.jaxfuse.collectives
+  args = args_lib.parse_args(["--strategy", strategy, "--spardl-block", "3",
+                              "--packed-indices"])
+  scheme = train_lm.plan_options(args)["collective"]
+  gather = collectives.AllGather(packed_indices=True)
+  if strategy == "size":
+    assert scheme == gather
+  else:
+    assert scheme == (gather, collectives.SparDL(block=3.0))
+
+
 def test_trace_steps_default_to_the_last_five_within_the_run(example):
   _, args_lib = example
   parse = lambda *a: args_lib.parse_args(list(a))

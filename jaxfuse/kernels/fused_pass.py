@@ -83,7 +83,7 @@ def sparsify_pass_reference(x, r, tau, capacity: int, offset) -> PassResult:
                     jnp.any(x != 0))
 
 
-class Blended(NamedTuple):
+class _BlendRow(NamedTuple):
   """A row formed as β·m + (1 − β)·g (``reference.blend``, the same
   expression as the recipe's) as it is loaded, from rows m and g (refs or
   ``selection.Switched``) of one length."""
@@ -109,13 +109,13 @@ def _mask_kernel(tau_ref, *refs, chunks, beta, n, block, tile, stage,
   flat arrays of R rows each (the last may hold fewer), and row g is row
   g mod R of x_{g div R} (``selection.Switched``), read where it is; r and
   the outputs are row g of their stacks (their BlockSpecs squeeze the
-  row). With ``beta``, x is a blend (``Blended``): refs (m_0 … m_{C−1},
-  g_0 … g_{C'−1}, r, outputs…), ``chunks`` = ((C, R), (C', R')): m and g
-  each in their own chunks (m often one (G, n) array, g rows apart). The
-  streams are never padded: a unit shorter than a block is one partial
-  block, whose loads are masked (r and the outputs are at least a block
-  long). acc goes over r in place
-  (``acc_ref`` is r's buffer) and r to ``old_ref``; the staged candidates
+  row). With ``beta``, x is a ``reference.Blend``, read as ``_BlendRow``s:
+  refs (m_0 … m_{C−1}, g_0 … g_{C'−1}, r, outputs…), ``chunks`` =
+  ((C, R), (C', R')): m and g each in their own chunks (m often one (G, n)
+  array, g rows apart). The streams are never padded: a unit shorter than
+  a block is one partial block, whose loads are masked (r and the outputs
+  are at least a block long). acc goes over r in place (``acc_ref`` is r's
+  buffer) and r to ``old_ref``; the staged candidates
   are positions only (pass 2 reads their values from acc), so nothing here
   reads memory this pass has written. ``ids``: (g, b) given (a segment of
   ``segments.segmented_call``'s grid) instead of the program ids."""
@@ -124,7 +124,7 @@ def _mask_kernel(tau_ref, *refs, chunks, beta, n, block, tile, stage,
   for count, per in chunks:
     x_ref.append(sel.Switched(g // per, (g % per) * n, refs[:count], n))
     refs = refs[count:]
-  x_ref = x_ref[0] if beta is None else Blended(*x_ref, beta)
+  x_ref = x_ref[0] if beta is None else _BlendRow(*x_ref, beta)
   r_ref, refs = refs[0], refs[1:]
   tau = tau_ref[g]
   (bits_ref, cnt_ref, si_ref, acc_ref, old_ref, bmax_ref, bpos_ref, bfin_ref,
@@ -468,7 +468,7 @@ def _stream_parts(xs, r):
   return parts, beta
 
 
-class _Batch(NamedTuple):
+class _Operands(NamedTuple):
   """One batch's checked operands: G rows of n elements."""
   cfg: _Config
   layout: tuple         # (chunks, rows per chunk) of each part
@@ -481,7 +481,7 @@ class _Batch(NamedTuple):
 
 
 def _prepare(parts, beta, r, taus, offsets, capacity, *, block, tile,
-             stage, num_warps, interpret, scan_blocks, names) -> _Batch:
+             stage, num_warps, interpret, scan_blocks, names) -> _Operands:
   """The kernels' operands for checked (rows, n) chunks: ``parts`` = [x's]
   or, with ``beta``, [m's, g's] (``names``: the public function and its
   reference, for errors)."""
@@ -502,7 +502,7 @@ def _prepare(parts, beta, r, taus, offsets, capacity, *, block, tile,
                 interpret, scan_blocks)
   taus = jax.vmap(functools.partial(comparison_threshold, chunks[0].dtype))(
       jnp.reshape(jnp.asarray(taus), (rows,)))
-  return _Batch(cfg, tuple(layout), beta, rows, taus,
+  return _Operands(cfg, tuple(layout), beta, rows, taus,
                 jnp.reshape(jnp.asarray(offsets, jnp.int32), (rows,)),
                 tuple(jnp.reshape(c, (-1,)) for p in parts for c in p),
                 _pad(r, cfg))

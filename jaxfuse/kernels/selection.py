@@ -124,7 +124,7 @@ class Switched(NamedTuple):
 
 def load_tile(ref, start, tile, mask=None):
   """``ref[start:start + tile]`` (lanes off ``mask`` unread), ``ref`` a
-  ref or a row that loads itself (``Switched``, ``fused_pass.Blended``:
+  ref or a row that loads itself (``Switched``, ``fused_pass._BlendRow``:
   a ``tile_at`` method)."""
   if hasattr(ref, "tile_at"):
     return ref.tile_at(start, tile, mask)

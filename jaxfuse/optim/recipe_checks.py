@@ -120,15 +120,17 @@ def upgrade(where: str, allowed: tuple) -> Callable[[dict], dict]:
   return run
 
 
-def options(where: str, options) -> RecipeOptions:
-  """``options``, default ``RecipeOptions()``; ``SyncError`` for another
-  kind."""
+def options(where: str, options, kind=None, keyword: str = "options"):
+  """``options`` (a recipe's ``keyword``), default ``kind()`` (default
+  kind ``RecipeOptions``); ``SyncError`` for another kind."""
+  kind = RecipeOptions if kind is None else kind
   if options is None:
-    options = RecipeOptions()
-  if not isinstance(options, RecipeOptions):
+    options = kind()
+  if not isinstance(options, kind):
+    fields = ", ".join(f"{f}=..." for f in kind._fields)
     raise transform.SyncError(
-        f"{where}: options={options!r} must be a jaxfuse.RecipeOptions("
-        "clip_norm=..., mask=..., axis_name=...).")
+        f"{where}: {keyword}={options!r} must be a jaxfuse.{kind.__name__}"
+        f"({fields}).")
   return options
 
 

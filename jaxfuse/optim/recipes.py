@@ -47,7 +47,7 @@ moments and state are in ``jaxfuse.optim.moments``.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +99,34 @@ def _require_trainable(plan, where: str) -> None:
         "only (keep integer state in a tree of its own), or chain "
         "jaxfuse.sparse_sync, which passes their float0 gradients "
         "through, with transforms that handle them.")
+
+
+class _AdamWArgs(NamedTuple):
+  learning_rate: ScalarOrSchedule
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+  clip_norm: float | None
+  mask: Any
+  axis_name: str
+
+
+def _adamw_args(name: str, plan, betas, options, **numbers) -> _AdamWArgs:
+  """An AdamW recipe's checked arguments (``numbers``: learning_rate, eps,
+  weight_decay), each error raised in the recipe's order: betas' form,
+  options' kind, the plan, the numbers, the betas' range, clip_norm."""
+  b1, b2 = recipe_checks.betas(name, betas)
+  clip_norm, mask, axis_name = recipe_checks.options(name, options)
+  _require_trainable(plan, name)
+  learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
+      name, learning_rate=numbers["learning_rate"], b1=b1, b2=b2,
+      eps=numbers["eps"], weight_decay=numbers["weight_decay"],
+      clip_norm=clip_norm)
+  recipe_checks.check_betas(name, b1=b1, b2=b2)
+  recipe_checks.check_clip(clip_norm)
+  return _AdamWArgs(learning_rate, b1, b2, eps, weight_decay, clip_norm,
+                    mask, axis_name)
 
 
 def _kinds(state) -> tuple:
@@ -204,13 +232,8 @@ def sgd(plan: plans.Plan, learning_rate: ScalarOrSchedule,
     TypeError: an unknown keyword.
   """
   clip_norm, mask, axis_name = recipe_checks.options("sgd", options)
-  if sgd_options is None:
-    sgd_options = SGDOptions()
-  if not isinstance(sgd_options, SGDOptions):
-    raise transform.SyncError(
-        f"sgd: sgd_options={sgd_options!r} must be a jaxfuse.SGDOptions("
-        "nesterov=..., mask_momentum=..., residual_decay=...).")
-  nesterov, mask_momentum, residual_decay = sgd_options
+  nesterov, mask_momentum, residual_decay = recipe_checks.options(
+      "sgd", sgd_options, SGDOptions, "sgd_options")
   _require_trainable(plan, "sgd")
   (learning_rate, momentum, clip_norm, weight_decay,
    residual_decay) = recipe_checks.numbers(
@@ -263,13 +286,10 @@ def local_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
       (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
     TypeError: an unknown keyword.
   """
-  b1, b2 = recipe_checks.betas("local_adamw", betas)
-  clip_norm, mask, axis_name = recipe_checks.options("local_adamw", options)
-  _require_trainable(plan, "local_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
-      "local_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-      weight_decay=weight_decay, clip_norm=clip_norm)
-  recipe_checks.check_betas("local_adamw", b1=b1, b2=b2)
+  (learning_rate, b1, b2, eps, weight_decay, clip_norm, mask,
+   axis_name) = _adamw_args("local_adamw", plan, betas, options,
+                            learning_rate=learning_rate, eps=eps,
+                            weight_decay=weight_decay)
   return _recipe("local_adamw", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
@@ -307,14 +327,10 @@ def sync_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
       (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
     TypeError: an unknown keyword.
   """
-  b1, b2 = recipe_checks.betas("sync_adamw", betas)
-  clip_norm, mask, axis_name = recipe_checks.options("sync_adamw", options)
-  _require_trainable(plan, "sync_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
-      "sync_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-      weight_decay=weight_decay, clip_norm=clip_norm)
-  recipe_checks.check_betas("sync_adamw", b1=b1, b2=b2)
-  recipe_checks.check_clip(clip_norm)
+  (learning_rate, b1, b2, eps, weight_decay, clip_norm, mask,
+   axis_name) = _adamw_args("sync_adamw", plan, betas, options,
+                            learning_rate=learning_rate, eps=eps,
+                            weight_decay=weight_decay)
   return _recipe("sync_adamw", plan, optax.chain(
       transform.sparse_sync(plan, axis_name),
       optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(),
@@ -365,14 +381,10 @@ def onebit_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
       (``betas`` not a pair), or one of ``STATIC_ARGS[name]`` is traced.
     TypeError: an unknown keyword.
   """
-  b1, b2 = recipe_checks.betas("onebit_adamw", betas)
-  clip_norm, mask, axis_name = recipe_checks.options("onebit_adamw", options)
-  _require_trainable(plan, "onebit_adamw")
-  learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
-      "onebit_adamw", learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-      weight_decay=weight_decay, clip_norm=clip_norm)
-  recipe_checks.check_betas("onebit_adamw", b1=b1, b2=b2)
-  recipe_checks.check_clip(clip_norm)
+  (learning_rate, b1, b2, eps, weight_decay, clip_norm, mask,
+   axis_name) = _adamw_args("onebit_adamw", plan, betas, options,
+                            learning_rate=learning_rate, eps=eps,
+                            weight_decay=weight_decay)
   sched = bucket_steps.compile_plan(plan)
   dense_phase = all(b.kind != bucket_steps.SPARSE for b in sched.buckets)
   sync = transform.sparse_sync(plan, axis_name)

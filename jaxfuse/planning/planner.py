@@ -133,7 +133,10 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
       ``SparDL(teams=2)``, ``Hier(inner="zen")``,
       ``AllGather(packed_indices=True)``; or one of
       ``plans.SPARSE_COLLECTIVES`` for that scheme's defaults (dense
-      buckets always ``"psum"``).
+      buckets always ``"psum"``). A tuple of schemes, e.g.
+      ``(AllGather(), SparDL(block=4.0))``: the first is the scheme of
+      the rule strategies' buckets, and each one given is how that
+      scheme runs wherever ``"auto"`` picks it (the others: defaults).
     settings: the knobs shared by every leaf, ``jaxfuse.Settings(headroom,
       min_sparse_size, seed, residual_dtype, full_wire, sparse_wire,
       estimation=jaxfuse.Estimation(refresh, feedback, sample_fraction,
@@ -180,17 +183,32 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
 
 
 def _schemes(collective) -> tuple[str, dict]:
-  """``collective`` (a name, a scheme object, or 0.2's keywords'
-  ``plan_keywords.Schemes``) as (the scheme's name, {name: the configured
-  scheme}); a name not in the dict runs with its defaults."""
-  by_name = {}
+  """``collective`` (a name, a scheme object, a tuple of them, or 0.2's
+  keywords' ``plan_keywords.Schemes``) as (the scheme's name, {name: the
+  configured scheme}); a name not in the dict runs with its defaults."""
   if isinstance(collective, plan_keywords.Schemes):
-    collective, by_name = collective.name, dict(collective.by_name)
+    return collective.name, dict(collective.by_name)
+  if isinstance(collective, (tuple, list)):
+    if not collective:
+      raise plans.PlanError("collective=(): give at least one scheme.")
+    named = [_schemes(c) for c in collective]
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+      raise plans.PlanError(
+          f"collective={collective!r} names a scheme twice ({names}); give "
+          "each scheme once, configured as it should run.")
+    by_name = {}
+    for _, schemes in named:      # with a Hier's inner scheme
+      by_name.update(schemes)
+    for name, schemes in named:   # a scheme given itself wins over an inner
+      if name in schemes:
+        by_name[name] = schemes[name]
+    return names[0], by_name
   if isinstance(collective, str):
     if collective not in plans.SPARSE_COLLECTIVES:
       raise plans.PlanError(f"collective={collective!r}; use one of "
                             f"{plans.SPARSE_COLLECTIVES}.")
-    return collective, by_name
+    return collective, {}
   if getattr(collective, "name", None) not in plans.SPARSE_COLLECTIVES:
     raise plans.PlanError(
         f"collective={collective!r}; use a scheme of jaxfuse.collectives "

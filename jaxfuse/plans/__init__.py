@@ -195,18 +195,43 @@ class Plan:
     return sum(l.size * jax.numpy.dtype(l.dtype).itemsize for l in self.leaves)
 
   def summary(self) -> str:
+    """The plan in a few lines: its totals, then each bucket's scheme with
+    its configuration, how it sparsifies, and its leaves.
+
+    A sparse bucket reads ``Zen(table=3.0, union=1.0), ahead, 2 leaves
+    (ρ 0.05, dgc): ['a'], ['c']``: the scheme (its defaults where the plan
+    keeps none), ``ahead`` (each leaf selected on its own, at its ρ) or
+    ``behind`` (one fused selection, with its capacity), then its leaves;
+    a dense bucket reads ``psum, 1 leaf: ['b']``.
+
+    Returns:
+      The text, one line a bucket after two of totals.
+    """
     lines = [f"jaxfuse plan: {len(self.leaves)} leaves, {len(self.buckets)} "
              f"buckets, strategy={self.provenance.get('strategy', '?')}",
              f"  dense bytes {self.dense_bytes():,}; wire bytes per worker "
              f"{self.bytes_per_worker():,}"]
     for i, b in enumerate(self.buckets):
-      names = ", ".join(self.leaves[j].path for j in b.leaves[:3])
-      more = f" … (+{len(b.leaves) - 3})" if len(b.leaves) > 3 else ""
-      kind = b.collective + (f"/{b.sparsify}" if b.collective != "psum"
-                             else "")
-      lines.append(f"  bucket {i}: {kind}, "
-                   f"{len(b.leaves)} leaves: {names}{more}")
+      lines.append(f"  bucket {i}: {self._bucket_line(b)}")
     return "\n".join(lines)
+
+  def _bucket_line(self, b: BucketPlan) -> str:
+    names = ", ".join(self.leaves[j].path for j in b.leaves[:3])
+    more = f" … (+{len(b.leaves) - 3})" if len(b.leaves) > 3 else ""
+    count = f"{len(b.leaves)} " + ("leaf" if len(b.leaves) == 1 else "leaves")
+    if b.collective == "psum":
+      return f"psum, {count}: {names}{more}"
+    scheme = b.scheme if b.scheme is not None else SCHEME_TYPES.get(
+        b.collective, lambda: b.collective)()
+    if b.sparsify == "behind":
+      how = (f"behind (ρ {b.density:g}, {b.estimator}, capacity "
+             f"{b.capacity:,})")
+      return f"{scheme!r}, {how}, {count}: {names}{more}"
+    rhos = sorted({self.leaves[j].density for j in b.leaves})
+    ests = sorted({str(self.leaves[j].estimator) for j in b.leaves})
+    rho = "/".join(f"{r:g}" for r in rhos)
+    return (f"{scheme!r}, ahead, {count} (ρ {rho}, "
+            f"{'/'.join(ests)}): {names}{more}")
 
   # --- validation against parameters --------------------------------------
   def validate(self, params) -> None:
