@@ -86,14 +86,46 @@ def make_mesh(num_devices: int | None = None, axis_name="data",
 
 
 def varying_axes(x) -> frozenset:
-  """Mesh axes over which ``x`` may differ (empty outside ``shard_map``)."""
+  """Worker axes over which ``x`` may differ: the manual (``shard_map``)
+  axes its type says it varies over, and the named ``vmap`` axes it is
+  batched along (``batched_axes``). Empty outside both."""
   aval = jax.typeof(x)
   vma = getattr(aval, "vma", None)
   if vma is None:
     mat = getattr(aval, "mat", None)
     vma = (getattr(mat, "varying", frozenset()) if mat is not None
            else frozenset())
-  return frozenset(vma)
+  return frozenset(vma) | batched_axes(x)
+
+
+def batched_axes(x) -> frozenset:
+  """The named ``jax.vmap`` axes along which ``x`` is batched, read from
+  its batching tracers (a value that does not depend on an axis is not
+  batched along it). Empty outside ``vmap``, and inside a ``jit`` or
+  ``lax`` control-flow body traced under it (its values are not batching
+  tracers there); a ``vmap`` without ``axis_name`` is not named."""
+  from jax._src.interpreters import batching  # pylint: disable=g-import-not-at-top
+  names = set()
+  while isinstance(x, batching.BatchTracer):
+    name = getattr(x._trace.axis_data, "name", None)  # pylint: disable=protected-access
+    if name is not None and x.batch_dim is not getattr(
+        batching, "not_mapped", None):
+      names.add(name)
+    x = x.val
+  return frozenset(names)
+
+
+def manual_axes() -> frozenset:
+  """The manual axes of the enclosing ``shard_map`` (empty outside one)."""
+  return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def vmap_axis(axis_name) -> bool:
+  """Whether ``axis_name`` (a name or a tuple of names) is bound, and each
+  of its names by a named ``jax.vmap`` rather than a ``shard_map``: the
+  workers simulated on one device (``jaxfuse.simulated_mesh``)."""
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  return axis_size(axis_name) is not None and not set(names) & manual_axes()
 
 
 def vary_alike(*xs):
@@ -153,7 +185,7 @@ def kernel_operands(*xs, interpret: bool, kernel: str, reference: str):
   The Pallas interpreter of JAX 0.10-0.12 fails on varying operands, so
   ``interpret`` there is an error naming ``reference``."""
   xs = vary_alike(*xs)
-  if interpret and varying_axes(xs[0]):
+  if interpret and varying_axes(xs[0]) & manual_axes():
     raise NotImplementedError(
         f"{kernel}(interpret=True) inside shard_map needs check_vma=False "
         "(the Pallas interpreter of JAX 0.10-0.12 fails on operands that "
@@ -174,10 +206,16 @@ def axis_size(axis_name) -> int | None:
 
 def to_varying(tree, axis_name):
   """Mark every array leaf as varying over ``axis_name`` (a name or a tuple
-  of names; no data moves)."""
+  of names; no data moves). Names bound by a ``jax.vmap`` are skipped: a
+  vmap axis has no such typing (``vmap_axis``)."""
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  manual = manual_axes()
+  names = tuple(a for a in names if a in manual or axis_size(a) is None)
+  if not names:
+    return tree
   if isinstance(axis_name, tuple):
     def cast(x):
-      missing = tuple(a for a in axis_name if a not in varying_axes(x))
+      missing = tuple(a for a in names if a not in varying_axes(x))
       return lax.pcast(x, missing, to="varying") if missing else x
     return jax.tree.map(cast, tree)
 
@@ -189,7 +227,11 @@ def to_varying(tree, axis_name):
 
 
 def all_gather_invariant(x, axis_name: str):
-  """``all_gather`` whose result is typed as identical on every worker."""
+  """``all_gather`` whose result is typed as identical on every worker
+  (over a ``jax.vmap`` axis a plain ``all_gather``, which comes out
+  unbatched)."""
+  if vmap_axis(axis_name):
+    return lax.all_gather(x, axis_name)
   if _ALL_GATHER_HAS_TO:
     return lax.all_gather(x, axis_name, to="invarying")
   from jax._src.lax import parallel  # pylint: disable=g-import-not-at-top

@@ -184,8 +184,7 @@ def _reduce(values, indices, size: int, axis_name: str):
   # when an outer scheme, "hier", runs this one over its host axis).
   axes = (_compat.varying_axes(values) | _compat.varying_axes(indices) |
           set(axis_name if isinstance(axis_name, tuple) else (axis_name,)))
-  init = tuple(lax.pcast(x, tuple(sorted(axes)), to="varying")
-               for x in (acc, hit))
+  init = _compat.to_varying((acc, hit), tuple(sorted(axes)))
   return lax.fori_loop(0, values.shape[0], add, init)
 
 

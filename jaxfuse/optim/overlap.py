@@ -112,6 +112,10 @@ def send_early(step, *, window: int | None = 2, start_early: bool = True,
   scheduler to start it as early and end it as late as its dependencies
   allow, whatever its cost model says.
 
+  Under a named ``jax.vmap`` (workers simulated on one device,
+  ``jaxfuse.simulated_mesh``) there is no network to overlap: ``step``
+  runs unchanged.
+
   ``finish_under_last`` (default True): run the earlier buckets' readers
   (decode, update) right after the last collective is issued and make the
   last bucket's readers wait for them, so they run under the last
@@ -147,6 +151,8 @@ def send_early(step, *, window: int | None = 2, start_early: bool = True,
 
   @functools.wraps(step)
   def wrapped(*args, **kwargs):
+    if any(_compat.batched_axes(x) for x in jax.tree.leaves((args, kwargs))):
+      return step(*args, **kwargs)   # simulated workers: no network
     closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*args,
                                                                 **kwargs)
     flat = jax.tree.leaves((args, kwargs))

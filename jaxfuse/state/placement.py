@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxfuse import _compat
 from jaxfuse import plans
+from jaxfuse.state import simulated
 from jaxfuse.transform import SyncError
 from jaxfuse.transform import axis_names
 from jaxfuse.transform import holds
@@ -341,12 +342,14 @@ def init_state(optimizer: optax.GradientTransformation, params,
   Args:
     optimizer: an optax transform holding ``sparse_sync`` (a recipe).
     params: the parameters (replicated arrays, or shapes).
-    mesh: the mesh the step runs on (``jaxfuse.make_mesh()``).
+    mesh: the mesh the step runs on (``jaxfuse.make_mesh()``), or
+      ``jaxfuse.simulated_mesh(workers=K)`` for K workers on one device.
     axis_name: the workers' mesh axis, or a tuple of axes.
 
   Returns:
     The optimizer state, per-worker leaves sharded ``P(axis_name)`` over
-    the mesh (leading axis K), the rest replicated.
+    the mesh (leading axis K), the rest replicated; on a simulated mesh
+    the same global shapes on its one device.
 
   Raises:
     TypeError: ``optimizer`` is not an optax transform, or ``mesh`` not a
@@ -355,15 +358,20 @@ def init_state(optimizer: optax.GradientTransformation, params,
       state (naming the fix).
   """
   require_transform(optimizer, "init_state")
-  if not isinstance(mesh, jax.sharding.Mesh):
+  if not isinstance(mesh, (jax.sharding.Mesh, simulated.SimulatedMesh)):
     raise TypeError(f"init_state expects the jax.sharding.Mesh the step "
                     f"runs on, got {type(mesh).__name__}; make one with "
-                    "jaxfuse.make_mesh().")
+                    "jaxfuse.make_mesh() (or jaxfuse.simulated_mesh() for "
+                    "workers on one device).")
   axis_name, names = axis_names(axis_name)
   if not set(names) <= set(mesh.axis_names):
     raise SyncError(f"mesh has axes {mesh.axis_names}, not {axis_name!r}; "
                     "make the mesh with jaxfuse.make_mesh() or pass axis_name.")
   specs = state_specs(jax.eval_shape(optimizer.init, params), axis_name)
+  if simulated.is_simulated(mesh):
+    init = simulated.vmap_workers(optimizer.init, mesh, (P(),), specs)
+    with jax.default_device(mesh.device):
+      return jax.jit(init)(params)
   init = jax.shard_map(optimizer.init, mesh=mesh, in_specs=(P(),),
                        out_specs=specs)
   return jax.jit(init)(params)
