@@ -71,6 +71,8 @@ from jaxfuse.transform import per_worker_mask
 from jaxfuse.transform import PerWorkerState
 from jaxfuse.transform import sparse_sync
 from jaxfuse.state.placement import state_specs
+from jaxfuse.state.simulated import simulated_mesh
+from jaxfuse.state.simulated import vmap_workers
 from jaxfuse.state.relayout import relayout
 from jaxfuse.stats import summarize
 from jaxfuse.transform import sync_stats
@@ -92,10 +94,10 @@ __all__ = [
     "local_params", "make_mesh", "make_train_step", "onebit_adamw", "per_worker",
     "per_worker_mask", "phase_index", "plan", "predicted_params", "relayout",
     "second_moment", "second_moment_change", "send_early", "sgd",
-    "sparse_sync", "state_specs", "summarize",
+    "simulated_mesh", "sparse_sync", "state_specs", "summarize",
     "sync_adamw",
-    "sync_stats", "unit_residuals", "with_density", "xla_flags", "xla_options",
-    "__version__",
+    "sync_stats", "unit_residuals", "vmap_workers", "with_density",
+    "xla_flags", "xla_options", "__version__",
 ]
 
 _deprecated.install()

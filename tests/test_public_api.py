@@ -35,9 +35,9 @@ PUBLIC = [
     "make_train_step",
     "onebit_adamw", "per_worker", "per_worker_mask", "phase_index", "plan",
     "predicted_params", "relayout", "second_moment", "second_moment_change",
-    "send_early", "sgd",
+    "send_early", "sgd", "simulated_mesh",
     "sparse_sync", "state_specs", "summarize", "sync_adamw", "sync_stats",
-    "unit_residuals", "with_density", "xla_flags", "xla_options",
+    "unit_residuals", "vmap_workers", "with_density", "xla_flags", "xla_options",
 ]
 PLANNING_MODULES = [
     "backward", "bucket_cost", "cli", "cli_io", "cli_show",

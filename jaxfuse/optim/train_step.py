@@ -40,6 +40,7 @@ from jaxfuse.state import checkpoint
 from jaxfuse.optim import compile_options
 from jaxfuse.optim import overlap
 from jaxfuse.state import placement
+from jaxfuse.state import simulated
 from jaxfuse import plans
 from jaxfuse import transform
 from jaxfuse.optim.phases import Phase
@@ -73,11 +74,13 @@ class StepOptions:
       it pays, several GPUs with ``jaxfuse.xla_flags`` in ``XLA_FLAGS``;
       off on CPU. True: on, with ``send_early``'s default window; an int
       w >= 0: on, with window w (0: unbounded). The results are bitwise
-      the same either way.
+      the same either way. On a ``simulated_mesh`` a no-op (no network).
     donate: give the state's buffers to the step (updated in place, not
       copied); the state passed in is then consumed.
     check_replicas: after each step, check on the host that the params
-      (and float model state) are bitwise identical on every device.
+      (and float model state) are bitwise identical on every device. On a
+      ``simulated_mesh`` they are one array: ``jax.vmap`` refuses, when
+      the step is traced, a replicated output that depends on the worker.
     axis_name: the mesh axis the workers lie along.
     grad_at: where each worker takes its gradient: ``grad_at(params,
       opt_state) -> params'``, a tree of the params' structure, and the
@@ -172,7 +175,9 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
       for a recipe whose settings all have defaults).
     phases: a ``jaxfuse.Plan`` (one phase for every step) or the
       ``jaxfuse.Phase``s of a warm-up (``jaxfuse.density_warmup``).
-    mesh: the mesh the workers lie on (``jaxfuse.make_mesh()``).
+    mesh: the mesh the workers lie on (``jaxfuse.make_mesh()``), or
+      ``jaxfuse.simulated_mesh(workers=K)``: K workers as a named
+      ``jax.vmap`` on one device, computing what K devices compute.
     options: a ``StepOptions`` (default: ``StepOptions()``).
 
   Returns:
@@ -193,10 +198,11 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be a function, got "
                     f"{type(loss_fn).__name__}.")
-  if not isinstance(mesh, jax.sharding.Mesh):
+  if not isinstance(mesh, (jax.sharding.Mesh, simulated.SimulatedMesh)):
     raise TypeError(f"mesh: expected the jax.sharding.Mesh to train on, got "
                     f"{type(mesh).__name__}; make one with "
-                    "jaxfuse.make_mesh().")
+                    "jaxfuse.make_mesh(), or jaxfuse.simulated_mesh(K) for "
+                    "K workers on one device.")
   if options.axis_name not in mesh.axis_names:
     raise ValueError(f"mesh has axes {mesh.axis_names}, not "
                      f"{options.axis_name!r}: make it with jaxfuse.make_mesh() "
@@ -242,11 +248,11 @@ def _wire_warnings(phases: tuple[Phase, ...], mesh: jax.sharding.Mesh,
     warnings.warn(message, UserWarning, stacklevel=3)
 
 
-def _replicated_copy(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+def _replicated_copy(tree: Any, mesh: Any) -> Any:
   """``tree`` copied (the step donates its buffers, never the caller's)
   and placed on every device of ``mesh``."""
   tree = jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
-  return jax.device_put(tree, NamedSharding(mesh, P()))
+  return simulated.put(tree, mesh, P())
 
 
 def _as_phases(phases: Any) -> tuple[Phase, ...]:
@@ -289,11 +295,12 @@ class TrainStep:
     self._platform = platform
     # XLA's CPU collectives can stall when steps queue up (one device has
     # none to wait for)
-    self._block = platform == "cpu" and mesh.size > 1
+    on_one = simulated.is_simulated(mesh)   # K workers, one device
+    self._block = platform == "cpu" and mesh.size > 1 and not on_one
     send = options.send_early
     if send is None:
       send = bool(compile_options.on_gpu(platform) and mesh.size > 1 and
-                  compile_options.network_flags_set())
+                  compile_options.network_flags_set() and not on_one)
     self._send_early = send
     compiler = options.compiler_options
     self._compiler_options = (compile_options.xla_options(platform)
@@ -376,7 +383,8 @@ class TrainStep:
       index: the phase's index in ``phases``.
 
     Returns:
-      ``jit(shard_map(...))``: ``(params, opt_state, model_state, batch) ->
+      ``jit(shard_map(...))`` (on a simulated mesh ``jit(vmap(...))``,
+      ``jaxfuse.vmap_workers``): ``(params, opt_state, model_state, batch) ->
       (params, opt_state, model_state, loss)`` (``(loss, aux)`` with
       ``has_aux``); e.g. for ``.lower(...).compile()``.
 
@@ -395,9 +403,9 @@ class TrainStep:
         window = {} if send is True else {"window": send or None}
         local = overlap.send_early(local, **window)
       axis = self.options.axis_name
-      mapped = jax.shard_map(
-          local, mesh=self.mesh, in_specs=(P(), self._specs, P(), P(axis)),
-          out_specs=(P(), self._specs, P(), P()))
+      mapped = simulated.worker_map(
+          local, self.mesh, (P(), self._specs, P(), P(axis)),
+          (P(), self._specs, P(), P()))
       self._compiled[id(plan)] = (plan, jax.jit(
           mapped, donate_argnums=(0, 1, 2) if self.options.donate else (),
           compiler_options=self._compiler_options or None))
@@ -451,6 +459,8 @@ class TrainStep:
             f"does not split over the {workers} workers; give every batch "
             f"leaf a leading axis of a multiple of {workers} rows (e.g. "
             "drop the last, partial batch).")
+    if simulated.is_simulated(self.mesh):
+      return simulated.put(batch, self.mesh, P())
     sharding = NamedSharding(self.mesh, P(self.options.axis_name))
     if jax.process_count() > 1:
       for path, x in leaves:

@@ -222,3 +222,19 @@ def _leaf_specs(spec, tree) -> list:
   subtrees = jax.tree.structure(spec, is_leaf=is_spec).flatten_up_to(tree)
   return [s for s, sub in zip(jax.tree.leaves(spec, is_leaf=is_spec),
                               subtrees) for _ in jax.tree.leaves(sub)]
+
+
+def worker_map(f: Callable, mesh: Any, in_specs, out_specs) -> Callable:
+  """``jax.shard_map`` on a ``jax.sharding.Mesh``, ``vmap_workers`` on a
+  ``SimulatedMesh``: the step builder's one call for either."""
+  if is_simulated(mesh):
+    return vmap_workers(f, mesh, in_specs, out_specs)
+  return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def put(tree: Any, mesh: Any, spec: P) -> Any:
+  """``tree`` placed as ``spec`` says on a real mesh; on a simulated one,
+  whole on its device (the global arrays: the same shapes)."""
+  if is_simulated(mesh):
+    return jax.device_put(tree, mesh.device)
+  return jax.device_put(tree, jax.sharding.NamedSharding(mesh, spec))
