@@ -1,0 +1,252 @@
+"""K = 8 workers simulated on one CPU device against 8 CPU devices.
+
+``jaxfuse.vmap_workers`` and ``make_train_step(..., simulated_mesh(8))``
+run the same per-worker step as a named ``jax.vmap`` on
+``jax.devices()[0]``; ``jax.shard_map`` runs it on the 8 devices of the
+mesh. Same params, batches and seed, 3 steps.
+
+Bitwise: params, optimizer state (residuals, thresholds, velocities,
+moments), stats and losses of ``sgd``, ``onebit_adamw``, ``sync_adamw``
+and ``demo`` with the order-statistic estimators (``topk``, ``dgc``)
+over each sparse collective scheme (all-gather, ZEN,
+SparDL, and hier on a 2 × 4 mesh, whose dense reduce-scatter over the
+local axis is bitwise too). Their sums run in an order the code fixes
+(the gathered rows added in worker order), and each worker's own
+arithmetic is the same.
+
+To rounding (``assert_allclose(rtol=1e-5)``): the thresholds of the
+estimators that sum over each worker's gradient (``gaussian``,
+``redsync``, ``sidco``: XLA adds a row of the (K, n) batch in another
+order than one worker's (n,)); the dense ``psum`` buckets, whose all-reduce XLA's CPU runtime adds in another order than
+a reduction over the vmap axis (the last bit of a sum of 8 differs);
+and ``local_adamw``, whose per-worker Adam update, fused into the sync,
+comes out of XLA up to an ulp apart under the two mappings. Its
+first-step updates all lie near ±1 (m/√v of one gradient), so on a
+sparse plan an ulp at the threshold changes which slots are selected:
+the test runs it on a dense plan (the sync is then a ``pmean``).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxfuse
+from jaxfuse.state import checkpoint
+
+from _harness import mesh_of
+
+K = 8
+ROWS = 4   # per worker
+HIER = ("host", "local")
+
+
+def _loss(p, batch):
+  x, y = batch
+  return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] + p.get("b", 0) - y) ** 2)
+
+
+def _problem(steps=3, bias=False):
+  rng = np.random.default_rng(0)
+  params = {"w1": rng.normal(size=(32, 64)).astype(np.float32) / 6,
+            "w2": rng.normal(size=(64, 8)).astype(np.float32) / 8}
+  if bias:   # 8 elements: a dense leaf, synced in a psum bucket
+    params["b"] = np.full((8,), 0.1, np.float32)
+  batches = [(rng.normal(size=(ROWS * K, 32)).astype(np.float32),
+              rng.normal(size=(ROWS * K, 8)).astype(np.float32))
+             for _ in range(steps)]
+  return params, batches
+
+
+def _plan(params, collective, estimator, density=0.1):
+  return jaxfuse.plan(params, density=density, collective=collective,
+                      estimator=estimator,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
+
+
+def _low_level(opt, mesh, axis, params, batches):
+  """The low-level step (docs/low_level.md) on ``mesh``: shard_map on a
+  real mesh, vmap_workers on a simulated one."""
+  def local(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(_loss)(
+        jaxfuse.local_params(params, axis), batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state,
+            jax.lax.pmean(loss, axis))
+
+  state = jaxfuse.init_state(opt, params, mesh, axis)
+  specs = jaxfuse.state_specs(state, axis)
+  args = ((P(), specs, P(axis)), (P(), specs, P()))
+  if isinstance(mesh, jax.sharding.Mesh):
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=args[0],
+                                 out_specs=args[1]))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
+    place = lambda b: jax.device_put(b, NamedSharding(mesh, P(axis)))
+  else:
+    step = jax.jit(jaxfuse.vmap_workers(local, mesh, *args))
+    place = lambda b: b
+  losses = []
+  for batch in batches:
+    params, state, loss = step(params, state, place(batch))
+    losses.append(loss)
+  return jax.device_get((params, state, losses))
+
+
+def _assert_bitwise(got, want):
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(want),
+                          jax.tree.leaves(got)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.tobytes() == b.tobytes(), (
+        jax.tree_util.keystr(path))
+
+
+CASES = [   # (recipe, collective, estimator): each scheme and recipe once
+    ("sgd", "allgather", "dgc"),
+    ("onebit_adamw", "zen", "topk"),
+    ("sync_adamw", "spardl", "topk"),
+    ("demo", jaxfuse.collectives.AllGather(packed_indices=True), "dgc"),
+    ("sgd", "hier", "topk"),
+]
+
+
+def _recipe(name, plan, axis):
+  options = {"options": jaxfuse.RecipeOptions(axis_name=axis)}
+  if name == "sgd":
+    return jaxfuse.sgd(plan, 0.05, momentum=0.9, **options)
+  return getattr(jaxfuse, name)(plan, 1e-3, **options)
+
+
+@pytest.mark.parametrize("recipe,collective,estimator", CASES,
+                         ids=lambda c: getattr(c, "name", str(c)))
+def test_simulated_workers_are_bitwise_the_devices(recipe, collective,
+                                                   estimator):
+  params, batches = _problem()
+  hier = collective == "hier"
+  axis = HIER if hier else "data"
+  opt = _recipe(recipe, _plan(params, collective, estimator), axis)
+  real = _low_level(opt, mesh_of(K, local=4) if hier else mesh_of(K), axis,
+                    params, batches)
+  sim_mesh = jaxfuse.simulated_mesh((2, 4) if hier else K)
+  sim = _low_level(opt, sim_mesh, axis, params, batches)
+  _assert_bitwise(sim, real)
+  stats = jaxfuse.sync_stats(sim[1])
+  assert np.asarray(stats.selected).shape[0] == K     # a row per worker
+  assert np.all(np.asarray(stats.wire_bytes) > 0)
+
+
+def test_psum_buckets_and_local_adamw_match_to_rounding():
+  params, batches = _problem(bias=True)
+  opt = jaxfuse.local_adamw(_plan(params, "allgather", "dgc", density=1.0),
+                            1e-3)
+  real = _low_level(opt, mesh_of(K), "data", params, batches)
+  sim = _low_level(opt, jaxfuse.simulated_mesh(K), "data", params, batches)
+  for a, b in zip(jax.tree.leaves(real), jax.tree.leaves(sim)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5,
+                               atol=1e-7)
+
+
+@pytest.mark.parametrize("estimator", ["gaussian", "redsync", "sidco"])
+def test_estimators_of_moments_match_to_rounding(estimator):
+  params, batches = _problem()
+  opt = jaxfuse.sgd(_plan(params, "allgather", estimator), 0.05)
+  real = _low_level(opt, mesh_of(K), "data", params, batches)
+  sim = _low_level(opt, jaxfuse.simulated_mesh(K), "data", params, batches)
+  for a, b in zip(jax.tree.leaves(real), jax.tree.leaves(sim)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5,
+                               atol=1e-7)
+
+
+def test_each_worker_has_its_own_rows_and_residual():
+  params, batches = _problem(1)
+  x, y = batches[0]
+  opt = jaxfuse.sgd(_plan(params, "allgather", "topk"), 0.05)
+  _, state, (loss,) = _low_level(opt, jaxfuse.simulated_mesh(K), "data",
+                                 params, batches)
+  per_worker = [_loss(params, (x[k * ROWS:(k + 1) * ROWS],
+                               y[k * ROWS:(k + 1) * ROWS]))
+                for k in range(K)]
+  np.testing.assert_allclose(float(loss), np.mean(per_worker), rtol=1e-6)
+  plan = _plan(params, "allgather", "topk")
+  residuals = np.asarray(jaxfuse.unit_residuals(plan, _sync(state))[0])
+  assert residuals.shape[0] == K
+  rows = [residuals[k].tobytes() for k in range(K)]
+  assert len(set(rows)) == K          # different data, different residuals
+  assert np.all(np.abs(residuals).reshape(K, -1).sum(axis=1) > 0)
+
+
+def _sync(state):
+  """The ``SparseSyncState`` inside a recipe's state."""
+  return next(x for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, jaxfuse.SparseSyncState))
+              if isinstance(x, jaxfuse.SparseSyncState))
+
+
+SGD = functools.partial(jaxfuse.sgd, learning_rate=0.05, momentum=0.9)
+
+
+def _builder(mesh, phases, params, batches, options=None):
+  state, step = jaxfuse.make_train_step(_loss, params, SGD, phases, mesh,
+                                        options)
+  losses = []
+  for batch in batches:
+    state, loss = step(state, batch)
+    losses.append(loss)
+  return state, step, jax.device_get(losses)
+
+
+@pytest.mark.filterwarnings("ignore:phase 0:UserWarning")
+def test_the_builder_on_a_simulated_mesh_is_bitwise_the_devices():
+  params, batches = _problem()
+  plan = _plan(params, "allgather", "dgc")
+  phases = jaxfuse.density_warmup(plan, steps=1, densities=(0.5,))
+  assert len(phases) == 2          # two compiled steps, sparse both
+  options = jaxfuse.StepOptions(check_replicas=True, send_early=True)
+  real, _, real_losses = _builder(mesh_of(K), phases, params, batches,
+                                  options)
+  sim, step, sim_losses = _builder(jaxfuse.simulated_mesh(K), phases,
+                                   params, batches, options)
+  _assert_bitwise((sim.params, sim.opt_state, sim_losses),
+                  (real.params, real.opt_state, real_losses))
+  assert sim.step == 3 and len(step._compiled) == 2
+  leaves = jax.tree.leaves((sim.params, sim.opt_state))
+  assert {x.sharding.device_set.pop() for x in leaves} == {jax.devices()[0]}
+
+
+def test_a_checkpoint_moves_between_simulated_and_real_workers(tmp_path):
+  params, batches = _problem(2)
+  plan = _plan(params, "allgather", "dgc")
+  sim, sim_step, _ = _builder(jaxfuse.simulated_mesh(K), plan, params,
+                              batches[:1])
+  sim_step.save(checkpoint.manager(tmp_path / "sim"), sim)
+  fresh, real_step = jaxfuse.make_train_step(_loss, params, SGD, plan,
+                                             mesh_of(K))
+  restored = real_step.restore(checkpoint.manager(tmp_path / "sim"), fresh)
+  _assert_bitwise((restored.params, restored.opt_state),
+                  (sim.params, sim.opt_state))
+  assert restored.step == 1
+  real_state, real_loss = real_step(restored, batches[1])
+  sim_state, sim_loss = sim_step(sim, batches[1])
+  _assert_bitwise((sim_state.params, sim_state.opt_state, sim_loss),
+                  (real_state.params, real_state.opt_state, real_loss))
+  real_step.save(checkpoint.manager(tmp_path / "real"), real_state)
+  fresh, _ = jaxfuse.make_train_step(_loss, params, SGD, plan,
+                                     jaxfuse.simulated_mesh(K))
+  back = sim_step.restore(checkpoint.manager(tmp_path / "real"), fresh)
+  _assert_bitwise((back.params, back.opt_state),
+                  (real_state.params, real_state.opt_state))
+
+
+def test_a_replicated_output_that_depends_on_the_worker_is_refused():
+  def local(x):
+    return x * jax.lax.axis_index("data")
+  step = jaxfuse.vmap_workers(local, jaxfuse.simulated_mesh(K), (P(),), P())
+  with pytest.raises(ValueError, match="out_axes"):
+    jax.jit(step)(jnp.ones(3))
+  with pytest.raises(ValueError, match=r"does not split over the 8"):
+    jaxfuse.vmap_workers(lambda x: x, jaxfuse.simulated_mesh(K),
+                         (P("data"),), P("data"))(jnp.ones(12))
