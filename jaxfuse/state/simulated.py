@@ -111,8 +111,8 @@ def is_simulated(mesh: Any) -> bool:
 
 
 def _split_axes(spec: P, mesh: SimulatedMesh, where: str) -> tuple:
-  """The mesh axes a spec splits the leading axis over, in mesh order;
-  ``SyncError``-free ``ValueError`` for a spec ``vmap`` cannot mirror."""
+  """The mesh axes a spec splits the leading axis over, in mesh order; a
+  ``ValueError`` naming ``where`` for a spec ``vmap`` cannot mirror."""
   if not isinstance(spec, P):
     raise ValueError(f"vmap_workers: {where} is {spec!r}, not a "
                      "PartitionSpec (P('data') or P()).")
