@@ -242,6 +242,48 @@ def test_a_checkpoint_moves_between_simulated_and_real_workers(tmp_path):
                   (real_state.params, real_state.opt_state))
 
 
+def _steps(opt, mesh, params, state, batches):
+  """``opt``'s low-level step on ``mesh`` (axis "data") from ``state``;
+  the params and state stay on the mesh."""
+  def local(params, opt_state, batch):
+    grads = jax.grad(_loss)(jaxfuse.local_params(params), batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  specs = jaxfuse.state_specs(state)
+  args = ((P(), specs, P("data")), (P(), specs))
+  if isinstance(mesh, jax.sharding.Mesh):
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=args[0],
+                                 out_specs=args[1]))
+    batches = [jax.device_put(b, NamedSharding(mesh, P("data")))
+               for b in batches]
+  else:
+    step = jax.jit(jaxfuse.vmap_workers(local, mesh, *args))
+  for batch in batches:
+    params, state = step(params, state, batch)
+  return params, state
+
+
+def test_relayout_on_simulated_workers_is_bitwise_the_devices():
+  params, batches = _problem(2)
+  old = _plan(params, "allgather", "topk")
+  new = jaxfuse.plan(params, density=0.1, strategy="single",
+                     estimator="topk",
+                     settings=jaxfuse.Settings(min_sparse_size=64))
+  assert len(new.buckets) != len(old.buckets)
+  results = []
+  for mesh in (mesh_of(K), jaxfuse.simulated_mesh(K)):
+    p = (jax.device_put(params, NamedSharding(mesh, P()))
+         if isinstance(mesh, jax.sharding.Mesh) else params)
+    opt = jaxfuse.sgd(old, 0.05)
+    p, state = _steps(opt, mesh, p, jaxfuse.init_state(opt, p, mesh),
+                      batches[:1])
+    state = jaxfuse.relayout(state, old, new)
+    results.append(jax.device_get(_steps(jaxfuse.sgd(new, 0.05), mesh, p,
+                                         state, batches[1:])))
+  _assert_bitwise(results[1], results[0])
+
+
 def test_a_replicated_output_that_depends_on_the_worker_is_refused():
   def local(x):
     return x * jax.lax.axis_index("data")
