@@ -293,3 +293,22 @@ def test_a_replicated_output_that_depends_on_the_worker_is_refused():
   with pytest.raises(ValueError, match=r"does not split over the 8"):
     jaxfuse.vmap_workers(lambda x: x, jaxfuse.simulated_mesh(K),
                          (P("data"),), P("data"))(jnp.ones(12))
+
+
+def test_a_bare_vmap_that_drops_the_worker_axis_names_vmap_workers():
+  params, batches = _problem(1)
+  opt = jaxfuse.sgd(_plan(params, "allgather", "topk"), 0.05)
+  state = jaxfuse.init_state(opt, params, jaxfuse.simulated_mesh(K))
+  specs = jaxfuse.state_specs(state)
+  axes = jax.tree.map(lambda s: 0 if s == P("data") else None, specs,
+                      is_leaf=lambda s: isinstance(s, P))
+
+  def local(params, opt_state, batch):
+    grads = jax.grad(_loss)(params, batch)
+    return opt.update(grads, opt_state, params)
+
+  x, y = batches[0]
+  batch = (x.reshape(K, ROWS, -1), y.reshape(K, ROWS, -1))
+  step = jax.vmap(local, in_axes=(None, axes, 0), axis_name="data")
+  with pytest.raises(jaxfuse.SyncError, match=r"vmap_workers\(local"):
+    step(params, state, batch)

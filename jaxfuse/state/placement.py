@@ -122,6 +122,15 @@ def check_worker_state(updates, opt_state, axis_name, where: str) -> None:
     for x in jax.tree.leaves(state):
       if not _compat.is_tracer(x):
         continue
+      if (not x.ndim or x.shape[0] != 1) and _compat.vmap_axis(axis_name):
+        raise SyncError(
+            f"{where}: the {type(state).__name__} in the optimizer state has "
+            f"shape {tuple(x.shape)} on each simulated worker, not a leading "
+            "axis of 1: jax.vmap's in_axes=0 took the worker axis off it. "
+            "Map the step with jaxfuse.vmap_workers(local, "
+            "jaxfuse.simulated_mesh(K), in_specs, out_specs) and "
+            "jaxfuse.state_specs(state), which keeps it (each worker's "
+            "(K, ...) leaf row as (1, ...)).")
       if not x.ndim or x.shape[0] != 1:
         raise SyncError(
             f"{where}: the {type(state).__name__} in the optimizer state has "
