@@ -192,7 +192,8 @@ def sparse_sync(plan: plans.Plan, axis_name: str | tuple = "data", *,
       raise SyncError(
           f"sparse_sync.update needs the mesh axis {axis_name!r}: call it "
           f"inside jax.shard_map(..., mesh=mesh) over a mesh with axis "
-          f"{axis_name!r} (see README, quickstart), or pass "
+          f"{axis_name!r} (see README, quickstart), or inside "
+          "jaxfuse.vmap_workers for workers on one device, or pass "
           "sparse_sync(plan, axis_name=...) with your axis name.")
     flat = _check_grads(plan, updates, axis_name)
     parts, m_rows = None, {}
@@ -441,7 +442,9 @@ def local_params(params, axis_name: str | tuple = "data"):
 
   Inside ``shard_map`` the gradient of a replicated input is summed over the
   axis by JAX itself; differentiating this view instead keeps each worker's
-  own gradient for ``sparse_sync`` to sparsify. No data moves.
+  own gradient for ``sparse_sync`` to sparsify. No data moves. Over a
+  named ``jax.vmap`` axis (``jaxfuse.vmap_workers``) the gradient is each
+  worker's own already: there it returns ``params`` unchanged.
 
   Args:
     params: the replicated parameters (any pytree), inside ``shard_map``.
@@ -459,7 +462,8 @@ def local_params(params, axis_name: str | tuple = "data"):
     if not isinstance(name, str) or _compat.axis_size(name) is None:
       raise SyncError(
           f"local_params: {name!r} is not an axis of the enclosing "
-          "jax.shard_map; call it inside the per-worker step, with the "
+          "jax.shard_map (or jaxfuse.vmap_workers); call it inside the "
+          "per-worker step, with the "
           "mesh's axis name (jaxfuse.make_mesh() names it 'data').")
   return _compat.to_varying(params, axis_name)
 
