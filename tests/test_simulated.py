@@ -218,6 +218,43 @@ def test_the_builder_on_a_simulated_mesh_is_bitwise_the_devices():
   assert {x.sharding.device_set.pop() for x in leaves} == {jax.devices()[0]}
 
 
+def test_aux_and_model_state_are_reduced_over_simulated_workers():
+  """The builder's reductions read which values differ between workers
+  from the vmap's batching: a float aux and model state averaged, an
+  integer count summed, a value equal on every worker as it is."""
+  params, batches = _problem(1)
+  x, y = batches[0]
+  rows = lambda a, k: a[k * ROWS:(k + 1) * ROWS]
+
+  def loss_fn(p, model_state, batch):
+    bx, by = batch
+    new = {"mean": 0.9 * model_state["mean"] + 0.1 * jnp.mean(bx, 0),
+           "count": model_state["count"] + 1}
+    aux = {"first": jnp.mean(bx[:, 0]), "positive": jnp.sum(by[:, 0] > 0),
+           "same": jnp.float32(2.0)}
+    return _loss(p, batch), (new, aux)
+
+  start = {"mean": np.full(32, 0.5, np.float32), "count": np.int32(0)}
+  state, step = jaxfuse.make_train_step(
+      loss_fn, params, SGD, _plan(params, "allgather", "topk"),
+      jaxfuse.simulated_mesh(K),
+      jaxfuse.StepOptions(has_aux=True, model_state=start))
+  state, (loss, aux) = step(state, batches[0])
+  np.testing.assert_allclose(
+      float(aux["first"]), np.mean([np.mean(rows(x, k)[:, 0])
+                                    for k in range(K)]), rtol=1e-6)
+  assert int(aux["positive"]) == int(np.sum(y[:, 0] > 0))   # whole batch
+  assert float(aux["same"]) == 2.0 and np.shape(aux["same"]) == ()
+  np.testing.assert_allclose(
+      np.asarray(state.model_state["mean"]),
+      np.mean([0.45 + 0.1 * np.mean(rows(x, k), 0) for k in range(K)], 0),
+      rtol=1e-5)
+  assert int(state.model_state["count"]) == 1
+  np.testing.assert_allclose(
+      float(loss), np.mean([_loss(params, (rows(x, k), rows(y, k)))
+                            for k in range(K)]), rtol=1e-6)
+
+
 def test_a_checkpoint_moves_between_simulated_and_real_workers(tmp_path):
   params, batches = _problem(2)
   plan = _plan(params, "allgather", "dgc")
