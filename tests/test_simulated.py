@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 import jaxfuse
 from jaxfuse.state import checkpoint
 
+from _harness import doc_snippet
 from _harness import mesh_of
 
 # the all-gather of density 0.1 on 8 workers outgrows a dense step: said once
@@ -349,3 +350,35 @@ def test_a_bare_vmap_that_drops_the_worker_axis_names_vmap_workers():
   step = jax.vmap(local, in_axes=(None, axes, 0), axis_name="data")
   with pytest.raises(jaxfuse.SyncError, match=r"vmap_workers\(local"):
     step(params, state, batch)
+
+
+def test_the_docs_snippets_run_as_written():
+  """docs/low_level.md's vmap_workers step gives the 8 devices' bits;
+  docs/choosing.md's builder form trains 16 workers on one device."""
+  params, batches = _problem(1)
+  opt = jaxfuse.sgd(_plan(params, "allgather", "topk"), 0.05)
+
+  def local(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(_loss)(jaxfuse.local_params(params),
+                                            batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state,
+            jax.lax.pmean(loss, "data"))
+
+  user = dict(jax=jax, jaxfuse=jaxfuse, P=P, opt=opt, params=params,
+              local=local, batch=batches[0])
+  exec(doc_snippet("docs/low_level.md", "## K workers on one device"), user)  # pylint: disable=exec-used
+  real = _low_level(opt, mesh_of(K), "data", params, batches)
+  _assert_bitwise(jax.device_get(
+      (user["params"], user["opt_state"], [user["loss"]])), real)
+
+  rng = np.random.default_rng(1)
+  rows = [(rng.normal(size=(16 * 2, 32)).astype(np.float32),
+           rng.normal(size=(16 * 2, 8)).astype(np.float32))
+          for _ in range(2)]
+  user = dict(jaxfuse=jaxfuse, loss_fn=_loss, params=params, batches=rows,
+              opt=SGD, phases=_plan(params, "zen", "topk"))
+  exec(doc_snippet("docs/choosing.md", "## K workers on one device"), user)  # pylint: disable=exec-used
+  state = user["state"]
+  assert state.step == 2 and np.isfinite(float(user["loss"]))
+  assert np.asarray(jaxfuse.sync_stats(state.opt_state).selected).shape[0] == 16
