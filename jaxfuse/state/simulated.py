@@ -198,7 +198,7 @@ def vmap_workers(f: Callable, mesh: SimulatedMesh, in_specs, out_specs
     for level in reversed(range(len(sizes))):   # the innermost first
       name = names[level]
       in_axes = tuple(0 if name in _split_axes(s, mesh, w) else None
-                 for s, w in zip(flat_specs, where))
+                      for s, w in zip(flat_specs, where))
       out_axes = jax.tree.map(
           lambda s, name=name: 0 if name in _split_axes(s, mesh, "out_specs")
           else None, out_specs, is_leaf=lambda s: isinstance(s, P))
