@@ -107,8 +107,9 @@ def batched_axes(x) -> frozenset:
   from jax._src.interpreters import batching  # pylint: disable=g-import-not-at-top
   names = set()
   while isinstance(x, batching.BatchTracer):
+    # an unnamed vmap's name is None or a sentinel object(), never a str
     name = getattr(x._trace.axis_data, "name", None)  # pylint: disable=protected-access
-    if name is not None and x.batch_dim is not getattr(
+    if isinstance(name, str) and x.batch_dim is not getattr(
         batching, "not_mapped", None):
       names.add(name)
     x = x.val
