@@ -382,3 +382,24 @@ def test_the_docs_snippets_run_as_written():
   state = user["state"]
   assert state.step == 2 and np.isfinite(float(user["loss"]))
   assert np.asarray(jaxfuse.sync_stats(state.opt_state).selected).shape[0] == 16
+
+
+def test_only_named_vmap_axes_a_value_depends_on_count_as_varying():
+  from jaxfuse import _compat  # pylint: disable=g-import-not-at-top
+  seen = {}
+
+  def record(key):
+    def fn(x, y):
+      seen[key] = (_compat.varying_axes(x), _compat.varying_axes(y))
+      return x
+    return fn
+
+  x, y = jnp.ones((2, 4, 3)), jnp.ones(3)
+  jax.vmap(jax.vmap(record("named"), in_axes=(0, None), axis_name="local"),
+           in_axes=(0, None), axis_name="host")(x, y)
+  jax.vmap(jax.vmap(record("inner unnamed"), in_axes=(0, None)),
+           in_axes=(0, None), axis_name="data")(x, y)
+  jax.vmap(record("unnamed"), in_axes=(0, None))(x[0], y)
+  assert seen == {"named": ({"host", "local"}, set()),
+                  "inner unnamed": ({"data"}, set()),
+                  "unnamed": (set(), set())}
