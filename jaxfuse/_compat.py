@@ -104,7 +104,10 @@ def batched_axes(x) -> frozenset:
   batched along it). Empty outside ``vmap``, and inside a ``jit`` or
   ``lax`` control-flow body traced under it (its values are not batching
   tracers there); a ``vmap`` without ``axis_name`` is not named."""
-  from jax._src.interpreters import batching  # pylint: disable=g-import-not-at-top
+  try:   # JAX's batching tracers: private, so guarded here alone
+    from jax._src.interpreters import batching  # pylint: disable=g-import-not-at-top
+  except ImportError:   # pragma: no cover - a JAX that moved them
+    return frozenset()
   names = set()
   while isinstance(x, batching.BatchTracer):
     # an unnamed vmap's name is None or a sentinel object(), never a str
