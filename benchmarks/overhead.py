@@ -62,6 +62,8 @@ SUBCOMMANDS = {
     "program-size": "size of the compiled update: fusions, compile time, step",
     "overlap": ("whether the sparse step hides its communication behind the "
                 "backward pass"),
+    "simulated-workers": ("K workers simulated on one device against K "
+                          "times one worker's step"),
 }
 
 import jax  # pylint: disable=wrong-import-position
