@@ -4,13 +4,11 @@
 # (each run compiles mostly on one core, so the two share the machine well;
 # the 3.12 run's output follows the first's). Sets everything up on first
 # use. Extra arguments go to pytest; QUICK=1 skips the Python 3.12 run.
-# The tests marked `example` (examples/train_lm.py end to end in
-# subprocesses, ~4 minutes) run once: on the first interpreter, except
-# those also marked `second`, on 3.12, to balance the two runs (none at
-# present: the first run compiles with XLA's classic CPU emitters, see
-# tests/conftest.py, and so takes less: 13.5 against 16 minutes on 2
-# cores); they drive the same library code the in-process tests cover on
-# both.
+# The tests marked `example` (examples/train_lm.py and the jaxfuse CLI
+# end to end in subprocesses) run once: on the first interpreter, except
+# those also marked `second`, on 3.12, to balance the two runs (the CLI's
+# profile-plan-show run); they drive the same library code the in-process
+# tests cover on both.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$ROOT"
 second=""

@@ -80,7 +80,7 @@ if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
 
 def pytest_configure(config):
   config.addinivalue_line(
-      "markers", "example: runs examples/train_lm.py end to end in "
+      "markers", "example: runs examples/train_lm.py or the CLI end to end in "
       "subprocesses (scripts/test.sh runs each on one interpreter only)")
   config.addinivalue_line(
       "markers", "multiprocess: several processes under jax.distributed")

@@ -16,7 +16,7 @@ from _harness import REPO
 TOOLS = {
     "convergence.py": ("sgd-study", "sgd-stability", "elastic"),
     "overhead.py": ("compile-time", "lm-throughput", "program-size",
-                    "overlap"),
+                    "overlap", "simulated-workers"),
     "collectives.py": ("collective-order",),
     "planner.py": ("predict-overlap", "tail-plans", "window-model",
                    "pack-trace"),

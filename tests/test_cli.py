@@ -68,6 +68,8 @@ def run(workdir, *args, compile_cache=None):
                         text=True, timeout=300)
 
 
+@pytest.mark.example   # subprocesses end to end: one interpreter runs it
+@pytest.mark.second    # the Python 3.12 one, beside the first's examples
 def test_profile_plan_show_end_to_end(workdir, compile_cache):
   # profile: a tiny sweep, with the model
   # sizes far apart, so that β > 0 stands out of a loaded machine's noise:
