@@ -5,7 +5,8 @@
 (c) the library speaks of itself: no card names, millisecond figures,
     dates or results/ paths;
 (d) no module over 640 lines;
-(e) no ``import ... as *_lib`` aliases: a module is imported by its name.
+(e) no ``import ... as *_lib`` aliases: a module is imported by its name;
+(f) README, docs/ and each CHANGELOG release short enough to read.
 """
 
 import ast
@@ -160,3 +161,19 @@ def test_no_module_is_imported_under_a_lib_alias():
            if (names := _lib_aliases(ast.parse(p.read_text())))}
   assert not found, ("import the module by its name (rename a clashing "
                      f"local): {found}")
+
+
+def test_the_docs_stay_short_enough_to_read():
+  """(f) README.md at most 200 lines, docs/ at most 2,500 in all, and each
+  release of CHANGELOG.md about one screen (at most 65 lines)."""
+  repo = ROOT.parent
+  readme = len((repo / "README.md").read_text().splitlines())
+  docs = sum(len(p.read_text().splitlines())
+             for p in (repo / "docs").glob("*.md"))
+  assert readme <= 200, f"README.md has {readme} lines"
+  assert docs <= 2500, f"docs/*.md have {docs} lines"
+  releases = re.split(r"^## ", (repo / "CHANGELOG.md").read_text(),
+                      flags=re.M)[1:]
+  for release in releases:
+    lines = len(release.splitlines())
+    assert lines <= 65, f"CHANGELOG {release.splitlines()[0]}: {lines} lines"
