@@ -3,6 +3,7 @@ algorithm on K₀ devices (jaxfuse.planning.costs), and auto's per-bucket
 choice of collective."""
 
 import json
+import math
 
 from hypothesis import given
 from hypothesis import settings
@@ -132,6 +133,32 @@ def test_auto_runs_the_schemes_it_picks_as_the_tuple_configures_them():
     jaxfuse.plan(params, collective=(collectives.Zen(), "zen"))
   with pytest.raises(jaxfuse.PlanError, match="at least one scheme"):
     jaxfuse.plan(params, collective=())
+
+
+def test_a_plan_for_k_workers_sends_the_fewest_bytes_losslessly():
+  """num_workers=K and no collective: each sparse bucket takes ZEN where it
+  sends at least 10 % fewer bytes than the all-gather, whose bytes grow as
+  (K − 1)·c; never SparDL (its reduction drops slots). Without K, or with
+  a collective given, nothing changes."""
+  params = [jax.ShapeDtypeStruct((512, 512), "float32") for _ in range(4)]
+  c = math.ceil(0.05 * 512 * 512 * 1.5)     # slots of a leaf at ρ = 0.05
+  for k, want in ((2, "allgather"), (8, "zen"), (64, "zen")):
+    plan = jaxfuse.plan(params, density=0.05, num_workers=k)
+    assert [b.collective for b in plan.buckets] == [want] * 4, k
+    for sent in plan.provenance["bytes_sent"]:
+      assert sent["allgather"] == (k - 1) * c * 8   # (value, index) pairs
+      assert "spardl" not in sent
+      if want == "zen":
+        assert sent["zen"] <= 0.9 * sent["allgather"]
+    assert plan.provenance["parameters"]["collective"] == "fewest bytes"
+  # past ZEN's 64 workers the all-gather is all that is left
+  assert {b.collective for b in jaxfuse.plan(
+      params, density=0.05, num_workers=128).buckets} == {"allgather"}
+  assert {b.collective for b in jaxfuse.plan(params, density=0.05).buckets
+          } == {"allgather"}
+  assert {b.collective for b in jaxfuse.plan(
+      params, density=0.05, num_workers=8, collective="allgather").buckets
+          } == {"allgather"}
 
 
 def test_a_schemes_measured_compute_can_change_autos_choice():

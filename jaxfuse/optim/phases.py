@@ -297,9 +297,10 @@ def wire_warnings(phases: Sequence[Phase], workers,
         f"{final_density(phase.plan):g}) receives {sparse:,} bytes per "
         f"worker per step on {num_workers} workers, more than the "
         f"{dense:,} of a dense step on a {wire!r} wire: an all-gather's "
-        "bytes grow with K. Plan a collective that does not grow with K "
-        "(jaxfuse.plan(..., collective='zen', 'spardl' or 'hier')), a "
-        "lower density, or train this phase dense.")
+        "bytes grow with K. Plan for the K workers (jaxfuse.plan(..., "
+        f"num_workers={num_workers}) picks ZEN where it sends fewer bytes), "
+        "pass a scheme that does not grow with K (collective='zen', "
+        "'spardl' or 'hier'), a lower density, or train this phase dense.")
   for message in messages:
     warnings.warn(message, UserWarning, stacklevel=2)
   return messages

@@ -404,9 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
                   help="leaves with fewer elements go dense"
                   + _plan_default("min_sparse_size"))
   pl.add_argument("--collective",
-                  help="sparse buckets' scheme: allgather, zen, spardl, hier"
-                  + _plan_default("collective")
-                  + "; with --costs, auto picks one per bucket")
+                  help="sparse buckets' scheme: allgather, zen, spardl, hier "
+                  "(default: allgather), or given K workers the lossless "
+                  "one that sends the fewest bytes per bucket on K; with "
+                  "--costs, auto picks one per bucket")
   pl.add_argument("--sparse-wire", choices=plans.SPARSE_WIRES,
                   help="the sparse values' wire dtype: bfloat16 sends float32 "
                   "slots in 6 bytes instead of 8 (default: the gradient's)")

@@ -58,6 +58,9 @@ AUTO_NUM_BUCKETS = (1, 2, 4, 8, 16, 32)
 AUTO_BUCKET_BYTES = tuple(2**k for k in (18, 20, 22, 24, 26))
 # The sparse schemes "auto" weighs per bucket ("hier" needs a 2-level mesh).
 AUTO_COLLECTIVES = ("allgather", "zen", "spardl")
+# The schemes that change no result, which a plan for K workers picks
+# among by bytes when no collective is given (``fewest_bytes``).
+LOSSLESS_COLLECTIVES = ("allgather", "zen")
 
 
 class CostInputs(NamedTuple):
@@ -103,7 +106,7 @@ def _groups(strategy, order, nbytes, num_buckets, bucket_bytes,
 def plan(params, *, density: float = 0.01, strategy: str | None = None,
          estimator: str = "dgc", num_buckets: int = 4,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-         last_bucket_bytes: int | None = None, collective="allgather",
+         last_bucket_bytes: int | None = None, collective=None,
          settings: plans.Settings = plans.Settings(),
          num_workers: int | None = None, order=None,
          costs: Costs | str | os.PathLike | None = None
@@ -133,7 +136,10 @@ def plan(params, *, density: float = 0.01, strategy: str | None = None,
       ``SparDL(teams=2)``, ``Hier(inner="zen")``,
       ``AllGather(packed_indices=True)``; or one of
       ``plans.SPARSE_COLLECTIVES`` for that scheme's defaults (dense
-      buckets always ``"psum"``). A tuple of schemes, e.g.
+      buckets always ``"psum"``). Default None: ``"allgather"``; with
+      ``num_workers=K`` > 1 and a rule strategy, each sparse bucket's
+      lossless scheme that sends the fewest bytes on K (``fewest_bytes``:
+      the all-gather on few workers, ZEN as K grows). A tuple of schemes, e.g.
       ``(AllGather(), SparDL(block=4.0))``: the first is the scheme of
       the rule strategies' buckets, and each one given is how that
       scheme runs wherever ``"auto"`` picks it (the others: defaults).
@@ -252,6 +258,10 @@ def _checked(a: dict) -> dict:
                              "(0, 1].")
   a["density"] = float(density)   # numpy scalars too
   _check_sizes(a)
+  a["by_bytes"] = a["collective"] is None and strategy in STRATEGIES and (
+      plans.is_int(a["num_workers"]) and a["num_workers"] > 1)
+  if a["collective"] is None:
+    a["collective"] = "allgather"
   a["collective"], a["schemes"] = _schemes(a["collective"])
   a["settings"] = _checked_settings(a["settings"])
   for name in ("num_buckets", "num_workers"):
@@ -370,6 +380,10 @@ def _made(a: dict, leaves, order_source, costs) -> plans.Plan:
       leaves, groups, behind=strategy == "behind",
       headroom=settings.headroom, collective=scheme)
   made = plans.Plan(tuple(leaves), buckets, settings, provenance)
+  if a["by_bytes"]:
+    made, sent = fewest_bytes(made, num_workers, a["schemes"])
+    provenance["parameters"]["collective"] = "fewest bytes"
+    provenance["bytes_sent"] = sent
   if costs is None:
     return made
   if strategy == "auto":
@@ -402,38 +416,85 @@ def pick_collectives(plan: plans.Plan, costs: Costs,
   Returns:
     The plan and, per bucket, {scheme: seconds} (empty for dense buckets).
   """
+  def seconds(scheme, units):
+    steps = _scheme_steps(scheme, units, plan, num_workers)
+    return None if steps is None else (
+        costs.steps_time(steps, num_workers) +
+        costs.scheme_time(scheme.name, sum(u.capacity for u in units)))
+  return _pick(plan, schemes, seconds)
+
+
+def fewest_bytes(plan: plans.Plan, num_workers: int,
+                 schemes=None) -> tuple[plans.Plan, list]:
+  """Each sparse bucket moved by the lossless scheme (``"allgather"`` or
+  ``"zen"``) that sends the fewest bytes per worker on K workers
+  (``collectives.Wire``'s ``sent``): without costs, what a slow link
+  rewards. ZEN must send at least 10 % fewer bytes to be taken (the
+  all-gather is one collective). The all-gather's bytes grow as (K − 1)·c
+  and ZEN's do not, so past a few workers ZEN takes over. SparDL, whose
+  reduction drops slots, is never picked here: pass it as ``collective``.
+
+  Args:
+    plan: the plan whose sparse buckets get a scheme.
+    num_workers: K.
+    schemes: {name: configured scheme} to weigh (a name not in it: its
+      defaults).
+
+  Returns:
+    The plan and, per bucket, {scheme: bytes sent} (empty for dense
+    buckets).
+  """
+  def sent(scheme, units):
+    steps = _scheme_steps(scheme, units, plan, num_workers)
+    return None if steps is None else collectives.base.wire(
+        steps, num_workers).sent
+  picked, report = _pick(plan, schemes, sent, LOSSLESS_COLLECTIVES)
+  # ZEN only where it saves 10 %: else the all-gather's one collective
+  buckets = tuple(
+      dataclasses.replace(b, collective="allgather", scheme=_gather(schemes))
+      if b.collective == "zen" and sent_of["zen"] > 0.9 * sent_of.get(
+          "allgather", float("inf")) else b
+      for b, sent_of in zip(picked.buckets, report))
+  return dataclasses.replace(picked, buckets=buckets), report
+
+
+def _gather(schemes):
+  return (schemes or {}).get("allgather") or collectives.SCHEMES["allgather"]
+
+
+def _pick(plan: plans.Plan, schemes, cost_of,
+          names=AUTO_COLLECTIVES) -> tuple[plans.Plan, list]:
+  """Each sparse bucket's scheme: the least ``cost_of(scheme, units)`` of
+  ``names`` (None: cannot run), the first on a tie."""
   sched = bucket_steps.compile_plan(plan)
   buckets, report = [], []
   for b, step in zip(plan.buckets, sched.buckets):
-    times, chosen = {}, {}
+    cost, chosen = {}, {}
     if step.kind == bucket_steps.SPARSE:
-      for name in AUTO_COLLECTIVES:
+      for name in names:
         chosen[name] = (schemes or {}).get(name) or collectives.SCHEMES[name]
-        t = _scheme_time(chosen[name], sched.bucket_units(step), plan,
-                         costs, num_workers)
-        if t is not None:
-          times[name] = t
-      best = min(times, key=times.get)
+        c = cost_of(chosen[name], sched.bucket_units(step))
+        if c is not None:
+          cost[name] = c
+      best = min(cost, key=cost.get)
       b = dataclasses.replace(b, collective=best, scheme=chosen[best])
     buckets.append(b)
-    report.append(times)
+    report.append(cost)
   return plans.Plan(plan.leaves, tuple(buckets), plan.settings,
                        plan.provenance), report
 
 
-def _scheme_time(scheme, units, plan, costs, num_workers) -> float | None:
-  """Seconds ``scheme`` takes for a bucket of ``units`` on K workers (its
-  wire steps and extra compute), or None where it cannot run."""
+def _scheme_steps(scheme, units, plan, num_workers):
+  """``scheme``'s wire steps for a bucket of ``units`` on K workers, or
+  None where it cannot run there."""
   units = [plans.wire_unit(u, plan.settings, scheme) for u in units]
   if plans.overflows_one_space(scheme.name, sum(u.size for u in units)):
     return None  # one int32 index space cannot hold the bucket
   try:
     scheme.check("auto", num_workers, plan.settings)
-    steps = scheme.steps(units, num_workers, plan.settings)
+    return scheme.steps(units, num_workers, plan.settings)
   except collectives.SchemeError:
     return None  # cannot run on K workers (e.g. SparDL's teams)
-  return costs.steps_time(steps, num_workers) + \
-      costs.scheme_time(scheme.name, sum(u.capacity for u in units))
 
 
 def _backward_order(loss_fn, params, example_args) -> list[int]:
