@@ -137,8 +137,8 @@ def test_auto_runs_the_schemes_it_picks_as_the_tuple_configures_them():
 
 def test_a_plan_for_k_workers_sends_the_fewest_bytes_losslessly():
   """num_workers=K and no collective: each sparse bucket takes ZEN where it
-  sends at least 10 % fewer bytes than the all-gather, whose bytes grow as
-  (K − 1)·c; never SparDL (its reduction drops slots). Without K, or with
+  sends under 90 % of the all-gather's bytes (which grow as (K − 1)·c);
+  never SparDL (its reduction drops slots). Without K, or with
   a collective given, nothing changes."""
   params = [jax.ShapeDtypeStruct((512, 512), "float32") for _ in range(4)]
   c = math.ceil(0.05 * 512 * 512 * 1.5)     # slots of a leaf at ρ = 0.05

@@ -10,7 +10,8 @@ step on one real worker (``make_mesh(1)``, T₁). It prints::
   phase  K  step ms  K x T1 ms  ratio  peak GiB
 
 ratio = step / (K·T₁): at most 1 means simulating K workers costs no more
-than running them one after another. A K whose step does not fit the
+than running them one after another. peak GiB is the device's peak so far
+in this process (K rises row by row, so it is the largest K's). A K whose step does not fit the
 device's memory is reported as such, and larger ones are not tried::
 
   python benchmarks/overhead.py simulated-workers --preset gpt2-small \\

@@ -120,10 +120,10 @@ def upgrade(where: str, allowed: tuple) -> Callable[[dict], dict]:
   return run
 
 
-def options(where: str, options, kind=None, keyword: str = "options"):
-  """``options`` (a recipe's ``keyword``), default ``kind()`` (default
-  kind ``RecipeOptions``); ``SyncError`` for another kind."""
-  kind = RecipeOptions if kind is None else kind
+def options(where: str, options, kind=RecipeOptions,
+            keyword: str = "options"):
+  """``options`` (a recipe's ``keyword``), default ``kind()``;
+  ``SyncError`` for another kind."""
   if options is None:
     options = kind()
   if not isinstance(options, kind):

@@ -58,9 +58,6 @@ AUTO_NUM_BUCKETS = (1, 2, 4, 8, 16, 32)
 AUTO_BUCKET_BYTES = tuple(2**k for k in (18, 20, 22, 24, 26))
 # The sparse schemes "auto" weighs per bucket ("hier" needs a 2-level mesh).
 AUTO_COLLECTIVES = ("allgather", "zen", "spardl")
-# The schemes that change no result, which a plan for K workers picks
-# among by bytes when no collective is given (``fewest_bytes``).
-LOSSLESS_COLLECTIVES = ("allgather", "zen")
 
 
 class CostInputs(NamedTuple):
@@ -429,8 +426,8 @@ def fewest_bytes(plan: plans.Plan, num_workers: int,
   """Each sparse bucket moved by the lossless scheme (``"allgather"`` or
   ``"zen"``) that sends the fewest bytes per worker on K workers
   (``collectives.Wire``'s ``sent``): without costs, what a slow link
-  rewards. ZEN must send at least 10 % fewer bytes to be taken (the
-  all-gather is one collective). The all-gather's bytes grow as (K − 1)·c
+  rewards. ZEN is taken where it sends under 90 % of the all-gather's
+  bytes (the all-gather is one collective). The all-gather's bytes grow as (K − 1)·c
   and ZEN's do not, so past a few workers ZEN takes over. SparDL, whose
   reduction drops slots, is never picked here: pass it as ``collective``.
 
@@ -448,35 +445,27 @@ def fewest_bytes(plan: plans.Plan, num_workers: int,
     steps = _scheme_steps(scheme, units, plan, num_workers)
     return None if steps is None else collectives.base.wire(
         steps, num_workers).sent
-  picked, report = _pick(plan, schemes, sent, LOSSLESS_COLLECTIVES)
-  # ZEN only where it saves 10 %: else the all-gather's one collective
-  buckets = tuple(
-      dataclasses.replace(b, collective="allgather", scheme=_gather(schemes))
-      if b.collective == "zen" and sent_of["zen"] > 0.9 * sent_of.get(
-          "allgather", float("inf")) else b
-      for b, sent_of in zip(picked.buckets, report))
-  return dataclasses.replace(picked, buckets=buckets), report
-
-
-def _gather(schemes):
-  return (schemes or {}).get("allgather") or collectives.SCHEMES["allgather"]
+  # ZEN's bytes weigh 1/0.9 in the choice: it must save 10 %
+  return _pick(plan, schemes, sent, {"allgather": 1.0, "zen": 1 / 0.9})
 
 
 def _pick(plan: plans.Plan, schemes, cost_of,
-          names=AUTO_COLLECTIVES) -> tuple[plans.Plan, list]:
-  """Each sparse bucket's scheme: the least ``cost_of(scheme, units)`` of
-  ``names`` (None: cannot run), the first on a tie."""
+          weights=None) -> tuple[plans.Plan, list]:
+  """Each sparse bucket's scheme: of ``weights``' names (default
+  ``AUTO_COLLECTIVES``, each weighing 1), the least weighted
+  ``cost_of(scheme, units)`` (None: cannot run), the first on a tie."""
+  weights = weights or dict.fromkeys(AUTO_COLLECTIVES, 1.0)
   sched = bucket_steps.compile_plan(plan)
   buckets, report = [], []
   for b, step in zip(plan.buckets, sched.buckets):
     cost, chosen = {}, {}
     if step.kind == bucket_steps.SPARSE:
-      for name in names:
+      for name in weights:
         chosen[name] = (schemes or {}).get(name) or collectives.SCHEMES[name]
         c = cost_of(chosen[name], sched.bucket_units(step))
         if c is not None:
           cost[name] = c
-      best = min(cost, key=cost.get)
+      best = min(cost, key=lambda n: cost[n] * weights[n])
       b = dataclasses.replace(b, collective=best, scheme=chosen[best])
     buckets.append(b)
     report.append(cost)
