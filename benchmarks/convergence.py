@@ -189,7 +189,7 @@ def run_lm(args) -> dict:
                 "losses", "step_times_s", "phase_of_step", "compile_steps",
                 "phases", "val_curve", "final_val_loss", "final_train_loss",
                 "median_step_time_s", "wire_bytes", "dense_bytes",
-                "replicas_identical", "config", "stats")}}
+                "replicas_identical", "config", "stats", "plan")}}
 
   data = {"study": "lm", "preset": args.preset, "steps": args.steps,
           "density": args.density, "runs": []}

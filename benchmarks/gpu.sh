@@ -9,7 +9,8 @@
 #                     kth|window|reference|wire in the environment)
 #   scaling MODE      throughput, planner accuracy and convergence on
 #                     several GPUs (MODE: conv, socket, nvlink, recal, multi,
-#                     conv8, readme, one, early, procs, procsdiag, steady)
+#                     conv8, readme, one, early, procs, procsdiag, steady,
+#                     simulated)
 #   checks MODE       correctness and precision checks (MODE: suite, resume,
 #                     bf16, kernels, variants)
 # Each suite's modes, environment variables and outputs are described at
@@ -417,6 +418,17 @@ done
 #            an empty one that process 0 fills; default: out/jaxcache as
 #            earlier runs left it); VERBOSE=1 keeps XLA's INFO log (the
 #            autotuner's shards) and prints its autotuning lines
+#   simulated  (one GPU) K workers simulated on it: first the README
+#            recipe's step at K of WORKERS (default "8 12 16"; 8 x 1024
+#            rows a worker) against K x one worker's (simulated_workers),
+#            and one worker's step at 16 rows; then the scaling runs of
+#            RUNS (default "dense:1:0 readme:1:0 readme:2:0 readme:4:0
+#            readme:8:0 readme:16:0 readme:8:1 dense:1:1", each
+#            NAME:K:SEED), two at a time: gpt2-small, 1000 steps, lr 3e-4,
+#            the same global batch of 16 x 1024 split over the K workers
+#            (K = 1: the real device), the recipe planned for K (its
+#            default collective: the fewest bytes on K); one JSON each,
+#            sim_NAME_kK_sSEED.json (SKIP_STEP=1 skips the step timing)
 #   steady   socket: the README recipe's sparse phase in the training loop
 #            (5 dense steps, then ρ = 0.05, size 64 MiB, send_early,
 #            xla_flags(1.5); RECIPE_ARGS to add or override, e.g.
@@ -440,6 +452,31 @@ MEASURE="python benchmarks/planner.py"
 # gpt2-small's 1000-step convergence runs: the same data, seed, rate, eval
 CONV="python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 --eval-every 50 --eval-batches 8 --lrs 3e-4"
 case "$1" in
+simulated)
+  if [ "${SKIP_STEP:-0}" != 1 ]; then
+    python benchmarks/overhead.py simulated-workers --preset gpt2-small \
+        --phases sparse --workers ${WORKERS:-8 12 16} --batch-per-worker 8 \
+        --steps 8 --out "$OUT/sim_step_b8.json" 2>&1 | tail -n 8
+    python benchmarks/overhead.py simulated-workers --preset gpt2-small \
+        --phases sparse dense --workers 1 --batch-per-worker 16 --steps 8 \
+        --out "$OUT/sim_step_b16.json" 2>&1 | tail -n 6
+  fi
+  readme="onebit_adamw+warm+bf16wire --dense-fraction 0.10"
+  readme_extra="--strategy size --bucket-bytes 67108864 --warmup-densities 0.0625"
+  running=0
+  for run in ${RUNS:-dense:1:0 readme:1:0 readme:2:0 readme:4:0 readme:8:0 readme:16:0 readme:8:1 dense:1:1}; do
+    IFS=: read -r name k seed <<< "$run"
+    sim=$([ "$k" = 1 ] || echo " --simulated-workers $k")
+    if [ "$name" = dense ]; then recipe=dense; extra="--batch-size 16$sim"
+    else recipe=$readme; extra="--batch-size 16 $readme_extra$sim"; fi
+    $CONV --density 0.05 --seed "$seed" --recipes $recipe --extra="$extra" \
+        --out "$OUT/sim_${name}_k${k}_s${seed}.json" \
+        > "$OUT/sim_${name}_k${k}_s${seed}.log" 2>&1 &
+    running=$((running + 1))
+    if [ "$running" -ge 2 ]; then wait -n; running=$((running - 1)); fi
+  done
+  wait
+  tail -n 2 "$OUT"/sim_*.log ;;
 conv)
   export $SOCKET
   $CONV --recipes dense,onebit_adamw+warm \

@@ -98,6 +98,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
+from jaxfuse.state.simulated import is_simulated
+from jaxfuse.state.simulated import worker_map
 from jaxfuse.sync import agreement
 from jaxfuse.planning.costs import CostsError
 from lm_model import build_model
@@ -161,7 +163,10 @@ def sent_line(plan, k: int, dense_bytes: int) -> str:
 
 
 def replicated(tree, mesh):
-  """Host values (the same in every process) placed on every device."""
+  """Host values (the same in every process) placed on every device (on a
+  simulated mesh: on its one device)."""
+  if is_simulated(mesh):
+    return jax.device_put(tree, mesh.device)
   sharding = NamedSharding(mesh, P())
   return jax.tree.map(lambda x: jax.make_array_from_callback(
       np.shape(x), sharding, lambda i, x=np.asarray(x): x[i]), tree)
@@ -200,8 +205,7 @@ def scalar(x) -> float:
 def make_eval_step(loss_fn, mesh):
   def local(params, batch):
     return jax.lax.pmean(loss_fn(params, batch), AXIS)
-  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS)),
-                               out_specs=P()))
+  return jax.jit(worker_map(local, mesh, (P(), P(AXIS)), P()))
 
 
 class SyncSetup(NamedTuple):
@@ -237,7 +241,7 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
   plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
       cast_params(params, grad_dtype),
       order=jaxfuse.planning.ordering.FromLoss(loss_fn, (example_batch,)),
-      **plan_options(args)))
+      **plan_options(args, k)))
   if args.plan and (args.sparse_wire or args.packed_indices):
     # the wire is not part of the layout
     plan = dataclasses.replace(plan, settings=dataclasses.replace(
@@ -281,7 +285,8 @@ def main(argv=None) -> dict:
     raise SystemExit("--kernels pallas compiles the Pallas kernels for a GPU;"
                      f" on {jax.default_backend()} use --kernels auto (the "
                      "XLA reference there)")
-  mesh = jaxfuse.make_mesh(args.devices, AXIS)
+  mesh = (jaxfuse.simulated_mesh(args.simulated_workers, AXIS)
+          if args.simulated_workers else jaxfuse.make_mesh(args.devices, AXIS))
   k = mesh.devices.size
   steps = args.steps or preset["steps"]
   onebit = args.optimizer == "onebit_adamw"
@@ -304,18 +309,22 @@ def main(argv=None) -> dict:
   seq_len = model.cfg.seq_len
   lr = args.lr or preset["lr"]
   train, val = load_corpus(int(args.corpus_mb * 2**20))
-  say(f"{k} x {jax.devices()[0].platform} devices in "
-      f"{jax.process_count()} process(es); corpus {train.size:,} "
+  say(f"{k} x {jax.devices()[0].platform} "
+      f"{'workers simulated on one device' if is_simulated(mesh) else 'devices'}"
+      f" in {jax.process_count()} process(es); corpus {train.size:,} "
       f"train / {val.size:,} val bytes; preset {args.preset} "
       f"{model.cfg}; batch {batch_size} x {seq_len}; {steps} steps")
 
-  data_sharding = NamedSharding(mesh, P(AXIS))
+  data_sharding = (None if is_simulated(mesh) else
+                   NamedSharding(mesh, P(AXIS)))
   rng = np.random.default_rng(args.seed)
   grad_dtype = None if args.grad_dtype == "float32" else args.grad_dtype
 
   def put(starts, data):
     """A global batch: every process draws the same window starts and reads
-    only the rows of its own devices."""
+    only the rows of its own devices (simulated workers: all of them)."""
+    if is_simulated(mesh):
+      return jax.device_put(windows(data, starts, seq_len), mesh.device)
     return jax.make_array_from_callback(
         (batch_size, seq_len + 1), data_sharding,
         lambda index: windows(data, starts[index[0]], seq_len))
@@ -539,7 +548,8 @@ def main(argv=None) -> dict:
 
   # Replica consistency: every device holds its own copy of the params.
   replicas_identical = replicas_identical_everywhere(state.params)
-  say(f"parameters bitwise identical on all {jax.device_count()} devices: "
+  say("parameters bitwise identical on all "
+      f"{1 if is_simulated(mesh) else jax.device_count()} devices: "
       f"{replicas_identical}")
 
   timing = record.timing(len(phases), tokens_per_step)
@@ -564,6 +574,7 @@ def main(argv=None) -> dict:
       "wire_ratio": wire_bytes / dense_bytes, "stats": stats,
       "plan_summary": plan.summary() if plan is not None else None,
       "plan_provenance": dict(plan.provenance) if plan is not None else None,
+      "plan": plan.to_json() if plan is not None else None,
       "wall_time_s": time.perf_counter() - t_start,
       "replicas_identical": replicas_identical,
   }

@@ -205,9 +205,12 @@ def parse_args(argv):
                  help="plan strategy for --sync jaxfuse (default size, the "
                  "README recipe's; the cost-model ones need --costs)")
   p.add_argument("--costs", help="costs JSON from `jaxfuse profile`")
-  p.add_argument("--collective", default="allgather",
-                 choices=["allgather", "zen", "spardl"],
-                 help="the sparse buckets' scheme (jaxfuse.collectives)")
+  p.add_argument("--collective", choices=["allgather", "zen", "spardl"],
+                 help="the sparse buckets' scheme (jaxfuse.collectives); "
+                 "default: per bucket, the lossless one that sends the "
+                 "fewest bytes on the run's K workers (jaxfuse.plan(..., "
+                 "num_workers=K): the all-gather on few workers, ZEN as K "
+                 "grows)")
   p.add_argument("--spardl-block", type=float, default=2.0,
                  help="spardl: slots per block over the balanced share C/K")
   p.add_argument("--num-buckets", type=int, default=4,
@@ -250,6 +253,10 @@ def parse_args(argv):
                  help="jaxfuse residuals of bfloat16 gradients: float32, or "
                  "the gradient's dtype (Settings.residual_dtype)")
   p.add_argument("--devices", type=int, help="default: all")
+  p.add_argument("--simulated-workers", type=int, default=0, metavar="K",
+                 help="K data-parallel workers simulated on one device "
+                 "(jaxfuse.simulated_mesh): the same steps as K devices, "
+                 "run one after another; the batch splits over the K")
   p.add_argument("--cpu-devices", type=int, default=8,
                  help="simulated CPU devices; read before jax is imported, "
                  "so only when run as a script")
@@ -387,6 +394,14 @@ def _check_numbers(p, args) -> None:
   if not args.corpus_mb >= 0.1:
     p.error(f"--corpus-mb {args.corpus_mb:g}: give at least 0.1 (MB of the "
             "standard library's source to train and validate on)")
+  if args.simulated_workers < 0:
+    p.error(f"--simulated-workers {args.simulated_workers}: give K >= 1 "
+            "(or leave it out for real devices)")
+  if args.simulated_workers and (args.devices or args.coordinator or
+                                 args.num_processes):
+    p.error("--simulated-workers runs every worker on one device of one "
+            "process; leave out --devices, --coordinator and "
+            "--num-processes")
   if not 0 < args.density <= 1:
     p.error(f"--density {args.density:g}: give a share of each sparse "
             "leaf in (0, 1]")
@@ -442,18 +457,22 @@ def scheme_of(args):
   (``--packed-indices`` for an all-gather, alone or under hier;
   ``--spardl-block`` for SparDL); under ``--strategy auto``, which may
   pick any scheme per bucket, a tuple that configures those too."""
+  if args.collective is None and args.strategy != "auto" and not (
+      args.packed_indices):
+    return None    # jaxfuse.plan's pick for K (plan_options' num_workers)
   gather = jaxfuse.collectives.AllGather(packed_indices=args.packed_indices)
   spardl = jaxfuse.collectives.SparDL(block=args.spardl_block)
   scheme = {"allgather": gather, "zen": jaxfuse.collectives.Zen(),
-            "spardl": spardl,
-            "hier": jaxfuse.collectives.Hier(inner=gather)}[args.collective]
+            "spardl": spardl, "hier": jaxfuse.collectives.Hier(inner=gather),
+            None: gather}[args.collective]
   if args.strategy != "auto":
     return scheme
   return (scheme,) + tuple(s for s in (gather, spardl) if s.name != scheme.name)
 
 
-def plan_options(args) -> dict:
-  """``jaxfuse.plan``'s keyword arguments from the command line."""
+def plan_options(args, num_workers: int | None = None) -> dict:
+  """``jaxfuse.plan``'s keyword arguments from the command line, for
+  ``num_workers`` = K workers (None: not said)."""
   options = dict(
       density=args.density,
       strategy="behind" if args.sync == "behind" else args.strategy,
@@ -463,6 +482,9 @@ def plan_options(args) -> dict:
           residual_dtype=args.residual_dtype,
           sparse_wire=args.sparse_wire or "gradient"),
       num_buckets=args.num_buckets, costs=args.costs)
+  if num_workers is not None and (options["collective"] is None or
+                                  args.costs is not None):
+    options["num_workers"] = num_workers
   if args.bucket_bytes:
     options["bucket_bytes"] = args.bucket_bytes
   return options

@@ -14,6 +14,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 import jaxfuse
+from jaxfuse.state.simulated import worker_map
 from train_lm_args import AXIS
 from train_lm_args import SEND_EARLY_WINDOW
 
@@ -21,7 +22,8 @@ from train_lm_args import SEND_EARLY_WINDOW
 def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
                     compiler_options=None, grad_dtype=None, send_early=False,
                     window=SEND_EARLY_WINDOW, predict=False):
-  """jit(shard_map(step)): (params, opt_state, batch) -> same + mean loss,
+  """jit(shard_map(step)) (a vmap over the workers on a
+  ``jaxfuse.simulated_mesh``): (params, opt_state, batch) -> same + mean loss,
   written with the low-level API: ``--sync dense``'s step (``DenseStep``)
   and benchmarks/overhead.py's. The jaxfuse modes train with
   ``jaxfuse.make_train_step``, which computes the same.
@@ -43,9 +45,8 @@ def make_train_step(loss_fn, opt, mesh, opt_specs, sync: str,
             jax.lax.pmean(loss, AXIS))
   if send_early:
     local = jaxfuse.send_early(local, window=window or None)
-  step = jax.shard_map(local,
-                       mesh=mesh, in_specs=(P(), opt_specs, P(AXIS)),
-                       out_specs=(P(), opt_specs, P()))
+  step = worker_map(local, mesh, (P(), opt_specs, P(AXIS)),
+                    (P(), opt_specs, P()))
   return jax.jit(step, donate_argnums=(0, 1),
                  compiler_options=compiler_options or None)
 

@@ -240,7 +240,9 @@ def test_the_warmup_line_names_a_density_that_runs_dense(example):
 @pytest.mark.parametrize("density", [0.05, 0.1])
 def test_the_defaults_are_the_readme_recipe(example, density):
   """examples/train_lm.py with no plan or warm-up flags trains the README
-  recipe: onebit_adamw on a `size` 64 MiB plan; 10 % of the steps dense
+  recipe: onebit_adamw on a `size` 64 MiB plan made for the run's K
+  workers (each sparse bucket's scheme the one that sends the fewest
+  bytes on K); 10 % of the steps dense
   on a bfloat16 wire, then 5 % at density 6.25 % (left out when the plan
   is as dense), then the plan. DGC's ramp is one flag away."""
   train_lm, args_lib = example
@@ -265,10 +267,12 @@ def test_the_defaults_are_the_readme_recipe(example, density):
     return phases
 
   plan = jaxfuse.plan(params, density=density, strategy="size",
-                      bucket_bytes=64 * 2**20,
+                      bucket_bytes=64 * 2**20, num_workers=k,
                       order=jaxfuse.planning.ordering.FromLoss(
                           loss_fn, (batch,)))
   assert plan.provenance["parameters"]["bucket_bytes"] == 64 * 2**20
+  assert plan.provenance["parameters"]["collective"] == (
+      "fewest bytes" if k > 1 else "allgather")
   ramp = (0.0625,) if density < 0.0625 else ()
   want = jaxfuse.density_warmup(plan, dense_steps=100,
                                 steps=50 if ramp else 0, densities=ramp,
