@@ -75,6 +75,8 @@ SUBCOMMANDS = {
                       "best rate"),
     "elastic": ("elastic restart on the example LM: train on K workers, "
                 "resume on K'"),
+    "predict-time": ("runs' predicted wall time on K real workers over "
+                     "given links (jaxfuse.planning.predict)"),
 }
 
 HORIZONS = (250, 500, 1000)

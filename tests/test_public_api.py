@@ -43,7 +43,8 @@ PLANNING_MODULES = [
     "backward", "bucket_cost", "cli", "cli_io", "cli_show",
     "costs",
     "grouping", "leaves",
-    "optimal", "ordering", "plan_keywords", "planner", "profiling",
+    "optimal", "ordering", "plan_keywords", "planner", "predict",
+    "profiling",
     "simulate", "strategies",
     "timeline_plot", "timing", "trace",
 ]

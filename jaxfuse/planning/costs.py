@@ -336,6 +336,80 @@ class Costs:
         name: LinearCost(line.alpha * factor, line.beta * factor)
         for name, line in self.collectives.items()})
 
+  def on_link(self, gbytes_per_s: float, latency_s: float) -> "Costs":
+    """The same compute on another network: every collective line is its
+    ring algorithm on a link moving ``gbytes_per_s`` GB/s with
+    ``latency_s`` seconds per message, one message costing
+    a + x/B (a = latency, B = bytes per second), on K₀ = ``workers``::
+
+      all_gather   (K₀−1)·(a + x/B)         α = (K₀−1)·a,   β = (K₀−1)/B
+      all_reduce   2(K₀−1)·(a + x/(K₀·B))   α = 2(K₀−1)·a,  β = 2(K₀−1)/(K₀·B)
+      all_to_all   (K₀−1)·(a + x/(K₀·B))    α = (K₀−1)·a,   β = (K₀−1)/(K₀·B)
+      ppermute     a + x/B
+
+    so that ``primitive_time`` on any K reads each as the same ring on K
+    workers. A link of G Gbit/s moves G/8 GB/s (10 Gbit/s Ethernet: 1.25).
+    What the measured lines said of the real network (its contention γ,
+    its overlap η) is kept.
+
+    Args:
+      gbytes_per_s: the link's bandwidth in GB/s (10⁹ bytes), > 0.
+      latency_s: seconds per message, >= 0 (NCCL over TCP sockets on one
+        host measured about 3e-4 in ``jaxfuse profile``'s all-gather line).
+
+    Returns:
+      A ``Costs`` with the link's collective lines, every other field kept.
+
+    Raises:
+      CostsError: a bandwidth that is not a finite number > 0, or a
+        latency that is not a finite number >= 0.
+    """
+    for name, value, low in (("gbytes_per_s", gbytes_per_s, None),
+                             ("latency_s", latency_s, 0.0)):
+      if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+          or not math.isfinite(value) or
+          (value <= 0 if low is None else value < low)):
+        raise CostsError(f"on_link: {name}={value!r} must be a finite "
+                         f"number {'> 0' if low is None else '>= 0'} (a "
+                         "link of G Gbit/s moves G/8 GB/s).")
+    k0, a, b = self.workers, float(latency_s), 1.0 / (gbytes_per_s * 1e9)
+    lines = {"allgather": LinearCost((k0 - 1) * a, (k0 - 1) * b),
+             "psum": LinearCost(2 * (k0 - 1) * a, 2 * (k0 - 1) * b / k0),
+             "alltoall": LinearCost((k0 - 1) * a, (k0 - 1) * b / k0),
+             "ppermute": LinearCost(a, b)}
+    return self.replace(collectives=lines)
+
+  def with_compute(self, seconds: float) -> "Costs":
+    """The forward and per-leaf backward times scaled by one factor so that
+    they add up to ``seconds``: the compute of a step measured on one
+    device (e.g. another batch size, or the whole step's time with its
+    update), in the shares the profile measured. The compression lines
+    (``compress``, ``bucket``, ``schemes``), which depend on the
+    parameters and not on the batch, are kept.
+
+    Args:
+      seconds: the measured time of one device's dense step, > 0.
+
+    Returns:
+      A ``Costs`` with forward + Σ backward = ``seconds``.
+
+    Raises:
+      CostsError: ``seconds`` is not a finite number > 0, or the costs
+        hold no compute to scale (forward and backward all 0).
+    """
+    if (isinstance(seconds, bool) or not isinstance(seconds, numbers.Real)
+        or not math.isfinite(seconds) or seconds <= 0):
+      raise CostsError(f"with_compute: seconds={seconds!r} must be a "
+                       "finite number > 0 (one device's measured step).")
+    total = self.forward + math.fsum(self.backward)
+    if total <= 0:
+      raise CostsError("with_compute: these costs hold no forward or "
+                       "backward time to scale; measure them with `jaxfuse "
+                       "profile`.")
+    factor = float(seconds) / total
+    return self.replace(forward=self.forward * factor,
+                        backward=tuple(t * factor for t in self.backward))
+
   def model_leaves(self) -> tuple[tuple[str, tuple[int, ...]], ...] | None:
     """The (path, shape) of each leaf of the model the backward times were
     measured on, pytree order (``provenance["leaves"]``, which ``jaxfuse

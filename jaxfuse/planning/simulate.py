@@ -16,8 +16,8 @@ plus its scheme's extra compute ``costs.scheme_time(scheme, Σ capacity)``
 (0 for all_gather), plus ``costs.bucket``, what a sparse bucket computes
 beyond its units' compression (its own selection call, reductions,
 packing and decoding: a plan of many small buckets pays it many times);
-buckets ready at the same leaf in plan order. A dense (``"psum"``) bucket
-has no compression. The compute stream ends at
+buckets ready at the same leaf in plan order. A dense (``"psum"``) bucket,
+and one whose units are all sent whole (density 1), has no compression. The compute stream ends at
 ``compute_end = forward + Σ backward + Σ compression``.
 
 Link (one; collectives never run at the same time, so the contention γ of
@@ -153,18 +153,20 @@ def step_from_one_worker(t1: float, eta: float, ideal: Timeline,
 def compression_times(plan: plans.Plan, costs: Costs, *,
                       sched: bucket_steps.Schedule | None = None
                       ) -> list[float]:
-  """Per bucket: Σ over its selection units of compress.time(unit.size),
-  plus, for a sparse bucket, ``costs.scheme_time`` of its scheme for its
+  """Per sparse bucket: Σ over its selection units of
+  compress.time(unit.size), plus ``costs.scheme_time`` of its scheme for its
   slots (Σ capacity) and ``costs.bucket``. ``sched``: the plan already
   compiled (``bucket_steps.compile_plan(plan)``)."""
   if sched is None:
     sched = bucket_steps.compile_plan(plan)
   out = []
   for b in sched.buckets:
+    if b.kind != bucket_steps.SPARSE:   # psum, or every unit sent whole:
+      out.append(0.0)                   # nothing to select
+      continue
     units = sched.bucket_units(b)
     extra = costs.scheme_time(b.collective, sum(
-        u.capacity for u in units)) + costs.bucket if (
-            b.kind == bucket_steps.SPARSE) else 0.0
+        u.capacity for u in units)) + costs.bucket
     out.append(sum(costs.compress.time(u.size) for u in units) + extra)
   return out
 
