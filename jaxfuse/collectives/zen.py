@@ -60,6 +60,7 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import fusion
+from jaxfuse import kernels
 from jaxfuse import plans
 from jaxfuse.collectives import base
 from jaxfuse.kernels import hash_partition as hp
@@ -271,11 +272,13 @@ def _compact_rows(table, size: int, push: int):
 
 
 def _hash(indices, lay: TableLayout, num_workers: int, seed: int):
-  """Alg. 1: the Pallas kernel on GPU where ``jaxfuse.kernels`` runs Pallas
-  (inside shard_map too: its outputs vary as the indices do), else the jnp
-  reference (the same rows as sets, the same ``stored``)."""
-  return hp.hash_partition(indices, num_workers, lay.size, r1=lay.r1,
-                           r2=lay.r2, seed=seed, backend="auto")
+  """Alg. 1 through the kernel dispatcher (``kernels.hierarchical_hash``):
+  the Pallas kernel wherever ``jaxfuse.kernels.backend()`` is "pallas"
+  (compiled on GPU, inside shard_map too: its outputs vary as the indices
+  do), else the jnp reference (the same rows as sets, the same
+  ``stored``)."""
+  return kernels.hierarchical_hash(indices, num_workers, lay.size,
+                                   r1=lay.r1, r2=lay.r2, seed=seed)
 
 
 # --- the scheme ---------------------------------------------------------------
