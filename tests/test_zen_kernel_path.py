@@ -19,6 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxfuse
 from jaxfuse import kernels
+from jaxfuse import plans as plan_lib
+from jaxfuse.collectives import zen as zen_lib
+from jaxfuse.sync import bucket_steps
 
 from _harness import list_plan, mesh_of, shard
 
@@ -109,27 +112,48 @@ def test_the_device_step_hashes_in_the_kernel_and_equals_the_reference():
     assert a.tobytes() == b.tobytes()
 
 
-def test_simulated_workers_batch_the_kernel_over_the_worker_axis():
+def _simulated_step(backend):
+  """(the jaxpr of one ZEN sync of K workers simulated on one device, the
+  step's outputs)."""
   plan = _plan()
   mesh = jaxfuse.simulated_mesh(K)
   tx = jaxfuse.sparse_sync(plan)
   state = jaxfuse.init_state(tx, [jnp.zeros(s, jnp.float32) for s in SHAPES],
                              mesh)
   specs = jaxfuse.state_specs(state)
-  kernels.set_backend("pallas")
+  kernels.set_backend(backend)
   try:
-    step = jaxfuse.vmap_workers(lambda g, s: tx.update(g, s), mesh,
-                                (P("data"), specs), (P(), specs))
+    step = jax.jit(jaxfuse.vmap_workers(lambda g, s: tx.update(g, s), mesh,
+                                        (P("data"), specs), (P(), specs)))
     grads = [g.reshape((K * s[0],) + s[1:]) for g, s in zip(_grads(), SHAPES)]
     jaxpr = jax.make_jaxpr(step)(grads, state)
+    out = jax.tree.map(np.asarray, step(grads, state))
   finally:
     kernels.set_backend("auto")
+  return jaxpr, out
+
+
+def test_simulated_workers_batch_the_kernel_over_the_worker_axis():
+  jaxpr, out = _simulated_step("pallas")
   calls = _hash_calls(jaxpr)
   assert len(calls) == _buckets(), calls               # one per bucket
   for eqn, loops in calls:
     assert loops == 0                                 # no loop over workers
     assert eqn.params["grid_mapping"].grid[0] == K    # batched: a grid row
   _no_reference(jaxpr)                                # per worker
+  _, ref = _simulated_step("reference")
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    assert a.tobytes() == b.tobytes()
+
+
+def test_the_buckets_traced_pull_through_the_hash_bitmap():
+  """The traces above cover Alg. 2's pull (bitmap encode and decode)."""
+  plan = _plan()
+  sched = bucket_steps.compile_plan(plan)
+  for step in sched.buckets:
+    units = [plan_lib.wire_unit(u, plan.settings, "zen")
+             for u in sched.bucket_units(step)]
+    assert zen_lib.layout(units, K, plan.settings).bitmap
 
 
 @pytest.mark.parametrize("backend,want", [("pallas", 1), ("reference", 0)])
