@@ -21,6 +21,7 @@ import jaxfuse
 from jaxfuse import kernels
 from jaxfuse import plans as plan_lib
 from jaxfuse.collectives import zen as zen_lib
+from jaxfuse.kernels import hash_partition as hp
 from jaxfuse.sync import bucket_steps
 
 from _harness import list_plan, mesh_of, shard
@@ -156,11 +157,12 @@ def test_the_buckets_traced_pull_through_the_hash_bitmap():
     assert zen_lib.layout(units, K, plan.settings).bitmap
 
 
-@pytest.mark.parametrize("backend,want", [("pallas", 1), ("reference", 0)])
-def test_the_dispatcher_follows_the_kernel_backend(backend, want):
+@pytest.mark.parametrize("backend,want", [("pallas", 1), ("reference", 0),
+                                          ("auto", 0)])   # auto: CPU here
+def test_auto_follows_the_kernel_backend(backend, want):
   kernels.set_backend(backend)
   try:
-    jaxpr = jax.make_jaxpr(lambda i: kernels.hierarchical_hash(
+    jaxpr = jax.make_jaxpr(lambda i: hp.hash_partition(
         i, 4, 50, r1=8, r2=2))(jnp.arange(0, 40, 3, dtype=jnp.int32))
   finally:
     kernels.set_backend("auto")

@@ -60,7 +60,6 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse import fusion
-from jaxfuse import kernels
 from jaxfuse import plans
 from jaxfuse.collectives import base
 from jaxfuse.kernels import hash_partition as hp
@@ -272,13 +271,12 @@ def _compact_rows(table, size: int, push: int):
 
 
 def _hash(indices, lay: TableLayout, num_workers: int, seed: int):
-  """Alg. 1 through the kernel dispatcher (``kernels.hierarchical_hash``):
-  the Pallas kernel wherever ``jaxfuse.kernels.backend()`` is "pallas"
-  (compiled on GPU, inside shard_map too: its outputs vary as the indices
-  do), else the jnp reference (the same rows as sets, the same
-  ``stored``)."""
-  return kernels.hierarchical_hash(indices, num_workers, lay.size,
-                                   r1=lay.r1, r2=lay.r2, seed=seed)
+  """Alg. 1 as ``jaxfuse.kernels.backend()`` says (``backend="auto"``):
+  the Pallas kernel wherever it is "pallas" (compiled on GPU, inside
+  shard_map too: its outputs vary as the indices do), else the jnp
+  reference (the same rows as sets, the same ``stored``)."""
+  return hp.hash_partition(indices, num_workers, lay.size, r1=lay.r1,
+                           r2=lay.r2, seed=seed, backend="auto")
 
 
 # --- the scheme ---------------------------------------------------------------

@@ -253,34 +253,3 @@ def kth_largest_magnitude(x, k: int):
         x, k, interpret=jax.default_backend() != "gpu",
         pays_from=(threshold.PAYS_FROM, threshold.BATCHED_PAYS_FROM))
   return threshold.kth_largest_magnitude_reference(x, k)
-
-
-def hierarchical_hash(indices, num_partitions: int, tensor_size: int, *,
-                      r1: int, r2: int, seed: int = 0):
-  """ZEN's hierarchical hash (Alg. 1, ``hash_partition``): the Pallas
-  kernel on the Pallas backend (interpreted off GPU), else its jnp
-  reference; the same rows as sets and the same ``stored`` either way.
-
-  Args:
-    indices: int (C,) selected indices; ``tensor_size`` marks an empty slot.
-    num_partitions: the partitions (one per worker).
-    tensor_size: N, the index space and the sentinel.
-    r1: parallel slots per partition.
-    r2: serial slots per partition.
-    seed: picks h0; the same on every worker.
-
-  Returns:
-    The ``hash_partition.HashPartition`` (table, counts, ``stored``).
-
-  Raises:
-    ValueError: ``JAXFUSE_KERNELS`` names no backend.
-    KernelError: ``"pallas"`` forced where this JAX has no Pallas Triton
-      backend.
-  """
-  from jaxfuse.kernels import hash_partition as hp  # pylint: disable=g-import-not-at-top
-  if backend() == "pallas":
-    return hp.hash_partition_pallas(
-        indices, num_partitions, tensor_size, r1=r1, r2=r2, seed=seed,
-        interpret=jax.default_backend() != "gpu")
-  return hp.hash_partition_reference(indices, num_partitions, tensor_size,
-                                     r1=r1, r2=r2, seed=seed)
