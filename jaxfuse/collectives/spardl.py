@@ -42,7 +42,7 @@ drops less in merges for b/2 times the bytes). With T = 1 a worker receives
 4(K−1)/K·C pairs (Table I's 4(P−1)/P·k with k = C; holds whenever 2C ≥ K),
 where ``"allgather"`` receives (K−1)·C. A block of ⌈N/G⌉ ≤ m elements never
 drops anything. Teams add log₂T blocks (R-SAG) or (T−1)·m/T slots (B-SAG) and
-gather m/T.
+gather m/T. ``choose`` picks T for K workers from the link's costs (§III-D).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from jaxfuse import plans
 from jaxfuse.collectives import base
 
 INDEX_BYTES = 4  # int32 indices
+TIE = 1e-9       # ``choose``: relative time differences below are ties
 
 
 def send_schedule(num_workers: int) -> list[list[tuple[int, tuple[int, ...]]]]:
@@ -96,12 +97,19 @@ def block_capacity(size: int, slots: int, team_size: int, teams: int = 1,
   return teams * -(-m // teams)
 
 
+def legal_teams(num_workers: int) -> tuple[int, ...]:
+  """The team counts T that K workers can form: 1, and every divisor of K
+  that leaves teams of at least 2 workers (ascending)."""
+  k = num_workers
+  return (1,) + tuple(d for d in range(2, k // 2 + 1) if k % d == 0)
+
+
 def check_teams(where: str, num_workers: int, teams: int) -> None:
   """Raise ``SchemeError`` if T teams cannot be formed from K workers."""
   k, t = num_workers, teams
   if t == 1:
     return
-  ok = [d for d in range(1, k + 1) if k % d == 0 and k // d >= 2]
+  ok = list(legal_teams(k))
   fix = (f"give SparDL(teams=...) one of {ok} (a divisor of {k} leaving teams "
          "of at least 2 workers; 1: no teams).")
   if not plan_checks.is_int(t) or t < 1:
@@ -331,3 +339,68 @@ class SparDL:
               for cnt in bruck_counts(nt)]
     out.append(base.Step("allgather", m // nt * b))
     return tuple(out)
+
+
+def choose(num_workers: int, units, costs, config: SparDL | None = None
+           ) -> SparDL:
+  """SparDL's team count for a bucket on K workers, from the link's costs.
+
+  The paper (§III-D, "The selection of the optimal d") takes the d with
+  the least time, running one epoch for each legal d; here the time is
+  the α-β model of what ``sync`` sends (``SparDL.steps``, priced by
+  ``costs.primitive_time(p, x, K)``: Eq. 5-10 for this implementation's
+  messages). With s bytes a slot, m_T the block of T teams
+  (``block_capacity``, ≈ b·C·T/K), G = K/T, |B_i| the blocks of SRS round
+  i (``send_schedule``), a ppermute line α_p + β_p·x and the all_gather's
+  per-message a + b·x::
+
+    t(T) = Σ_i (α_p + β_p·|B_i|·m_T·s)           Spar-Reduce-Scatter
+         + SAG(T)                                 T > 1
+         + (K−1)·(a + b·(m_T/T)·s)                all_gather over K
+
+  SAG(T) = log₂T·(α_p + β_p·m_T·s) for R-SAG (T a power of 2, Eq. 5) and
+  Σ_j (α_p + β_p·min(2^j, T − 2^j)·h·s) for B-SAG (Eq. 8), with h = m_T/T:
+  Alg. 2's starting h (k/P in the paper's units), the least time of its
+  range [k/P, dk/P]; the paper moves h from there by the union sizes it
+  counts at run time, which static shapes cannot carry. T* = argmin_T t(T)
+  over ``legal_teams(K)``, the fewest teams on a tie (within a relative
+  ``TIE``, the float rounding of the sums: more teams drop more in merges;
+  T = K, one local top-h, is not legal).
+
+  The paper's teams save latency in its last step, a Bruck all-gather
+  inside each team (2⌈log₂(P/d)⌉ + ⌈log₂d⌉ rounds, Eq. 7). Here the last
+  step is one all_gather over all K (a result typed identical on every
+  worker needs one), so m_T/T ≥ m_1 and the SRS and SAG carry at least
+  (K−1)·m_1 slots in at least ⌈log₂K⌉ rounds: T = 1 is always among the
+  least, and T* = 1 unless the steps change.
+
+  Args:
+    num_workers: K.
+    units: the bucket's units as they travel (``plans.wire_unit``): their
+      sizes, capacities and dtypes.
+    costs: a ``jaxfuse.planning.costs.Costs`` (its collective lines).
+    config: the SparDL whose ``block`` is kept (default ``SparDL()``).
+
+  Returns:
+    ``SparDL(teams=T*, block=config.block)``.
+
+  Raises:
+    SchemeError: ``num_workers`` is not an int >= 1, or ``units`` is
+      empty (naming the fix).
+  """
+  config = SparDL() if config is None else config
+  k = num_workers
+  if not plan_checks.is_int(k) or k < 1:
+    raise base.SchemeError(f"spardl.choose: num_workers={k!r}; give the "
+                           "workers K as an int >= 1.")
+  if not units:
+    raise base.SchemeError("spardl.choose: a bucket without units; give the "
+                           "bucket's plans.Unit list.")
+  settings = plans.Settings()
+  best = None
+  for teams in legal_teams(int(k)):
+    scheme = dataclasses.replace(config, teams=teams)
+    t = costs.steps_time(scheme.steps(units, int(k), settings), int(k))
+    if best is None or t < best[0] * (1 - TIE):
+      best = (t, scheme)
+  return best[1]

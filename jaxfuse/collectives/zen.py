@@ -271,8 +271,9 @@ def _compact_rows(table, size: int, push: int):
 
 
 def _hash(indices, lay: TableLayout, num_workers: int, seed: int):
-  """Alg. 1: the Pallas kernel on GPU where ``jaxfuse.kernels`` runs Pallas
-  (inside shard_map too: its outputs vary as the indices do), else the jnp
+  """Alg. 1 as ``jaxfuse.kernels.backend()`` says (``backend="auto"``):
+  the Pallas kernel wherever it is "pallas" (compiled on GPU, inside
+  shard_map too: its outputs vary as the indices do), else the jnp
   reference (the same rows as sets, the same ``stored``)."""
   return hp.hash_partition(indices, num_workers, lay.size, r1=lay.r1,
                            r2=lay.r2, seed=seed, backend="auto")

@@ -500,20 +500,23 @@ def hash_partition_pallas(indices, num_partitions: int, tensor_size: int, *,
 
 def hash_partition(indices, num_partitions: int, tensor_size: int, *,
                    backend: str = "auto", **kwargs) -> HashPartition:
-  """Algorithm 1: the Pallas kernel on GPU, the jnp reference elsewhere.
+  """Algorithm 1: the Pallas kernel or the jnp reference.
 
-  backend: "auto" | "pallas" | "reference".  Other keyword arguments as
-  :func:`hash_partition_reference` (plus the Pallas-only `block_size`,
-  `num_warps`, `interpret`).
+  backend: "auto" | "pallas" | "reference"; "auto" follows
+  ``jaxfuse.kernels.backend()`` as every kernel does (Pallas on GPU by
+  default; forced Pallas off GPU runs interpreted).  Other keyword
+  arguments as :func:`hash_partition_reference` (plus the Pallas-only
+  `block_size`, `num_warps`, `interpret`).
   """
   if backend not in ("auto", "pallas", "reference"):
     raise ValueError(
         f"backend={backend!r}: pick 'auto', 'pallas' or 'reference'")
   if backend == "auto":
     from jaxfuse import kernels  # pylint: disable=g-import-not-at-top
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    backend = "pallas" if on_gpu and kernels.backend() == "pallas" else (
-        "reference")
+    backend = kernels.backend()
+    if backend == "pallas":
+      kwargs.setdefault(
+          "interpret", jax.default_backend() not in ("gpu", "cuda", "rocm"))
   if backend == "pallas":
     return hash_partition_pallas(indices, num_partitions, tensor_size,
                                  **kwargs)

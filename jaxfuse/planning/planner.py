@@ -37,6 +37,7 @@ import jax
 
 from jaxfuse import _deprecated
 from jaxfuse import collectives
+from jaxfuse.collectives import spardl
 from jaxfuse import plans
 from jaxfuse.plans import checks as plan_checks
 from jaxfuse.planning.costs import Costs
@@ -398,7 +399,9 @@ def pick_collectives(plan: plans.Plan, costs: Costs,
                      num_workers: int, schemes=None) -> tuple[plans.Plan, list]:
   """Each sparse bucket moved by the scheme of ``AUTO_COLLECTIVES`` whose
   wire steps and extra compute take least time on K workers
-  (``costs.steps_time`` + ``costs.scheme_time``). The simulated step is
+  (``costs.steps_time`` + ``costs.scheme_time``); SparDL with the teams
+  ``spardl.choose`` picks for K and the link, unless ``schemes`` configures
+  it. The simulated step is
   non-decreasing in every bucket's link and compute time, so with the
   grouping fixed this is optimal where one scheme is cheapest in both;
   else it takes the least sum.
@@ -418,7 +421,16 @@ def pick_collectives(plan: plans.Plan, costs: Costs,
     return None if steps is None else (
         costs.steps_time(steps, num_workers) +
         costs.scheme_time(scheme.name, sum(u.capacity for u in units)))
-  return _pick(plan, schemes, seconds)
+
+  def configured(scheme, units):
+    """SparDL's teams chosen for K and the link (``spardl.choose``)
+    unless the caller configured SparDL."""
+    if scheme.name != "spardl" or "spardl" in (schemes or {}):
+      return scheme
+    return spardl.choose(num_workers, [
+        plans.wire_unit(u, plan.settings, scheme) for u in units], costs,
+                         scheme)
+  return _pick(plan, schemes, seconds, configure=configured)
 
 
 def fewest_bytes(plan: plans.Plan, num_workers: int,
@@ -449,20 +461,25 @@ def fewest_bytes(plan: plans.Plan, num_workers: int,
   return _pick(plan, schemes, sent, {"allgather": 1.0, "zen": 1 / 0.9})
 
 
-def _pick(plan: plans.Plan, schemes, cost_of,
-          weights=None) -> tuple[plans.Plan, list]:
+def _pick(plan: plans.Plan, schemes, cost_of, weights=None,
+          configure=None) -> tuple[plans.Plan, list]:
   """Each sparse bucket's scheme: of ``weights``' names (default
   ``AUTO_COLLECTIVES``, each weighing 1), the least weighted
-  ``cost_of(scheme, units)`` (None: cannot run), the first on a tie."""
+  ``cost_of(scheme, units)`` (None: cannot run), the first on a tie;
+  each scheme as ``configure(scheme, units)`` makes it for the bucket
+  (default: as given)."""
   weights = weights or dict.fromkeys(AUTO_COLLECTIVES, 1.0)
+  configure = configure or (lambda scheme, units: scheme)
   sched = bucket_steps.compile_plan(plan)
   buckets, report = [], []
   for b, step in zip(plan.buckets, sched.buckets):
     cost, chosen = {}, {}
     if step.kind == bucket_steps.SPARSE:
+      units = sched.bucket_units(step)
       for name in weights:
-        chosen[name] = (schemes or {}).get(name) or collectives.SCHEMES[name]
-        c = cost_of(chosen[name], sched.bucket_units(step))
+        chosen[name] = configure(
+            (schemes or {}).get(name) or collectives.SCHEMES[name], units)
+        c = cost_of(chosen[name], units)
         if c is not None:
           cost[name] = c
       best = min(cost, key=lambda n: cost[n] * weights[n])
