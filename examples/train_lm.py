@@ -89,6 +89,7 @@ import math
 import pathlib
 import time
 from typing import NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +231,17 @@ def _packing(bucket):
   return bucket
 
 
+def _costs_more_than_dense(plan, dense_wire: str, k: int) -> bool:
+  """Whether ``plan``'s sparse steps receive more bytes per worker on K
+  workers than a dense step on ``dense_wire`` (``wire_warnings``)."""
+  if k < 2 or not jaxfuse.optim.phases.has_sparse_units(plan):
+    return False
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    return bool(jaxfuse.optim.phases.wire_warnings(
+        (jaxfuse.Phase(0, None, plan),), k, dense_wire))
+
+
 def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
                grad_dtype, say) -> SyncSetup:
   """The plan (``--plan`` or ``jaxfuse.plan`` from ``example_batch``, one
@@ -238,10 +250,20 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
   if args.sync == "dense":
     return SyncSetup(None, (jaxfuse.Phase(0, None, None),),
                      replicated(make_opt(None).init(params), mesh), P())
-  plan = (jaxfuse.Plan.load(args.plan) if args.plan else jaxfuse.plan(
+  make_plan = lambda: jaxfuse.plan(
       cast_params(params, grad_dtype),
       order=jaxfuse.planning.ordering.FromLoss(loss_fn, (example_batch,)),
-      **plan_options(args, k)))
+      **plan_options(args, k))
+  plan = jaxfuse.Plan.load(args.plan) if args.plan else make_plan()
+  if not args.plan and args.sparse_wire is None and _costs_more_than_dense(
+      plan, args.dense_wire, k):
+    # the recipe on many workers: float32 values would move more bytes
+    # than a dense step; bfloat16 ones (8 -> 6 bytes a slot) may not
+    args.sparse_wire = "bfloat16"
+    say(f"on {k} workers the sparse steps would move more bytes than a "
+        f"dense step on a {args.dense_wire!r} wire: sending the sparse "
+        "values in bfloat16 (--sparse-wire to choose)")
+    plan = make_plan()
   if args.plan and (args.sparse_wire or args.packed_indices):
     # the wire is not part of the layout
     plan = dataclasses.replace(plan, settings=dataclasses.replace(
