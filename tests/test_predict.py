@@ -158,3 +158,41 @@ def test_a_bad_step_count_is_refused(steps):
   with pytest.raises(jaxfuse.PlanError, match="steps"):
     predict.predicted_wall_time((jaxfuse.Phase(0, None, _plan()),),
                                 _costs(), 2, steps)
+
+
+# --- profile_on_link and `jaxfuse profile --link` ------------------------------
+
+def test_profile_link_measures_the_compute_and_takes_the_link(tmp_path,
+                                                               capsys):
+  """One device is enough with --link: the saved lines are the ring on
+  1.25 GB/s (0.8 ns a byte) at 0.3 ms a message, the all-reduce's two
+  passes 2·(K0−1)/K0 = 1 of them; η 0; the compression measured."""
+  from jaxfuse.planning import cli
+  out = tmp_path / "costs.json"
+  assert cli.main(["profile", "--link", "1.25,3e-4", "-o", str(out),
+                   "--compress-sizes", "4K", "64K", "--repeats", "1",
+                   "--warmup", "1", "--chain", "1", "-q"]) == 0
+  costs = Costs.load(out)
+  lines = {name: (line.alpha, line.beta)
+           for name, line in costs.collectives.items()}
+  assert lines["allgather"] == (approx(3e-4), approx(0.8e-9))
+  assert lines["psum"] == (approx(6e-4), approx(0.8e-9))
+  assert costs.overlap == 0.0 and costs.contention == 1.0
+  assert [x for x, _ in costs.provenance["samples"]["compress"]] == [
+      4096, 65536]                          # measured here
+  assert costs.backward == ()
+  assert costs.provenance["link"] == {"gbytes_per_s": 1.25,
+                                      "latency_s": 3e-4}
+  assert "1.25 GB/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("link", ["1.25", "0,3e-4", "1.25,-1", "a,b",
+                                  "inf,0"])
+def test_profile_link_refuses_a_bad_link_before_measuring(tmp_path, capsys,
+                                                          link):
+  from jaxfuse.planning import cli
+  assert cli.main(["profile", "--link", link, "-o",
+                   str(tmp_path / "c.json")]) == 2
+  err = capsys.readouterr().err
+  assert "--link" in err and ("GB/S,LATENCY_S" in err or "bandwidth" in err)
+  assert not (tmp_path / "c.json").exists()

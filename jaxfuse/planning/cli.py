@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import os
 import sys
 from typing import Sequence
@@ -118,6 +119,8 @@ def cmd_profile(args) -> int:
                        "params; profiling needs (loss_fn, params, "
                        "*example_args) to time the backward pass.")
     _check_loss(args.model, loss_fn, params, example_args)
+  if args.link:
+    return _profile_on_link(args, loss_fn, params, example_args)
   try:
     mesh = _compat.make_mesh(args.devices)
   except ValueError as e:
@@ -126,7 +129,8 @@ def cmd_profile(args) -> int:
     raise UsageError(
         "profiling needs at least 2 devices: on one, the collectives move "
         "nothing and there is no communication to measure. Give --devices "
-        "2 or more" + ("" if jax.device_count() > 1 else
+        "2 or more, or the network as --link GB/S,LATENCY_S" + (
+            "" if jax.device_count() > 1 else
                        " (this machine shows one device; on a CPU, "
                        "simulate more with --cpu-devices 8)") + ".")
   dev = jax.devices()[0]
@@ -154,6 +158,48 @@ def cmd_profile(args) -> int:
   save(costs, args.output, "costs")
   print(f"saved {args.output}\n{format_costs(costs)}")
   return 0
+
+
+def _profile_on_link(args, loss_fn, params, example_args) -> int:
+  """``jaxfuse profile --link``: this device's compute, the link given."""
+  from jaxfuse.planning import predict  # pylint: disable=g-import-not-at-top
+  from jaxfuse.planning import profiling  # pylint: disable=g-import-not-at-top
+  gbytes, latency = args.link
+  print(f"profiling the compute on one {_device_name()}; the link: "
+        f"{gbytes:g} GB/s, {latency:g} s a message", file=sys.stderr)
+  try:
+    costs = predict.profile_on_link(
+        gbytes, latency, model=(None if loss_fn is None else profiling.Model(
+            loss_fn, params, example_args)),
+        sweep=profiling.Sweep(None, args.compress_sizes, profiling.Timing(
+            args.repeats, args.warmup, args.chain)),
+        compression=profiling.Compression(args.estimator, args.density),
+        progress=None if args.quiet else profiling.text_progress())
+  except profiling.ProfileError as e:
+    raise UsageError(str(e)) from e
+  save(costs, args.output, "costs")
+  print(f"saved {args.output}\n{format_costs(costs)}")
+  return 0
+
+
+def _device_name() -> str:
+  import jax  # pylint: disable=g-import-not-at-top
+  dev = jax.devices()[0]
+  return f"{dev.platform} ({dev.device_kind})"
+
+
+def parse_link(text: str) -> tuple[float, float]:
+  """``--link GB/S,LATENCY_S`` -> (GB/s, seconds a message)."""
+  try:
+    gbytes, latency = (float(x) for x in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: give GB/S,LATENCY_S, e.g. 1.25,3e-4 for 10 Gbit/s and "
+        "3e-4 s a message") from None
+  if not (gbytes > 0 and latency >= 0 and math.isfinite(gbytes + latency)):
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: the bandwidth must be > 0 GB/s and the latency >= 0 s")
+  return gbytes, latency
 
 
 def _check_loss(spec: str, loss_fn, params, example_args) -> None:
@@ -321,6 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
           "program's costs, scaled to one measured backward pass)."))
   pr.add_argument("-o", "--output", default="costs.json",
                   help="where to write the costs (default: %(default)s)")
+  pr.add_argument("--link", type=parse_link, metavar="GB/S,LATENCY_S",
+                  help="the network, given: measure only this device's "
+                  "compute (one device is enough) and take the collectives "
+                  "as the ring on a link of GB/S (G Gbit/s: G/8) and "
+                  "LATENCY_S seconds a message; the overlap eta is 0")
   pr.add_argument("--model", metavar="MODULE:FUNCTION",
                   help="function returning (loss_fn, params, *example_args): "
                   "measure forward, per-leaf backward and η on it")

@@ -11,7 +11,8 @@ whose compute was measured on one device and whose link is the network's::
 with ``costs.with_compute(T₁)`` for the measured compute T₁ of one
 worker's dense step at its batch, and ``costs.on_link(GB/s, latency)``
 for a network given by its bandwidth and latency (or the lines ``jaxfuse
-profile`` measured on the real one). The overlap is the costs' η: 0 to
+profile`` measured on the real one). ``profile_on_link`` measures one device's compute and takes the network
+as given, for a link you do not have. The overlap is the costs' η: 0 to
 1 of what the ideal wait-free schedule would hide behind the backward.
 Every time this module returns is a prediction, not a measurement; say
 which costs it used wherever it is shown.
@@ -19,14 +20,23 @@ which costs it used wherever it is shown.
 
 from __future__ import annotations
 
-from typing import Sequence
+import datetime
+from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from jaxfuse import plans
 from jaxfuse.optim import phases
+from jaxfuse.planning import profiling
+from jaxfuse.planning._measuring import Compression
+from jaxfuse.planning._measuring import Model
+from jaxfuse.planning._measuring import Sweep
 from jaxfuse.planning.costs import Costs
+from jaxfuse.planning.costs import LinearCost
+from jaxfuse.planning.costs import fit_linear
 from jaxfuse.planning.simulate import simulate
+from jaxfuse.version import __version__
 
 
 def phase_step_times(run_phases: Sequence[phases.Phase], costs: Costs,
@@ -88,3 +98,82 @@ def predicted_wall_time(run_phases: Sequence[phases.Phase], costs: Costs,
   each = np.array([per_phase[phases.phase_index(run_phases, s)]
                    for s in range(int(steps))], np.float64)
   return np.cumsum(each)
+
+
+def profile_on_link(gbytes_per_s: float, latency_s: float, *,
+                    model: Model | None = None, sweep: Sweep = Sweep(),
+                    compression: Compression = Compression(),
+                    progress: profiling.Progress | None = None) -> Costs:
+  """Measure one device's compute and take the network as given: the
+  costs of K workers on a link you do not have (``Costs.on_link``).
+
+  On the first device: ``compress``, ``bucket`` and, with a ``model``,
+  the forward and per-leaf backward times, as ``profile`` measures them.
+  The collective lines are the ring on the link; the overlap η is 0
+  (nothing hidden: a plain step over sockets measured 0.01 to 0.25, one
+  under ``send_early`` about 0.8; set yours with ``costs.replace(
+  overlap=η)``), the contention 1, and the schemes' extra compute 0.
+
+  Args:
+    gbytes_per_s: the link's bandwidth in GB/s (G Gbit/s: G/8).
+    latency_s: seconds per message on the link.
+    model: the ``Model`` to measure the compute of, or None.
+    sweep: the compression sizes measured and their ``Timing``.
+    compression: the sparse step a plan would use (a ``Compression``).
+    progress: ``progress(done, total, what)``, as for ``profile``.
+
+  Returns:
+    A ``Costs`` of K₀ = 2 workers on that link (any K reads it as its
+    ring), its provenance naming the link.
+
+  Raises:
+    CostsError: a bandwidth or latency out of range (before measuring).
+    ProfileError: a sweep with fewer than two distinct sizes.
+  """
+  nothing = LinearCost(0.0, 0.0)
+  link = Costs({"allgather": nothing, "psum": nothing}, nothing, ()
+               ).on_link(gbytes_per_s, latency_s).collectives
+  compress_sizes = tuple(int(s) for s in (
+      sweep.compress_sizes or profiling.default_compress_sizes()))
+  if len(set(compress_sizes)) < 2:
+    raise profiling.ProfileError(
+        f"compress_sizes={compress_sizes}: give at least two distinct "
+        "sizes (one cannot separate the latency from the cost per unit).")
+  timing, done = sweep.timing, [0]
+  total = len(compress_sizes) + 1 + (2 if model else 0)
+
+  def step(what):
+    if progress:
+      progress(done[0], total, what)
+    done[0] += 1
+
+  samples = profiling.measure_compress(
+      compress_sizes, compression=compression, timing=timing, progress=step)
+  step("bucket cost: one sparse bucket against one per layer")
+  one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  bucket, bucket_raw = profiling.measure_bucket_cost(
+      one, compression=compression, timing=timing)
+  forward, backward, backward_raw = profiling.measure_model(model, timing,
+                                                           step)
+  if progress:
+    progress(total, total, "done")
+  dev = jax.devices()[0]
+  provenance: dict[str, Any] = {
+      "tool": "jaxfuse profile --link", "jaxfuse_version": __version__,
+      "jax_version": jax.__version__,
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+          timespec="seconds"),
+      "devices": {"platform": dev.platform, "kind": dev.device_kind,
+                  "mesh": {"data": 1}, "processes": jax.process_count()},
+      "link": {"gbytes_per_s": float(gbytes_per_s),
+               "latency_s": float(latency_s)},
+      "timing": timing._asdict(), "compress": compression._asdict(),
+      "samples": {"compress": [[int(x), float(t)] for x, t in samples]},
+      "bucket": bucket_raw, "overlap": {"model": "not measured: 0"},
+  }
+  if backward_raw:
+    provenance["leaves"] = backward_raw.pop("leaves")
+    provenance["backward"] = backward_raw
+  return profiling.same_on_every_process(Costs(
+      link, fit_linear(*zip(*samples)), backward, overlap=0.0,
+      forward=forward, provenance=provenance, bucket=bucket))

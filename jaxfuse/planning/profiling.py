@@ -486,31 +486,7 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
                                      timing=timing, axis_name=axis_name)
   overlap_raw["model"] = "given" if model else "synthetic MLP"
 
-  forward, backward, backward_raw = 0.0, (), None
-  if model:
-    loss_fn, params, example_args = model
-    step("forward and backward")
-    forward, measured = measure_forward_backward(loss_fn, params,
-                                                 example_args,
-                                                 **timing.calls())
-    step("backward per leaf (the gradient's jaxpr)")
-    rates = machine_rates(**timing.calls())
-    analysis = analyze_backward(loss_fn, params, example_args, rates=rates)
-    sizes_ = [max(1, int(np.size(x))) for x in jax.tree.leaves(params)]
-    roofline = float(sum(analysis.shares))
-    method = "jaxpr roofline shares scaled to time(grad) - time(loss)"
-    backward_time = measured
-    if measured <= 0 and analysis.forward > 0:
-      # Below the timing noise (a tiny model): the roofline backward, in the
-      # forward's measured / roofline ratio.
-      backward_time = roofline * forward / analysis.forward
-      method = ("time(grad) - time(loss) <= 0 (below timing noise): roofline "
-                "backward x measured/roofline forward")
-    backward = scale_shares(analysis.shares, backward_time, sizes_)
-    backward_raw = {"method": method, "measured": measured,
-                    "roofline": roofline,
-                    "roofline_forward": analysis.forward,
-                    "flops_per_s": rates[0], "bytes_per_s": rates[1]}
+  forward, backward, backward_raw = measure_model(model, timing, step)
   if progress:
     progress(total, total, "done")
 
@@ -532,13 +508,61 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
       "bucket": bucket_raw, "schemes": schemes_raw,
   }
   if backward_raw:
-    provenance["backward"] = backward_raw
     # the model measured, so that planning another one is refused
-    provenance["leaves"] = _model_leaves(model.params)
+    provenance["leaves"] = backward_raw.pop("leaves")
+    provenance["backward"] = backward_raw
   return same_on_every_process(Costs(
       collectives, compress, backward, contention=gamma, overlap=eta,
       forward=forward, provenance=provenance,
       workers=mesh.shape[axis_name], bucket=bucket, schemes=schemes))
+
+
+def measure_model(model: Model | None, timing: Timing,
+                  step: Callable[[str], None] = lambda what: None
+                  ) -> tuple[float, tuple[float, ...], dict | None]:
+  """The forward and per-leaf backward times of ``model`` (the module
+  docstring's forward and backward), on the first device.
+
+  Args:
+    model: the ``Model``, or None.
+    timing: the ``Timing`` of each measurement.
+    step: called with what is measured next (``profile``'s progress).
+
+  Returns:
+    (forward seconds, per-leaf backward seconds in pytree order, raw: how
+    the backward was split, with ``"leaves"``, the model's [path, shape]
+    per leaf); (0, (), None) without a model.
+
+  Raises:
+    Whatever ``loss_fn`` raises when traced or run.
+  """
+  if not model:
+    return 0.0, (), None
+  loss_fn, params, example_args = model
+  step("forward and backward")
+  forward, measured = measure_forward_backward(loss_fn, params,
+                                               example_args,
+                                               **timing.calls())
+  step("backward per leaf (the gradient's jaxpr)")
+  rates = machine_rates(**timing.calls())
+  analysis = analyze_backward(loss_fn, params, example_args, rates=rates)
+  sizes_ = [max(1, int(np.size(x))) for x in jax.tree.leaves(params)]
+  roofline = float(sum(analysis.shares))
+  method = "jaxpr roofline shares scaled to time(grad) - time(loss)"
+  backward_time = measured
+  if measured <= 0 and analysis.forward > 0:
+    # Below the timing noise (a tiny model): the roofline backward, in the
+    # forward's measured / roofline ratio.
+    backward_time = roofline * forward / analysis.forward
+    method = ("time(grad) - time(loss) <= 0 (below timing noise): roofline "
+              "backward x measured/roofline forward")
+  backward = scale_shares(analysis.shares, backward_time, sizes_)
+  backward_raw = {"method": method, "measured": measured,
+                  "roofline": roofline,
+                  "roofline_forward": analysis.forward,
+                  "flops_per_s": rates[0], "bytes_per_s": rates[1],
+                  "leaves": _model_leaves(params)}
+  return forward, backward, backward_raw
 
 
 def _model_leaves(params) -> list[list]:
