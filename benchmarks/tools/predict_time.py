@@ -159,7 +159,8 @@ def predict(args) -> list[dict]:
              "overlap": eta, "predicted_phase_ms": per_phase,
              "predicted_total_s": float(wall[-1]),
              "final_val_loss": run["final_val_loss"],
-             "wall_s": wall.tolist()}
+             "curve": [[p["step"], float(wall[p["step"] - 1]), p["val_loss"]]
+                       for p in run["val_curve"]]}
       if target is not None:
         row["target_loss"] = target
         row["reach_step"], row["predicted_reach_s"] = _reach(run, wall,
@@ -188,7 +189,7 @@ def _print(rows) -> None:
           f"{'' if got is None else f'{got:.1f}':>8}")
 
 
-def _plot(rows, runs_by_source, path) -> None:
+def _plot(rows, path) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -197,11 +198,9 @@ def _plot(rows, runs_by_source, path) -> None:
                            squeeze=False)
   for ax, link in zip(axes[0], links):
     for r in (r for r in rows if r["link"] == link):
-      run = runs_by_source[(r["source"], r["run"], r["seed"])]
-      steps = [p["step"] for p in run["val_curve"]]
-      ax.plot([r["wall_s"][s - 1] for s in steps],
-              [p["val_loss"] for p in run["val_curve"]],
-              label=f"{r['run'].split('+')[0]} K={r['workers']}")
+      _, wall, loss = zip(*r["curve"])
+      ax.plot(wall, loss, label=f"{r['run'].split('+')[0]} K={r['workers']}"
+              + (f" seed {r['seed']}" if r.get("seed") else ""))
     ax.set_title(f"{link} (predicted)")
     ax.set_xlabel("predicted wall time, s")
     ax.set_xscale("log")
@@ -244,7 +243,5 @@ def main(argv=None) -> int:
     pathlib.Path(args.out).write_text(json.dumps({"meta": meta,
                                                   "rows": rows}))
   if args.plot:
-    runs = {(r["source"], r["recipe"], r["config"].get("seed")): r
-            for r in _runs(args.runs)}
-    _plot(rows, runs, args.plot)
+    _plot(rows, args.plot)
   return 0
