@@ -192,6 +192,7 @@ def _print(rows) -> None:
 def _plot(rows, path) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
+  import matplotlib.ticker  # pylint: disable=g-import-not-at-top
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   links = list(dict.fromkeys(r["link"] for r in rows))
   fig, axes = plt.subplots(1, len(links), figsize=(4.2 * len(links), 3.8),
@@ -204,6 +205,7 @@ def _plot(rows, path) -> None:
     ax.set_title(f"{link} (predicted)")
     ax.set_xlabel("predicted wall time, s")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
   axes[0][0].set_ylabel("validation loss")
   axes[0][0].legend(fontsize=7)
   fig.tight_layout()
