@@ -189,6 +189,28 @@ def _print(rows) -> None:
           f"{'' if got is None else f'{got:.1f}':>8}")
 
 
+def _print_quality(rows) -> None:
+  """Per run: its final loss, the step it reaches the best dense run's
+  final loss, and that time over the dense run's on each link."""
+  links = list(dict.fromkeys(r["link"] for r in rows))
+  dense = {r["link"]: r["predicted_total_s"] for r in rows
+           if r["run"].startswith("dense") and r.get("reach_step")}
+  print(f"\n{'run':28} {'K':>3} {'seed':>4} {'val':>7} {'reach':>5} "
+        + " ".join(f"{l:>12}" for l in links))
+  runs = list(dict.fromkeys((r["run"], r["workers"], r["seed"], r["source"])
+                            for r in rows))
+  for run in runs:
+    mine = {r["link"]: r for r in rows
+            if (r["run"], r["workers"], r["seed"], r["source"]) == run}
+    first = next(iter(mine.values()))
+    cells = [("-" if mine[l].get("predicted_reach_s") is None or l not in
+              dense else f"{mine[l]['predicted_reach_s'] / dense[l]:.2f}x")
+             for l in links]
+    print(f"{run[0][:28]:28} {run[1]:3d} {run[2] or 0:4d} "
+          f"{first['final_val_loss']:7.4f} {first.get('reach_step') or '-':>5} "
+          + " ".join(f"{c:>12}" for c in cells))
+
+
 def _plot(rows, path) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
@@ -238,6 +260,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   rows = predict(args)
   _print(rows)
+  _print_quality(rows)
   meta = {"costs": args.costs, "links_gbit_s": args.links,
           "early_overlap": args.early_overlap, "compute_s": args.compute,
           "latency_s": args.latency, "predicted": True}

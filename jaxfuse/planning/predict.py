@@ -20,7 +20,6 @@ which costs it used wherever it is shown.
 
 from __future__ import annotations
 
-import datetime
 from typing import Any, Sequence
 
 import jax
@@ -36,7 +35,6 @@ from jaxfuse.planning.costs import Costs
 from jaxfuse.planning.costs import LinearCost
 from jaxfuse.planning.costs import fit_linear
 from jaxfuse.planning.simulate import simulate
-from jaxfuse.version import __version__
 
 
 def phase_step_times(run_phases: Sequence[phases.Phase], costs: Costs,
@@ -157,14 +155,8 @@ def profile_on_link(gbytes_per_s: float, latency_s: float, *,
                                                            step)
   if progress:
     progress(total, total, "done")
-  dev = jax.devices()[0]
   provenance: dict[str, Any] = {
-      "tool": "jaxfuse profile --link", "jaxfuse_version": __version__,
-      "jax_version": jax.__version__,
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-          timespec="seconds"),
-      "devices": {"platform": dev.platform, "kind": dev.device_kind,
-                  "mesh": {"data": 1}, "processes": jax.process_count()},
+      **profiling.provenance_head("jaxfuse profile --link", {"data": 1}),
       "link": {"gbytes_per_s": float(gbytes_per_s),
                "latency_s": float(latency_s)},
       "timing": timing._asdict(), "compress": compression._asdict(),

@@ -490,15 +490,9 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
   if progress:
     progress(total, total, "done")
 
-  dev = jax.devices()[0]
   provenance: dict[str, Any] = {
-      "tool": "jaxfuse profile", "jaxfuse_version": __version__,
-      "jax_version": jax.__version__,
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-          timespec="seconds"),
-      "devices": {"platform": dev.platform, "kind": dev.device_kind,
-                  "mesh": {str(a): int(s) for a, s in mesh.shape.items()},
-                  "processes": jax.process_count()},
+      **provenance_head("jaxfuse profile",
+                        {str(a): int(s) for a, s in mesh.shape.items()}),
       "timing": timing._asdict(),
       "compiler_options": compile_options.xla_options(),
       "compress": compression._asdict(),
@@ -515,6 +509,21 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
       collectives, compress, backward, contention=gamma, overlap=eta,
       forward=forward, provenance=provenance,
       workers=mesh.shape[axis_name], bucket=bucket, schemes=schemes))
+
+
+def provenance_head(tool: str, mesh_shape: dict[str, int]) -> dict:
+  """What every measured ``Costs``'s provenance starts with: the tool, the
+  versions, the date (UTC) and the devices (the first one's platform and
+  kind, the mesh's shape, the processes)."""
+  dev = jax.devices()[0]
+  return {
+      "tool": tool, "jaxfuse_version": __version__,
+      "jax_version": jax.__version__,
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+          timespec="seconds"),
+      "devices": {"platform": dev.platform, "kind": dev.device_kind,
+                  "mesh": dict(mesh_shape),
+                  "processes": jax.process_count()}}
 
 
 def measure_model(model: Model | None, timing: Timing,
