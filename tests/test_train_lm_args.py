@@ -446,3 +446,16 @@ def test_the_recipe_sends_bfloat16_values_where_float32_ones_cost_more(
       wire == "bfloat16")
   assert plan_of(["--sparse-wire", "gradient"]).settings.sparse_wire == (
       "gradient")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--simulated-workers", "-2"], "give K >= 1"),
+    (["--simulated-workers", "4", "--devices", "2"], "leave out --devices"),
+    (["--simulated-workers", "4", "--num-processes", "2"],
+     "one process")])
+def test_simulated_workers_refuse_what_cannot_apply(example, capsys, argv,
+                                                    message):
+  _, args_lib = example
+  with pytest.raises(SystemExit):
+    args_lib.parse_args(argv)
+  assert message in capsys.readouterr().err

@@ -62,3 +62,33 @@ def test_queued_steps_train_bitwise_alike(tmp_path, compile_cache):
   compiling = [hand[i] for i in on["compile_steps"]]
   assert min(compiling) > max(d for i, d in enumerate(hand)
                               if i not in on["compile_steps"])
+
+
+@pytest.mark.example
+def test_simulated_workers_train_as_the_devices_do(tmp_path, compile_cache):
+  """--simulated-workers 4 on one CPU device trains what 4 CPU devices
+  train: the same plan and phases, the bytes each worker sent, and the
+  losses to rounding (the dense phase's pmean sums in another order)."""
+  runs = {}
+  for name, devices, extra in (("sim", 1, ["--simulated-workers", "4"]),
+                               ("dev", 4, [])):
+    out = tmp_path / f"{name}.json"
+    r = subprocess.run(
+        [sys.executable, str(EXAMPLE), *ARGS[:ARGS.index("--flush-every")],
+         "--steps", "8", "--batch-size", "8", "--cpu-devices", str(devices),
+         "--pipeline", "off", "--json-out", str(out), *extra],
+        capture_output=True, text=True, env=cpu_env(devices, compile_cache),
+        timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs[name] = json.loads(out.read_text())
+  sim, dev = runs["sim"], runs["dev"]
+  assert sim["config"]["num_devices"] == dev["config"]["num_devices"] == 4
+  assert sim["plan"] == dev["plan"] and sim["phases"] == dev["phases"]
+  assert sim["stats"]["wire_bytes"] == dev["stats"]["wire_bytes"]
+  # the dense phase (3 steps) to float32 rounding; after it a rounding
+  # apart may pick another slot or two, so the sparse steps only nearly
+  assert sim["losses"][:4] == pytest.approx(dev["losses"][:4], rel=1e-5)
+  assert sim["losses"] == pytest.approx(dev["losses"], rel=1e-3)
+  assert sim["final_val_loss"] == pytest.approx(dev["final_val_loss"],
+                                                rel=1e-3)
+  assert sim["replicas_identical"] and dev["replicas_identical"]
