@@ -135,11 +135,17 @@ def predict(args) -> list[dict]:
   links = [("profiled", costs)] + [
       (f"{g:g} Gbit/s", costs.on_link(g / 8, latency)) for g in args.links]
   runs = _runs(args.runs)
-  dense_runs = [r for r in runs if r["config"].get("sync") == "dense"]
-  target = min(r["final_val_loss"] for r in dense_runs) if dense_runs else None
+  targets = {}   # per file: its best dense run's final loss
+  for r in runs:
+    if r["config"].get("sync") == "dense":
+      targets[r["source"]] = min(r["final_val_loss"],
+                                 targets.get(r["source"], np.inf))
+  if len(targets) == 1:   # one dense run for several files of runs
+    targets = dict.fromkeys((r["source"] for r in runs),
+                            next(iter(targets.values())))
   rows, cache = [], {}
   for run in runs:
-    c = run["config"]
+    c, target = run["config"], targets.get(run["source"])
     k = args.workers or c["num_devices"]
     simulated = bool(c.get("simulated_workers"))
     plan = _plan(run, cache)
@@ -193,8 +199,10 @@ def _print_quality(rows) -> None:
   """Per run: its final loss, the step it reaches the best dense run's
   final loss, and that time over the dense run's on each link."""
   links = list(dict.fromkeys(r["link"] for r in rows))
-  dense = {r["link"]: r["predicted_total_s"] for r in rows
+  dense = {(r["source"], r["link"]): r["predicted_total_s"] for r in rows
            if r["run"].startswith("dense") and r.get("reach_step")}
+  if len({s for s, _ in dense}) == 1:   # the one dense run for every file
+    dense = {(r["source"], l): t for r in rows for (_, l), t in dense.items()}
   print(f"\n{'run':28} {'K':>3} {'seed':>4} {'val':>7} {'reach':>5} "
         + " ".join(f"{l:>12}" for l in links))
   runs = list(dict.fromkeys((r["run"], r["workers"], r["seed"], r["source"])
@@ -203,8 +211,9 @@ def _print_quality(rows) -> None:
     mine = {r["link"]: r for r in rows
             if (r["run"], r["workers"], r["seed"], r["source"]) == run}
     first = next(iter(mine.values()))
-    cells = [("-" if mine[l].get("predicted_reach_s") is None or l not in
-              dense else f"{mine[l]['predicted_reach_s'] / dense[l]:.2f}x")
+    base = {l: dense.get((run[3], l)) for l in links}
+    cells = [("-" if mine[l].get("predicted_reach_s") is None or not base[l]
+              else f"{mine[l]['predicted_reach_s'] / base[l]:.2f}x")
              for l in links]
     print(f"{run[0][:28]:28} {run[1]:3d} {run[2] or 0:4d} "
           f"{first['final_val_loss']:7.4f} {first.get('reach_step') or '-':>5} "
