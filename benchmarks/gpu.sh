@@ -333,7 +333,7 @@ done
 )
 
 # Throughput, planner accuracy and convergence of gpt2-small on several GPUs
-# of one host (docs/benchmarks.md "Throughput and scaling", "Planner
+# of one host (docs/benchmarks.md "Throughput: the plain sparse step against dense", "Planner
 # accuracy"). Run from the repository root; results go to $OUT (default
 # out/). `socket` means NCCL over TCP on loopback (a commodity-network
 # stand-in), `nvlink` NCCL's defaults. Usage: bash benchmarks/gpu.sh scaling

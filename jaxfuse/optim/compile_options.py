@@ -9,7 +9,7 @@ hundred small kernels to a step (selection, packing, decoding per unit), so
 that update becomes a host cost of every step, during which the GPU waits.
 Turning command buffers off launches the kernels one by one instead, which
 costs less for a step of many small kernels, sparse or dense
-(docs/benchmarks.md, "XLA command buffers", has the measurements).
+(docs/choosing.md, "Where the figures come from", has the measurement).
 """
 
 from __future__ import annotations
