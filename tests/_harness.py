@@ -185,6 +185,20 @@ def fast_compile_options() -> tuple[tuple[str, object], ...]:
   return tuple(sorted(_FAST_COMPILE.items()))
 
 
+# XLA options for a step run many times (a controller's tens of steps):
+# LLVM's default optimizations, not the suite's -O0 (conftest, for programs
+# run once or twice). The HLO and XLA's HLO passes are the same, and the
+# arithmetic (IEEE, no fast math); only the machine code is faster.
+_FAST_RUN = {"xla_backend_optimization_level": 2}
+
+
+def fast_run_options() -> tuple[tuple[str, object], ...]:
+  """``_FAST_RUN`` as a hashable tuple on CPU; else () (the default)."""
+  if jax.devices()[0].platform != "cpu":
+    return ()
+  return tuple(sorted(_FAST_RUN.items()))
+
+
 def fast_jit(fn):
   """``jax.jit(fn)`` compiled with ``fast_compile_options()`` (for programs
   run once or twice; the default compile off CPU)."""
@@ -225,13 +239,17 @@ def init(plan, mesh):
   return jaxfuse.init_state(jaxfuse.sparse_sync(plan), params, mesh)
 
 
-def sync(plan, mesh, grads, state, *, fast_compile: bool = False):
+def sync(plan, mesh, grads, state, *, fast_compile: bool = False,
+         fast_run: bool = False):
   """grads: list of (K, *shape) arrays, one per plan leaf -> (synced, state).
 
   The step is compiled once per plan and mesh; ``fast_compile``: with
-  ``fast_compile_options()`` (for plans that run only a step or two).
+  ``fast_compile_options()`` (for plans that run only a step or two);
+  ``fast_run``: with ``fast_run_options()`` (for plans run many steps).
   """
-  options = fast_compile_options() if fast_compile else ()
+  assert not (fast_compile and fast_run), "one of fast_compile, fast_run"
+  options = (fast_compile_options() if fast_compile else
+             fast_run_options() if fast_run else ())
   return _sync_fn(plan.to_json(), mesh, options)(shard(mesh, list(grads)),
                                                   state)
 

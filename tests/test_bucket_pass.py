@@ -29,6 +29,16 @@ SHAPES = [(60, 100), (40, 25), (60, 100), (30_000,), (6, 500), (30_000,),
           (6, 500), (40, 25)]
 
 
+@functools.lru_cache(maxsize=None)
+def _unit_step(capacity, density, estimator, *, settings):
+  """``sparsify_unit`` jitted, one per (capacity, density, estimator,
+  settings) for the whole module: the units of a repeated shape, and the
+  cases below that check the same units, share its trace and compile."""
+  return jax.jit(functools.partial(
+      sparsify.sparsify_unit, sel=sparsify.Selection(
+          capacity, density, estimator, settings)))
+
+
 @pytest.mark.parametrize("estimator,method,ties", [
     ("dgc", "radix", False), ("topk", "radix", False),
     ("dgc", "pallas", False), ("topk", "pallas", False),
@@ -86,12 +96,7 @@ def test_bucket_equals_each_unit_alone(estimator, method, ties, monkeypatch):
           bucket_pass.batches(all_units, groups, gids), *args,
           settings=plan.settings))])(
                                       grads, residuals, ctrl, step)
-  # One jitted sparsify_unit per (capacity, density, estimator): the units
-  # of a repeated shape share its compile.
-  unit_step = functools.lru_cache(maxsize=None)(
-      lambda capacity, density, estimator: jax.jit(functools.partial(
-          sparsify.sparsify_unit, sel=sparsify.Selection(
-          capacity, density, estimator, plan.settings))))
+  unit_step = functools.partial(_unit_step, settings=plan.settings)
   on_gpu = jax.default_backend() == "gpu"
   seen = set()
   for batch, (out, stacked) in zip(
