@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 import jaxfuse
@@ -235,6 +237,13 @@ def parse_args(argv):
   p.add_argument("--seq-len", type=int, help="default: the preset's")
   p.add_argument("--lr", type=float, help="peak learning rate")
   p.add_argument("--weight-decay", type=float, default=0.01)
+  p.add_argument("--b2", type=float,
+                 help="Adam's beta2, of the AdamW family and of --sync "
+                 "dense's AdamW (default: 0.999)")
+  p.add_argument("--freeze-v-at", type=int, metavar="N",
+                 help="--sync dense with an AdamW twin: Adam's second moment "
+                 "stops updating after N steps (1-bit Adam's frozen v, "
+                 "without any compression): the recipe's dense phase alone")
   p.add_argument("--clip", type=float, default=1.0,
                  help="global-norm clip (0: off): of the mean gradient for "
                  "--sync dense; the recipes' clip_norm otherwise (each "
@@ -308,6 +317,15 @@ def parse_args(argv):
     p.error("--optimizer onebit_adamw freezes Adam's second moment after a "
             "dense warm-up: give --dense-warmup N (the README recipe: 10% "
             "of the steps)")
+  adam = args.optimizer not in ("sgd", "demo")
+  if args.b2 is not None and not (adam and 0 <= args.b2 < 1):
+    p.error(f"--b2 {args.b2:g}: Adam's beta2, in [0, 1), of the AdamW "
+            f"family (not --optimizer {args.optimizer})")
+  if args.freeze_v_at is not None and not (
+      args.sync == "dense" and adam and args.freeze_v_at >= 1):
+    p.error(f"--freeze-v-at {args.freeze_v_at}: give N >= 1 with --sync "
+            "dense and an AdamW optimizer (onebit_adamw's sparse phases "
+            "freeze v themselves)")
   if args.momentum is not None and args.optimizer not in ("sgd", "demo"):
     p.error(f"--momentum is sgd's and demo's; --optimizer "
             f"{args.optimizer} has none (its betas are fixed)")
@@ -434,8 +452,14 @@ def make_optimizer(args, schedule, decay_mask, plan):
                                                    decay_mask),
                          optax.sgd(schedule, momentum=args.momentum or 0.9))
     else:
-      rule = optax.adamw(schedule, weight_decay=args.weight_decay,
-                         mask=decay_mask)
+      rule = optax.adamw(schedule, b2=0.999 if args.b2 is None else args.b2,
+                         weight_decay=args.weight_decay, mask=decay_mask)
+      if args.freeze_v_at:
+        rule = optax.chain(
+            frozen_second_moment(0.9, 0.999 if args.b2 is None else args.b2,
+                                 args.freeze_v_at),
+            optax.add_decayed_weights(args.weight_decay, decay_mask),
+            optax.scale_by_learning_rate(schedule))
     rule = optax.chain(optax.clip_by_global_norm(clip) if clip
                        else optax.identity(), rule)
     # the gradient is the mean here, the same on every worker
@@ -446,10 +470,52 @@ def make_optimizer(args, schedule, decay_mask, plan):
                                                axis_name=AXIS))
   if args.momentum is not None:
     options["momentum"] = args.momentum
+  if args.b2 is not None:
+    options["betas"] = (0.9, args.b2)
   rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
   if args.apply_if_finite is not None:
     rule = jaxfuse.apply_if_finite(rule, args.apply_if_finite)
   return jaxfuse.delayed(rule, predict=args.predict) if args.delay else rule
+
+
+class FrozenMomentsState(NamedTuple):
+  """``frozen_second_moment``'s state: steps taken, m and v."""
+  count: jax.Array
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+def frozen_second_moment(b1: float, b2: float, freeze_at: int
+                         ) -> optax.GradientTransformation:
+  """Adam's scaling (``optax.scale_by_adam``, ε = 1e-8) whose second
+  moment v stops updating after ``freeze_at`` steps, as in 1-bit Adam:
+
+    m_t = β₁·m + (1 − β₁)·g;   v_t = β₂·v + (1 − β₂)·g²  while t <= N,
+                                v_t = v_N                  after
+    update = m̂_t / (√v̂_t + ε),  m̂ = m_t / (1 − β₁ᵗ),
+                                v̂ = v_t / (1 − β₂^min(t, N))
+
+  The ``--sync dense`` arm with the recipe's frozen v and nothing else of
+  it (``--freeze-v-at``)."""
+  def init(params):
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return FrozenMomentsState(jnp.zeros([], jnp.int32), zeros, zeros)
+
+  def update(grads, state, params=None):
+    del params
+    count = state.count + 1
+    live = count <= freeze_at
+    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+    nu = jax.tree.map(lambda v, g: jnp.where(live, b2 * v + (1 - b2) * g * g,
+                                             v), state.nu, grads)
+    t = count.astype(jnp.float32)
+    c1 = 1 - b1 ** t
+    c2 = 1 - b2 ** jnp.minimum(t, float(freeze_at))
+    out = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + 1e-8),
+                       mu, nu)
+    return out, FrozenMomentsState(count, mu, nu)
+
+  return optax.GradientTransformation(init, update)
 
 
 def scheme_of(args):

@@ -459,3 +459,66 @@ def test_simulated_workers_refuse_what_cannot_apply(example, capsys, argv,
   with pytest.raises(SystemExit):
     args_lib.parse_args(argv)
   assert message in capsys.readouterr().err
+
+
+def test_a_frozen_second_moment_stops_after_n_steps(example):
+  """β = (0.9, 0.999), N = 1. Step 1, g = 2: m = 0.2, v = 0.004,
+  m̂ = 2, v̂ = 4: update 2 / (2 + ε). Step 2, g = 1: m = 0.28, v stays
+  0.004 (v̂ = 0.004 / (1 − 0.999¹) = 4), m̂ = 0.28 / 0.19: update
+  (0.28 / 0.19) / 2. Unfrozen (N past the run) it is optax's Adam."""
+  _, args_lib = example
+  tx = args_lib.frozen_second_moment(0.9, 0.999, 1)
+  state = tx.init({"w": np.zeros(3, np.float32)})
+  u1, state = tx.update({"w": np.full(3, 2.0, np.float32)}, state)
+  u2, state = tx.update({"w": np.ones(3, np.float32)}, state)
+  # float32: 1 − 0.999 is 0.0009999871 there
+  np.testing.assert_allclose(u1["w"], 2 / (2 + 1e-8), rtol=2e-5)
+  np.testing.assert_allclose(state.nu["w"], 0.004, rtol=2e-5)
+  np.testing.assert_allclose(u2["w"], 0.28 / 0.19 / 2, rtol=2e-5)
+  live, adam = args_lib.frozen_second_moment(0.9, 0.95, 10), (
+      optax.scale_by_adam(0.9, 0.95))
+  grads = [{"w": np.random.default_rng(i).normal(size=3).astype(np.float32)}
+           for i in range(5)]
+  s, t = live.init(grads[0]), adam.init(grads[0])
+  for g in grads:
+    a, s = live.update(g, s)
+    b, t = adam.update(g, t)
+    np.testing.assert_allclose(a["w"], b["w"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--b2", "1.0"], "in [0, 1)"),
+    (["--optimizer", "sgd", "--b2", "0.95"], "AdamW family"),
+    (["--freeze-v-at", "100"], "--sync dense"),
+    (["--sync", "dense", "--freeze-v-at", "0"], "N >= 1")])
+def test_the_dense_arms_flags_refuse_what_cannot_apply(example, capsys,
+                                                       argv, message):
+  _, args_lib = example
+  with pytest.raises(SystemExit):
+    args_lib.parse_args(argv)
+  assert message in capsys.readouterr().err
+
+
+def test_b2_reaches_the_recipe_and_the_dense_twin(example, monkeypatch):
+  """The same gradients: with β₂ = 0.5 the dense twin's second step
+  differs from β₂ = 0.999's; the recipe is built with betas (0.9, 0.5)."""
+  train_lm, args_lib = example
+  params = {"w": np.ones((4, 4), np.float32)}
+  grads = [{"w": np.full((4, 4), v, np.float32)} for v in (1.0, 3.0)]
+  mask = {"w": True}
+
+  def second_update(argv):
+    args = args_lib.parse_args(["--sync", "dense"] + argv)
+    tx = train_lm.make_optimizer(args, 1e-3, mask, None)
+    state = tx.init(params)
+    for g in grads:
+      u, state = tx.update(g, state, params)
+    return float(np.asarray(u["w"]).ravel()[0])
+
+  assert second_update(["--b2", "0.5"]) != second_update([])
+  built = {}
+  monkeypatch.setitem(train_lm.jaxfuse.RECIPES, "onebit_adamw",
+                      lambda plan, lr, **kw: built.update(kw))
+  train_lm.make_optimizer(args_lib.parse_args(["--b2", "0.5"]), 1e-3, mask,
+                          train_lm.jaxfuse.plan(params, density=1.0))
+  assert built["betas"] == (0.9, 0.5)
