@@ -10,7 +10,7 @@
 #   scaling MODE      throughput, planner accuracy and convergence on
 #                     several GPUs (MODE: conv, socket, nvlink, recal, multi,
 #                     conv8, readme, one, early, procs, procsdiag, steady,
-#                     simulated)
+#                     simulated, cause)
 #   checks MODE       correctness and precision checks (MODE: suite, resume,
 #                     bf16, kernels, variants)
 # Each suite's modes, environment variables and outputs are described at
@@ -385,6 +385,15 @@ done
 #            also for each sparse wire of WIRES (default "gradient"; or
 #            bfloat16: --sparse-wire) and each seed of SEEDS (default 0;
 #            dense runs seed 0)
+#   cause    (one GPU) why the recipe beats dense AdamW on one worker: each
+#            arm of ARMS (default "recipe recipe_f32wire onebit_d1 dense
+#            dense_b95 dense_b99 dense_frozen") at each rate of LRS (default
+#            "7.5e-5 1.5e-4 3e-4 6e-4") and seed of SEEDS (default 0), 1000
+#            steps, batch 8 x 1024, PARALLEL (default 4) side by side on
+#            GPU 0 (their step times are not comparable); one JSON each,
+#            cause_ARM_lrLR_sSEED.json; onebit_d1 is onebit_adamw at density
+#            0.999 (frozen v, next to no sparsification), dense_frozen dense
+#            AdamW with v frozen at the recipe's step 100
 #   early    socket: profile the costs on this mesh, then the planner's
 #            plans at 0.05 (size 64 MiB, aligned, auto, single, cupcake,
 #            safusion) trained under jaxfuse.send_early (its defaults;
@@ -562,6 +571,35 @@ readme)
           --out "$OUT/readme_rho${d}_dense${f}${RAMP:+_ramp$RAMP}.json" 2>&1 | tail -n 3
     done
   done ;;
+cause)
+  C="$CONV --devices 1 --timeout 560"
+  R="onebit_adamw+warm+bf16wire --dense-fraction 0.10"
+  RX="--strategy size --bucket-bytes 67108864 --warmup-densities 0.0625"
+  running=0
+  for arm in ${ARMS:-recipe recipe_f32wire onebit_d1 dense dense_b95 dense_b99 dense_frozen}; do
+    case "$arm" in
+      recipe) a="--density 0.05 --recipes $R"; x="$RX" ;;
+      recipe_f32wire) a="--density 0.05 --recipes onebit_adamw+warm --dense-fraction 0.10"; x="$RX" ;;
+      onebit_d1) a="--density 0.999 --recipes onebit_adamw --dense-fraction 0.10"; x="--strategy size --bucket-bytes 67108864" ;;
+      dense) a="--density 0.05 --recipes dense"; x="" ;;
+      dense_b95) a="--density 0.05 --recipes dense"; x="--b2 0.95" ;;
+      dense_b99) a="--density 0.05 --recipes dense"; x="--b2 0.99" ;;
+      dense_frozen) a="--density 0.05 --recipes dense"; x="--freeze-v-at 100" ;;
+      *) echo "unknown arm $arm"; exit 2 ;;
+    esac
+    for lr in ${LRS:-7.5e-5 1.5e-4 3e-4 6e-4}; do
+      for seed in ${SEEDS:-0}; do
+        name=cause_${arm}_lr${lr}_s$seed
+        [ -f "$OUT/$name.json" ] && continue
+        $C $a --lrs "$lr" --seed "$seed" --extra="$x" --out "$OUT/$name.json" \
+            > "$OUT/$name.log" 2>&1 &
+        running=$((running + 1))
+        if [ "$running" -ge "${PARALLEL:-4}" ]; then wait -n; running=$((running - 1)); fi
+      done
+    done
+  done
+  wait
+  tail -qn 1 "$OUT"/cause_*.log ;;
 one)
   # one JSON per run in $OUT, the logs packed into one_logs.tgz
   C="$CONV --devices 1 --density 0.05 --timeout 560"
