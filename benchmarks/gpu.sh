@@ -391,7 +391,7 @@ done
 #            "7.5e-5 1.5e-4 3e-4 6e-4") and seed of SEEDS (default 0), 1000
 #            steps, batch 8 x 1024, PARALLEL (default 4) side by side on
 #            GPU 0 (their step times are not comparable); one JSON each,
-#            cause_ARM_lrLR_sSEED.json; onebit_d1 is onebit_adamw at density
+#            cause_ARM_lrLR_sSEED.json, logs in cause_logs.tgz; onebit_d1 is onebit_adamw at density
 #            0.999 (frozen v, next to no sparsification), dense_frozen dense
 #            AdamW with v frozen at the recipe's step 100
 #   early    socket: profile the costs on this mesh, then the planner's
@@ -437,7 +437,8 @@ done
 #            the same global batch of 16 x 1024 split over the K workers
 #            (K = 1: the real device), the recipe planned for K (its
 #            default collective: the fewest bytes on K); one JSON each,
-#            sim_NAME_kK_sSEED.json (SKIP_STEP=1 skips the step timing)
+#            sim_NAME_kK_sSEED.json, the logs in sim_logs.tgz (SKIP_STEP=1
+#            skips the step timing)
 #   steady   socket: the README recipe's sparse phase in the training loop
 #            (5 dense steps, then ρ = 0.05, size 64 MiB, send_early,
 #            xla_flags(1.5); RECIPE_ARGS to add or override, e.g.
@@ -472,6 +473,7 @@ simulated)
   fi
   readme="onebit_adamw+warm+bf16wire --dense-fraction 0.10"
   readme_extra="--strategy size --bucket-bytes 67108864 --warmup-densities 0.0625"
+  logs=$(mktemp -d)   # packed into one file: a call returns few files
   running=0
   for run in ${RUNS:-dense:1:0 readme:1:0 readme:2:0 readme:4:0 readme:8:0 readme:16:0 readme:8:1 dense:1:1}; do
     IFS=: read -r name k seed <<< "$run"
@@ -480,12 +482,13 @@ simulated)
     else recipe=$readme; extra="--batch-size 16 $readme_extra$sim"; fi
     $CONV --density 0.05 --seed "$seed" --recipes $recipe --extra="$extra" \
         --out "$OUT/sim_${name}_k${k}_s${seed}.json" \
-        > "$OUT/sim_${name}_k${k}_s${seed}.log" 2>&1 &
+        > "$logs/sim_${name}_k${k}_s${seed}.log" 2>&1 &
     running=$((running + 1))
     if [ "$running" -ge 2 ]; then wait -n; running=$((running - 1)); fi
   done
   wait
-  tail -n 2 "$OUT"/sim_*.log ;;
+  tail -n 2 "$logs"/sim_*.log
+  tar -czf "$OUT/sim_logs.tgz" -C "$logs" . ;;
 conv)
   export $SOCKET
   $CONV --recipes dense,onebit_adamw+warm \
@@ -575,6 +578,7 @@ cause)
   C="$CONV --devices 1 --timeout 560"
   R="onebit_adamw+warm+bf16wire --dense-fraction 0.10"
   RX="--strategy size --bucket-bytes 67108864 --warmup-densities 0.0625"
+  logs=$(mktemp -d)   # packed into one file: a call returns few files
   running=0
   for arm in ${ARMS:-recipe recipe_f32wire onebit_d1 dense dense_b95 dense_b99 dense_frozen}; do
     case "$arm" in
@@ -592,14 +596,15 @@ cause)
         name=cause_${arm}_lr${lr}_s$seed
         [ -f "$OUT/$name.json" ] && continue
         $C $a --lrs "$lr" --seed "$seed" --extra="$x" --out "$OUT/$name.json" \
-            > "$OUT/$name.log" 2>&1 &
+            > "$logs/$name.log" 2>&1 &
         running=$((running + 1))
         if [ "$running" -ge "${PARALLEL:-4}" ]; then wait -n; running=$((running - 1)); fi
       done
     done
   done
   wait
-  tail -qn 1 "$OUT"/cause_*.log ;;
+  tail -qn 1 "$logs"/cause_*.log
+  tar -czf "$OUT/cause_logs.tgz" -C "$logs" . ;;
 one)
   # one JSON per run in $OUT, the logs packed into one_logs.tgz
   C="$CONV --devices 1 --density 0.05 --timeout 560"
