@@ -99,7 +99,17 @@ def block_capacity(size: int, slots: int, team_size: int, teams: int = 1,
 
 def legal_teams(num_workers: int) -> tuple[int, ...]:
   """The team counts T that K workers can form: 1, and every divisor of K
-  that leaves teams of at least 2 workers (ascending)."""
+  that leaves teams of at least 2 workers (ascending).
+
+  Args:
+    num_workers: K, an int >= 1.
+
+  Returns:
+    The legal T, ascending, 1 first.
+
+  Raises:
+    Nothing: a K below 4 has only T = 1.
+  """
   k = num_workers
   return (1,) + tuple(d for d in range(2, k // 2 + 1) if k % d == 0)
 

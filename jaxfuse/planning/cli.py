@@ -189,7 +189,18 @@ def _device_name() -> str:
 
 
 def parse_link(text: str) -> tuple[float, float]:
-  """``--link GB/S,LATENCY_S`` -> (GB/s, seconds a message)."""
+  """``--link GB/S,LATENCY_S`` -> (GB/s, seconds a message).
+
+  Args:
+    text: the flag's value, e.g. ``"1.25,3e-4"``.
+
+  Returns:
+    (bandwidth in GB/s, latency in seconds).
+
+  Raises:
+    argparse.ArgumentTypeError: not two numbers, a bandwidth <= 0, a
+      latency < 0, or either not finite.
+  """
   try:
     gbytes, latency = (float(x) for x in text.split(","))
   except ValueError:

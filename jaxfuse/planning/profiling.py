@@ -512,9 +512,20 @@ def profile(mesh=None, *, model: Model | None = None, sweep: Sweep = Sweep(),
 
 
 def provenance_head(tool: str, mesh_shape: dict[str, int]) -> dict:
-  """What every measured ``Costs``'s provenance starts with: the tool, the
-  versions, the date (UTC) and the devices (the first one's platform and
-  kind, the mesh's shape, the processes)."""
+  """What every measured ``Costs``'s provenance starts with.
+
+  Args:
+    tool: what measured the costs, e.g. ``"jaxfuse profile"``.
+    mesh_shape: {axis name: devices along it} of the mesh measured on.
+
+  Returns:
+    {"tool", "jaxfuse_version", "jax_version", "date" (UTC, ISO),
+    "devices": {"platform", "kind" (the first device's), "mesh",
+    "processes"}}.
+
+  Raises:
+    Nothing.
+  """
   dev = jax.devices()[0]
   return {
       "tool": tool, "jaxfuse_version": __version__,
