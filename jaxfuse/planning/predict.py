@@ -65,8 +65,8 @@ def phase_step_times(run_phases: Sequence[phases.Phase], costs: Costs,
           "plan has no leaves to simulate); give the dense baseline as "
           "jaxfuse.with_density(plan, 1.0).")
   phases.check_phases(run_phases)
-  return tuple(simulate(p.plan, costs.on_workers(num_workers),
-                        num_workers).iteration for p in run_phases)
+  return tuple(simulate(p.plan, costs, num_workers).iteration
+               for p in run_phases)
 
 
 def predicted_wall_time(run_phases: Sequence[phases.Phase], costs: Costs,

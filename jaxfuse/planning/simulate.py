@@ -221,13 +221,11 @@ def simulate(plan: plans.Plan, costs: Costs,
     t += costs.backward[j]
     for i in done_at[p]:
       ready = t
-      if sched.buckets[i].kind != bucket_steps.PSUM:
-        t += compress[i]
+      t += compress[i]   # 0 unless the bucket selects (compression_times)
       marks[i] = (ready, t)
   compute_end = t
   backward = math.fsum(costs.backward)
-  compression = math.fsum(h for b, h in zip(sched.buckets, compress)
-                          if b.kind != bucket_steps.PSUM)
+  compression = math.fsum(compress)
 
   # Link: ideal WFBP order until the η budget of busy-during-compute is used.
   durations = [costs.steps_time(steps, k) for steps in
