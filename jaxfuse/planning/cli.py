@@ -119,32 +119,38 @@ def cmd_profile(args) -> int:
                        "params; profiling needs (loss_fn, params, "
                        "*example_args) to time the backward pass.")
     _check_loss(args.model, loss_fn, params, example_args)
-  if args.link:
-    return _profile_on_link(args, loss_fn, params, example_args)
-  try:
-    mesh = _compat.make_mesh(args.devices)
-  except ValueError as e:
-    raise UsageError(f"--devices: {e}") from e
-  if mesh.devices.size < 2:
-    raise UsageError(
-        "profiling needs at least 2 devices: on one, the collectives move "
-        "nothing and there is no communication to measure. Give --devices "
-        "2 or more, or the network as --link GB/S,LATENCY_S" + (
-            "" if jax.device_count() > 1 else
-                       " (this machine shows one device; on a CPU, "
-                       "simulate more with --cpu-devices 8)") + ".")
+  kw = dict(model=(None if loss_fn is None else
+                   profiling.Model(loss_fn, params, example_args)),
+            sweep=profiling.Sweep(args.sizes, args.compress_sizes,
+                                  profiling.Timing(args.repeats, args.warmup,
+                                                   args.chain)),
+            compression=profiling.Compression(args.estimator, args.density),
+            progress=None if args.quiet else profiling.text_progress())
   dev = jax.devices()[0]
-  print(f"profiling on {mesh.devices.size} x {dev.platform} "
-        f"({dev.device_kind})", file=sys.stderr)
+  if args.link:   # one device's compute, the network given
+    from jaxfuse.planning import predict  # pylint: disable=g-import-not-at-top
+    print(f"profiling the compute on one {dev.platform} ({dev.device_kind});"
+          f" the link: {args.link[0]:g} GB/s, {args.link[1]:g} s a message",
+          file=sys.stderr)
+    measure = lambda: predict.profile_on_link(*args.link, **kw)
+  else:
+    try:
+      mesh = _compat.make_mesh(args.devices)
+    except ValueError as e:
+      raise UsageError(f"--devices: {e}") from e
+    if mesh.devices.size < 2:
+      raise UsageError(
+          "profiling needs at least 2 devices: on one, the collectives move "
+          "nothing and there is no communication to measure. Give --devices "
+          "2 or more, or the network as --link GB/S,LATENCY_S" + (
+              "" if jax.device_count() > 1 else
+              " (this machine shows one device; on a CPU, simulate more "
+              "with --cpu-devices 8)") + ".")
+    print(f"profiling on {mesh.devices.size} x {dev.platform} "
+          f"({dev.device_kind})", file=sys.stderr)
+    measure = lambda: profiling.profile(mesh, **kw)
   try:
-    costs = profiling.profile(
-        mesh, model=(None if loss_fn is None else
-                     profiling.Model(loss_fn, params, example_args)),
-        sweep=profiling.Sweep(args.sizes, args.compress_sizes,
-                              profiling.Timing(args.repeats, args.warmup,
-                                               args.chain)),
-        compression=profiling.Compression(args.estimator, args.density),
-        progress=None if args.quiet else profiling.text_progress())
+    costs = measure()
   except profiling.ProfileError as e:
     raise UsageError(str(e)) from e
   except Exception as e:  # pylint: disable=broad-except
@@ -158,34 +164,6 @@ def cmd_profile(args) -> int:
   save(costs, args.output, "costs")
   print(f"saved {args.output}\n{format_costs(costs)}")
   return 0
-
-
-def _profile_on_link(args, loss_fn, params, example_args) -> int:
-  """``jaxfuse profile --link``: this device's compute, the link given."""
-  from jaxfuse.planning import predict  # pylint: disable=g-import-not-at-top
-  from jaxfuse.planning import profiling  # pylint: disable=g-import-not-at-top
-  gbytes, latency = args.link
-  print(f"profiling the compute on one {_device_name()}; the link: "
-        f"{gbytes:g} GB/s, {latency:g} s a message", file=sys.stderr)
-  try:
-    costs = predict.profile_on_link(
-        gbytes, latency, model=(None if loss_fn is None else profiling.Model(
-            loss_fn, params, example_args)),
-        sweep=profiling.Sweep(None, args.compress_sizes, profiling.Timing(
-            args.repeats, args.warmup, args.chain)),
-        compression=profiling.Compression(args.estimator, args.density),
-        progress=None if args.quiet else profiling.text_progress())
-  except profiling.ProfileError as e:
-    raise UsageError(str(e)) from e
-  save(costs, args.output, "costs")
-  print(f"saved {args.output}\n{format_costs(costs)}")
-  return 0
-
-
-def _device_name() -> str:
-  import jax  # pylint: disable=g-import-not-at-top
-  dev = jax.devices()[0]
-  return f"{dev.platform} ({dev.device_kind})"
 
 
 def parse_link(text: str) -> tuple[float, float]:
