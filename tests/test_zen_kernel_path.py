@@ -77,21 +77,28 @@ def _no_reference(jaxpr):
   assert "scatter-min" not in names and "scatter_min" not in names
 
 
-def _device_step(backend):
-  """(the jaxpr of one ZEN sync on K devices, the step's outputs)."""
+def _zen_step(backend, simulated=False):
+  """(the jaxpr of one ZEN sync of K workers, on K devices or simulated on
+  one device, the step's outputs)."""
   plan = _plan()
-  mesh = mesh_of(K)
+  mesh = jaxfuse.simulated_mesh(K) if simulated else mesh_of(K)
   tx = jaxfuse.sparse_sync(plan)
   state = jaxfuse.init_state(tx, [jnp.zeros(s, jnp.float32) for s in SHAPES],
                              mesh)
   specs = jaxfuse.state_specs(state)
-  kernels.set_backend(backend)
-  try:
-    step = jax.jit(jax.shard_map(
+  if simulated:   # a worker's rows keep their leading axis of 1
+    step = jaxfuse.vmap_workers(lambda g, s: tx.update(g, s), mesh,
+                                (P("data"), specs), (P(), specs))
+    grads = [g.reshape((K * s[0],) + s[1:]) for g, s in zip(_grads(), SHAPES)]
+  else:
+    step = jax.shard_map(
         lambda g, s: tx.update([x[0] for x in g], s), mesh=mesh,
         in_specs=(P("data"), specs), out_specs=(P(), specs),
-        check_vma=False))
+        check_vma=False)
     grads = shard(mesh, _grads())
+  kernels.set_backend(backend)
+  try:
+    step = jax.jit(step)
     jaxpr = jax.make_jaxpr(step)(grads, state)
     out = jax.tree.map(np.asarray, step(grads, state))
   finally:
@@ -100,11 +107,11 @@ def _device_step(backend):
 
 
 def test_the_device_step_hashes_in_the_kernel_and_equals_the_reference():
-  jaxpr, out = _device_step("pallas")
+  jaxpr, out = _zen_step("pallas")
   calls = _hash_calls(jaxpr)
   assert len(calls) == _buckets() and all(l == 0 for _, l in calls), calls
   _no_reference(jaxpr)
-  ref_jaxpr, ref = _device_step("reference")
+  ref_jaxpr, ref = _zen_step("reference")
   assert not _hash_calls(ref_jaxpr)           # the probe can tell them apart
   assert any(e.params.get("name") == "_reference_jit"
              for e, _ in _eqns(ref_jaxpr) if e.primitive.name in ("pjit", "jit"))
@@ -113,36 +120,15 @@ def test_the_device_step_hashes_in_the_kernel_and_equals_the_reference():
     assert a.tobytes() == b.tobytes()
 
 
-def _simulated_step(backend):
-  """(the jaxpr of one ZEN sync of K workers simulated on one device, the
-  step's outputs)."""
-  plan = _plan()
-  mesh = jaxfuse.simulated_mesh(K)
-  tx = jaxfuse.sparse_sync(plan)
-  state = jaxfuse.init_state(tx, [jnp.zeros(s, jnp.float32) for s in SHAPES],
-                             mesh)
-  specs = jaxfuse.state_specs(state)
-  kernels.set_backend(backend)
-  try:
-    step = jax.jit(jaxfuse.vmap_workers(lambda g, s: tx.update(g, s), mesh,
-                                        (P("data"), specs), (P(), specs)))
-    grads = [g.reshape((K * s[0],) + s[1:]) for g, s in zip(_grads(), SHAPES)]
-    jaxpr = jax.make_jaxpr(step)(grads, state)
-    out = jax.tree.map(np.asarray, step(grads, state))
-  finally:
-    kernels.set_backend("auto")
-  return jaxpr, out
-
-
 def test_simulated_workers_batch_the_kernel_over_the_worker_axis():
-  jaxpr, out = _simulated_step("pallas")
+  jaxpr, out = _zen_step("pallas", simulated=True)
   calls = _hash_calls(jaxpr)
   assert len(calls) == _buckets(), calls               # one per bucket
   for eqn, loops in calls:
     assert loops == 0                                 # no loop over workers
     assert eqn.params["grid_mapping"].grid[0] == K    # batched: a grid row
   _no_reference(jaxpr)                                # per worker
-  _, ref = _simulated_step("reference")
+  _, ref = _zen_step("reference", simulated=True)
   for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
     assert a.tobytes() == b.tobytes()
 
