@@ -63,6 +63,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
 import dispatch  # pylint: disable=wrong-import-position
+from predict_time import measured_wall  # pylint: disable=wrong-import-position
+from predict_time import reach_step  # pylint: disable=wrong-import-position
 from small_sgd import report_lsq  # pylint: disable=wrong-import-position
 from small_sgd import run_classifier  # pylint: disable=wrong-import-position
 from small_sgd import run_lsq  # pylint: disable=wrong-import-position
@@ -225,31 +227,6 @@ def _val_at(run, step):
   return None
 
 
-def _reach(run, loss):
-  """First evaluated step whose validation loss is <= ``loss`` (or None)."""
-  for point in run["val_curve"]:
-    if point["val_loss"] <= loss:
-      return point["step"]
-  return None
-
-
-def _wall(run):
-  """Cumulative seconds after each step: measured step times with each
-  phase's compile step replaced by that phase's median (compilation is
-  excluded)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  times = np.asarray(run["step_times_s"], float)
-  phases = np.asarray(run["phase_of_step"])
-  for p in set(phases.tolist()):
-    sel = phases == p
-    steady = [t for i, t in enumerate(times) if sel[i]
-              and i not in run["compile_steps"]] or list(times[sel])
-    for i in run["compile_steps"]:
-      if phases[i] == p:
-        times[i] = float(np.median(steady))
-  return np.cumsum(times)
-
-
 def report_lm(data, plot_path=None):
   import numpy as np  # pylint: disable=g-import-not-at-top
   runs = data["runs"]
@@ -272,10 +249,10 @@ def report_lm(data, plot_path=None):
     vals = [_val_at(run, h) for h in horizons]
     gap = (run["final_val_loss"] / dense["final_val_loss"] - 1
            if dense else float("nan"))
-    reach = _reach(run, dense["final_val_loss"]) if dense else None
-    seconds = None if reach is None else _wall(run)[reach - 1]
+    reach = reach_step(run, dense["final_val_loss"]) if dense else None
+    seconds = None if reach is None else measured_wall(run)[reach - 1]
     when = "never" if reach is None else (
-        f"{seconds:.0f} s {seconds / _wall(dense)[-1]:.2f}x")
+        f"{seconds:.0f} s {seconds / measured_wall(dense)[-1]:.2f}x")
     lines.append(
         f"{recipe:>22s} {run['lr']:8g} " +
         " ".join(f"{v:9.4f}" if v is not None else f"{'-':>9s}" for v in vals)
@@ -299,7 +276,7 @@ def report_lm(data, plot_path=None):
       steps = np.arange(len(smooth)) + 20
       label = f"{recipe} (lr {run['lr']:g})"
       axes[0].plot(steps, smooth, label=label)
-      axes[1].plot(_wall(run)[19:], smooth, label=label)
+      axes[1].plot(measured_wall(run)[19:], smooth, label=label)
     axes[0].set_xlabel("step")
     axes[1].set_xlabel("wall time, s (measured step times)")
     for ax in axes:

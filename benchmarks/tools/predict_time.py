@@ -91,24 +91,33 @@ def _phases(run, plan, k: int):
       dense_wire=run["config"].get("dense_wire", "gradient"), workers=k)
 
 
-def _reach(run, wall, loss):
-  """(step, predicted seconds) when the run's validation loss first is
-  <= ``loss``, else (None, None)."""
+def reach_step(run, loss):
+  """First evaluated step whose validation loss is <= ``loss`` (or None)."""
   for point in run["val_curve"]:
     if point["val_loss"] <= loss:
-      return point["step"], float(wall[point["step"] - 1])
-  return None, None
+      return point["step"]
+  return None
 
 
-def _measured_wall(run) -> np.ndarray:
-  """Measured seconds after each step, each compile step counted at its
-  phase's median (compilation left out, as in the prediction)."""
+def _reach(run, wall, loss):
+  """(``reach_step``, ``wall`` at it), or (None, None)."""
+  step = reach_step(run, loss)
+  return (None, None) if step is None else (step, float(wall[step - 1]))
+
+
+def measured_wall(run) -> np.ndarray:
+  """Cumulative seconds after each step: measured step times with each
+  phase's compile step replaced by that phase's median (compilation is
+  excluded, as in the prediction)."""
   times = np.asarray(run["step_times_s"], float)
-  phase = np.asarray(run["phase_of_step"])
-  for i in run["compile_steps"]:
-    same = [t for j, t in enumerate(times) if phase[j] == phase[i] and
-            j not in run["compile_steps"]]
-    times[i] = float(np.median(same)) if same else times[i]
+  phases = np.asarray(run["phase_of_step"])
+  for p in set(phases.tolist()):
+    sel = phases == p
+    steady = [t for i, t in enumerate(times) if sel[i]
+              and i not in run["compile_steps"]] or list(times[sel])
+    for i in run["compile_steps"]:
+      if phases[i] == p:
+        times[i] = float(np.median(steady))
   return np.cumsum(times)
 
 
@@ -175,7 +184,7 @@ def predict(args) -> list[dict]:
         row["measured_phase_ms"] = measured
         row["error"] = [p / m - 1 for p, m in zip(per_phase, measured)]
         if target is not None:
-          row["measured_reach_s"] = _reach(run, _measured_wall(run),
+          row["measured_reach_s"] = _reach(run, measured_wall(run),
                                            target)[1]
       rows.append(row)
   return rows
