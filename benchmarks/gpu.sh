@@ -459,6 +459,9 @@ export JAX_COMPILATION_CACHE_DIR=$PWD/out/jaxcache
 SOCKET="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpus.txt"
 MEASURE="python benchmarks/planner.py"
+throttle() {  # wait while $1 or more runs of this suite are in the background
+  while [ "$(jobs -rp | wc -l)" -ge "$1" ]; do wait -n; done
+}
 # gpt2-small's 1000-step convergence runs: the same data, seed, rate, eval
 CONV="python benchmarks/convergence.py lm --preset gpt2-small --steps 1000 --eval-every 50 --eval-batches 8 --lrs 3e-4"
 case "$1" in
@@ -474,7 +477,6 @@ simulated)
   readme="onebit_adamw+warm+bf16wire --dense-fraction 0.10"
   readme_extra="--strategy size --bucket-bytes 67108864 --warmup-densities 0.0625"
   logs=$(mktemp -d)   # packed into one file: a call returns few files
-  running=0
   for run in ${RUNS:-dense:1:0 readme:1:0 readme:2:0 readme:4:0 readme:8:0 readme:16:0 readme:8:1 dense:1:1}; do
     IFS=: read -r name k seed <<< "$run"
     sim=$([ "$k" = 1 ] || echo " --simulated-workers $k")
@@ -483,8 +485,7 @@ simulated)
     $CONV --density 0.05 --seed "$seed" --recipes $recipe --extra="$extra" \
         --out "$OUT/sim_${name}_k${k}_s${seed}.json" \
         > "$logs/sim_${name}_k${k}_s${seed}.log" 2>&1 &
-    running=$((running + 1))
-    if [ "$running" -ge 2 ]; then wait -n; running=$((running - 1)); fi
+    throttle 2
   done
   wait
   tail -n 2 "$logs"/sim_*.log
@@ -579,7 +580,6 @@ cause)
   R="onebit_adamw+warm+bf16wire --dense-fraction 0.10"
   RX="--strategy size --bucket-bytes 67108864 --warmup-densities 0.0625"
   logs=$(mktemp -d)   # packed into one file: a call returns few files
-  running=0
   for arm in ${ARMS:-recipe recipe_f32wire onebit_d1 dense dense_b95 dense_b99 dense_frozen}; do
     case "$arm" in
       recipe) a="--density 0.05 --recipes $R"; x="$RX" ;;
@@ -597,8 +597,7 @@ cause)
         [ -f "$OUT/$name.json" ] && continue
         $C $a --lrs "$lr" --seed "$seed" --extra="$x" --out "$OUT/$name.json" \
             > "$logs/$name.log" 2>&1 &
-        running=$((running + 1))
-        if [ "$running" -ge "${PARALLEL:-4}" ]; then wait -n; running=$((running - 1)); fi
+        throttle "${PARALLEL:-4}"
       done
     done
   done
