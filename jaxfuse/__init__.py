@@ -49,6 +49,9 @@ from jaxfuse.optim.phases import density_warmup
 from jaxfuse.optim.phases import phase_index
 from jaxfuse.optim.phases import with_density
 from jaxfuse.planning.planner import plan
+from jaxfuse.optim.local_steps import LocalStepsState
+from jaxfuse.optim.local_steps import inner_params
+from jaxfuse.optim.local_steps import local_steps
 from jaxfuse.optim.recipes import RECIPES
 from jaxfuse.optim.recipes import RecipeOptions
 from jaxfuse.optim.recipes import SGDOptions
@@ -85,13 +88,14 @@ __all__ = [
     "check_same_collectives", "checkpoint",
     "clipping", "collectives", "delayed", "elastic",
     "first_moment", "grouped", "kernels",
-    "LeafPlan", "Phase",
+    "LeafPlan", "LocalStepsState", "Phase",
     "PerWorkerState", "Plan", "PlanError", "RECIPES", "RecipeOptions",
     "SGDOptions", "Settings", "STRATEGIES",
     "SparseSyncState", "StepOptions", "SyncError", "SyncStats", "TrainState",
     "check_phases", "demo",
-    "density_warmup", "init_state", "local_adamw", "local_clip_by_global_norm",
-    "local_params", "make_mesh", "make_train_step", "onebit_adamw", "per_worker",
+    "density_warmup", "init_state", "inner_params", "local_adamw",
+    "local_clip_by_global_norm", "local_params", "local_steps", "make_mesh",
+    "make_train_step", "onebit_adamw", "per_worker",
     "per_worker_mask", "phase_index", "plan", "predicted_params", "relayout",
     "second_moment", "second_moment_change", "send_early", "sgd",
     "simulated_mesh", "sparse_sync", "state_specs", "summarize",

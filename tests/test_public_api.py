@@ -22,7 +22,7 @@ from jaxfuse.planning import profiling
 
 PUBLIC = [
     "ApplyIfFiniteState", "BucketPlan", "COST_STRATEGIES", "CollectivesDifferError",
-    "DelayedState", "Estimation", "LeafPlan",
+    "DelayedState", "Estimation", "LeafPlan", "LocalStepsState",
     "PerWorkerState", "Phase", "Plan", "PlanError", "RECIPES",
     "RecipeOptions", "SGDOptions", "STRATEGIES",
     "Settings", "SparseSyncState", "StepOptions", "SyncError", "SyncStats",
@@ -30,8 +30,9 @@ PUBLIC = [
     "apply_if_finite", "check_phases", "check_same_collectives", "checkpoint", "clipping",
     "collectives", "delayed",
     "demo", "density_warmup", "elastic", "first_moment", "grouped",
-    "init_state", "kernels",
-    "local_adamw", "local_clip_by_global_norm", "local_params", "make_mesh",
+    "init_state", "inner_params", "kernels",
+    "local_adamw", "local_clip_by_global_norm", "local_params", "local_steps",
+    "make_mesh",
     "make_train_step",
     "onebit_adamw", "per_worker", "per_worker_mask", "phase_index", "plan",
     "predicted_params", "relayout", "second_moment", "second_moment_change",

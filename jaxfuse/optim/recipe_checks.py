@@ -33,6 +33,7 @@ STATIC_ARGS = {
     "sync_adamw": ("betas", "options"),
     "onebit_adamw": ("betas", "options"),
     "demo": ("momentum", "options"),
+    "local_steps": ("every", "options"),
 }
 
 

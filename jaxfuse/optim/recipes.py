@@ -86,7 +86,7 @@ def _bucket_clip(plan, max_norm, axis_name):
       float32_state=False)
 
 
-def _require_trainable(plan, where: str) -> None:
+def require_trainable(plan, where: str) -> None:
   """A ``Plan`` whose every leaf is floating point: a recipe updates every
   leaf, and an integer leaf's gradient (``float0``) supports no arithmetic."""
   plans.require_plan(plan, where)
@@ -118,7 +118,7 @@ def _adamw_args(name: str, plan, betas, options, **numbers) -> _AdamWArgs:
   options' kind, the plan, the numbers, the betas' range, clip_norm."""
   b1, b2 = recipe_checks.betas(name, betas)
   clip_norm, mask, axis_name = recipe_checks.options(name, options)
-  _require_trainable(plan, name)
+  require_trainable(plan, name)
   learning_rate, b1, b2, eps, weight_decay, clip_norm = recipe_checks.numbers(
       name, learning_rate=numbers["learning_rate"], b1=b1, b2=b2,
       eps=numbers["eps"], weight_decay=numbers["weight_decay"],
@@ -131,12 +131,13 @@ def _adamw_args(name: str, plan, betas, options, **numbers) -> _AdamWArgs:
 
 def _kinds(state) -> tuple:
   """A state's type and its parts' types (a chain's state is a tuple)."""
-  parts = (tuple(type(x).__name__ for x in state)
+  parts = (tuple("array" if hasattr(x, "shape") else type(x).__name__
+                 for x in state)
            if isinstance(state, tuple) else ())
   return (type(state).__name__,) + parts
 
 
-def _recipe(name: str, plan: plans.Plan, tx: optax.GradientTransformation,
+def as_recipe(name: str, plan: plans.Plan, tx: optax.GradientTransformation,
             axis_name) -> optax.GradientTransformationExtraArgs:
   """``tx``, whose update first checks that the state has the parts its
   init makes (types, at the top level; ``sparse_sync`` checks its own
@@ -234,7 +235,7 @@ def sgd(plan: plans.Plan, learning_rate: ScalarOrSchedule,
   clip_norm, mask, axis_name = recipe_checks.options("sgd", options)
   nesterov, mask_momentum, residual_decay = recipe_checks.options(
       "sgd", sgd_options, SGDOptions, "sgd_options")
-  _require_trainable(plan, "sgd")
+  require_trainable(plan, "sgd")
   (learning_rate, momentum, clip_norm, weight_decay,
    residual_decay) = recipe_checks.numbers(
       "sgd", learning_rate=learning_rate, momentum=momentum,
@@ -246,7 +247,7 @@ def sgd(plan: plans.Plan, learning_rate: ScalarOrSchedule,
   dense = [l.mode == "dense" for l in plan.leaves]
   dense_mask = lambda tree: jax.tree.unflatten(jax.tree.structure(tree),
                                                dense)
-  return _recipe("sgd", plan, optax.chain(
+  return as_recipe("sgd", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, momentum=momentum,
                             nesterov=nesterov, mask_momentum=mask_momentum,
@@ -290,7 +291,7 @@ def local_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
    axis_name) = _adamw_args("local_adamw", plan, betas, options,
                             learning_rate=learning_rate, eps=eps,
                             weight_decay=weight_decay)
-  return _recipe("local_adamw", plan, optax.chain(
+  return as_recipe("local_adamw", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.per_worker(optax.scale_by_adam(b1, b2, eps)),
       transform.sparse_sync(plan, axis_name),
@@ -331,7 +332,7 @@ def sync_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
    axis_name) = _adamw_args("sync_adamw", plan, betas, options,
                             learning_rate=learning_rate, eps=eps,
                             weight_decay=weight_decay)
-  return _recipe("sync_adamw", plan, optax.chain(
+  return as_recipe("sync_adamw", plan, optax.chain(
       transform.sparse_sync(plan, axis_name),
       optax.clip_by_global_norm(clip_norm) if clip_norm else optax.identity(),
       optax.adamw(learning_rate, b1, b2, eps, weight_decay=weight_decay,
@@ -450,7 +451,7 @@ def onebit_adamw(plan: plans.Plan, learning_rate: ScalarOrSchedule,
                                     clip_state)
     return cast(step, updates), new_state
 
-  return _recipe("onebit_adamw", plan, optax.chain(
+  return as_recipe("onebit_adamw", plan, optax.chain(
       optax.GradientTransformationExtraArgs(init_fn, update_fn),
       _tail(learning_rate, weight_decay, mask)), axis_name)
 
@@ -492,12 +493,12 @@ def demo(plan: plans.Plan, learning_rate: ScalarOrSchedule,
     TypeError: an unknown keyword.
   """
   clip_norm, mask, axis_name = recipe_checks.options("demo", options)
-  _require_trainable(plan, "demo")
+  require_trainable(plan, "demo")
   learning_rate, momentum, weight_decay, clip_norm = recipe_checks.numbers(
       "demo", learning_rate=learning_rate, momentum=momentum,
       weight_decay=weight_decay, clip_norm=clip_norm)
   recipe_checks.check_betas("demo", upper_closed=True, momentum=momentum)
-  return _recipe("demo", plan, optax.chain(
+  return as_recipe("demo", plan, optax.chain(
       _bucket_clip(plan, clip_norm, axis_name),
       transform.sparse_sync(plan, axis_name, residual_decay=momentum),
       optax.GradientTransformation(

@@ -48,6 +48,7 @@ from jaxfuse.optim.phases import check_phases
 from jaxfuse.optim.phases import phase_index
 from jaxfuse.optim.phases import wire_warnings
 from jaxfuse.optim import local_step
+from jaxfuse.optim import local_steps
 from jaxfuse.optim import step_args
 from jaxfuse.optim import step_watch
 from jaxfuse.sync import agreement
@@ -91,7 +92,9 @@ class StepOptions:
       ``jaxfuse.delayed(..., predict=True)``. The plan is the plan of
       what ``grad_at`` returns (its dtypes are checked against it), and
       the optimizer state is initialized at the params cast to them (the
-      gradients' dtypes). None: at ``params``.
+      gradients' dtypes). None: at ``params``; for a
+      ``jaxfuse.local_steps`` optimizer, each worker's own params
+      (``jaxfuse.inner_params``, set by ``make_train_step``).
     compiler_options: the XLA options the steps compile with. None:
       ``jaxfuse.xla_options()`` for the mesh's platform; a dict: these
       (``{}``: XLA's defaults).
@@ -185,8 +188,8 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
 
   Raises:
     TypeError: ``optimizer`` is a built transform rather than a factory,
-      or one that holds no ``jaxfuse.sparse_sync``, or an argument has
-      the wrong type.
+      or one that holds no ``jaxfuse.sparse_sync``, ``grad_at`` set for a
+      ``local_steps`` optimizer, or an argument has the wrong type.
     ValueError: a recipe name or setting that does not exist, or a mesh
       without ``options.axis_name``.
     PlanError: phases that do not tile the steps from 0 (``check_phases``).
@@ -229,6 +232,13 @@ def make_train_step(loss_fn: Callable, params: Any, optimizer: Any,
         "apart; use a jaxfuse recipe (e.g. jaxfuse.onebit_adamw), or for a "
         "dense baseline lambda plan: jaxfuse.sync_adamw(jaxfuse.with_density("
         "plan, 1.0), lr) (exactly lax.pmean, then optax.adamw).")
+  if local_steps.holds_local_steps(opt_state):
+    if options.grad_at is not None:
+      raise TypeError(
+          "StepOptions.grad_at is set, but a jaxfuse.local_steps optimizer "
+          "decides where each worker differentiates (its own params, "
+          "jaxfuse.inner_params); leave grad_at None.")
+    options = dataclasses.replace(options, grad_at=local_steps.inner_params)
   specs = placement.state_specs(opt_state, options.axis_name)
   step = TrainStep(loss_fn, factory, phases, mesh, options, specs)
   return TrainState(params, opt_state, model_state, 0), step
