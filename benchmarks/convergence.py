@@ -18,8 +18,12 @@ recipe and dense get the same learning-rate grid; the best value of each
 
 Recipes for ``lm``
 (``name[+warm][+flushN][+delay[+predict]][+early][+net][+bf16wire]``
-``[+bf16sparse]``):
-``dense`` (AdamW after a pmean), every name of ``jaxfuse.RECIPES``;
+``[+bf16sparse][+hH][+dRHO]``):
+``dense`` (AdamW after a pmean), every name of ``jaxfuse.RECIPES``,
+``sparseloco`` and ``diloco`` (``jaxfuse.local_steps`` with AdamW inner
+steps and that outer step, ``train_lm --local-steps H --outer``; DiLoCo
+on a density-1 plan, a float32 mean), each with ``+hH``, its H;
+``+dRHO`` sets the run's density;
 ``+warm`` adds DGC's density ramp (``--warm-steps`` per density),
 ``+flushN`` a density-1 step every N steps (``train_lm --flush-every``),
 ``+delay`` the recipe on the previous step's gradients
@@ -98,6 +102,10 @@ def _lrs_for(text):
 
 # --- the example LM ------------------------------------------------------------
 
+# the local-steps arms: train_lm --local-steps H --outer NAME
+LOCAL_STEPS = ("sparseloco", "diloco")
+
+
 def lm_command(recipe: str, lr: float, args) -> list[str]:
   name, _, extra = recipe.partition("+")
   cmd = [sys.executable, str(ROOT / "examples" / "train_lm.py"),
@@ -110,7 +118,11 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
     cmd += ["--devices", str(args.devices)]
   if args.cpu_devices:
     cmd += ["--cpu-devices", str(args.cpu_devices)]
-  cmd += ["--optimizer", "local_adamw" if name == "dense" else name]
+  if name in LOCAL_STEPS:   # train_lm --local-steps (AdamW inner steps)
+    cmd += ["--outer", name] + (["--density", "1"] if name == "diloco"
+                                else [])
+  else:
+    cmd += ["--optimizer", "local_adamw" if name == "dense" else name]
   if name == "dense":
     cmd += ["--sync", "dense"]
   warm = 0  # explicit: train_lm's defaults differ per optimizer
@@ -134,10 +146,18 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
       cmd += ["--dense-wire", "bfloat16"]
     elif part == "bf16sparse":
       cmd += ["--sparse-wire", "bfloat16"]
+    elif part.startswith("h") and part[1:].isdigit():
+      cmd += ["--local-steps", part[1:]]
+    elif part.startswith("d") and _is_number(part[1:]):
+      cmd += ["--density", part[1:]]
     else:
       raise SystemExit(f"recipe {recipe!r}: suffixes are +warm, +flushN, "
                        "+zen, +spardl, +delay, +predict, +early, +net, "
-                       "+bf16wire, +bf16sparse")
+                       "+bf16wire, +bf16sparse, +hH (--local-steps), "
+                       "+dRHO (--density)")
+  if name in LOCAL_STEPS and "--local-steps" not in cmd:
+    raise SystemExit(f"recipe {recipe!r}: {name} needs its H, e.g. "
+                     f"{name}+h30")
   if "bf16wire" not in parts:
     cmd += ["--dense-wire", "gradient"]
   cmd += ["--strategy", "aligned", "--warmup-densities", "dgc"]
@@ -145,6 +165,14 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
           str(max(1, int(args.dense_fraction * args.steps))
               if name == "onebit_adamw" else 0)]
   return cmd + list(args.extra)
+
+
+def _is_number(text: str) -> bool:
+  try:
+    float(text)
+  except ValueError:
+    return False
+  return True
 
 
 def lm_jobs(recipes, lrs, lrs_for) -> list[tuple[str, float]]:
@@ -161,7 +189,7 @@ def lm_jobs(recipes, lrs, lrs_for) -> list[tuple[str, float]]:
 
 def run_lm(args) -> dict:
   import jaxfuse  # pylint: disable=g-import-not-at-top
-  names = ("dense", *sorted(jaxfuse.RECIPES))   # train_lm's --optimizer
+  names = ("dense", *sorted(jaxfuse.RECIPES), *LOCAL_STEPS)
   for recipe in args.recipes:   # each checked before any run starts
     if recipe.partition("+")[0] not in names:
       raise SystemExit(f"recipe {recipe!r}: its name is one of "

@@ -110,7 +110,6 @@ from lm_model import PRESETS
 from lm_model import sample_starts
 from lm_model import windows
 from train_lm_args import AXIS
-from train_lm_args import make_optimizer
 from train_lm_args import ONEBIT_WARMUP_DENSITIES
 from train_lm_args import parse_args
 from train_lm_args import parse_xla_options
@@ -121,6 +120,7 @@ from train_lm_args import trace_steps
 from train_lm_args import warmup_line
 from train_lm_args import warmup_phases
 from train_lm_record import log_line
+from train_lm_rules import make_optimizer
 from train_lm_record import RunRecord
 from train_lm_record import stats_line
 from train_lm_step import cast_params
@@ -148,9 +148,10 @@ def init_distributed(args) -> None:
                              process_id=args.process_id)
 
 
-def sent_line(plan, k: int, dense_bytes: int) -> str:
-  """What each worker sends per step on K workers (its buckets' schemes),
-  against a ring all-reduce of the dense gradients (2(K−1)/K of them;
+def sent_line(plan, k: int, dense_bytes: int, every: int = 1) -> str:
+  """What each worker sends per step on K workers (its buckets' schemes;
+  ``--local-steps``: a sync's bytes over its ``every`` steps), against a
+  ring all-reduce of the dense gradients (2(K−1)/K of them;
   ``jaxfuse.collectives.bytes_sent``)."""
   if k < 2:
     return ""
@@ -159,7 +160,8 @@ def sent_line(plan, k: int, dense_bytes: int) -> str:
   else:
     sent, dense = jaxfuse.collectives.bytes_sent(
         jaxfuse.sync.bucket_steps.compile_plan(plan), k)
-  return (f"; on {k} workers each sends {sent:,} B = "
+    sent /= every
+  return (f"; on {k} workers each sends {sent:,.0f} B = "
           f"{sent / dense:.4f} x a dense all-reduce's ({dense:,} B)")
 
 
@@ -255,8 +257,8 @@ def setup_sync(args, steps, params, loss_fn, example_batch, mesh, make_opt,
       order=jaxfuse.planning.ordering.FromLoss(loss_fn, (example_batch,)),
       **plan_options(args, k))
   plan = jaxfuse.Plan.load(args.plan) if args.plan else make_plan()
-  if not args.plan and args.sparse_wire is None and _costs_more_than_dense(
-      plan, args.dense_wire, k):
+  if not (args.plan or args.sparse_wire or args.local_steps) and (
+      _costs_more_than_dense(plan, args.dense_wire, k)):
     # the recipe on many workers: float32 values would move more bytes
     # than a dense step; bfloat16 ones (8 -> 6 bytes a slot) may not
     args.sparse_wire = "bfloat16"
@@ -373,8 +375,10 @@ def main(argv=None) -> dict:
       args, steps, params, loss_fn,
       windows(train, first_starts[:batch_size // k], seq_len), mesh,
       make_opt, grad_dtype, say)
-  # the payload a worker sends per step (dense: every gradient)
-  wire_bytes = plan.bytes_per_worker() if plan else dense_bytes
+  # the payload a worker sends per step (dense: every gradient;
+  # --local-steps: a sync's over its H steps)
+  every = args.local_steps or 1
+  wire_bytes = plan.bytes_per_worker() / every if plan else dense_bytes
   flush_plan = None if plan is None else jaxfuse.with_density(plan, 1.0)
   if plan is None:
     train_step = DenseStep(loss_fn, make_opt(None), mesh, xla_options)
@@ -428,9 +432,9 @@ def main(argv=None) -> dict:
         f"{jaxfuse.checkpoint.saved_workers(mngr, start) or '?'} workers, "
         f"now {k})")
   say(f"{num_params:,} params; wire bytes per worker per step "
-      f"{wire_bytes:,} B = {wire_bytes / dense_bytes:.4f} x dense "
-      f"({dense_bytes:,} B){sent_line(plan, k, dense_bytes)}; optimizer "
-      f"{args.optimizer}")
+      f"{wire_bytes:,.0f} B = {wire_bytes / dense_bytes:.4f} x dense "
+      f"({dense_bytes:,} B){sent_line(plan, k, dense_bytes, every)}; "
+      f"optimizer {args.optimizer}")
 
   eval_step = make_eval_step(loss_fn, mesh)
   eval_rng = np.random.default_rng(args.seed + 10_000)

@@ -11,11 +11,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-import optax
 
 import jaxfuse
 from lm_model import PRESETS
@@ -136,6 +133,17 @@ def parse_args(argv):
                  help="the update rule (jaxfuse.RECIPES; docs/convergence.md)"
                  "; with --sync dense its dense twin (AdamW, or SGD with "
                  "momentum for sgd)")
+  p.add_argument("--local-steps", type=int, default=0, metavar="H",
+                 help="the local-steps regime (jaxfuse.local_steps): H "
+                 "inner AdamW steps per worker between syncs of the "
+                 "pseudo-gradient, at --density (1: a dense mean)")
+  p.add_argument("--outer", choices=("sparseloco", "diloco"),
+                 default="sparseloco",
+                 help="--local-steps' outer step: SparseLoCo's (sgd 1.0, "
+                 "error feedback decay 0.95) or DiLoCo's (Nesterov 0.7, "
+                 "momentum 0.9)")
+  p.add_argument("--outer-lr", type=float,
+                 help="--outer's learning rate (default: its own)")
   p.add_argument("--momentum", type=float,
                  help="momentum of sgd (default 0.9) and demo (0.999)")
   p.add_argument("--warmup-steps", type=_counts,
@@ -312,6 +320,14 @@ def parse_args(argv):
   p.add_argument("--process-id", type=int)
   args = p.parse_args(argv)
   _check_numbers(p, args)
+  if args.local_steps < 0 or args.local_steps and (
+      args.sync != "jaxfuse" or args.delay or args.flush_every or
+      args.optimizer != p.get_default("optimizer")):
+    p.error(f"--local-steps {args.local_steps}: give H >= 1 inner steps, "
+            "with the jaxfuse --sync, its own AdamW inner steps (no "
+            "--optimizer) and without --delay or --flush-every")
+  if args.local_steps:   # the run's JSON and log name it
+    args.optimizer = "local_steps"
   if args.optimizer == "onebit_adamw" and args.sync != "dense" and (
       args.dense_warmup == 0):
     p.error("--optimizer onebit_adamw freezes Adam's second moment after a "
@@ -329,6 +345,10 @@ def parse_args(argv):
   if args.momentum is not None and args.optimizer not in ("sgd", "demo"):
     p.error(f"--momentum is sgd's and demo's; --optimizer "
             f"{args.optimizer} has none (its betas are fixed)")
+  if args.outer_lr is not None and not (args.local_steps and
+                                        args.outer_lr > 0):
+    p.error("--outer-lr is --local-steps' outer learning rate: give "
+            "--local-steps H and a rate > 0")
   if args.plan and args.sync != "jaxfuse":
     p.error(f"--plan is a jaxfuse plan; --sync {args.sync} makes none "
             "(leave --sync out, or leave --plan out)")
@@ -440,82 +460,6 @@ def resolve_warmup_steps(args, steps: int) -> None:
     raise SystemExit(f"--dense-warmup {args.dense_warmup} covers all {steps} "
                      "steps, so no step would be sparse: give fewer dense "
                      "steps, or --sync dense for dense training")
-
-
-def make_optimizer(args, schedule, decay_mask, plan):
-  """The update rule of ``--optimizer``; ``plan`` None: its dense twin
-  (the gradients are ``pmean``ed first: AdamW, or SGD with momentum)."""
-  clip = args.clip if args.clip > 0 else None
-  if plan is None:
-    if args.optimizer == "sgd":
-      rule = optax.chain(optax.add_decayed_weights(args.weight_decay,
-                                                   decay_mask),
-                         optax.sgd(schedule, momentum=args.momentum or 0.9))
-    else:
-      rule = optax.adamw(schedule, b2=0.999 if args.b2 is None else args.b2,
-                         weight_decay=args.weight_decay, mask=decay_mask)
-      if args.freeze_v_at:
-        rule = optax.chain(
-            frozen_second_moment(0.9, 0.999 if args.b2 is None else args.b2,
-                                 args.freeze_v_at),
-            optax.add_decayed_weights(args.weight_decay, decay_mask),
-            optax.scale_by_learning_rate(schedule))
-    rule = optax.chain(optax.clip_by_global_norm(clip) if clip
-                       else optax.identity(), rule)
-    # the gradient is the mean here, the same on every worker
-    return (rule if args.apply_if_finite is None else
-            optax.apply_if_finite(rule, args.apply_if_finite))
-  options = dict(weight_decay=args.weight_decay,
-                 options=jaxfuse.RecipeOptions(clip_norm=clip, mask=decay_mask,
-                                               axis_name=AXIS))
-  if args.momentum is not None:
-    options["momentum"] = args.momentum
-  if args.b2 is not None:
-    options["betas"] = (0.9, args.b2)
-  rule = jaxfuse.RECIPES[args.optimizer](plan, schedule, **options)
-  if args.apply_if_finite is not None:
-    rule = jaxfuse.apply_if_finite(rule, args.apply_if_finite)
-  return jaxfuse.delayed(rule, predict=args.predict) if args.delay else rule
-
-
-class FrozenMomentsState(NamedTuple):
-  """``frozen_second_moment``'s state: steps taken, m and v."""
-  count: jax.Array
-  mu: optax.Updates
-  nu: optax.Updates
-
-
-def frozen_second_moment(b1: float, b2: float, freeze_at: int
-                         ) -> optax.GradientTransformation:
-  """Adam's scaling (``optax.scale_by_adam``, ε = 1e-8) whose second
-  moment v stops updating after ``freeze_at`` steps, as in 1-bit Adam:
-
-    m_t = β₁·m + (1 − β₁)·g;   v_t = β₂·v + (1 − β₂)·g²  while t <= N,
-                                v_t = v_N                  after
-    update = m̂_t / (√v̂_t + ε),  m̂ = m_t / (1 − β₁ᵗ),
-                                v̂ = v_t / (1 − β₂^min(t, N))
-
-  The ``--sync dense`` arm with the recipe's frozen v and nothing else of
-  it (``--freeze-v-at``)."""
-  def init(params):
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return FrozenMomentsState(jnp.zeros([], jnp.int32), zeros, zeros)
-
-  def update(grads, state, params=None):
-    del params
-    count = state.count + 1
-    live = count <= freeze_at
-    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
-    nu = jax.tree.map(lambda v, g: jnp.where(live, b2 * v + (1 - b2) * g * g,
-                                             v), state.nu, grads)
-    t = count.astype(jnp.float32)
-    c1 = 1 - b1 ** t
-    c2 = 1 - b2 ** jnp.minimum(t, float(freeze_at))
-    out = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + 1e-8),
-                       mu, nu)
-    return out, FrozenMomentsState(count, mu, nu)
-
-  return optax.GradientTransformation(init, update)
 
 
 def scheme_of(args):

@@ -147,6 +147,29 @@ def test_the_link_adds_its_ring_time_where_nothing_overlaps():
   assert t == approx(0.04 + 3 * (1e-4 + 8e-7) + 6 * (1e-4 + 1e-7))
 
 
+def test_local_steps_pay_the_whole_sync_every_h_steps():
+  """The same plan and link as above, with η = 1 (a per-step sync would
+  hide it all): an inner step is the compute alone, 0.04 s; a sync step
+  adds the compression (1e-3 + 1000·1e-6) and both collectives in full,
+  3·(1e-4 + 8e-7) + 6·(1e-4 + 1e-7), whatever η. H = 3: the walls at
+  steps 1..6 are 0.04, 0.08, 0.08 + sync, ..."""
+  costs = _costs(overlap=1.0, compress=(1e-3, 1e-6)).on_link(1.0, 1e-4)
+  comm = 3 * (1e-4 + 8e-7) + 6 * (1e-4 + 1e-7)
+  sync = 0.04 + 2e-3 + comm
+  assert predict.local_steps_times(_plan(), costs, 4) == (approx(0.04),
+                                                          approx(sync))
+  wall = predict.predicted_wall_time((jaxfuse.Phase(0, None, _plan()),),
+                                     costs, 4, 6, every=3)
+  np.testing.assert_allclose(
+      wall, np.cumsum([0.04, 0.04, sync, 0.04, 0.04, sync]), rtol=1e-9)
+  with pytest.raises(jaxfuse.PlanError, match="every=0"):
+    predict.predicted_wall_time((jaxfuse.Phase(0, None, _plan()),), costs,
+                                4, 6, every=0)
+  two = (jaxfuse.Phase(0, 2, _plan()), jaxfuse.Phase(2, None, _plan()))
+  with pytest.raises(jaxfuse.PlanError, match="run one phase"):
+    predict.predicted_wall_time(two, costs, 4, 6, every=3)
+
+
 def test_a_phase_without_a_plan_is_refused_with_the_fix():
   phases = (jaxfuse.Phase(0, None, None),)
   with pytest.raises(jaxfuse.PlanError, match=r"with_density\(plan, 1.0\)"):

@@ -466,8 +466,13 @@ def test_a_frozen_second_moment_stops_after_n_steps(example):
   m̂ = 2, v̂ = 4: update 2 / (2 + ε). Step 2, g = 1: m = 0.28, v stays
   0.004 (v̂ = 0.004 / (1 − 0.999¹) = 4), m̂ = 0.28 / 0.19: update
   (0.28 / 0.19) / 2. Unfrozen (N past the run) it is optax's Adam."""
-  _, args_lib = example
-  tx = args_lib.frozen_second_moment(0.9, 0.999, 1)
+  del example   # imported train_lm_rules' dependencies
+  with repo_modules("examples", "train_lm_rules") as rules:
+    _frozen_second_moment_checks(rules.frozen_second_moment)
+
+
+def _frozen_second_moment_checks(frozen_second_moment):
+  tx = frozen_second_moment(0.9, 0.999, 1)
   state = tx.init({"w": np.zeros(3, np.float32)})
   u1, state = tx.update({"w": np.full(3, 2.0, np.float32)}, state)
   u2, state = tx.update({"w": np.ones(3, np.float32)}, state)
@@ -475,7 +480,7 @@ def test_a_frozen_second_moment_stops_after_n_steps(example):
   np.testing.assert_allclose(u1["w"], 2 / (2 + 1e-8), rtol=2e-5)
   np.testing.assert_allclose(state.nu["w"], 0.004, rtol=2e-5)
   np.testing.assert_allclose(u2["w"], 0.28 / 0.19 / 2, rtol=2e-5)
-  live, adam = args_lib.frozen_second_moment(0.9, 0.95, 10), (
+  live, adam = frozen_second_moment(0.9, 0.95, 10), (
       optax.scale_by_adam(0.9, 0.95))
   grads = [{"w": np.random.default_rng(i).normal(size=3).astype(np.float32)}
            for i in range(5)]

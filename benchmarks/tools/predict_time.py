@@ -7,9 +7,11 @@ worker's compute as profiled, or ``--compute`` seconds; the link as
 profiled, or each of ``--links`` Gbit/s at ``--latency`` s a message) on
 the run's K workers (its devices, or its simulated workers). It prints,
 per run and link, the predicted step of each phase, the predicted time to
-the best dense run's final validation loss, and, where the run ran on K
-real devices and the link is the profiled one, the measured figures and
-the error::
+the best dense run's final validation loss, the compute utilisation
+(the steps' compute over the predicted wall time), and, where the run ran
+on K real devices and the link is the profiled one, the measured figures
+and the error. A ``jaxfuse.local_steps`` run (``train_lm --local-steps
+H``) shows its inner and its sync step (``predict.local_steps_times``)::
 
   python benchmarks/convergence.py predict RUN.json [RUN.json ...] \\
       --costs COSTS.json [--links 0.1 1 10 25] [--early-overlap 0.77] \\
@@ -91,6 +93,12 @@ def _phases(run, plan, k: int):
       dense_wire=run["config"].get("dense_wire", "gradient"), workers=k)
 
 
+def jaxfuse_phase(plan):
+  """The one phase of a local-steps run."""
+  import jaxfuse  # pylint: disable=g-import-not-at-top
+  return jaxfuse.Phase(0, None, plan)
+
+
 def reach_step(run, loss):
   """First evaluated step whose validation loss is <= ``loss`` (or None)."""
   for point in run["val_curve"]:
@@ -158,21 +166,33 @@ def predict(args) -> list[dict]:
     k = args.workers or c["num_devices"]
     simulated = bool(c.get("simulated_workers"))
     plan = _plan(run, cache)
+    every = c.get("local_steps") or None   # jaxfuse.local_steps' H
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")   # the wire warnings: reported below
-      phases = _phases(run, plan, k)
+      phases = ((jaxfuse_phase(plan),) if every else
+                _phases(run, plan, k))
     eta = (args.early_overlap if args.early_overlap is not None and
            c.get("send_early") else costs.overlap)
     measured = None if simulated or args.workers else _measured_phase_ms(run)
     for name, link in links:
       link = link.replace(overlap=eta)
-      per_phase = [1e3 * t for t in
-                   predict_lib.phase_step_times(phases, link, k)]
-      wall = predict_lib.predicted_wall_time(phases, link, k, c["steps"])
+      if every:   # (inner step, sync step)
+        per_phase = [1e3 * t for t in
+                     predict_lib.local_steps_times(plan, link, k)]
+      else:
+        per_phase = [1e3 * t for t in
+                     predict_lib.phase_step_times(phases, link, k)]
+      wall = predict_lib.predicted_wall_time(phases, link, k, c["steps"],
+                                             every)
+      # compute over wall time: the runs' steps without their syncs
+      compute = predict_lib.predicted_wall_time(
+          phases, link, 1, c["steps"], every)[-1]
       row = {"run": run["recipe"], "source": run["source"], "workers": k,
              "simulated": simulated, "seed": c.get("seed"), "link": name,
              "overlap": eta, "predicted_phase_ms": per_phase,
              "predicted_total_s": float(wall[-1]),
+             "local_steps": every,
+             "utilisation": float(compute / wall[-1]),
              "final_val_loss": run["final_val_loss"],
              "curve": [[p["step"], float(wall[p["step"] - 1]), p["val_loss"]]
                        for p in run["val_curve"]]}
@@ -192,7 +212,7 @@ def predict(args) -> list[dict]:
 
 def _print(rows) -> None:
   print(f"{'run':40} {'K':>3} {'link':>12} {'predicted ms/phase':>26} "
-        f"{'measured':>20} {'reach s':>8} {'measured':>8}")
+        f"{'measured':>20} {'reach s':>8} {'measured':>8} {'util':>5}")
   for r in rows:
     pred = " ".join(f"{t:.1f}" for t in r["predicted_phase_ms"])
     meas = " ".join(f"{t:.1f}" for t in r.get("measured_phase_ms", []))
@@ -201,7 +221,8 @@ def _print(rows) -> None:
     print(f"{r['run'][:40]:40} {r['workers']:3d} {r['link']:>12} "
           f"{pred:>26} {meas:>20} "
           f"{'-' if reach is None else f'{reach:.1f}':>8} "
-          f"{'' if got is None else f'{got:.1f}':>8}")
+          f"{'' if got is None else f'{got:.1f}':>8} "
+          f"{r['utilisation']:5.2f}")
 
 
 def _print_quality(rows) -> None:

@@ -69,11 +69,43 @@ def phase_step_times(run_phases: Sequence[phases.Phase], costs: Costs,
                for p in run_phases)
 
 
+def local_steps_times(plan: plans.Plan, costs: Costs, num_workers: int
+                      ) -> tuple[float, float]:
+  """The predicted seconds of ``jaxfuse.local_steps``' two kinds of step
+  on K workers: an inner step and a step that syncs.
+
+    inner = forward + Σ backward          (no communication)
+    sync  = inner + compression + G       (G: every bucket's collective)
+
+  The sync runs after the step's update (it sends the pseudo-gradient of
+  the whole H-block), so nothing hides it: η does not enter. An H-block
+  takes (H − 1)·inner + sync, and its compute utilisation is
+  H·inner / ((H − 1)·inner + sync).
+
+  Args:
+    plan: the plan the pseudo-gradients are synced with.
+    costs: the costs for one worker's compute and the network's link.
+    num_workers: K, an int >= 1.
+
+  Returns:
+    ``(inner, sync)`` in seconds.
+
+  Raises:
+    CostsError: costs measured on a model of other leaves, or
+      ``num_workers`` not an int >= 1.
+  """
+  timeline = simulate(plan, costs, num_workers)
+  inner = timeline.forward + timeline.backward
+  return inner, timeline.compute_end + timeline.communication
+
+
 def predicted_wall_time(run_phases: Sequence[phases.Phase], costs: Costs,
-                        num_workers: int, steps: int) -> np.ndarray:
+                        num_workers: int, steps: int,
+                        every: int | None = None) -> np.ndarray:
   """The predicted wall time at the end of each step of a run on K workers.
 
-  wall[s] = Σ over steps s' <= s of their phase's ``phase_step_times``;
+  wall[s] = Σ over steps s' <= s of their phase's ``phase_step_times``
+  (``every`` = H: of ``local_steps_times``, the sync at steps H, 2H, ...);
   compilation, evaluation and the host's work between steps are left out.
 
   Args:
@@ -81,17 +113,30 @@ def predicted_wall_time(run_phases: Sequence[phases.Phase], costs: Costs,
     costs: the costs for one worker's compute and the network's link.
     num_workers: K, an int >= 1.
     steps: the run's length, an int >= 1.
+    every: None for a per-step recipe; H >= 1 for ``jaxfuse.local_steps``
+      (one phase, its plan the pseudo-gradients').
 
   Returns:
     A float64 array of ``steps`` cumulative seconds.
 
   Raises:
-    PlanError: as ``phase_step_times``; or ``steps`` is not an int >= 1.
+    PlanError: as ``phase_step_times``; ``steps`` or ``every`` is not an
+      int >= 1, or local steps of several phases.
     CostsError: as ``phase_step_times``.
   """
-  if not plans.is_int(steps) or steps < 1:
-    raise plans.PlanError(f"predicted_wall_time: steps={steps!r} must be an "
-                          "int >= 1.")
+  for name, value in (("steps", steps), ("every", every)):
+    if (value is not None or name == "steps") and (
+        not plans.is_int(value) or value < 1):
+      raise plans.PlanError(f"predicted_wall_time: {name}={value!r} must be "
+                            "an int >= 1.")
+  if every is not None:
+    if len(run_phases) != 1:
+      raise plans.PlanError(
+          f"predicted_wall_time: local steps (every={every}) run one phase, "
+          f"not {len(run_phases)}; pass (jaxfuse.Phase(0, None, plan),).")
+    inner, sync = local_steps_times(run_phases[0].plan, costs, num_workers)
+    each = np.where(np.arange(1, int(steps) + 1) % every == 0, sync, inner)
+    return np.cumsum(each.astype(np.float64))
   per_phase = phase_step_times(run_phases, costs, num_workers)
   each = np.array([per_phase[phases.phase_index(run_phases, s)]
                    for s in range(int(steps))], np.float64)
