@@ -527,3 +527,44 @@ def test_b2_reaches_the_recipe_and_the_dense_twin(example, monkeypatch):
   train_lm.make_optimizer(args_lib.parse_args(["--b2", "0.5"]), 1e-3, mask,
                           train_lm.jaxfuse.plan(params, density=1.0))
   assert built["betas"] == (0.9, 0.5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--local-steps", "-1"], "give H >= 1 inner steps"),
+    (["--local-steps", "5", "--optimizer", "sgd"], "(no --optimizer)"),
+    (["--local-steps", "5", "--sync", "dense"], "with the jaxfuse --sync"),
+    (["--outer-lr", "0.5"], "give --local-steps H and a rate > 0")])
+def test_the_local_steps_flags_refuse_what_cannot_apply(example, capsys,
+                                                        argv, message):
+  _, args_lib = example
+  with pytest.raises(SystemExit):
+    args_lib.parse_args(argv)
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("outer, lr, decay, nesterov", [
+    ("sparseloco", 1.0, 0.95, False), ("diloco", 0.7, 1.0, True)])
+def test_local_steps_builds_its_outer_step(example, monkeypatch, outer, lr,
+                                           decay, nesterov):
+  """--outer picks the outer step and the error feedback's decay: one
+  outer update of a pseudo-gradient 1 (after a first of 1: Nesterov's
+  momentum is then 0.9·1 + 1) is −lr·1 (SparseLoCo) or −0.7·(1 + 0.9·1.9)
+  (DiLoCo); --outer-lr replaces the rate."""
+  train_lm, args_lib = example
+  built = {}
+  monkeypatch.setattr(train_lm.jaxfuse, "local_steps",
+                      lambda plan, inner, every, **kw: built.update(
+                          kw, every=every))
+  params = {"w": np.ones((4, 4), np.float32)}
+  plan = train_lm.jaxfuse.plan(params, density=1.0)
+  for argv, rate in (([], lr), (["--outer-lr", "0.5"], 0.5)):
+    args = args_lib.parse_args(["--local-steps", "7", "--outer", outer] +
+                               argv)
+    train_lm.make_optimizer(args, 1e-3, {"w": True}, plan)
+    assert built["every"] == 7 and built["residual_decay"] == decay
+    tx = built["outer"]
+    state = tx.init(params)
+    for _ in range(2):
+      u, state = tx.update({"w": np.ones((4, 4), np.float32)}, state)
+    want = -rate * (1 + 0.9 * 1.9) if nesterov else -rate
+    np.testing.assert_allclose(np.asarray(u["w"]), want, rtol=1e-6)
