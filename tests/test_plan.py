@@ -229,6 +229,13 @@ def test_summary_names_each_buckets_scheme_and_settings():
   assert lines[2] == (
       "  bucket 0: Hier(inner=Zen(table=2.0, union=1.0)), behind (ρ 0.05, "
       "dgc, capacity 4,808), 2 leaves: ['c'], ['a']")
+  # per worker: ⌈0.05·60000·1.5⌉ + ⌈0.05·4096·1.5⌉ = 4500 + 308 slots of
+  # 8 bytes, and 'b' whole (4000 bytes): 42,464 over 65,096 parameters
+  gather = jaxfuse.plan(params, density=0.05, num_buckets=3,
+                        collective="allgather")
+  assert gather.summary().splitlines()[1] == (
+      "  dense bytes 260,384; wire bytes per worker 42,464 (0.6523 per "
+      "parameter)")
   # a bucket kept without its scheme reads as the scheme's defaults
   bare = dataclasses.replace(plan, buckets=tuple(
       dataclasses.replace(b, scheme=None) for b in plan.buckets))

@@ -205,12 +205,15 @@ class Plan:
     a dense bucket reads ``psum, 1 leaf: ['b']``.
 
     Returns:
-      The text, one line a bucket after two of totals.
+      The text, one line a bucket after two of totals (the second: the
+      bytes each worker sends a sync, also per parameter).
     """
+    elements = sum(l.size for l in self.leaves)
+    wire = self.bytes_per_worker()
     lines = [f"jaxfuse plan: {len(self.leaves)} leaves, {len(self.buckets)} "
              f"buckets, strategy={self.provenance.get('strategy', '?')}",
              f"  dense bytes {self.dense_bytes():,}; wire bytes per worker "
-             f"{self.bytes_per_worker():,}"]
+             f"{wire:,} ({wire / max(elements, 1):.4g} per parameter)"]
     for i, b in enumerate(self.buckets):
       lines.append(f"  bucket {i}: {self._bucket_line(b)}")
     return "\n".join(lines)
