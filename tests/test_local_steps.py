@@ -257,3 +257,27 @@ def test_misuse_names_the_fix():
   with pytest.raises(TypeError, match="leave grad_at None"):
     jaxfuse.make_train_step(mlp_loss, PARAMS, opt, PLAN, mesh_of(K),
                             jaxfuse.StepOptions(grad_at=lambda p, s: p))
+
+
+def test_bfloat16_params_keep_float32_local_steps_and_their_rounding():
+  """θ_k is float32 for bfloat16 params; after a sync θ_k = anchor −
+  (Δ_k's rounding to bfloat16), so θ_k − anchor is below a bfloat16 ulp
+  of Δ_k and not all zero."""
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+  plan = jaxfuse.plan(params, density=0.1,
+                      settings=jaxfuse.Settings(min_sparse_size=64))
+  opt = functools.partial(jaxfuse.local_steps, inner=optax.adam(1e-2),
+                          every=H)
+  state, step = jaxfuse.make_train_step(mlp_loss, params, opt, plan,
+                                        mesh_of(K))
+  assert {x.dtype for x in jax.tree.leaves(state.opt_state.local)} == {
+      jnp.dtype(jnp.float32)}
+  for batch in BATCHES[:H]:
+    state, loss = step(state, batch)
+  assert np.isfinite(float(loss))
+  assert {x.dtype for x in jax.tree.leaves(state.params)} == {
+      jnp.dtype(jnp.bfloat16)}
+  local = np.asarray(state.opt_state.local.inner["w1"], np.float32)
+  anchor = np.asarray(state.params["w1"], np.float32)
+  gap = np.abs(local - anchor[None])
+  assert gap.max() > 0 and gap.max() <= 2.0**-8 * 0.1

@@ -28,7 +28,9 @@ step returns is the same on every worker, as for every recipe.
 
 What the workers owe the anchor is conserved: after a sync,
 K·⟨sent⟩ + Σ_k e_k' = Σ_k (Δ_k + d·e_k) (``sparse_sync``'s identity), and
-between syncs Σ_k (θ − θ_k) is each worker's progress, kept in its θ_k.
+between syncs Σ_k (θ − θ_k) is each worker's progress, kept in its θ_k
+(float32 for narrower params; Δ_k travels in the params' dtype and its
+rounding stays in θ_k for the next block).
 A checkpoint holds θ_k, e_k and the inner states, so a restart resumes
 bitwise anywhere inside an H-block; ``jaxfuse.elastic`` carries the
 workers' mean of θ_k and e_k to another worker count.
@@ -56,7 +58,7 @@ class LocalStepsState(NamedTuple):
   Attributes:
     count: steps taken, (), replicated (every worker's is the same).
     local: each worker's params θ_k, a ``PerWorkerState`` (leading worker
-      axis).
+      axis; float32 where the params are narrower).
     inner: each worker's inner optimizer state, a ``PerWorkerState``.
     sync: the pseudo-gradient's ``SparseSyncState`` (error feedback e_k).
     outer: the outer optimizer's state, replicated.
@@ -66,6 +68,23 @@ class LocalStepsState(NamedTuple):
   inner: transform.PerWorkerState
   sync: transform.SparseSyncState
   outer: Any
+
+
+def _wide(tree):
+  """Floating leaves in at least float32: θ_k and the inner steps keep
+  float32 where the params are narrower (H small steps would round away)."""
+  return jax.tree.map(
+      lambda x: x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32)),
+      tree)
+
+
+def _rounded(x, dtype):
+  """``x`` rounded to ``dtype``'s precision, kept in x's dtype."""
+  if jnp.dtype(dtype).itemsize >= x.dtype.itemsize:
+    return x
+  info = jnp.finfo(dtype)
+  return lax.reduce_precision(x, exponent_bits=info.nexp,
+                              mantissa_bits=info.nmant)
 
 
 def _is_local_steps(x) -> bool:
@@ -195,7 +214,8 @@ def local_steps(plan: plans.Plan,
     plan.validate(params)
     return LocalStepsState(
         jnp.zeros((), jnp.int32),
-        transform.PerWorkerState(jax.tree.map(lambda p: p[None], params)),
+        transform.PerWorkerState(jax.tree.map(lambda p: p[None],
+                                              _wide(params))),
         inner.init(params), sync.init(params), outer.init(params))
 
   def update_fn(grads, state, params=None, **extra_args):
@@ -205,17 +225,23 @@ def local_steps(plan: plans.Plan,
           "local_steps.update needs the params (the anchor): "
           "opt.update(grads, state, params).")
     local = jax.tree.map(lambda x: x[0], state.local.inner)
-    step, inner_state = inner.update(grads, state.inner, local)
+    step, inner_state = inner.update(_wide(grads), state.inner, local)
     local = optax.apply_updates(local, step)
     count = state.count + 1
 
     def sync_now(local, sync_state, outer_state):
-      delta = jax.tree.map(lambda p, x: p.astype(x.dtype) - x, params, local)
+      wide = jax.tree.map(lambda p, x: p.astype(x.dtype) - x, params, local)
+      # Δ in the plan's (the params') dtype; its rounding stays with θ_k
+      delta = jax.tree.map(lambda d, p: d.astype(p.dtype), wide, params)
+      carry = jax.tree.map(lambda w, d: w - d.astype(w.dtype), wide, delta)
       mean, sync_state = sync.update(delta, sync_state, params)
       update, outer_state = outer.update(mean, outer_state, params)
       update = jax.tree.map(lambda u, p: u.astype(p.dtype), update, params)
-      anchor = optax.apply_updates(params, update)
-      local = jax.tree.map(lambda a, x: a.astype(x.dtype), anchor, local)
+      # the new anchor as the step rounds it (explicitly: XLA may keep a
+      # bfloat16 sum in float32 here), less the carried rounding
+      local = jax.tree.map(
+          lambda p, u, c: _rounded(p.astype(c.dtype) + u.astype(c.dtype),
+                                   p.dtype) - c, params, update, carry)
       # per-worker values, typed so in both branches
       local, sync_state = _compat.to_varying((local, sync_state), axis_name)
       return update, local, sync_state, outer_state
