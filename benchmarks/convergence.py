@@ -18,12 +18,13 @@ recipe and dense get the same learning-rate grid; the best value of each
 
 Recipes for ``lm``
 (``name[+warm][+flushN][+delay[+predict]][+early][+net][+bf16wire]``
-``[+bf16sparse][+hH][+dRHO]``):
+``[+bf16sparse][+intB][+packed][+hH][+dRHO]``):
 ``dense`` (AdamW after a pmean), every name of ``jaxfuse.RECIPES``,
 ``sparseloco`` and ``diloco`` (``jaxfuse.local_steps`` with AdamW inner
 steps and that outer step, ``train_lm --local-steps H --outer``; DiLoCo
 on a density-1 plan, a float32 mean), each with ``+hH``, its H;
-``+dRHO`` sets the run's density;
+``+dRHO`` sets the run's density; ``+int8``/``+int4``/``+int2`` quantize
+the sparse values (``--sparse-wire``), ``+packed`` packs the indices;
 ``+warm`` adds DGC's density ramp (``--warm-steps`` per density),
 ``+flushN`` a density-1 step every N steps (``train_lm --flush-every``),
 ``+delay`` the recipe on the previous step's gradients
@@ -146,6 +147,10 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
       cmd += ["--dense-wire", "bfloat16"]
     elif part == "bf16sparse":
       cmd += ["--sparse-wire", "bfloat16"]
+    elif part in ("int8", "int4", "int2"):
+      cmd += ["--sparse-wire", part]
+    elif part == "packed":
+      cmd += ["--packed-indices"]
     elif part.startswith("h") and part[1:].isdigit():
       cmd += ["--local-steps", part[1:]]
     elif part.startswith("d") and _is_number(part[1:]):
@@ -153,8 +158,9 @@ def lm_command(recipe: str, lr: float, args) -> list[str]:
     else:
       raise SystemExit(f"recipe {recipe!r}: suffixes are +warm, +flushN, "
                        "+zen, +spardl, +delay, +predict, +early, +net, "
-                       "+bf16wire, +bf16sparse, +hH (--local-steps), "
-                       "+dRHO (--density)")
+                       "+bf16wire, +bf16sparse, +int8/+int4/+int2 "
+                       "(--sparse-wire), +packed (--packed-indices), +hH "
+                       "(--local-steps), +dRHO (--density)")
   if name in LOCAL_STEPS and "--local-steps" not in cmd:
     raise SystemExit(f"recipe {recipe!r}: {name} needs its H, e.g. "
                      f"{name}+h30")

@@ -7,7 +7,8 @@ dtype)::
   words = [ bits(V_1) ‖ bits(I_1) ‖ bits(V_2) ‖ bits(I_2) ‖ … ]
 
 with V_g, I_g the (G, c) values and indices of group g's units (values keep
-their dtype's bits, 16-bit values two to a word; indices int32, or
+their dtype's bits, 16-bit values two to a word, or b-bit codes and their
+scales, ``quantize_values``; indices int32, or
 ``Unit.index_bits`` each back to back, ``pack_indices``; each row whole
 words), so
 a single ``all_gather`` moves it and each group unpacks with one bitcast
@@ -25,9 +26,10 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse.plans import QUANT_CHUNK
 from jaxfuse.plans import Unit
 from jaxfuse.plans import index_words
-from jaxfuse.plans import num_words
+from jaxfuse.plans import value_words
 
 INDEX_DTYPE = np.dtype(np.int32)
 _UINT = {1: jnp.uint8, 2: jnp.uint16}
@@ -66,7 +68,41 @@ def from_words(words: jax.Array, dtype, count: int) -> jax.Array:
 
 def unit_words(unit: Unit) -> tuple[int, int]:
   """Words of the unit's values and of its indices."""
-  return num_words(unit.capacity, unit.dtype), index_words(unit)
+  return value_words(unit), index_words(unit)
+
+
+# --- values in b bits with a scale per chunk ----------------------------------
+
+def quantize_values(values: jax.Array, bits: int) -> jax.Array:
+  """(c,) float values -> uint32 words: c codes of ``bits`` bits, then one
+  float32 scale per ``QUANT_CHUNK`` slots. With h = 2^(b−1), a chunk's
+  scale s = max|v| / (h − ½) and its levels (j + ½)·s, j ∈ [−h, h − 1]::
+
+    j = floor(v / s),   code = j + h,   v̂ = (j + ½)·s
+
+  the nearest level (|v − v̂| ≤ s/2), ±max|v| exactly; s = 1 for a chunk
+  of zeros. ``dequantize_values`` gives v̂ (the sender keeps v − v̂)."""
+  c = values.shape[-1]
+  chunks = -(-c // QUANT_CHUNK)
+  x = jnp.pad(values.astype(jnp.float32), (0, chunks * QUANT_CHUNK - c))
+  x = x.reshape(chunks, QUANT_CHUNK)
+  half = 2 ** (bits - 1)
+  top = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+  scale = jnp.where(top > 0, top / (half - 0.5), 1.0)
+  j = jnp.clip(jnp.floor(x / scale), -half, half - 1)
+  codes = (j + half).astype(jnp.int32).reshape(-1)[:c]
+  return jnp.concatenate([pack_indices(codes, bits, 2**bits - 1),
+                          to_words(scale.reshape(-1))])
+
+
+def dequantize_values(words: jax.Array, bits: int, count: int) -> jax.Array:
+  """Inverse of ``quantize_values`` on (..., W) words: (..., count) float32
+  values v̂ = (code − h + ½)·s."""
+  nc = -(-count * bits // 32)
+  codes = unpack_indices(words[..., :nc], bits, count).astype(jnp.float32)
+  scale = from_words(words[..., nc:], jnp.float32, -(-count // QUANT_CHUNK))
+  scale = jnp.repeat(scale, QUANT_CHUNK, axis=-1)[..., :count]
+  return (codes - 2 ** (bits - 1) + 0.5) * scale
 
 
 # --- indices in b bits: 32 of them fill b words -------------------------------
@@ -135,8 +171,8 @@ def shape_groups(units) -> list[list[int]]:
   group in order of first appearance."""
   groups = {}
   for n, u in enumerate(units):
-    groups.setdefault((u.size, u.capacity, jnp.dtype(u.dtype), u.index_bits),
-                      []).append(n)
+    groups.setdefault((u.size, u.capacity, jnp.dtype(u.dtype), u.index_bits,
+                       u.value_bits), []).append(n)
   return list(groups.values())
 
 
@@ -164,8 +200,9 @@ def unpack_groups(words: jax.Array, units) -> list:
     u = units[members[0]]
     g = len(members)
     nv, ni = unit_words(u)
-    v = from_words(words[..., start:start + g * nv].reshape(*lead, g, nv),
-                   u.dtype, u.capacity)
+    v = words[..., start:start + g * nv].reshape(*lead, g, nv)
+    v = (dequantize_values(v, u.value_bits, u.capacity) if u.value_bits
+         else from_words(v, u.dtype, u.capacity))
     start += g * nv
     i = unpack_indices(words[..., start:start + g * ni].reshape(*lead, g, ni),
                        u.index_bits, u.capacity)

@@ -42,12 +42,16 @@ def _lm_args(*argv):
 def test_a_local_steps_arm_runs_the_demo_with_its_h_outer_and_density(conv):
   """sparseloco+h30+d0.01: --local-steps 30 --outer sparseloco, density
   0.01 (the last --density wins), no --optimizer (local_steps' own AdamW);
+  +int2+packed: 2-bit values and packed indices;
   diloco+h15: on a density-1 plan; an arm without its H is refused."""
   cmd = conv.lm_command("sparseloco+h30+d0.01", 3e-3, _lm_args())
   assert "--optimizer" not in cmd
   assert cmd[cmd.index("--outer") + 1] == "sparseloco"
   assert cmd[cmd.index("--local-steps") + 1] == "30"
   assert cmd[len(cmd) - 1 - cmd[::-1].index("--density") + 1] == "0.01"
+  cmd = conv.lm_command("sparseloco+h30+int2+packed", 3e-3, _lm_args())
+  assert cmd[cmd.index("--sparse-wire") + 1] == "int2"
+  assert "--packed-indices" in cmd
   cmd = conv.lm_command("diloco+h15", 3e-3, _lm_args())
   assert cmd[cmd.index("--outer") + 1] == "diloco"
   assert cmd[len(cmd) - 1 - cmd[::-1].index("--density") + 1] == "1"

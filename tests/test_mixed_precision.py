@@ -206,9 +206,9 @@ def _check_wire_setting(plan, field):
   with ``"gradient"``."""
   import dataclasses  # pylint: disable=g-import-not-at-top
   import json  # pylint: disable=g-import-not-at-top
-  with pytest.raises(plan_lib.PlanError, match=f"{field}='int8'"):
+  with pytest.raises(plan_lib.PlanError, match=f"{field}='float8'"):
     dataclasses.replace(plan, settings=dataclasses.replace(
-        plan.settings, **{field: "int8"}))
+        plan.settings, **{field: "float8"}))
   want = getattr(plan.settings, field)
   assert getattr(jaxfuse.Plan.from_json(plan.to_json()).settings,
                  field) == want

@@ -469,6 +469,8 @@ def _pick(plan: plans.Plan, schemes, cost_of, weights=None,
   each scheme as ``configure(scheme, units)`` makes it for the bucket
   (default: as given)."""
   weights = weights or dict.fromkeys(AUTO_COLLECTIVES, 1.0)
+  if plan.settings.sparse_wire in plans.QUANTIZED_WIRES:
+    weights = {"allgather": 1.0}   # the one scheme that decodes them
   configure = configure or (lambda scheme, units: scheme)
   sched = bucket_steps.compile_plan(plan)
   buckets, report = [], []

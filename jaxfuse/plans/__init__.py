@@ -28,7 +28,8 @@ from jaxfuse.plans import jsonfile as _jsonfile
 # the fields' names, the number checks and PlanError, used through here
 from jaxfuse.plans.checks import (  # pylint: disable=unused-import
     COLLECTIVES, ESTIMATORS, FULL_WIRES, MAX_LEAF_SIZE, MODES,
-    RESIDUAL_DTYPES, SPARSE_COLLECTIVES, SPARSE_WIRES, SPARSIFY, PlanError,
+    QUANT_CHUNK, QUANTIZED_WIRES, RESIDUAL_DTYPES, SPARSE_COLLECTIVES,
+    SPARSE_WIRES, SPARSIFY, PlanError,
     as_python, check_plan, is_int, is_leaf_order, is_real,
     overflows_one_space)
 
@@ -159,7 +160,10 @@ class Settings:
     their own sums lose to the wire (ZEN's reducer, SparDL's merges,
     ``"hier"``'s mean on host 0) in a residual: nothing is lost but
     float32 rounding. A finite value beyond bfloat16's range goes as its
-    largest value.
+    largest value. ``"int8"``, ``"int4"``, ``"int2"``: b-bit codes with
+    one float32 scale s per 64 slots (``fusion.quantize_values``; 2 bits
+    and 1/2 bit of scale a value for ``"int2"``), the rounding kept in
+    the residual as above; ``"allgather"`` buckets only.
   estimation: the threshold estimators' knobs (``Estimation``).
   """
   headroom: float = 1.5
@@ -455,6 +459,7 @@ class Unit:
   estimator: str
   dtype: str
   index_bits: int = 32      # bits of an index on the wire (``wire_unit``)
+  value_bits: int = 0       # bits of a quantized value on the wire; 0: dtype
 
 
 def units(plan: Plan
@@ -567,11 +572,15 @@ def wire_unit(unit: Unit, settings: Settings,
   the gradient's and ``Settings.sparse_wire``, and its indices' bits
   (``index_bits(size)`` where ``packs_indices``, else 32): what the
   collectives pack, decode and count bytes by."""
-  dtype = _narrower(unit.dtype, settings.sparse_wire)
+  value_bits = QUANTIZED_WIRES.get(settings.sparse_wire, 0)
+  dtype = (unit.dtype if value_bits else
+           _narrower(unit.dtype, settings.sparse_wire))
   bits = index_bits(unit.size) if packs_indices(collective) else 32
-  if (dtype, bits) == (unit.dtype, unit.index_bits):
+  if (dtype, bits, value_bits) == (unit.dtype, unit.index_bits,
+                                   unit.value_bits):
     return unit
-  return dataclasses.replace(unit, dtype=dtype, index_bits=bits)
+  return dataclasses.replace(unit, dtype=dtype, index_bits=bits,
+                             value_bits=value_bits)
 
 
 def is_full(unit: Unit) -> bool:
@@ -596,10 +605,20 @@ def index_words(unit: Unit) -> int:
   return math.ceil(unit.capacity * unit.index_bits / 32)
 
 
+def value_words(unit: Unit) -> int:
+  """uint32 words that hold the unit's c values: in its dtype, or
+  (``value_bits``) c codes of that many bits back to back, then one
+  float32 scale per ``QUANT_CHUNK`` slots (``fusion.quantize_values``)."""
+  if not unit.value_bits:
+    return num_words(unit.capacity, unit.dtype)
+  return (math.ceil(unit.capacity * unit.value_bits / 32) +
+          math.ceil(unit.capacity / QUANT_CHUNK))
+
+
 def payload_bytes(unit: Unit) -> int:
   """Bytes of one worker's slots of a unit: c values and c indices, each
   padded to whole uint32 words (``fusion.pack_groups``)."""
-  return 4 * (num_words(unit.capacity, unit.dtype) + index_words(unit))
+  return 4 * (value_words(unit) + index_words(unit))
 
 
 def bucket_payload_bytes(plan: Plan) -> list[int]:

@@ -18,7 +18,11 @@ ESTIMATORS = ("topk", "dgc", "gaussian", "redsync", "sidco")
 SPARSE_COLLECTIVES = ("allgather", "zen", "spardl", "hier")
 RESIDUAL_DTYPES = ("float32", "gradient")  # Settings.residual_dtype
 FULL_WIRES = ("gradient", "bfloat16")  # Settings.full_wire
-SPARSE_WIRES = ("gradient", "bfloat16")  # Settings.sparse_wire
+SPARSE_WIRES = ("gradient", "bfloat16", "int8", "int4", "int2")
+# Settings.sparse_wire's quantized values: bits per value, with one float32
+# scale per QUANT_CHUNK slots (fusion.quantize_values)
+QUANTIZED_WIRES = {"int8": 8, "int4": 4, "int2": 2}
+QUANT_CHUNK = 64
 COLLECTIVES = SPARSE_COLLECTIVES + ("psum",)
 SPARSIFY = ("ahead", "behind")
 MAX_LEAF_SIZE = 2**31 - 2  # int32 indices with one sentinel value left over
@@ -223,6 +227,14 @@ def _check_buckets(plan) -> None:
     if b.collective not in want:
       raise PlanError(f"{where}: {mode} leaves need collective "
                       f"{' or '.join(map(repr, want))}, not {b.collective!r}.")
+    if (mode == "sparse" and b.collective != "allgather" and
+        plan.settings.sparse_wire in QUANTIZED_WIRES):
+      raise PlanError(
+          f"{where}: settings.sparse_wire={plan.settings.sparse_wire!r} "
+          "quantizes each worker's values with its own scales, which only "
+          f"'allgather' decodes exactly, not {b.collective!r}; pass "
+          "collective='allgather' (or jaxfuse.collectives.AllGather("
+          "packed_indices=True)), or a float sparse_wire.")
     size = sum(plan.leaves[j].size for j in b.leaves)
     if mode == "sparse" and overflows_one_space(b.collective, size):
       raise PlanError(

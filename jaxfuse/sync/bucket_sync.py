@@ -14,6 +14,8 @@ the transform; nothing here sees the whole plan.
 
 from __future__ import annotations
 
+import functools
+
 from typing import NamedTuple
 
 import jax
@@ -24,6 +26,7 @@ import numpy as np
 from jaxfuse import _compat
 from jaxfuse.sync import bucket_pass
 from jaxfuse import collectives
+from jaxfuse import fusion
 from jaxfuse import kernels
 from jaxfuse import plans
 from jaxfuse.sync import bucket_steps
@@ -201,14 +204,14 @@ def _sparse_bucket(b, streams, carry: Carry, axis_name, rule):
   parts, ctrl_chunks, stats = {}, [], []
   new_res = {g: [] for g in b.groups}
   new_vel = {g: [] for g in b.groups}
-  wire_dtype = {u: w.dtype for u, w in zip(b.units, b.wire_specs)}
+  wire_of = dict(zip(b.units, b.wire_specs))
   for batch, out, stacked in bucket_pass.sparsify_groups(
       b.batches, streams.grads, streams.decayed, carry.ctrl, carry.step,
       b.settings):
     g, rows, ids = batch.group, batch.rows, batch.units
-    values, residual = jax.vmap(_to_wire, in_axes=(0, 0, 0, 0, None))(
-        out.values, out.indices, out.residual, out.nonfinite,
-        wire_dtype[ids[0]])
+    values, residual = jax.vmap(functools.partial(
+        _to_wire, wire=wire_of[ids[0]]))(
+            out.values, out.indices, out.residual, out.nonfinite)
     for i, u in enumerate(ids):
       parts[u] = (values[i], out.indices[i])
     # A non-finite step keeps the residual sparsify was given: the decayed
@@ -281,13 +284,19 @@ def _round_to(x, wire_dtype):
   return rounded, rounded.astype(wire_dtype)
 
 
-def _to_wire(values, indices, residual, nonfinite, wire_dtype):
-  """Selected values in the wire dtype, and the residual that keeps their
+def _to_wire(values, indices, residual, nonfinite, wire):
+  """Selected values as the ``wire`` unit sends them (its dtype, or
+  ``fusion.quantize_values``' words), and the residual that keeps their
   rounding: r' = acc − wire(v) at the sent slots (exact in float32 for a
   bfloat16 wire), so nothing sent is lost to the cast."""
-  if values.dtype == jnp.dtype(wire_dtype):
+  if wire.value_bits:
+    words = fusion.quantize_values(values, wire.value_bits)
+    sent = fusion.dequantize_values(words, wire.value_bits, values.shape[-1])
+    rounding = jnp.where(nonfinite, 0, values - sent.astype(values.dtype))
+    return words, residual.at[indices].add(rounding, mode="drop")
+  if values.dtype == jnp.dtype(wire.dtype):
     return values, residual
-  rounded, wire = _round_to(values, wire_dtype)
+  rounded, wire = _round_to(values, wire.dtype)
   rounding = jnp.where(nonfinite, 0, values - rounded)
   return wire, residual.at[indices].add(rounding, mode="drop")
 
