@@ -84,6 +84,8 @@ SUBCOMMANDS = {
                 "resume on K'"),
     "predict-time": ("runs' predicted wall time on K real workers over "
                      "given links (jaxfuse.planning.predict)"),
+    "regimes": ("which regime pays on a link: predicted steps of dense, the "
+                "per-step recipe and jaxfuse.local_steps"),
 }
 
 HORIZONS = (250, 500, 1000)

@@ -14,7 +14,8 @@ from _harness import REPO
 
 # Each tool and the subcommands it runs (the scripts folded into it).
 TOOLS = {
-    "convergence.py": ("sgd-study", "sgd-stability", "elastic"),
+    "convergence.py": ("sgd-study", "sgd-stability", "elastic",
+                       "predict-time", "regimes"),
     "overhead.py": ("compile-time", "lm-throughput", "program-size",
                     "overlap", "simulated-workers"),
     "collectives.py": ("collective-order",),

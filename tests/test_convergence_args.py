@@ -57,3 +57,15 @@ def test_a_local_steps_arm_runs_the_demo_with_its_h_outer_and_density(conv):
   assert cmd[len(cmd) - 1 - cmd[::-1].index("--density") + 1] == "1"
   with pytest.raises(SystemExit, match=r"needs its H, e.g. diloco\+h30"):
     conv.lm_command("diloco", 3e-3, _lm_args())
+
+
+@pytest.mark.parametrize("bad", ["0.01", "2:30", "0.01:0", "0.01:30:int3",
+                                 "a:b"])
+def test_regimes_reads_its_local_settings_and_refuses_others(conv, bad):
+  """``convergence.py regimes --local RHO:H[:WIRE]``."""
+  import regimes  # pylint: disable=g-import-not-at-top
+  assert conv.SUBCOMMANDS["regimes"]
+  assert regimes._setting("0.01:30:int2+packed") == (0.01, 30, "int2", True)
+  assert regimes._setting("0.05:15") == (0.05, 15, "gradient", False)
+  with pytest.raises(argparse.ArgumentTypeError, match="RHO"):
+    regimes._setting(bad)
