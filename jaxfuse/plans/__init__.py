@@ -25,6 +25,10 @@ import numpy as np
 
 from jaxfuse import _compat
 from jaxfuse.plans import jsonfile as _jsonfile
+# a unit's slots on the wire (re-exported: plans.wire_unit, payload_bytes, ...)
+from jaxfuse.plans.wire import (  # pylint: disable=unused-import
+    narrower_dtype, index_bits, index_words, num_words, packs_indices,
+    payload_bytes, value_words, wire_unit)
 # the fields' names, the number checks and PlanError, used through here
 from jaxfuse.plans.checks import (  # pylint: disable=unused-import
     COLLECTIVES, ESTIMATORS, FULL_WIRES, MAX_LEAF_SIZE, MODES,
@@ -528,59 +532,16 @@ def _at_least_float32(dtype: str) -> str:
   return str(np.dtype(jax.numpy.promote_types(dtype, np.float32)))
 
 
-def _narrower(dtype: str, choice: str) -> str:
-  """The gradient's dtype, or ``choice`` where it is narrower."""
-  if choice == "gradient":
-    return dtype
-  wide = np.dtype(dtype).itemsize > np.dtype(jax.numpy.dtype(choice)).itemsize
-  return choice if wide else dtype
-
-
 def full_wire_dtype(unit: Unit, settings: Settings) -> str:
   """dtype of a density-1 unit on the wire (``Settings.full_wire``): the
   gradient's, or the narrower of it and ``full_wire``."""
-  return _narrower(unit.dtype, settings.full_wire)
-
-
-def index_bits(size: int) -> int:
-  """Bits that hold an index in [0, size] (``size``: the empty slot)."""
-  return max(1, int(size).bit_length())
-
-
-def packs_indices(collective) -> bool:
-  """Whether ``collective`` sends indices in ``index_bits``.
-
-  ``collective``: a scheme object (``jaxfuse.collectives``), which says
-  so itself (``AllGather(packed_indices=True)``, a ``Hier`` over one;
-  ZEN and SparDL keep int32), or a scheme's name (its defaults: int32).
-  """
-  if isinstance(collective, str):
-    return False
-  return bool(collective.packs_indices)
+  return narrower_dtype(unit.dtype, settings.full_wire)
 
 
 def bucket_scheme(bucket: BucketPlan):
   """The bucket's configured scheme, or its name where it keeps its
   scheme's defaults (``BucketPlan.scheme`` None)."""
   return bucket.collective if bucket.scheme is None else bucket.scheme
-
-
-def wire_unit(unit: Unit, settings: Settings,
-              collective="allgather") -> Unit:
-  """``unit`` as its slots travel in a bucket of ``collective`` (a scheme
-  object or name, ``packs_indices``): the values' dtype the narrower of
-  the gradient's and ``Settings.sparse_wire``, and its indices' bits
-  (``index_bits(size)`` where ``packs_indices``, else 32): what the
-  collectives pack, decode and count bytes by."""
-  value_bits = QUANTIZED_WIRES.get(settings.sparse_wire, 0)
-  dtype = (unit.dtype if value_bits else
-           _narrower(unit.dtype, settings.sparse_wire))
-  bits = index_bits(unit.size) if packs_indices(collective) else 32
-  if (dtype, bits, value_bits) == (unit.dtype, unit.index_bits,
-                                   unit.value_bits):
-    return unit
-  return dataclasses.replace(unit, dtype=dtype, index_bits=bits,
-                             value_bits=value_bits)
 
 
 def is_full(unit: Unit) -> bool:
@@ -592,33 +553,6 @@ def leaf_offsets(plan: Plan, unit: Unit) -> tuple[int, ...]:
   """Start of each of the unit's leaves inside its flat concatenation."""
   sizes = [plan.leaves[j].size for j in unit.leaves]
   return tuple(itertools.accumulate(sizes[:-1], initial=0))
-
-
-def num_words(count: int, dtype) -> int:
-  """uint32 words that hold ``count`` elements of ``dtype``."""
-  return math.ceil(count * np.dtype(dtype).itemsize / 4)
-
-
-def index_words(unit: Unit) -> int:
-  """uint32 words that hold the unit's c indices of ``unit.index_bits``
-  bits each, back to back (32: one word each)."""
-  return math.ceil(unit.capacity * unit.index_bits / 32)
-
-
-def value_words(unit: Unit) -> int:
-  """uint32 words that hold the unit's c values: in its dtype, or
-  (``value_bits``) c codes of that many bits back to back, then one
-  float32 scale per ``QUANT_CHUNK`` slots (``fusion.quantize_values``)."""
-  if not unit.value_bits:
-    return num_words(unit.capacity, unit.dtype)
-  return (math.ceil(unit.capacity * unit.value_bits / 32) +
-          math.ceil(unit.capacity / QUANT_CHUNK))
-
-
-def payload_bytes(unit: Unit) -> int:
-  """Bytes of one worker's slots of a unit: c values and c indices, each
-  padded to whole uint32 words (``fusion.pack_groups``)."""
-  return 4 * (value_words(unit) + index_words(unit))
 
 
 def bucket_payload_bytes(plan: Plan) -> list[int]:
