@@ -80,8 +80,9 @@ def quantize_values(values: jax.Array, bits: int) -> jax.Array:
 
     j = floor(v / s),   code = j + h,   v̂ = (j + ½)·s
 
-  the nearest level (|v − v̂| ≤ s/2), ±max|v| exactly; s = 1 for a chunk
-  of zeros. ``dequantize_values`` gives v̂ (the sender keeps v − v̂)."""
+  the nearest level (|v − v̂| ≤ s/2), ±max|v| to float32 rounding; s = 1
+  for a chunk of zeros. ``dequantize_values`` gives v̂ (the sender keeps
+  v − v̂)."""
   c = values.shape[-1]
   chunks = -(-c // QUANT_CHUNK)
   x = jnp.pad(values.astype(jnp.float32), (0, chunks * QUANT_CHUNK - c))
