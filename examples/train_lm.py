@@ -120,9 +120,9 @@ from train_lm_args import trace_steps
 from train_lm_args import warmup_line
 from train_lm_args import warmup_phases
 from train_lm_record import log_line
-from train_lm_rules import make_optimizer
 from train_lm_record import RunRecord
 from train_lm_record import stats_line
+from train_lm_rules import make_optimizer
 from train_lm_step import cast_params
 from train_lm_step import DenseStep
 from train_lm_step import make_train_step  # benchmarks/overhead.py's
