@@ -85,6 +85,18 @@ def mlp_loss(p, batch):
   return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
 
+def mlp_problem(steps: int, workers: int, rows: int = 4, seed: int = 0):
+  """``mlp_loss``'s params (32 → 64 → 8) and ``steps`` batches of ``rows``
+  rows a worker, from numpy's generator at ``seed``."""
+  rng = np.random.default_rng(seed)
+  params = {"w1": rng.normal(size=(32, 64)).astype(np.float32) / 6,
+            "w2": rng.normal(size=(64, 8)).astype(np.float32) / 8}
+  batches = [(rng.normal(size=(rows * workers, 32)).astype(np.float32),
+              rng.normal(size=(rows * workers, 8)).astype(np.float32))
+             for _ in range(steps)]
+  return params, batches
+
+
 def quickstart_step(opt, mesh, specs, loss=mlp_loss):
   """The README's step, jitted: (params, opt_state, batch) -> (params,
   opt_state), the whole tree differentiated on each worker and stepped."""

@@ -20,7 +20,7 @@ import jaxfuse
 from jaxfuse import plans as plan_lib
 from jaxfuse.state import checkpoint
 
-from _harness import mesh_of, mlp_loss
+from _harness import mesh_of, mlp_loss, mlp_problem
 
 K = 4
 ROWS = 4   # per worker
@@ -29,13 +29,7 @@ NO_DONATION = jaxfuse.StepOptions(donate=False)
 
 
 def _problem(steps, seed=0):
-  rng = np.random.default_rng(seed)
-  params = {"w1": rng.normal(size=(32, 64)).astype(np.float32) / 6,
-            "w2": rng.normal(size=(64, 8)).astype(np.float32) / 8}
-  batches = [(rng.normal(size=(ROWS * K, 32)).astype(np.float32),
-              rng.normal(size=(ROWS * K, 8)).astype(np.float32))
-             for _ in range(steps)]
-  return params, batches
+  return mlp_problem(steps, K, ROWS, seed)
 
 
 PARAMS, BATCHES = _problem(8)

@@ -16,20 +16,14 @@ import jaxfuse
 from jaxfuse.state import checkpoint
 from jaxfuse.optim import train_step
 
-from _harness import NUM_WORKERS, mesh_of, mlp_loss
+from _harness import NUM_WORKERS, mesh_of, mlp_loss, mlp_problem
 
 K = NUM_WORKERS
 ROWS = 4   # per worker
 
 
 def _problem(steps=3):
-  rng = np.random.default_rng(0)
-  params = {"w1": rng.normal(size=(32, 64)).astype(np.float32) / 6,
-            "w2": rng.normal(size=(64, 8)).astype(np.float32) / 8}
-  batches = [(rng.normal(size=(ROWS * K, 32)).astype(np.float32),
-              rng.normal(size=(ROWS * K, 8)).astype(np.float32))
-             for _ in range(steps)]
-  return params, batches
+  return mlp_problem(steps, K, ROWS)
 
 
 def _plan(params):
