@@ -231,9 +231,11 @@ def local_steps(plan: plans.Plan,
 
     def sync_now(local, sync_state, outer_state):
       wide = jax.tree.map(lambda p, x: p.astype(x.dtype) - x, params, local)
-      # Δ in the plan's (the params') dtype; its rounding stays with θ_k
-      delta = jax.tree.map(lambda d, p: d.astype(p.dtype), wide, params)
-      carry = jax.tree.map(lambda w, d: w - d.astype(w.dtype), wide, delta)
+      # Δ in the plan's (the params') dtype, rounded explicitly; its
+      # rounding stays with θ_k
+      sent = jax.tree.map(lambda w, p: _rounded(w, p.dtype), wide, params)
+      carry = jax.tree.map(lambda w, r: w - r, wide, sent)
+      delta = jax.tree.map(lambda r, p: r.astype(p.dtype), sent, params)
       mean, sync_state = sync.update(delta, sync_state, params)
       update, outer_state = outer.update(mean, outer_state, params)
       update = jax.tree.map(lambda u, p: u.astype(p.dtype), update, params)

@@ -296,9 +296,9 @@ def _to_wire(values, indices, residual, nonfinite, wire):
     return words, residual.at[indices].add(rounding, mode="drop")
   if values.dtype == jnp.dtype(wire.dtype):
     return values, residual
-  rounded, wire = _round_to(values, wire.dtype)
+  rounded, narrow = _round_to(values, wire.dtype)
   rounding = jnp.where(nonfinite, 0, values - rounded)
-  return wire, residual.at[indices].add(rounding, mode="drop")
+  return narrow, residual.at[indices].add(rounding, mode="drop")
 
 
 def _full_sync(b, ids, accs, axis_name):
