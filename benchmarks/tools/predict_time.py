@@ -93,10 +93,10 @@ def _phases(run, plan, k: int):
       dense_wire=run["config"].get("dense_wire", "gradient"), workers=k)
 
 
-def jaxfuse_phase(plan):
-  """The one phase of a local-steps run."""
-  import jaxfuse  # pylint: disable=g-import-not-at-top
-  return jaxfuse.Phase(0, None, plan)
+def profiled_latency(costs) -> float:
+  """Seconds a message of the profiled link: the all-gather line's α over
+  its K₀ − 1 ring messages."""
+  return costs.collectives["allgather"].alpha / (costs.workers - 1)
 
 
 def reach_step(run, loss):
@@ -142,13 +142,14 @@ def _measured_phase_ms(run) -> list[float]:
 
 def predict(args) -> list[dict]:
   import warnings  # pylint: disable=g-import-not-at-top
+  import jaxfuse  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning import predict as predict_lib  # pylint: disable=g-import-not-at-top
   from jaxfuse.planning.costs import Costs  # pylint: disable=g-import-not-at-top
   costs = Costs.load(args.costs)
   if args.compute:
     costs = costs.with_compute(args.compute)
   latency = (args.latency if args.latency is not None else
-             costs.collectives["allgather"].alpha / (costs.workers - 1))
+             profiled_latency(costs))
   links = [("profiled", costs)] + [
       (f"{g:g} Gbit/s", costs.on_link(g / 8, latency)) for g in args.links]
   runs = _runs(args.runs)
@@ -169,7 +170,7 @@ def predict(args) -> list[dict]:
     every = c.get("local_steps") or None   # jaxfuse.local_steps' H
     with warnings.catch_warnings():
       warnings.simplefilter("ignore")   # the wire warnings: reported below
-      phases = ((jaxfuse_phase(plan),) if every else
+      phases = ((jaxfuse.Phase(0, None, plan),) if every else
                 _phases(run, plan, k))
     eta = (args.early_overlap if args.early_overlap is not None and
            c.get("send_early") else costs.overlap)

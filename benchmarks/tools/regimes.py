@@ -58,7 +58,7 @@ def table(args) -> list[dict]:
   from jaxfuse.planning.costs import Costs  # pylint: disable=g-import-not-at-top
   import predict_time  # pylint: disable=g-import-not-at-top
   costs = Costs.load(args.costs)
-  latency = costs.collectives["allgather"].alpha / (costs.workers - 1)
+  latency = predict_time.profiled_latency(costs)
   params, loss_fn = predict_time._params_and_loss(args.preset, args.seq_len)  # pylint: disable=protected-access
   batch = jax.ShapeDtypeStruct((args.rows, args.seq_len + 1), np.int32)
   order = jaxfuse.planning.ordering.FromLoss(loss_fn, (batch,))
@@ -82,8 +82,9 @@ def table(args) -> list[dict]:
              "recipe_bytes_per_param": recipe.bytes_per_worker() / size,
              "local": []}
       for s, p in local.items():
-        inner, sync = predict.local_steps_times(p, link, k)
-        mean = ((s[1] - 1) * inner + sync) / s[1]
+        inner, _ = predict.local_steps_times(p, link, k)
+        mean = predict.predicted_wall_time(
+            (jaxfuse.Phase(0, None, p),), link, k, s[1], every=s[1])[-1] / s[1]
         row["local"].append({
             "density": s[0], "every": s[1], "wire": s[2], "packed": s[3],
             "step_s": mean, "utilisation": inner / mean,

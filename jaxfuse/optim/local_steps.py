@@ -50,6 +50,7 @@ from jaxfuse import plans
 from jaxfuse import transform
 from jaxfuse.optim import recipe_checks
 from jaxfuse.optim import recipes
+from jaxfuse.sync import bucket_sync
 
 
 class LocalStepsState(NamedTuple):
@@ -76,15 +77,6 @@ def _wide(tree):
   return jax.tree.map(
       lambda x: x.astype(jnp.promote_types(jnp.result_type(x), jnp.float32)),
       tree)
-
-
-def _rounded(x, dtype):
-  """``x`` rounded to ``dtype``'s precision, kept in x's dtype."""
-  if jnp.dtype(dtype).itemsize >= x.dtype.itemsize:
-    return x
-  info = jnp.finfo(dtype)
-  return lax.reduce_precision(x, exponent_bits=info.nexp,
-                              mantissa_bits=info.nmant)
 
 
 def _is_local_steps(x) -> bool:
@@ -233,7 +225,8 @@ def local_steps(plan: plans.Plan,
       wide = jax.tree.map(lambda p, x: p.astype(x.dtype) - x, params, local)
       # Δ in the plan's (the params') dtype, rounded explicitly; its
       # rounding stays with θ_k
-      sent = jax.tree.map(lambda w, p: _rounded(w, p.dtype), wide, params)
+      sent = jax.tree.map(lambda w, p: bucket_sync.round_to(w, p.dtype)[0],
+                          wide, params)
       carry = jax.tree.map(lambda w, r: w - r, wide, sent)
       delta = jax.tree.map(lambda r, p: r.astype(p.dtype), sent, params)
       mean, sync_state = sync.update(delta, sync_state, params)
@@ -242,8 +235,9 @@ def local_steps(plan: plans.Plan,
       # the new anchor as the step rounds it (explicitly: XLA may keep a
       # bfloat16 sum in float32 here), less the carried rounding
       local = jax.tree.map(
-          lambda p, u, c: _rounded(p.astype(c.dtype) + u.astype(c.dtype),
-                                   p.dtype) - c, params, update, carry)
+          lambda p, u, c: bucket_sync.round_to(
+              p.astype(c.dtype) + u.astype(c.dtype), p.dtype)[0] - c,
+          params, update, carry)
       # per-worker values, typed so in both branches
       local, sync_state = _compat.to_varying((local, sync_state), axis_name)
       return update, local, sync_state, outer_state

@@ -267,7 +267,7 @@ def _accumulate(x, u, momentum, nesterov):
   return u, u
 
 
-def _round_to(x, wire_dtype):
+def round_to(x, wire_dtype):
   """(x rounded to ``wire_dtype`` but still in x's dtype, the same in
   ``wire_dtype``). ``lax.reduce_precision`` rounds explicitly: XLA may drop
   a convert round trip (``xla_allow_excess_precision``, on by default on
@@ -296,7 +296,7 @@ def _to_wire(values, indices, residual, nonfinite, wire):
     return words, residual.at[indices].add(rounding, mode="drop")
   if values.dtype == jnp.dtype(wire.dtype):
     return values, residual
-  rounded, narrow = _round_to(values, wire.dtype)
+  rounded, narrow = round_to(values, wire.dtype)
   rounding = jnp.where(nonfinite, 0, values - rounded)
   return narrow, residual.at[indices].add(rounding, mode="drop")
 
@@ -312,7 +312,7 @@ def _full_sync(b, ids, accs, axis_name):
   per-leaf stats chunks (everything selected)."""
   wires, roundings = [], []
   for u, acc in zip(ids, accs):
-    rounded, wire = _round_to(acc, plans.full_wire_dtype(b.unit(u), b.settings))
+    rounded, wire = round_to(acc, plans.full_wire_dtype(b.unit(u), b.settings))
     wires.append(wire)
     roundings.append(acc - rounded)   # zero where the wire is acc's dtype
   means = collectives.psum.mean(wires, axis_name)
